@@ -1,0 +1,145 @@
+"""A test double of the parts of vLLM 0.25.1 that the algorithm files call (no GPU needed).
+
+It keeps the rules the real engine enforces or silently relies on, so that a wrong call sequence fails here:
+- LLM(...) keyword arguments are checked against the names vLLM 0.25.1's EngineArgs accepts (the subset we use);
+- after sleep(level=2) the weights are gone: generate() before the weights are loaded again is an error (the real
+  engine would generate gibberish), and so is loading weights into slept memory (the real engine can crash);
+- wake_up(tags) takes only "weights", "kv_cache", "scheduling";
+- reload_weights (which re-reads the checkpoint from disk) is recorded so a test can assert it is never called.
+Every call is appended to CALLS as (name, details)."""
+
+import math
+import random
+from dataclasses import dataclass, field
+
+CALLS: list = []
+ENGINE_ARGS = {"model", "tokenizer", "tensor_parallel_size", "distributed_executor_backend", "seed",
+               "gpu_memory_utilization", "max_model_len", "enable_sleep_mode", "dtype", "logprobs_mode",
+               "max_num_seqs", "max_num_batched_tokens", "enforce_eager"}
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    stop: object = None
+    logprobs: int = None
+    seed: int = None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int = 1
+    decoded_token: str = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list
+    cumulative_logprob: float
+    logprobs: list
+    finish_reason: str = "stop"
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list
+    outputs: list = field(default_factory=list)
+
+
+class _Model:
+    def __init__(self, engine):
+        self.engine, self.loaded = engine, {}
+
+    def load_weights(self, weights):
+        if self.engine.weights_asleep:
+            raise RuntimeError("load_weights into slept memory")
+        for name, tensor in weights:
+            self.loaded[name] = tensor.detach().clone()
+            CALLS.append(("load_weights", name))
+        self.engine.weights_valid = True
+
+
+class _Namespace:
+    pass
+
+
+class LLM:
+    def __init__(self, **kwargs):
+        unknown = set(kwargs) - ENGINE_ARGS
+        if unknown:
+            raise TypeError(f"unexpected engine arguments {unknown}")
+        if kwargs.get("distributed_executor_backend") == "external_launcher" and kwargs.get("seed") is None:
+            raise AssertionError("Seed must be set when using external launcher backend")
+        self.kwargs = kwargs
+        self.weights_asleep = self.kv_asleep = False
+        self.weights_valid = True
+        self.sleep_level = 0
+        model = _Model(self)
+        runner = _Namespace()
+        runner.model = model
+        worker = _Namespace()
+        worker.model_runner = runner
+        wrapper = _Namespace()
+        wrapper.worker = worker
+        wrapper.model_runner = runner
+        executor = _Namespace()
+        executor.driver_worker = wrapper
+        self.llm_engine = _Namespace()
+        self.llm_engine.model_executor = executor
+        self.model = model
+        CALLS.append(("LLM", kwargs))
+
+    def sleep(self, level=1, mode="abort"):
+        CALLS.append(("sleep", level))
+        self.sleep_level = level
+        self.weights_asleep = self.kv_asleep = True
+        if level == 2:
+            self.weights_valid = False
+
+    def wake_up(self, tags=None):
+        CALLS.append(("wake_up", tuple(tags) if tags else None))
+        tags = tags or ["weights", "kv_cache", "scheduling"]
+        assert set(tags) <= {"weights", "kv_cache", "scheduling"}
+        if "weights" in tags:
+            self.weights_asleep = False
+        if "kv_cache" in tags:
+            self.kv_asleep = False
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+        CALLS.append(("collective_rpc", method))
+        if method == "reload_weights":
+            self.weights_valid = True  # from disk: the trained weights are lost
+        return [None]
+
+    def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
+        CALLS.append(("reset_prefix_cache", None))
+        return True
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True, **kwargs):
+        if self.weights_asleep or self.kv_asleep:
+            raise RuntimeError("generate() on a sleeping engine")
+        if not self.weights_valid:
+            raise RuntimeError("generate() after level-2 sleep without loading weights: gibberish")
+        sp = sampling_params or SamplingParams()
+        CALLS.append(("generate", len(prompts)))
+        rng = random.Random(0)
+        outputs = []
+        for i, prompt in enumerate(prompts):
+            ids = prompt["prompt_token_ids"]
+            completions = []
+            for j in range(sp.n):
+                length = rng.randint(1, sp.max_tokens)
+                tokens = [rng.randint(10, 1000) for _ in range(length)]
+                lps = [-rng.random() * 3 for _ in tokens]
+                logprobs = [{t: Logprob(lp)} for t, lp in zip(tokens, lps)] if sp.logprobs is not None else None
+                reason = "length" if length == sp.max_tokens else "stop"
+                completions.append(CompletionOutput(j, f"completion {i}.{j}", tokens, math.fsum(lps), logprobs, reason))
+            outputs.append(RequestOutput(str(i), ids, completions))
+        return outputs
