@@ -87,6 +87,24 @@ def test_hf_sampler_logprobs_match_the_policy(tiny):
     assert logp.requires_grad
 
 
+def test_one_sampler_serves_several_roles(tiny, tiny_model_dir):
+    """sync_weights(policy) decides whose weights the next generation uses (SGS shares one engine among roles)."""
+    path, tok, model = tiny
+    other = B.load_model(tiny_model_dir, ONE, train=False)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn_like(p))
+    sampler = B.make_sampler(path, model, tok, ONE, backend="hf")
+    prompt = [B.chat_prompt(tok, "hi")]
+    torch.manual_seed(0)
+    a = sampler.generate(prompt, temperature=0, max_new_tokens=8)[0][0]
+    sampler.sync_weights(other)
+    b = sampler.generate(prompt, temperature=0, max_new_tokens=8)[0][0]
+    sampler.sync_weights(model)
+    c = sampler.generate(prompt, temperature=0, max_new_tokens=8)[0][0]
+    assert a.token_ids == c.token_ids != b.token_ids
+
+
 def test_token_logprobs_gradient_reaches_the_weights(tiny):
     path, tok, model = tiny
     s = B.Sample("x", B.encode_prompt(tok, "hello"), [5, 6, 7], [0.0, 0.0, 0.0], "length")
@@ -181,6 +199,9 @@ def test_vllm_sampler_call_sequence(tiny, vllm_double):
     assert calls[0] == ("wake_up", ("weights",)) and calls[-2:] == [("wake_up", ("kv_cache",)), ("reset_prefix_cache", None)]
     sampler.generate(["a"])
     assert not any(c == ("collective_rpc", "reload_weights") for c in vllm_double.CALLS)
+    # a long prompt gets a smaller token budget instead of a rejected request (max_model_len 4096 by default)
+    [[long]] = sampler.generate([" ".join(["word"] * 5000)], max_new_tokens=4000)
+    assert len(long.prompt_ids) == 4095 and 1 <= len(long.token_ids) <= 1
     engine_model = sampler.llm.model
     for k, v in model.state_dict().items():
         assert torch.equal(engine_model.loaded[k], v.to(torch.bfloat16))

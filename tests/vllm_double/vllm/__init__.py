@@ -127,12 +127,16 @@ class LLM:
             raise RuntimeError("generate() on a sleeping engine")
         if not self.weights_valid:
             raise RuntimeError("generate() after level-2 sleep without loading weights: gibberish")
-        sp = sampling_params or SamplingParams()
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):  # vLLM pairs a list of SamplingParams with the prompts one by one
+            raise ValueError("The lengths of prompts and sampling_params must be the same.")
         CALLS.append(("generate", len(prompts)))
         rng = random.Random(0)
         outputs = []
-        for i, prompt in enumerate(prompts):
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
             ids = prompt["prompt_token_ids"]
+            if len(ids) + sp.max_tokens > self.kwargs.get("max_model_len", 10**9):
+                raise ValueError("prompt + max_tokens longer than max_model_len")
             completions = []
             for j in range(sp.n):
                 length = rng.randint(1, sp.max_tokens)
