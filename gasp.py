@@ -1896,8 +1896,9 @@ def gasp_iteration(run: Run, iteration: int) -> Dict[str, float]:
     metrics.update(teacher_metrics(records, buffer_q, buffer_c))
     metrics["charts/buffer_size"] = float(len(run.buffer))
     metrics["charts/goalposts_with_accepted_lemma"] = float(len({t["goalpost"] for t in tasks}))
-    for key in (losses[0] if losses else {}):
+    for key in (losses[0] if losses else {}):  # averaged over this iteration's updates
         metrics[key] = float(np.mean([l[key] for l in losses if key in l]))
+    metrics["losses/updates"] = float(len(losses))
     if run.dist.is_main and tasks:
         with open(run.run_dir / "tasks.jsonl", "a") as f:
             for t in tasks:

@@ -481,3 +481,175 @@ def test_solver_phase_groups_and_rewards(monkeypatch, embedder):
     # the kinds come from the iteration's own generator: the same on every rank and after --resume
     rollouts2, _ = gasp.solve(run, tasks, iteration=1)
     assert [r.group for r in rollouts2] == [r.group for r in rollouts]
+
+
+# ---------------------------------------------------------------- end to end (slow)
+# The tiny random model writes noise, so every proposal would be a format error and every advantage 0. The driver
+# wraps the real sampler and replaces a share of the replies with canned teacher proposals and student answers
+# (re-scored by the model, so training sees consistent log-probs). The choices use torch's RNG, which checkpoints
+# save and restore, so a resumed run makes the same choices as an uninterrupted one.
+DRIVER = r'''
+import json, re, sys
+import torch, tyro
+sys.path.insert(0, REPO)
+import gasp
+
+TASKS = json.loads(TASKS_JSON)
+KEYS = sorted(TASKS)
+WRONG = "```python\ndef f(*args):\n    return 0\n```"
+
+
+def proposal_text(key):
+    program, inputs, message = TASKS[key]
+    blocks = "".join(f"```input\n{x}\n```\n" for x in inputs)
+    return f"```python\n{program}\n```\n{blocks}```message\n{message}\n```"
+
+
+class Scripted:
+    def __init__(self, inner, tokenizer):
+        self.inner, self.tok = inner, tokenizer
+
+    def canned(self, prompt):
+        u = int(torch.randint(0, 4, (1,)))
+        if "You write practice problems" in prompt:
+            return proposal_text(KEYS[int(torch.randint(0, len(KEYS), (1,)))]) if u < 3 else None
+        marker = re.search(r"\[([A-E])\]", prompt)
+        if marker and "Write a Python function `f`" in prompt:
+            return f"```python\n{TASKS[marker.group(1)][0]}\n```" if u < 2 else WRONG
+        return None
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        out = self.inner.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  stop=stop, desc=desc)
+        for prompt, group in zip(prompts, out):
+            for j, s in enumerate(group):
+                text = self.canned(prompt)
+                if text is not None:
+                    ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                    new = gasp.Sample(text, s.prompt_ids, ids, [0.0] * len(ids), "stop")
+                    with torch.no_grad():
+                        lp, _, _ = gasp.token_logprobs(self.inner.model, [new], temperature=temperature)
+                    new.logprobs = lp[0, : len(ids)].tolist()
+                    group[j] = new
+        return out
+
+    def sleep(self):
+        self.inner.sleep()
+
+    def sync_weights(self, policy):
+        self.inner.sync_weights(policy)
+
+
+real_make_sampler = gasp.make_sampler
+gasp.make_sampler = lambda model, policy, tokenizer, *a, **k: Scripted(real_make_sampler(model, policy, tokenizer, *a, **k), tokenizer)
+gasp.main(tyro.cli(gasp.Args))
+'''
+
+SMALL = ["--total-iterations", "2", "--eval-every", "1", "--teacher-max-tokens", "40", "--student-max-tokens", "24",
+         "--eval-max-tokens", "24", "--max-eval-problems", "2", "--eval-samples", "2", "--eval-k", "1", "2",
+         "--goalpost-eval-samples", "1", "--max-goalpost-evals", "2", "--exec-workers", "2"]
+
+
+def write_driver(path: pathlib.Path) -> pathlib.Path:
+    path.write_text(DRIVER.replace("REPO", repr(str(REPO))).replace("TASKS_JSON", repr(json.dumps(TASKS))))
+    return path
+
+
+def metrics_of(run_dir: pathlib.Path) -> dict:
+    """step -> the LAST metrics line of that step (a resumed run may log a step twice)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        out[row["step"]] = row
+    return out
+
+
+def deterministic_part(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/") and k != "charts/tokens_per_second"}
+
+
+@pytest.fixture(scope="module")
+def e2e_run(tiny_model_dir, tmp_path_factory):
+    """Two iterations with the tiny model, uninterrupted."""
+    tmp = tmp_path_factory.mktemp("gasp_e2e")
+    driver = write_driver(tmp / "driver.py")
+    cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp), "--run-name", "full",
+           *SMALL]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return tmp / "full", driver, done
+
+
+@pytest.mark.slow
+def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
+    run_dir, _, done = e2e_run
+    assert "No CUDA device" in done.stdout
+    metrics = metrics_of(run_dir)
+    assert sorted(metrics) == [1, 2]
+    both = {**metrics[1], **metrics[2]}
+    for key in ("charts/lemma_proposals", "charts/lemma_accepted", "charts/solver_tasks", "losses/policy_loss",
+                "losses/grad_norm", "eval/pass@1", "eval/pass@2", "eval/goalposts_solved", "time/generation",
+                "time/execution", "time/training", "charts/tokens_per_second"):
+        assert key in both, key
+    # the canned proposals get lemmas (and usually lifts) accepted and solved: the whole loop ran
+    assert metrics[1]["charts/lemma_accepted"] + metrics[2]["charts/lemma_accepted"] >= 1
+    assert any(m.get("charts/solver_tasks", 0) > 0 for m in metrics.values())
+    assert (run_dir / "tasks.jsonl").exists()
+    # a checkpoint of iteration 2 with the policy, its optimizer and the run state
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert ckpt.name == "iter_000002"
+    assert (ckpt / "policy" / "config.json").exists() and (ckpt / "policy_optim.pt").exists()
+    state = torch.load(ckpt / "state.pt", weights_only=False)
+    assert state["iteration"] == 2 and len(state["state"]["buffer"]) >= 1
+    # the weights changed
+    from safetensors.torch import load_file
+
+    before = load_file(next(pathlib.Path(tiny_model_dir).glob("*.safetensors")))
+    after = load_file(next((ckpt / "policy").glob("*.safetensors")))
+    changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
+    assert changed, "no weight changed"
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
+    full_dir, driver, _ = e2e_run
+    cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "r",
+           *SMALL]
+    run_dir = tmp_path / "r"
+    latest = run_dir / "checkpoints" / "latest"
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            if latest.exists() and latest.read_text().strip() == "iter_000001":
+                break
+            time.sleep(0.05)
+        assert latest.exists(), "no checkpoint was written"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its sandbox servers included)
+        proc.wait()
+    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    if "resumed from iteration 1" not in done.stdout:
+        pytest.skip("the first run finished before it could be killed")
+    resumed, full = metrics_of(run_dir), metrics_of(full_dir)
+    assert sorted(resumed) == [1, 2]
+    # iteration 2 after the restart is the uninterrupted run's iteration 2 (RNG, buffer, optimizer restored)
+    assert deterministic_part(resumed[2]) == deterministic_part(full[2])
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(tiny_model_dir, tmp_path):
+    driver = write_driver(tmp_path / "driver.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
+           str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "ddp",
+           *SMALL, "--total-iterations", "1", "--exec-workers", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    metrics = metrics_of(tmp_path / "ddp")
+    assert sorted(metrics) == [1]
+    assert metrics[1]["charts/lemma_proposals"] >= 2  # both ranks' proposals were gathered
+    assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "state.pt").exists()
