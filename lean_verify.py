@@ -1,0 +1,1810 @@
+"""Lean 4 proof verification for the self-play algorithms.
+
+A model writes a Lean 4 proof of a given theorem; this module says whether the
+proof is valid, and why not. Two backends, one interface:
+
+* ``backend="repl"`` (the default): a pool of leanprover-community/repl
+  processes, each started inside a mathlib project (``lake env <repl>``).
+  A worker runs a problem's header (``import Mathlib ...``) once, then checks
+  every proof against that environment (``{"cmd": proof, "env": <header env>}``),
+  so mathlib is imported once per process, not once per proof. Workers are
+  keyed by header. A proof that runs past ``timeout`` seconds kills its REPL
+  (status "timeout"); a REPL above ``memory_limit_mb`` (RSS of the process tree)
+  or after ``max_uses`` checks is restarted; a REPL that crashes or prints
+  something that is not a JSON reply is restarted and the proof retried once,
+  then recorded as "crash". Every job gets exactly one result, in order.
+* ``backend="kimina"``: a client for a Kimina Lean Server (``POST /api/check``),
+  for verifying on a cluster of CPU machines. Timeouts and server errors are
+  failures ("timeout", "server_error"), never successes.
+
+Tactic mode (local REPL only), for step-level search::
+
+    s0 = v.start_proof(header, statement)        # root state: s0.state_id, s0.goals
+    s1 = v.apply_tactic(s0, "intro x")           # new state, or s1.error
+    s1.solved                                     # no goals left (and proofStatus "Completed")
+    v.check_tactic_path(s1)                      # re-check the whole assembled proof -> LeanResult
+
+Configuration (arguments win over the environment, the environment over ``.env``):
+
+* ``LEAN_REPL_CMD``: a full command line that starts a REPL process; used instead
+  of ``lake env <repl>``. Tests point it at the stand-in::
+
+      LEAN_REPL_CMD="python tests/fake_lean_repl.py --accept hash:0.3"
+
+* ``LEAN_REPL_PATH`` or ``SGS_REPL_PATH``: the REPL binary (``repl/.lake/build/bin/repl``)
+  or the repl checkout; ``LEAN_MATHLIB_PATH`` or ``SGS_MATHLIB_PATH``: the mathlib4
+  project the REPL runs in (its ``lake env``).
+* ``KIMINA_URL`` (and ``LEAN_SERVER_API_KEY``): the Kimina server, for ``backend="kimina"``.
+* ``<repo>/.env``: ``KEY=VALUE`` lines written by ``bash setup.sh --lean``.
+
+Importing this module never needs Lean. Constructing a verifier without one
+raises ``LeanNotInstalled``, whose message says to run ``bash setup.sh --lean``.
+
+The verdict
+-----------
+A proof is valid only if all of these hold:
+
+1. The text rules below pass (before Lean sees anything).
+2. Lean reports no message of severity "error" and no warning containing
+   "failed" (the DeepSeek-Prover/STP/SGS rule).
+3. The REPL reports no ``sorries`` and no warning says "declaration uses 'sorry'".
+4. ``#print axioms <name>`` lists only propext, Classical.choice and Quot.sound
+   (rule ``axioms``; ``sorryAx`` gives status "sorry", anything else "cheat").
+5. ``set_option pp.all true in #check @<name>`` prints the same type after the
+   proof as the original statement does on its own in the header environment
+   (rule ``elaborated_statement``): the checked theorem is the one asked for,
+   even if notation, instances or namespaces were played with.
+
+Checks 4 and 5 cost one extra REPL round trip per proof (and one per distinct
+statement, cached); ``lean_checks=False`` turns them off.
+
+Text rules (``CHEAT_RULES``; each with an example in ``CHEAT_EXAMPLES``)
+------------------------------------------------------------------------
+Comments are blanked first (``strip_comments``: ``--`` lines and nested
+``/- -/`` blocks, aware of string and char literals and ``«»`` names), so
+``-- sorry`` in a comment is fine. Lean then receives exactly the text the rules
+scanned (comments blanked, positions kept), so nothing hidden from the scanner
+can reach Lean: a lexing disagreement can only break the proof, not smuggle
+code in. String literals are scanned too (``"sorry"`` is rejected: fail closed).
+
+===================== ======== ===================================================
+rule                  status   rejects (example)
+===================== ======== ===================================================
+lex                   error    unterminated comment or string (``/- ...``)
+sorry                 sorry    ``sorry``, ``admit``, ``stop``, ``sorryAx``
+axiom                 cheat    ``axiom cheat : 1 = 2``, ``constant c : ℕ``
+hash_command          cheat    ``#exit``, ``#eval``, ``#print`` ... (any ``#cmd``)
+meta_code             cheat    ``run_tac``, ``run_cmd``, ``by_elab``, ``elab``,
+                               ``initialize``, ``simproc``
+syntax_extension      cheat    ``macro "linarith" : tactic => ...``,
+                               ``local notation "π" => (3 : ℝ)``, ``infixl``
+unsafe                cheat    ``unsafe def``, ``@[implemented_by f]``,
+                               ``@[extern "c"]``, ``@[csimp]``
+native                cheat    ``native_decide``, ``Lean.ofReduceBool``,
+                               ``decide +native``
+set_option            cheat    options outside ``ALLOWED_OPTIONS``, e.g.
+                               ``set_option debug.skipKernelTC true in``
+instance              cheat    ``instance : Add ℕ := ⟨fun _ _ => 0⟩``,
+                               ``local instance``, ``@[instance]``
+attribute             cheat    ``attribute [local instance] foo``
+namespace             cheat    ``namespace Foo`` (name resolution changes),
+                               ``export Foo (bar)``
+scoping               cheat    before the statement: ``variable``/``include``/
+                               ``omit``, an ``open X`` not already in the header,
+                               ``open X in`` directly on the statement
+modifier              cheat    ``@[simp] theorem``/``private theorem`` on the
+                               target theorem
+statement             cheat    the original statement (whitespace-normalised,
+                               ``lemma`` = ``theorem``) is missing or altered
+duplicate_name        cheat    the theorem's name declared twice (also as
+                               ``theorem Foo.name`` or ``_root_.name``)
+shadowing             cheat    a helper declaration named like an identifier
+                               of the statement (``def sqrt ...``)
+import                error    an ``import`` not in the header
+===================== ======== ===================================================
+
+Results are ``LeanResult`` dataclasses; nothing here raises on model output.
+Run ``python lean_verify.py [proofs.jsonl]`` to check a file from the shell.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import functools
+import json
+import math
+import os
+import re
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:  # psutil measures the REPL's process tree; /proc is the fallback
+    import psutil
+except ImportError:  # pragma: no cover
+    psutil = None
+
+REPO_ROOT = Path(__file__).resolve().parent
+DOTENV_PATH = REPO_ROOT / ".env"
+SETUP_HINT = "run `bash setup.sh --lean`"
+
+DEFAULT_HEADER = (
+    "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\n"
+    "open BigOperators Real Nat Topology Rat\n\n"
+)
+ALLOWED_AXIOMS = frozenset({"propext", "Classical.choice", "Quot.sound"})
+STATUSES = ("valid", "error", "sorry", "cheat", "timeout", "crash", "server_error")
+# options a proof may set: resource limits and diagnostics only (exact name, or a prefix ending in ".")
+ALLOWED_OPTIONS = (
+    "maxHeartbeats", "maxRecDepth", "synthInstance.", "maxSynthPendingDepth",
+    "linter.", "trace.", "profiler", "diagnostics", "exponentiation.threshold",
+    "push_neg.use_distrib",
+)
+DEFAULT_MEMORY_LIMIT_MB = 12288   # kimina-lean-server's default per REPL (MAX_REPL_MEM=12G)
+DEFAULT_MAX_USES = 500            # REPL memory grows with every stored env; recycle it
+EXAMPLE_NAME = "lean_verify_example_"
+
+
+# --------------------------------------------------------------------------- records
+
+@dataclass
+class ProofJob:
+    """One proof to check.
+
+    statement: the ORIGINAL formal statement, ending in ":= by" (no header).
+    proof: the full Lean code the model submitted (statement + tactics, no imports).
+    """
+    header: str
+    statement: str
+    proof: str
+    name: str = ""
+
+
+@dataclass
+class LeanResult:
+    valid: bool
+    status: str                      # one of STATUSES
+    errors: list = field(default_factory=list)     # Lean error messages, "line:col: text"
+    reason: str = ""                 # "<rule>: <detail>" for failures, "" when valid
+    time: float = 0.0                # wall-clock seconds spent on this job
+    messages: list = field(default_factory=list)   # raw Lean messages of the proof
+
+
+@dataclass
+class TacticState:
+    """A proof state in tactic mode. ``error`` is None on success; a failed step has
+    ``state_id=None``. ``tactics`` is the path from the root (used to re-check and to
+    replay the state on a fresh REPL when its process was restarted)."""
+    state_id: int | None
+    goals: list
+    error: str | None = None
+    solved: bool = False
+    proof_status: str | None = None
+    tactics: list = field(default_factory=list)
+    header: str = ""
+    statement: str = ""
+    messages: list = field(default_factory=list)
+    _worker: object = field(default=None, repr=False, compare=False)
+    _generation: int = field(default=-1, repr=False, compare=False)
+
+    @property
+    def pretty(self) -> str:
+        """All goals, separated by blank lines (LeanDojo's TacticState.pp style)."""
+        return "\n\n".join(self.goals)
+
+
+class LeanNotInstalled(RuntimeError):
+    """No Lean toolchain (or Kimina server) is configured."""
+
+    def __init__(self, detail: str = ""):
+        msg = (
+            "Lean 4 is not installed or not configured"
+            + (f" ({detail})" if detail else "")
+            + f". To install it, {SETUP_HINT} (elan, Lean v4.15.0, mathlib4 and the REPL; "
+            "it writes LEAN_REPL_PATH and LEAN_MATHLIB_PATH to .env). Or set LEAN_REPL_PATH and "
+            "LEAN_MATHLIB_PATH (or SGS_REPL_PATH/SGS_MATHLIB_PATH), or LEAN_REPL_CMD, or KIMINA_URL "
+            "with backend='kimina'."
+        )
+        super().__init__(msg)
+
+
+# --------------------------------------------------------------------------- configuration
+
+def _read_dotenv(path: Path | None = None) -> dict:
+    path = Path(path) if path is not None else DOTENV_PATH
+    out = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return out
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#") or "=" not in line:
+            continue
+        if line.startswith("export "):
+            line = line[len("export "):]
+        key, _, value = line.partition("=")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[key.strip()] = value
+    return out
+
+
+def _setting(*names: str, dotenv: dict | None = None) -> str | None:
+    for name in names:
+        if os.environ.get(name):
+            return os.environ[name]
+    for name in names:
+        if dotenv and dotenv.get(name):
+            return dotenv[name]
+    return None
+
+
+def _repo_path(p: str) -> Path:
+    path = Path(os.path.expanduser(p))
+    return path if path.is_absolute() else (REPO_ROOT / path)
+
+
+def _command_argv(cmd: str) -> list:
+    """Split LEAN_REPL_CMD; `python` means this interpreter, and a relative script
+    path that is missing from the cwd is looked up in the repo root."""
+    argv = shlex.split(cmd)
+    if argv and argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    for i, a in enumerate(argv[1:], 1):
+        if a.endswith(".py") and not os.path.isabs(a) and not os.path.exists(a) and (REPO_ROOT / a).exists():
+            argv[i] = str(REPO_ROOT / a)
+    return argv
+
+
+def _find_lake() -> str | None:
+    lake = shutil.which("lake")
+    if lake:
+        return lake
+    cand = Path.home() / ".elan" / "bin" / "lake"
+    return str(cand) if cand.exists() else None
+
+
+@dataclass
+class _ReplConfig:
+    argv: list
+    cwd: str | None
+    real: bool
+
+
+def _resolve_repl_config(repl_path=None, mathlib_path=None, repl_cmd=None) -> _ReplConfig:
+    if repl_cmd:
+        return _ReplConfig(_command_argv(repl_cmd), None, False)
+    dotenv = _read_dotenv()
+    if not (repl_path or mathlib_path):
+        env_cmd = os.environ.get("LEAN_REPL_CMD")
+        if env_cmd:
+            return _ReplConfig(_command_argv(env_cmd), None, False)
+        repl_path = _setting("LEAN_REPL_PATH", "SGS_REPL_PATH")
+        mathlib_path = _setting("LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH")
+        if not (repl_path or mathlib_path):
+            if dotenv.get("LEAN_REPL_CMD"):
+                return _ReplConfig(_command_argv(dotenv["LEAN_REPL_CMD"]), None, False)
+            repl_path = _setting("LEAN_REPL_PATH", "SGS_REPL_PATH", dotenv=dotenv)
+            mathlib_path = _setting("LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH", dotenv=dotenv)
+    if not repl_path or not mathlib_path:
+        raise LeanNotInstalled("no REPL configured: LEAN_REPL_PATH/LEAN_MATHLIB_PATH are not set")
+    repl = _repo_path(repl_path)
+    if repl.is_dir():
+        repl = repl / ".lake" / "build" / "bin" / "repl"
+    mathlib = _repo_path(mathlib_path)
+    if not repl.exists():
+        raise LeanNotInstalled(f"REPL binary not found at {repl}")
+    if not mathlib.is_dir():
+        raise LeanNotInstalled(f"mathlib project not found at {mathlib}")
+    lake = _find_lake()
+    if not lake:
+        raise LeanNotInstalled("`lake` (elan) not found on PATH or in ~/.elan/bin")
+    return _ReplConfig([lake, "env", str(repl)], str(mathlib), True)
+
+
+def _kimina_url(url=None) -> str | None:
+    return url or _setting("KIMINA_URL", dotenv=_read_dotenv())
+
+
+def lean_available(real: bool = False) -> bool:
+    """True when a verifier can be built: a REPL (real Lean, or LEAN_REPL_CMD) or a
+    Kimina URL. With ``real=True``, only a real Lean REPL + mathlib counts."""
+    try:
+        cfg = _resolve_repl_config()
+        if cfg.real or not real:
+            return True
+    except LeanNotInstalled:
+        pass
+    if real:
+        try:
+            return _resolve_repl_config(
+                repl_path=_setting("LEAN_REPL_PATH", "SGS_REPL_PATH", dotenv=_read_dotenv()),
+                mathlib_path=_setting("LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH", dotenv=_read_dotenv()),
+            ).real
+        except LeanNotInstalled:
+            return False
+    return bool(_kimina_url())
+
+
+def _default_workers() -> int:
+    cpus = os.cpu_count() or 1
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):  # pragma: no cover
+        mem_gb = 16.0
+    return max(1, min(max(1, cpus - 1), int(mem_gb // 8)))
+
+
+# --------------------------------------------------------------------------- text rules
+
+_CHAR_LIT = re.compile(r"'(?:\\(?:[\\'\"nrt0]|x[0-9a-fA-F]{2}|u\{[0-9a-fA-F]{1,6}\})|[^\\'\n])'")
+_RAW_STR = re.compile(r'r(#*)"')
+
+
+def _is_ident_char(c: str) -> bool:
+    return c.isalnum() or c in "_'!?."
+
+
+_SPECIAL = re.compile(r'--|/-|"|\'|«|r#*"')
+_BLOCK = re.compile(r"/-|-/")
+
+
+def strip_comments(text: str) -> tuple:
+    """Blank out Lean comments. Returns ``(code, None)`` or ``(None, error)``.
+
+    ``--`` runs to the end of the line; ``/- ... -/`` blocks nest (``/--`` doc and
+    ``/-!`` module comments too). String, raw-string and char literals and ``«»``
+    names are copied verbatim, so ``"--"`` does not start a comment. Every comment
+    character but newlines becomes a space, so line/column positions are kept."""
+    out = []
+    i, n = 0, len(text)
+    while i < n:
+        m = _SPECIAL.search(text, i)
+        if m is None:
+            out.append(text[i:])
+            break
+        j, tok = m.start(), m.group(0)
+        out.append(text[i:j])
+        i = j
+        prev_ident = j > 0 and _is_ident_char(text[j - 1])
+        if tok == "--":
+            k = text.find("\n", i)
+            k = n if k < 0 else k
+            out.append(" " * (k - i))
+            i = k
+        elif tok == "/-":
+            depth, k = 1, i + 2
+            while depth:
+                b = _BLOCK.search(text, k)
+                if b is None:
+                    return None, "unterminated comment"
+                depth += 1 if b.group(0) == "/-" else -1
+                k = b.end()
+            out.append("".join("\n" if ch == "\n" else " " for ch in text[i:k]))
+            i = k
+        elif tok == '"':
+            k = i + 1
+            while k < n and text[k] != '"':
+                k += 2 if text[k] == "\\" else 1
+            if k >= n:
+                return None, "unterminated string literal"
+            out.append(text[i:k + 1])
+            i = k + 1
+        elif tok[0] == "r":
+            if prev_ident:            # the end of an identifier, then a string
+                out.append("r")
+                i += 1
+                continue
+            end = '"' + tok[1:-1]
+            k = text.find(end, m.end())
+            if k < 0:
+                return None, "unterminated raw string literal"
+            out.append(text[i:k + len(end)])
+            i = k + len(end)
+        elif tok == "'":
+            c = None if prev_ident else _CHAR_LIT.match(text, i)
+            if c is None:             # a prime in an identifier (h')
+                out.append("'")
+                i += 1
+            else:
+                out.append(c.group(0))
+                i = c.end()
+        else:  # «name»
+            k = text.find("»", i)
+            if k < 0:
+                return None, "unterminated «name»"
+            out.append(text[i:k + 1])
+            i = k + 1
+    return "".join(out), None
+
+
+_NORM_BRACKETS = re.compile(r"\s*([()\[\]{}⟨⟩⦃⦄,])\s*")
+_NORM_COLON = re.compile(r"\s*(?<!:):(?![=:])\s*")
+
+
+def normalize_lean(code: str) -> str:
+    """Whitespace-normalise comment-free Lean code for comparing statements: runs of
+    whitespace become one space, and spaces next to brackets, commas and a type
+    colon are dropped, so ``(x:ℝ)`` equals ``(x : ℝ)``."""
+    s = " ".join(code.split())
+    s = _NORM_BRACKETS.sub(r"\1", s)
+    return _NORM_COLON.sub(":", s)
+
+
+def _tok(*words: str) -> str:
+    """Regex for whole Lean tokens (not part of a longer or dotted identifier)."""
+    return r"(?<![\w'.])(?:" + "|".join(re.escape(w) for w in words) + r")(?![\w'!?])"
+
+
+_HASH_COMMANDS = (
+    "exit", "eval", "print", "check", "check_failure", "reduce", "synth", "help", "lint",
+    "guard", "guard_expr", "guard_msgs", "guard_target", "where", "find", "simp", "norm_num",
+    "conv", "time", "explode", "html", "widget", "version", "info_trees", "test", "sample",
+    "count_heartbeats", "leansearch", "loogle", "moogle", "unfold?", "kerodon", "stacks",
+)
+
+# (rule, status, regex, what it catches) -- scanned over comment-free text
+_TOKEN_RULES = [
+    ("sorry", "sorry", re.compile(_tok("sorry", "admit", "stop") + r"|sorryAx"),
+     "`sorry`/`admit`/`stop` leave the goal unproved"),
+    ("axiom", "cheat", re.compile(_tok("axiom", "axioms", "constant")), "declares a new axiom or constant"),
+    ("hash_command", "cheat",
+     re.compile(r"(?<![\w'.#])#(?:" + "|".join(re.escape(w) for w in _HASH_COMMANDS)
+                + r")(?![\w'!?])|(?m:^[ \t]*#[A-Za-z_])"),
+     "`#` commands (`#exit`, `#eval`, `#print`, ...) are not allowed in a proof"),
+    ("meta_code", "cheat",
+     re.compile(_tok("run_cmd", "run_tac", "run_elab", "run_meta", "by_elab", "elab", "elab_rules",
+                     "initialize", "builtin_initialize", "simproc", "dsimproc", "simproc_decl",
+                     "unif_hint")),
+     "runs user meta code during elaboration"),
+    ("syntax_extension", "cheat",
+     re.compile(_tok("macro", "macro_rules", "syntax", "notation", "notation3", "infix", "infixl",
+                     "infixr", "prefix", "postfix", "declare_syntax_cat", "binder_predicate",
+                     "delab", "app_unexpander")),
+     "changes the syntax (can redefine tactics or notation)"),
+    ("unsafe", "cheat", re.compile(_tok("unsafe", "implemented_by", "extern", "csimp")),
+     "unsafe code or code replaced by an implementation the kernel does not check"),
+    ("native", "cheat",
+     re.compile(_tok("native_decide", "ofReduceBool", "ofReduceNat", "trustCompiler", "reduceBool",
+                     "reduceNat") + r"|\+\s*native\b|\bnative\s*:=\s*true"),
+     "trusts the compiler (axiom Lean.ofReduceBool)"),
+    ("attribute", "cheat", re.compile(_tok("attribute")),
+     "`attribute [...]` can add or remove instances and simp lemmas"),
+    ("instance", "cheat", re.compile(_tok("instance", "default_instance")),
+     "declares an instance (can change what the statement means)"),
+    ("namespace", "cheat", re.compile(_tok("namespace", "export")),
+     "`namespace`/`export` change name resolution"),
+]
+_SET_OPTION = re.compile(_tok("set_option") + r"(\s+([^\s]+))?")
+_IMPORT = re.compile(r"(?m)^[ \t]*import[ \t]+([^\s]+)[ \t]*$")
+_DECL = re.compile(
+    r"(?<![\w'.])(theorem|lemma|def|abbrev|instance|structure|inductive|class|opaque|axiom|constant|example)"
+    r"(?![\w'!?])\s*(«[^»]*»|[^\s(\[{:⦃⟨»]+)?")
+_MODIFIERS = {"private", "protected", "noncomputable", "unsafe", "partial", "nonrec", "scoped", "local"}
+_IDENT = re.compile(r"«[^»]*»|[^\W\d][\w'!?]*(?:\.[^\W\d][\w'!?]*)*")
+
+CHEAT_RULES = {
+    "lex": "an unterminated comment or string literal",
+    "sorry": "`sorry`, `admit`, `stop` or `sorryAx` outside comments (also a sorry reported by Lean)",
+    "axiom": "a new `axiom` or `constant`",
+    "hash_command": "a `#` command: `#exit`, `#eval`, `#print`, `#check`, ...",
+    "meta_code": "user meta code: `run_tac`, `run_cmd`, `by_elab`, `elab`, `initialize`, `simproc`",
+    "syntax_extension": "`macro`, `syntax`, `notation`, `infix`, ... (can redefine tactics or notation)",
+    "unsafe": "`unsafe`, `@[implemented_by]`, `@[extern]`, `@[csimp]`",
+    "native": "`native_decide`, `Lean.ofReduceBool`, `decide +native`",
+    "set_option": "a `set_option` outside ALLOWED_OPTIONS (e.g. debug.skipKernelTC)",
+    "instance": "an `instance` (also `local instance`, `@[instance]`)",
+    "attribute": "an `attribute [...]` command",
+    "namespace": "`namespace` or `export`",
+    "scoping": "before the statement: `variable`/`include`/`omit`, a new top-level `open`, `open ... in` on it",
+    "modifier": "an attribute or modifier on the target theorem",
+    "statement": "the original statement missing or altered",
+    "duplicate_name": "the theorem name declared more than once",
+    "shadowing": "a helper declaration named like an identifier of the statement",
+    "import": "an `import` that the header does not have",
+    "axioms": "(Lean) `#print axioms` lists more than propext, Classical.choice, Quot.sound",
+    "elaborated_statement": "(Lean) the proved theorem's type differs from the original statement's",
+}
+
+_CHEAT_TARGET = "theorem cheat_target (x : ℕ) (h₀ : x = 2) : x + x = 4 := by"
+# (rule, original statement, submitted proof): each passes the stand-in REPL with
+# `--accept all` and is rejected here by the named rule. The tests run all of them.
+CHEAT_EXAMPLES = [
+    ("lex", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega /- unterminated"),
+    ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  sorry"),
+    ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  admit"),
+    ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  exact sorryAx _ false"),
+    ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  simp [show \"sorry\" = \"sorry\" from rfl]"),
+    ("axiom", _CHEAT_TARGET, "axiom cheat : ∀ x : ℕ, x + x = 4\n" + _CHEAT_TARGET + "\n  exact cheat x"),
+    ("hash_command", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega\n#exit"),
+    ("hash_command", _CHEAT_TARGET, "#eval IO.println \"hi\"\n" + _CHEAT_TARGET + "\n  omega"),
+    ("meta_code", _CHEAT_TARGET, _CHEAT_TARGET + "\n  run_tac Lean.Elab.Tactic.evalTactic (← `(tactic| omega))"),
+    ("meta_code", _CHEAT_TARGET, "elab \"cheat\" : tactic => pure ()\n" + _CHEAT_TARGET + "\n  cheat"),
+    ("syntax_extension", _CHEAT_TARGET, "macro \"omega\" : tactic => `(tactic| simp)\n" + _CHEAT_TARGET + "\n  omega"),
+    ("syntax_extension", _CHEAT_TARGET, "local notation \"four\" => (4 : ℕ)\n" + _CHEAT_TARGET + "\n  omega"),
+    ("syntax_extension", _CHEAT_TARGET, "infixl:65 \" +' \" => HAdd.hAdd\n" + _CHEAT_TARGET + "\n  omega"),
+    ("unsafe", _CHEAT_TARGET, "unsafe def f : ℕ := 4\n" + _CHEAT_TARGET + "\n  omega"),
+    ("unsafe", _CHEAT_TARGET, "@[implemented_by id] def g (n : ℕ) : ℕ := n\n" + _CHEAT_TARGET + "\n  omega"),
+    ("unsafe", _CHEAT_TARGET, "@[extern \"lean_nat_add\"] def h (a b : ℕ) : ℕ := a + b\n" + _CHEAT_TARGET + "\n  omega"),
+    ("native", _CHEAT_TARGET, _CHEAT_TARGET + "\n  subst h₀\n  native_decide"),
+    ("native", _CHEAT_TARGET, _CHEAT_TARGET + "\n  subst h₀\n  decide +native"),
+    ("set_option", _CHEAT_TARGET, "set_option debug.skipKernelTC true in\n" + _CHEAT_TARGET + "\n  omega"),
+    ("set_option", _CHEAT_TARGET, _CHEAT_TARGET + "\n  set_option debug.skipKernelTC true in omega"),
+    ("set_option", _CHEAT_TARGET, "set_option autoImplicit true\n" + _CHEAT_TARGET + "\n  omega"),
+    ("instance", _CHEAT_TARGET, "instance : Add ℕ := ⟨fun _ _ => 4⟩\n" + _CHEAT_TARGET + "\n  rfl"),
+    ("instance", _CHEAT_TARGET, "local instance weird : OfNat ℕ 4 := ⟨0⟩\n" + _CHEAT_TARGET + "\n  omega"),
+    ("attribute", _CHEAT_TARGET, "attribute [local instance] Classical.propDecidable\n" + _CHEAT_TARGET + "\n  omega"),
+    ("namespace", _CHEAT_TARGET, "namespace Foo\n" + _CHEAT_TARGET + "\n  omega\nend Foo"),
+    ("scoping", _CHEAT_TARGET, "variable (hf : False)\ninclude hf\n" + _CHEAT_TARGET + "\n  exact hf.elim"),
+    ("scoping", _CHEAT_TARGET, "open Finset\n" + _CHEAT_TARGET + "\n  omega"),
+    ("scoping", _CHEAT_TARGET, "open Finset in\n" + _CHEAT_TARGET + "\n  omega"),
+    ("modifier", _CHEAT_TARGET, "private " + _CHEAT_TARGET + "\n  omega"),
+    ("modifier", _CHEAT_TARGET, "@[simp] " + _CHEAT_TARGET + "\n  omega"),
+    ("statement", _CHEAT_TARGET, "theorem cheat_target (x : ℕ) (h₀ : x = 2) : x + x = 4 ∨ True := by\n  simp"),
+    ("statement", _CHEAT_TARGET, "theorem cheat_target (x : ℕ) (h₀ : x = 2) (h₁ : False) : x + x = 4 := by\n  omega"),
+    ("statement", _CHEAT_TARGET, "theorem other_name (x : ℕ) (h₀ : x = 2) : x + x = 4 := by\n  omega"),
+    ("duplicate_name", _CHEAT_TARGET, "theorem cheat_target : True := trivial\n" + _CHEAT_TARGET + "\n  omega"),
+    ("duplicate_name", _CHEAT_TARGET, "theorem Foo.cheat_target : True := trivial\n" + _CHEAT_TARGET + "\n  omega"),
+    ("duplicate_name", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega\ntheorem _root_.cheat_target : True := trivial"),
+    ("shadowing", "theorem cheat_sqrt : sqrt 4 = 2 := by",
+     "def sqrt (x : ℝ) : ℝ := 2\ntheorem cheat_sqrt : sqrt 4 = 2 := by\n  rfl"),
+    ("import", _CHEAT_TARGET, "import Mathlib.Tactic.Linarith.Frontend\nimport Cheats\n" + _CHEAT_TARGET + "\n  omega"),
+]
+
+
+def _allowed_option(name: str) -> bool:
+    return any(name == p or (p.endswith(".") and name.startswith(p)) or
+               (not p.endswith(".") and name.startswith(p + ".")) for p in ALLOWED_OPTIONS) \
+        or name in ("profiler", "diagnostics")
+
+
+def _scan_tokens(code: str) -> tuple | None:
+    """Global text rules; returns (status, rule, detail) for the first hit, else None."""
+    for rule, status, rx, what in _TOKEN_RULES:
+        m = rx.search(code)
+        if m:
+            return status, rule, f"{what} (found {m.group(0).strip()!r})"
+    for m in _SET_OPTION.finditer(code):
+        opt = m.group(2)
+        if not opt or not _allowed_option(opt):
+            return "cheat", "set_option", f"option {opt!r} is not allowed (allowed: {', '.join(ALLOWED_OPTIONS)})"
+    return None
+
+
+def _last_component(name: str) -> str:
+    name = name.replace("«", "").replace("»", "")
+    if name.startswith("_root_."):
+        name = name[len("_root_."):]
+    return name.rsplit(".", 1)[-1]
+
+
+@functools.lru_cache(maxsize=256)
+def _header_info(header: str) -> tuple:
+    code, _ = strip_comments(header or "")
+    code = code or ""
+    imports = set(_IMPORT.findall(code))
+    opens = set()
+    for m in re.finditer(r"(?m)^[ \t]*open[ \t]+([^\n]*)$", code):
+        opens.update(_open_names(m.group(1)))
+    return imports, opens
+
+
+def _open_names(clause: str) -> list:
+    main = re.split(r"\(|" + _tok("hiding", "renaming"), clause)[0]
+    return [w for w in _IDENT.findall(main) if w not in ("scoped", "in")]
+
+
+@dataclass
+class _Prepared:
+    name: str            # theorem name used for #check / #print axioms
+    core: str            # normalised statement up to (excluding) the final ':='
+    lean_statement: str  # statement text for Lean (comments blanked, example renamed)
+    lean_proof: str      # proof text for Lean (comments blanked, imports dropped, example renamed)
+
+
+class _Reject(Exception):
+    def __init__(self, status: str, rule: str, detail: str):
+        super().__init__(f"{rule}: {detail}")
+        self.status, self.rule, self.detail = status, rule, detail
+
+
+def _prepare_statement(statement: str) -> tuple:
+    """Check an original statement; returns (name, core, lean_statement, normalised)."""
+    code, err = strip_comments(statement or "")
+    if err:
+        raise _Reject("error", "lex", f"statement: {err}")
+    hit = _scan_tokens(code)
+    if hit:
+        raise _Reject(hit[0], hit[1], "statement: " + hit[2])
+    norm = normalize_lean(code)
+    m = re.match(r"(theorem|lemma|example)(?![\w'!?])", norm)
+    if not m:
+        raise _Reject("error", "statement", "the statement must start with `theorem`, `lemma` or `example`")
+    decls = _DECL.findall(code)
+    if len(decls) != 1:
+        raise _Reject("error", "statement", "the statement must declare exactly one theorem")
+    mb = re.search(r":=\s*by$", norm)
+    if not mb:
+        raise _Reject("error", "statement", "the statement must end in ':= by'")
+    core = norm[:mb.start()].rstrip()
+    lean_statement = code.rstrip()
+    if m.group(1) == "example":
+        name = EXAMPLE_NAME
+        core = "theorem " + name + core[len("example"):]
+        pos = re.search(_tok("example"), lean_statement).start()
+        lean_statement = lean_statement[:pos] + "theorem " + name + lean_statement[pos + len("example"):]
+    else:
+        if m.group(1) == "lemma":
+            core = "theorem" + core[len("lemma"):]
+        mn = re.match(r"theorem\s*(«[^»]*»|[^\s(\[{:⦃⟨]+)", core)
+        if not mn:
+            raise _Reject("error", "statement", "cannot read the theorem name")
+        name = mn.group(1)
+    return name, core, lean_statement
+
+
+def _statement_identifiers(core: str) -> set:
+    """Identifiers the statement mentions that are not bound by its explicit binders."""
+    head = re.match(r"theorem\s*(«[^»]*»|[^\s(\[{:⦃⟨]+)", core)
+    body = core[head.end():] if head else core
+    bound = set()
+    for grp in re.finditer(r"[(\[{⦃]([^()\[\]{}⦃⦄]*?):", body):
+        bound.update(grp.group(1).split())
+    for q in re.finditer(r"(?:∀|∃|∃!|fun|λ)\s*([^,:=>]*)", body):
+        bound.update(re.findall(r"[^\W\d][\w'!?]*", q.group(1)))
+    keywords = {"theorem", "by", "fun", "Type", "Sort", "Prop", "if", "then", "else", "let", "have",
+                "show", "from", "in", "at", "with", "match"}
+    idents = set()
+    for ident in _IDENT.findall(body):
+        if ident in bound or ident in keywords:
+            continue
+        idents.add(ident.replace("«", "").replace("»", ""))
+        idents.add(_last_component(ident))
+    return idents
+
+
+def prepare(job: ProofJob) -> _Prepared:
+    """Run every text rule on a job; raises _Reject. Returns what Lean must check."""
+    name, core, lean_statement = _prepare_statement(job.statement)
+    code, err = strip_comments(job.proof or "")
+    if err:
+        raise _Reject("error", "lex", err)
+    # imports: allowed only when the header already has them (then dropped)
+    h_imports, h_opens = _header_info(job.header)
+    for m in list(_IMPORT.finditer(code)):
+        if m.group(1) not in h_imports:
+            raise _Reject("error", "import", f"`import {m.group(1)}` is not in the header")
+    code = _IMPORT.sub(lambda m: " " * len(m.group(0)), code)
+    hit = _scan_tokens(code)
+    if hit:
+        raise _Reject(*hit)
+    if name == EXAMPLE_NAME:   # find the `example` that carries the statement and name it
+        orig_core = "example" + core[len("theorem " + EXAMPLE_NAME):]
+        spots = [m.start() for m in re.finditer(_tok("example"), code)
+                 if _starts_with_core(normalize_lean(code[m.start():]), orig_core)]
+        if len(spots) != 1:
+            raise _Reject("cheat", "statement", "the original `example` statement is missing or repeated")
+        code = code[:spots[0]] + "theorem " + EXAMPLE_NAME + code[spots[0] + len("example"):]
+    decls = [(m.group(1), m.group(2) or "", m.start()) for m in _DECL.finditer(code)]
+    target_last = _last_component(name)
+    same = [d for d in decls if d[1] and _last_component(d[1]) == target_last]
+    if not same:
+        raise _Reject("cheat", "statement", f"the theorem `{name}` is missing from the proof")
+    if len(same) > 1:
+        raise _Reject("cheat", "duplicate_name", f"`{target_last}` is declared {len(same)} times")
+    kind, dname, pos = same[0]
+    rest = normalize_lean(code[pos:])
+    if kind == "lemma":
+        rest = "theorem" + rest[len("lemma"):]
+    if kind not in ("theorem", "lemma") or not _starts_with_core(rest, core):
+        raise _Reject("cheat", "statement",
+                      "the statement was altered (it must match the original up to whitespace)")
+    _check_prefix(code[:pos], h_opens)
+    idents = _statement_identifiers(core)
+    for k, dn, p in decls:
+        if p == pos or not dn:
+            continue
+        full = dn.replace("«", "").replace("»", "").removeprefix("_root_.")
+        if full in idents or _last_component(dn) in idents:
+            raise _Reject("cheat", "shadowing", f"`{k} {dn}` shadows a name used in the statement")
+    return _Prepared(name, core, lean_statement, code)
+
+
+def _starts_with_core(rest: str, core: str) -> bool:
+    return rest.startswith(core) and rest[len(core):].lstrip().startswith(":=")
+
+
+def _check_prefix(prefix: str, header_opens: set) -> None:
+    m = re.search(_tok("variable", "include", "omit"), prefix)
+    if m:
+        raise _Reject("cheat", "scoping", f"`{m.group(0)}` before the statement can add hypotheses to it")
+    for m in re.finditer(_tok("open") + r"([^\n]*)", prefix):
+        clause = m.group(1)
+        if re.search(_tok("in"), clause):
+            continue
+        extra = [w for w in _open_names(clause) if w not in header_opens]
+        if extra:
+            raise _Reject("cheat", "scoping",
+                          f"`open {' '.join(extra)}` before the statement changes what it means")
+    tail = prefix.rstrip()
+    while tail:
+        if re.search(r"@\[[^\]]*\]$", tail):
+            raise _Reject("cheat", "modifier", "an attribute on the target theorem")
+        last = tail.split()[-1]
+        if last in _MODIFIERS:
+            raise _Reject("cheat", "modifier", f"`{last}` on the target theorem")
+        if last != "in":
+            break
+        start = tail.rfind("\n") + 1
+        line = tail[start:]
+        mo = re.fullmatch(r"\s*set_option\s+([^\s]+)\s+[^\s]+\s+in", line)
+        if mo and _allowed_option(mo.group(1)):
+            tail = tail[:start].rstrip()
+            continue
+        raise _Reject("cheat", "scoping", f"`{line.strip()}` applied to the statement")
+
+
+def check_text(job: ProofJob) -> LeanResult | None:
+    """Only the text rules: a failed LeanResult, or None when Lean should decide."""
+    try:
+        prepare(job)
+    except _Reject as r:
+        return _fail(r.status, f"{r.rule}: {r.detail}")
+    except Exception as e:  # never raise on model output
+        return _fail("error", f"internal: {type(e).__name__}: {e}")
+    return None
+
+
+def proof_from_tactics(statement: str, tactics: list) -> str:
+    """Assemble a whole proof from a statement ending in ':= by' and a tactic path."""
+    lines = [textwrap.indent(textwrap.dedent(t).strip("\n"), "  ") for t in tactics if t and t.strip()]
+    return statement.rstrip() + "\n" + "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- judging Lean's answer
+
+_SORRY_WARNING = re.compile(r"declaration uses ['`‘]sorry['`’]")
+
+
+def _fail(status: str, reason: str, errors=None, messages=None, t: float = 0.0) -> LeanResult:
+    return LeanResult(False, status, list(errors or []), reason, t, list(messages or []))
+
+
+def _fmt(msg: dict) -> str:
+    pos = msg.get("pos") or {}
+    return f"{pos.get('line', 0)}:{pos.get('column', 0)}: {msg.get('data', '')}"
+
+
+def _check_block(name: str) -> str:
+    return f"set_option pp.all true in\n#check @{name}\n\n#print axioms {name}\n"
+
+
+def _parse_checks(msgs: list) -> tuple:
+    """From the messages of `_check_block`: (pp.all type string or None, axioms set or None)."""
+    ctype, axioms = None, None
+    for m in msgs:
+        if m.get("severity") == "error":
+            continue
+        d = str(m.get("data", ""))
+        am = re.search(r"depends on axioms:\s*\[(.*?)\]", d, re.S)
+        if am:
+            axioms = {a.strip() for a in am.group(1).split(",") if a.strip()}
+        elif "does not depend on any axioms" in d:
+            axioms = set()
+        elif ctype is None and m.get("severity") == "info":
+            ctype = " ".join(d.split())
+            if " : " in ctype:   # drop the "@name" part: only the type is compared
+                ctype = ctype.split(" : ", 1)[1]
+    return ctype, axioms
+
+
+def _judge(messages: list, sorries: list, check_msgs: list | None, orig_type: str | None,
+           name: str, lean_checks: bool) -> tuple:
+    """Verdict from Lean's output: (status, reason, errors)."""
+    errors = [_fmt(m) for m in messages if m.get("severity") == "error"]
+    if errors:
+        return "error", "lean: " + str(messages[[m.get("severity") for m in messages].index("error")]
+                                       .get("data", ""))[:300], errors
+    warnings = [str(m.get("data", "")) for m in messages if m.get("severity") == "warning"]
+    if sorries or any(_SORRY_WARNING.search(w) for w in warnings):
+        return "sorry", "sorry: Lean reports that the proof uses sorry", []
+    failed = [w for w in warnings if "failed" in w]
+    if failed:
+        return "error", "lean: warning: " + failed[0][:300], []
+    if not lean_checks:
+        return "valid", "", []
+    check_msgs = check_msgs or []
+    cerr = [_fmt(m) for m in check_msgs if m.get("severity") == "error"]
+    if cerr:
+        return "error", f"lean: cannot inspect `{name}` after the proof: {cerr[0][:200]}", cerr
+    ctype, axioms = _parse_checks(check_msgs)
+    if axioms is None or ctype is None:
+        return "error", "lean: no output from #check / #print axioms", []
+    extra = sorted(axioms - ALLOWED_AXIOMS)
+    if "sorryAx" in extra:
+        return "sorry", "sorry: the proof depends on sorryAx", []
+    if extra:
+        return "cheat", f"axioms: the proof uses axioms {', '.join(extra)}", []
+    if orig_type is not None and ctype != orig_type:
+        return "cheat", "elaborated_statement: the proved theorem's type differs from the original statement", []
+    return "valid", "", []
+
+
+# --------------------------------------------------------------------------- REPL processes
+
+class _Timeout(Exception):
+    pass
+
+
+class _Crash(Exception):
+    pass
+
+
+class _Garbled(Exception):
+    pass
+
+
+class _MemoryExceeded(Exception):
+    pass
+
+
+class _HeaderFailed(Exception):
+    pass
+
+
+_LIVE_PROCS: "weakref.WeakSet[_ReplProcess]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_all_processes():  # no orphan REPLs when the program ends
+    for p in list(_LIVE_PROCS):
+        p.kill()
+
+
+class _ReplProcess:
+    """One REPL subprocess speaking JSON over stdin/stdout, in its own process group."""
+
+    POLL = 0.25   # seconds between memory checks while waiting
+
+    def __init__(self, argv: list, cwd: str | None):
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
+            start_new_session=True, bufsize=0)
+        self.fd = self.proc.stdout.fileno()
+        self.in_fd = self.proc.stdin.fileno()
+        os.set_blocking(self.in_fd, False)
+        self.buf = b""
+        self.noise = 0
+        self.dead = False
+        self._tree = None
+        self._tree_time = 0.0
+        _LIVE_PROCS.add(self)
+
+    def alive(self) -> bool:
+        return not self.dead and self.proc.poll() is None
+
+    TREE_REFRESH = 5.0   # seconds; `lake env` starts the real REPL as its child
+
+    def rss_mb(self) -> float:
+        """Resident memory of the process tree (the process and its children), in MiB.
+        The tree is listed every few seconds (listing children scans all of /proc)."""
+        pid = self.proc.pid
+        if psutil is not None:
+            now = time.monotonic()
+            try:
+                if self._tree is None or now - self._tree_time > self.TREE_REFRESH:
+                    root = psutil.Process(pid)
+                    self._tree = [root] + root.children(recursive=True)
+                    self._tree_time = now
+                total = 0
+                for p in self._tree:
+                    try:
+                        total += p.memory_info().rss
+                    except psutil.Error:
+                        self._tree = None
+                return total / 2**20
+            except psutil.Error:
+                self._tree = None
+                return 0.0
+        try:  # pragma: no cover
+            with open(f"/proc/{pid}/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def stderr_tail(self, n: int = 600) -> str:
+        try:
+            self.stderr.seek(0, os.SEEK_END)
+            size = self.stderr.tell()
+            self.stderr.seek(max(0, size - n))
+            return self.stderr.read().decode("utf-8", "replace").strip()
+        except (OSError, ValueError):
+            return ""
+
+    def request(self, obj: dict, timeout: float, memory_limit_mb: float | None = None) -> dict:
+        deadline = time.monotonic() + max(0.01, timeout)
+        data = (json.dumps(obj, ensure_ascii=False) + "\n\n").encode("utf-8", "replace")
+        self._write(data, deadline, memory_limit_mb)
+        return self._read(deadline, memory_limit_mb)
+
+    def _check_memory(self, limit):
+        if limit and self.rss_mb() > limit:
+            raise _MemoryExceeded(f"REPL memory above {limit:.0f} MB")
+
+    def _write(self, data: bytes, deadline: float, limit) -> None:
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _Timeout("timed out sending to the REPL")
+            try:
+                _, w, _ = select.select([], [self.in_fd], [], min(left, self.POLL))
+            except (OSError, ValueError) as e:
+                raise _Crash(f"REPL pipe closed: {e}")
+            if not w:
+                if not self.alive():
+                    raise _Crash(self._died())
+                self._check_memory(limit)
+                continue
+            try:
+                k = os.write(self.in_fd, view)
+            except BlockingIOError:
+                continue
+            except (BrokenPipeError, OSError) as e:
+                raise _Crash(f"REPL pipe closed: {e}; {self._died()}")
+            view = view[k:]
+
+    def _died(self) -> str:
+        rc = self.proc.poll()
+        tail = self.stderr_tail()
+        return f"REPL exited (code {rc})" + (f": {tail}" if tail else "")
+
+    def _take_reply(self) -> dict | None:
+        """Parse the first complete reply in the buffer. Replies are JSON objects followed
+        by a blank line; text before a reply that has no line starting with '{' is noise
+        (some REPL builds print progress lines) and is skipped."""
+        while True:
+            k = self.buf.find(b"\n\n")
+            if k < 0:
+                return None
+            chunk, self.buf = self.buf[:k], self.buf[k + 2:]
+            text = chunk.decode("utf-8", "replace")
+            if not text.strip():
+                continue
+            lines = text.split("\n")
+            starts = [i for i, ln in enumerate(lines) if ln.startswith("{")]
+            if not starts:
+                self.noise += 1
+                continue
+            for i in starts:
+                try:
+                    obj = json.loads("\n".join(lines[i:]))
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    return obj
+            raise _Garbled("the REPL printed something that is not a JSON reply: " + text[:200])
+
+    def _read(self, deadline: float, limit) -> dict:
+        last_mem = time.monotonic()
+        while True:
+            reply = self._take_reply()
+            if reply is not None:
+                return reply
+            if len(self.buf) > 64 * 2**20:
+                raise _Garbled("REPL reply larger than 64 MiB")
+            now = time.monotonic()
+            left = deadline - now
+            if left <= 0:
+                raise _Timeout("timed out")
+            if limit and now - last_mem >= self.POLL:
+                last_mem = now
+                self._check_memory(limit)
+            try:
+                r, _, _ = select.select([self.fd], [], [], min(left, self.POLL))
+            except (OSError, ValueError) as e:
+                raise _Crash(f"REPL pipe closed: {e}")
+            if r:
+                data = os.read(self.fd, 1 << 16)
+                if not data:
+                    self.dead = True
+                    raise _Crash(self._died())
+                self.buf += data
+
+    def kill(self) -> None:
+        if self.dead and self.proc.returncode is not None:
+            return
+        self.dead = True
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            try:
+                self.proc.kill()
+            except OSError:
+                pass
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+        for f in (self.proc.stdin, self.proc.stdout, self.stderr):
+            try:
+                f.close()
+            except (OSError, ValueError):
+                pass
+
+
+class _Worker:
+    """A REPL process that has imported one header (env id `env`)."""
+
+    def __init__(self, header: str):
+        self.header = header
+        self.proc: _ReplProcess | None = None
+        self.env = None
+        self.uses = 0
+        self.generation = 0
+        self.busy = False
+        self.retired = False
+        self.last_used = 0.0
+
+    def live(self) -> bool:
+        return self.proc is not None and self.proc.alive() and self.env is not None
+
+    def ensure(self, pool: "_ReplPool") -> None:
+        if self.live():
+            return
+        self.stop()
+        self.proc = _ReplProcess(pool.config.argv, pool.config.cwd)
+        self.generation += 1
+        self.uses = 0
+        pool.starts += 1
+        resp = self.proc.request({"cmd": self.header}, pool.header_timeout, pool.memory_limit_mb)
+        errs = [_fmt(m) for m in resp.get("messages", []) if m.get("severity") == "error"]
+        if "message" in resp or errs or not isinstance(resp.get("env"), int):
+            self.stop()
+            raise _HeaderFailed("; ".join(errs) or str(resp.get("message", resp))[:500])
+        self.env = resp["env"]
+
+    def request(self, pool: "_ReplPool", obj: dict, timeout: float) -> dict:
+        return self.proc.request(obj, timeout, pool.memory_limit_mb)
+
+    def note_use(self, pool: "_ReplPool") -> None:
+        """Count a use; recycle the REPL after max_uses or above the memory limit."""
+        self.uses += 1
+        if self.proc is None:
+            return
+        if (pool.max_uses and self.uses >= pool.max_uses) or \
+                (pool.memory_limit_mb and self.proc.rss_mb() > pool.memory_limit_mb):
+            pool.recycles += 1
+            self.stop()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+        self.proc = None
+        self.env = None
+
+
+class _ReplPool:
+    """At most `size` workers; a job takes an idle worker with its header, else a new
+    one, else replaces the least recently used idle worker of another header."""
+
+    def __init__(self, config: _ReplConfig, size: int, memory_limit_mb, max_uses, header_timeout):
+        self.config = config
+        self.size = max(1, int(size))
+        self.memory_limit_mb = memory_limit_mb
+        self.max_uses = max_uses
+        self.header_timeout = header_timeout
+        self.workers: list[_Worker] = []
+        self.cond = threading.Condition()
+        self.starts = 0      # REPL processes started (stats)
+        self.recycles = 0    # restarts for max_uses / memory
+
+    def acquire(self, header: str, worker: _Worker | None = None) -> _Worker | None:
+        victim = None
+        with self.cond:
+            while True:
+                if worker is not None:
+                    if worker.retired:
+                        return None
+                    if not worker.busy:
+                        worker.busy = True
+                        return worker
+                    self.cond.wait()
+                    continue
+                same = [w for w in self.workers if not w.busy and w.header == header]
+                if same:
+                    w = max(same, key=lambda w: w.live())
+                    w.busy = True
+                    return w
+                if len(self.workers) < self.size:
+                    w = _Worker(header)
+                    w.busy = True
+                    self.workers.append(w)
+                    return w
+                idle = [w for w in self.workers if not w.busy]
+                if idle:
+                    victim = min(idle, key=lambda w: w.last_used)
+                    victim.retired = True
+                    self.workers.remove(victim)
+                    w = _Worker(header)
+                    w.busy = True
+                    self.workers.append(w)
+                    break
+                self.cond.wait()
+        victim.stop()
+        return w
+
+    def release(self, w: _Worker) -> None:
+        with self.cond:
+            w.busy = False
+            w.last_used = time.monotonic()
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            ws, self.workers = self.workers, []
+            for w in ws:
+                w.retired = True
+            self.cond.notify_all()
+        for w in ws:
+            w.stop()
+
+
+# --------------------------------------------------------------------------- the verifier
+
+class LeanVerifier:
+    """Checks Lean 4 proofs; see the module docstring. Use as a context manager."""
+
+    def __init__(self, backend: str = "repl", repl_path: str | None = None, mathlib_path: str | None = None,
+                 workers: int | None = None, timeout: float = 60.0,
+                 memory_limit_mb: float | None = DEFAULT_MEMORY_LIMIT_MB, max_uses: int | None = DEFAULT_MAX_USES,
+                 kimina_url: str | None = None, repl_cmd: str | None = None, *,
+                 header_timeout: float | None = None, lean_checks: bool = True,
+                 kimina_batch_size: int = 8, kimina_api_key: str | None = None,
+                 http_timeout: float | None = None):
+        self.timeout = float(timeout)
+        self.memory_limit_mb = memory_limit_mb
+        self.max_uses = max_uses
+        self.lean_checks = lean_checks
+        self.header_timeout = float(header_timeout) if header_timeout else max(300.0, self.timeout)
+        self._orig_cache: dict = {}
+        self._orig_lock = threading.Lock()
+        self._header_failures: dict = {}
+        self._pool = None
+        self._closed = False
+        if backend == "auto":
+            try:
+                _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
+                backend = "repl"
+            except LeanNotInstalled:
+                if not _kimina_url(kimina_url):
+                    raise
+                backend = "kimina"
+        self.backend = backend
+        if backend == "repl":
+            self.config = _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
+            self.workers = int(workers) if workers else _default_workers()
+            self._pool = _ReplPool(self.config, self.workers, memory_limit_mb, max_uses, self.header_timeout)
+        elif backend == "kimina":
+            url = _kimina_url(kimina_url)
+            if not url:
+                raise LeanNotInstalled("backend='kimina' needs kimina_url= or KIMINA_URL")
+            self.kimina_url = url.rstrip("/")
+            self.workers = int(workers) if workers else 4
+            self.kimina_batch_size = max(1, int(kimina_batch_size))
+            self.kimina_api_key = kimina_api_key or _setting("LEAN_SERVER_API_KEY", "KIMINA_API_KEY",
+                                                             dotenv=_read_dotenv())
+            self.http_timeout = float(http_timeout) if http_timeout else 2 * self.timeout + 60.0
+        else:
+            raise ValueError(f"backend must be 'repl', 'kimina' or 'auto', not {backend!r}")
+
+    # ---------------------------------------------------------------- public API
+
+    def verify(self, jobs: list, progress: bool = False) -> list:
+        """One LeanResult per job, in order. Never raises on model output."""
+        if self._closed:
+            raise RuntimeError("LeanVerifier is closed")
+        jobs = list(jobs)
+        self._header_failures = {}
+        if self.backend == "kimina":
+            return self._verify_kimina(jobs, progress)
+        results: list = [None] * len(jobs)
+        # group by header so a worker keeps its environment; results keep input order
+        order = sorted(range(len(jobs)), key=lambda i: str(getattr(jobs[i], "header", "")))
+        lock = threading.Lock()
+        it = iter(order)
+        bar = _Progress(len(jobs), progress)
+
+        def run():
+            while True:
+                with lock:
+                    i = next(it, None)
+                if i is None:
+                    return
+                results[i] = self._verify_one_repl(jobs[i])
+                bar.step(results[i])
+
+        n_threads = max(1, min(self.workers, len(jobs)))
+        if n_threads == 1:
+            run()
+        else:
+            with ThreadPoolExecutor(n_threads) as ex:
+                for f in [ex.submit(run) for _ in range(n_threads)]:
+                    f.result()
+        bar.close()
+        return [r if r is not None else _fail("crash", "internal: no result") for r in results]
+
+    def close(self) -> None:
+        self._closed = True
+        if self._pool is not None:
+            self._pool.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def stats(self) -> dict:
+        """REPL processes started and recycled so far (local backend)."""
+        if self._pool is None:
+            return {}
+        return {"starts": self._pool.starts, "recycles": self._pool.recycles,
+                "workers": len(self._pool.workers)}
+
+    # ---------------------------------------------------------------- local REPL backend
+
+    def _verify_one_repl(self, job) -> LeanResult:
+        t0 = time.monotonic()
+        try:
+            job = _as_job(job)
+            try:
+                prep = prepare(job)
+            except _Reject as r:
+                return _fail(r.status, f"{r.rule}: {r.detail}", t=time.monotonic() - t0)
+            failed = self._header_failures.get(job.header)
+            if failed is not None:
+                return dataclasses.replace(failed, time=time.monotonic() - t0)
+            last = None
+            for _attempt in range(2):
+                w = self._pool.acquire(job.header)
+                try:
+                    res = self._check_on_worker(w, job, prep)
+                    w.note_use(self._pool)
+                    res.time = time.monotonic() - t0
+                    return res
+                except _Timeout as e:
+                    w.stop()
+                    return _fail("timeout", f"timeout: {e} after {self.timeout:g} s", t=time.monotonic() - t0)
+                except _HeaderFailed as e:
+                    w.stop()
+                    res = _fail("error", f"header: the header does not elaborate: {e}", errors=[str(e)])
+                    self._header_failures[job.header] = res
+                    return dataclasses.replace(res, time=time.monotonic() - t0)
+                except _HeaderTimeout as e:
+                    w.stop()
+                    res = _fail("timeout", f"header: importing the header timed out ({e})")
+                    self._header_failures[job.header] = res
+                    return dataclasses.replace(res, time=time.monotonic() - t0)
+                except (_Crash, _Garbled, _MemoryExceeded) as e:
+                    w.stop()
+                    last = e
+                finally:
+                    self._pool.release(w)
+            kind = "memory" if isinstance(last, _MemoryExceeded) else "crash"
+            return _fail("crash", f"{kind}: {last} (restarted and retried once)", t=time.monotonic() - t0)
+        except Exception as e:  # never lose a proof
+            return _fail("crash", f"internal: {type(e).__name__}: {e}", t=time.monotonic() - t0)
+
+    def _ensure(self, w: _Worker) -> None:
+        try:
+            w.ensure(self._pool)
+        except _Timeout as e:
+            raise _HeaderTimeout(str(e))
+
+    def _check_on_worker(self, w: _Worker, job: ProofJob, prep: _Prepared) -> LeanResult:
+        self._ensure(w)
+        orig_type = None
+        if self.lean_checks:
+            key = (job.header, prep.lean_statement)
+            with self._orig_lock:
+                cached = self._orig_cache.get(key)
+            if cached is None:
+                cached = self._original_on_worker(w, prep)
+                if cached[0] is not None:
+                    with self._orig_lock:
+                        self._orig_cache[key] = cached
+            orig_type, orig_err = cached
+            if orig_type is None:
+                return _fail("error", f"statement: the original statement does not elaborate: {orig_err}")
+        resp = w.request(self._pool, {"cmd": prep.lean_proof, "env": w.env}, self.timeout)
+        if "message" in resp and "env" not in resp:
+            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])])
+        messages = list(resp.get("messages") or [])
+        sorries = list(resp.get("sorries") or [])
+        check_msgs = None
+        if self.lean_checks and not any(m.get("severity") == "error" for m in messages) and not sorries:
+            check_msgs = self._run_checks(w, resp.get("env"), prep.name)
+        status, reason, errors = _judge(messages, sorries, check_msgs, orig_type, prep.name, self.lean_checks)
+        return LeanResult(status == "valid", status, errors, reason, 0.0, messages)
+
+    def _run_checks(self, w: _Worker, env, name: str) -> list:
+        """Messages of `_check_block(name)` run in `env`; a name that the header's `open`s
+        make ambiguous (a root theorem and a mathlib `Nat.<name>`) is retried as `_root_.name`."""
+        chk = w.request(self._pool, {"cmd": _check_block(name), "env": env}, min(self.timeout, 60.0) + 5.0)
+        msgs = list(chk.get("messages") or [])
+        if "message" in chk and "env" not in chk:
+            msgs = [{"severity": "error", "data": str(chk["message"])}]
+        if "." not in name and any(m.get("severity") == "error" and "ambiguous" in str(m.get("data", ""))
+                                   for m in msgs):
+            return self._run_checks(w, env, "_root_." + name)
+        return msgs
+
+    def _original_on_worker(self, w: _Worker, prep: _Prepared) -> tuple:
+        """pp.all type of the original statement in the clean header environment."""
+        resp = w.request(self._pool, {"cmd": prep.lean_statement + " sorry", "env": w.env}, self.timeout)
+        errs = [_fmt(m) for m in resp.get("messages") or [] if m.get("severity") == "error"]
+        if "message" in resp and "env" not in resp:
+            errs.append(str(resp["message"]))
+        if errs:
+            return None, "; ".join(errs)[:500]
+        ctype, _ = _parse_checks(self._run_checks(w, resp.get("env"), prep.name))
+        if ctype is None:
+            return None, "no output from #check"
+        return ctype, None
+
+    # ---------------------------------------------------------------- tactic mode
+
+    def _require_repl(self):
+        if self.backend != "repl":
+            raise NotImplementedError("tactic mode needs the local REPL backend (Kimina has no tactic endpoint)")
+        if self._closed:
+            raise RuntimeError("LeanVerifier is closed")
+
+    def _tstate(self, header, statement, tactics, error, **kw) -> TacticState:
+        return TacticState(state_id=None, goals=[], error=error, header=header, statement=statement,
+                           tactics=list(tactics), **kw)
+
+    def start_proof(self, header: str, statement: str) -> TacticState:
+        """Root proof state of `statement` (which ends in ':= by') under `header`."""
+        self._require_repl()
+        header, statement = str(header or ""), str(statement or "")
+        try:
+            _, _, lean_statement = _prepare_statement(statement)
+        except _Reject as r:
+            return self._tstate(header, statement, [], f"{r.status}: {r.rule}: {r.detail}")
+        last = None
+        for _attempt in range(2):
+            w = self._pool.acquire(header)
+            try:
+                self._ensure(w)
+                resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout)
+                w.note_use(self._pool)
+                return self._root_state(resp, header, statement, w)
+            except (_Timeout, _HeaderTimeout) as e:
+                w.stop()
+                return self._tstate(header, statement, [], f"timeout: {e}")
+            except _HeaderFailed as e:
+                w.stop()
+                return self._tstate(header, statement, [], f"header: {e}")
+            except (_Crash, _Garbled, _MemoryExceeded) as e:
+                w.stop()
+                last = e
+            finally:
+                self._pool.release(w)
+        return self._tstate(header, statement, [], f"crash: {last}")
+
+    def _root_state(self, resp, header, statement, w, generation=None) -> TacticState:
+        if "message" in resp and "env" not in resp:
+            return self._tstate(header, statement, [], f"lean: {resp['message']}")
+        msgs = list(resp.get("messages") or [])
+        errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
+        if errs:
+            return self._tstate(header, statement, [], "lean: " + "; ".join(errs), messages=msgs)
+        sorries = [s for s in resp.get("sorries") or [] if isinstance(s.get("proofState"), int)]
+        if not sorries:
+            return self._tstate(header, statement, [], "lean: no proof state for the statement")
+        s = sorries[0]
+        return TacticState(state_id=s["proofState"], goals=[str(s.get("goal", "")).strip()], header=header,
+                           statement=statement, tactics=[], _worker=w,
+                           _generation=w.generation if generation is None else generation)
+
+    def _hold(self, state: TacticState) -> _Worker | None:
+        w = state._worker
+        if not isinstance(w, _Worker):
+            return None
+        got = self._pool.acquire(state.header, worker=w)
+        if got is None:
+            return None
+        if w.generation != state._generation or not w.live():
+            self._pool.release(w)
+            return None
+        return w
+
+    def _replay(self, state: TacticState) -> tuple:
+        """Rebuild `state` on a live REPL (its own process was restarted): run the
+        statement and the tactic path again. Returns (state, held worker or None)."""
+        w = self._pool.acquire(state.header)
+        ok = False
+        try:
+            self._ensure(w)
+            _, _, lean_statement = _prepare_statement(state.statement)
+            resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout)
+            root = self._root_state(resp, state.header, state.statement, w)
+            if root.error:
+                return root, None
+            sid = root.state_id
+            for t in state.tactics:
+                r = w.request(self._pool, {"tactic": _strip_or_raw(t), "proofState": sid}, self.timeout)
+                if not isinstance(r.get("proofState"), int) or any(
+                        m.get("severity") == "error" for m in r.get("messages") or []):
+                    return self._tstate(state.header, state.statement, state.tactics,
+                                        f"replay failed at {t!r}"), None
+                sid = r["proofState"]
+            ok = True
+            return dataclasses.replace(state, state_id=sid, _worker=w, _generation=w.generation), w
+        except (_Timeout, _HeaderTimeout, _HeaderFailed, _Crash, _Garbled, _MemoryExceeded, _Reject) as e:
+            w.stop()
+            return self._tstate(state.header, state.statement, state.tactics, f"replay failed: {e}"), None
+        finally:
+            if not ok:
+                self._pool.release(w)
+
+    def apply_tactic(self, state: TacticState, tactic: str) -> TacticState:
+        """Run one tactic (may span lines) on `state`. Returns the new state, or a
+        state with `error` set (state_id None). Never raises on model output."""
+        self._require_repl()
+        tactic = str(tactic or "")
+        path = list(state.tactics) + [tactic]
+        if state.error is not None or state.state_id is None:
+            return self._tstate(state.header, state.statement, path, "cannot apply a tactic to a failed state")
+        if state.solved or not state.goals:
+            return self._tstate(state.header, state.statement, path, "no goals left")
+        code, err = strip_comments(tactic)
+        if err:
+            return self._tstate(state.header, state.statement, path, f"error: lex: {err}")
+        hit = _scan_tokens(code)
+        if hit:
+            return self._tstate(state.header, state.statement, path, f"{hit[0]}: {hit[1]}: {hit[2]}")
+        if not code.strip():
+            return self._tstate(state.header, state.statement, path, "error: empty tactic")
+        last = None
+        for _attempt in range(2):
+            try:
+                w = self._hold(state)
+                if w is None:
+                    state, w = self._replay(state)
+                    if w is None:
+                        return self._tstate(state.header, state.statement, path, state.error or "replay failed")
+            except Exception as e:  # pragma: no cover - defensive
+                return self._tstate(state.header, state.statement, path, f"crash: internal: {e}")
+            try:
+                resp = w.request(self._pool, {"tactic": code, "proofState": state.state_id}, self.timeout)
+                gen = w.generation
+                w.note_use(self._pool)
+                return self._step_state(resp, state, path, w, gen)
+            except _Timeout as e:
+                w.stop()
+                return self._tstate(state.header, state.statement, path, f"timeout: {e} after {self.timeout:g} s")
+            except (_Crash, _Garbled, _MemoryExceeded) as e:
+                w.stop()
+                last = e
+            finally:
+                self._pool.release(w)
+        return self._tstate(state.header, state.statement, path, f"crash: {last}")
+
+    def _step_state(self, resp: dict, parent: TacticState, path: list, w: _Worker, gen: int) -> TacticState:
+        if not isinstance(resp.get("proofState"), int):
+            return self._tstate(parent.header, parent.statement, path, f"lean: {resp.get('message', resp)}")
+        msgs = list(resp.get("messages") or [])
+        errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
+        goals = [str(g) for g in resp.get("goals") or []]
+        status = resp.get("proofStatus")
+        sorries = resp.get("sorries") or []
+        if errs:
+            return self._tstate(parent.header, parent.statement, path, "lean: " + "; ".join(errs),
+                                messages=msgs, proof_status=status)
+        if sorries:
+            return self._tstate(parent.header, parent.statement, path, "sorry: the tactic introduced sorry",
+                                messages=msgs, proof_status=status)
+        if not goals and status is not None and status != "Completed":
+            return self._tstate(parent.header, parent.statement, path, f"lean: proof status {status!r}",
+                                messages=msgs, proof_status=status)
+        return TacticState(state_id=resp["proofState"], goals=goals, error=None, solved=not goals,
+                           proof_status=status, tactics=path, header=parent.header, statement=parent.statement,
+                           messages=msgs, _worker=w, _generation=gen)
+
+    def check_tactic_path(self, state_or_header, statement: str | None = None, tactics: list | None = None,
+                          name: str = "") -> LeanResult:
+        """Re-check an assembled tactic path as one whole proof (command mode).
+        Call with a TacticState, or with (header, statement, tactics)."""
+        if isinstance(state_or_header, TacticState):
+            s = state_or_header
+            header, statement, tactics = s.header, s.statement, s.tactics
+        else:
+            header = state_or_header
+        proof = proof_from_tactics(str(statement or ""), list(tactics or []))
+        return self.verify([ProofJob(str(header or ""), str(statement or ""), proof, name)])[0]
+
+    # ---------------------------------------------------------------- Kimina backend
+
+    def _kimina_code(self, header: str, body: str, name: str) -> tuple:
+        """Snippet = header + body + blank lines + check block. Kimina may shift line numbers
+        back by up to the header's line count H; with a gap larger than H, every message at
+        line >= threshold comes from the check block, whatever the shift."""
+        head = header if header.endswith("\n") or not header else header + "\n"
+        h = head.count("\n") + 1
+        pre = head + body.rstrip() + "\n"
+        gap = "\n" * (h + 3)
+        start_line = (pre + gap).count("\n") + 1
+        return pre + gap + _check_block(name), start_line - h
+
+    def _kimina_post(self, snippets: list) -> dict:
+        """POST one batch; returns {id: result dict} or raises _Timeout / _ServerError."""
+        payload = {"snippets": [{"id": sid, "code": code} for sid, code in snippets],
+                   "timeout": int(math.ceil(self.timeout)), "debug": False, "reuse": True}
+        data = json.dumps(payload, ensure_ascii=False).encode("utf-8", "replace")
+        headers = {"Content-Type": "application/json"}
+        if self.kimina_api_key:
+            headers["Authorization"] = f"Bearer {self.kimina_api_key}"
+        last = None
+        for attempt in range(2):
+            req = urllib.request.Request(self.kimina_url + "/api/check", data=data, headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(req, timeout=self.http_timeout) as r:
+                    body = json.loads(r.read().decode("utf-8"))
+                results = body.get("results") if isinstance(body, dict) else None
+                if not isinstance(results, list):
+                    raise _ServerError("malformed response from the Kimina server")
+                return {str(x.get("id")): x for x in results if isinstance(x, dict)}
+            except urllib.error.HTTPError as e:
+                last = _ServerError(f"HTTP {e.code} from the Kimina server")
+                if e.code < 500 and e.code != 429:
+                    break
+            except (TimeoutError, OSError) as e:
+                if isinstance(e, TimeoutError) or "timed out" in str(e):
+                    raise _Timeout(f"no answer from the Kimina server within {self.http_timeout:g} s")
+                last = _ServerError(f"cannot reach the Kimina server: {e}")
+            except ValueError as e:
+                last = _ServerError(f"malformed response from the Kimina server: {e}")
+            except _ServerError as e:
+                last = e
+            if attempt == 0:
+                time.sleep(0.5)
+        raise last
+
+    def _verify_kimina(self, jobs: list, progress: bool) -> list:
+        t0 = time.monotonic()
+        results: list = [None] * len(jobs)
+        preps = {}
+        snippets = []        # (sid, code, threshold)
+        orig_sids = {}       # (header, lean_statement) -> sid
+        for i, job in enumerate(jobs):
+            try:
+                job = _as_job(job)
+                jobs[i] = job
+                prep = prepare(job)
+            except _Reject as r:
+                results[i] = _fail(r.status, f"{r.rule}: {r.detail}")
+                continue
+            except Exception as e:
+                results[i] = _fail("crash", f"internal: {type(e).__name__}: {e}")
+                continue
+            preps[i] = prep
+            code, thr = self._kimina_code(job.header, prep.lean_proof, prep.name)
+            snippets.append((f"p{i}", code, thr))
+            key = (job.header, prep.lean_statement)
+            if self.lean_checks and key not in self._orig_cache and key not in orig_sids:
+                sid = f"s{len(orig_sids)}"
+                orig_sids[key] = sid
+                code, thr = self._kimina_code(job.header, prep.lean_statement + " sorry", prep.name)
+                snippets.append((sid, code, thr))
+        answers: dict = {}
+        thresholds = {sid: thr for sid, _, thr in snippets}
+        batches = [snippets[k:k + self.kimina_batch_size] for k in range(0, len(snippets), self.kimina_batch_size)]
+        bar = _Progress(len(batches), progress)
+
+        def run(batch):
+            try:
+                got = self._kimina_post([(sid, code) for sid, code, _ in batch])
+            except _Timeout as e:
+                got = {sid: {"_status": "timeout", "_reason": f"timeout: {e}"} for sid, _, _ in batch}
+            except _ServerError as e:
+                got = {sid: {"_status": "server_error", "_reason": f"server_error: {e}"} for sid, _, _ in batch}
+            except Exception as e:  # pragma: no cover
+                got = {sid: {"_status": "server_error", "_reason": f"server_error: {e}"} for sid, _, _ in batch}
+            bar.step()
+            return got
+
+        if batches:
+            with ThreadPoolExecutor(max(1, min(self.workers, len(batches)))) as ex:
+                for got in ex.map(run, batches):
+                    answers.update(got)
+        bar.close()
+        for key, sid in orig_sids.items():
+            ans = answers.get(sid)
+            if ans is None or "_status" in ans or "error" in ans or not isinstance(ans.get("response"), dict):
+                continue   # not cached: the proofs below report why
+            resp = ans["response"]
+            msgs = resp.get("messages") or []
+            thr = thresholds[sid]
+            stmt_errs = [_fmt(m) for m in msgs if m.get("severity") == "error" and _line(m) < thr]
+            ctype, _ = _parse_checks([m for m in msgs if _line(m) >= thr])
+            self._orig_cache[key] = (None, "; ".join(stmt_errs)[:500]) if stmt_errs else (ctype, None)
+        for i, prep in preps.items():
+            job = jobs[i]
+            sid = f"p{i}"
+            res, ctype = self._kimina_result(answers.get(sid), thresholds[sid], prep)
+            if res.status == "valid" and self.lean_checks:
+                key = (job.header, prep.lean_statement)
+                cached = self._orig_cache.get(key)
+                if cached is None:
+                    ans = answers.get(orig_sids.get(key, ""), {})
+                    status = "timeout" if ans.get("_status") == "timeout" or "timed out" in str(
+                        ans.get("error", "")) else "server_error"
+                    res = _fail(status, f"{status}: could not elaborate the original statement on the server")
+                elif cached[0] is None:
+                    res = _fail("error", f"statement: the original statement does not elaborate: {cached[1]}")
+                elif ctype != cached[0]:
+                    res = _fail("cheat", "elaborated_statement: the proved theorem's type differs from "
+                                         "the original statement", messages=res.messages)
+            results[i] = res
+        elapsed = (time.monotonic() - t0) / max(1, len(jobs))
+        out = []
+        for r in results:
+            r = r if r is not None else _fail("crash", "internal: no result")
+            r.time = elapsed
+            out.append(r)
+        return out
+
+    def _kimina_result(self, ans: dict | None, thr: int, prep: _Prepared) -> tuple:
+        """(LeanResult, pp.all type from the check block or None) for one snippet answer."""
+        if ans is None:
+            return _fail("server_error", "server_error: the Kimina server returned no result for this proof"), None
+        if "_status" in ans:
+            return _fail(ans["_status"], ans["_reason"]), None
+        if ans.get("error"):
+            err = str(ans["error"])
+            if "timed out" in err.lower() or "timeout" in err.lower():
+                return _fail("timeout", f"timeout: {err[:300]}"), None
+            return _fail("server_error", f"server_error: {err[:300]}"), None
+        resp = ans.get("response")
+        if not isinstance(resp, dict):
+            return _fail("server_error", "server_error: result has neither `response` nor `error`"), None
+        if "message" in resp and "env" not in resp and "messages" not in resp:
+            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])]), None
+        msgs = list(resp.get("messages") or [])
+        proof_msgs = [m for m in msgs if _line(m) < thr]
+        check_msgs = [m for m in msgs if _line(m) >= thr]
+        sorries = [s for s in resp.get("sorries") or [] if _line(s) < thr]
+        status, reason, errors = _judge(proof_msgs, sorries, check_msgs, None, prep.name, self.lean_checks)
+        ctype, _ = _parse_checks(check_msgs)
+        return LeanResult(status == "valid", status, errors, reason, 0.0, proof_msgs), ctype
+
+
+class _HeaderTimeout(Exception):
+    pass
+
+
+class _ServerError(Exception):
+    pass
+
+
+def _line(m: dict) -> int:
+    try:
+        return int((m.get("pos") or {}).get("line", 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+def _strip_or_raw(t: str) -> str:
+    code, err = strip_comments(t)
+    return code if code is not None else t
+
+
+def _as_job(job) -> ProofJob:
+    if isinstance(job, ProofJob):
+        return ProofJob(str(job.header or ""), str(job.statement or ""), str(job.proof or ""), str(job.name or ""))
+    if isinstance(job, dict):
+        return ProofJob(str(job.get("header") or ""),
+                        str(job.get("statement") or job.get("formal_statement") or ""),
+                        str(job.get("proof") or ""), str(job.get("name") or ""))
+    raise TypeError(f"expected a ProofJob, got {type(job).__name__}")
+
+
+class _Progress:
+    def __init__(self, total: int, enabled: bool):
+        self.bar = None
+        self.total = total
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, desc="lean", leave=False)
+            except ImportError:  # pragma: no cover
+                self.bar = None
+        self.lock = threading.Lock()
+
+    def step(self, _res=None):
+        if self.bar is not None:
+            with self.lock:
+                self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --------------------------------------------------------------------------- CLI
+
+def _cli(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Check Lean 4 proofs from a jsonl file (fields: header, "
+                                 "formal_statement or statement, proof = full proof or tactics after ':= by').")
+    ap.add_argument("file", nargs="?", default=str(REPO_ROOT / "data" / "lean_smoke.jsonl"))
+    ap.add_argument("--backend", default="auto", choices=["auto", "repl", "kimina"])
+    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--repl-cmd", default=None, help="command line of a REPL (overrides LEAN_REPL_CMD)")
+    ap.add_argument("--kimina-url", default=None)
+    ap.add_argument("--out", default=None, help="write one JSON result per line here")
+    a = ap.parse_args(argv)
+    try:
+        v = LeanVerifier(backend=a.backend, workers=a.workers, timeout=a.timeout, repl_cmd=a.repl_cmd,
+                         kimina_url=a.kimina_url)
+    except LeanNotInstalled as e:
+        print(f"LeanNotInstalled: {e}", file=sys.stderr)
+        return 2
+    rows = []
+    with open(a.file, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rows.append(json.loads(line))
+    jobs = []
+    for r in rows:
+        stmt = r.get("formal_statement") or r.get("statement") or ""
+        proof = r.get("proof") or ""
+        code = strip_comments(proof)[0] or ""
+        if not re.search(_tok("theorem", "lemma", "example"), code):   # tactics only
+            proof = proof_from_tactics(stmt, [proof])
+        jobs.append(ProofJob(r.get("header") or DEFAULT_HEADER, stmt, proof, r.get("name", "")))
+    with v:
+        t0 = time.monotonic()
+        res = v.verify(jobs, progress=True)
+        dt = time.monotonic() - t0
+    counts: dict = {}
+    for r, job in zip(res, jobs):
+        counts[r.status] = counts.get(r.status, 0) + 1
+        print(f"{r.status:12s} {job.name or '?':40s} {r.time:7.2f}s {r.reason[:100]}")
+    print(f"{len(res)} proofs in {dt:.1f} s: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as f:
+            for r, job in zip(res, jobs):
+                f.write(json.dumps({"name": job.name, **dataclasses.asdict(r)}, ensure_ascii=False) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_cli())

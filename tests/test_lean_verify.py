@@ -1,0 +1,627 @@
+"""Tests for lean_verify.py against the stand-in REPL (tests/fake_lean_repl.py) and a
+local HTTP stand-in of the Kimina Lean Server. Tests marked `lean` use a real Lean
+REPL + mathlib when one is configured (`bash setup.sh --lean`) and are skipped otherwise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAKE = ROOT / "tests" / "fake_lean_repl.py"
+sys.path.insert(0, str(ROOT))
+
+import lean_verify as lv  # noqa: E402
+from lean_verify import LeanNotInstalled, LeanResult, LeanVerifier, ProofJob, TacticState  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("fake_lean_repl", FAKE)
+fake = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fake)
+
+H = lv.DEFAULT_HEADER
+SMOKE = [json.loads(line) for line in (ROOT / "data" / "lean_smoke.jsonl").read_text(encoding="utf-8").splitlines()
+         if line.strip()]
+ENV_KEYS = ("LEAN_REPL_CMD", "LEAN_REPL_PATH", "SGS_REPL_PATH", "LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH",
+            "KIMINA_URL", "LEAN_SERVER_API_KEY", "KIMINA_API_KEY")
+
+
+def fake_cmd(*args) -> str:
+    return " ".join(shlex.quote(a) for a in [sys.executable, str(FAKE), *map(str, args)])
+
+
+def make(tmp_path, *args, **kw):
+    stats = tmp_path / "stats.txt"
+    kw.setdefault("workers", 1)
+    kw.setdefault("timeout", 10.0)
+    v = LeanVerifier(repl_cmd=fake_cmd("--stats", stats, "--state-dir", tmp_path, *args), **kw)
+    return v, stats
+
+
+def count(stats: Path, kind: str) -> int:
+    if not stats.exists():
+        return 0
+    return sum(1 for line in stats.read_text().splitlines() if line.split()[0] == kind)
+
+
+def smoke_job(row, proof=None) -> ProofJob:
+    tactics = row["proof"] if proof is None else proof
+    return ProofJob(row["header"], row["formal_statement"], lv.proof_from_tactics(row["formal_statement"], [tactics]),
+                    row["name"])
+
+
+def by_name(name):
+    return next(r for r in SMOKE if r["name"] == name)
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path):
+    for k in ENV_KEYS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(lv, "DOTENV_PATH", tmp_path / "no.env")
+    return monkeypatch
+
+
+# --------------------------------------------------------------------------- configuration
+
+def test_import_needs_no_lean_and_clear_error(clean_env, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    r = subprocess.run([sys.executable, "-c", "import lean_verify; print(lean_verify.STATUSES)"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert not lv.lean_available() and not lv.lean_available(real=True)
+    with pytest.raises(LeanNotInstalled) as e:
+        LeanVerifier()
+    assert "bash setup.sh --lean" in str(e.value)
+    with pytest.raises(LeanNotInstalled):
+        LeanVerifier(backend="kimina")
+    with pytest.raises(LeanNotInstalled, match="setup.sh --lean"):
+        LeanVerifier(backend="auto")
+    # SGS names are read; a missing binary is named in the error
+    clean_env.setenv("SGS_REPL_PATH", str(tmp_path / "nope" / "repl"))
+    clean_env.setenv("SGS_MATHLIB_PATH", str(tmp_path))
+    with pytest.raises(LeanNotInstalled, match="REPL binary not found"):
+        LeanVerifier()
+
+
+def test_dotenv_and_env_precedence(clean_env, tmp_path):
+    dotenv = tmp_path / ".env"
+    dotenv.write_text(f'# written by setup.sh\nexport LEAN_REPL_CMD="{fake_cmd()}"\nKIMINA_URL=http://x:1\n')
+    clean_env.setattr(lv, "DOTENV_PATH", dotenv)
+    assert lv._read_dotenv()["KIMINA_URL"] == "http://x:1"
+    assert lv.lean_available() and not lv.lean_available(real=True)
+    with LeanVerifier(workers=1) as v:       # from .env
+        assert v.verify([smoke_job(SMOKE[0])])[0].valid
+    clean_env.setenv("LEAN_REPL_PATH", str(tmp_path / "missing"))   # environment beats .env
+    clean_env.setenv("LEAN_MATHLIB_PATH", str(tmp_path))
+    with pytest.raises(LeanNotInstalled, match="not found"):
+        LeanVerifier()
+    assert LeanVerifier(backend="kimina").kimina_url == "http://x:1"
+
+
+def test_cli(clean_env, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
+    env["LEAN_REPL_PATH"] = str(tmp_path / "missing")
+    env["LEAN_MATHLIB_PATH"] = str(tmp_path)
+    r = subprocess.run([sys.executable, "lean_verify.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "LeanNotInstalled" in r.stderr and "bash setup.sh --lean" in r.stderr
+    out = tmp_path / "res.jsonl"
+    r = subprocess.run([sys.executable, "lean_verify.py", "data/lean_smoke.jsonl", "--repl-cmd", fake_cmd(),
+                        "--workers", "2", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"{len(SMOKE)} proofs" in r.stdout and f"valid {len(SMOKE)}" in r.stdout
+    assert len(out.read_text().splitlines()) == len(SMOKE)
+
+
+# --------------------------------------------------------------------------- text rules
+
+def test_strip_comments():
+    s = 'a -- sorry\nb /- x /- nested -/ sorry -/ c "-- not a comment" \'"\' «x--y» d'
+    code, err = lv.strip_comments(s)
+    assert err is None and len(code) == len(s)
+    assert "sorry" not in code and '"-- not a comment"' in code and "«x--y»" in code and code.endswith(" d")
+    assert code.split("\n")[0].rstrip() == "a"
+    assert lv.strip_comments("x /- open")[1] == "unterminated comment"
+    assert lv.strip_comments('x "open')[1] == "unterminated string literal"
+    assert lv.strip_comments("h' -- c")[0] == "h'     "
+    assert lv.strip_comments('r#"a -- "b"#')[0] == 'r#"a -- "b"#'
+
+
+def test_normalize_and_statement_match():
+    assert lv.normalize_lean("theorem t (x:ℝ)  (h : x = 1) :\n  x + 0 = 1 := by") == \
+        lv.normalize_lean("theorem t (x : ℝ) (h : x = 1) : x + 0 = 1 := by")
+    st = by_name("smoke_linear_system")["formal_statement"]
+    reformatted = st.replace(" (h₀", "\n    (h₀").replace(" : x = 6", " :\n    x = 6")
+    assert lv.check_text(ProofJob(H, st, reformatted + "\n  linarith")) is None
+    lemma = st.replace("theorem", "lemma") + " linarith"
+    assert lv.check_text(ProofJob(H, st, lemma)) is None
+    term_mode = st[:-len("by")] + "by linarith"
+    assert lv.check_text(ProofJob(H, st, term_mode)) is None
+    docs = "/-- informal -/\n" + st + "\n  -- a comment with sorry\n  linarith /- admit -/"
+    assert lv.check_text(ProofJob(H, st, docs)) is None
+    ex = "example (a : ℕ) : a + 0 = a := by"
+    assert lv.check_text(ProofJob(H, ex, ex + " simp")) is None
+    assert lv.check_text(ProofJob(H, ex, ex.replace("a + 0", "0 + a") + " simp")).status == "cheat"
+    bad_stmt = lv.check_text(ProofJob(H, "theorem t : 1 = 1 := rfl", "theorem t : 1 = 1 := rfl"))
+    assert bad_stmt.status == "error" and bad_stmt.reason.startswith("statement")
+
+
+@pytest.fixture(scope="module")
+def accept_all(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("all")
+    v, stats = make(tmp, "--accept", "all", workers=2)
+    yield v, stats
+    v.close()
+
+
+@pytest.mark.parametrize("rule,statement,proof", lv.CHEAT_EXAMPLES,
+                         ids=[f"{i}-{r}" for i, (r, _, _) in enumerate(lv.CHEAT_EXAMPLES)])
+def test_cheat_rules(accept_all, rule, statement, proof):
+    v, stats = accept_all
+    res = v.verify([ProofJob(H, statement, proof)])[0]
+    assert not res.valid and res.reason.split(":")[0] == rule, res
+    assert res.status == {"lex": "error", "sorry": "sorry", "import": "error"}.get(rule, "cheat")
+    assert rule in lv.CHEAT_RULES
+
+
+def _stand_in_accepts(proof: str) -> bool:
+    reply, _ = fake.FakeLean("all").handle({"cmd": H + proof})
+    return not reply.get("sorries") and not [m for m in reply.get("messages", []) if m["severity"] != "info"]
+
+
+def test_every_cheat_rule_has_an_example_the_stand_in_accepts():
+    """Each text rule is shown with a proof that Lean's stand-in (accepting everything)
+    takes as valid, so it is lean_verify, not the REPL, that rejects it."""
+    rules = {r for r, _, _ in lv.CHEAT_EXAMPLES} - {"lex", "sorry", "import"}
+    shown = {r for r, _, p in lv.CHEAT_EXAMPLES if r in rules and _stand_in_accepts(p)}
+    assert shown == rules
+    assert set(lv.CHEAT_RULES) - {"lex", "sorry", "import", "axioms", "elaborated_statement"} == rules
+
+
+def test_text_rules_do_not_reject_honest_proofs():
+    st = lv._CHEAT_TARGET
+    honest = [
+        st + "\n  omega",
+        "theorem helper (y : ℕ) : y + y = 2 * y := by ring\n" + st + "\n  rw [helper]\n  omega",
+        "set_option maxHeartbeats 400000 in\n" + st + "\n  omega",
+        "import Mathlib\nimport Aesop\nopen Real Nat\n" + st + "\n  omega",
+        "open Finset in\ntheorem helper2 : True := trivial\n" + st + "\n  omega",
+        st + "\n  have h : x = 2 := h₀\n  subst h\n  norm_num  -- sorry-free",
+        st + "\n  set_option maxRecDepth 1000 in omega",
+        st + "\n  exact (by omega : x + x = 4)",
+        st + "\n  simp [h₀, Finset.sum_range_succ, #[1, 2].size]",
+    ]
+    for p in honest:
+        assert lv.check_text(ProofJob(H, st, p)) is None, p
+
+
+def test_nothing_raises_on_model_output(tmp_path):
+    v, _ = make(tmp_path)
+    with v:
+        st = SMOKE[0]["formal_statement"]
+        jobs = [ProofJob(H, st, None), ProofJob(H, "garbage", "x"), ProofJob(None, None, None),
+                ProofJob(H, st, st + " norm_num \udcff"), {"header": H, "statement": st, "proof": st + " norm_num"},
+                "not a job", ProofJob(H, st, "")]
+        res = v.verify(jobs)
+    assert len(res) == len(jobs) and all(isinstance(r, LeanResult) for r in res)
+    valid = [r.valid for r in res]
+    assert valid[:3] == [False, False, False] and valid[4:] == [True, False, False]
+    assert all(r.status in lv.STATUSES for r in res)
+
+
+# --------------------------------------------------------------------------- the stand-in itself
+
+def test_stand_in_protocol(tmp_path):
+    """The stand-in speaks the REPL's wire format: JSON commands separated by blank lines,
+    pretty-printed JSON replies each followed by a blank line."""
+    cmds = [{"cmd": H}, {"cmd": "theorem t (p : Prop) (hp : p) : p := by sorry", "env": 0},
+            {"tactic": "exact hp", "proofState": 0}, {"cmd": "theorem u : 1 = 1 := by rfl", "env": 7},
+            {"pickleTo": str(tmp_path / "e.olean"), "env": 1}, {"unpickleEnvFrom": str(tmp_path / "e.olean")},
+            {"cmd": "#print axioms t", "env": 2}]
+    stdin = "".join(json.dumps(c) + "\n\n" for c in cmds)
+    out = subprocess.run([sys.executable, str(FAKE)], input=stdin, capture_output=True, text=True, timeout=60).stdout
+    replies = [json.loads(chunk) for chunk in out.split("\n\n") if chunk.strip()]
+    assert replies[0] == {"env": 0}
+    assert replies[1]["env"] == 1 and replies[1]["sorries"][0]["goal"] == "p : Prop\nhp : p\n⊢ p"
+    assert "declaration uses 'sorry'" in replies[1]["messages"][0]["data"]
+    assert replies[2] == {"proofState": 1, "goals": [], "proofStatus": "Completed"}
+    assert replies[3] == {"message": "Unknown environment."}
+    assert replies[4] == {"env": 1} and replies[5] == {"env": 2}
+    assert "sorryAx" in replies[6]["messages"][0]["data"]
+
+
+# --------------------------------------------------------------------------- local REPL pool
+
+def test_smoke_valid_and_header_imported_once(tmp_path):
+    v, stats = make(tmp_path)
+    with v:
+        res = v.verify([smoke_job(r) for r in SMOKE])
+        assert [r.status for r in res] == ["valid"] * len(SMOKE), [r.reason for r in res if not r.valid]
+        assert all(r.valid and r.errors == [] and r.reason == "" and r.time >= 0 for r in res)
+        assert count(stats, "header") == 1 and count(stats, "start") == 1
+        # wrong proofs are errors with Lean's message
+        bad = v.verify([smoke_job(SMOKE[0], "frobnicate"), smoke_job(SMOKE[0], "intro h")])
+        assert [r.status for r in bad] == ["error", "error"]
+        assert "unknown tactic" in bad[0].errors[0] and "unsolved goals" in bad[1].reason
+        assert count(stats, "header") == 1
+
+
+def test_header_reuse_and_order(tmp_path):
+    h2 = H + "open Finset\n"
+    jobs = []
+    for i in range(12):
+        row = SMOKE[i]
+        job = smoke_job(row, row["proof"] if i % 3 else "frobnicate")
+        jobs.append(ProofJob(h2 if i % 2 else H, job.statement, job.proof, job.name))
+    v, stats = make(tmp_path, workers=2)
+    with v:
+        res = v.verify(jobs)
+    assert len(res) == len(jobs)
+    assert [r.valid for r in res] == [bool(i % 3) for i in range(12)]
+    assert count(stats, "header") <= 4          # at most once per (worker, header), not per proof
+    (tmp_path / "one").mkdir()
+    v1, stats1 = make(tmp_path / "one", workers=1)
+    with v1:
+        res1 = v1.verify(jobs)
+    assert [r.valid for r in res1] == [r.valid for r in res]
+    assert count(stats1, "header") == 2          # grouped by header even with one worker
+
+
+def test_mixed_failures_exactly_one_result_each_in_order(tmp_path):
+    st = by_name("smoke_lt_trans")["formal_statement"]
+
+    def job(tactics):
+        return ProofJob(H, st, lv.proof_from_tactics(st, tactics))
+
+    jobs = [job(["linarith"]), job(["fake_hang", "linarith"]), job(["frobnicate"]), job(["sorry"]),
+            job(["fake_crash", "linarith"]), job(["linarith"]), job(["fake_garbage", "linarith"]),
+            ProofJob(H, st, st + "\n  native_decide"), job(["fake_noise", "linarith"]), job(["linarith"])]
+    expected = ["valid", "timeout", "error", "sorry", "crash", "valid", "crash", "cheat", "valid", "valid"]
+    v, stats = make(tmp_path, workers=2, timeout=1.5)
+    with v:
+        t0 = time.monotonic()
+        res = v.verify(jobs)
+        elapsed = time.monotonic() - t0
+    assert [r.status for r in res] == expected, [(r.status, r.reason) for r in res]
+    assert "retried once" in res[4].reason and "not a JSON reply" in res[6].reason
+    assert 1.4 < res[1].time < 5 and elapsed < 20
+
+
+def test_timeout_kills_and_restarts(tmp_path):
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    v, stats = make(tmp_path, timeout=1.0)
+    with v:
+        res = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_hang", "linarith"])),
+                        ProofJob(H, st, lv.proof_from_tactics(st, ["linarith"]))])
+    assert [r.status for r in res] == ["timeout", "valid"]
+    assert 0.9 < res[0].time < 4
+    assert count(stats, "start") == 2 and count(stats, "header") == 2
+
+
+def test_crash_recovery_retries_once(tmp_path):
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    v, stats = make(tmp_path)
+    with v:
+        res = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_crash_once k1", "linarith"]))])
+        assert res[0].status == "valid"            # crashed, restarted, retried
+        assert count(stats, "start") == 2
+        res = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_crash", "linarith"]))])
+        assert res[0].status == "crash" and "REPL exited" in res[0].reason
+        assert count(stats, "start") == 3          # crash, one restart + retry, then a failure record
+
+
+def test_crash_after_flag(tmp_path):
+    rows = SMOKE[:5]
+    v, stats = make(tmp_path, "--crash-after", 4, lean_checks=False)   # every REPL dies at its 4th command
+    with v:
+        res = v.verify([smoke_job(r) for r in rows])
+    assert [r.status for r in res] == ["valid"] * 5
+    assert count(stats, "start") >= 2
+
+
+def test_memory_limit_restarts_repl(tmp_path):
+    rows = SMOKE[:8]
+    v, stats = make(tmp_path, "--leak-mb", 40, memory_limit_mb=150, lean_checks=False)
+    with v:
+        res = v.verify([smoke_job(r) for r in rows])
+        assert [r.status for r in res] == ["valid"] * len(rows)
+        assert v.stats()["recycles"] >= 1 and count(stats, "start") >= 2
+        # a proof that blows the limit while Lean works is killed, retried once, then recorded
+        st = rows[0]["formal_statement"]
+        big = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_leak 400", "fake_slow 1.5", "norm_num"]))])
+        assert big[0].status == "crash" and big[0].reason.startswith("memory"), big[0]
+
+
+def test_max_uses_restarts_repl(tmp_path):
+    v, stats = make(tmp_path, max_uses=3, lean_checks=False)
+    with v:
+        res = v.verify([smoke_job(r) for r in SMOKE[:7]])
+    assert all(r.valid for r in res)
+    assert count(stats, "start") == 3 and count(stats, "header") == 3
+
+
+def test_lean_side_checks(tmp_path):
+    st = by_name("smoke_lt_trans")["formal_statement"]
+
+    def job(*tactics):
+        return ProofJob(H, st, lv.proof_from_tactics(st, [*tactics, "linarith"]))
+
+    v, _ = make(tmp_path)
+    with v:
+        res = v.verify([job("fake_axiom myCheat"), job("fake_alter_type"), job("fake_sorry_warning"), job()])
+    assert [r.status for r in res] == ["cheat", "cheat", "sorry", "valid"]
+    assert res[0].reason.startswith("axioms") and "myCheat" in res[0].reason
+    assert res[1].reason.startswith("elaborated_statement")
+    # without the Lean-side checks the axiom would go unnoticed: they are what catches it
+    v2, _ = make(tmp_path, lean_checks=False)
+    with v2:
+        assert v2.verify([job("fake_axiom myCheat")])[0].status == "valid"
+
+
+def test_hash_mode_share_is_deterministic(tmp_path):
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    jobs = [ProofJob(H, st, lv.proof_from_tactics(st, [f"tactic_{i} x y"])) for i in range(240)]
+    v, _ = make(tmp_path, "--accept", "hash:0.3", workers=2, lean_checks=False)
+    with v:
+        a = [r.valid for r in v.verify(jobs)]
+        b = [r.valid for r in v.verify(jobs)]
+    assert a == b and 0.2 < sum(a) / len(a) < 0.4
+    for p, want in (("0", 0), ("1", len(jobs[:20]))):
+        w, _ = make(tmp_path, "--accept", f"hash:{p}", lean_checks=False)
+        with w:
+            assert sum(r.valid for r in w.verify(jobs[:20])) == want
+
+
+# --------------------------------------------------------------------------- tactic mode
+
+def test_tactic_mode(tmp_path):
+    row = by_name("smoke_two_goals")
+    v, stats = make(tmp_path, timeout=1.5)
+    with v:
+        s0 = v.start_proof(row["header"], row["formal_statement"])
+        assert isinstance(s0, TacticState) and s0.error is None and isinstance(s0.state_id, int)
+        assert s0.goals == [row["goal"]] and not s0.solved
+        s1 = v.apply_tactic(s0, "constructor")
+        assert len(s1.goals) == 2 and s1.tactics == ["constructor"] and not s1.solved
+        s1b = v.apply_tactic(s0, "constructor")          # branching from the same state
+        assert s1b.state_id != s1.state_id and s1b.goals == s1.goals
+        s2 = v.apply_tactic(s1, "linarith")
+        assert len(s2.goals) == 1 and not s2.solved
+        s3 = v.apply_tactic(s2, "linarith")
+        assert s3.solved and s3.goals == [] and s3.proof_status == "Completed" and s3.error is None
+        res = v.check_tactic_path(s3)
+        assert res.valid, res
+        assert v.check_tactic_path(row["header"], row["formal_statement"], ["linarith", "constructor"]).status \
+            == "error"
+        bad = v.apply_tactic(s0, "frobnicate")
+        assert bad.error and "unknown tactic" in bad.error and bad.state_id is None and not bad.solved
+        assert v.apply_tactic(bad, "linarith").error
+        assert v.apply_tactic(s3, "linarith").error == "no goals left"
+        assert v.apply_tactic(s0, "sorry").error.startswith("sorry")
+        assert v.apply_tactic(s0, "native_decide").error.startswith("cheat")
+        trap = v.apply_tactic(s0, "fake_trap")
+        assert trap.error and not trap.solved
+        # the REPL behind s1 dies: the state is replayed on a fresh REPL
+        starts = count(stats, "start")
+        s1._worker.proc.kill()
+        s2b = v.apply_tactic(s1, "linarith")
+        assert s2b.error is None and len(s2b.goals) == 1 and count(stats, "start") == starts + 1
+        assert v.apply_tactic(s2b, "linarith").solved
+        # a tactic that hangs times out; the state still works afterwards
+        hung = v.apply_tactic(s1, "fake_hang")
+        assert hung.error.startswith("timeout")
+        assert v.apply_tactic(s2b, "linarith").solved
+        # a statement that does not elaborate
+        assert v.start_proof(H, "theorem broken (x : ℕ : x = x := by").error
+        assert v.start_proof(H, "not a theorem").error
+
+
+def test_tactic_mode_intro_and_no_proof_status(tmp_path):
+    row = by_name("smoke_imp_trans")
+    v, _ = make(tmp_path, "--no-proof-status")
+    with v:
+        s = v.start_proof(row["header"], row["formal_statement"])
+        s = v.apply_tactic(s, "intro hp")
+        assert s.goals[0].endswith("hp : p\n⊢ r")
+        s = v.apply_tactic(s, "exact h₂ (h₁ hp)")
+        assert s.solved and s.proof_status is None
+        assert v.check_tactic_path(s).valid
+
+
+def test_tactic_mode_hash_and_restart_after_max_uses(tmp_path):
+    row = by_name("smoke_lt_trans")
+    v, stats = make(tmp_path, "--accept", "hash:0.3", max_uses=4)
+    with v:
+        root = v.start_proof(row["header"], row["formal_statement"])
+        outcomes = []
+        for i in range(12):
+            s = v.apply_tactic(root, f"tac_{i}")     # restarts after 4 uses; root is replayed
+            outcomes.append("solved" if s.solved else ("error" if s.error else "open"))
+        again = [("solved" if s.solved else ("error" if s.error else "open"))
+                 for s in (v.apply_tactic(root, f"tac_{i}") for i in range(12))]
+    assert outcomes == again and {"solved", "error", "open"} >= set(outcomes) and len(set(outcomes)) >= 2
+    assert count(stats, "start") >= 3
+
+
+def test_tactic_mode_not_on_kimina(kimina):
+    v = LeanVerifier(backend="kimina", kimina_url=kimina.url)
+    with pytest.raises(NotImplementedError):
+        v.start_proof(H, SMOKE[0]["formal_statement"])
+
+
+# --------------------------------------------------------------------------- Kimina client
+
+class KiminaStub:
+    """A tiny stand-in of kimina-lean-server's POST /api/check on 127.0.0.1 (random port)."""
+
+    def __init__(self, accept="known"):
+        self.lean = fake.FakeLean(accept)
+        self.lock = threading.Lock()
+        self.fail_next = 0          # answer HTTP 500 this many times
+        self.sleep = 0.0            # seconds before answering
+        self.drop = False           # leave out the first result
+        self.requests = []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                stub.requests.append((self.path, dict(self.headers), body))
+                if self.path.rstrip("/") != "/api/check":
+                    self.send_error(404)
+                    return
+                if stub.fail_next > 0:
+                    stub.fail_next -= 1
+                    self.send_error(500)
+                    return
+                time.sleep(stub.sleep)
+                results = []
+                for sn in body["snippets"]:
+                    with stub.lock:
+                        reply, directives = stub.lean.handle({"cmd": sn["code"]})
+                    kinds = {k for k, _ in directives}
+                    if "hang" in kinds:
+                        results.append({"id": sn["id"], "time": body["timeout"],
+                                        "error": f"Lean REPL command timed out in {body['timeout']} seconds"})
+                    elif "crash" in kinds:
+                        results.append({"id": sn["id"], "time": 0.1, "error": "REPL process died"})
+                    else:
+                        results.append({"id": sn["id"], "time": 0.01, "response": reply})
+                if stub.drop:
+                    results = results[1:]
+                data = json.dumps({"results": results}).encode()
+                try:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):   # the client gave up (timeout test)
+                    pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def kimina():
+    stub = KiminaStub()
+    yield stub
+    stub.close()
+
+
+def test_kimina_verdicts(kimina):
+    st = by_name("smoke_lt_trans")["formal_statement"]
+
+    def job(*tactics):
+        return ProofJob(H, st, lv.proof_from_tactics(st, list(tactics)))
+
+    jobs = [smoke_job(r) for r in SMOKE] + [job("frobnicate"), job("sorry"), job("fake_axiom myAx", "linarith"),
+                                            job("fake_alter_type", "linarith"), ProofJob(H, st, st + " native_decide"),
+                                            job("fake_hang", "linarith"), job("fake_crash", "linarith")]
+    with LeanVerifier(backend="kimina", kimina_url=kimina.url, kimina_api_key="secret", workers=2) as v:
+        res = v.verify(jobs)
+    assert [r.status for r in res] == ["valid"] * len(SMOKE) + ["error", "sorry", "cheat", "cheat", "cheat",
+                                                                  "timeout", "server_error"]
+    assert res[-5].reason.startswith("axioms") and res[-4].reason.startswith("elaborated_statement")
+    path, headers, body = kimina.requests[0]
+    assert path == "/api/check" and headers["Authorization"] == "Bearer secret"
+    assert isinstance(body["timeout"], int) and all(sn["code"].startswith(H) for sn in body["snippets"])
+    assert len({sn["id"] for sn in body["snippets"]}) == len(body["snippets"])
+
+
+def test_kimina_server_errors_and_timeouts(kimina):
+    jobs = [smoke_job(r) for r in SMOKE[:3]]
+    kimina.fail_next = 1                                   # one 500: retried, then fine
+    with LeanVerifier(backend="kimina", kimina_url=kimina.url, workers=1) as v:
+        assert all(r.valid for r in v.verify(jobs))
+        kimina.fail_next = 100                             # keeps failing: server_error, never success
+        assert [r.status for r in v.verify(jobs)] == ["server_error"] * 3
+        kimina.fail_next = 0
+        kimina.drop = True                                 # a result missing from the answer
+        res = v.verify(jobs)
+        assert not res[0].valid and res[0].status in ("server_error",)
+        kimina.drop = False
+    kimina.sleep = 2.0                                     # slower than the client waits
+    with LeanVerifier(backend="kimina", kimina_url=kimina.url, http_timeout=0.5) as v:
+        assert [r.status for r in v.verify(jobs[:1])] == ["timeout"]
+    kimina.sleep = 0.0
+    dead = "http://127.0.0.1:9"                            # nothing listens there
+    with LeanVerifier(backend="kimina", kimina_url=dead, http_timeout=2) as v:
+        assert [r.status for r in v.verify(jobs[:2])] == ["server_error"] * 2
+
+
+def test_kimina_line_shift_does_not_confuse_checks(kimina):
+    """Kimina shifts message lines back by the header's line count; the check block's
+    messages must still be told apart from the proof's."""
+    lean = kimina.lean
+    orig = lean.handle
+
+    def shifted(req):
+        reply, d = orig(req)
+        shift = H.count("\n")
+        for m in reply.get("messages", []) + reply.get("sorries", []):
+            m["pos"]["line"] -= shift
+        return reply, d
+
+    lean.handle = shifted
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    jobs = [smoke_job(by_name("smoke_lt_trans")),
+            ProofJob(H, st, lv.proof_from_tactics(st, ["fake_axiom bad", "linarith"]))]
+    with LeanVerifier(backend="kimina", kimina_url=kimina.url) as v:
+        assert [r.status for r in v.verify(jobs)] == ["valid", "cheat"]
+
+
+# --------------------------------------------------------------------------- real Lean (optional)
+
+real_lean = pytest.mark.skipif(not lv.lean_available(real=True),
+                               reason="no real Lean REPL configured (bash setup.sh --lean)")
+
+
+@pytest.mark.lean
+@real_lean
+def test_real_lean_smoke():
+    with LeanVerifier(timeout=120, header_timeout=900) as v:
+        res = v.verify([smoke_job(r) for r in SMOKE])
+        assert [r.status for r in res] == ["valid"] * len(SMOKE), [(r.status, r.reason) for r in res if not r.valid]
+        row = by_name("smoke_linear_system")
+        st = row["formal_statement"]
+        bad = v.verify([smoke_job(row, "sorry"), smoke_job(row, "norm_num"),
+                        ProofJob(row["header"], st, "axiom c : False\n" + st + "\n  exact c.elim"),
+                        ProofJob(row["header"], st, st.replace("x = 6", "x = 6 ∨ True") + "\n  simp")])
+        assert [r.status for r in bad] == ["sorry", "error", "cheat", "cheat"]
+
+
+@pytest.mark.lean
+@real_lean
+def test_real_lean_tactic_mode():
+    row = by_name("smoke_imp_trans")
+    with LeanVerifier(timeout=120, header_timeout=900, workers=1) as v:
+        s = v.start_proof(row["header"], row["formal_statement"])
+        assert s.error is None and s.goals
+        s = v.apply_tactic(s, "intro hp")
+        assert s.error is None and not s.solved
+        assert v.apply_tactic(s, "exact hp").error
+        s = v.apply_tactic(s, "exact h₂ (h₁ hp)")
+        assert s.solved
+        assert v.check_tactic_path(s).valid
