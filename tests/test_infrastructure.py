@@ -84,7 +84,9 @@ def test_hf_sampler_logprobs_match_the_policy(tiny):
         assert mask[row].sum() == L
         assert torch.allclose(logp[row, :L], torch.tensor(s.logprobs), atol=2e-3), (logp[row, :L], s.logprobs)
         assert (ent[row, :L] > 0).all()
-    assert logp.requires_grad
+    assert logp.requires_grad and not ent.requires_grad  # entropy for logging only, by default
+    _, _, ent_grad = B.token_logprobs(model, flat[:1], temperature=0.7, with_entropy=True, entropy_grad=True)
+    assert ent_grad.requires_grad  # for an entropy bonus in the loss
 
 
 def test_one_sampler_serves_several_roles(tiny, tiny_model_dir):
