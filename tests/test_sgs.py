@@ -1,0 +1,305 @@
+"""Tests of sgs.py: pure functions against values worked out by hand from the paper's equations, the parsers on
+malformed model output, and (marked slow) end-to-end runs in a subprocess with a tiny model and the stand-in REPL."""
+
+import json
+import math
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import sgs  # noqa: E402
+
+
+def args(**kw):
+    return sgs.Args(**kw)
+
+
+# ---- the Guide (Eq. 3) ----
+def test_guide_reward_eq3():
+    # relevance + (2 - complexity) + (1 - redundancy), 0 when complexity >= 3
+    assert sgs.guide_reward(4, 0, 1) == 6.0  # 4 + 1 + 1
+    assert sgs.guide_reward(5, 0, 0) == 8.0  # the maximum: 5 + 2 + 1
+    assert sgs.guide_reward(2, 1, 2) == 2.0  # 2 + 0 + 0
+    assert sgs.guide_reward(0, 1, 2) == 0.0  # 0 + 0 + 0
+    assert sgs.guide_reward(5, 0, 3) == 0.0  # tangled conclusion
+    assert sgs.guide_reward(5, 0, 4) == 0.0
+
+
+def test_guide_rewards_fill_failed_parses_with_the_batch_mean():
+    ok_a = {"relevance": 4.0, "redundancy": 0.0, "conclusion_complexity": 1.0}  # 6
+    ok_b = {"relevance": 2.0, "redundancy": 1.0, "conclusion_complexity": 2.0}  # 2
+    # the failed review gets (6 + 2) / 2 = 4
+    assert sgs.guide_rewards([ok_a, None, ok_b]) == [6.0, 4.0, 2.0]
+    assert sgs.guide_rewards([None, None]) == [1.0, 1.0]  # nothing parsed: as without a Guide
+    assert sgs.guide_rewards([]) == []
+
+
+def test_parse_guide_scores():
+    text = (
+        "The lemma is close to the target... <begin_relevance_score>2<end_relevance_score> on reflection:\n"
+        "<begin_relevance_score> 4 <end_relevance_score>\n<begin_redundancy_score>0<end_redundancy_score>\n"
+        "<begin_conclusion_complexity_score>1.0<end_conclusion_complexity_score>"
+    )
+    # the last pair of each tag counts
+    assert sgs.parse_guide_scores(text) == {"relevance": 4.0, "redundancy": 0.0, "conclusion_complexity": 1.0}
+    assert sgs.parse_guide_scores(text.replace("<begin_redundancy_score>0<end_redundancy_score>", "")) is None
+    assert sgs.parse_guide_scores(text.replace(" 4 ", "four")) is None
+    assert sgs.parse_guide_scores(text.replace(" 4 ", "7")) is None  # off the 0..5 scale
+    assert sgs.parse_guide_scores("") is None
+    assert sgs.parse_guide_scores("<begin_relevance_score>3") is None  # truncated
+
+
+# ---- the Conjecturer's reward (Alg. 1, §3.2) ----
+def test_percentile_cut():
+    rates = [0.0, 1.0, 0.125, 0.5, 0.25, 0.75, 0.375]
+    # inside (0, 1), sorted: [0.125, 0.25, 0.375, 0.5, 0.75]; int(0.7 * 5) = 3 -> 0.5
+    assert sgs.percentile_cut(rates, 0.7) == 0.5
+    assert [r for r in rates if 0 < r <= 0.5] == [0.125, 0.5, 0.25, 0.375]  # ties at p70 are kept
+    assert sgs.percentile_cut([0.0, 1.0, 1.0], 0.7) == 0.0  # none inside: nobody is rewarded
+    assert sgs.percentile_cut([0.25], 0.7) == 0.25  # int(0.7) = 0
+
+
+def test_min_max_and_conjecturer_rewards():
+    assert sgs.min_max_normalise([2.0, 4.0, 6.0]) == [0.0, 0.5, 1.0]
+    assert sgs.min_max_normalise([3.0, 3.0]) == [1.0, 1.0]
+    # R = R_guide * (1 - s): 6 * 0.5 = 3, 4 * 0.75 = 3, 8 * 0.125 = 1 -> min 1, max 3 -> [1, 1, 0]
+    assert sgs.conjecturer_rewards([6.0, 4.0, 8.0], [0.5, 0.25, 0.875]) == [1.0, 1.0, 0.0]
+    assert sgs.conjecturer_rewards([], []) == []
+
+
+# ---- the Solver's reward (§4.1) ----
+def test_overlong_penalty():
+    # M = 100, buffer 0.2: 0 up to 80 tokens, then -(L - 80) / 20, clipped at -1
+    assert sgs.overlong_penalty(80, 100) == 0.0
+    assert sgs.overlong_penalty(90, 100) == -0.5
+    assert sgs.overlong_penalty(100, 100) == -1.0
+    assert sgs.overlong_penalty(130, 100) == -1.0
+    assert sgs.overlong_penalty(7000, 8192) == pytest.approx(-(7000 - 6553.6) / 1638.4)
+
+
+@pytest.mark.parametrize(
+    "proof, expected",
+    [
+        ("\n  try linarith\n  nlinarith", True),
+        ("\n  (try simp) <;> linarith", True),
+        ("\n  nlinarith [sq_nonneg x]\n  -- try this", False),
+        ("\n  /- try -/ simp", False),
+        ("\n  /- nested /- try -/ still a comment -/ simp", False),
+        ("\n  symmetry\n  exact h", False),  # the official substring test would fire here
+        ("\n  exact h_try", False),
+        ("\n  exact geometry_lemma", False),
+        ("\n  first | try? | simp", True),
+    ],
+)
+def test_uses_try(proof, expected):
+    assert sgs.uses_try(proof) is expected
+
+
+def test_solver_reward():
+    a = args(max_new_tokens=100)
+    assert sgs.solver_reward(True, "\n  simp", 10, a) == 1.0
+    assert sgs.solver_reward(True, "\n  try simp", 10, a) == 0.0  # try penalty
+    assert sgs.solver_reward(False, None, 10, a) == 0.0
+    assert sgs.solver_reward(True, "\n  simp", 90, a) == -0.5  # overlong replaces the reward
+    assert sgs.solver_reward(False, None, 95, a) == -0.75
+    assert sgs.solver_reward(True, "\n  try simp", 10, args(max_new_tokens=100, penalize_try=False)) == 1.0
+
+
+def test_group_advantages():
+    # r = [1, 0, 0, 0]: mean 0.25, population std sqrt(0.25 * 0.75) = 0.4330127
+    adv = sgs.group_advantages([1.0, 0.0, 0.0, 0.0])
+    assert adv[0] == pytest.approx(0.75 / (0.4330127 + 1e-6), rel=1e-6)
+    assert adv[1] == pytest.approx(-0.25 / (0.4330127 + 1e-6), rel=1e-6)
+    assert sum(adv) == pytest.approx(0.0, abs=1e-9)
+    assert sgs.group_advantages([1.0, 1.0]) == [0.0, 0.0]
+
+
+def test_pass_at_k():
+    assert sgs.pass_at_k(8, 0, 8) == 0.0
+    assert sgs.pass_at_k(8, 8, 8) == 1.0
+    assert sgs.pass_at_k(8, 1, 1) == pytest.approx(1 / 8)
+    assert sgs.pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2) / C(4,2)
+
+
+# ---- losses ----
+def test_reinforce_loss_per_sequence_normalisation():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    w = torch.tensor([1.0, 0.5])
+    # per sequence: (-1 - 2) / 2 = -1.5 and -3 / 1 = -3; loss = -(1 * -1.5 + 0.5 * -3) / 2 = 1.5
+    loss = sgs.reinforce_loss(logp, mask, w, n_sequences=2)
+    assert loss.item() == pytest.approx(1.5)
+    loss.backward()
+    # d loss / d logp[0, t] = -w_0 / (|y_0| * B) = -1 / 4; d / d logp[1, 0] = -0.5 / (1 * 2) = -0.25; padding 0
+    assert logp.grad.tolist() == [[-0.25, -0.25, 0.0], [-0.25, 0.0, 0.0]]
+
+
+def test_cispo_loss_weights_and_clipping():
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.4]])).requires_grad_(True)
+    old = torch.log(torch.tensor([[0.25, 0.5, 0.05]]))
+    mask = torch.tensor([[1.0, 1.0, 1.0]])
+    # ratios: 0.5/0.25 = 2, 0.25/0.5 = 0.5, 0.4/0.05 = 8 -> clipped to 4
+    # loss = -A * (2 log .5 + .5 log .25 + 4 log .4) / group_tokens / n_groups with A = 1.5, group_tokens 6, G 2
+    expected = -1.5 * (2 * math.log(0.5) + 0.5 * math.log(0.25) + 4 * math.log(0.4)) / 6 / 2
+    loss = sgs.cispo_loss(logp, old, mask, torch.tensor([1.5]), torch.tensor([6.0]), n_groups=2, clip_low=0.0, clip_high=4.0)
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    # the weight is not differentiated: d loss / d logp_t = -A * clip(r_t) / (6 * 2)
+    assert logp.grad[0].tolist() == pytest.approx([-1.5 * 2 / 12, -1.5 * 0.5 / 12, -1.5 * 4 / 12])
+
+
+def test_cispo_lower_clip():
+    logp = torch.log(torch.tensor([[0.1]]))
+    old = torch.log(torch.tensor([[0.5]]))
+    # ratio 0.2, clipped up to 0.5: loss = -1 * 0.5 * log 0.1 / 1 / 1
+    loss = sgs.cispo_loss(logp, old, torch.ones(1, 1), torch.tensor([1.0]), torch.tensor([1.0]), 1, clip_low=0.5)
+    assert loss.item() == pytest.approx(-0.5 * math.log(0.1))
+
+
+# ---- parsers on well-formed and malformed output ----
+GOOD = "```lean4\nimport Mathlib\n\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```"
+
+
+def test_extract_proof_strict():
+    assert sgs.extract_proof(GOOD) == "\n  simp"
+    assert sgs.extract_proof("  \n" + GOOD + "\n\n") == "\n  simp"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "I think we should use simp.",  # no code block
+        "Here is the proof:\n" + GOOD,  # prose before the block
+        GOOD + "\nThis works because ...",  # prose after
+        GOOD[: -len("```")],  # truncated: no closing fence
+        GOOD + "\n" + GOOD,  # two blocks
+        "```lean\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",  # not lean4
+        "```lean4\nlemma aux : True := by trivial\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",  # two declarations
+        "```lean4\ntheorem foo (x : ℕ) : x + 0 = x :=\n  by simp\n```",  # no ':= by'
+        "```lean4\ntheorem foo (x : ℕ) : x + 0 = x := by\n```",  # empty proof
+        "\x00\ufffd```lean4 garbage",
+    ],
+)
+def test_extract_proof_rejects(text):
+    assert sgs.extract_proof(text) is None
+
+
+def test_extract_conjecture():
+    text = (
+        "Let me think. A useful lemma is positivity of squares.\n```lean4\ntheorem draft : True := by sorry\n```\n"
+        "Better:\n```lean4\nimport Mathlib\nopen Real\n\ntheorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by sorry\n```\nDone."
+    )
+    assert sgs.extract_conjecture(text) == "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by"
+    assert sgs.extract_conjecture("```lean4\nlemma l (n : ℕ) : n ≤ n ^ 2 := by\n```") == "lemma l (n : ℕ) : n ≤ n ^ 2 := by"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no code at all",
+        "```lean4\ntheorem t (x : ℝ) : 0 ≤ x ^ 2 := by sorry",  # truncated
+        "```lean4\ntheorem t (x : ℝ) : 0 ≤ x ^ 2 := by\n  positivity\n```",  # a proof instead of sorry
+        "```lean4\ntheorem t : 1 = 1 := by sorry\ntheorem u : 2 = 2 := by sorry\n```",  # two ':= by'
+        "```lean4\ntheorem t (x : ℝ) : 0 ≤ x ^ 2 := sorry\n```",  # no ':= by'
+        "```lean4\ndef f : ℕ := 1\ntheorem t : f = 1 := by sorry\n```",  # not a theorem first
+        "```lean4\ntheorem t := by sorry\n```",  # no conclusion
+        "```lean4\nsorry sorry := by sorry\n```",
+    ],
+)
+def test_extract_conjecture_rejects(text):
+    assert sgs.extract_conjecture(text) is None
+
+
+def test_conclusion_and_disjunction():
+    s = "theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by"
+    assert sgs.theorem_conclusion(s) == "x = 1 ∨ x = -1"
+    assert sgs.is_disjunctive(s)
+    s = "theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) (hb : 0 < b) : a ≤ b := by"
+    assert sgs.theorem_conclusion(s) == "a ≤ b"  # the disjunction is in a hypothesis
+    assert not sgs.is_disjunctive(s)
+    assert sgs.theorem_conclusion("theorem t : let a := 2; a = 2 := by") == "let a := 2; a = 2"
+
+
+# ---- training sets ----
+def fake_sample(n_tokens=3):
+    return sgs.Sample("x", [1, 2], list(range(5, 5 + n_tokens)), [-0.5] * n_tokens, "stop")
+
+
+def fake_attempts(pid, correct_flags, proof="\n  simp"):
+    return [sgs.Attempt(pid, fake_sample(), proof if c else None, "valid" if c else "error", c) for c in correct_flags]
+
+
+def test_solver_examples_reinforce_half_and_cispo():
+    problems = [sgs.Problem(p, "", f"theorem {p} : True := by") for p in "abcd"]
+    attempts = {
+        "a": fake_attempts("a", [False] * 4),  # s = 0: nothing to learn
+        "b": fake_attempts("b", [True, False, False, False]),  # s = 0.25
+        "c": fake_attempts("c", [True, True, False, False]),  # s = 0.5: still in REINFORCE½
+        "d": fake_attempts("d", [True, True, True, False]),  # s = 0.75: too easy for REINFORCE½, in CISPO
+    }
+    attempts["c"][0].proof = "\n  try simp"  # reward 0: dropped
+    a = args(max_new_tokens=100)
+    ex = sgs.solver_examples(problems, attempts, {}, 0, a, random.Random(0))
+    assert sorted(e.weight for e in ex) == [1.0, 1.0]  # b's one and c's second correct proof
+    a = args(max_new_tokens=100, solver_objective="cispo")
+    ex = sgs.solver_examples(problems, attempts, {}, 0, a, random.Random(0))
+    assert len(ex) == 12 and len({e.group for e in ex}) == 3  # groups b, c, d: all 4 attempts each
+    assert all(e.group_tokens == 12.0 for e in ex)  # 4 attempts x 3 tokens
+    for g in {e.group for e in ex}:
+        assert sum(e.weight for e in ex if e.group == g) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_solver_examples_expert_iteration_window():
+    store = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"} for it in range(5)]}
+    a = args(solver_objective="expert_iteration", ei_window=3, max_new_tokens=100)
+    ex = sgs.solver_examples([], {}, store, 4, a, random.Random(0))
+    assert len(ex) == 3  # proofs found in iterations 2, 3, 4
+
+
+def test_record_proofs_caps_and_dedups():
+    store = {"a": []}
+    att = {"a": fake_attempts("a", [True] * 3) + [sgs.Attempt("a", fake_sample(), f"\n  p{i}", "valid", True) for i in range(20)]}
+    sgs.record_proofs(store, att, 0, args())
+    assert len(store["a"]) == 16 and len({p["proof"] for p in store["a"]}) == 16
+
+
+def test_conjecturer_examples():
+    cs = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "conjecture", "t") for i in range(3)]
+    rates = {"c0": 0.5, "c1": 0.25, "c2": 0.875}
+    samples = {"c0": fake_sample(3), "c1": fake_sample(95), "c2": fake_sample(3)}
+    # R = [3, 3, 1] -> [1, 1, 0]; c1's 95 tokens of M = 100 -> penalty -0.75 replaces its weight; c2's 0 is dropped
+    ex = sgs.conjecturer_examples(cs, rates, [6.0, 4.0, 8.0], samples, args(conjecturer_max_new_tokens=100), random.Random(0))
+    assert sorted(e.weight for e in ex) == [-0.75, 1.0]
+
+
+def test_load_problems(tmp_path):
+    rows = [
+        {"name": "p1", "split": "test", "header": "import Mathlib\n", "formal_statement": "theorem p1 : 1 = 1 := by\n"},
+        {"name": "p2", "header": "import Mathlib\n", "formal_statement": "theorem p2 : 2 = 2 := by sorry"},
+        {"name": "p3", "formal_statement": "theorem p3 : 3 = 3 :="},
+        {"name": "p3", "formal_statement": "theorem p3 : 3 = 3 := by"},  # duplicate id
+        {"id": "p4", "header": "", "theorem": "theorem p4 : 4 = 4 := by"},
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    problems = sgs.load_problems(str(path))
+    assert [p.id for p in problems] == ["p1", "p2", "p3", "p4"]
+    assert [p.statement for p in problems][:3] == ["theorem p1 : 1 = 1 := by", "theorem p2 : 2 = 2 := by", "theorem p3 : 3 = 3 := by"]
+    assert problems[2].header == sgs.DEFAULT_HEADER
+    assert len(sgs.load_problems(str(path), limit=2)) == 2
+
+
+def test_cpu_scaling_keeps_given_flags(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    a = args(proofs_per_problem=8)
+    changes = sgs.scale_for_cpu(a, ["--proofs-per-problem", "8", "--iterations=5"])
+    assert a.proofs_per_problem == 8 and a.model == "embedded:smollm2"
+    assert not any(c.strip().startswith("iterations") for c in changes)
