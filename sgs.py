@@ -886,8 +886,10 @@ def load_problems(dataset: str, limit: Optional[int] = None) -> list[Problem]:
     for i, row in enumerate(rows):
         pid = str(row.get("id", row.get("name", i)))
         statement = normalise_statement(row.get("theorem", row.get("formal_statement", "")))
-        if statement is None or "sorry" in statement or pid in seen:
-            continue  # D_3k has none of these; the check protects other files
+        if statement is None or "sorry" in statement:
+            continue  # D_3k has none of these (official check); other files may
+        if pid in seen:
+            pid = f"{pid}#{i}"  # ProofNet repeats some names across books  # D_3k has none of these; the check protects other files
         seen.add(pid)
         problems.append(Problem(id=pid, header=row.get("header", DEFAULT_HEADER), statement=statement))
     return problems[:limit] if limit else problems

@@ -854,8 +854,10 @@ def load_problems(dataset: str, limit: Optional[int] = None, split: Optional[str
             continue
         pid = str(row.get("id", row.get("name", i)))
         statement = normalise_statement(row.get("formal_statement", row.get("theorem", "")))
-        if statement is None or "sorry" in statement or pid in seen:
-            continue
+        if statement is None or "sorry" in statement:
+            continue  # a statement must end with ':= by' and hold no proof
+        if pid in seen:
+            pid = f"{pid}#{i}"  # ProofNet repeats some names across books
         seen.add(pid)
         problems.append(Problem(id=pid, header=row.get("header") or DEFAULT_HEADER, statement=statement))
     return problems[:limit] if limit else problems

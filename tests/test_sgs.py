@@ -285,16 +285,17 @@ def test_load_problems(tmp_path):
         {"name": "p1", "split": "test", "header": "import Mathlib\n", "formal_statement": "theorem p1 : 1 = 1 := by\n"},
         {"name": "p2", "header": "import Mathlib\n", "formal_statement": "theorem p2 : 2 = 2 := by sorry"},
         {"name": "p3", "formal_statement": "theorem p3 : 3 = 3 :="},
-        {"name": "p3", "formal_statement": "theorem p3 : 3 = 3 := by"},  # duplicate id
+        {"name": "p3", "formal_statement": "theorem p3b : 3 = 3 := by"},  # a repeated name gets a suffix
         {"id": "p4", "header": "", "theorem": "theorem p4 : 4 = 4 := by"},
     ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     problems = sgs.load_problems(str(path))
-    assert [p.id for p in problems] == ["p1", "p2", "p3", "p4"]
+    assert [p.id for p in problems] == ["p1", "p2", "p3", "p3#3", "p4"]
     assert [p.statement for p in problems][:3] == ["theorem p1 : 1 = 1 := by", "theorem p2 : 2 = 2 := by", "theorem p3 : 3 = 3 := by"]
     assert problems[2].header == sgs.DEFAULT_HEADER
     assert len(sgs.load_problems(str(path), limit=2)) == 2
+    assert sgs.load_problems(str(path))[3].statement == "theorem p3b : 3 = 3 := by"
 
 
 def test_cpu_scaling_keeps_given_flags(monkeypatch):

@@ -1,0 +1,280 @@
+"""Tests of stp.py: pure functions against values worked out by hand, the parsers on malformed model output, the data
+phases on hand-made histories, and (marked slow) end-to-end runs in a subprocess with a tiny model and the stand-in
+REPL."""
+
+import json
+import math
+import pathlib
+import random
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import stp  # noqa: E402
+
+
+def args(**kw):
+    return stp.Args(**kw)
+
+
+# ---- weights and bands ----
+def test_proof_weight():
+    # exp(-0.001 * 100 - 0.01 * 2) / 2 = exp(-0.12) / 2
+    assert stp.proof_weight(100, 2.0, 2, args()) == pytest.approx(math.exp(-0.12) / 2)
+    assert stp.proof_weight(0, 0.0, 1, args()) == 1.0
+
+
+def test_band():
+    assert not stp.in_band(0.0)
+    assert stp.in_band(1 / 32)
+    assert stp.in_band(0.24)
+    assert not stp.in_band(0.25)  # strict: 0 < p < 1/4
+    assert not stp.in_band(1.0)
+
+
+def test_rates():
+    h = {0: (64, 8), 1: (32, 16), 2: (32, 0)}
+    # round 3, window 3: rounds 1..3 -> (16 + 0) / (32 + 32) = 0.25
+    assert stp.window_rate(h, 3, 3) == 0.25
+    # round 2: rounds 0..2 -> 24 / 128
+    assert stp.window_rate(h, 2, 3) == 24 / 128
+    assert stp.window_rate(h, 9, 3) is None
+    assert stp.best_rate(h) == 0.5
+    assert stp.last_rate(h) == 0.0
+    assert stp.best_rate({}) == 0.0
+
+
+def test_elegance_filter():
+    groups = ["a"] * 5 + ["b"]
+    ratios = [1.0, 2.0, 3.0, 4.0, 5.0, 0.1]
+    # group a: the 20% quantile of [1..5] is 1 + 0.8 * (2 - 1) = 1.8 -> drop ratio 1; group b has one member: kept
+    assert stp.elegance_filter(groups, ratios, 0.2) == [False, True, True, True, True, True]
+    assert stp.elegance_filter([], [], 0.2) == []
+
+
+def test_matching_weights():
+    P = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    Q = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [0.6, 0.8]])
+    # N / M = 2 / 4 = 0.5 per unproved statement; three prefer p0, one prefers p1 (0.8 > 0.6)
+    assert stp.matching_weights(P, Q, cap=4.0, rng=random.Random(0)) == [1.5, 0.5]
+    # cap 1: p0 fills up after two, the third goes to p1 -> [1, 1] whatever the order
+    for seed in range(5):
+        assert stp.matching_weights(P, Q, cap=1.0, rng=random.Random(seed)) == [1.0, 1.0]
+    assert stp.matching_weights(P, Q[:0], cap=4.0) == [1.0, 1.0]  # nothing left to match
+    assert stp.matching_weights(P[:0], Q, cap=4.0) == []
+
+
+def test_pass_at_k_both_estimators():
+    correct = np.array([[1, 0, 0, 0], [0, 0, 0, 1]], dtype=bool)
+    # unbiased pass@2 per problem: 1 - C(3,2) / C(4,2) = 1 - 3/6 = 0.5
+    assert stp.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert stp.pass_at_k(4, 0, 2) == 0.0 and stp.pass_at_k(4, 3, 2) == 1.0
+    # chunks of 1: solved shares [0.5, 0, 0, 0.5] -> mean 0.25, population std 0.25 (4 chunks)
+    mean, std = stp.chunked_pass_at_k(correct, 1)
+    assert mean == pytest.approx(0.25) and std == pytest.approx(0.25)
+    # chunks of 2: [0.5, 0.5] -> mean 0.5, no std with fewer than 4 chunks
+    assert stp.chunked_pass_at_k(correct, 2) == (0.5, None)
+    # one chunk of 4: both solved
+    assert stp.chunked_pass_at_k(correct, 4) == (1.0, None)
+    assert math.isnan(stp.chunked_pass_at_k(correct, 8)[0])
+
+
+def test_weighted_sft_loss():
+    logp = torch.tensor([[-1.0, -2.0], [-4.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    w = torch.tensor([1.0, 0.5])
+    # numerator: 1 * (-1 - 2) + 0.5 * (-4) = -5; sum_i w_i |y_i| = 1 * 2 + 0.5 * 1 = 2.5 -> loss 2
+    loss = stp.weighted_sft_loss(logp, mask, w, weighted_tokens=2.5)
+    assert loss.item() == pytest.approx(2.0)
+    loss.backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.4, -0.4, -0.2, 0.0])
+
+
+# ---- parsers ----
+def test_extract_proof():
+    assert stp.extract_proof("\n  nlinarith [sq_nonneg x]\n```\nmore text") == "\n  nlinarith [sq_nonneg x]"
+    assert stp.extract_proof("\n  simp") == "\n  simp"  # the stop string already removed the fence
+    assert stp.extract_proof("\n  simp ```") == "\n  simp"
+    assert stp.extract_proof("") is None
+    assert stp.extract_proof("  \n\n```") is None
+
+
+def test_extract_conjecture():
+    text = " theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by\n  positivity\n</hard theorem> junk"
+    assert stp.extract_conjecture(text) == "theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by"
+    assert stp.extract_conjecture("foo (n : ℕ) : n ≤ n ^ 2 :=\n</hard theorem>") == "theorem foo (n : ℕ) : n ≤ n ^ 2 := by"
+    # everything from the first ':=' on is cut: a proof, even a sorry, is dropped
+    assert stp.extract_conjecture("theorem t : 1 = 1 := by sorry\n</hard theorem>") == "theorem t : 1 = 1 := by"
+    assert stp.extract_conjecture("\nlemma bar : (1 : ℕ) < 2 := by") == "theorem bar : (1 : ℕ) < 2 := by"  # stopped at the tag
+
+
+@pytest.mark.parametrize(
+    "text, finish",
+    [
+        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by\n  nlin", "length"),  # truncated before </hard theorem>
+        ("theorem t (h : sorry) : True\n</hard theorem>", "stop"),  # sorry in the statement
+        ("theorem t := by\n</hard theorem>", "stop"),  # no conclusion
+        ("theorem : P\n</hard theorem>", "stop"),  # no name
+        ("theorem t : True\n```lean4\n</hard theorem>", "stop"),  # a fence inside
+        ("theorem t : True <lemma>\n</hard theorem>", "stop"),  # a prompt marker
+        ("\n</hard theorem>", "stop"),
+        ("", "stop"),
+    ],
+)
+def test_extract_conjecture_rejects(text, finish):
+    assert stp.extract_conjecture(text, finish) is None
+
+
+def test_invoked_lemmas():
+    statement = "theorem t (a b x : ℝ) (ha : 0 < a) (hb : 0 < b) (h_ab : a < b) : a * b ≤ (a ^ 2 + b ^ 2) / 2 := by"
+    proof = (
+        "\n  have h_main : 0 ≤ (a - b) ^ 2 := sq_nonneg (a - b)\n"
+        "  obtain ⟨c, hc_pos⟩ : ∃ c : ℝ, 0 < c := ⟨1, one_pos⟩\n"
+        "  nlinarith [sq_nonneg (a + b), mul_pos ha hb, h_main, Real.sqrt_nonneg x, h_ab, hc_pos]\n"
+        "  norm_num [Nat.succ_le_iff] at h_main"
+    )
+    # lemmas in order of first use; not h_main / hc_pos (bound), h_ab (statement), norm_num / nlinarith (tactics)
+    assert stp.invoked_lemmas(proof, statement) == ["sq_nonneg", "one_pos", "mul_pos", "Real.sqrt_nonneg", "Nat.succ_le_iff"]
+    assert stp.invoked_lemmas("\n  simp\n  linarith", statement) == []
+    assert stp.invoked_lemmas("", "") == []
+
+
+def test_prompts_keep_the_published_markers(tiny_model_dir):
+    tok = stp.load_tokenizer(tiny_model_dir)
+    p = stp.Problem("t", "import Mathlib\n\n", "theorem t : 1 + 1 = 2 := by")
+    prompt = stp.prover_prompt(tok, p, args())
+    assert prompt == "Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\n\ntheorem t : 1 + 1 = 2 := by"
+    c = stp.conjecturer_prompt(tok, "import Mathlib\n\n", "", "theorem t : 1 + 1 = 2 := by\n  norm_num", args())
+    assert c.endswith("<lemma>\ntheorem true: True\n<easy theorem>\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n<hard theorem>")
+    assert "<lemma>\ntheorem sq_nonneg\n" in stp.conjecturer_prompt(tok, "", "sq_nonneg", "x", args())
+    long = stp.Problem("t", "", "theorem t : " + " + ".join(["1"] * 2000) + " = 2000 := by")
+    cut = stp.prover_prompt(tok, long, args(max_prompt_tokens=50))
+    assert len(tok(cut, add_special_tokens=False)["input_ids"]) <= 52 and cut.endswith(":= by")
+
+
+def test_load_problems_and_benchmarks():
+    smoke = stp.load_problems(str(REPO / "data" / "lean_smoke.jsonl"))
+    assert smoke and all(p.statement.endswith(":= by") for p in smoke)
+    minif2f = stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")
+    proofnet = stp.load_problems(str(REPO / "data" / "proofnet.jsonl"), split="test")
+    assert len(minif2f) == 244 and len(proofnet) == 186
+    assert all(p.statement.endswith(":= by") for p in proofnet)  # ':=' got ' by' (deviation 8)
+    assert len(stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), limit=3, split="valid")) == 3
+
+
+# ---- the phases' data selection ----
+def problems_for(*ids):
+    return [stp.Problem(i, stp.DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by") for i in ids]
+
+
+def test_select_seeds():
+    statements = problems_for("s1", "s2", "s3")
+    history = {"s1": {0: (4, 1), 1: (4, 2)}, "s2": {0: (4, 1)}, "s3": {2: (4, 4)}}
+    proofs = {"s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 0.1}],
+              "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 0, "time": 0.1}],
+              "s3": [{"proof": "\n  positivity", "round": 2, "time": 0.1}]}
+    # s2's best rate 0.25 <= 0.35: not a seed. Newest first: s3 (round 2), then s1 (round 1).
+    seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=1.0), random.Random(0))
+    assert [(s.id, lemma) for s, _, lemma in seeds] == [("s3", ""), ("s1", "sq_nonneg"), ("s1", "")]
+    seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
+    assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
+    # the cap: max(1, int(0.1 * 3)) = 1 use of sq_nonneg
+    history["s2"] = {0: (4, 4)}
+    seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
+    assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
+
+
+def test_select_targets_and_record():
+    statements = problems_for("a", "b", "c")
+    history, proofs = {}, {}
+    A = stp.Attempt
+    attempts = {"a": [A("a", "\n  simp", "valid", True, 0.5), A("a", "\n  simp", "valid", True, 0.5), A("a", None, "error")],
+                "b": [A("b", "\n  ring", "valid", True, 0.1)] * 3,
+                "c": [A("c", None, "error")] * 3}
+    stp.record(history, proofs, attempts, 0)
+    assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
+    assert [p["proof"] for p in proofs["a"]] == ["\n  simp"]  # distinct proofs only
+    conj = problems_for("r1_c0")
+    # c unproved; a proved but its last rate 2/3 >= 0.35 and b's 1 >= 0.35: dropped with keep probability 0
+    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(proved_keep_prob=0.0), random.Random(0))] == ["c", "r1_c0"]
+    history["a"][1] = (4, 1)  # last rate 0.25 < 0.35: still a target
+    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(proved_keep_prob=0.0), random.Random(0))] == ["a", "c", "r1_c0"]
+    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(proved_keep_prob=1.0), random.Random(0))] == ["a", "b", "c", "r1_c0"]
+    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(expert_iteration=True), random.Random(0))] == ["c"]
+
+
+def test_prover_and_final_examples(tiny_model_dir):
+    tok = stp.load_tokenizer(tiny_model_dir)
+    problems = {p.id: p for p in problems_for("a", "b", "c")}
+    problems["c"].kind = "conjecture"
+    history = {"a": {0: (4, 1), 1: (4, 1)}, "b": {1: (4, 3)}, "c": {1: (8, 1)}}
+    proofs = {"a": [{"proof": "\n  simp", "round": 0, "time": 1.0}, {"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 2.0}],
+              "b": [{"proof": "\n  ring", "round": 1, "time": 0.0}] * 1,
+              "c": [{"proof": "\n  positivity", "round": 1, "time": 0.0}]}
+    ex = stp.prover_examples(problems, history, proofs, 1, args(), tok)
+    # a: rate 2/8 <= 0.5, two proofs, each exp(-0.001 len - 0.01 t) / 2; b: 3/4 > 0.5 is left out; c: 1/8
+    weights = sorted(round(e.weight, 6) for e in ex)
+    expected = sorted(round(x, 6) for x in [math.exp(-0.001 * 7 - 0.01) / 2, math.exp(-0.001 * 26 - 0.02) / 2, math.exp(-0.001 * 13)])
+    assert weights == expected
+    s = ex[0].sample
+    assert s.token_ids[-1] == tok.eos_token_id and tok.decode(s.token_ids[:-1]).endswith("\n```")
+    # round 4: nothing of rounds 2..4 is left in the buffer
+    assert stp.prover_examples(problems, history, proofs, 4, args(), tok) == []
+    # Stage 3: dataset statements always; the conjecture c only if its round rate <= 0.25 (1/8: yes)
+    final = stp.final_examples(problems, history, proofs, {"a", "b"}, args(), tok, random.Random(0))
+    assert len(final) == 4
+    history["c"][1] = (8, 4)
+    assert len(stp.final_examples(problems, history, proofs, {"a", "b"}, args(), tok, random.Random(0))) == 3
+    many = {"a": [{"proof": f"\n  p{i}", "round": 0, "time": 0.0} for i in range(20)]}
+    assert len(stp.final_examples(problems, history, many, {"a"}, args(), tok, random.Random(0))) == 16
+
+
+def test_conjecturer_examples(tiny_model_dir):
+    tok = stp.load_tokenizer(tiny_model_dir)
+    dist = stp.Dist(0, 0, 1, torch.device("cpu"))
+    policy = stp.load_model(tiny_model_dir, dist, train=True)
+    seed = "theorem s (x : ℝ) : 0 ≤ x ^ 2 := by\n  nlinarith [sq_nonneg x]"
+    conj = [stp.Problem(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", "conjecture", "s", seed, "sq_nonneg") for i in range(4)]
+    A = stp.Attempt
+    attempts = {c.id: [A(c.id, "\n  positivity", "valid", True)] + [A(c.id, None, "error")] * 7 for c in conj}  # 1/8: in the band
+    attempts["r1_c3"] = [A("r1_c3", "\n  positivity", "valid", True)] * 4 + [A("r1_c3", None, "error")] * 4  # 1/2: not
+    proofs = {c.id: [{"proof": "\n  positivity", "round": 1, "time": 0.0}] for c in conj}
+    proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "round": 1, "time": 0.0}]  # invokes the shared lemma
+    unproved = problems_for("u1", "u2")
+    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, policy, tok, args(), dist, random.Random(0))
+    assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
+    # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': the proof has 13 characters, c2's
+    # statement is one longer than c1's, so its ratio is the smaller one and falls under the 20% quantile
+    assert stats["conjecturer/elegant"] == 2
+    assert sum(e.weight for e in ex) == pytest.approx(2.0)  # matching keeps the total weight at N
+    assert all(e.sample.text.endswith("\n</hard theorem>") for e in ex)
+    # with no unproved statement every survivor keeps weight 1; the lemma stays only in the invoking one's prompt
+    ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], policy, tok, args(), dist, random.Random(0))
+    assert [e.weight for e in ex] == [1.0, 1.0]
+    prompts = [tok.decode(e.sample.prompt_ids) for e in ex]
+    assert "<lemma>\ntheorem sq_nonneg\n" in prompts[0] and "<lemma>\ntheorem true: True\n" in prompts[1]
+    assert ex[0].sample.text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
+
+
+def test_update_changes_weights_and_respects_min_steps(tiny_model_dir):
+    tok = stp.load_tokenizer(tiny_model_dir)
+    dist = stp.Dist(0, 0, 1, torch.device("cpu"))
+    policy = stp.load_model(tiny_model_dir, dist)
+    before = [p.detach().clone() for p in policy.parameters()]
+    ex = [stp.Example(stp.text_sample(tok, "Complete: 1 + 1 =", " 2", args()), w) for w in (1.0, 0.5, 0.25)]
+    a = args(batch_size=2, micro_batch_size=1, min_train_steps=3, warmup_steps=5, learning_rate=1e-3)
+    stats = stp.update(policy, stp.new_optimizer(policy, a.learning_rate, a), ex, a.learning_rate, a.min_train_steps, a, dist, random.Random(0))
+    assert stats["steps"] == 3  # max(3 // 2, 3)
+    assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+
+
+def test_cpu_scaling_keeps_given_flags(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    a = args(rounds=5)
+    changes = stp.scale_for_cpu(a, ["--rounds", "5"])
+    assert a.rounds == 5 and a.model == "embedded:smollm2" and a.samples_per_round == stp.CPU_DEFAULTS["samples_per_round"]
+    assert not any(c.strip().startswith("rounds") for c in changes)
