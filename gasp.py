@@ -265,6 +265,24 @@ Then {num_io} different inputs, each in its own block, written as the argument l
 Last, a description of the task for a student who sees it together with some input/output pairs, but never the code:
 ```message
 ...
+```
+
+For example (this shows the format only; your task must be your own), a complete reply with 3 inputs looks like:
+```python
+def f(words, n):
+    return sorted(w for w in words if len(w) >= n)
+```
+```input
+['pear', 'fig', 'banana'], 4
+```
+```input
+['a', 'bb'], 1
+```
+```input
+[], 2
+```
+```message
+Keep the words that have at least n letters and return them in alphabetical order.
 ```"""
 
 # difficulty axes (Sec. 3.3.1, "Choosing the difficulty axis"): I/O = instances and representations, f = the mapping
@@ -1677,7 +1695,18 @@ def real_data_rl(run: Run, problems: List[CodeProblem], iteration: int) -> Tuple
 
 
 # 9.9 the update: TRR++ advantages, PPO clip, no KL, on the shared weights
-_warned = {"entropy": False}
+_entropy_grad: Dict[str, bool] = {}
+
+
+def _entropy_has_grad(run: "Run") -> bool:
+    """Does the infrastructure's token_logprobs return the entropy with its gradient (needed for an entropy bonus)?
+    Checked once on a one-token sample; without it the bonus is off, with a warning (the entropy is still logged)."""
+    if "value" not in _entropy_grad:
+        _, _, ent = token_logprobs(run.policy, [run.dummy_sample], with_entropy=True)
+        _entropy_grad["value"] = bool(ent is not None and ent.requires_grad)
+        if not _entropy_grad["value"] and run.dist.is_main:
+            print("warning: token_logprobs gives the entropy without gradient: the entropy bonus is off", flush=True)
+    return _entropy_grad["value"]
 
 
 def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
@@ -1689,6 +1718,11 @@ def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
         return {}
     flat = [x for m in meta for x in m]
     adv = trr_advantages([r for _, r in flat], [g for g, _ in flat])
+    entropy_bonus = args.ent_coef > 0 and _entropy_has_grad(run)
+    if not any(adv) and not entropy_bonus:
+        # every advantage is 0 (e.g. all proposals malformed): the policy gradient is exactly 0, so skip the
+        # forward/backward passes and the optimizer step (AdamW's moments are not advanced either)
+        return {"losses/skipped_updates": 1.0, "losses/sequences": float(sum(counts))}
     offset = sum(counts[: dist.rank])
     advantages = adv[offset : offset + counts[dist.rank]]
     samples, weights = [r.sample for r in rollouts], [1.0] * len(rollouts)
@@ -1713,11 +1747,7 @@ def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
                 old[j, : len(s.logprobs)] = torch.tensor(s.logprobs[: logp.shape[1]], dtype=logp.dtype)
             w = torch.tensor(weights[i : i + args.micro_batch], dtype=logp.dtype, device=logp.device)
             a = torch.tensor(advantages[i : i + args.micro_batch], dtype=logp.dtype, device=logp.device)
-            ent_coef = args.ent_coef if entropy is not None and entropy.requires_grad else 0.0
-            if args.ent_coef and not ent_coef and not _warned["entropy"]:
-                _warned["entropy"] = True
-                print("warning: token_logprobs returns the entropy without gradient; the entropy bonus is off "
-                      "(the entropy is still logged)", flush=True)
+            ent_coef = args.ent_coef if entropy_bonus else 0.0
             loss, stats = ppo_clip_loss(logp, old.detach(), a, mask.to(logp.dtype) * w[:, None], args.clip_coef,
                                         num_tokens, entropy, ent_coef)
             loss.backward()
@@ -1896,9 +1926,10 @@ def gasp_iteration(run: Run, iteration: int) -> Dict[str, float]:
     metrics.update(teacher_metrics(records, buffer_q, buffer_c))
     metrics["charts/buffer_size"] = float(len(run.buffer))
     metrics["charts/goalposts_with_accepted_lemma"] = float(len({t["goalpost"] for t in tasks}))
-    for key in (losses[0] if losses else {}):  # averaged over this iteration's updates
+    for key in sorted({k for l in losses for k in l} - {"losses/skipped_updates"}):  # mean over the updates
         metrics[key] = float(np.mean([l[key] for l in losses if key in l]))
-    metrics["losses/updates"] = float(len(losses))
+    metrics["losses/updates"] = float(sum("losses/skipped_updates" not in l for l in losses))
+    metrics["losses/skipped_updates"] = float(sum("losses/skipped_updates" in l for l in losses))
     if run.dist.is_main and tasks:
         with open(run.run_dir / "tasks.jsonl", "a") as f:
             for t in tasks:
