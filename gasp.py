@@ -1565,7 +1565,7 @@ def propose(run: Run, stage: str, slots: List[dict], tag: str) -> Tuple[List[dic
             parsed, reason = parse_proposal(sample.text, sample.finish_reason, args.num_io)
             local.append({"slot": s, "attempt": attempt, "stage": stage, "axis": slots[s]["axis"],
                           "source": slots[s]["source"], "goalpost": slots[s]["goalpost"], "reason": reason,
-                          **(parsed or {"program": "", "inputs": [], "message": ""})})
+                          **(parsed or {"program": "", "inputs": [], "message": "", "text": sample.text[:2000]})})
         valid = [r for r in local if not r["reason"]]
         for r, (outputs, reason) in zip(valid, validate_tasks(run, valid)):
             r["outputs"], r["reason"] = outputs or [], reason
@@ -1930,10 +1930,11 @@ def gasp_iteration(run: Run, iteration: int) -> Dict[str, float]:
         metrics[key] = float(np.mean([l[key] for l in losses if key in l]))
     metrics["losses/updates"] = float(sum("losses/skipped_updates" not in l for l in losses))
     metrics["losses/skipped_updates"] = float(sum("losses/skipped_updates" in l for l in losses))
-    if run.dist.is_main and tasks:
-        with open(run.run_dir / "tasks.jsonl", "a") as f:
-            for t in tasks:
-                f.write(json.dumps({"iteration": iteration, **t}) + "\n")
+    if run.dist.is_main:  # every proposal with its fate (a failed parse keeps the start of the raw text)
+        with open(run.run_dir / "proposals.jsonl", "a") as f:
+            for r in records:
+                f.write(json.dumps({"iteration": iteration, **{k: v for k, v in r.items()
+                                                                if k not in ("q_emb", "c_emb")}}) + "\n")
     return metrics
 
 

@@ -594,7 +594,8 @@ def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
     # the canned proposals get lemmas (and usually lifts) accepted and solved: the whole loop ran
     assert metrics[1]["charts/lemma_accepted"] + metrics[2]["charts/lemma_accepted"] >= 1
     assert any(m.get("charts/solver_tasks", 0) > 0 for m in metrics.values())
-    assert (run_dir / "tasks.jsonl").exists()
+    proposals = [json.loads(l) for l in (run_dir / "proposals.jsonl").read_text().splitlines()]
+    assert any(p["accepted"] for p in proposals) and any(p["reason"] == "truncated" for p in proposals)
     # a checkpoint of iteration 2 with the policy, its optimizer and the run state
     ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert ckpt.name == "iter_000002"
@@ -653,3 +654,117 @@ def test_two_ranks_under_torchrun(tiny_model_dir, tmp_path):
     assert sorted(metrics) == [1]
     assert metrics[1]["charts/lemma_proposals"] >= 2  # both ranks' proposals were gathered
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "state.pt").exists()
+
+
+# ---------------------------------------------------------------- whole iterations in process, one per ablation
+class CycleSampler:
+    """Teacher prompts get the canned proposals in turn; a student writing f follows its task's pass pattern;
+    everything else gets a reply without an answer block."""
+
+    def __init__(self, keys, patterns):
+        self.keys, self.patterns, self.i, self.prompts = list(keys), patterns, 0, []
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
+        out = []
+        for p in prompts:
+            self.prompts.append(p)
+            if "You write practice problems" in p:
+                key = self.keys[self.i % len(self.keys)]
+                self.i += 1
+                out.append([gasp.Sample(proposal_text(key), [1, 2], [3, 4], [-1.0, -1.0], "stop") for _ in range(n)])
+                continue
+            marker = re.search(r"\[([A-E])\]", p)
+            group = []
+            for j in range(n):
+                if marker and "Write a Python function `f`" in p:
+                    good = self.patterns[marker.group(1)][j % 4]
+                    text = f"```python\n{TASKS[marker.group(1)][0]}\n```" if good else WRONG
+                else:
+                    text = "no idea"
+                group.append(gasp.Sample(text, [1, 2], [3, 4], [-1.0, -1.0], "stop"))
+            out.append(group)
+        return out
+
+    def sleep(self):
+        pass
+
+    def sync_weights(self, policy):
+        pass
+
+
+def iteration_run(tiny_model_dir, embedder, tmp_path, sampler, **overrides):
+    dist = gasp.Dist(0, 0, 1, torch.device("cpu"))
+    args = gasp.Args(**{"exec_timeout": 5.0, "n_pass_rate": 4, "max_attempts": 2, "batch_size": 3, "max_rounds": 1,
+                        "micro_batch": 8, "ent_coef": 0.0, **overrides})
+    policy = gasp.load_model(tiny_model_dir, dist)
+    goalposts = gasp.load_builtin_problems(args.builtin_goalposts)
+    dummy = gasp.Sample("", [1], [2], [0.0], "stop")
+    return gasp.Run(args, dist, policy, gasp.make_optimizer(policy, 1e-3), sampler, None, embedder, goalposts,
+                    tmp_path, gasp.Stopwatch(), dummy)
+
+
+# pass patterns over 4 attempts: A, E -> p = 1/2 (in both bands), C -> 1/4 (a lift), B, D -> 1, 3/4 (too easy)
+PATTERNS = {"A": [1, 0, 1, 0], "B": [1, 1, 1, 1], "C": [1, 0, 0, 0], "D": [1, 1, 1, 0], "E": [0, 1, 0, 1]}
+
+
+@pytest.mark.parametrize("flags,stages", [
+    ({}, {"lemma", "lift"}),
+    ({"one_step_medium": True}, {"medium"}),
+    ({"one_step_hard": True}, {"hard"}),
+    ({"io_axis": False}, {"lemma", "lift"}),
+    ({"rejection_sampling": False}, {"lemma", "lift"}),
+])
+def test_iteration_under_each_ablation(flags, stages, monkeypatch, tiny_model_dir, embedder, tmp_path):
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+    sampler = CycleSampler("ABECCD", PATTERNS)
+    run = iteration_run(tiny_model_dir, embedder, tmp_path, sampler, **flags)
+    before = [p.detach().clone() for p in run.policy.parameters()]
+    metrics = gasp.gasp_iteration(run, 1)
+    records = [json.loads(l) for l in (tmp_path / "proposals.jsonl").read_text().splitlines()]
+    assert {r["stage"] for r in records} == stages
+    teacher_prompts = [p for p in sampler.prompts if "You write practice problems" in p]
+    if "lift" in stages:
+        lift_prompts = [p for p in teacher_prompts if "HARDER follow-up" in p]
+        assert lift_prompts and all("<problem>\nDescription:" in p for p in lift_prompts)
+        goalpost_texts = [g.question[:60] for g in run.goalposts]
+        assert not any(g in p for p in lift_prompts for g in goalpost_texts)  # the lift never sees the goalpost
+    if flags.get("one_step_medium") or flags.get("one_step_hard"):
+        assert all("HARDER" not in p and "EASIER" not in p for p in teacher_prompts)
+    if flags.get("io_axis") is False:
+        assert {r["axis"] for r in records} == {"f"}
+    attempts = {r["attempt"] for r in records}
+    assert attempts == ({0} if flags.get("rejection_sampling") is False else {0, 1})
+    assert metrics["charts/solver_tasks"] == len(run.buffer) > 0
+    # one update per step whose rewards differ (a step with equal rewards has zero advantages and is skipped)
+    assert metrics["losses/updates"] >= 1 and metrics["losses/updates"] + metrics["losses/skipped_updates"] >= 2
+    if "lift" in stages:
+        assert metrics["charts/lift_accepted"] >= 1
+    assert any(not torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))
+
+
+def test_joint_update_mode(monkeypatch, tiny_model_dir, embedder, tmp_path):
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+    run = iteration_run(tiny_model_dir, embedder, tmp_path, CycleSampler("ABECCD", PATTERNS), phase_updates=False)
+    metrics = gasp.gasp_iteration(run, 1)
+    assert metrics["losses/updates"] == 0 and len(run.pending) > 0  # kept for main's one joint update
+    groups = {r.group for r in run.pending}
+    assert ("induction", "lemma") in groups and any(g[1] == "solve" for g in groups)
+    m = gasp.update(run, run.pending)
+    assert m["losses/sequences"] == len(run.pending) and m["losses/grad_norm"] > 0
+
+
+def test_real_data_rl_step(monkeypatch, tiny_model_dir, embedder, tmp_path):
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+    problems = gasp.load_builtin_problems("data/gasp_goalposts.jsonl")[:3]
+    reference = {gasp.code_prompt(p): p.reference for p in problems}
+
+    class Half:  # the reference solution for even samples, nothing for odd ones
+        def generate(self, prompts, n=1, **kw):
+            return [[gasp.Sample(f"```python\n{reference[p]}\n```" if j % 2 == 0 else "no", [1], [2], [-1.0], "stop")
+                     for j in range(n)] for p in prompts]
+
+    run = iteration_run(tiny_model_dir, embedder, tmp_path, Half(), real_batch_size=3, real_group_size=4)
+    rollouts, metrics = gasp.real_data_rl(run, problems, iteration=1)
+    assert len(rollouts) == 12 and metrics["charts/real_accuracy"] == 0.5
+    assert sorted({r.group for r in rollouts}) == sorted(("real", p.id) for p in problems)  # GRPO: one group each
+    assert [r.reward for r in rollouts[:4]] == [1.0, 0.0, 1.0, 0.0]  # binary RLVR reward (Sec. 3.1)
