@@ -1480,7 +1480,7 @@ def teacher_prompt(args: Args, stage: str, axis: str, source: Any) -> str:
 
 
 def student_task(task: dict, kind: str, rng: random.Random, num_public: int) -> dict:
-    """An accepted task as one of AZR's three student task types (Sec. 3.3.2); `check` says how to grade it."""
+    """An accepted task as one of AZR's three student task types (Sec. 3.3.2), with what grading needs."""
     if kind == "induction":  # App. D: 2 public pairs shown, the other 3 kept for grading
         prompt = INDUCTION_PROMPT.format(message=task["message"],
                                          examples=render_examples(task["inputs"][:num_public],
