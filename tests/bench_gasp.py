@@ -41,7 +41,7 @@ def main() -> None:
     print(f"\nmachine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} (after the run)")
     in_loop = sum(r.get("time/iteration", 0.0) for r in rows)
     print(f"wall time {wall:.1f} s: {in_loop:.1f} s in {len(rows)} iterations, {wall - in_loop:.1f} s start-up "
-          "(model conversion/loading, data, sandbox servers) and exit\n")
+          "(model loading, data, sandbox servers), checkpoint writes (after each iteration) and exit\n")
     header = f"{'iter':>4} {'total s':>8} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'overhead':>9} {'ovh %':>6} {'tok/s':>7}"
     print(header)
     totals = {p: 0.0 for p in PARTS + ["overhead", "iteration"]}
