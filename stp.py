@@ -1396,6 +1396,11 @@ def scale_for_cpu(args: Args, argv: list[str]) -> list[str]:
     return changes
 
 
+def portable(state: dict) -> dict:
+    """The run state with plain dicts for Problems, so that state.pt loads without this file's classes."""
+    return {**state, "problems": {k: vars(p) for k, p in state["problems"].items()}}
+
+
 def main(args: Args) -> None:
     scaled = scale_for_cpu(args, sys.argv[1:])
     if args.expert_iteration and args.pure_sampling:
@@ -1427,6 +1432,7 @@ def main(args: Args) -> None:
     start = 0
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
         start, state = found[0] + 1, found[1]
+        state["problems"] = {k: Problem(**v) for k, v in state["problems"].items()}
         if dist.is_main:
             print(f"resuming {run_dir} at round {start}")
     sampler = make_sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
@@ -1497,7 +1503,7 @@ def main(args: Args) -> None:
         metrics.update(stopwatch.pop())
         logger.log(metrics, step=round_)
         if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
-            save_checkpoint(run_dir, round_, models, tokenizer, state, dist)
+            save_checkpoint(run_dir, round_, models, tokenizer, portable(state), dist)
 
     # Stage 3: re-train the base model on the proofs of every round
     metrics = {}
@@ -1511,7 +1517,7 @@ def main(args: Args) -> None:
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             sampler.sync_weights(policy)
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save_checkpoint(run_dir, args.rounds, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+            save_checkpoint(run_dir, args.rounds, {"policy": (policy, optimizer)}, tokenizer, portable(state), dist)
     with stopwatch("eval"):
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
     metrics.update(stopwatch.pop())

@@ -278,3 +278,94 @@ def test_cpu_scaling_keeps_given_flags(monkeypatch):
     changes = stp.scale_for_cpu(a, ["--rounds", "5"])
     assert a.rounds == 5 and a.model == "embedded:smollm2" and a.samples_per_round == stp.CPU_DEFAULTS["samples_per_round"]
     assert not any(c.strip().startswith("rounds") for c in changes)
+
+
+# ---- end to end (slow): subprocess runs with the stand-in REPL ----
+from test_sgs import metrics_of, primed_model_dir, run_algorithm, weights_of  # noqa: E402,F401  (shared fixture and helpers)
+
+# 8 samples per statement: with 4 the band 0 < p < 1/4 is empty
+STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-statements", "12", "--samples-first-round", "8", "--samples-per-round", "8",
+             "--max-new-tokens", "48", "--max-prompt-tokens", "512", "--embedding-max-tokens", "64", "--batch-size", "8",
+             "--micro-batch-size", "4", "--min-train-steps", "1", "--final-min-train-steps", "1", "--warmup-steps", "0",
+             "--learning-rate", "1e-3", "--max-model-len", "1024", "--eval-samples", "4", "--eval-budgets", "1", "2", "4",
+             "--eval-limit", "3"]
+
+
+@pytest.mark.slow
+def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_path):
+    run_dir = tmp_path / "stp"
+    flags = ["--model", primed_model_dir, *STP_SMALL]
+    done = run_algorithm("stp.py", run_dir, *flags, "--rounds", "2", accept="hash:0.2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]  # two rounds, then the evaluation
+    assert rows[0]["conjecturer/seeds"] == 0 and rows[1]["conjecturer/seeds"] > 0  # round 0 has no proof to seed from
+    assert rows[1]["charts/generations"] > rows[0]["charts/generations"] > 0
+    assert any("losses/loss" in r for r in rows[:2])
+    for name in ("minif2f_test", "proofnet_test"):
+        for k in (1, 2, 4):
+            assert 0.0 <= rows[2][f"eval/{name}/pass@{k}"] <= 1.0
+            assert f"eval/{name}/pass@{k}_chunked_mean" in rows[2]
+        assert f"eval/{name}/pass@1_chunked_std" in rows[2]  # 4 chunks of 1
+    trained = weights_of(run_dir / "checkpoints" / "iter_000001" / "policy")
+    base = weights_of(primed_model_dir)
+    assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
+    # resume with a third round, then Stage 3 from the base model
+    done = run_algorithm("stp.py", run_dir, *flags, "--rounds", "3", "--resume", "--final-retrain", accept="hash:0.2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
+    assert rows[4]["losses/final_examples"] > 0 and "eval/minif2f_test/pass@1" in rows[4]
+    state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)["state"]
+    assert state["stage3"] and set(state["history"]) >= {p for p in state["proofs"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--expert-iteration", "--pure-sampling"])
+def test_baselines_run(primed_model_dir, tmp_path, flag):
+    run_dir = tmp_path / "baseline"
+    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--rounds", "2", "--eval-sets", "data/minif2f.jsonl", flag,
+                         accept="hash:0.2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("conjecturer/seeds" not in r for r in rows)
+    assert rows[1]["charts/targets"] <= rows[0]["charts/targets"]  # only unproved statements are sampled again
+    assert rows[0]["charts/generations"] == 12 * 8  # 64 in the paper: samples_first_round every round
+    if flag == "--expert-iteration":
+        assert all(r.get("losses/examples", 0) > 0 for r in rows[:2] if "losses/loss" in r)
+    else:
+        assert all("losses/loss" not in r for r in rows)
+
+
+@pytest.mark.slow
+def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "noise"
+    done = run_algorithm("stp.py", run_dir, "--model", tiny_model_dir, *STP_SMALL, "--num-statements", "3", "--rounds", "1",
+                         "--eval-limit", "1", accept="none")  # the stand-in would take `:= by<noise>` for a term proof
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = metrics_of(run_dir)
+    assert rows[0]["charts/cumulative_solve_rate"] == 0.0 and "lean/valid_share" not in rows[0]
+
+
+@pytest.mark.slow
+def test_two_ranks_under_torchrun(primed_model_dir, tmp_path):
+    run_dir = tmp_path / "ddp"
+    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--num-statements", "6", "--rounds", "2",
+                         "--eval-sets", "data/minif2f.jsonl", accept="hash:0.3", torchrun=2)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    rows = metrics_of(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["charts/targets"] == 6
+
+
+def test_stops_at_once_without_lean(tmp_path):
+    import lean_verify
+
+    if lean_verify.lean_available():
+        pytest.skip("a Lean toolchain is configured here")
+    done = run_algorithm("stp.py", tmp_path / "nolean", lean=False, timeout=120)
+    assert done.returncode != 0
+    assert "setup.sh --lean" in done.stderr
+    assert "Loading weights" not in done.stderr
