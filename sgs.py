@@ -38,7 +38,7 @@ The seven official experiments (scripts/*.py of the official code) are flags of 
 Logged metrics (metrics.jsonl in the run directory; wandb with --track):
   charts/cumulative_solve_rate  share of targets with a verified proof so far (the paper's y-axis)
   charts/generations            conjectures + proof attempts sampled so far (the paper's x-axis)
-  charts/pass@8                 share of this iteration's attempted targets proved by one of their k attempts
+  charts/pass@8                 share of this iteration's attempted targets proved by one of their k = 8 attempts
   conjecturer/extraction_rate   share of Conjecturer outputs that contain a well-formed statement (§4.1: 51.5% at start)
   conjecturer/disjunctive_share share of conjecture conclusions with a disjunction (Fig. 2), and conclusion_chars
   guide/*                       R_guide mean and quartiles, its three sub-scores, parse failures
@@ -874,24 +874,22 @@ def load_problems(dataset: str, limit: Optional[int] = None) -> list[Problem]:
     """The target set D: D_3k from Hugging Face (rows id, header, theorem), or a .jsonl file in miniF2F's fields
     (name, header, formal_statement) such as data/lean_smoke.jsonl."""
     if dataset.endswith(".jsonl"):
-        import json
-
         with open(dataset) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
-        import datasets
+        import datasets  # imported here: it takes seconds, and the built-in sets do not need it
 
         rows = list(datasets.load_dataset(dataset, split="train"))
     problems, seen = [], set()
     for i, row in enumerate(rows):
         pid = str(row.get("id", row.get("name", i)))
-        statement = normalise_statement(row.get("theorem", row.get("formal_statement", "")))
+        statement = normalise_statement(row.get("theorem") or row.get("formal_statement") or "")
         if statement is None or "sorry" in statement:
-            continue  # D_3k has none of these (official check); other files may
+            continue  # a statement must end with ':= by' and hold no proof
         if pid in seen:
-            pid = f"{pid}#{i}"  # ProofNet repeats some names across books  # D_3k has none of these; the check protects other files
+            pid = f"{pid}#{i}"  # ProofNet repeats some names across books
         seen.add(pid)
-        problems.append(Problem(id=pid, header=row.get("header", DEFAULT_HEADER), statement=statement))
+        problems.append(Problem(id=pid, header=row.get("header") or DEFAULT_HEADER, statement=statement))
     return problems[:limit] if limit else problems
 
 

@@ -57,13 +57,16 @@ Where the paper is silent this file follows the official code. Deliberate deviat
   4. The cap on the uses of one lemma (10% of the statements) does not apply to the empty lemma.
   5. A proved statement stays a proof target when its most recent success rate is below 0.35 (or with
      probability 0.05); with no unproved statement left to match, every conjecture keeps weight 1.
-  6. A training batch holds each example at most once (batch = min(batch_size, #examples)); the prover's target
-     is the proof followed by the closing fence and end of sequence.
+  6. A batch is min(batch_size, #examples) sequences (small sets are not repeated inside one step); the prover's
+     target is the proof followed by the closing fence and end of sequence. Prompts are cut to 1024 tokens and
+     completions to 1024 (official: 1024 for both together, i.e. --max-model-len 1024).
   7. Stage 3 does not mix in the mathlib SFT data (not shipped); the pass@k std over chunks is the population std.
   8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
   9. Engineering, not algorithm: Lean 4.15 with the upstream REPL (lean_verify) instead of Lean 4.9 with
      DeepSeek's fork; no pipelining of generation and verification; a (statement, proof) pair sampled twice is
      checked once (the official code deduplicates with a multiplicity count, to the same effect).
+ 10. The statements: STP used its own deduplicated LeanWorkbook (lean_workbook_dedup.json, not released); this file
+     loads the train split of internlm/Lean-Workbook (its formal_statement field) or any .jsonl of statements.
 """
 
 import gc
@@ -840,12 +843,10 @@ def load_problems(dataset: str, limit: Optional[int] = None, split: Optional[str
     """Statements from a Hugging Face dataset (LeanWorkbook: formal_statement) or a .jsonl file in miniF2F's fields
     (name, split, header, formal_statement), such as data/lean_smoke.jsonl or data/minif2f.jsonl."""
     if dataset.endswith(".jsonl"):
-        import json
-
         with open(dataset) as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
-        import datasets
+        import datasets  # imported here: it takes seconds, and the built-in sets do not need it
 
         rows = list(datasets.load_dataset(dataset, split="train"))
     problems, seen = [], set()
@@ -853,7 +854,7 @@ def load_problems(dataset: str, limit: Optional[int] = None, split: Optional[str
         if split is not None and row.get("split") != split:
             continue
         pid = str(row.get("id", row.get("name", i)))
-        statement = normalise_statement(row.get("formal_statement", row.get("theorem", "")))
+        statement = normalise_statement(row.get("theorem") or row.get("formal_statement") or "")
         if statement is None or "sorry" in statement:
             continue  # a statement must end with ':= by' and hold no proof
         if pid in seen:
