@@ -675,8 +675,10 @@ def make_sampler(model_name, policy, tokenizer, dist: Dist, backend="auto", max_
     return HFSampler(model_name, policy, tokenizer, dist, batch_size, max_model_len)
 
 
-def token_logprobs(policy, samples: list, temperature: float = 1.0, micro_batch: int = 4, with_entropy=False):
+def token_logprobs(policy, samples: list, temperature: float = 1.0, micro_batch: int = 4, with_entropy=False,
+                   entropy_grad=False):
     """Per-token log-probs of each sample's completion under the current policy, at the sampling temperature.
+    The entropy is for logging unless `entropy_grad` (an entropy bonus in the loss needs its gradient).
 
     Returns (logp [B, T], mask [B, T], entropy [B, T] or None), right-padded to the longest completion; gradients
     flow through logp. Call it on one micro-batch at a time (never an empty one: micro_batches pads with weight-0
@@ -701,7 +703,7 @@ def token_logprobs(policy, samples: list, temperature: float = 1.0, micro_batch:
             rows_lp.append(torch.nn.functional.pad(lp, (0, T - L)))
             rows_mask.append(torch.nn.functional.pad(torch.ones(L, device=device), (0, T - L)))
             if with_entropy:
-                with torch.no_grad():
+                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
                     ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
                 rows_ent.append(torch.nn.functional.pad(ent, (0, T - L)))
     return torch.stack(rows_lp), torch.stack(rows_mask), (torch.stack(rows_ent) if with_entropy else None)
