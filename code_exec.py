@@ -627,6 +627,20 @@ def _run_error(r: ExecResult) -> str:
     return msg or f"{r.status} (returncode {r.returncode})"
 
 
+def _test_pairs(program: Any, tests: Any, banned) -> tuple:
+    """(the tests as (input, output) pairs, None), or (None, the failed CheckResult) when the tests are unusable or
+    the program imports a banned module."""
+    pairs = _parse_tests(tests)
+    if pairs is None:
+        return None, _failed_check("error", 0, "tests must be a list of {input, output} dicts or pairs")
+    if not pairs:
+        return None, _failed_check("error", 0, "no tests")
+    hits = banned_imports(program, banned) if banned else []
+    if hits:
+        return None, _failed_check("forbidden", len(pairs), "banned imports: " + ", ".join(hits))
+    return pairs, None
+
+
 def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, memory_mb: int = 1024,
                 max_output_bytes: int = 1_000_000, stop_on_failure: bool = True,
                 lcb_prelude: bool = True) -> CheckResult:
@@ -635,15 +649,10 @@ def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, 
     lcb_prelude: run LiveCodeBench's import prefix first (its wildcard imports, recursion limit 50000).
     Stops at the first failure, as LiveCodeBench does, unless stop_on_failure=False."""
     try:
-        pairs = _parse_tests(tests)
-        if pairs is None:
-            return _failed_check("error", 0, "tests must be a list of {input, output} dicts or pairs")
-        if not pairs:
-            return _failed_check("error", 0, "no tests")
+        pairs, failed = _test_pairs(program, tests, banned)
+        if failed:
+            return failed
         n = len(pairs)
-        hits = banned_imports(program, banned) if banned else []
-        if hits:
-            return _failed_check("forbidden", n, "banned imports: " + ", ".join(hits))
         results, status, error, wall = [False] * n, "ok", "", 0.0
         for i, (inp, out) in enumerate(pairs):
             if not isinstance(out, str):
@@ -678,17 +687,13 @@ def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *
     function. A tuple result is compared as a list; then exact ==. `timeout` is per test (as LiveCodeBench's
     alarm); all tests run in one sandboxed process, stopping at the first failure unless stop_on_failure=False."""
     try:
-        pairs = _parse_tests(tests)
-        if pairs is None:
-            return _failed_check("error", 0, "tests must be a list of {input, output} dicts or pairs")
-        if not pairs:
-            return _failed_check("error", 0, "no tests")
-        n = len(pairs)
         if not isinstance(func_name, str) or not func_name.isidentifier():
-            return _failed_check("error", n, f"bad function name {_short(func_name, 60)}")
-        hits = banned_imports(program, banned) if banned else []
-        if hits:
-            return _failed_check("forbidden", n, "banned imports: " + ", ".join(hits))
+            pairs = _parse_tests(tests)
+            return _failed_check("error", len(pairs or []), f"bad function name {_short(func_name, 60)}")
+        pairs, failed = _test_pairs(program, tests, banned)
+        if failed:
+            return failed
+        n = len(pairs)
         t = _number(timeout, 6.0, 0.001, MAX_TIMEOUT)
         tests_json = [[i if isinstance(i, str) else None, o if isinstance(o, str) else None] for i, o in pairs]
         data = json.dumps(tests_json).encode()
