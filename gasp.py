@@ -1823,7 +1823,7 @@ def cpu_defaults() -> Dict[str, Tuple[Any, str]]:
     return {
         "model": (EMBEDDED_MODEL, "the embedded SmolLM2-135M-Instruct"),
         "total_iterations": (2, "2 global iterations"),
-        "batch_size": (2, "2 goalposts per lemma step"),
+        "batch_size": (4, "4 goalposts per lemma step"),
         "max_attempts": (2, "2 proposals per goalpost"),
         "n_pass_rate": (4, "pass rates from 4 student attempts"),
         "min_programs": (1, "one lemma+lift step per iteration"),
