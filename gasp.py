@@ -180,7 +180,7 @@ class Args:
     clip_coef: float = 0.2
     """PPO ratio clip (AZR App. A: 0.2)"""
     ent_coef: float = 0.001
-    """entropy bonus (AZR Table 3: 0.001)"""
+    """entropy bonus (AZR Table 3: 0.001); 0 turns it off and saves the memory of the entropy's gradient"""
     max_grad_norm: float = 1.0
     """gradient clipping (AZR Table 3: 1.0)"""
     micro_batch: int = 4
@@ -1697,20 +1697,6 @@ def real_data_rl(run: Run, problems: List[CodeProblem], iteration: int) -> Tuple
 
 
 # 9.9 the update: TRR++ advantages, PPO clip, no KL, on the shared weights
-_entropy_grad: Dict[str, bool] = {}
-
-
-def _entropy_has_grad(run: "Run") -> bool:
-    """Does the infrastructure's token_logprobs return the entropy with its gradient (needed for an entropy bonus)?
-    Checked once on a one-token sample; without it the bonus is off, with a warning (the entropy is still logged)."""
-    if "value" not in _entropy_grad:
-        _, _, ent = token_logprobs(run.policy, [run.dummy_sample], with_entropy=True)
-        _entropy_grad["value"] = bool(ent is not None and ent.requires_grad)
-        if not _entropy_grad["value"] and run.dist.is_main:
-            print("warning: token_logprobs gives the entropy without gradient: the entropy bonus is off", flush=True)
-    return _entropy_grad["value"]
-
-
 def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
     """One optimizer step on this rank's rollouts; advantages are normalised over all ranks' rewards per group."""
     args, dist = run.args, run.dist
@@ -1720,7 +1706,7 @@ def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
         return {}
     flat = [x for m in meta for x in m]
     adv = trr_advantages([r for _, r in flat], [g for g, _ in flat])
-    entropy_bonus = args.ent_coef > 0 and _entropy_has_grad(run)
+    entropy_bonus = args.ent_coef > 0
     if not any(adv) and not entropy_bonus:
         # every advantage is 0 (e.g. all proposals malformed): the policy gradient is exactly 0, so skip the
         # forward/backward passes and the optimizer step (AdamW's moments are not advanced either)
@@ -1743,7 +1729,8 @@ def update(run: Run, rollouts: List[Rollout]) -> Dict[str, float]:
         for i in range(0, len(samples), args.micro_batch):
             chunk = samples[i : i + args.micro_batch]
             logp, mask, entropy = token_logprobs(run.policy, chunk, temperature=args.temperature,
-                                                 micro_batch=args.micro_batch, with_entropy=args.ent_coef > 0)
+                                                 micro_batch=args.micro_batch, with_entropy=True,
+                                                 entropy_grad=entropy_bonus)
             old = torch.zeros_like(logp)
             for j, s in enumerate(chunk):
                 old[j, : len(s.logprobs)] = torch.tensor(s.logprobs[: logp.shape[1]], dtype=logp.dtype)
@@ -1823,7 +1810,7 @@ def cpu_defaults() -> Dict[str, Tuple[Any, str]]:
     return {
         "model": (EMBEDDED_MODEL, "the embedded SmolLM2-135M-Instruct"),
         "total_iterations": (2, "2 global iterations"),
-        "batch_size": (4, "4 goalposts per lemma step"),
+        "batch_size": (2, "2 goalposts per lemma step"),
         "max_attempts": (2, "2 proposals per goalpost"),
         "n_pass_rate": (4, "pass rates from 4 student attempts"),
         "min_programs": (1, "one lemma+lift step per iteration"),

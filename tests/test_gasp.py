@@ -768,3 +768,15 @@ def test_real_data_rl_step(monkeypatch, tiny_model_dir, embedder, tmp_path):
     assert len(rollouts) == 12 and metrics["charts/real_accuracy"] == 0.5
     assert sorted({r.group for r in rollouts}) == sorted(("real", p.id) for p in problems)  # GRPO: one group each
     assert [r.reward for r in rollouts[:4]] == [1.0, 0.0, 1.0, 0.0]  # binary RLVR reward (Sec. 3.1)
+
+
+def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, embedder, tmp_path):
+    samples = [gasp.Sample("", [1, 5, 9], [3, 4, 7], [-9.0, -9.0, -9.0], "stop") for _ in range(3)]
+    rollouts = [gasp.Rollout(s, -1.0, ("induction", "lemma")) for s in samples]  # all equal: advantages 0
+    run = iteration_run(tiny_model_dir, embedder, tmp_path, CycleSampler("A", PATTERNS), ent_coef=0.0)
+    assert gasp.update(run, rollouts) == {"losses/skipped_updates": 1.0, "losses/sequences": 3.0}
+    run = iteration_run(tiny_model_dir, embedder, tmp_path, CycleSampler("A", PATTERNS), ent_coef=0.01)
+    before = [p.detach().clone() for p in run.policy.parameters()]
+    m = gasp.update(run, rollouts)
+    assert m["losses/policy_loss"] == 0.0 and m["losses/grad_norm"] > 0 and m["losses/entropy"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))
