@@ -129,8 +129,8 @@ DIRECTIVE_RE = re.compile(
 CMD_START = re.compile(
     r"(theorem|lemma|example|def|abbrev|instance|axiom|constant|open|set_option|namespace|end|section|"
     r"noncomputable|universe|variable|include|omit|macro|macro_rules|syntax|notation|local|scoped|"
-    r"attribute|@\[|#\w+|private|protected|elab|import|infix|infixl|infixr|prefix|postfix|structure|"
-    r"inductive|class|opaque|mutual|unsafe|partial|run_cmd)(?![\w'])")
+    r"attribute|#\w+|private|protected|elab|import|infix|infixl|infixr|prefix|postfix|structure|"
+    r"inductive|class|opaque|mutual|unsafe|partial|run_cmd)(?![\w'])|@\[")
 PAIRS = {"(": ")", "[": "]", "{": "}", "⟨": "⟩", "⦃": "⦄"}
 CLOSERS = {v: k for k, v in PAIRS.items()}
 IDENT = re.compile(r"[A-Za-z_][\w'!?₀-₉]*(?:\.[A-Za-z_][\w'!?₀-₉]*)*")
@@ -178,6 +178,22 @@ def _find_top(text: str, token: str) -> int:
             depth -= 1
         elif depth == 0 and text.startswith(token, i):
             return i
+    return -1
+
+
+def _matching(text: str, i: int) -> int:
+    """Index of the bracket that closes text[i], or -1."""
+    depth, in_str = 0, False
+    for j in range(i, len(text)):
+        c = text[j]
+        if c == '"':
+            in_str = not in_str
+        elif not in_str and c in PAIRS:
+            depth += 1
+        elif not in_str and c in CLOSERS:
+            depth -= 1
+            if depth == 0:
+                return j
     return -1
 
 
@@ -636,8 +652,6 @@ class FakeLean:
             self.record(name, sig, env, ["sorryAx"], directives)
             return
         ok, err = self.accept_body(sig, body, goal)
-        if tactics is not None:
-            self.all_tactics(cmd, line, body_off, goal, tactics)
         axioms = list(DEFAULT_AXIOMS)
         if "native_decide" in body:
             axioms.append("Lean.ofReduceBool")
@@ -649,16 +663,19 @@ class FakeLean:
                 axioms.append(arg)
             if kind_d == "sorry_warning":
                 messages.append(self.msg("warning", line, 8, "declaration uses 'sorry'"))
-        if used_sorry:
-            sm = SORRY_RE.search(body)
-            off = body_off + (sm.start() if sm else 0)
-            s_line, s_col = line + cmd[:off].count("\n"), _position(cmd, off)[1]
+        if used_sorry:   # one entry per sorry, recorded before the tactics' states (REPL/Main.lean runCommand)
             messages.append(self.msg("warning", line, name_col, "declaration uses 'sorry'", name_end))
-            sorries.append({"goal": goal, "proofState": self.new_state([goal]),
-                            "pos": {"line": s_line, "column": s_col},
-                            "endPos": {"line": s_line, "column": s_col + 5}})
+            for sm in SORRY_RE.finditer(body):
+                off = body_off + sm.start()
+                s_line, s_col = line + cmd[:off].count("\n"), _position(cmd, off)[1]
+                g = self.sorry_goal(body[:sm.start()], goal)
+                sorries.append({"goal": g, "proofState": self.new_state([g]),
+                                "pos": {"line": s_line, "column": s_col},
+                                "endPos": {"line": s_line, "column": s_col + len(sm.group(0))}})
             axioms.append("sorryAx")
-        elif not ok:
+        if tactics is not None:
+            self.all_tactics(cmd, line, body_off, goal, tactics)
+        if not used_sorry and not ok:
             if err == "unexpected end of input; expected '{'":   # `:= by` and nothing after it
                 end = _position(cmd, len(cmd.rstrip()))
                 messages.append(self.msg("error", line + end[0] - 1, end[1], err, "null"))
@@ -669,6 +686,14 @@ class FakeLean:
                 messages.append(self.msg("error", line + cmd.count("\n"), 0, err))
             axioms.append("sorryAx")
         self.record(name, sig, env, axioms, directives)
+
+    @staticmethod
+    def sorry_goal(before: str, goal: str) -> str:
+        """The goal a sorry stands for: `have h : T := by sorry` and a calc step `a = b := by sorry` prove T
+        and `a = b` in the context of the theorem; any other sorry proves the theorem's goal."""
+        prefix = before[before.rfind("\n") + 1:]
+        m = re.search(r"(?:\bhave\s+[^\s:]*\s*:\s*|^\s*(?:calc\s+)?)(?P<t>[^\s:][^\n]*?)\s*:=\s*(?:by\s*)?$", prefix)
+        return _split_goal(goal)[0] + "⊢ " + _norm(m.group("t")) if m else goal
 
     def record(self, name, sig, env, axioms, directives):
         if name:
@@ -779,7 +804,7 @@ class FakeLean:
             raise TacticError("<input>:1:0: expected tactic")
         if not goals:
             raise TacticError("no goals to be proved")
-        if t[0] in "({" and _balanced(t) < 0 and _find_top(t[1:], PAIRS[t[0]]) == len(t) - 2:
+        if t[0] in "({" and _matching(t, 0) == len(t) - 1:
             inner = t[1:-1]
             return self.run_seq(goals, inner) if t[0] == "(" else self.focus(goals, inner)
         if t[0] in "·." and (len(t) == 1 or t[1].isspace()):
@@ -787,6 +812,14 @@ class FakeLean:
         m = re.match(r"(case\s+(\S+)[^=]*|next[^=]*)=>", t)
         if m:
             return self.focus(goals, t[m.end():], tag=m.group(2))
+        m = re.match(r"on_goal\s+(-?\d+)\s*=>", t)
+        if m:   # run on goal n (from 1; negative from the end), its new goals in its place
+            n = int(m.group(1))
+            i = n - 1 if n > 0 else len(goals) + n
+            if not 0 <= i < len(goals):
+                raise TacticError(f"not enough goals: there is no goal {n}")
+            new, sorries, logged = self.run_seq([goals[i]], t[m.end():])
+            return goals[:i] + new + goals[i + 1:], sorries, logged
         k = _find_top(t, "<;>")
         if k >= 0:
             first, sorries, logged = self.engine(goals[:1], t[:k])
@@ -866,7 +899,19 @@ class FakeLean:
                     return [f"{hyps}⊢ {typ}", added] + goals[1:], [], []
                 return [added] + goals[1:], [f"{hyps}⊢ {typ}"] if SORRY_RE.search(proof) else [], []
             return goals, [], []
-        if head in CLOSING_TACTICS:
+        if head == "induction":
+            done = self.induction(goals, t)
+            if done is not None:
+                return done
+        if head == "by_cases":
+            bm = re.match(r"by_cases\s+(?:([^\s:]+)\s*:\s*)?(.+)$", t, re.S)
+            if bm:
+                name, prop = bm.group(1) or "h", _norm(bm.group(2))
+                return [f"case pos\n{_without_case(hyps)}{name} : {prop}\n⊢ {target}",
+                        f"case neg\n{_without_case(hyps)}{name} : ¬{prop}\n⊢ {target}"] + goals[1:], [], []
+        if SORRY_RE.search(t):   # `... => sorry` alternatives, `exact sorry`: the goal is closed with a sorry
+            return goals[1:], [g], []
+        if head in CLOSING_TACTICS and not re.search(r"\sat\s+[^*]", t):   # `simp at h` changes h, not the goal
             return goals[1:], [], []
         if head == "constructor" and (_find_top(target, " ∧ ") >= 0 or _find_top(target, " ↔ ") >= 0):
             k = _find_top(target, " ∧ ")
@@ -882,6 +927,47 @@ class FakeLean:
             hname = args[0] if args else "a✝"
             return [f"{hyps}{hname} : {target[:k].strip()}\n⊢ {target[k + 3:].strip()}"] + goals[1:], [], []
         return [f"{hyps}⊢ {target}"] + goals[1:], [], []
+
+    def induction(self, goals, t: str):
+        """`induction n` on a natural number n: goals `case zero` and `case succ` (n✝, a✝), as Lean names
+        them; `induction n with | zero => tacs | succ m ih => tacs` runs each alternative on its goal."""
+        m = re.match(r"induction\s+([^\s]+)\s*(?:with\b(.*))?$", t, re.S)
+        hyps, target = _split_goal(goals[0])
+        lines = hyps.rstrip("\n").split("\n") if hyps.strip() else []
+        where = next((i for i, ln in enumerate(lines) if " : " in ln and m and m.group(1) in ln.split(" : ")[0].split()
+                      and ln.split(" : ", 1)[1].strip() in ("ℕ", "Nat")), None)
+        if m is None or where is None:
+            return None
+        var = m.group(1)
+        names = [w for w in lines[where].split(" : ")[0].split() if w != var]
+        rest = lines[:where] + ([" ".join(names) + " : " + lines[where].split(" : ", 1)[1]] if names else []) \
+            + lines[where + 1:]
+        ctx = "".join(ln + "\n" for ln in _without_case("\n".join(rest) + "\n").split("\n") if ln)
+
+        def at(value):   # target[var := value], in parentheses unless only relations are next to it
+            def put(mm):
+                before, after = target[:mm.start()].rstrip()[-1:], target[mm.end():].lstrip()[:1]
+                loose = {"", "=", "<", ">", "≤", "≥", "≠", "∧", "∨", "→", "↔", ","}
+                bare = " " not in value or (before in loose | {"("} and after in loose | {")"})
+                return value if bare else f"({value})"
+            return re.sub(r"(?<![\w'.])" + re.escape(var) + r"(?![\w'])", put, target)
+
+        def cases(n, ih):
+            return [f"case zero\n{ctx}⊢ {at('0')}", f"case succ\n{ctx}{n} : ℕ\n{ih} : {at(n)}\n⊢ {at(n + ' + 1')}"]
+        if not m.group(2):
+            return cases("n✝", "a✝") + goals[1:], [], []
+        out, sorries, logged = [], [], []
+        for alt in re.split(r"(?m)^\s*\|", m.group(2))[1:]:
+            am = re.match(r"\s*(zero|succ)((?:\s+[^\s=]+)*)\s*=>(.*)$", alt, re.S)
+            if not am:
+                raise TacticError("<input>:1:1: unexpected token; expected '|'")
+            vs = am.group(2).split()
+            g = cases(vs[0] if vs else "n✝", vs[1] if len(vs) > 1 else "a✝")[0 if am.group(1) == "zero" else 1]
+            g2, s2, l2 = self.run_seq([g], am.group(3))
+            out += g2
+            sorries += s2
+            logged += l2
+        return out + goals[1:], sorries, logged
 
     # ------------------------------------------------------------ tactic mode
     def run_tactic(self, sid, tactic: str) -> tuple:

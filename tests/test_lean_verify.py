@@ -241,6 +241,119 @@ def test_stand_in_protocol(tmp_path):
     assert "sorryAx" in replies[6]["messages"][0]["data"]
 
 
+# --------------------------------------------------------------------------- the REPL's own transcripts
+
+TRANSCRIPTS = ROOT / "tests" / "repl_transcripts"
+# replies the stand-in cannot give (it has no Lean); see the module docstring
+OUT_OF_SCOPE = {
+    "enableInitializersExecution": "all", "infotree": "all",
+    "invalid_tactic": {1}, "no_goal_sorry": {0}, "variables": {1},
+    "name_generator": {4, 5, 6}, "trace_simp": {3, 5, 6, 7},
+    "Mathlib/20240209": {1}, "Mathlib/H20231110": {1}, "Mathlib/exact": {2, 4},
+}
+
+
+def _json_stream(text: str) -> list:
+    dec, i, out = json.JSONDecoder(), 0, []
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            return out
+        obj, i = dec.raw_decode(text, i)
+        out.append(obj)
+
+
+def _shape_diff(exp, got, where="reply") -> list:
+    """Differences in structure between a real reply and the stand-in's: the kind of reply, which keys
+    appear, their types, the fields of messages/sorries/tactics, the ids (env, proofState), error texts."""
+    if type(exp) is not type(got) and not (exp is None or got is None):
+        return [f"{where}: {type(exp).__name__} vs {type(got).__name__}"]
+    if isinstance(exp, dict):
+        if set(exp) != set(got):
+            return [f"{where}: keys {sorted(exp)} vs {sorted(got)}"]
+        out = []
+        for k in exp:
+            if k in ("env", "proofState") and exp[k] != got[k]:
+                out.append(f"{where}.{k}: {exp[k]} vs {got[k]}")
+            elif k == "message" and (exp[k] != got[k]) and not (
+                    exp[k].startswith("Lean error:\n") and got[k].startswith("Lean error:\n")):
+                out.append(f"{where}.message: {exp[k]!r} vs {got[k]!r}")
+            elif k == "severity" and got[k] not in ("info", "warning", "error", "trace"):
+                out.append(f"{where}.severity: {got[k]!r}")
+            elif k in ("pos", "endPos") and isinstance(exp[k], dict) != isinstance(got[k], dict):
+                out.append(f"{where}.{k}: {exp[k]} vs {got[k]}")
+            elif k not in ("data", "goal", "goals", "tactic", "usedConstants", "message", "traces"):
+                out += _shape_diff(exp[k], got[k], f"{where}.{k}")
+            elif isinstance(exp[k], list) and not all(isinstance(x, str) for x in exp[k] + got[k]):
+                out.append(f"{where}.{k}: not a list of strings")
+        return out
+    if isinstance(exp, list):   # lengths may differ (two goals vs one); every element has the same fields
+        kinds = {json.dumps(sorted(x)) if isinstance(x, dict) else type(x).__name__ for x in exp}
+        got_kinds = {json.dumps(sorted(x)) if isinstance(x, dict) else type(x).__name__ for x in got}
+        if exp and got and kinds != got_kinds:
+            return [f"{where}: elements {sorted(kinds)} vs {sorted(got_kinds)}"]
+        out = []
+        for i, (e, g) in enumerate(zip(exp, got)):
+            out += _shape_diff(e, g, f"{where}[{i}]")
+        return out
+    return []
+
+
+def _transcripts():
+    return [(d, f.name[:-len(".in")]) for d in (TRANSCRIPTS, TRANSCRIPTS / "Mathlib") for f in sorted(d.glob("*.in"))]
+
+
+@pytest.fixture(scope="module")
+def replayed(tmp_path_factory):
+    """Every transcript through the stand-in, in the order the REPL's test.sh runs them (pickles written
+    by one are read by the next), in a directory laid out like the REPL's (test/...)."""
+    out = {}
+    for d in (TRANSCRIPTS, TRANSCRIPTS / "Mathlib"):
+        work = tmp_path_factory.mktemp(d.name)
+        (work / "test").mkdir()
+        for f in d.iterdir():
+            if f.is_file():
+                (work / "test" / f.name).write_bytes(f.read_bytes())
+        for f in sorted(d.glob("*.in")):
+            p = subprocess.run([sys.executable, str(FAKE)], input=f.read_text(encoding="utf-8"), capture_output=True,
+                               text=True, cwd=work, timeout=60)
+            out[(d, f.name[:-len(".in")])] = (p.stdout, p.stderr)
+    return out
+
+
+@pytest.mark.parametrize("where,name", _transcripts(), ids=[("Mathlib/" if d.name == "Mathlib" else "") + n
+                                                            for d, n in _transcripts()])
+def test_stand_in_replays_repl_transcripts(replayed, where, name):
+    key = ("Mathlib/" if where.name == "Mathlib" else "") + name
+    skip = OUT_OF_SCOPE.get(key, set())
+    if skip == "all":
+        pytest.skip(f"{key}: out of the stand-in's scope (module docstring)")
+    expected = _json_stream((where / f"{name}.expected.out").read_text(encoding="utf-8"))
+    stdout, stderr = replayed[(where, name)]
+    got = _json_stream(stdout)
+    assert len(got) == len(expected), stderr
+    diffs = [d for i, (e, g) in enumerate(zip(expected, got)) if i not in skip for d in _shape_diff(e, g, f"#{i}")]
+    assert not diffs, "\n".join(diffs)
+
+
+def test_transcript_scope_is_current(replayed):
+    """Each reply declared out of scope still differs: the list stays honest when the stand-in improves."""
+    for key, skip in OUT_OF_SCOPE.items():
+        where = TRANSCRIPTS / "Mathlib" if key.startswith("Mathlib/") else TRANSCRIPTS
+        name = key.split("/")[-1]
+        expected = _json_stream((where / f"{name}.expected.out").read_text(encoding="utf-8"))
+        got = _json_stream(replayed[(where, name)][0])
+        idx = range(len(expected)) if skip == "all" else skip
+        assert any(i >= len(got) or _shape_diff(expected[i], got[i]) for i in idx), key
+
+
+def test_stand_in_dies_like_the_repl_on_a_request_it_cannot_read():
+    for bad in ('{"cmd": 1}\n\n', '{"tactic": "simp"}\n\n', "not json\n\n", '{"proofState": -1, "tactic": "x"}\n\n'):
+        p = subprocess.run([sys.executable, str(FAKE)], input=bad, capture_output=True, text=True, timeout=60)
+        assert p.returncode == 1 and p.stdout == "" and p.stderr.startswith("uncaught exception:"), bad
+
+
 # --------------------------------------------------------------------------- local REPL pool
 
 def test_smoke_valid_and_header_imported_once(tmp_path):
