@@ -4,9 +4,12 @@ REPL + mathlib when one is configured (`bash setup.sh --lean`) and are skipped o
 
 from __future__ import annotations
 
+import heapq
 import importlib.util
+import itertools
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -464,6 +467,51 @@ def test_max_uses_restarts_repl(tmp_path):
     assert count(stats, "start") == 3 and count(stats, "header") == 3
 
 
+def test_time_counts_only_the_proofs_own_round_trips(tmp_path):
+    """LeanResult.time feeds STP's proof weights exp(-0.01 t): starting a REPL and importing the header (here
+    1.5 s) must not be charged to the first proof."""
+    v, _ = make(tmp_path, "--import-delay", 1.5)
+    with v:
+        res = v.verify([smoke_job(r) for r in SMOKE[:2]])
+        assert all(r.valid for r in res) and all(r.time < 0.5 for r in res), [r.time for r in res]
+        slow = v.verify([smoke_job(SMOKE[0], "fake_slow 0.6\n  norm_num")])[0]
+        assert slow.valid and 0.6 <= slow.time < 1.4
+        s = v.start_proof(SMOKE[0]["header"], SMOKE[0]["formal_statement"])
+        assert s.time < 0.5 and v.apply_tactic(s, "norm_num").time < 0.5
+
+
+def test_default_pool_size_per_local_rank(monkeypatch, caplog):
+    """Under torchrun every rank builds its own pool: the default divides the machine by LOCAL_WORLD_SIZE."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(lv, "_memory_gb", lambda: 256.0)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert lv._default_workers() == 32                 # min(64 - 1 cores, 256 GB / 8 GB)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert lv._default_workers() == 4                  # min(64 / 8 - 1, 256 / 8 / 8 GB)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert lv._default_workers() == 1
+    caplog.set_level("INFO", logger="lean_verify")
+    with LeanVerifier(repl_cmd=fake_cmd()) as v:
+        assert v.workers == 1 and v.stats()["size"] == 1
+    assert any("1 REPL worker" in r.getMessage() and "LOCAL_WORLD_SIZE=8" in r.getMessage() for r in caplog.records)
+
+
+def test_setup_pins_the_mathlib_the_repl_is_tested_with():
+    """The REPL's own Mathlib tests at v4.15.0 require mathlib `v4.15.0-patch1` (test/Mathlib/lakefile.toml,
+    shipped under tests/repl_transcripts/Mathlib); setup.sh's install_lean reads the pin from there."""
+    toml = (TRANSCRIPTS / "Mathlib" / "lakefile.toml").read_text()
+    assert 'rev = "v4.15.0-patch1"' in toml
+    setup = (ROOT / "setup.sh").read_text()
+    body = setup[setup.index("install_lean() {"):]
+    body = body[:body.index("\n}\n")]
+    assert 'LEAN_TAG:-v4.15.0' in body and "test/Mathlib/lakefile.toml" in body
+    sed = next(line for line in body.splitlines() if "sed -n" in line and "lakefile.toml" in line)
+    expr = sed[sed.index("sed -n '") + len("sed -n '"):]
+    expr = expr[:expr.index("'")]
+    out = subprocess.run(["sed", "-n", expr], input=toml, capture_output=True, text=True).stdout.strip()
+    assert out == "v4.15.0-patch1"
+
+
 def test_lean_side_checks(tmp_path):
     st = by_name("smoke_lt_trans")["formal_statement"]
 
@@ -480,6 +528,33 @@ def test_lean_side_checks(tmp_path):
     v2, _ = make(tmp_path, lean_checks=False)
     with v2:
         assert v2.verify([job("fake_axiom myCheat")])[0].status == "valid"
+
+
+def test_print_axioms_of_an_ambiguous_name():
+    """`#print axioms n` prints one message per declaration `n` resolves to (Lean's resolveGlobalName: names
+    through `open`ed namespaces, then the root one); only the message naming the checked theorem counts."""
+    clean = {"severity": "info", "data": "'Nat.t' depends on axioms: [propext]"}
+    ours = {"severity": "info", "data": "'t' depends on axioms: [propext, sorryAx]"}
+    typ = {"severity": "info", "data": "@t : True"}
+    for msgs in ([typ, ours, clean], [typ, clean, ours]):
+        assert lv._parse_checks(msgs, "t") == ("True", {"propext", "sorryAx"})
+        assert lv._parse_checks(msgs, "_root_.t") == ("True", {"propext", "sorryAx"})
+    assert lv._parse_checks([typ, clean], "t")[1] is None          # nothing about `t` itself: fail closed
+    assert lv._parse_checks([typ, {"severity": "info", "data": "'«my thm»' does not depend on any axioms"}],
+                            "«my thm»")[1] == set()
+
+
+AMBIGUOUS_HEADER = H + "theorem Nat.amb_t (x : ℕ) (h₀ : x = 2) : x + x = 4 := by\n  omega\n"
+AMBIGUOUS = "theorem amb_t (x : ℕ) (h₀ : x = 2) : x + x = 4 := by"
+
+
+def test_ambiguous_theorem_name_local(tmp_path):
+    """The header opens Nat and declares Nat.amb_t; the proof's amb_t is checked as _root_.amb_t."""
+    jobs = [ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega"),
+            ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega")]
+    v, _ = make(tmp_path)
+    with v:
+        assert [r.status for r in v.verify(jobs)] == ["valid", "cheat"]
 
 
 def test_hash_mode_share_is_deterministic(tmp_path):
@@ -552,19 +627,251 @@ def test_tactic_mode_intro_and_no_proof_status(tmp_path):
         assert v.check_tactic_path(s).valid
 
 
-def test_tactic_mode_hash_and_restart_after_max_uses(tmp_path):
+def test_solved_without_proof_status(tmp_path):
+    """v4.15.0 sends no proofStatus (REPL/JSON.lean ProofStepResponse): the stand-in sends none unless asked,
+    and "solved" is decided without it (no goals, no error, no sorry); newer REPLs' field still counts."""
+    reply, _ = fake.FakeLean().handle({"cmd": "theorem t (p : Prop) (hp : p) : p := by sorry"})
+    lean = fake.FakeLean()
+    lean.handle({"cmd": "theorem t (p : Prop) (hp : p) : p := by sorry"})
+    assert lean.handle({"tactic": "exact hp", "proofState": 0})[0] == {"proofState": 1, "goals": []}
+    newer = fake.FakeLean(proof_status=True)
+    newer.handle({"cmd": "theorem t (p : Prop) (hp : p) : p := by sorry"})
+    assert newer.handle({"tactic": "exact hp", "proofState": 0})[0]["proofStatus"] == "Completed"
+    row = by_name("smoke_imp_trans")
+    for flags, status in (((), None), (("--proof-status",), "Completed")):
+        v, _ = make(tmp_path, *flags)
+        with v:
+            s = v.apply_tactic(v.apply_tactic(v.start_proof(row["header"], row["formal_statement"]), "intro hp"),
+                               "exact h₂ (h₁ hp)")
+            assert s.solved and s.status == "solved" and s.proof_status == status and s.error is None
+            trap = v.apply_tactic(v.start_proof(row["header"], row["formal_statement"]), "fake_trap")
+            assert not trap.solved and trap.status == "error" and trap.goals == []   # goals [] with an error
+    assert "Completed" not in (lv.TacticState.__doc__ or "") + (lv.LeanVerifier.apply_tactic.__doc__ or "")
+
+
+def test_one_tactic_per_request(tmp_path):
+    """The REPL parses `tactic` as one tactic that must consume the whole input (REPL/Snapshots.lean runString:
+    Parser.runParserCategory): the stand-in rejects the rest; apply_tactic sends a block as one parenthesised
+    tactic sequence."""
+    lean = fake.FakeLean()
+    lean.handle({"cmd": "theorem t (a b : ℕ) (h : a = b) : b = a ∧ a = b := by sorry"})
+    for text, where in (("ext1 x; ext1 n", "1:6"), ("constructor\nlinarith", "2:0"), ("intro x\n  exact h", "2:2")):
+        assert lean.handle({"tactic": text, "proofState": 0})[0] == {
+            "message": f"Lean error:\n<input>:{where}: expected end of input"}, text
+    assert "goals" in lean.handle({"tactic": "(constructor; omega; omega)", "proofState": 0})[0]
+    assert "goals" in lean.handle({"tactic": "induction a with\n| zero => simp\n| succ k ih => simp", "proofState": 0})[0]
+    assert lv.one_tactic("simp") == "simp" and lv.one_tactic("  ext1 x; ext1 n ") == "(ext1 x; ext1 n)"
+    assert lv.one_tactic("constructor\n· linarith\n· linarith") == "(constructor\n · linarith\n · linarith)"
+    assert lv.one_tactic("  intro hp\n    exact hp") == "(intro hp\n   exact hp)"
+    row = by_name("smoke_two_goals")
+    v, _ = make(tmp_path)
+    with v:
+        s0 = v.start_proof(row["header"], row["formal_statement"])
+        for block in ("constructor\n· linarith\n· linarith", "constructor; linarith; linarith",
+                      "constructor\nall_goals linarith", "  constructor\n  · linarith\n  · linarith\n"):
+            s = v.apply_tactic(s0, block)
+            assert s.solved, (block, s.error)
+            assert s.tactics == [block] and v.check_tactic_path(s).valid
+        s = v.apply_tactic(s0, "constructor\nlinarith")       # one tactic per line: the first goal only
+        assert s.status == "open" and len(s.goals) == 1
+
+
+def test_tactic_mode_hash_and_restart_after_max_proof_states(tmp_path):
     row = by_name("smoke_lt_trans")
-    v, stats = make(tmp_path, "--accept", "hash:0.3", max_uses=4)
+    v, stats = make(tmp_path, "--accept", "hash:0.3", max_proof_states=4)
     with v:
         root = v.start_proof(row["header"], row["formal_statement"])
         outcomes = []
         for i in range(12):
-            s = v.apply_tactic(root, f"tac_{i}")     # restarts after 4 uses; root is replayed
+            s = v.apply_tactic(root, f"tac_{i}")     # restarts after 4 proof states; root is replayed
             outcomes.append("solved" if s.solved else ("error" if s.error else "open"))
         again = [("solved" if s.solved else ("error" if s.error else "open"))
                  for s in (v.apply_tactic(root, f"tac_{i}") for i in range(12))]
     assert outcomes == again and {"solved", "error", "open"} >= set(outcomes) and len(set(outcomes)) >= 2
     assert count(stats, "start") >= 3
+
+
+# --------------------------------------------------------------------------- tactic mode as a search engine
+
+TACTIC_ROWS = [json.loads(line) for line in (ROOT / "data" / "lean_tactics.jsonl").read_text(encoding="utf-8")
+               .splitlines() if line.strip()]
+
+
+def table_proposals(state: TacticState) -> list:
+    """A stand-in for a tactic model: every tactic the table lists for the main goal, plus one it rejects."""
+    main = re.sub(r"^case [^\n]*\n", "", state.goals[0]) if state.goals else ""
+    listed = [t["tactic"] for row in TACTIC_ROWS for t in row["transitions"]
+              if re.sub(r"^case [^\n]*\n", "", t["goal"]) == main]
+    return listed + ["frobnicate"]
+
+
+def best_first_search(v, header, statement, propose, max_expansions=40):
+    """ReProver-style best-first search over lean_verify's tactic mode (the loop coprover.py/rir.py need):
+    expand the best open state with all proposals in one batched call, merge states by their goals' key."""
+    root = v.start_proof(header, statement)
+    frontier, seen, tie, expanded = [(0, 0, root)], {root.key}, itertools.count(1), 0
+    while frontier and expanded < max_expansions:
+        _, _, state = heapq.heappop(frontier)
+        expanded += 1
+        for child in v.apply_tactics([(state, t) for t in propose(state)]):
+            if child.solved:
+                return child, expanded
+            if child.status == "open" and child.key not in seen:
+                seen.add(child.key)
+                heapq.heappush(frontier, (len(child.tactics), next(tie), child))
+    return None, expanded
+
+
+def test_tactic_table_theorems(tmp_path):
+    """data/lean_tactics.jsonl is a built-in theorem set for proof search: each row's known proof solves its
+    theorem step by step and as a whole proof; its dead ends stay open; tactics the table does not list fail."""
+    v, _ = make(tmp_path)
+    with v:
+        for row in TACTIC_ROWS:
+            s = v.start_proof(row["header"], row["formal_statement"])
+            assert s.goals == [row["goal"]] and s.status == "open"
+            for t in row["proof"]:
+                assert not s.solved
+                s = v.apply_tactic(s, t)
+                assert s.error is None, (row["name"], t, s.error)
+            assert s.solved and v.check_tactic_path(s).valid, row["name"]
+            assert v.check_tactic_path(row["header"], row["formal_statement"], row["proof"][:-1]).status == "error"
+            root = v.start_proof(row["header"], row["formal_statement"])
+            assert v.apply_tactic(root, "linarith").status == "error"        # not in the table: fails here
+            assert "unknown tactic" in v.apply_tactic(root, "frobnicate").error
+        root = v.start_proof(TACTIC_ROWS[1]["header"], TACTIC_ROWS[1]["formal_statement"])
+        dead = v.apply_tactic(root, "right")                                   # n = 2 does not follow
+        assert dead.status == "open" and all(v.apply_tactic(dead, t).status == "error"
+                                             for t in ("omega", "linarith", "norm_num", "rfl"))
+        whole = v.apply_tactic(v.start_proof(TACTIC_ROWS[4]["header"], TACTIC_ROWS[4]["formal_statement"]),
+                               TACTIC_ROWS[4]["transitions"][1]["tactic"])   # a whole induction, five lines
+        assert whole.solved and v.check_tactic_path(whole).valid
+
+
+def test_best_first_search_over_the_table(tmp_path):
+    v, _ = make(tmp_path, workers=2)
+    with v:
+        for row in TACTIC_ROWS:
+            found, expanded = best_first_search(v, row["header"], row["formal_statement"], table_proposals)
+            assert found is not None and found.solved, row["name"]
+            assert v.check_tactic_path(found).valid and expanded <= 6
+        v.free_states()
+
+
+def test_apply_tactics_batch_order_affinity_and_parallelism(tmp_path):
+    v, stats = make(tmp_path, "--delay", 0.15, workers=2)
+    with v:
+        roots = v.start_proofs([(r["header"], r["formal_statement"]) for r in TACTIC_ROWS[:4]])
+        assert [r.goals for r in roots] == [[r["goal"]] for r in TACTIC_ROWS[:4]]
+        assert len({id(r._worker) for r in roots}) == 2                       # spread over the pool
+        starts = count(stats, "start")
+        steps = [(roots[i % 4], t) for i, t in enumerate(["constructor", "left", "intro hp", "use 3",
+                                                           "refine ⟨?_, ?_⟩", "right", "frobnicate", "use 2"])]
+        t0 = time.monotonic()
+        res = v.apply_tactics(steps)
+        elapsed = time.monotonic() - t0
+        assert [r.status for r in res] == ["open", "open", "open", "solved", "open", "open", "error", "open"]
+        assert all(r.statement == s.statement and r.tactics == s.tactics + [t] for r, (s, t) in zip(res, steps))
+        assert all(r._worker is s._worker for r, (s, _) in zip(res, steps) if r.status != "error")
+        assert count(stats, "start") == starts                                  # no state rebuilt elsewhere
+        assert elapsed < 8 * 0.15 - 0.2, elapsed                               # two REPLs answered in parallel
+        assert v.apply_tactics([]) == []
+        again = v.expand(res[0], ["exact lt_trans h₁ h₀", "omega", "positivity"])
+        assert [r.status for r in again] == ["open", "open", "error"] and len(again[0].goals) == 1
+
+
+def test_goal_key_merges_identical_states(tmp_path):
+    row = TACTIC_ROWS[0]
+    v, _ = make(tmp_path)
+    with v:
+        root = v.start_proof(row["header"], row["formal_statement"])
+        a, b, c = v.expand(root, ["constructor", "refine ⟨?_, ?_⟩", "exact h₀"])
+        assert a.goals != b.goals and a.key == b.key and a.key != root.key     # case tags differ only
+        assert c.status == "error" and v.apply_tactic(a, "exact lt_trans h₁ h₀").key != a.key
+        chain = TACTIC_ROWS[2]
+        r2 = v.start_proof(chain["header"], chain["formal_statement"])
+        x, y = v.expand(r2, ["intro hp", "intro h"])
+        assert x.key != y.key
+    assert lv.goals_key(["case a\nx : ℕ\n⊢  x = x ", "⊢ True"]) == lv.goals_key(["x : ℕ\n⊢ x = x", "case b\n⊢ True"])
+    assert lv.goals_key([]) == ""
+
+
+def test_proof_states_are_bounded_and_freed(tmp_path):
+    """The REPL at v4.15.0 never forgets a proof state (State.proofStates only grows; no command deletes one):
+    a REPL is restarted after max_proof_states states or by free_states(), and live states are replayed."""
+    row = TACTIC_ROWS[2]
+    v, stats = make(tmp_path, max_proof_states=6)
+    with v:
+        s = v.start_proof(row["header"], row["formal_statement"])
+        path = [s]
+        for t in row["proof"]:
+            path.append(v.apply_tactic(path[-1], t))
+        assert path[-1].solved and v.stats()["recycles"] >= 1
+        starts = count(stats, "start")
+        assert v.apply_tactic(path[2], "apply hqr").goals == path[3].goals  # an old state, replayed
+        assert count(stats, "start") == starts + 1
+        freed = v.free_states([path[-2]])
+        assert freed == 1 and v.apply_tactic(path[1], "apply hrs").goals == path[2].goals
+        assert v.free_states() >= 1 and v.free_states() == 0
+        assert v.apply_tactic(path[0], "intro hp").goals == path[1].goals
+
+
+def test_tactic_failures_are_records(tmp_path):
+    row = TACTIC_ROWS[2]
+    v, stats = make(tmp_path, timeout=1.0)
+    with v:
+        root = v.start_proof(row["header"], row["formal_statement"])
+        s1 = v.apply_tactic(root, "intro hp")
+        res = v.apply_tactics([(s1, "apply hrs"), (s1, "fake_hang"), (s1, "apply hrs"), (root, "sorry"),
+                               (root, None), (s1, "exact hrs (hqr (hpq hp))"), (root, "(unclosed")])
+        assert [r.status for r in res] == ["open", "timeout", "open", "error", "error", "solved", "error"]
+        assert res[2].goals == res[0].goals                                    # replayed after the timeout
+        assert all(isinstance(r, TacticState) and r.state_id is None for r in res if r.status != "open"
+                   and r.status != "solved")
+        bad = v.start_proof(row["header"], "theorem nope (x : ℕ : x = x := by")
+        assert bad.status == "error" and v.apply_tactics([(bad, "simp")])[0].status == "error"
+
+
+# --------------------------------------------------------------------------- used constants, statements
+
+def test_used_constants_and_statements(tmp_path):
+    """STP seeds a conjecture with the lemma a proof invokes: the REPL's allTactics gives each tactic's
+    usedConstants (REPL/JSON.lean Tactic), `#check name` gives a lemma's signature."""
+    row = TACTIC_ROWS[0]
+    st = row["formal_statement"]
+    job = ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))
+    sum_row = TACTIC_ROWS[4]
+    job2 = ProofJob(sum_row["header"], sum_row["formal_statement"],
+                    lv.proof_from_tactics(sum_row["formal_statement"], sum_row["proof"]))
+    ex = TACTIC_ROWS[3]
+    job3 = ProofJob(ex["header"], ex["formal_statement"], lv.proof_from_tactics(ex["formal_statement"], ex["proof"]))
+    v, stats = make(tmp_path)
+    with v:
+        assert v.verify([job])[0].used_constants is None
+        a, b, c = v.verify([job, job2, job3], used_constants=True)
+        assert a.valid and a.used_constants == ["lt_trans", "le_of_lt"]
+        assert b.valid and b.used_constants == ["Finset.sum_range_succ", "mul_add"]
+        assert c.valid and c.used_constants == []
+        assert v.verify([job3], used_constants="all")[0].used_constants == ["OfNat.ofNat", "instOfNatNat"]
+        cmds = count(stats, "cmd")
+        got = v.statements(H, ["lt_trans", "Finset.sum_range_succ", "no_such_lemma", "two words", "", "mul_add"])
+        assert count(stats, "cmd") == cmds + 1                                 # one round trip for the batch
+        assert got["lt_trans"] == "lt_trans " + fake.LIBRARY["lt_trans"]
+        assert got["Finset.sum_range_succ"].startswith("Finset.sum_range_succ {β : Type u}")
+        assert got["no_such_lemma"] is None and got["two words"] is None and got[""] is None
+        assert got["mul_add"].startswith("mul_add ")
+        assert v.statements(AMBIGUOUS_HEADER, ["Nat.amb_t"])["Nat.amb_t"].startswith("Nat.amb_t (x : ℕ)")
+        assert v.statements(H, []) == {}
+
+
+def test_used_constants_and_statements_on_kimina(kimina):
+    row = TACTIC_ROWS[0]
+    st = row["formal_statement"]
+    with kimina_verifier(kimina) as v:
+        res = v.verify([ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))], used_constants=True)
+        assert res[0].valid and res[0].used_constants is None                   # Kimina has no allTactics
+        got = v.statements(H, ["lt_trans", "nope_nope", "mul_add"])
+        assert got["lt_trans"].startswith("lt_trans ") and got["nope_nope"] is None and got["mul_add"]
 
 
 def test_tactic_mode_not_on_kimina(kimina):
@@ -576,12 +883,21 @@ def test_tactic_mode_not_on_kimina(kimina):
 # --------------------------------------------------------------------------- Kimina client
 
 class KiminaStub:
-    """A tiny stand-in of kimina-lean-server's POST /api/check on 127.0.0.1 (random port)."""
+    """A stand-in of kimina-lean-server's POST /api/check on 127.0.0.1 (random port), with the server's
+    semantics (server/routers/check.py, server/split.py, server/manager.py, server/repl.py): a snippet's
+    leading import/blank lines are its header, which gets its own REPL (reused across requests); the header
+    runs once, then each body as {"cmd": body, "env": 0}; with a blank header the first body runs without
+    env, so later bodies run in the first body's environment. Message lines are shifted back to the
+    snippet's (shift="snippet", current servers) or left body-relative (shift="body", older ones). Any REPL
+    output on stderr (`fake_stderr`) or a dead REPL (`fake_crash`) fails the whole POST with HTTP 500;
+    busy_next answers 429 "No available REPLs"; a snippet that hangs gets its own timeout error."""
 
-    def __init__(self, accept="known"):
-        self.lean = fake.FakeLean(accept)
+    def __init__(self, accept="known", shift="snippet"):
+        self.accept, self.shift = accept, shift
+        self.repls = {}             # header -> [FakeLean, uses]
         self.lock = threading.Lock()
         self.fail_next = 0          # answer HTTP 500 this many times
+        self.busy_next = 0          # answer HTTP 429 this many times
         self.sleep = 0.0            # seconds before answering
         self.drop = False           # leave out the first result
         self.requests = []
@@ -597,23 +913,17 @@ class KiminaStub:
                 if self.path.rstrip("/") != "/api/check":
                     self.send_error(404)
                     return
-                if stub.fail_next > 0:
-                    stub.fail_next -= 1
-                    self.send_error(500)
-                    return
+                for attr, code in (("busy_next", 429), ("fail_next", 500)):
+                    if getattr(stub, attr) > 0:
+                        setattr(stub, attr, getattr(stub, attr) - 1)
+                        self.send_error(code)
+                        return
                 time.sleep(stub.sleep)
-                results = []
-                for sn in body["snippets"]:
-                    with stub.lock:
-                        reply, directives = stub.lean.handle({"cmd": sn["code"]})
-                    kinds = {k for k, _ in directives}
-                    if "hang" in kinds:
-                        results.append({"id": sn["id"], "time": body["timeout"],
-                                        "error": f"Lean REPL command timed out in {body['timeout']} seconds"})
-                    elif "crash" in kinds:
-                        results.append({"id": sn["id"], "time": 0.1, "error": "REPL process died"})
-                    else:
-                        results.append({"id": sn["id"], "time": 0.01, "response": reply})
+                with stub.lock:
+                    results = [stub.run(sn, body["timeout"]) for sn in body["snippets"]]
+                if any(r is None for r in results):
+                    self.send_error(500, "Lean REPL wrote to stderr")
+                    return
                 if stub.drop:
                     results = results[1:]
                 data = json.dumps({"results": results}).encode()
@@ -631,6 +941,35 @@ class KiminaStub:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
         self.thread.start()
 
+    def run(self, snippet, timeout):
+        lines = snippet["code"].splitlines()
+        i = 0
+        while i < len(lines) and (not lines[i].strip() or lines[i].strip().startswith("import ")):
+            i += 1
+        imports = list(dict.fromkeys(x.strip() for x in lines[:i] if x.strip().startswith("import ")))
+        if any(x.startswith("import Mathlib") for x in imports):
+            imports = ["import Mathlib"] + [x for x in imports if not x.startswith("import Mathlib")]
+        header, body = "\n".join(imports), "\n".join(lines[i:])
+        repl = self.repls.setdefault(header, [fake.FakeLean(self.accept), 0])
+        lean = repl[0]
+        if repl[1] == 0 and header.strip():
+            lean.handle({"cmd": header})
+            repl[1] += 1
+        reply, directives = lean.handle({"cmd": body, "env": 0, "gc": True} if repl[1] else {"cmd": body})
+        repl[1] += 1
+        kinds = {k for k, _ in directives}
+        if kinds & {"stderr", "crash"}:
+            del self.repls[header]
+            return None
+        if "hang" in kinds:
+            return {"id": snippet["id"], "time": timeout, "error": f"Lean REPL command timed out in {timeout} seconds"}
+        if self.shift == "snippet":
+            for m in reply.get("messages", []) + reply.get("sorries", []):
+                for k in ("pos", "endPos"):
+                    if m.get(k):
+                        m[k]["line"] += i
+        return {"id": snippet["id"], "time": 0.25, "response": reply}
+
     def close(self):
         self.server.shutdown()
         self.server.server_close()
@@ -643,6 +982,11 @@ def kimina():
     stub.close()
 
 
+def kimina_verifier(stub, **kw):
+    kw.setdefault("kimina_retry_delay", 0.01)
+    return LeanVerifier(backend="kimina", kimina_url=stub.url, **kw)
+
+
 def test_kimina_verdicts(kimina):
     st = by_name("smoke_lt_trans")["formal_statement"]
 
@@ -652,7 +996,7 @@ def test_kimina_verdicts(kimina):
     jobs = [smoke_job(r) for r in SMOKE] + [job("frobnicate"), job("sorry"), job("fake_axiom myAx", "linarith"),
                                             job("fake_alter_type", "linarith"), ProofJob(H, st, st + " native_decide"),
                                             job("fake_hang", "linarith"), job("fake_crash", "linarith")]
-    with LeanVerifier(backend="kimina", kimina_url=kimina.url, kimina_api_key="secret", workers=2) as v:
+    with kimina_verifier(kimina, kimina_api_key="secret", workers=2) as v:
         res = v.verify(jobs)
     assert [r.status for r in res] == ["valid"] * len(SMOKE) + ["error", "sorry", "cheat", "cheat", "cheat",
                                                                   "timeout", "server_error"]
@@ -666,7 +1010,7 @@ def test_kimina_verdicts(kimina):
 def test_kimina_server_errors_and_timeouts(kimina):
     jobs = [smoke_job(r) for r in SMOKE[:3]]
     kimina.fail_next = 1                                   # one 500: retried, then fine
-    with LeanVerifier(backend="kimina", kimina_url=kimina.url, workers=1) as v:
+    with kimina_verifier(kimina, workers=1) as v:
         assert all(r.valid for r in v.verify(jobs))
         kimina.fail_next = 100                             # keeps failing: server_error, never success
         assert [r.status for r in v.verify(jobs)] == ["server_error"] * 3
@@ -676,32 +1020,77 @@ def test_kimina_server_errors_and_timeouts(kimina):
         assert not res[0].valid and res[0].status in ("server_error",)
         kimina.drop = False
     kimina.sleep = 2.0                                     # slower than the client waits
-    with LeanVerifier(backend="kimina", kimina_url=kimina.url, http_timeout=0.5) as v:
+    with kimina_verifier(kimina, http_timeout=0.5) as v:
         assert [r.status for r in v.verify(jobs[:1])] == ["timeout"]
     kimina.sleep = 0.0
     dead = "http://127.0.0.1:9"                            # nothing listens there
-    with LeanVerifier(backend="kimina", kimina_url=dead, http_timeout=2) as v:
+    with LeanVerifier(backend="kimina", kimina_url=dead, http_timeout=2, kimina_retry_delay=0.01) as v:
         assert [r.status for r in v.verify(jobs[:2])] == ["server_error"] * 2
 
 
-def test_kimina_line_shift_does_not_confuse_checks(kimina):
-    """Kimina shifts message lines back by the header's line count; the check block's
-    messages must still be told apart from the proof's."""
-    lean = kimina.lean
-    orig = lean.handle
+@pytest.mark.parametrize("shift", ["snippet", "body"])
+def test_kimina_line_shift_does_not_confuse_checks(shift):
+    """Kimina runs a snippet's import lines as a separate header command; current servers shift message lines
+    back to the snippet's numbering, older ones report body-relative lines. Either way the check block's
+    messages must be told apart from the proof's."""
+    stub = KiminaStub(shift=shift)
+    try:
+        st = by_name("smoke_lt_trans")["formal_statement"]
+        jobs = [smoke_job(by_name("smoke_lt_trans")),
+                ProofJob(H, st, lv.proof_from_tactics(st, ["fake_axiom bad", "linarith"])),
+                ProofJob(H, st, lv.proof_from_tactics(st, ["frobnicate"]))]
+        with kimina_verifier(stub) as v:
+            res = v.verify(jobs)
+        assert [r.status for r in res] == ["valid", "cheat", "error"]
+        assert res[2].errors and all(not e.startswith("0:") for e in res[2].errors)
+    finally:
+        stub.close()
 
-    def shifted(req):
-        reply, d = orig(req)
-        shift = H.count("\n")
-        for m in reply.get("messages", []) + reply.get("sorries", []):
-            m["pos"]["line"] -= shift
-        return reply, d
 
-    lean.handle = shifted
+def test_kimina_one_bad_snippet_costs_only_itself(kimina):
+    """One REPL writing to stderr makes the server answer 500 for the whole POST (up to 8 snippets): the
+    client retries, then splits the batch, so only the bad snippet is a server_error."""
     st = by_name("smoke_lt_trans")["formal_statement"]
-    jobs = [smoke_job(by_name("smoke_lt_trans")),
-            ProofJob(H, st, lv.proof_from_tactics(st, ["fake_axiom bad", "linarith"]))]
-    with LeanVerifier(backend="kimina", kimina_url=kimina.url) as v:
+    jobs = [smoke_job(r) for r in SMOKE[:6]] + [ProofJob(H, st, lv.proof_from_tactics(st, ["fake_stderr", "linarith"]))] \
+        + [smoke_job(r) for r in SMOKE[6:9]]
+    with kimina_verifier(kimina, lean_checks=False) as v:
+        res = v.verify(jobs)
+    assert [r.status for r in res] == ["valid"] * 6 + ["server_error"] + ["valid"] * 3
+    assert "HTTP 500" in res[6].reason
+    assert all(r.time == 0.25 for i, r in enumerate(res) if i != 6)        # the server's time for the snippet
+
+
+def test_kimina_busy_server_is_retried_with_backoff(kimina):
+    """429 "No available REPLs": back off and retry; a server that stays busy gives server_error, not valid."""
+    jobs = [smoke_job(r) for r in SMOKE[:3]]
+    kimina.busy_next = 3
+    with kimina_verifier(kimina, workers=1, kimina_retries=4) as v:
+        assert all(r.valid for r in v.verify(jobs))
+        kimina.busy_next = 10**6
+        t0 = time.monotonic()
+        res = v.verify(jobs)
+        assert [r.status for r in res] == ["server_error"] * 3 and "429" in res[0].reason
+        assert time.monotonic() - t0 < 10
+
+
+def test_kimina_headerless_snippets_do_not_share_an_environment(kimina):
+    """With no import line, Kimina's header is blank and the first body runs without env, so later bodies would
+    run in its environment (server/manager.py prep, server/repl.py send): the same theorem name checked twice
+    would clash. The client always gives a snippet an import line."""
+    st = "theorem plain_t (p : Prop) (hp : p) : p := by"
+    jobs = [ProofJob("", st, st + "\n  exact hp"), ProofJob("", st, st + "\n  exact hp"),
+            ProofJob("open Nat\n", st, st + "\n  exact hp")]
+    with kimina_verifier(kimina) as v:
+        res = v.verify(jobs)
+        assert [r.status for r in res] == ["valid"] * 3, [r.reason for r in res]
+        assert all(sn["code"].startswith("import ") for _, _, body in kimina.requests for sn in body["snippets"])
+        assert [r.status for r in v.verify(jobs[:1])] == ["valid"]
+
+
+def test_ambiguous_theorem_name_kimina(kimina):
+    jobs = [ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega"),
+            ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega")]
+    with kimina_verifier(kimina) as v:
         assert [r.status for r in v.verify(jobs)] == ["valid", "cheat"]
 
 
