@@ -22,9 +22,18 @@ check_asserts(program, test_code, entry_point, timeout=3.0)  HumanEval `check(ca
     results: one bool per test. The checkers and run_function also take banned=, memory_mb=, max_output_bytes=.
 run_function(program, input_repr, timeout=10.0, func_name="f") -> FunctionResult(status, output_repr, error)
 is_deterministic(program, input_repr, runs=2, timeout=10.0, func_name="f") -> bool
+check_triplet(program, inputs, timeout=10.0, func_name="f", *, banned=None, max_output_chars=None)
+    -> TripletResult(valid, outputs, reason)   a proposed program/input/output task (AZR's checks): parses, defines
+    func_name, imports nothing banned, runs on every input twice in one process with equal results (determinism),
+    each output a Python literal of bounded length; reason "" or why not; the outputs complete the triplets
 outputs_equal(a_repr, b_repr) -> bool          value equality of two output reprs (literals only, never eval)
 stdio_outputs_equal(output, expected) -> bool  LiveCodeBench's comparison (stripped lines, else equal Decimals)
 banned_imports(program, banned) -> list[str]   static: aliases, dotted names, from-imports, __import__, importlib
+fenced_blocks(text) -> list[(tag, body)]       the closed ``` blocks of a model's reply (tags lowercased)
+last_block(text, *tags) -> str | None          the body of the last block with one of these tags ("": untagged)
+extract_code(text) -> str | None               the last ```python block, else the last untagged one
+parse_arguments(text) -> str | None            a call's argument list ("3, [1, 2]") of literals, canonical, or None
+defines_function(program, name) -> bool        the program parses and defines `name` at the top level
 isolation() -> dict                            which of the protections below are active on this machine
 shutdown()                                     stop the idle sandbox servers (also done at exit)
 
@@ -124,10 +133,10 @@ import _thread
 from typing import Any, Callable, Iterable, Sequence
 
 __all__ = [
-    "ExecResult", "CheckResult", "FunctionResult", "STATUSES",
+    "ExecResult", "CheckResult", "FunctionResult", "TripletResult", "STATUSES",
     "run", "run_batch", "map_parallel", "check_stdio", "check_call", "check_asserts",
-    "run_function", "is_deterministic", "outputs_equal", "stdio_outputs_equal", "banned_imports", "isolation",
-    "shutdown",
+    "run_function", "is_deterministic", "check_triplet", "outputs_equal", "stdio_outputs_equal", "banned_imports",
+    "fenced_blocks", "last_block", "extract_code", "parse_arguments", "defines_function", "isolation", "shutdown",
 ]
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "syntax_error", "forbidden")
@@ -175,6 +184,14 @@ class FunctionResult:
     output_repr: str | None = None
     error: str = ""
     wall_time: float = 0.0
+
+
+@dataclasses.dataclass
+class TripletResult:
+    valid: bool
+    outputs: list = dataclasses.field(default_factory=list)    # repr of f(input) per input, when valid
+    reason: str = ""            # "" when valid; else syntax_error, no_<func_name>, banned_import, bad_input,
+                                # exec_<status>, nondeterministic, output_not_literal or output_too_long
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -490,6 +507,57 @@ def stdio_outputs_equal(output: Any, expected: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Task formats in model replies: fenced blocks, argument lists (pure functions, run in the caller)
+# ---------------------------------------------------------------------------------------------------------------
+
+FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+PYTHON_TAGS = ("python", "py", "python3")
+MAX_ARGUMENTS_CHARS = 2000      # a proposed argument list longer than this is not a reasonable test input
+
+
+def fenced_blocks(text: Any) -> list[tuple[str, str]]:
+    """All closed ``` blocks as (language tag, lowercased; body); an unclosed (truncated) block is not returned."""
+    if not isinstance(text, str):
+        return []
+    return [(m.group(1).lower(), m.group(2).strip("\n")) for m in FENCE.finditer(text)]
+
+
+def last_block(text: Any, *tags: str) -> str | None:
+    """The body of the last block whose tag is one of `tags` ("" for an untagged block), or None."""
+    found = [body for tag, body in fenced_blocks(text) if tag in tags]
+    return found[-1] if found else None
+
+
+def extract_code(text: Any) -> str | None:
+    """The last ```python block, else the last untagged block (how LiveCodeBench-style graders read solutions)."""
+    code = last_block(text, *PYTHON_TAGS)
+    return code if code is not None else last_block(text, "")
+
+
+def parse_arguments(text: Any) -> str | None:
+    """A call's argument list ("3, [1, 2]") in canonical form (the reprs of its values), or None unless it is a
+    non-empty list of positional literal arguments. Never evaluates code."""
+    if not isinstance(text, str) or not text.strip() or len(text.strip()) > MAX_ARGUMENTS_CHARS:
+        return None
+    try:
+        call = ast.parse(f"f({text.strip()})", mode="eval").body
+        if not isinstance(call, ast.Call) or call.keywords or not call.args:
+            return None
+        return ", ".join(repr(ast.literal_eval(a)) for a in call.args)
+    except Exception:  # SyntaxError, ValueError, MemoryError, RecursionError, ...
+        return None
+
+
+def defines_function(program: Any, name: str) -> bool:
+    """True when `program` parses and defines a function `name` at its top level."""
+    try:
+        tree = ast.parse(program)
+    except Exception:
+        return False
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Public runners
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -783,6 +851,45 @@ def is_deterministic(program: Any, input_repr: Any, runs: int = 2, timeout: floa
         return res.status == "ok" and det
     except Exception:
         return False
+
+
+def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: str = "f", *,
+                  banned: Sequence[str] | None = None, max_output_chars: int | None = None,
+                  memory_mb: int = 1024) -> TripletResult:
+    """AZR's validity checks of a proposed task, a program and inputs (argument lists): it parses and defines
+    func_name; it imports none of the `banned` modules (static check); on every input, func_name runs twice in one process
+    with equal results (determinism, AZR Eq. 7 with j = 2) and returns a Python literal of at most max_output_chars
+    characters. Stops at the first failure; the outputs of a valid task complete its triplets. Never raises."""
+    try:
+        if not isinstance(program, str):
+            return TripletResult(False, [], "syntax_error")
+        try:
+            ast.parse(program)
+        except Exception:
+            return TripletResult(False, [], "syntax_error")
+        if not defines_function(program, func_name):
+            return TripletResult(False, [], f"no_{func_name}")
+        if banned and banned_imports(program, banned):
+            return TripletResult(False, [], "banned_import")
+        if not isinstance(inputs, (list, tuple)) or any(parse_arguments(x) is None for x in inputs):
+            return TripletResult(False, [], "bad_input")
+        outputs = []
+        for x in inputs:
+            res, _, deterministic = _function_job(program, x, timeout, func_name, 2, None, memory_mb, 1_000_000)
+            if res.status != "ok":
+                return TripletResult(False, [], "exec_" + res.status)
+            if not deterministic:
+                return TripletResult(False, [], "nondeterministic")
+            try:
+                ast.literal_eval(res.output_repr)
+            except Exception:
+                return TripletResult(False, [], "output_not_literal")
+            if max_output_chars is not None and len(res.output_repr) > max_output_chars:
+                return TripletResult(False, [], "output_too_long")
+            outputs.append(res.output_repr)
+        return TripletResult(True, outputs, "")
+    except Exception as e:
+        return TripletResult(False, [], f"exec_error ({type(e).__name__})")
 
 
 def isolation() -> dict:

@@ -325,6 +325,49 @@ def test_run_function_and_determinism():
     assert_clean()
 
 
+def test_fenced_blocks_and_arguments():
+    reply = "I think\n```python\ndef f(x):\n    return x\n```\n```input\n3, 'a'\n```\n```Output extra\n[1, 2]\n```"
+    assert ce.fenced_blocks(reply) == [("python", "def f(x):\n    return x"), ("input", "3, 'a'"), ("output", "[1, 2]")]
+    assert ce.last_block(reply, "output") == "[1, 2]" and ce.last_block(reply, "message") is None
+    assert ce.fenced_blocks("```python\ndef f(x):\n    return x\n") == []          # unclosed (truncated): no block
+    assert ce.fenced_blocks(None) == [] and ce.extract_code(12) is None
+    assert ce.extract_code("```\nprint(1)\n```") == "print(1)"                   # untagged, when no python block
+    assert ce.extract_code("```python\na\n```\n```\nc\n```\n```py\nb\n```") == "b"  # the last python block
+    assert ce.parse_arguments("3, [1, 2]") == "3, [1, 2]"
+    assert ce.parse_arguments(" 'a' ") == "'a'"
+    assert ce.parse_arguments("(1,2),{'a':1}") == "(1, 2), {'a': 1}"
+    for bad in ("", "x", "x + 1", "k=1", "*[1]", "print(1)", "1,, 2", "9" * 5000, None, "__import__('os').getcwd()"):
+        assert ce.parse_arguments(bad) is None, bad
+    assert ce.defines_function("import math\ndef f(x):\n    return x", "f")
+    assert not ce.defines_function("def g(x):\n    def f(): pass", "f")                # top level only
+    assert not ce.defines_function("def f(:", "f") and not ce.defines_function(None, "f")
+
+
+def test_check_triplet_reasons():
+    ins = ["1", "2", "3", "4", "5"]
+    programs = {
+        "": "def f(x):\n    return [x, x * x]",
+        "syntax_error": "def f(x)\n    return x",
+        "no_f": "def g(x):\n    return x",
+        "banned_import": "import random\ndef f(x):\n    return random.random()",
+        "exec_error": "def f(x):\n    return 1 // (x - 3)",
+        "exec_timeout": "def f(x):\n    while True:\n        pass",
+        "nondeterministic": "import os\ndef f(x):\n    return int.from_bytes(os.urandom(8), 'big')",
+        "output_not_literal": "def f(x):\n    return print",
+        "output_too_long": "def f(x):\n    return 'a' * 1000",
+    }
+    jobs = [dict(program=p, inputs=ins, timeout=2.0, banned=["random", "time"], max_output_chars=400)
+            for p in programs.values()]
+    results = ce.map_parallel(ce.check_triplet, jobs, workers=2)
+    for expected, r in zip(programs, results):
+        assert r.reason in (("exec_timeout", "exec_memory") if expected == "exec_timeout" else (expected,)), r
+        assert r.valid == (expected == "") and (r.outputs == []) == (expected != "")
+    assert results[0].outputs == ["[1, 1]", "[2, 4]", "[3, 9]", "[4, 16]", "[5, 25]"]
+    assert ce.check_triplet("def f(x):\n    return x", ["1", "k=2"]).reason == "bad_input"
+    assert ce.check_triplet("def f(x):\n    return 'a' * 1000", ["1"]).valid  # no length cap unless given
+    assert ce.check_triplet(None, ["1"]).reason == "syntax_error" and ce.check_triplet("def f(x): pass", 5).reason
+    assert_clean()
+
 def test_run_batch_order_and_progress(capsys):
     jobs = [{"code": f"import time\ntime.sleep({0.05 * (i % 3)})\nprint({i})"} for i in range(12)]
     res = ce.run_batch(jobs, workers=3, progress=True)
