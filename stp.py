@@ -3,82 +3,65 @@
 Paper: Dong, Ma, "Beyond Limited Data: Self-play LLM Theorem Provers with Iterative Conjecturing and Proving",
 arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5fe8b; this file copies none of it).
 
-Method. One model, DeepSeek-Prover-V1.5-SFT, plays two roles with shared weights:
-  * the conjecturer reads a proved statement with its proof and a Mathlib lemma that proof used, and writes a
-    new, harder statement (prompt markers <lemma>, <easy theorem>, <hard theorem>);
-  * the prover writes whole Lean 4 proofs (DeepSeek-Prover-V1.5's "Complete the following Lean 4 code" format).
-Each round of self-play (Stage 2):
-  1. seeds: proofs of dataset statements whose success rate is above 0.35, each with a lemma it invokes;
-  2. conjecture: sample new statements from the seeds, deduplicated;
-  3. prove: 64 samples (round 0) or 32 (later) for every unproved statement, every new conjecture and a few
-     proved statements; Lean checks every proof;
-  4. the conjecturer learns from conjectures that are barely provable (0 < success < 1/4), minus the
-     least elegant (smallest proof/statement length ratio in each lemma group), re-weighted toward the
-     still-unproved statements (embedding matching, weight at most 4);
-  5. the prover learns by expert iteration from the correct proofs of the last 3 rounds of statements with
-     success <= 1/2, each weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
+Method. One model (DeepSeek-Prover-V1.5-SFT) plays two roles with shared weights: the conjecturer reads a proved
+statement, its proof and a Mathlib lemma the proof used, and writes a new, harder statement (prompt markers <lemma>,
+<easy theorem>, <hard theorem>); the prover writes whole Lean 4 proofs. Each round of self-play (Stage 2):
+  1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
+  2. conjecture: new statements from the seeds, deduplicated;
+  3. prove: 64 samples (round 0) or 32 for every unproved statement, every conjecture and a few proved statements;
+  4. the conjecturer learns from barely provable conjectures (0 < success < 1/4) minus the least elegant of each
+     lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
+  5. the prover learns from the correct proofs of the last 3 rounds of statements with success <= 1/2, weighted
+     by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
-Stage 3 (--final-retrain) re-trains the base model on the correct proofs of all rounds.
-Metrics: the cumulative share of dataset statements proved; pass@k on miniF2F-test and ProofNet-test with the
-unbiased estimator and with STP's chunked one (mean and std over disjoint chunks of k samples).
+Stage 3 (--final-retrain) re-trains the base model on the correct proofs of all rounds. Metrics (metrics.jsonl;
+wandb with --track): charts/cumulative_solve_rate (share of dataset statements proved) against charts/generations;
+eval/<set>/pass@k on miniF2F-test and ProofNet-test, unbiased and STP's chunked estimator (mean and std over
+disjoint chunks of k samples); conjecturer/*, lean/*, losses/*, data/*, time/*.
 
-Run.
-  CPU (no CUDA; needs Lean: `bash setup.sh --lean`): `python stp.py` runs a scaled-down loop on SmolLM2-135M
-      (embedded:smollm2) and data/lean_smoke.jsonl, and prints what it scaled and why.
-  One 8xH200 node: `torchrun --nproc_per_node 8 stp.py` (paper sizes, LeanWorkbook).
-  `python stp.py --help` lists every flag.
-
-The official entry points (RL/*.sh) as flags of this file:
+Run. `python stp.py` without CUDA runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M, data/lean_smoke.jsonl) and
+prints what it scaled; `torchrun --nproc_per_node 8 stp.py` on an 8xH200 node runs the paper's sizes (LeanWorkbook).
+Both need Lean (`bash setup.sh --lean`). The official entry points (RL/*.sh) as flags:
   run_RL_steps.sh (Stage 2, 12 rounds)          python stp.py
   run_RL_train.sh (Stage 3, after Stage 2)      python stp.py --final-retrain
   run_RL_expert_iter.sh (expert iteration)      python stp.py --expert-iteration
   run_RL_sampling.sh (pure sampling)            python stp.py --pure-sampling --rounds 7
   run_generation_and_test.sh (evaluation only)  python stp.py --rounds 0 --model kfdong/STP_model_Lean_0320
-miniF2F and ProofNet (data/minif2f.jsonl, data/proofnet.jsonl) are the Lean 4 versions of the
-DeepSeek-Prover-V1.5 repository (MIT licence).
+data/minif2f.jsonl and data/proofnet.jsonl are the Lean 4 versions of the DeepSeek-Prover-V1.5 repository (MIT).
 
-Logged metrics (metrics.jsonl in the run directory; wandb with --track):
-  charts/cumulative_solve_rate   share of dataset statements proved so far; charts/generations, charts/proved
-  eval/<set>/pass@k              unbiased pass@k; eval/<set>/pass@k_chunked_mean and _std (STP's estimator)
-  conjecturer/*                  seeds, conjectures, extraction rate, band / elegance / matching survivors
-  losses/*, data/*, time/*       training losses, training-set sizes, wall time of each phase
-
-Where the paper is silent this file follows the official code. Deliberate deviations:
-  1. Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples) is not part of this file:
-     pass its checkpoint as --model. DeepSeek-Prover-V1.5-SFT itself has never seen the conjecturing format.
-  2. The invoked lemma. STP reads the premises of a proof from the AST printed by DeepSeek's REPL fork and their
-     statements from a LeanDojo table of Mathlib. The upstream REPL gives the same through its info trees
-     (`"infotree": "original"`) or the `usedConstants` of `"allTactics": true`, and a statement through
-     `#check @name`, but lean_verify's public interface returns neither. So the lemmas of a proof come from a
-     static scan (`invoked_lemmas`: identifiers whose last component is snake_case with an underscore, minus
-     tactics, local names and names of the statement), and the prompt shows the lemma by name.
-  3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header
-     lines its training prompt has).
+Deliberate deviations (where the paper is silent this file follows the official code):
+  1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
+     --model. DeepSeek-Prover-V1.5-SFT itself has never seen the conjecturing format.
+  2. STP reads the lemmas a proof invokes from the AST of DeepSeek's REPL fork, and their statements from a LeanDojo
+     table; the upstream REPL's info trees or usedConstants would give them, but lean_verify returns neither. So
+     they come from a static scan (`invoked_lemmas`), and the prompt shows a lemma by name.
+  3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header lines
+     its training prompt has).
   4. The cap on the uses of one lemma (10% of the statements) does not apply to the empty lemma.
-  5. A proved statement stays a proof target when its most recent success rate is below 0.35 (or with
-     probability 0.05); with no unproved statement left to match, every conjecture keeps weight 1.
-  6. A batch is min(batch_size, #examples) sequences (small sets are not repeated inside one step); the prover's
-     target is the proof followed by the closing fence and end of sequence. Prompts are cut to 1024 tokens and
-     completions to 1024 (official: 1024 for both together, i.e. --max-model-len 1024).
-  7. Stage 3 does not mix in the mathlib SFT data (not shipped); the pass@k std over chunks is the population std.
+  5. A proved statement stays a target while its latest success rate is below 0.35 (or with probability 0.05);
+     with no unproved statement left to match, every conjecture keeps weight 1.
+  6. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
+     target is the proof, the closing fence and EOS; prompts and completions are cut to 1024 tokens each
+     (official: 1024 together, i.e. --max-model-len 1024).
+  7. Stage 3 does not mix in the mathlib SFT data (not shipped); the chunked pass@k std is the population std.
   8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  9. Engineering, not algorithm: Lean 4.15 with the upstream REPL (lean_verify) instead of Lean 4.9 with
-     DeepSeek's fork; no pipelining of generation and verification; a (statement, proof) pair sampled twice is
-     checked once (the official code deduplicates with a multiplicity count, to the same effect).
- 10. The statements: STP used its own deduplicated LeanWorkbook (lean_workbook_dedup.json, not released); this file
-     loads the train split of internlm/Lean-Workbook (its formal_statement field) or any .jsonl of statements.
+  9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; generation
+     and verification are not pipelined; a (statement, proof) pair sampled twice is checked once (the official
+     multiplicity count has the same effect).
+ 10. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
+     deduplicated lean_workbook_dedup.json (not released).
 """
 
+import collections
 import gc
+import json
 import math
 import os
 import random
 import re
 import sys
-import time
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -96,18 +79,19 @@ class Args:
     """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
     """where run directories go"""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """run directory name; default <exp_name>__<seed>"""
     track: bool = False
     """log to Weights & Biases"""
     wandb_project_name: str = "selfplay"
     """the wandb project"""
-    wandb_entity: Optional[str] = None
+    wandb_entity: str | None = None
     """the wandb entity (team)"""
     save_every: int = 1
     """save a checkpoint every this many iterations"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
+
     # model and backends
     model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
     """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
@@ -124,8 +108,8 @@ class Args:
 
     # data
     dataset: str = "internlm/Lean-Workbook"
-    """statements to prove (LeanWorkbook): a Hugging Face dataset or a .jsonl file, with formal_statement (and header)"""
-    num_statements: Optional[int] = None
+    """statements to prove (LeanWorkbook): a Hugging Face dataset or a .jsonl, with formal_statement (and header)"""
+    num_statements: int | None = None
     """use only the first N statements (default all)"""
 
     # algorithm
@@ -189,7 +173,7 @@ class Args:
     """gradient clipping"""
     verifier_timeout: float = 200.0
     """Lean wall-clock limit per proof, in seconds"""
-    lean_workers: Optional[int] = None
+    lean_workers: int | None = None
     """Lean REPL processes per rank (default: the verifier's choice)"""
 
     # baselines and the final stage
@@ -198,7 +182,7 @@ class Args:
     final_learning_rate: float = 1e-4
     """Stage 3 learning rate (run_RL_train.sh)"""
     final_solve_rate_max: float = 0.25
-    """Stage 3 keeps a round's proofs of statements with that round's success rate <= this (and all of dataset statements)"""
+    """Stage 3 keeps the proofs of a round whose statement's success rate in it is <= this (dataset statements: all)"""
     final_max_proofs: int = 16
     """Stage 3 and expert iteration: distinct proofs kept per statement"""
     final_min_train_steps: int = 10
@@ -217,10 +201,29 @@ class Args:
     """samples per benchmark problem"""
     eval_budgets: tuple[int, ...] = (1, 32, 128, 640, 3200)
     """k of the reported pass@k"""
-    eval_limit: Optional[int] = None
+    eval_limit: int | None = None
     """use only the first N problems of each benchmark"""
     eval_every: int = 0
     """evaluate every this many rounds (0: only after the last round)"""
+
+
+# Without CUDA the paper's sizes would take weeks; these run a round on a CPU in about five minutes (SmolLM2-135M
+# samples ~60 tokens/s in a batch of 8: 64 proofs of up to 96 tokens take ~100 s; a training step on 8 x 384 tokens
+# takes ~30 s). Fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty.
+CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", num_statements=8, rounds=2,
+                    samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
+                    embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
+                    eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4, max_model_len=1024)
+
+
+def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
+    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
+    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
+    for k, v in changed.items():
+        setattr(args, k, v)
+    return report
 
 
 # ---- prompts ----
@@ -229,7 +232,8 @@ class Args:
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}"
 
 # The conjecturer continues after <hard theorem> with a new statement and </hard theorem>.
-CONJECTURER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}<lemma>\n{lemma}\n<easy theorem>\n{seed}\n<hard theorem>"
+CONJECTURER_PROMPT = ("Complete the following Lean 4 code:\n\n```lean4\n{header}"
+                      "<lemma>\n{lemma}\n<easy theorem>\n{seed}\n<hard theorem>")
 END_THM = "</hard theorem>"
 EMPTY_LEMMA = "theorem true: True"
 
@@ -592,6 +596,9 @@ class Logger:
 
 
 # ---- data ----
+DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
+
+
 @dataclass
 class Problem:
     """A Lean 4 statement to prove: a dataset statement or a conjecture."""
@@ -599,25 +606,14 @@ class Problem:
     id: str
     header: str  # imports and opens, e.g. "import Mathlib\n...\n\n"
     statement: str  # "theorem name ... := by" (no header, no proof)
-    kind: str = "statement"  # "statement" | "conjecture"
-    seed_id: Optional[str] = None  # conjecture: the statement whose proof it was conjectured from
-    easy_theorem: str = ""  # conjecture: that statement with its proof, the <easy theorem> of its prompt
+    easy_theorem: str = ""  # conjecture: the seed statement with its proof, the <easy theorem> of its prompt
     lemma: str = ""  # conjecture: the shared lemma of its prompt ('' for none)
 
 
-def normalise_statement(text: str) -> Optional[str]:
-    """A formal statement without its proof, ending with ':= by'; None if it has none."""
-    text = text.strip()
-    if text.endswith("sorry"):
-        text = text[: -len("sorry")].rstrip()
-    if text.endswith(":="):
-        text += " by"
-    return text if text.endswith(":= by") else None
-
-
-def load_problems(dataset: str, limit: Optional[int] = None, split: Optional[str] = None) -> list[Problem]:
+def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
     """Statements from a Hugging Face dataset (LeanWorkbook: formal_statement) or a .jsonl file in miniF2F's fields
-    (name, split, header, formal_statement), such as data/lean_smoke.jsonl or data/minif2f.jsonl."""
+    (name, split, header, formal_statement), such as data/lean_smoke.jsonl or data/minif2f.jsonl. A statement
+    ends with ':= by' (a trailing 'sorry' is dropped, ':=' gets ' by') and holds no proof."""
     if dataset.endswith(".jsonl"):
         with open(dataset) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -627,91 +623,69 @@ def load_problems(dataset: str, limit: Optional[int] = None, split: Optional[str
         rows = list(datasets.load_dataset(dataset, split="train"))
     problems, seen = [], set()
     for i, row in enumerate(rows):
-        if split is not None and row.get("split") != split:
+        statement = (row.get("theorem") or row.get("formal_statement") or "").strip().removesuffix("sorry").rstrip()
+        statement += " by" if statement.endswith(":=") else ""
+        if (split is not None and row.get("split") != split) or not statement.endswith(":= by") or "sorry" in statement:
             continue
         pid = str(row.get("id", row.get("name", i)))
-        statement = normalise_statement(row.get("theorem") or row.get("formal_statement") or "")
-        if statement is None or "sorry" in statement:
-            continue  # a statement must end with ':= by' and hold no proof
-        if pid in seen:
-            pid = f"{pid}#{i}"  # ProofNet repeats some names across books
+        pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
         seen.add(pid)
-        problems.append(Problem(id=pid, header=row.get("header") or DEFAULT_HEADER, statement=statement))
+        problems.append(Problem(pid, row.get("header") or DEFAULT_HEADER, statement))
     return problems[:limit] if limit else problems
 
 
-DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
-
-
-# the roles' prompts and the parsers of their answers
 def truncate_left(tokenizer, text: str, max_tokens: int) -> str:
     """The text cut to its last max_tokens tokens (official: the tokenizer with truncation_side='left')."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     return text if len(ids) <= max_tokens else tokenizer.decode(ids[-max_tokens:])
 
 
-def prover_prompt(tokenizer, problem: Problem, args: "Args") -> str:
-    return truncate_left(tokenizer, PROVER_PROMPT.format(header=problem.header, statement=problem.statement), args.max_prompt_tokens)
-
-
-def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, args: "Args") -> str:
-    """The conjecturer's prompt: a shared lemma and a proved statement with its proof (the easy theorem)."""
-    text = CONJECTURER_PROMPT.format(header=header, lemma=lemma_text(lemma), seed=easy_theorem)
+def prover_prompt(tokenizer, problem: Problem, args: Args) -> str:
+    text = PROVER_PROMPT.format(header=problem.header, statement=problem.statement)
     return truncate_left(tokenizer, text, args.max_prompt_tokens)
 
 
-def lemma_text(name: str) -> str:
-    """How a shared lemma appears in the prompt: by name (deviation 2), or the trivial theorem when there is none."""
-    return f"theorem {name}" if name else EMPTY_LEMMA
+def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, args: Args) -> str:
+    """A shared lemma, by name (deviation 2) or the trivial theorem for none, and a proved statement with its proof."""
+    text = CONJECTURER_PROMPT.format(header=header, lemma=f"theorem {lemma}" if lemma else EMPTY_LEMMA, seed=easy_theorem)
+    return truncate_left(tokenizer, text, args.max_prompt_tokens)
 
 
-def extract_proof(completion: str) -> Optional[str]:
+def extract_proof(completion: str) -> str | None:
     """The prover's tactics: its completion up to the closing fence (official code); None if empty. A truncated
     completion is still checked (Lean rejects an unfinished proof)."""
     proof = completion.split("\n```", 1)[0].split("```", 1)[0].rstrip()
     return proof if proof.strip() else None
 
 
-def extract_conjecture(completion: str, finish_reason: str = "stop") -> Optional[str]:
-    """The conjecturer's statement, ending with ':= by', or None.
-
-    Official rule: the text before </hard theorem>, with 'theorem ' in front, cut before its first ':=', then
-    ':= by'. Here a completion that ran out of tokens before </hard theorem> is dropped, and the statement
-    needs a name and a conclusion and no sorry or prompt marker."""
-    if finish_reason == "length" and END_THM not in completion:
+def extract_conjecture(completion: str, finish_reason: str = "stop") -> str | None:
+    """The conjecturer's statement, ending with ':= by', or None. Official rule: the text before </hard theorem>,
+    with 'theorem ' in front, cut before its first ':=', then ':= by'. Here a completion that ran out of tokens
+    before </hard theorem> (or failed) is dropped, and the statement needs a name, a conclusion, no sorry and no
+    prompt marker."""
+    if finish_reason not in ("stop", "length") or (finish_reason == "length" and END_THM not in completion):
         return None
-    text = completion.split(END_THM, 1)[0].strip()
-    if text.startswith("lemma "):
-        text = "theorem " + text[len("lemma ") :]
-    if not text.startswith("theorem "):
-        text = "theorem " + text
-    if ":=" in text:
-        text = text[: text.index(":=")]
-    statement = text.rstrip() + " := by"
+    text = re.sub(r"^(lemma |theorem |)", "theorem ", completion.split(END_THM, 1)[0].strip())
+    statement = text.split(":=", 1)[0].rstrip() + " := by"
     if any(bad in statement for bad in ("sorry", "```", "<lemma>", "<easy theorem>", "<hard theorem>")):
         return None
-    if not re.match(r"theorem\s+[^\s:(\[{]+", statement) or not theorem_conclusion(statement):
-        return None
-    return statement
+    return statement if re.match(r"theorem\s+[^\s:(\[{]+", statement) and theorem_conclusion(statement) else None
 
 
 def theorem_conclusion(statement: str) -> str:
     """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside
     brackets (binders are bracketed), or '' if there is none."""
-    body = statement[: -len(":= by")] if statement.endswith(":= by") else statement
-    depth = 0
+    body, depth = statement.removesuffix(":= by"), 0
     for i, ch in enumerate(body):
-        if ch in "([{⦃⟨":
-            depth += 1
-        elif ch in ")]}⦄⟩":
-            depth -= 1
-        elif ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
+        depth += (ch in "([{⦃⟨") - (ch in ")]}⦄⟩")
+        if ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
             return body[i + 1 :].strip()
     return ""
 
 
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_'.!?₀-₉]*")
-BINDING = re.compile(r"\b(?:have|haveI|let|set|obtain|intro|intros|rintro|rcases|cases'|induction'|by_cases|by_contra|by_contra!|generalize|with|fun|λ|at)\b([^:=\n]*)")
+BINDING = re.compile(r"\b(?:have|haveI|let|set|obtain|intro|intros|rintro|rcases|cases'|induction'|by_cases|by_contra"
+                     r"|by_contra!|generalize|with|fun|λ|at)\b([^:=\n]*)")
 TACTICS = frozenset(
     "norm_num simp_all field_simp ring_nf push_cast exact_mod_cast norm_cast linear_combination simp_arith split_ifs "
     "by_contra by_cases push_neg interval_cases fin_cases apply_fun rw_mod_cast simp_rw nth_rewrite nth_rw "
@@ -727,14 +701,11 @@ def invoked_lemmas(proof: str, statement: str = "") -> list[str]:
     """Mathlib lemmas a proof uses, by a static scan (deviation 2): identifiers whose last component has an
     underscore (Mathlib's snake_case theorem names: sq_nonneg, Nat.succ_le_iff), minus tactic names, names the
     proof binds (have h_pos ..., obtain ⟨x, hx_1⟩ ...) and names of the statement. In order of first use."""
-    bound = set(IDENT.findall(statement))
-    for m in BINDING.finditer(proof):
-        bound.update(IDENT.findall(m.group(1)))
+    bound = set(IDENT.findall(statement)).union(*(IDENT.findall(m.group(1)) for m in BINDING.finditer(proof)))
     found = []
-    for name in IDENT.findall(proof):
-        name = name.rstrip(".")
+    for name in (name.rstrip(".") for name in IDENT.findall(proof)):
         last = name.split(".")[-1]
-        if "_" in last.strip("_") and name not in TACTICS and name not in bound and last not in bound and name not in found:
+        if "_" in last.strip("_") and name not in TACTICS and name not in bound and last not in bound | set(found):
             found.append(name)
     return found
 
@@ -745,36 +716,10 @@ def solve_rate(attempts: list) -> float:
     return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
 
 
-def window_rate(history: dict, round_: int, window: int) -> Optional[float]:
-    """Success rate over the rounds of the replay buffer (round_ - window, round_]; None if not sampled there.
-    history: {round: (samples, correct)}."""
-    rows = [v for r, v in history.items() if round_ - window < r <= round_]
-    n = sum(v[0] for v in rows)
-    return sum(v[1] for v in rows) / n if n else None
-
-
-def best_rate(history: dict) -> float:
-    """The best success rate a statement had in any one round."""
-    return max((c / n for n, c in history.values() if n), default=0.0)
-
-
-def last_rate(history: dict) -> float:
-    """The success rate of the most recent round a statement was sampled in."""
-    if not history:
-        return 0.0
-    n, c = history[max(history)]
-    return c / n if n else 0.0
-
-
-def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: "Args") -> float:
+def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
     """Expert iteration's weight of a correct proof: exp(-0.001 length - 0.01 verification time) / #correct proofs
     of its statement; short, fast proofs count more, and every statement gets the same total weight."""
     return math.exp(-args.length_penalty * proof_chars - args.time_penalty * verify_seconds) / n_correct
-
-
-def in_band(rate: float, band: float = 0.25) -> bool:
-    """The conjecturer's reward band: barely provable conjectures, 0 < success < 1/4."""
-    return 0.0 < rate < band
 
 
 def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) -> list[bool]:
@@ -784,46 +729,38 @@ def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) ->
     keep = [True] * len(ratios)
     for g in set(groups):
         idx = [i for i, x in enumerate(groups) if x == g]
-        if len(idx) < 2:
-            continue
-        cut = float(np.quantile([ratios[i] for i in idx], quantile))
+        cut = float(np.quantile([ratios[i] for i in idx], quantile)) if len(idx) > 1 else -math.inf
         for i in idx:
             keep[i] = ratios[i] >= cut
     return keep
 
 
-def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: Optional[random.Random] = None) -> list[float]:
+def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
+                     ) -> list[float]:
     """Re-weight conjectures toward the unproved statements. P [N, d], Q [M, d]: L2-normalised embeddings.
     Each unproved statement, in random order, gives N/M to its most similar conjecture not yet at the cap; a
     conjecture stops receiving at `cap`. Total weight N: the conjectures' mean weight stays 1."""
     n, m = len(P), len(Q)
-    if n == 0:
-        return []
-    if m == 0:
+    if n == 0 or m == 0:
         return [1.0] * n  # deviation 5
-    sim = (P @ Q.T).float()
-    weights, full = [0.0] * n, torch.zeros(n, dtype=torch.bool)
+    sim, weights, full = (P @ Q.T).float(), [0.0] * n, torch.zeros(n, dtype=torch.bool)
     order = list(range(m))
     (rng or random.Random(0)).shuffle(order)
     for q in order:
         if bool(full.all()):
             break
-        column = sim[:, q].masked_fill(full, float("-inf"))
-        j = int(column.argmax())
+        j = int(sim[:, q].masked_fill(full, float("-inf")).argmax())
         weights[j] += n / m
-        if weights[j] >= cap:
-            full[j] = True
+        full[j] = weights[j] >= cap
     return weights
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, Optional[float]]:
+def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
     """STP's estimator: split each problem's n samples into n // k disjoint chunks of k; in each chunk, the share of
     problems with a correct sample; the mean over chunks, and their (population) std when there are >= 4 chunks.
     correct: [problems, n] booleans."""
@@ -835,7 +772,8 @@ def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, Optional[floa
 
 
 # ---- losses ----
-def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, weighted_tokens: float) -> torch.Tensor:
+def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, weighted_tokens: float
+                      ) -> torch.Tensor:
     """Weighted SFT (official: Levanter's weighted LM loss): -sum_i w_i sum_t log pi(y_it) / sum_i w_i |y_i|, the
     token mean with each token weighted by its example's weight. weighted_tokens: sum_i w_i |y_i| over the whole
     optimizer batch (all ranks), so that micro-batches add up."""
@@ -845,127 +783,104 @@ def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Ten
 # ---- phases ----
 @dataclass
 class Attempt:
-    """One sampled proof and Lean's verdict. A malformed or truncated answer is a failed attempt."""
+    """One sampled proof and Lean's verdict. A malformed, truncated or failed answer is a failed attempt."""
 
     problem_id: str
-    proof: Optional[str]  # the tactics after ':= by'; kept for correct proofs only (the gather stays small)
+    proof: str | None  # the tactics after ':= by'; kept for correct proofs only (the gather stays small)
     status: str  # lean_verify's status, or "no_code"
     correct: bool = False
     time: float = 0.0  # seconds Lean took
 
 
 @dataclass
-class Example:
+class Example(Sample):
     """One training sequence (prompt and target tokens) and its weight."""
 
-    sample: "Sample"
-    weight: float
+    weight: float = 1.0
 
 
-def gather_sorted(local: list, dist) -> list:
-    """Every rank's (index, item) pairs, merged and put back in index order (the same list on every rank)."""
-    return [item for _, item in sorted((pair for part in all_gather_objects(local, dist) for pair in part), key=lambda p: p[0])]
+def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, args: Args, dist,
+                   desc: str = "prove") -> dict[str, list[Attempt]]:
+    """Prove: n prover samples per statement, each checked by Lean (header + original statement + proof; a
+    proof sampled twice is checked once)."""
+
+    def prove(part: list[Problem]) -> list[list[Attempt]]:
+        outputs = sampler.generate([prover_prompt(tokenizer, p, args) for p in part], n=n, temperature=args.temperature,
+                                   top_p=args.top_p, max_new_tokens=args.max_new_tokens, stop=["\n```"],
+                                   desc=desc) if part else []
+        rows = [[Attempt(p.id, extract_proof(s.text) if s.finish_reason in ("stop", "length") else None, "no_code")
+                 for s in row] for p, row in zip(part, outputs)]
+        jobs = {(p.id, a.proof): ProofJob(p.header, p.statement, p.statement + a.proof, p.id)
+                for p, row in zip(part, rows) for a in row if a.proof is not None}
+        verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())) if jobs else []))
+        for a in [a for row in rows for a in row if a.proof is not None]:
+            v = verdicts[(a.problem_id, a.proof)]
+            a.proof, a.status, a.correct, a.time = a.proof if v.valid else None, v.status, bool(v.valid), float(v.time)
+        return rows
+
+    return dict(zip([p.id for p in problems], map_sharded(prove, problems, dist)))
 
 
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, args: Args, dist, desc="prove") -> dict[str, list[Attempt]]:
-    """Prove: n prover samples per statement, each checked by Lean. Each rank samples and verifies its shard of the
-    statements; the attempts are gathered so that every rank holds all of them."""
-    mine = shard(list(enumerate(problems)), dist)
-    prompts = [prover_prompt(tokenizer, p, args) for _, p in mine]
-    outputs = sampler.generate(
-        prompts, n=n, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, stop=["\n```"], desc=desc
-    ) if prompts else []
-    local, jobs = [], {}
-    for (i, problem), samples in zip(mine, outputs):
-        row = []
-        for sample in samples:
-            proof = extract_proof(sample.text)
-            row.append(Attempt(problem.id, proof, "no_code" if proof is None else "pending"))
-            if proof is not None:  # Lean checks header + original statement + proof; duplicates once
-                jobs.setdefault((problem.id, proof), ProofJob(problem.header, problem.statement, problem.statement + proof, problem.id))
-        local.append((i, row))
-    verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())))) if jobs else {}
-    for _, row in local:
-        for a in row:
-            if a.proof is not None:
-                v = verdicts[(a.problem_id, a.proof)]
-                a.status, a.correct, a.time = v.status, bool(v.valid), float(v.time)
-                if not a.correct:
-                    a.proof = None
-    return dict(zip([p.id for p in problems], gather_sorted(local, dist)))
-
-
-def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random) -> list[tuple]:
+def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
+                 ) -> list[tuple[Problem, str, str]]:
     """Seeds for conjecturing (official Sampler_base.select): the correct proofs of dataset statements whose best
     round success rate is above 0.35, newest first, each paired with the lemmas it invokes and, with probability
     1/2, with the empty lemma. A lemma serves at most 10% of #statements seeds, a (statement, lemma) pair is used
     once, and there are at most #statements seeds. Returns [(statement, proof, lemma)]."""
     cap = max(1, int(args.lemma_use_cap * len(statements)))
-    by_id = {s.id: s for s in statements}
-    candidates = [(p["round"], s.id, p["proof"]) for s in statements if best_rate(history.get(s.id, {})) > args.seed_threshold
-                  for p in proofs.get(s.id, [])]
-    candidates.sort(key=lambda c: (-c[0], c[1]))  # newest first
-    uses, pairs, inputs = Counter(), set(), []
-    for _, sid, proof in candidates:
-        lemmas = invoked_lemmas(proof, by_id[sid].statement)
-        if rng.random() < args.empty_lemma_prob:
-            lemmas.append("")
-        for lemma in lemmas:
-            if (sid, lemma) in pairs or (lemma and uses[lemma] >= cap):  # deviation 4: '' is not capped
-                continue
-            pairs.add((sid, lemma))
-            uses[lemma] += 1
-            inputs.append((by_id[sid], proof, lemma))
-    return inputs[: len(statements)]
+    best = {s.id: max((c / n for n, c in history.get(s.id, {}).values() if n), default=0.0) for s in statements}
+    candidates = sorted(((p["round"], s.id, s, p["proof"]) for s in statements if best[s.id] > args.seed_threshold
+                         for p in proofs.get(s.id, [])), key=lambda c: (-c[0], c[1]))  # newest first
+    uses, pairs, seeds = collections.Counter(), set(), []
+    for _, sid, statement, proof in candidates:
+        for lemma in invoked_lemmas(proof, statement.statement) + ([""] if rng.random() < args.empty_lemma_prob else []):
+            if (sid, lemma) not in pairs and not (lemma and uses[lemma] >= cap):  # deviation 4: '' is not capped
+                pairs.add((sid, lemma))
+                uses[lemma] += 1
+                seeds.append((statement, proof, lemma))
+    return seeds[: len(statements)]
 
 
-def conjecture(sampler, tokenizer, inputs: list[tuple], known: set, n_statements: int, round_: int, args: Args, dist) -> tuple[list[Problem], dict]:
+def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known: set, n_statements: int, round_: int,
+               args: Args, dist) -> tuple[list[Problem], dict]:
     """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed; unparsable outputs are dropped, and so
     are duplicates (same header and statement up to whitespace) of a dataset statement or of another conjecture;
     at most #statements conjectures. A conjecture inherits its seed's header."""
-    if not inputs:
+    if not seeds:
         return [], {"conjecturer/seeds": 0}
-    multiplier = max(1, min(3 * n_statements // len(inputs), args.max_conjecture_multiplier))
-    mine = shard(list(enumerate(inputs)), dist)
-    prompts = [conjecturer_prompt(tokenizer, seed.header, lemma, seed.statement + proof, args) for _, (seed, proof, lemma) in mine]
-    outputs = sampler.generate(
-        prompts, n=multiplier, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, stop=[END_THM],
-        desc="conjecture",
-    ) if prompts else []
-    local = [(i, [extract_conjecture(s.text, s.finish_reason) for s in samples]) for (i, _), samples in zip(mine, outputs)]
-    conjectures, seen, n_out, n_ok = [], set(known), 0, 0
-    for (seed, proof, lemma), row in zip(inputs, gather_sorted(local, dist)):
+    multiplier = max(1, min(3 * n_statements // len(seeds), args.max_conjecture_multiplier))
+
+    def sample(part: list[str]) -> list[list[str | None]]:
+        outputs = sampler.generate(part, n=multiplier, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens, stop=[END_THM], desc="conjecture") if part else []
+        return [[extract_conjecture(s.text, s.finish_reason) for s in row] for row in outputs]
+
+    prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
+    outputs, conjectures, seen = map_sharded(sample, prompts, dist), [], set(known)
+    for (seed, proof, lemma), row in zip(seeds, outputs):
         for statement in row:
-            n_out += 1
-            if statement is None:
-                continue
-            n_ok += 1
-            key = (seed.header, "".join(statement.split()))
-            if key in seen:
-                continue
-            seen.add(key)
-            conjectures.append(Problem(f"r{round_}_c{len(conjectures)}", seed.header, statement, "conjecture", seed.id, seed.statement + proof, lemma))
-    conjectures = conjectures[:n_statements]
+            if statement is not None and (seed.header, "".join(statement.split())) not in seen:
+                seen.add((seed.header, "".join(statement.split())))
+                conjectures.append(Problem(f"r{round_}_c{len(conjectures)}", seed.header, statement,
+                                           seed.statement + proof, lemma))
+    conjectures, n_out = conjectures[:n_statements], sum(len(row) for row in outputs)
     return conjectures, {
-        "conjecturer/seeds": len(inputs),
-        "conjecturer/multiplier": multiplier,
-        "conjecturer/outputs": n_out,
-        "conjecturer/extraction_rate": n_ok / n_out if n_out else 0.0,
+        "conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier, "conjecturer/outputs": n_out,
+        "conjecturer/extraction_rate": sum(x is not None for row in outputs for x in row) / n_out if n_out else 0.0,
         "conjecturer/new_conjectures": len(conjectures),
-        "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures])) if conjectures else 0.0,
-    }
+        "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
 
 
-def select_targets(statements: list[Problem], conjectures: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random) -> list[Problem]:
+def select_targets(statements: list[Problem], conjectures: list[Problem], proofs: dict, history: dict, args: Args,
+                   rng: random.Random) -> list[Problem]:
     """The statements to prove this round: every unproved dataset statement, the new conjectures, and proved
     statements still hard (last success rate < 0.35) or drawn with probability 0.05. Baselines: unproved only."""
     if args.expert_iteration or args.pure_sampling:
         return [s for s in statements if not proofs.get(s.id)]
     targets = []
     for s in statements:
-        if not proofs.get(s.id):
-            targets.append(s)
-        elif rng.random() < args.proved_keep_prob or last_rate(history[s.id]) < args.seed_threshold:
+        n, c = history[s.id][max(history[s.id])] if proofs.get(s.id) else (0, 0)  # the latest round's
+        if not proofs.get(s.id) or rng.random() < args.proved_keep_prob or (c / n if n else 0.0) < args.seed_threshold:
             targets.append(s)
     return targets + conjectures
 
@@ -976,35 +891,32 @@ def record(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], roun
     for pid, row in attempts.items():
         history.setdefault(pid, {})[round_] = (len(row), sum(a.correct for a in row))
         found = proofs.setdefault(pid, [])
-        known = {p["proof"] for p in found}
         for a in row:
-            if a.correct and a.proof not in known:
-                known.add(a.proof)
+            if a.correct and a.proof not in [p["proof"] for p in found]:
                 found.append({"proof": a.proof, "round": round_, "time": a.time})
 
 
-def text_sample(tokenizer, prompt: str, target: str, args: Args) -> "Sample":
+def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
     """A training sequence: the prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
     prompt_ids = encode_prompt(tokenizer, prompt)
     target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    target_ids = target_ids[: max(1, args.max_train_tokens - len(prompt_ids))]
-    return Sample(target, prompt_ids, target_ids, [0.0] * len(target_ids), "stop")
+    return Example(target, prompt_ids, target_ids[: max(1, args.max_train_tokens - len(prompt_ids))], [], "stop", weight)
 
 
 def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, args: Args, tokenizer) -> list[Example]:
     """The prover's data, expert iteration on the replay buffer (official RL_step2_train): the correct proofs of the
     last `replay_rounds` rounds of statements (dataset statements and conjectures) whose success rate over those
-    rounds is <= 1/2; weight exp(-0.001 length - 0.01 seconds) / #correct proofs of the statement."""
+    rounds is in (0, 1/2]; weight exp(-0.001 length - 0.01 seconds) / #correct proofs of the statement."""
     examples = []
     for pid, rounds in history.items():
-        rate = window_rate(rounds, round_, args.replay_rounds)
-        if rate is None or rate == 0 or rate > args.solve_rate_max:
+        window = [v for r, v in rounds.items() if round_ - args.replay_rounds < r <= round_]  # (samples, correct)
+        n, c = sum(v[0] for v in window), sum(v[1] for v in window)
+        if n == 0 or c == 0 or c / n > args.solve_rate_max:
             continue
         recent = [p for p in proofs.get(pid, []) if p["round"] > round_ - args.replay_rounds]
         prompt = prover_prompt(tokenizer, problems[pid], args)
-        for p in recent:
-            weight = proof_weight(len(p["proof"]), p["time"], len(recent), args)
-            examples.append(Example(text_sample(tokenizer, prompt, p["proof"] + "\n```", args), weight))
+        examples += [text_example(tokenizer, prompt, p["proof"] + "\n```",
+                                  proof_weight(len(p["proof"]), p["time"], len(recent), args), args) for p in recent]
     return examples
 
 
@@ -1014,33 +926,39 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist) -> torch.Tensor
     embedding_max_tokens tokens, L2-normalised. [len(texts), hidden], the same on every rank."""
     if not texts:
         return torch.zeros(0, 1)
-    was_training, device = policy.training, next(policy.parameters()).device
+    batches = [texts[i : i + args.micro_batch_size] for i in range(0, len(texts), args.micro_batch_size)]
+    batches += [texts[:1]] * (-len(batches) % dist.world_size)  # every rank runs as many forwards (FSDP2)
+
+    def mean_hidden(part: list[list[str]]) -> list[torch.Tensor]:
+        out = []
+        for batch in part:
+            enc = tokenizer(batch, return_tensors="pt", padding=True, truncation=True,
+                            max_length=args.embedding_max_tokens).to(dist.device)
+            hidden = policy(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True,
+                            use_cache=False).hidden_states[-1].float()
+            mask = enc["attention_mask"][..., None]
+            out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).cpu())
+        return out
+
+    training = policy.training
     policy.eval()
-    local = []
-    for batch, scale in micro_batches(list(enumerate(texts)), args.micro_batch_size, dist):
-        enc = tokenizer([t for _, t in batch], return_tensors="pt", padding=True, truncation=True, max_length=args.embedding_max_tokens)
-        mask = enc["attention_mask"].to(device)
-        hidden = policy(input_ids=enc["input_ids"].to(device), attention_mask=mask, output_hidden_states=True, use_cache=False).hidden_states[-1]
-        mean = (hidden.float() * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
-        vectors = torch.nn.functional.normalize(mean, dim=-1).cpu()
-        if scale:  # 0: a padding batch (every rank runs as many forward passes)
-            local += [(i, vectors[j]) for j, (i, _) in enumerate(batch)]
-    policy.train(was_training)
-    return torch.stack(gather_sorted(local, dist))
+    vectors = map_sharded(mean_hidden, batches, dist)
+    policy.train(training)
+    return torch.cat(vectors)[: len(texts)]
 
 
-def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], policy, tokenizer, args: Args, dist,
-                         rng: random.Random) -> tuple[list[Example], dict]:
+def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], policy,
+                         tokenizer, args: Args, dist, rng: random.Random) -> tuple[list[Example], dict]:
     """The conjecturer's data (official Sampler_base.get_conjecture_examples):
     1. conjectures in the band 0 < success < 1/4; the shared lemma stays in the prompt when a proof invokes it,
        and at most max(20 #invoking, 4096) others are kept with the empty lemma;
     2. elegance: in each lemma group, drop those below the 20% quantile of proof/statement length ratio;
     3. matching: weights that move the conjectures toward the still-unproved statements (cap 4).
     Target: the conjecture's statement and </hard theorem>."""
-    band = [c for c in conjectures if in_band(solve_rate(attempts[c.id]), args.conjecture_band)]
-    invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement) for p in proofs[c.id])]
-    ids = {c.id for c in invoking}
-    others = [c for c in band if c.id not in ids]
+    band = [c for c in conjectures if 0.0 < solve_rate(attempts[c.id]) < args.conjecture_band]
+    invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
+                                                   for p in proofs[c.id])]
+    others = [c for c in band if c not in invoking]
     rng.shuffle(others)
     kept = [(c, c.lemma) for c in invoking] + [(c, "") for c in others[: max(20 * len(invoking), 4096)]]
     ratios = [min(len(p["proof"]) for p in proofs[c.id]) / len(c.statement) for c, _ in kept]
@@ -1048,40 +966,37 @@ def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dic
     kept = [k for k, ok in zip(kept, elegant) if ok]
     P = embed(policy, tokenizer, [c.statement for c, _ in kept], args, dist)
     Q = embed(policy, tokenizer, [s.statement for s in unproved], args, dist)
-    weights = matching_weights(P, Q, args.matching_cap, rng) if kept else []
-    examples = [
-        Example(text_sample(tokenizer, conjecturer_prompt(tokenizer, c.header, lemma, c.easy_theorem, args), "\n" + c.statement + "\n" + END_THM, args), w)
-        for (c, lemma), w in zip(kept, weights) if w > 0
-    ]
-    return examples, {"conjecturer/in_band": len(band), "conjecturer/invoking_lemma": len(invoking), "conjecturer/elegant": len(kept),
-                      "conjecturer/matched": len(examples)}
+    examples = [text_example(tokenizer, conjecturer_prompt(tokenizer, c.header, lemma, c.easy_theorem, args),
+                             "\n" + c.statement + "\n" + END_THM, w, args)
+                for (c, lemma), w in zip(kept, matching_weights(P, Q, args.matching_cap, rng)) if w > 0]
+    return examples, {"conjecturer/in_band": len(band), "conjecturer/invoking_lemma": len(invoking),
+                      "conjecturer/elegant": len(kept), "conjecturer/matched": len(examples)}
 
 
-def final_examples(problems: dict, history: dict, proofs: dict, originals: set, args: Args, tokenizer, rng: random.Random) -> list[Example]:
+def final_examples(problems: dict, history: dict, proofs: dict, originals: set, args: Args, tokenizer,
+                   rng: random.Random) -> list[Example]:
     """Stage 3 and expert iteration data (official RL_step3_final_model): the correct proofs of every round whose
     statement had a success rate <= 1/4 in that round, and all proofs of dataset statements; at most 16 distinct
     proofs per statement; weight exp(-0.001 length)."""
     examples = []
     for pid, found in proofs.items():
-        keep = [p for p in found if pid in originals or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
+        keep = [p for p in found if pid in originals
+                or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
         rng.shuffle(keep)
         prompt = prover_prompt(tokenizer, problems[pid], args)
-        for p in keep[: args.final_max_proofs]:
-            examples.append(Example(text_sample(tokenizer, prompt, p["proof"] + "\n```", args), math.exp(-args.length_penalty * len(p["proof"]))))
+        examples += [text_example(tokenizer, prompt, p["proof"] + "\n```", math.exp(-args.length_penalty * len(p["proof"])),
+                                  args) for p in keep[: args.final_max_proofs]]
     return examples
 
 
-def new_optimizer(policy, lr: float, args: Args):
-    optimizer = make_optimizer(policy, lr, weight_decay=0.0, betas=args.adam_betas)
-    for group in optimizer.param_groups:
-        group["eps"] = args.adam_eps
-    return optimizer
-
-
-def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int, args: Args, dist, rng: random.Random) -> dict:
-    """Weighted SFT (official: one Levanter run per round): max(#examples // batch, min_steps) optimizer steps over
-    the shuffled examples (repeated when there are few), linear warm-up over min(steps - 1, warmup_steps) steps,
-    then a constant learning rate. Each rank runs its share of every batch."""
+def update(policy, examples: list[Example], lr: float, min_steps: int, args: Args, dist, rng: random.Random
+           ) -> tuple[torch.optim.Optimizer, dict]:
+    """Weighted SFT from a fresh AdamW (official: one Levanter run per round): max(#examples // batch, min_steps)
+    optimizer steps over the shuffled examples (repeated when there are few), linear warm-up over
+    min(steps - 1, warmup_steps) steps, then a constant learning rate. Each rank runs its share of every batch."""
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
+    if not examples:
+        return optimizer, {}
     size = min(args.batch_size, len(examples))
     steps = max(len(examples) // size, min_steps)
     warmup = min(steps - 1, args.warmup_steps)
@@ -1092,10 +1007,11 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
         batch, stream = stream[:size], stream[size:]
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / (warmup + 1))
-        weighted_tokens, total = sum(e.weight * len(e.sample.token_ids) for e in batch), 0.0
-        for micro, scale in micro_batches(batch, args.micro_batch_size, dist):
-            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro], 1.0, micro_batch=len(micro))
-            weights = torch.tensor([e.weight for e in micro], dtype=logp.dtype, device=logp.device)
+        weighted_tokens, total = sum(e.weight * len(e.token_ids) for e in batch), 0.0
+        for micro, scale in micro_batches(batch, args.micro_batch_size, dist,
+                                          length=lambda e: len(e.prompt_ids) + len(e.token_ids)):
+            logp, mask, _ = token_logprobs(policy, micro)
+            weights = torch.tensor([e.weight for e in micro], device=logp.device)
             loss = weighted_sft_loss(logp, mask, weights, weighted_tokens)
             # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
             # (0 for a rank's padding micro-batch), which FSDP2's mean over ranks cancels
@@ -1103,16 +1019,15 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
             total += loss.item() if scale else 0.0
         norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
         losses.append(sum(all_gather_objects(total, dist)))
-    return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": steps}
+    return optimizer, {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": steps}
 
 
-def retrain_from_base(problems: dict, history: dict, proofs: dict, originals: set, lr: float, args: Args, dist, tokenizer,
-                      rng: random.Random) -> tuple:
+def retrain_from_base(problems: dict, history: dict, proofs: dict, originals: set, lr: float, args: Args, dist,
+                      tokenizer, rng: random.Random) -> tuple:
     """Stage 3 (and each round of the expert-iteration baseline): a fresh copy of --model, trained on final_examples."""
     examples = final_examples(problems, history, proofs, originals, args, tokenizer, rng)
-    policy = prepare_policy(load_model(args.model, dist), dist, args.gradient_checkpointing)
-    optimizer = new_optimizer(policy, lr, args)
-    stats = update(policy, optimizer, examples, lr, args.final_min_train_steps, args, dist, rng) if examples else {}
+    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
+    optimizer, stats = update(policy, examples, lr, args.final_min_train_steps, args, dist, rng)
     return policy, optimizer, {**stats, "examples": len(examples)}
 
 
@@ -1121,14 +1036,10 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
     """pass@k on each benchmark from eval_samples samples per problem (STP: 3200 at temperature 1): the unbiased
     estimator, and STP's chunked estimator (mean and std over disjoint chunks of k samples)."""
     metrics = {}
-    for name, problems in benchmarks.items():
-        if not problems:
-            continue
-        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, args, dist, desc=f"eval {name}")
+    for name, problems in [(name, problems) for name, problems in benchmarks.items() if problems]:
+        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, args, dist, f"eval {name}")
         correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
-        for k in args.eval_budgets:
-            if k > args.eval_samples:
-                continue
+        for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
             metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(row), int(row.sum()), k) for row in correct]))
             mean, std = chunked_pass_at_k(correct, k)
             metrics[f"eval/{name}/pass@{k}_chunked_mean"] = mean
@@ -1138,50 +1049,8 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
 
 
 # ---- main ----
-# With no CUDA the paper's sizes would take weeks; these run a round on a CPU in about five minutes
-# (SmolLM2-135M samples ~60 tokens/s in a batch of 8: 64 proofs of up to 96 tokens take ~100 s; one training
-# step on 8 x 384 tokens takes ~30 s).
-CPU_DEFAULTS = {
-    "model": "embedded:smollm2",
-    "dataset": "data/lean_smoke.jsonl",
-    "num_statements": 8,
-    "rounds": 2,
-    "samples_first_round": 8,  # fewer than 5 would leave the band 0 < p < 1/4 empty
-    "samples_per_round": 8,
-    "max_new_tokens": 96,
-    "max_prompt_tokens": 512,
-    "embedding_max_tokens": 128,
-    "batch_size": 8,
-    "min_train_steps": 1,
-    "final_min_train_steps": 1,
-    "warmup_steps": 0,
-    "eval_samples": 4,
-    "eval_budgets": (1, 2, 4),
-    "eval_limit": 4,
-    "max_model_len": 1024,
-}
-
-
-def scale_for_cpu(args: Args, argv: list[str]) -> list[str]:
-    """Without CUDA, replace the paper's sizes by CPU_DEFAULTS, except where a flag was given. Returns the changes."""
-    if torch.cuda.is_available():
-        return []
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changes = []
-    for name, value in CPU_DEFAULTS.items():
-        if name not in given and getattr(args, name) != value:
-            changes.append(f"  {name}: {getattr(args, name)} -> {value}")
-            setattr(args, name, value)
-    return changes
-
-
-def portable(state: dict) -> dict:
-    """The run state with plain dicts for Problems, so that state.pt loads without this file's classes."""
-    return {**state, "problems": {k: vars(p) for k, p in state["problems"].items()}}
-
-
 def main(args: Args) -> None:
-    scaled = scale_for_cpu(args, sys.argv[1:])
+    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
     if args.expert_iteration and args.pure_sampling:
         sys.exit("stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one")
     baseline = args.expert_iteration or args.pure_sampling
@@ -1191,115 +1060,106 @@ def main(args: Args) -> None:
     except LeanNotInstalled as e:
         sys.exit(f"stp.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n" + "\n".join(scaled))
-    run_dir = run_dir_for(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
+        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n"
+              + "\n".join(scaled))
+    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
+    logger = Logger(run_dir, vars(args), dist, track=args.track)
     statements = load_problems(args.dataset, args.num_statements)
-    originals = {s.id for s in statements}
-    known = {(s.header, "".join(s.statement.split())) for s in statements}
-    benchmarks = {f"{os.path.basename(path)[: -len('.jsonl')]}_{args.eval_split}": load_problems(path, args.eval_limit, split=args.eval_split)
-                  for path in args.eval_sets}
+    originals, known = {s.id for s in statements}, {(s.header, "".join(s.statement.split())) for s in statements}
+    benchmarks = {f"{os.path.basename(path).removesuffix('.jsonl')}_{args.eval_split}":
+                  load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_sets}
 
-    # one policy plays both roles; it is trained unless it is the pure-sampling baseline
+    # one policy plays both roles; it is trained unless it is the pure-sampling baseline. Every round trains from a
+    # fresh AdamW (see update): this one only gives load_checkpoint an optimizer to restore.
     tokenizer = load_tokenizer(args.model)
-    trained = not args.pure_sampling
-    policy = prepare_policy(load_model(args.model, dist, train=trained), dist, args.gradient_checkpointing and trained)
-    models = {"policy": (policy, new_optimizer(policy, args.learning_rate, args))} if trained else {}
-
+    policy = load_model(args.model, dist, train=not args.pure_sampling, gradient_checkpointing=args.gradient_checkpointing)
+    models = {} if args.pure_sampling else {"policy": (policy, torch.optim.AdamW(policy.parameters()))}
     # run state: every statement ever targeted, its (samples, correct) per round, its distinct correct proofs
-    state = {"problems": {s.id: s for s in statements}, "history": {}, "proofs": {}, "generations": 0}
-    start = 0
+    state, start = {"problems": {s.id: s for s in statements}, "history": {}, "proofs": {}, "generations": 0}, 0
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found[0] + 1, found[1]
-        state["problems"] = {k: Problem(**v) for k, v in state["problems"].items()}
+        start, state = found[0] + 1, {**found[1], "problems": {k: Problem(**v) for k, v in found[1]["problems"].items()}}
         if dist.is_main:
             print(f"resuming {run_dir} at round {start}")
-    sampler = make_sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
-                           gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep)
-    problems, history, proofs, stopwatch = state["problems"], state["history"], state["proofs"], Stopwatch()
+    sampler = Sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
+                      gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
+    problems, history, proofs = state["problems"], state["history"], state["proofs"]
+
+    def save(iteration: int, models: dict) -> None:  # Problems as dicts: state.pt loads without this file
+        portable = {**state, "problems": {k: vars(p) for k, p in problems.items()}}
+        save_checkpoint(run_dir, iteration, models, tokenizer, portable, dist)
 
     for round_ in range(start, args.rounds):
-        metrics = {}
+        metrics, conjectures = {}, []
         rng = random.Random(f"{args.seed}/{round_}")  # the same on every rank, so every rank builds the same data
-
-        # 1-2. Seeds and conjectures
-        conjectures = []
-        if not baseline:
-            with stopwatch("conjecture"):
-                inputs = select_seeds(statements, proofs, history, args, rng)
-                conjectures, stats = conjecture(sampler, tokenizer, inputs, known, len(statements), round_, args, dist)
+        if not baseline:  # 1-2. Seeds and conjectures
+            with logger.timer("conjecture"):
+                seeds = select_seeds(statements, proofs, history, args, rng)
+                conjectures, stats = conjecture(sampler, tokenizer, seeds, known, len(statements), round_, args, dist)
                 problems.update({c.id: c for c in conjectures})
                 state["generations"] += stats.get("conjecturer/outputs", 0)
                 metrics.update(stats)
-
-        # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
-        with stopwatch("prove"):
+        with logger.timer("prove"):  # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
             targets = select_targets(statements, conjectures, proofs, history, args, rng)
             n = args.samples_first_round if round_ == 0 or baseline else args.samples_per_round
             attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, args, dist)
             state["generations"] += len(targets) * n
             record(history, proofs, attempts, round_)
 
-        # 4-6. Train: one weighted-SFT pass on prover and conjecturer data (baselines: see the docstring)
+        # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data. Expert iteration re-trains the
+        # base model on every round's proofs; pure sampling does not train.
         if args.expert_iteration:
-            with stopwatch("update"):
+            with logger.timer("update"):
                 sampler.sleep()
-                models, policy = {}, None  # the base model is re-trained from scratch every round
+                models, policy = {}, None  # free the old policy before loading the base model
                 gc.collect()
-                policy, optimizer, stats = retrain_from_base(problems, history, proofs, originals, args.learning_rate, args, dist, tokenizer, rng)
-                models = {"policy": (policy, optimizer)}
-                metrics.update({f"losses/{k}": v for k, v in stats.items()})
-                sampler.sync_weights(policy)
+                policy, optimizer, stats = retrain_from_base(problems, history, proofs, originals, args.learning_rate,
+                                                             args, dist, tokenizer, rng)
         elif not args.pure_sampling:
-            with stopwatch("data"):
+            with logger.timer("data"):
                 sampler.sleep()
                 unproved = [s for s in statements if not proofs.get(s.id)]
-                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, policy, tokenizer, args, dist, rng)
-                metrics.update(stats)
+                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, policy, tokenizer,
+                                                              args, dist, rng)
                 prover_set = prover_examples(problems, history, proofs, round_, args, tokenizer)
-                examples = prover_set + conjecturer_set
-                metrics.update({"data/prover_examples": len(prover_set), "data/conjecturer_examples": len(conjecturer_set)})
-            with stopwatch("update"):
-                models = {"policy": (policy, new_optimizer(policy, args.learning_rate, args))}  # official: a fresh run per round
-                if examples:
-                    stats = update(policy, models["policy"][1], examples, args.learning_rate, args.min_train_steps, args, dist, rng)
-                    metrics.update({f"losses/{k}": v for k, v in stats.items()})
-                sampler.sync_weights(policy)
+                metrics.update({**stats, "data/prover_examples": len(prover_set),
+                                "data/conjecturer_examples": len(conjecturer_set)})
+            with logger.timer("update"):
+                optimizer, stats = update(policy, prover_set + conjecturer_set, args.learning_rate, args.min_train_steps,
+                                          args, dist, rng)
+        if not args.pure_sampling:
+            models = {"policy": (policy, optimizer)}
+            metrics.update({f"losses/{k}": v for k, v in stats.items()})
+            sampler.sync_weights(policy)
 
         # metrics: the share of dataset statements proved so far, against generations
-        proved = sum(bool(proofs.get(s.id)) for s in statements)
+        proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
         metrics.update({"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
                         "charts/generations": state["generations"], "charts/targets": len(targets),
-                        "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets])) if targets else 0.0})
+                        "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
+                        **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))}})
         if conjectures:
             metrics["conjecturer/solve_rate_mean"] = float(np.mean([solve_rate(attempts[c.id]) for c in conjectures]))
-        statuses = [a.status for row in attempts.values() for a in row]
-        for status in sorted(set(statuses)):
-            metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
         if args.eval_every and (round_ + 1) % args.eval_every == 0 and round_ != args.rounds - 1:
-            with stopwatch("eval"):
+            with logger.timer("eval"):
                 metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
-        metrics.update(stopwatch.pop())
         logger.log(metrics, step=round_)
         if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
-            save_checkpoint(run_dir, round_, models, tokenizer, portable(state), dist)
+            save(round_, models)
 
-    # Stage 3: re-train the base model on the proofs of every round
     metrics = {}
-    if args.final_retrain and not baseline and not state.get("stage3"):
-        with stopwatch("final_retrain"):
+    if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
+        with logger.timer("final_retrain"):
             sampler.sleep()
             models, policy = {}, None
             gc.collect()
-            policy, optimizer, stats = retrain_from_base(problems, history, proofs, originals, args.final_learning_rate, args, dist, tokenizer,
-                                                         random.Random(f"{args.seed}/final"))
+            policy, optimizer, stats = retrain_from_base(problems, history, proofs, originals, args.final_learning_rate,
+                                                         args, dist, tokenizer, random.Random(f"{args.seed}/final"))
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             sampler.sync_weights(policy)
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save_checkpoint(run_dir, args.rounds, {"policy": (policy, optimizer)}, tokenizer, portable(state), dist)
-    with stopwatch("eval"):
+            save(args.rounds, {"policy": (policy, optimizer)})
+    with logger.timer("eval"):
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
-    metrics.update(stopwatch.pop())
     logger.log(metrics, step=args.rounds)
     logger.close()
     verifier.close()

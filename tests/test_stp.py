@@ -1,12 +1,12 @@
 """Tests of stp.py: pure functions against values worked out by hand, the parsers on malformed model output, the data
-phases on hand-made histories, and (marked slow) end-to-end runs in a subprocess with a tiny model and the stand-in
-REPL."""
+phases on hand-made histories, a learning test of the update, and (marked slow) end-to-end runs in a subprocess with
+a tiny model and the stand-in REPL."""
 
-import json
 import math
 import pathlib
 import random
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,36 +16,18 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import stp  # noqa: E402
 
+CPU = stp.Dist(0, 0, 1, torch.device("cpu"), True)
+
 
 def args(**kw):
     return stp.Args(**kw)
 
 
-# ---- weights and bands ----
+# ---- rewards and losses ----
 def test_proof_weight():
     # exp(-0.001 * 100 - 0.01 * 2) / 2 = exp(-0.12) / 2
     assert stp.proof_weight(100, 2.0, 2, args()) == pytest.approx(math.exp(-0.12) / 2)
     assert stp.proof_weight(0, 0.0, 1, args()) == 1.0
-
-
-def test_band():
-    assert not stp.in_band(0.0)
-    assert stp.in_band(1 / 32)
-    assert stp.in_band(0.24)
-    assert not stp.in_band(0.25)  # strict: 0 < p < 1/4
-    assert not stp.in_band(1.0)
-
-
-def test_rates():
-    h = {0: (64, 8), 1: (32, 16), 2: (32, 0)}
-    # round 3, window 3: rounds 1..3 -> (16 + 0) / (32 + 32) = 0.25
-    assert stp.window_rate(h, 3, 3) == 0.25
-    # round 2: rounds 0..2 -> 24 / 128
-    assert stp.window_rate(h, 2, 3) == 24 / 128
-    assert stp.window_rate(h, 9, 3) is None
-    assert stp.best_rate(h) == 0.5
-    assert stp.last_rate(h) == 0.0
-    assert stp.best_rate({}) == 0.0
 
 
 def test_elegance_filter():
@@ -110,12 +92,15 @@ def test_extract_conjecture():
     # everything from the first ':=' on is cut: a proof, even a sorry, is dropped
     assert stp.extract_conjecture("theorem t : 1 = 1 := by sorry\n</hard theorem>") == "theorem t : 1 = 1 := by"
     assert stp.extract_conjecture("\nlemma bar : (1 : ℕ) < 2 := by") == "theorem bar : (1 : ℕ) < 2 := by"  # stopped at the tag
+    # with '...</hard theorem>' in a truncated completion the statement is whole
+    assert stp.extract_conjecture("t : True\n</hard theorem>\n", "length") == "theorem t : True := by"
 
 
 @pytest.mark.parametrize(
     "text, finish",
     [
         ("theorem t (x : ℕ) : x ≤ x ^ 2 := by\n  nlin", "length"),  # truncated before </hard theorem>
+        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by", "abort"),  # a failed vLLM request
         ("theorem t (h : sorry) : True\n</hard theorem>", "stop"),  # sorry in the statement
         ("theorem t := by\n</hard theorem>", "stop"),  # no conclusion
         ("theorem : P\n</hard theorem>", "stop"),  # no name
@@ -156,19 +141,58 @@ def test_prompts_keep_the_published_markers(tiny_model_dir):
     assert len(tok(cut, add_special_tokens=False)["input_ids"]) <= 52 and cut.endswith(":= by")
 
 
-def test_load_problems_and_benchmarks():
+def test_load_problems_and_benchmarks(tmp_path):
     smoke = stp.load_problems(str(REPO / "data" / "lean_smoke.jsonl"))
     assert smoke and all(p.statement.endswith(":= by") for p in smoke)
     minif2f = stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")
     proofnet = stp.load_problems(str(REPO / "data" / "proofnet.jsonl"), split="test")
     assert len(minif2f) == 244 and len(proofnet) == 186
     assert all(p.statement.endswith(":= by") for p in proofnet)  # ':=' got ' by' (deviation 8)
+    assert len({p.id for p in proofnet}) == 186  # repeated names get unique ids
     assert len(stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), limit=3, split="valid")) == 3
+    rows = ['{"name": "a", "formal_statement": "theorem a : True := by sorry"}',  # a trailing sorry is dropped
+            '{"name": "b", "formal_statement": "theorem b : True := by\\n  trivial"}',  # holds a proof: skipped
+            '{"name": "c", "formal_statement": "theorem c (h : sorry) : True := by"}']  # sorry inside: skipped
+    (tmp_path / "s.jsonl").write_text("\n".join(rows) + "\n")
+    [a] = stp.load_problems(str(tmp_path / "s.jsonl"))
+    assert (a.id, a.statement, a.header) == ("a", "theorem a : True := by", stp.DEFAULT_HEADER)
 
 
-# ---- the phases' data selection ----
+def test_cpu_defaults_keep_given_flags():
+    a = args(rounds=5)
+    changes = stp.cpu_defaults(a, ["--rounds", "5", "--eval-limit=2"])
+    assert a.rounds == 5 and a.eval_limit is None and a.model == "embedded:smollm2"
+    assert a.samples_per_round == stp.CPU_DEFAULTS["samples_per_round"]
+    assert not any(c.strip().startswith(("rounds", "eval_limit")) for c in changes)
+    assert "  max_new_tokens: 1024 -> 96" in changes
+
+
+# ---- the phases ----
 def problems_for(*ids):
     return [stp.Problem(i, stp.DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by") for i in ids]
+
+
+def test_attempt_proofs_checks_each_distinct_proof_once():
+    texts = [("\n  simp\n```", "stop"), ("\n  simp", "length"), ("\n  ring", "stop"), ("", "stop"), ("\n  simp", "abort")]
+    sampler = SimpleNamespace(generate=lambda prompts, n, **kw: [[stp.Sample(t, [], [], [], r) for t, r in texts[:n]]
+                                                                  for _ in prompts])
+    jobs = []
+
+    def verify(batch):
+        jobs.extend(batch)
+        return [SimpleNamespace(valid="simp" in j.proof, status="valid" if "simp" in j.proof else "error", time=0.5)
+                for j in batch]
+
+    problems = problems_for("a", "b")
+    tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731  (prompts are short: no cut)
+    attempts = stp.attempt_proofs(sampler, SimpleNamespace(verify=verify), tok, problems, 5, args(), CPU)
+    assert [j.proof for j in jobs] == [problems[0].statement + "\n  simp", problems[0].statement + "\n  ring",
+                                       problems[1].statement + "\n  simp", problems[1].statement + "\n  ring"]
+    row = attempts["a"]
+    assert [(x.proof, x.status, x.correct) for x in row] == [("\n  simp", "valid", True), ("\n  simp", "valid", True),
+                                                             (None, "error", False), (None, "no_code", False),
+                                                             (None, "no_code", False)]  # the aborted sample fails
+    assert stp.solve_rate(row) == 0.4 and row[0].time == 0.5
 
 
 def test_select_seeds():
@@ -177,7 +201,7 @@ def test_select_seeds():
     proofs = {"s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 0.1}],
               "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 0, "time": 0.1}],
               "s3": [{"proof": "\n  positivity", "round": 2, "time": 0.1}]}
-    # s2's best rate 0.25 <= 0.35: not a seed. Newest first: s3 (round 2), then s1 (round 1).
+    # s2's best round rate 1/4 <= 0.35: not a seed (s1's best is 1/2). Newest first: s3 (round 2), then s1 (round 1).
     seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=1.0), random.Random(0))
     assert [(s.id, lemma) for s, _, lemma in seeds] == [("s3", ""), ("s1", "sq_nonneg"), ("s1", "")]
     seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
@@ -186,6 +210,26 @@ def test_select_seeds():
     history["s2"] = {0: (4, 4)}
     seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
     assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
+
+
+def test_conjecture_deduplicates_and_caps():
+    seed = problems_for("s")[0]
+    texts = [" c1 (x : ℕ) : x ≤ x ^ 2 := by\n  nlinarith", "c1  (x : ℕ) :  x ≤ x ^ 2", "garbage",  # c1 twice
+             "s (x : ℝ) (hx : 0 < x) : 0 < x ^ 2", "c2 : True"]  # a copy of the dataset statement, then c2
+    sampler = SimpleNamespace(generate=lambda prompts, n, **kw: [[stp.Sample(t, [], [], [], "stop") for t in texts[:n]]
+                                                                  for _ in prompts])
+    tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
+    known = {(seed.header, "".join(seed.statement.split()))}
+    # 1 seed, 1 statement: multiplier max(1, min(3 * 1 // 1, 8)) = 3 samples, at most 1 conjecture
+    conj, stats = stp.conjecture(sampler, tok, [(seed, "\n  positivity", "")], known, 1, 2, args(), CPU)
+    assert [c.id for c in conj] == ["r2_c0"] and conj[0].statement == "theorem c1 (x : ℕ) : x ≤ x ^ 2 := by"
+    assert conj[0].easy_theorem == seed.statement + "\n  positivity" and conj[0].header == seed.header
+    assert stats["conjecturer/multiplier"] == 3 and stats["conjecturer/extraction_rate"] == pytest.approx(2 / 3)
+    conj, stats = stp.conjecture(sampler, tok, [(seed, "\n  positivity", "")], known, 5, 0, args(max_conjecture_multiplier=5),
+                                 CPU)
+    assert [c.statement for c in conj] == ["theorem c1 (x : ℕ) : x ≤ x ^ 2 := by", "theorem c2 : True := by"]
+    assert stats["conjecturer/outputs"] == 5 and stats["conjecturer/new_conjectures"] == 2
+    assert stp.conjecture(sampler, tok, [], known, 5, 0, args(), CPU) == ([], {"conjecturer/seeds": 0})
 
 
 def test_select_targets_and_record():
@@ -197,87 +241,141 @@ def test_select_targets_and_record():
                 "c": [A("c", None, "error")] * 3}
     stp.record(history, proofs, attempts, 0)
     assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
-    assert [p["proof"] for p in proofs["a"]] == ["\n  simp"]  # distinct proofs only
+    assert proofs["a"] == [{"proof": "\n  simp", "round": 0, "time": 0.5}] and proofs["c"] == []  # distinct proofs only
     conj = problems_for("r1_c0")
+
+    def targets(**kw):
+        return [t.id for t in stp.select_targets(statements, conj, proofs, history, args(**kw), random.Random(0))]
+
     # c unproved; a proved but its last rate 2/3 >= 0.35 and b's 1 >= 0.35: dropped with keep probability 0
-    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(proved_keep_prob=0.0), random.Random(0))] == ["c", "r1_c0"]
-    history["a"][1] = (4, 1)  # last rate 0.25 < 0.35: still a target
-    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(proved_keep_prob=0.0), random.Random(0))] == ["a", "c", "r1_c0"]
-    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(proved_keep_prob=1.0), random.Random(0))] == ["a", "b", "c", "r1_c0"]
-    assert [t.id for t in stp.select_targets(statements, conj, proofs, history, args(expert_iteration=True), random.Random(0))] == ["c"]
+    assert targets(proved_keep_prob=0.0) == ["c", "r1_c0"]
+    history["a"][1] = (4, 1)  # the latest round's rate 0.25 < 0.35: still a target (round 0's 2/3 does not count)
+    assert targets(proved_keep_prob=0.0) == ["a", "c", "r1_c0"]
+    assert targets(proved_keep_prob=1.0) == ["a", "b", "c", "r1_c0"]
+    assert targets(expert_iteration=True) == ["c"] and targets(pure_sampling=True) == ["c"]
 
 
 def test_prover_and_final_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
-    problems = {p.id: p for p in problems_for("a", "b", "c")}
-    problems["c"].kind = "conjecture"
-    history = {"a": {0: (4, 1), 1: (4, 1)}, "b": {1: (4, 3)}, "c": {1: (8, 1)}}
+    problems = {p.id: p for p in problems_for("a", "b", "c", "d")}
+    history = {"a": {0: (4, 1), 1: (4, 1)}, "b": {1: (4, 3)}, "c": {1: (8, 1)}, "d": {0: (4, 0), 1: (4, 0)}}
     proofs = {"a": [{"proof": "\n  simp", "round": 0, "time": 1.0}, {"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 2.0}],
-              "b": [{"proof": "\n  ring", "round": 1, "time": 0.0}] * 1,
-              "c": [{"proof": "\n  positivity", "round": 1, "time": 0.0}]}
+              "b": [{"proof": "\n  ring", "round": 1, "time": 0.0}],
+              "c": [{"proof": "\n  positivity", "round": 1, "time": 0.0}], "d": []}
     ex = stp.prover_examples(problems, history, proofs, 1, args(), tok)
-    # a: rate 2/8 <= 0.5, two proofs, each exp(-0.001 len - 0.01 t) / 2; b: 3/4 > 0.5 is left out; c: 1/8
+    # replay buffer rounds -1..1: a: 2/8 <= 0.5, two proofs, each exp(-0.001 len - 0.01 t) / 2; b: 3/4 > 0.5 is left
+    # out; c: 1/8; d: 0/8, nothing to learn from
     weights = sorted(round(e.weight, 6) for e in ex)
     expected = sorted(round(x, 6) for x in [math.exp(-0.001 * 7 - 0.01) / 2, math.exp(-0.001 * 26 - 0.02) / 2, math.exp(-0.001 * 13)])
     assert weights == expected
-    s = ex[0].sample
-    assert s.token_ids[-1] == tok.eos_token_id and tok.decode(s.token_ids[:-1]).endswith("\n```")
+    assert ex[0].token_ids[-1] == tok.eos_token_id and tok.decode(ex[0].token_ids[:-1]).endswith("\n```")
+    # round 3: the buffer holds rounds 1..3; a's rate 1/4, only its round-1 proof is recent: weight exp(..) / 1
+    assert sorted(round(e.weight, 6) for e in stp.prover_examples(problems, history, proofs, 3, args(), tok)) == sorted(
+        round(x, 6) for x in [math.exp(-0.001 * 26 - 0.02), math.exp(-0.001 * 13)])
     # round 4: nothing of rounds 2..4 is left in the buffer
     assert stp.prover_examples(problems, history, proofs, 4, args(), tok) == []
     # Stage 3: dataset statements always; the conjecture c only if its round rate <= 0.25 (1/8: yes)
     final = stp.final_examples(problems, history, proofs, {"a", "b"}, args(), tok, random.Random(0))
-    assert len(final) == 4
+    assert len(final) == 4 and sorted(round(e.weight, 6) for e in final)[-1] == round(math.exp(-0.001 * 7), 6)
     history["c"][1] = (8, 4)
     assert len(stp.final_examples(problems, history, proofs, {"a", "b"}, args(), tok, random.Random(0))) == 3
     many = {"a": [{"proof": f"\n  p{i}", "round": 0, "time": 0.0} for i in range(20)]}
     assert len(stp.final_examples(problems, history, many, {"a"}, args(), tok, random.Random(0))) == 16
+    cut = stp.text_example(tok, "a prompt", " x" * 100, 1.0, args(max_train_tokens=10))
+    assert len(cut.prompt_ids) + len(cut.token_ids) == 10
 
 
 def test_conjecturer_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
-    dist = stp.Dist(0, 0, 1, torch.device("cpu"))
-    policy = stp.load_model(tiny_model_dir, dist, train=True)
+    policy = stp.load_model(tiny_model_dir, CPU, train=True)
     seed = "theorem s (x : ℝ) : 0 ≤ x ^ 2 := by\n  nlinarith [sq_nonneg x]"
-    conj = [stp.Problem(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", "conjecture", "s", seed, "sq_nonneg") for i in range(4)]
+    conj = [stp.Problem(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", seed, "sq_nonneg") for i in range(6)]
     A = stp.Attempt
-    attempts = {c.id: [A(c.id, "\n  positivity", "valid", True)] + [A(c.id, None, "error")] * 7 for c in conj}  # 1/8: in the band
-    attempts["r1_c3"] = [A("r1_c3", "\n  positivity", "valid", True)] * 4 + [A("r1_c3", None, "error")] * 4  # 1/2: not
+
+    def rate(correct, total=8):
+        return [A("", "\n  positivity", "valid", True)] * correct + [A("", None, "error")] * (total - correct)
+
+    # 1/8 is in the band 0 < p < 1/4; 1/2, exactly 1/4 and 0 are not (the band is strict)
+    attempts = {"r1_c0": rate(1), "r1_c1": rate(1), "r1_c2": rate(1), "r1_c3": rate(4), "r1_c4": rate(2), "r1_c5": rate(0)}
     proofs = {c.id: [{"proof": "\n  positivity", "round": 1, "time": 0.0}] for c in conj}
     proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "round": 1, "time": 0.0}]  # invokes the shared lemma
     unproved = problems_for("u1", "u2")
-    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, policy, tok, args(), dist, random.Random(0))
+    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, policy, tok, args(), CPU, random.Random(0))
     assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
     # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': the proof has 13 characters, c2's
     # statement is one longer than c1's, so its ratio is the smaller one and falls under the 20% quantile
     assert stats["conjecturer/elegant"] == 2
     assert sum(e.weight for e in ex) == pytest.approx(2.0)  # matching keeps the total weight at N
-    assert all(e.sample.text.endswith("\n</hard theorem>") for e in ex)
+    assert all(e.text.endswith("\n</hard theorem>") for e in ex)
     # with no unproved statement every survivor keeps weight 1; the lemma stays only in the invoking one's prompt
-    ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], policy, tok, args(), dist, random.Random(0))
+    ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], policy, tok, args(), CPU, random.Random(0))
     assert [e.weight for e in ex] == [1.0, 1.0]
-    prompts = [tok.decode(e.sample.prompt_ids) for e in ex]
+    prompts = [tok.decode(e.prompt_ids) for e in ex]
     assert "<lemma>\ntheorem sq_nonneg\n" in prompts[0] and "<lemma>\ntheorem true: True\n" in prompts[1]
-    assert ex[0].sample.text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
+    assert ex[0].text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
 
 
-def test_update_changes_weights_and_respects_min_steps(tiny_model_dir):
+def test_embed_is_the_normalised_mean_hidden_state(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
-    dist = stp.Dist(0, 0, 1, torch.device("cpu"))
-    policy = stp.load_model(tiny_model_dir, dist)
+    policy = stp.load_model(tiny_model_dir, CPU, train=True)
+    texts = ["theorem a : True := by", "theorem b (x : ℕ) : x ≤ x := by", "c"]
+    one = stp.embed(policy, tok, texts, args(micro_batch_size=1), CPU)
+    assert one.shape == (3, 64) and torch.allclose(one.norm(dim=-1), torch.ones(3))
+    assert policy.training  # restored after the eval-mode forward
+    ids = tok(texts[1], return_tensors="pt")
+    with torch.no_grad():
+        hidden = policy(**ids, output_hidden_states=True).hidden_states[-1][0].mean(0)
+    assert torch.allclose(one[1], torch.nn.functional.normalize(hidden, dim=-1), atol=1e-5)
+    assert torch.allclose(stp.embed(policy, tok, texts[:1], args(micro_batch_size=1), CPU), one[:1], atol=1e-5)
+    assert stp.embed(policy, tok, [], args(), CPU).shape[0] == 0
+
+
+def test_update_respects_min_steps_and_batches(tiny_model_dir):
+    tok = stp.load_tokenizer(tiny_model_dir)
+    policy = stp.load_model(tiny_model_dir, CPU)
     before = [p.detach().clone() for p in policy.parameters()]
-    ex = [stp.Example(stp.text_sample(tok, "Complete: 1 + 1 =", " 2", args()), w) for w in (1.0, 0.5, 0.25)]
-    a = args(batch_size=2, micro_batch_size=1, min_train_steps=3, warmup_steps=5, learning_rate=1e-3)
-    stats = stp.update(policy, stp.new_optimizer(policy, a.learning_rate, a), ex, a.learning_rate, a.min_train_steps, a, dist, random.Random(0))
-    assert stats["steps"] == 3  # max(3 // 2, 3)
+    ex = [stp.text_example(tok, "Complete: 1 + 1 =", " 2", w, args()) for w in (1.0, 0.5, 0.25)]
+    a = args(batch_size=2, micro_batch_size=1, min_train_steps=3, warmup_steps=5)
+    optimizer, stats = stp.update(policy, ex, 1e-3, a.min_train_steps, a, CPU, random.Random(0))
+    assert stats["steps"] == 3 and stats["loss"] > 0 and stats["grad_norm"] > 0  # max(3 // 2, 3)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 3)  # warm-up capped at steps - 1 = 2
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+    a = args(batch_size=2, micro_batch_size=1, min_train_steps=1)
+    assert stp.update(policy, ex * 3, 1e-3, 1, a, CPU, random.Random(0))[1]["steps"] == 4  # 9 // 2
+    assert stp.update(policy, [], 1e-3, 1, a, CPU, random.Random(0))[1] == {}
 
 
-def test_cpu_scaling_keeps_given_flags(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    a = args(rounds=5)
-    changes = stp.scale_for_cpu(a, ["--rounds", "5"])
-    assert a.rounds == 5 and a.model == "embedded:smollm2" and a.samples_per_round == stp.CPU_DEFAULTS["samples_per_round"]
-    assert not any(c.strip().startswith("rounds") for c in changes)
+def test_update_learns_what_the_reward_favours(tiny_model_dir):
+    """The training loop's own path: Lean's verdicts (the reward) -> record -> prover_examples -> update. When the
+    verdict accepts one fixed proof, its probability rises over 20 updates; when it accepts another, it falls."""
+    tok = stp.load_tokenizer(tiny_model_dir)
+    problem = problems_for("p")[0]
+    a = args(batch_size=8, micro_batch_size=4, min_train_steps=20, warmup_steps=0)
+    favoured = " positivity"
+
+    def logp(policy) -> float:  # the sum of the favoured proof's token log-probs after the prover's prompt
+        ids = tok(favoured, add_special_tokens=False).input_ids
+        sample = stp.Sample(favoured, stp.encode_prompt(tok, stp.prover_prompt(tok, problem, a)), ids, [], "stop")
+        with torch.no_grad():
+            lp, mask, _ = stp.token_logprobs(policy, [sample])
+        return float((lp * mask).sum())
+
+    moved = {}
+    for accepted in (favoured, " omega"):
+        policy = stp.load_model(tiny_model_dir, CPU)
+        before = logp(policy)
+        attempts = {"p": [stp.Attempt("p", x, "valid" if x == accepted else "error", x == accepted, 0.1)
+                          for x in (favoured, " omega", " decide", " ring")]}  # success rate 1/4
+        history, proofs = {}, {}
+        stp.record(history, proofs, attempts, 0)
+        examples = stp.prover_examples({"p": problem}, history, proofs, 0, a, tok)
+        _, stats = stp.update(policy, examples, 1e-2, a.min_train_steps, a, CPU, random.Random(0))
+        moved[accepted] = (before, logp(policy))
+        print(f"accepted {accepted!r}: log p(favoured) {before:.3f} -> {moved[accepted][1]:.3f}, loss {stats['loss']:.3f}")
+    (b1, a1), (b2, a2) = moved[favoured], moved[" omega"]
+    assert b1 == b2  # the same start
+    assert b1 < -10 and a1 > math.log(0.5)  # rewarded: from ~1e-5 to most of the mass (-10.9 -> -0.18 here)
+    assert a2 < b2 - 2.0  # the other proof rewarded: the favoured one loses mass (-10.9 -> -14.2 here)
 
 
 # ---- end to end (slow): subprocess runs with the stand-in REPL ----
@@ -301,7 +399,7 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
     assert [r["step"] for r in rows] == [0, 1, 2]  # two rounds, then the evaluation
     assert rows[0]["conjecturer/seeds"] == 0 and rows[1]["conjecturer/seeds"] > 0  # round 0 has no proof to seed from
     assert rows[1]["charts/generations"] > rows[0]["charts/generations"] > 0
-    assert any("losses/loss" in r for r in rows[:2])
+    assert any("losses/loss" in r for r in rows[:2]) and "time/prove" in rows[0] and "time/eval" in rows[2]
     for name in ("minif2f_test", "proofnet_test"):
         for k in (1, 2, 4):
             assert 0.0 <= rows[2][f"eval/{name}/pass@{k}"] <= 1.0
@@ -316,9 +414,11 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
     assert "resuming" in done.stdout
     rows = metrics_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
+    assert rows[3]["charts/generations"] > rows[1]["charts/generations"]  # the count continues
     assert rows[4]["losses/final_examples"] > 0 and "eval/minif2f_test/pass@1" in rows[4]
     state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)["state"]
     assert state["stage3"] and set(state["history"]) >= {p for p in state["proofs"]}
+    assert all(isinstance(p, dict) for p in state["problems"].values())  # portable: loads without stp.py
 
 
 @pytest.mark.slow
@@ -358,6 +458,7 @@ def test_two_ranks_under_torchrun(primed_model_dir, tmp_path):
     rows = metrics_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["charts/targets"] == 6
+    assert (run_dir / "checkpoints" / "iter_000001" / "policy.dcp").exists()  # the checkpoint of both ranks' shards
 
 
 def test_stops_at_once_without_lean(tmp_path):
