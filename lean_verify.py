@@ -114,8 +114,10 @@ import atexit
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
+import random
 import re
 import select
 import shlex
@@ -139,6 +141,8 @@ try:  # psutil measures the REPL's process tree; /proc is the fallback
 except ImportError:  # pragma: no cover
     psutil = None
 
+logger = logging.getLogger("lean_verify")
+
 REPO_ROOT = Path(__file__).resolve().parent
 DOTENV_PATH = REPO_ROOT / ".env"
 SETUP_HINT = "run `bash setup.sh --lean`"
@@ -157,6 +161,9 @@ ALLOWED_OPTIONS = (
 )
 DEFAULT_MEMORY_LIMIT_MB = 12288   # kimina-lean-server's default per REPL (MAX_REPL_MEM=12G)
 DEFAULT_MAX_USES = 500            # REPL memory grows with every stored env; recycle it
+# The REPL keeps every proof state it ever made (REPL/Main.lean: State.proofStates only grows; v4.15.0 has no
+# command that deletes one), so a REPL is restarted after this many; live states are then replayed.
+DEFAULT_MAX_PROOF_STATES = 10000
 EXAMPLE_NAME = "lean_verify_example_"
 
 
@@ -177,28 +184,45 @@ class ProofJob:
 
 @dataclass
 class LeanResult:
+    """``time``: seconds Lean spent on this proof's own requests (the proof command and its ``#check``/
+    ``#print axioms``; on Kimina the server's time for the snippet), not starting a REPL, importing the
+    header, elaborating the original statement or waiting for a free REPL (STP weighs proofs by
+    exp(-0.01 time)). ``used_constants``: with ``verify(..., used_constants=True)`` on the local REPL, the
+    constants Lean resolved the proof's identifiers to (see ``verify``); None otherwise."""
     valid: bool
     status: str                      # one of STATUSES
     errors: list = field(default_factory=list)     # Lean error messages, "line:col: text"
     reason: str = ""                 # "<rule>: <detail>" for failures, "" when valid
-    time: float = 0.0                # wall-clock seconds spent on this job
+    time: float = 0.0                # seconds of the proof's own REPL round trips (see above)
     messages: list = field(default_factory=list)   # raw Lean messages of the proof
+    used_constants: list | None = None
+
+
+TACTIC_STATUSES = ("open", "solved", "error", "timeout", "crash")
 
 
 @dataclass
 class TacticState:
-    """A proof state in tactic mode. ``error`` is None on success; a failed step has
-    ``state_id=None``. ``tactics`` is the path from the root (used to re-check and to
-    replay the state on a fresh REPL when its process was restarted)."""
+    """A proof state in tactic mode (see "Tactic mode" in the module docstring).
+
+    ``status``: "open" (goals left), "solved", "error" (Lean rejected the tactic, or a text rule did),
+    "timeout", "crash". ``solved`` means the REPL reports no goals, no error message and no sorry
+    (v4.15.0 sends no proofStatus; a newer REPL's proofStatus, if sent, must also say the proof is
+    complete); the kernel has not checked anything yet: ``check_tactic_path(state)`` does. A failed step
+    has ``state_id=None`` and ``error`` set. ``tactics`` is the path from the root (to re-check it, and to
+    replay the state on a fresh REPL when its process was restarted). ``key`` identifies the goal list
+    (merge search nodes on it). ``time``: seconds of this step's REPL round trip."""
     state_id: int | None
     goals: list
     error: str | None = None
     solved: bool = False
-    proof_status: str | None = None
+    proof_status: str | None = None  # only from REPLs newer than v4.15.0
     tactics: list = field(default_factory=list)
     header: str = ""
     statement: str = ""
     messages: list = field(default_factory=list)
+    status: str = "open"
+    time: float = 0.0
     _worker: object = field(default=None, repr=False, compare=False)
     _generation: int = field(default=-1, repr=False, compare=False)
 
@@ -206,6 +230,22 @@ class TacticState:
     def pretty(self) -> str:
         """All goals, separated by blank lines (LeanDojo's TacticState.pp style)."""
         return "\n\n".join(self.goals)
+
+    @property
+    def key(self) -> str:
+        return goals_key(self.goals)
+
+
+def goals_key(goals: list) -> str:
+    """A key for a goal list: equal for states a search should merge. Whitespace is normalised and a
+    goal's `case <tag>` line dropped (tags only name goals); hypotheses, targets and order are kept."""
+    out = []
+    for g in goals:
+        lines = [" ".join(ln.split()) for ln in str(g).strip().split("\n")]
+        if lines and lines[0].startswith("case "):
+            lines = lines[1:]
+        out.append("\n".join(ln for ln in lines if ln))
+    return "\n\n".join(out)
 
 
 class LeanNotInstalled(RuntimeError):
@@ -343,13 +383,27 @@ def lean_available(real: bool = False) -> bool:
     return bool(_kimina_url())
 
 
-def _default_workers() -> int:
-    cpus = os.cpu_count() or 1
+def _memory_gb() -> float:
     try:
-        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):  # pragma: no cover
-        mem_gb = 16.0
-    return max(1, min(max(1, cpus - 1), int(mem_gb // 8)))
+        return 16.0
+
+
+def _local_world_size() -> int:
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        return 1
+
+
+def _default_workers() -> int:
+    """REPLs per pool: this rank's share of the machine (torchrun starts LOCAL_WORLD_SIZE ranks per node,
+    each with its own pool): its cores minus one, at most one REPL per 8 GB of its memory (a REPL with
+    mathlib imported takes several GB)."""
+    n = _local_world_size()
+    cpus = (os.cpu_count() or 1) // n
+    return max(1, min(cpus - 1, int(_memory_gb() / n // 8)))
 
 
 # --------------------------------------------------------------------------- text rules
@@ -778,6 +832,45 @@ def proof_from_tactics(statement: str, tactics: list) -> str:
     return statement.rstrip() + "\n" + "\n".join(lines)
 
 
+def one_tactic(text: str) -> str:
+    """The text apply_tactic sends as the REPL's `tactic`. The REPL parses it as exactly one tactic that
+    must consume the whole input (REPL/Snapshots.lean runString: Parser.runParserCategory), so
+    `"ext1 x; ext1 n"` fails there with "expected end of input" and a second line is an error or is read
+    as arguments of the first. A block of several tactics (more than one line, or a `;`) is sent as one
+    parenthesised tactic sequence, `(t1\n t2)`, with its lines' relative indentation kept; it runs like
+    the same lines in a `by` block, and the path stores the text as given."""
+    lines = textwrap.dedent(str(text)).strip("\n").split("\n")
+    lines = [ln.rstrip() for ln in lines]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if not lines:
+        return ""
+    if len([ln for ln in lines if ln.strip()]) == 1 and ";" not in lines[0]:
+        return lines[0].strip()
+    return "(" + lines[0].strip() + "".join("\n " + ln for ln in lines[1:]) + ")"
+
+
+_NAME = re.compile(r"(?:«[^»\n]+»|[^\W\d][\w'!?]*)(?:\.(?:«[^»\n]+»|[^\W\d][\w'!?]*))*")
+
+
+def _is_name(name: str) -> bool:
+    return bool(_NAME.fullmatch(name.removeprefix("_root_."))) and name.removeprefix("_root_.") != ""
+
+
+def _used_constants(tactics: list, proof: str, mode) -> list:
+    """The `usedConstants` of allTactics' tactics, deduplicated in order; unless mode == "all", only those
+    the proof text names: the identifier itself, a suffix after a dot (`add_comm` for `Nat.add_comm` under
+    `open Nat`), or the field of a dot-notation access (`h.le` for `LT.lt.le`)."""
+    seen = list(dict.fromkeys(str(c) for t in tactics if isinstance(t, dict)
+                              for c in (t.get("usedConstants") or [])))
+    if mode == "all":
+        return seen
+    idents = set(_IDENT.findall(proof))
+    fields = {i.rsplit(".", 1)[1] for i in idents if "." in i}
+    return [c for c in seen if c in idents or any(c.endswith("." + i) for i in idents)
+            or c.rsplit(".", 1)[-1] in fields and "." in c]
+
+
 # --------------------------------------------------------------------------- judging Lean's answer
 
 _SORRY_WARNING = re.compile(r"declaration uses ['`‘]sorry['`’]")
@@ -792,22 +885,36 @@ def _fmt(msg: dict) -> str:
     return f"{pos.get('line', 0)}:{pos.get('column', 0)}: {msg.get('data', '')}"
 
 
+def _root(name: str) -> str:
+    """`_root_.name`: resolves to the root declaration only, even when the header opens a namespace that
+    has a `name` too (Lean's ResolveName.resolveExact)."""
+    return name if name.startswith("_root_.") else "_root_." + name
+
+
 def _check_block(name: str) -> str:
-    return f"set_option pp.all true in\n#check @{name}\n\n#print axioms {name}\n"
+    return f"set_option pp.all true in\n#check @{_root(name)}\n\n#print axioms {_root(name)}\n"
 
 
-def _parse_checks(msgs: list) -> tuple:
-    """From the messages of `_check_block`: (pp.all type string or None, axioms set or None)."""
+_AXIOMS_MSG = re.compile(r"'(.+?)' (?:depends on axioms:\s*\[(.*?)\]|(does not depend on any axioms))", re.S)
+
+
+def _bare(name: str) -> str:
+    return name.removeprefix("_root_.").replace("«", "").replace("»", "")
+
+
+def _parse_checks(msgs: list, name: str) -> tuple:
+    """From the messages of `_check_block(name)`: (pp.all type string or None, axioms set or None).
+    `#print axioms` prints one message per declaration the name resolves to; only the one naming the
+    checked theorem counts (none: None, so the verdict fails closed)."""
     ctype, axioms = None, None
     for m in msgs:
         if m.get("severity") == "error":
             continue
         d = str(m.get("data", ""))
-        am = re.search(r"depends on axioms:\s*\[(.*?)\]", d, re.S)
+        am = _AXIOMS_MSG.search(d)
         if am:
-            axioms = {a.strip() for a in am.group(1).split(",") if a.strip()}
-        elif "does not depend on any axioms" in d:
-            axioms = set()
+            if _bare(am.group(1)) == _bare(name):
+                axioms = set() if am.group(3) else {a.strip() for a in am.group(2).split(",") if a.strip()}
         elif ctype is None and m.get("severity") == "info":
             ctype = " ".join(d.split())
             if " : " in ctype:   # drop the "@name" part: only the type is compared
@@ -834,7 +941,7 @@ def _judge(messages: list, sorries: list, check_msgs: list | None, orig_type: st
     cerr = [_fmt(m) for m in check_msgs if m.get("severity") == "error"]
     if cerr:
         return "error", f"lean: cannot inspect `{name}` after the proof: {cerr[0][:200]}", cerr
-    ctype, axioms = _parse_checks(check_msgs)
+    ctype, axioms = _parse_checks(check_msgs, name)
     if axioms is None or ctype is None:
         return "error", "lean: no output from #check / #print axioms", []
     extra = sorted(axioms - ALLOWED_AXIOMS)
@@ -1052,17 +1159,22 @@ class _ReplProcess:
 
 
 class _Worker:
-    """A REPL process that has imported one header (env id `env`)."""
+    """A REPL process that has imported one header (env id `env`). `states` counts the proof states the
+    REPL holds; `paths` maps (statement, tactic path) to a proof state made by replaying it there."""
 
     def __init__(self, header: str):
         self.header = header
         self.proc: _ReplProcess | None = None
         self.env = None
         self.uses = 0
+        self.states = 0
+        self.paths: dict = {}
         self.generation = 0
         self.busy = False
         self.retired = False
         self.last_used = 0.0
+        self.last_start = 0.0     # when the last request was sent
+        self.last_time = 0.0      # how long it took
 
     def live(self) -> bool:
         return self.proc is not None and self.proc.alive() and self.env is not None
@@ -1083,14 +1195,21 @@ class _Worker:
         self.env = resp["env"]
 
     def request(self, pool: "_ReplPool", obj: dict, timeout: float) -> dict:
-        return self.proc.request(obj, timeout, pool.memory_limit_mb)
+        self.last_start = time.monotonic()
+        try:
+            return self.proc.request(obj, timeout, pool.memory_limit_mb)
+        finally:
+            self.last_time = time.monotonic() - self.last_start
 
-    def note_use(self, pool: "_ReplPool") -> None:
-        """Count a use; recycle the REPL after max_uses or above the memory limit."""
-        self.uses += 1
+    def note_use(self, pool: "_ReplPool", uses: int = 1, states: int = 0) -> None:
+        """Count commands (each stores an environment) and proof states; recycle the REPL after
+        max_uses commands, max_proof_states states, or above the memory limit."""
+        self.uses += uses
+        self.states += states
         if self.proc is None:
             return
         if (pool.max_uses and self.uses >= pool.max_uses) or \
+                (pool.max_proof_states and self.states >= pool.max_proof_states) or \
                 (pool.memory_limit_mb and self.proc.rss_mb() > pool.memory_limit_mb):
             pool.recycles += 1
             self.stop()
@@ -1100,17 +1219,21 @@ class _Worker:
             self.proc.kill()
         self.proc = None
         self.env = None
+        self.states = 0
+        self.paths = {}
 
 
 class _ReplPool:
     """At most `size` workers; a job takes an idle worker with its header, else a new
     one, else replaces the least recently used idle worker of another header."""
 
-    def __init__(self, config: _ReplConfig, size: int, memory_limit_mb, max_uses, header_timeout):
+    def __init__(self, config: _ReplConfig, size: int, memory_limit_mb, max_uses, header_timeout,
+                 max_proof_states=None):
         self.config = config
         self.size = max(1, int(size))
         self.memory_limit_mb = memory_limit_mb
         self.max_uses = max_uses
+        self.max_proof_states = max_proof_states
         self.header_timeout = header_timeout
         self.workers: list[_Worker] = []
         self.cond = threading.Condition()
@@ -1179,7 +1302,8 @@ class LeanVerifier:
                  kimina_url: str | None = None, repl_cmd: str | None = None, *,
                  header_timeout: float | None = None, lean_checks: bool = True,
                  kimina_batch_size: int = 8, kimina_api_key: str | None = None,
-                 http_timeout: float | None = None):
+                 http_timeout: float | None = None, max_proof_states: int | None = DEFAULT_MAX_PROOF_STATES,
+                 kimina_retries: int = 3, kimina_retry_delay: float = 1.0):
         self.timeout = float(timeout)
         self.memory_limit_mb = memory_limit_mb
         self.max_uses = max_uses
@@ -1202,7 +1326,11 @@ class LeanVerifier:
         if backend == "repl":
             self.config = _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
             self.workers = int(workers) if workers else _default_workers()
-            self._pool = _ReplPool(self.config, self.workers, memory_limit_mb, max_uses, self.header_timeout)
+            self._pool = _ReplPool(self.config, self.workers, memory_limit_mb, max_uses, self.header_timeout,
+                                   max_proof_states)
+            logger.info("lean_verify: a pool of %d REPL worker(s)%s (%d cores, %.0f GB, LOCAL_WORLD_SIZE=%d)",
+                        self.workers, "" if workers else " by default", os.cpu_count() or 1, _memory_gb(),
+                        _local_world_size())
         elif backend == "kimina":
             url = _kimina_url(kimina_url)
             if not url:
@@ -1213,44 +1341,78 @@ class LeanVerifier:
             self.kimina_api_key = kimina_api_key or _setting("LEAN_SERVER_API_KEY", "KIMINA_API_KEY",
                                                              dotenv=_read_dotenv())
             self.http_timeout = float(http_timeout) if http_timeout else 2 * self.timeout + 60.0
+            self.kimina_retries = max(0, int(kimina_retries))
+            self.kimina_retry_delay = float(kimina_retry_delay)
         else:
             raise ValueError(f"backend must be 'repl', 'kimina' or 'auto', not {backend!r}")
 
     # ---------------------------------------------------------------- public API
 
-    def verify(self, jobs: list, progress: bool = False) -> list:
-        """One LeanResult per job, in order. Never raises on model output."""
+    def verify(self, jobs: list, progress: bool = False, used_constants: bool | str = False) -> list:
+        """One LeanResult per job, in order. Never raises on model output.
+
+        ``used_constants=True`` (local REPL only; None on Kimina, which has no allTactics) sends each proof
+        with ``"allTactics": true`` and fills ``LeanResult.used_constants``: the ``usedConstants`` of all its
+        tactics (the constants in the terms they assigned), kept when the proof text names them (``rw
+        [add_comm]`` -> ``add_comm``, also through ``open`` or dot notation: ``h.le`` -> ``LT.lt.le``), in
+        order of appearance; instances and the like that Lean adds are dropped (``"all"`` keeps them)."""
         if self._closed:
             raise RuntimeError("LeanVerifier is closed")
         jobs = list(jobs)
         self._header_failures = {}
         if self.backend == "kimina":
             return self._verify_kimina(jobs, progress)
-        results: list = [None] * len(jobs)
         # group by header so a worker keeps its environment; results keep input order
         order = sorted(range(len(jobs)), key=lambda i: str(getattr(jobs[i], "header", "")))
-        lock = threading.Lock()
-        it = iter(order)
         bar = _Progress(len(jobs), progress)
 
-        def run():
-            while True:
-                with lock:
-                    i = next(it, None)
-                if i is None:
-                    return
-                results[i] = self._verify_one_repl(jobs[i])
-                bar.step(results[i])
+        def one(i):
+            res = self._verify_one_repl(jobs[i], used_constants)
+            bar.step(res)
+            return res
 
-        n_threads = max(1, min(self.workers, len(jobs)))
-        if n_threads == 1:
-            run()
-        else:
-            with ThreadPoolExecutor(n_threads) as ex:
-                for f in [ex.submit(run) for _ in range(n_threads)]:
-                    f.result()
+        results = self._in_parallel([(i, lambda i=i: one(i)) for i in order], len(jobs), self.workers)
         bar.close()
         return [r if r is not None else _fail("crash", "internal: no result") for r in results]
+
+    def statements(self, header: str, names: list) -> dict:
+        """{name: its signature as `#check _root_.name` prints it (``Nat.add_comm (n m : ℕ) : n + m = m +
+        n``), or None (unknown, not a name, or Lean failed)}, in one round trip for the whole list, in the
+        environment of `header`. Use with ``verify(..., used_constants=True)`` to show a lemma a proof
+        invokes (STP's conjecturer)."""
+        names = [str(n) for n in names]
+        out = dict.fromkeys(names)
+        good = list(dict.fromkeys(n for n in names if _is_name(n)))
+        if not good or self._closed:
+            return out
+        header = str(header or "")
+        if self.backend == "kimina":
+            code, first, spacing, _ = self._kimina_code(header, "", checks=good)
+            resp = (self._kimina_run([("c0", code)]).get("c0") or {}).get("response")
+            msgs = (resp.get("messages") or []) if isinstance(resp, dict) else []
+        else:
+            first, spacing = 1, 1
+            text = "\n".join(f"#check {_root(n)}" for n in good)
+            msgs = []
+            for _attempt in range(2):
+                w = self._pool.acquire(header)
+                try:
+                    self._ensure(w)
+                    resp = w.request(self._pool, {"cmd": text, "env": w.env}, self.timeout)
+                    w.note_use(self._pool)
+                    msgs = resp.get("messages") or []
+                    break
+                except (_Timeout, _HeaderTimeout, _HeaderFailed, _Crash, _Garbled, _MemoryExceeded) as e:
+                    w.stop()
+                    if not isinstance(e, (_Crash, _Garbled, _MemoryExceeded)):
+                        break
+                finally:
+                    self._pool.release(w)
+        for m in msgs:
+            k = math.ceil((_line(m) - first) / spacing)
+            if m.get("severity") == "info" and 0 <= k < len(good) and out[good[k]] is None:
+                out[good[k]] = " ".join(str(m.get("data", "")).split())
+        return out
 
     def close(self) -> None:
         self._closed = True
@@ -1270,55 +1432,79 @@ class LeanVerifier:
             pass
 
     def stats(self) -> dict:
-        """REPL processes started and recycled so far (local backend)."""
+        """REPL processes started and recycled so far, workers alive, pool size (local backend)."""
         if self._pool is None:
             return {}
         return {"starts": self._pool.starts, "recycles": self._pool.recycles,
-                "workers": len(self._pool.workers)}
+                "workers": len(self._pool.workers), "size": self._pool.size,
+                "proof_states": sum(w.states for w in self._pool.workers)}
+
+    @staticmethod
+    def _in_parallel(tasks: list, n: int, width: int) -> list:
+        """Run tasks [(index, fn)] on up to `width` threads; results[index] = fn()."""
+        results: list = [None] * n
+        lock = threading.Lock()
+        it = iter(tasks)
+
+        def run():
+            while True:
+                with lock:
+                    task = next(it, None)
+                if task is None:
+                    return
+                results[task[0]] = task[1]()
+
+        threads = max(1, min(width, len(tasks)))
+        if threads == 1:
+            run()
+        else:
+            with ThreadPoolExecutor(threads) as ex:
+                for f in [ex.submit(run) for _ in range(threads)]:
+                    f.result()
+        return results
 
     # ---------------------------------------------------------------- local REPL backend
 
-    def _verify_one_repl(self, job) -> LeanResult:
-        t0 = time.monotonic()
+    def _verify_one_repl(self, job, used_constants=False) -> LeanResult:
         try:
             job = _as_job(job)
             try:
                 prep = prepare(job)
             except _Reject as r:
-                return _fail(r.status, f"{r.rule}: {r.detail}", t=time.monotonic() - t0)
+                return _fail(r.status, f"{r.rule}: {r.detail}")
             failed = self._header_failures.get(job.header)
             if failed is not None:
-                return dataclasses.replace(failed, time=time.monotonic() - t0)
+                return dataclasses.replace(failed)
             last = None
             for _attempt in range(2):
                 w = self._pool.acquire(job.header)
                 try:
-                    res = self._check_on_worker(w, job, prep)
-                    w.note_use(self._pool)
-                    res.time = time.monotonic() - t0
+                    res = self._check_on_worker(w, job, prep, used_constants)
+                    w.note_use(self._pool, states=w.last_states)
                     return res
                 except _Timeout as e:
                     w.stop()
-                    return _fail("timeout", f"timeout: {e} after {self.timeout:g} s", t=time.monotonic() - t0)
+                    return _fail("timeout", f"timeout: {e} after {self.timeout:g} s",
+                                 t=time.monotonic() - w.last_start)
                 except _HeaderFailed as e:
                     w.stop()
                     res = _fail("error", f"header: the header does not elaborate: {e}", errors=[str(e)])
                     self._header_failures[job.header] = res
-                    return dataclasses.replace(res, time=time.monotonic() - t0)
+                    return dataclasses.replace(res)
                 except _HeaderTimeout as e:
                     w.stop()
                     res = _fail("timeout", f"header: importing the header timed out ({e})")
                     self._header_failures[job.header] = res
-                    return dataclasses.replace(res, time=time.monotonic() - t0)
+                    return dataclasses.replace(res)
                 except (_Crash, _Garbled, _MemoryExceeded) as e:
                     w.stop()
                     last = e
                 finally:
                     self._pool.release(w)
             kind = "memory" if isinstance(last, _MemoryExceeded) else "crash"
-            return _fail("crash", f"{kind}: {last} (restarted and retried once)", t=time.monotonic() - t0)
+            return _fail("crash", f"{kind}: {last} (restarted and retried once)")
         except Exception as e:  # never lose a proof
-            return _fail("crash", f"internal: {type(e).__name__}: {e}", t=time.monotonic() - t0)
+            return _fail("crash", f"internal: {type(e).__name__}: {e}")
 
     def _ensure(self, w: _Worker) -> None:
         try:
@@ -1326,8 +1512,9 @@ class LeanVerifier:
         except _Timeout as e:
             raise _HeaderTimeout(str(e))
 
-    def _check_on_worker(self, w: _Worker, job: ProofJob, prep: _Prepared) -> LeanResult:
+    def _check_on_worker(self, w: _Worker, job: ProofJob, prep: _Prepared, used_constants=False) -> LeanResult:
         self._ensure(w)
+        w.last_states = 0
         orig_type = None
         if self.lean_checks:
             key = (job.header, prep.lean_statement)
@@ -1341,28 +1528,31 @@ class LeanVerifier:
             orig_type, orig_err = cached
             if orig_type is None:
                 return _fail("error", f"statement: the original statement does not elaborate: {orig_err}")
-        resp = w.request(self._pool, {"cmd": prep.lean_proof, "env": w.env}, self.timeout)
+        request = {"cmd": prep.lean_proof, "env": w.env}
+        if used_constants and self.backend == "repl":
+            request["allTactics"] = True
+        resp = w.request(self._pool, request, self.timeout)
+        spent = w.last_time
         if "message" in resp and "env" not in resp:
-            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])])
+            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])], t=spent)
         messages = list(resp.get("messages") or [])
         sorries = list(resp.get("sorries") or [])
+        tactics = list(resp.get("tactics") or [])
+        w.last_states = len(sorries) + len(tactics)
         check_msgs = None
         if self.lean_checks and not any(m.get("severity") == "error" for m in messages) and not sorries:
             check_msgs = self._run_checks(w, resp.get("env"), prep.name)
+            spent += w.last_time
         status, reason, errors = _judge(messages, sorries, check_msgs, orig_type, prep.name, self.lean_checks)
-        return LeanResult(status == "valid", status, errors, reason, 0.0, messages)
+        used = _used_constants(tactics, prep.lean_proof, used_constants) if used_constants else None
+        return LeanResult(status == "valid", status, errors, reason, spent, messages, used)
 
     def _run_checks(self, w: _Worker, env, name: str) -> list:
-        """Messages of `_check_block(name)` run in `env`; a name that the header's `open`s
-        make ambiguous (a root theorem and a mathlib `Nat.<name>`) is retried as `_root_.name`."""
+        """Messages of `_check_block(name)` run in `env`."""
         chk = w.request(self._pool, {"cmd": _check_block(name), "env": env}, min(self.timeout, 60.0) + 5.0)
-        msgs = list(chk.get("messages") or [])
         if "message" in chk and "env" not in chk:
-            msgs = [{"severity": "error", "data": str(chk["message"])}]
-        if "." not in name and any(m.get("severity") == "error" and "ambiguous" in str(m.get("data", ""))
-                                   for m in msgs):
-            return self._run_checks(w, env, "_root_." + name)
-        return msgs
+            return [{"severity": "error", "data": str(chk["message"])}]
+        return list(chk.get("messages") or [])
 
     def _original_on_worker(self, w: _Worker, prep: _Prepared) -> tuple:
         """pp.all type of the original statement in the clean header environment."""
@@ -1372,7 +1562,7 @@ class LeanVerifier:
             errs.append(str(resp["message"]))
         if errs:
             return None, "; ".join(errs)[:500]
-        ctype, _ = _parse_checks(self._run_checks(w, resp.get("env"), prep.name))
+        ctype, _ = _parse_checks(self._run_checks(w, resp.get("env"), prep.name), prep.name)
         if ctype is None:
             return None, "no output from #check"
         return ctype, None
@@ -1385,12 +1575,14 @@ class LeanVerifier:
         if self._closed:
             raise RuntimeError("LeanVerifier is closed")
 
-    def _tstate(self, header, statement, tactics, error, **kw) -> TacticState:
+    @staticmethod
+    def _tstate(header, statement, tactics, error, status="error", **kw) -> TacticState:
         return TacticState(state_id=None, goals=[], error=error, header=header, statement=statement,
-                           tactics=list(tactics), **kw)
+                           tactics=list(tactics), status=status, **kw)
 
     def start_proof(self, header: str, statement: str) -> TacticState:
-        """Root proof state of `statement` (which ends in ':= by') under `header`."""
+        """Root proof state of `statement` (which ends in ':= by') under `header`: the REPL's proof state at
+        `statement sorry`. The state lives in the REPL that made it (its affinity)."""
         self._require_repl()
         header, statement = str(header or ""), str(statement or "")
         try:
@@ -1403,11 +1595,12 @@ class LeanVerifier:
             try:
                 self._ensure(w)
                 resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout)
-                w.note_use(self._pool)
-                return self._root_state(resp, header, statement, w)
+                root = self._root_state(resp, header, statement, w)
+                w.note_use(self._pool, states=len(resp.get("sorries") or []))
+                return root
             except (_Timeout, _HeaderTimeout) as e:
                 w.stop()
-                return self._tstate(header, statement, [], f"timeout: {e}")
+                return self._tstate(header, statement, [], f"timeout: {e}", "timeout")
             except _HeaderFailed as e:
                 w.stop()
                 return self._tstate(header, statement, [], f"header: {e}")
@@ -1416,9 +1609,17 @@ class LeanVerifier:
                 last = e
             finally:
                 self._pool.release(w)
-        return self._tstate(header, statement, [], f"crash: {last}")
+        return self._tstate(header, statement, [], f"crash: {last}", "crash")
 
-    def _root_state(self, resp, header, statement, w, generation=None) -> TacticState:
+    def start_proofs(self, items: list) -> list:
+        """start_proof for each (header, statement), in parallel over the pool: the roots (and so the
+        searches from them) are spread over the REPLs."""
+        self._require_repl()
+        items = list(items)
+        return self._in_parallel([(i, lambda it=it: self.start_proof(*it)) for i, it in enumerate(items)],
+                                 len(items), self._pool.size)
+
+    def _root_state(self, resp, header, statement, w) -> TacticState:
         if "message" in resp and "env" not in resp:
             return self._tstate(header, statement, [], f"lean: {resp['message']}")
         msgs = list(resp.get("messages") or [])
@@ -1430,10 +1631,11 @@ class LeanVerifier:
             return self._tstate(header, statement, [], "lean: no proof state for the statement")
         s = sorries[0]
         return TacticState(state_id=s["proofState"], goals=[str(s.get("goal", "")).strip()], header=header,
-                           statement=statement, tactics=[], _worker=w,
-                           _generation=w.generation if generation is None else generation)
+                           statement=statement, tactics=[], time=w.last_time, _worker=w,
+                           _generation=w.generation)
 
     def _hold(self, state: TacticState) -> _Worker | None:
+        """The live REPL that holds `state`, acquired; None when it was restarted or retired."""
         w = state._worker
         if not isinstance(w, _Worker):
             return None
@@ -1445,103 +1647,179 @@ class LeanVerifier:
             return None
         return w
 
-    def _replay(self, state: TacticState) -> tuple:
-        """Rebuild `state` on a live REPL (its own process was restarted): run the
-        statement and the tactic path again. Returns (state, held worker or None)."""
+    def _replay(self, state: TacticState, timeout: float) -> tuple:
+        """Rebuild `state` on a live REPL of its header (its own was restarted): the statement, then the
+        tactic path, from the longest prefix already rebuilt there. Returns (state, held worker or None)."""
         w = self._pool.acquire(state.header)
         ok = False
         try:
             self._ensure(w)
-            _, _, lean_statement = _prepare_statement(state.statement)
-            resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout)
-            root = self._root_state(resp, state.header, state.statement, w)
-            if root.error:
-                return root, None
-            sid = root.state_id
-            for t in state.tactics:
-                r = w.request(self._pool, {"tactic": _strip_or_raw(t), "proofState": sid}, self.timeout)
+            path = list(state.tactics)
+            k = len(path)
+            while k >= 0 and (state.statement, tuple(path[:k])) not in w.paths:
+                k -= 1
+            if k < 0:
+                _, _, lean_statement = _prepare_statement(state.statement)
+                resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, timeout)
+                w.note_use(self._pool, states=len(resp.get("sorries") or []))
+                root = self._root_state(resp, state.header, state.statement, w)
+                if root.error or not w.live():
+                    return self._tstate(state.header, state.statement, path, root.error or "replay failed",
+                                        "crash"), None
+                sid, k = root.state_id, 0
+                w.paths[(state.statement, ())] = sid
+            else:
+                sid = w.paths[(state.statement, tuple(path[:k]))]
+            for i in range(k, len(path)):
+                r = w.request(self._pool, {"tactic": one_tactic(_strip_or_raw(path[i])), "proofState": sid}, timeout)
                 if not isinstance(r.get("proofState"), int) or any(
                         m.get("severity") == "error" for m in r.get("messages") or []):
-                    return self._tstate(state.header, state.statement, state.tactics,
-                                        f"replay failed at {t!r}"), None
+                    return self._tstate(state.header, state.statement, path, f"replay failed at {path[i]!r}",
+                                        "crash"), None
                 sid = r["proofState"]
+                w.paths[(state.statement, tuple(path[:i + 1]))] = sid
+                w.note_use(self._pool, uses=0, states=1 + len(r.get("sorries") or []))
+                if not w.live():
+                    return self._tstate(state.header, state.statement, path, "replay failed: REPL recycled",
+                                        "crash"), None
             ok = True
             return dataclasses.replace(state, state_id=sid, _worker=w, _generation=w.generation), w
         except (_Timeout, _HeaderTimeout, _HeaderFailed, _Crash, _Garbled, _MemoryExceeded, _Reject) as e:
             w.stop()
-            return self._tstate(state.header, state.statement, state.tactics, f"replay failed: {e}"), None
+            return self._tstate(state.header, state.statement, state.tactics, f"replay failed: {e}", "crash"), None
         finally:
             if not ok:
                 self._pool.release(w)
 
-    def apply_tactic(self, state: TacticState, tactic: str) -> TacticState:
-        """Run one tactic (may span lines) on `state`. Returns the new state, or a
-        state with `error` set (state_id None). Never raises on model output."""
+    def apply_tactic(self, state: TacticState, tactic: str, timeout: float | None = None) -> TacticState:
+        """Run a tactic on `state`: the new state, or a failed one (`error` set, `state_id` None). The text
+        may be a block of several tactics (lines, `;`): the REPL takes exactly one tactic per request, so it
+        is sent as one parenthesised sequence (`one_tactic`), which runs like the same lines in a `by` block.
+        Runs on the REPL that holds `state`; if that REPL was restarted, the state is replayed first (its
+        statement and tactic path) on a REPL of its header. Never raises on model output."""
         self._require_repl()
-        tactic = str(tactic or "")
+        timeout = self.timeout if timeout is None else float(timeout)
+        tactic = "" if tactic is None else str(tactic)
+        header, statement = state.header, state.statement
         path = list(state.tactics) + [tactic]
         if state.error is not None or state.state_id is None:
-            return self._tstate(state.header, state.statement, path, "cannot apply a tactic to a failed state")
+            return self._tstate(header, statement, path, "cannot apply a tactic to a failed state")
         if state.solved or not state.goals:
-            return self._tstate(state.header, state.statement, path, "no goals left")
+            return self._tstate(header, statement, path, "no goals left")
         code, err = strip_comments(tactic)
         if err:
-            return self._tstate(state.header, state.statement, path, f"error: lex: {err}")
+            return self._tstate(header, statement, path, f"error: lex: {err}")
         hit = _scan_tokens(code)
         if hit:
-            return self._tstate(state.header, state.statement, path, f"{hit[0]}: {hit[1]}: {hit[2]}")
+            return self._tstate(header, statement, path, f"{hit[0]}: {hit[1]}: {hit[2]}")
         if not code.strip():
-            return self._tstate(state.header, state.statement, path, "error: empty tactic")
+            return self._tstate(header, statement, path, "error: empty tactic")
         last = None
         for _attempt in range(2):
             try:
                 w = self._hold(state)
                 if w is None:
-                    state, w = self._replay(state)
+                    state, w = self._replay(state, timeout)
                     if w is None:
-                        return self._tstate(state.header, state.statement, path, state.error or "replay failed")
+                        return self._tstate(header, statement, path, state.error or "replay failed", "crash")
             except Exception as e:  # pragma: no cover - defensive
-                return self._tstate(state.header, state.statement, path, f"crash: internal: {e}")
+                return self._tstate(header, statement, path, f"crash: internal: {e}", "crash")
             try:
-                resp = w.request(self._pool, {"tactic": code, "proofState": state.state_id}, self.timeout)
+                resp = w.request(self._pool, {"tactic": one_tactic(code), "proofState": state.state_id}, timeout)
                 gen = w.generation
-                w.note_use(self._pool)
-                return self._step_state(resp, state, path, w, gen)
+                new = self._step_state(resp, state, path, w, gen)
+                w.note_use(self._pool, uses=0, states=1 + len(resp.get("sorries") or [])
+                           if isinstance(resp.get("proofState"), int) else 0)
+                return new
             except _Timeout as e:
                 w.stop()
-                return self._tstate(state.header, state.statement, path, f"timeout: {e} after {self.timeout:g} s")
+                return self._tstate(header, statement, path, f"timeout: {e} after {timeout:g} s", "timeout",
+                                    time=time.monotonic() - w.last_start)
             except (_Crash, _Garbled, _MemoryExceeded) as e:
                 w.stop()
                 last = e
             finally:
                 self._pool.release(w)
-        return self._tstate(state.header, state.statement, path, f"crash: {last}")
+        return self._tstate(header, statement, path, f"crash: {last}", "crash")
+
+    def apply_tactics(self, steps: list, timeout: float | None = None) -> list:
+        """apply_tactic for each (state, tactic), results in order. Steps on states held by the same REPL
+        run one after another on it, steps on different REPLs in parallel (one thread per REPL): a search
+        expanding many nodes of many theorems keeps the whole pool busy, and no state moves to another
+        process. States whose REPL was restarted are replayed (once per path and REPL)."""
+        self._require_repl()
+        steps = list(steps)
+        groups: dict = {}
+        for i, (state, tactic) in enumerate(steps):
+            w = getattr(state, "_worker", None)
+            key = id(w) if isinstance(w, _Worker) else ("header", getattr(state, "header", ""))
+            groups.setdefault(key, []).append(i)
+        results: list = [None] * len(steps)
+
+        def run(idx):
+            for i in idx:
+                state, tactic = steps[i]
+                if not isinstance(state, TacticState):
+                    results[i] = self._tstate("", "", [], "not a TacticState")
+                else:
+                    results[i] = self.apply_tactic(state, tactic, timeout)
+            return True
+
+        self._in_parallel([(k, lambda idx=idx: run(idx)) for k, idx in enumerate(groups.values())],
+                          len(groups), max(self._pool.size, 1))
+        return results
+
+    def expand(self, state: TacticState, tactics: list, timeout: float | None = None) -> list:
+        """The children of `state`: apply_tactics([(state, t) for t in tactics])."""
+        return self.apply_tactics([(state, t) for t in tactics], timeout)
+
+    def free_states(self, states: list | None = None) -> int:
+        """Free the REPL memory of a finished search: restart the REPLs holding `states` (all REPLs holding
+        proof states if None). The REPL at v4.15.0 cannot delete a proof state (no such command; pickling
+        only adds states), so restarting is the only way; the states become stale and are replayed if used
+        again. Returns the number of REPLs restarted."""
+        if self._pool is None:
+            return 0
+        if states is None:
+            targets = [w for w in list(self._pool.workers) if w.live() and w.states > 0]
+        else:
+            targets = list({id(s._worker): s._worker for s in states if isinstance(getattr(s, "_worker", None), _Worker)
+                            and s._worker.generation == s._generation and s._worker.live()}.values())
+        n = 0
+        for w in targets:
+            if self._pool.acquire(w.header, worker=w) is None:
+                continue
+            try:
+                if w.live():
+                    w.stop()
+                    n += 1
+            finally:
+                self._pool.release(w)
+        return n
 
     def _step_state(self, resp: dict, parent: TacticState, path: list, w: _Worker, gen: int) -> TacticState:
+        t = w.last_time
         if not isinstance(resp.get("proofState"), int):
-            return self._tstate(parent.header, parent.statement, path, f"lean: {resp.get('message', resp)}")
+            return self._tstate(parent.header, parent.statement, path, f"lean: {resp.get('message', resp)}", time=t)
         msgs = list(resp.get("messages") or [])
         errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
         goals = [str(g) for g in resp.get("goals") or []]
-        status = resp.get("proofStatus")
-        sorries = resp.get("sorries") or []
-        if errs:
-            return self._tstate(parent.header, parent.statement, path, "lean: " + "; ".join(errs),
-                                messages=msgs, proof_status=status)
-        if sorries:
-            return self._tstate(parent.header, parent.statement, path, "sorry: the tactic introduced sorry",
-                                messages=msgs, proof_status=status)
+        status = resp.get("proofStatus")   # REPLs newer than v4.15.0 only
+        kw = dict(messages=msgs, proof_status=status, time=t)
+        if errs:   # an elaboration error closes goals with sorry: goals [] proves nothing
+            return self._tstate(parent.header, parent.statement, path, "lean: " + "; ".join(errs), **kw)
+        if resp.get("sorries"):
+            return self._tstate(parent.header, parent.statement, path, "sorry: the tactic introduced sorry", **kw)
         if not goals and status is not None and status != "Completed":
-            return self._tstate(parent.header, parent.statement, path, f"lean: proof status {status!r}",
-                                messages=msgs, proof_status=status)
+            return self._tstate(parent.header, parent.statement, path, f"lean: proof status {status!r}", **kw)
         return TacticState(state_id=resp["proofState"], goals=goals, error=None, solved=not goals,
-                           proof_status=status, tactics=path, header=parent.header, statement=parent.statement,
-                           messages=msgs, _worker=w, _generation=gen)
+                           tactics=path, header=parent.header, statement=parent.statement,
+                           status="open" if goals else "solved", _worker=w, _generation=gen, **kw)
 
     def check_tactic_path(self, state_or_header, statement: str | None = None, tactics: list | None = None,
                           name: str = "") -> LeanResult:
-        """Re-check an assembled tactic path as one whole proof (command mode).
-        Call with a TacticState, or with (header, statement, tactics)."""
+        """Re-check an assembled tactic path as one whole proof (command mode: errors, sorry, kernel,
+        axioms, the statement). Call with a TacticState, or with (header, statement, tactics)."""
         if isinstance(state_or_header, TacticState):
             s = state_or_header
             header, statement, tactics = s.header, s.statement, s.tactics
@@ -1552,16 +1830,32 @@ class LeanVerifier:
 
     # ---------------------------------------------------------------- Kimina backend
 
-    def _kimina_code(self, header: str, body: str, name: str) -> tuple:
-        """Snippet = header + body + blank lines + check block. Kimina may shift line numbers
-        back by up to the header's line count H; with a gap larger than H, every message at
-        line >= threshold comes from the check block, whatever the shift."""
+    def _kimina_code(self, header: str, body: str, name: str = "", checks: list | None = None) -> tuple:
+        """A snippet: the header's imports first (Kimina runs a snippet's leading import/blank lines as its
+        header command; with none it would run later snippets in the first one's environment, so a header
+        without imports gets `import Init`), the rest of the header, the body, then the check block of
+        `name` (or `#check` lines for `checks`) after a gap. Current Kimina servers report message lines in
+        the snippet's numbering (server/routers/check.py adds the header's line count back), older ones
+        relative to the body, H lines less. With a gap and spacing larger than H, the check messages are
+        told apart either way. Returns (code, first check line, spacing, H)."""
         head = header if header.endswith("\n") or not header else header + "\n"
-        h = head.count("\n") + 1
+        lines = (strip_comments(head)[0] or "").split("\n")
+        kinds = [bool(_IMPORT.match(ln)) for ln in lines if ln.strip()]
+        if not any(kinds):
+            head = "import Init\n" + head
+        elif not all(kinds[:kinds.count(True)]):   # an import after other lines: move the imports up
+            head = "\n".join([ln.strip() for ln in lines if _IMPORT.match(ln)]
+                             + [ln for ln in lines if not _IMPORT.match(ln)])
         pre = head + body.rstrip() + "\n"
-        gap = "\n" * (h + 3)
-        start_line = (pre + gap).count("\n") + 1
-        return pre + gap + _check_block(name), start_line - h
+        pre_lines = pre.split("\n")
+        h = 0
+        while h < len(pre_lines) and (not pre_lines[h].strip() or pre_lines[h].strip().startswith("import ")):
+            h += 1
+        spacing = h + 2
+        first = pre.count("\n") + spacing + 1
+        tail = _check_block(name) if checks is None else "".join(
+            f"#check {_root(n)}" + "\n" * spacing for n in checks)
+        return pre + "\n" * spacing + tail, first, spacing, h
 
     def _kimina_post(self, snippets: list) -> dict:
         """POST one batch; returns {id: result dict} or raises _Timeout / _ServerError."""
@@ -1571,38 +1865,51 @@ class LeanVerifier:
         headers = {"Content-Type": "application/json"}
         if self.kimina_api_key:
             headers["Authorization"] = f"Bearer {self.kimina_api_key}"
+        req = urllib.request.Request(self.kimina_url + "/api/check", data=data, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=self.http_timeout) as r:
+                body = json.loads(r.read().decode("utf-8"))
+        except urllib.error.HTTPError as e:
+            raise _ServerError(f"HTTP {e.code} from the Kimina server", e.code)
+        except (TimeoutError, OSError) as e:
+            if isinstance(e, TimeoutError) or "timed out" in str(e):
+                raise _Timeout(f"no answer from the Kimina server within {self.http_timeout:g} s")
+            raise _ServerError(f"cannot reach the Kimina server: {e}", 0)
+        except ValueError as e:
+            raise _ServerError(f"malformed response from the Kimina server: {e}", 0)
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise _ServerError("malformed response from the Kimina server", 0)
+        return {str(x.get("id")): x for x in results if isinstance(x, dict)}
+
+    def _kimina_run(self, batch: list) -> dict:
+        """POST a batch [(id, code)] -> {id: answer}. The server fails a whole POST for one snippet: 500
+        when any REPL writes to stderr, 429 when no REPL frees up within its wait. So: 429 and unreachable
+        servers are retried with exponential backoff; a 5xx is retried once; a batch that still fails is
+        split in halves, so a bad snippet costs only itself. A timeout fails the batch (no retry)."""
         last = None
-        for attempt in range(2):
-            req = urllib.request.Request(self.kimina_url + "/api/check", data=data, headers=headers, method="POST")
+        for attempt in range(self.kimina_retries + 1):
+            if attempt:
+                time.sleep(self.kimina_retry_delay * 2 ** (attempt - 1) * random.uniform(1.0, 1.25))
             try:
-                with urllib.request.urlopen(req, timeout=self.http_timeout) as r:
-                    body = json.loads(r.read().decode("utf-8"))
-                results = body.get("results") if isinstance(body, dict) else None
-                if not isinstance(results, list):
-                    raise _ServerError("malformed response from the Kimina server")
-                return {str(x.get("id")): x for x in results if isinstance(x, dict)}
-            except urllib.error.HTTPError as e:
-                last = _ServerError(f"HTTP {e.code} from the Kimina server")
-                if e.code < 500 and e.code != 429:
-                    break
-            except (TimeoutError, OSError) as e:
-                if isinstance(e, TimeoutError) or "timed out" in str(e):
-                    raise _Timeout(f"no answer from the Kimina server within {self.http_timeout:g} s")
-                last = _ServerError(f"cannot reach the Kimina server: {e}")
-            except ValueError as e:
-                last = _ServerError(f"malformed response from the Kimina server: {e}")
+                return self._kimina_post(batch)
+            except _Timeout as e:
+                return {sid: {"_status": "timeout", "_reason": f"timeout: {e}"} for sid, _ in batch}
             except _ServerError as e:
                 last = e
-            if attempt == 0:
-                time.sleep(0.5)
-        raise last
+            if not last.retryable or (last.splittable and (len(batch) > 1 or attempt >= 1)):
+                break
+        if len(batch) > 1 and last.splittable:
+            half = len(batch) // 2
+            return {**self._kimina_run(batch[:half]), **self._kimina_run(batch[half:])}
+        return {sid: {"_status": "server_error", "_reason": f"server_error: {last}"} for sid, _ in batch}
 
     def _verify_kimina(self, jobs: list, progress: bool) -> list:
-        t0 = time.monotonic()
         results: list = [None] * len(jobs)
         preps = {}
-        snippets = []        # (sid, code, threshold)
+        snippets = []        # (sid, code, first line of the check block's messages)
         orig_sids = {}       # (header, lean_statement) -> sid
+        orig_names = {}      # sid -> theorem name
         for i, job in enumerate(jobs):
             try:
                 job = _as_job(job)
@@ -1615,14 +1922,15 @@ class LeanVerifier:
                 results[i] = _fail("crash", f"internal: {type(e).__name__}: {e}")
                 continue
             preps[i] = prep
-            code, thr = self._kimina_code(job.header, prep.lean_proof, prep.name)
-            snippets.append((f"p{i}", code, thr))
+            code, first, _, h = self._kimina_code(job.header, prep.lean_proof, prep.name)
+            snippets.append((f"p{i}", code, first - h))
             key = (job.header, prep.lean_statement)
             if self.lean_checks and key not in self._orig_cache and key not in orig_sids:
                 sid = f"s{len(orig_sids)}"
                 orig_sids[key] = sid
-                code, thr = self._kimina_code(job.header, prep.lean_statement + " sorry", prep.name)
-                snippets.append((sid, code, thr))
+                orig_names[sid] = prep.name
+                code, first, _, h = self._kimina_code(job.header, prep.lean_statement + " sorry", prep.name)
+                snippets.append((sid, code, first - h))
         answers: dict = {}
         thresholds = {sid: thr for sid, _, thr in snippets}
         batches = [snippets[k:k + self.kimina_batch_size] for k in range(0, len(snippets), self.kimina_batch_size)]
@@ -1630,11 +1938,7 @@ class LeanVerifier:
 
         def run(batch):
             try:
-                got = self._kimina_post([(sid, code) for sid, code, _ in batch])
-            except _Timeout as e:
-                got = {sid: {"_status": "timeout", "_reason": f"timeout: {e}"} for sid, _, _ in batch}
-            except _ServerError as e:
-                got = {sid: {"_status": "server_error", "_reason": f"server_error: {e}"} for sid, _, _ in batch}
+                got = self._kimina_run([(sid, code) for sid, code, _ in batch])
             except Exception as e:  # pragma: no cover
                 got = {sid: {"_status": "server_error", "_reason": f"server_error: {e}"} for sid, _, _ in batch}
             bar.step()
@@ -1649,11 +1953,10 @@ class LeanVerifier:
             ans = answers.get(sid)
             if ans is None or "_status" in ans or "error" in ans or not isinstance(ans.get("response"), dict):
                 continue   # not cached: the proofs below report why
-            resp = ans["response"]
-            msgs = resp.get("messages") or []
+            msgs = ans["response"].get("messages") or []
             thr = thresholds[sid]
             stmt_errs = [_fmt(m) for m in msgs if m.get("severity") == "error" and _line(m) < thr]
-            ctype, _ = _parse_checks([m for m in msgs if _line(m) >= thr])
+            ctype, _ = _parse_checks([m for m in msgs if _line(m) >= thr], orig_names[sid])
             self._orig_cache[key] = (None, "; ".join(stmt_errs)[:500]) if stmt_errs else (ctype, None)
         for i, prep in preps.items():
             job = jobs[i]
@@ -1666,44 +1969,45 @@ class LeanVerifier:
                     ans = answers.get(orig_sids.get(key, ""), {})
                     status = "timeout" if ans.get("_status") == "timeout" or "timed out" in str(
                         ans.get("error", "")) else "server_error"
-                    res = _fail(status, f"{status}: could not elaborate the original statement on the server")
+                    res = _fail(status, f"{status}: could not elaborate the original statement on the server",
+                                t=res.time)
                 elif cached[0] is None:
-                    res = _fail("error", f"statement: the original statement does not elaborate: {cached[1]}")
+                    res = _fail("error", f"statement: the original statement does not elaborate: {cached[1]}",
+                                t=res.time)
                 elif ctype != cached[0]:
                     res = _fail("cheat", "elaborated_statement: the proved theorem's type differs from "
-                                         "the original statement", messages=res.messages)
+                                         "the original statement", messages=res.messages, t=res.time)
             results[i] = res
-        elapsed = (time.monotonic() - t0) / max(1, len(jobs))
-        out = []
-        for r in results:
-            r = r if r is not None else _fail("crash", "internal: no result")
-            r.time = elapsed
-            out.append(r)
-        return out
+        return [r if r is not None else _fail("crash", "internal: no result") for r in results]
 
     def _kimina_result(self, ans: dict | None, thr: int, prep: _Prepared) -> tuple:
-        """(LeanResult, pp.all type from the check block or None) for one snippet answer."""
+        """(LeanResult, pp.all type from the check block or None) for one snippet answer; the time is the
+        server's for the snippet (its body command, without the header import)."""
         if ans is None:
             return _fail("server_error", "server_error: the Kimina server returned no result for this proof"), None
         if "_status" in ans:
             return _fail(ans["_status"], ans["_reason"]), None
+        try:
+            t = float(ans.get("time") or 0.0)
+        except (TypeError, ValueError):
+            t = 0.0
         if ans.get("error"):
             err = str(ans["error"])
             if "timed out" in err.lower() or "timeout" in err.lower():
-                return _fail("timeout", f"timeout: {err[:300]}"), None
-            return _fail("server_error", f"server_error: {err[:300]}"), None
+                return _fail("timeout", f"timeout: {err[:300]}", t=t), None
+            return _fail("server_error", f"server_error: {err[:300]}", t=t), None
         resp = ans.get("response")
         if not isinstance(resp, dict):
-            return _fail("server_error", "server_error: result has neither `response` nor `error`"), None
+            return _fail("server_error", "server_error: result has neither `response` nor `error`", t=t), None
         if "message" in resp and "env" not in resp and "messages" not in resp:
-            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])]), None
+            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])], t=t), None
         msgs = list(resp.get("messages") or [])
         proof_msgs = [m for m in msgs if _line(m) < thr]
         check_msgs = [m for m in msgs if _line(m) >= thr]
         sorries = [s for s in resp.get("sorries") or [] if _line(s) < thr]
         status, reason, errors = _judge(proof_msgs, sorries, check_msgs, None, prep.name, self.lean_checks)
-        ctype, _ = _parse_checks(check_msgs)
-        return LeanResult(status == "valid", status, errors, reason, 0.0, proof_msgs), ctype
+        ctype, _ = _parse_checks(check_msgs, prep.name)
+        return LeanResult(status == "valid", status, errors, reason, t, proof_msgs), ctype
 
 
 class _HeaderTimeout(Exception):
@@ -1711,7 +2015,13 @@ class _HeaderTimeout(Exception):
 
 
 class _ServerError(Exception):
-    pass
+    """A failed POST to Kimina; code is the HTTP status (0: unreachable or a malformed answer)."""
+
+    def __init__(self, message: str, code: int = 0):
+        super().__init__(message)
+        self.code = code
+        self.retryable = code in (0, 429) or code >= 500          # busy, unreachable, server trouble
+        self.splittable = code >= 400 and code not in (401, 403, 404, 429)   # maybe one snippet's fault
 
 
 def _line(m: dict) -> int:
