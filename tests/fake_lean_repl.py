@@ -169,22 +169,10 @@ def _balanced(text: str) -> int:
     return stack[0][1] if stack else -1
 
 
-def _find_top(text: str, token: str) -> int:
-    depth = 0
-    for i, c in enumerate(text):
-        if c in PAIRS:
-            depth += 1
-        elif c in CLOSERS:
-            depth -= 1
-        elif depth == 0 and text.startswith(token, i):
-            return i
-    return -1
-
-
-def _matching(text: str, i: int) -> int:
-    """Index of the bracket that closes text[i], or -1."""
+def _scan(text: str, start: int = 0):
+    """(index, char, bracket depth after it, inside a string literal) for each character from `start`."""
     depth, in_str = 0, False
-    for j in range(i, len(text)):
+    for j in range(start, len(text)):
         c = text[j]
         if c == '"':
             in_str = not in_str
@@ -192,9 +180,17 @@ def _matching(text: str, i: int) -> int:
             depth += 1
         elif not in_str and c in CLOSERS:
             depth -= 1
-            if depth == 0:
-                return j
-    return -1
+        yield j, c, depth, in_str
+
+
+def _find_top(text: str, token: str) -> int:
+    return next((j for j, c, depth, in_str in _scan(text) if depth == 0 and not in_str and c not in CLOSERS
+                 and text.startswith(token, j)), -1)
+
+
+def _matching(text: str, i: int) -> int:
+    """Index of the bracket that closes text[i], or -1."""
+    return next((j for j, c, depth, in_str in _scan(text, i) if c in CLOSERS and not in_str and depth == 0), -1)
 
 
 def _norm(text: str) -> str:
@@ -292,37 +288,23 @@ def split_tactics(text: str, strict: bool, col0: int = 0) -> list:
     with a tactic (Lean reads it as more arguments; in a sequence only if it is deeper). Otherwise it
     starts the next tactic. The error offset of a second tactic is where Lean stops parsing: the
     ``;``, or the first character of the line. `col0` is the column of text[0] in its line."""
-    out, depth, in_str = [], 0, False
-    n = len(text)
-    i = 0
-    while i < n and text[i].isspace():
-        i += 1
-    if i >= n:
+    out, n = [], len(text)
+    start = next((j for j in range(n) if not text[j].isspace()), None)
+    if start is None:
         return []
-    start = i
-    base = i - (text.rfind("\n", 0, i) + 1) + (col0 if "\n" not in text[:i] else 0)
-    opened = False
-    while i < n:
-        c = text[i]
-        if c == '"':
-            in_str = not in_str
-        elif not in_str and c in PAIRS:
-            depth += 1
-        elif not in_str and c in CLOSERS:
-            depth -= 1
-        elif not in_str and depth <= 0 and c == ";" and not text.startswith("<;>", i - 1):
-            out.append((start, i, i))
-            i += 1
-            while i < n and text[i].isspace():
-                i += 1
-            start, opened = i, False
+    base = start - (text.rfind("\n", 0, start) + 1) + (col0 if "\n" not in text[:start] else 0)
+    opened, skip_to = False, start
+    for i, c, depth, in_str in _scan(text, start):
+        if i < skip_to or in_str or depth > 0:
             continue
-        elif not in_str and depth <= 0 and c == "\n":
+        if c == ";" and not text.startswith("<;>", i - 1):
+            nxt = next((j for j in range(i + 1, n) if not text[j].isspace()), n)
+            out.append((start, i, i))
+            start, opened, skip_to = nxt, False, nxt
+        elif c == "\n":
             if BLOCK_END.search(text[text.rfind("\n", 0, i) + 1:i]):
                 opened = True
-            j = i + 1
-            while j < n and text[j] in " \t\n":
-                j += 1
+            j = next((j for j in range(i + 1, n) if text[j] not in " \t\n"), n)
             if j >= n:
                 break
             col = j - (text.rfind("\n", 0, j) + 1)
@@ -335,9 +317,7 @@ def split_tactics(text: str, strict: bool, col0: int = 0) -> list:
             if not cont:
                 out.append((start, i, j))
                 start, opened = j, False
-            i = j
-            continue
-        i += 1
+            skip_to = j
     if start < n and text[start:].strip():
         out.append((start, n, None))
     return out
