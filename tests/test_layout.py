@@ -100,3 +100,12 @@ def test_ci_runs_the_readme_test_command():
     assert match, "the README's Quickstart has a '# tests' line followed by the command"
     command = match.group(1).strip()
     assert ci.strip().splitlines()[-1].strip() == command
+
+
+def test_block_length():
+    """The block is plumbing a reader skims: at most 300 lines (DESIGN.md). The count is printed with -s / -rA."""
+    if not present():
+        pytest.skip("no algorithm file yet")
+    lines = len(infrastructure_block(present()[0].read_text()).splitlines())
+    print(f"infrastructure block: {lines} lines")
+    assert lines <= 300

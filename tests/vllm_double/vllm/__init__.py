@@ -5,12 +5,27 @@ It keeps the rules the real engine enforces or silently relies on, so that a wro
 - after sleep(level=2) the weights are gone: generate() before the weights are loaded again is an error (the real
   engine would generate gibberish), and so is loading weights into slept memory (the real engine can crash);
 - wake_up(tags) takes only "weights", "kv_cache", "scheduling";
-- reload_weights (which re-reads the checkpoint from disk) is recorded so a test can assert it is never called.
+- reload_weights (which re-reads the checkpoint from disk) is recorded so a test can assert it is never called;
+- model.load_weights takes checkpoint names only, with the checkpoint's shapes (KeyError / AssertionError otherwise,
+  as vLLM's params_dict lookup and weight loaders do); a tied lm_head is skipped, as vLLM's Llama does;
+- one engine per process (LLM() a second time raises), and LLM() reseeds Python's, NumPy's and torch's global RNGs
+  with the engine seed, as vLLM's worker initialisation does;
+- a prompt of max_model_len tokens or more is rejected; prompt + max_tokens beyond it is accepted and generation
+  stops at max_model_len ("length"), as vLLM's input processor and scheduler do;
+- SamplingParams validates its fields as vLLM's does (n >= 1, temperature >= 0, 0 < top_p <= 1, max_tokens >= 1,
+  logprobs >= 0).
 Every call is appended to CALLS as (name, details)."""
 
 import math
 import random
+import types
 from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+_custom_ops = types.SimpleNamespace(_supports_onednn=True)  # the CPU backend's switch (vllm/_custom_ops.py)
+_ENGINES = []  # vLLM 0.25.1 supports one engine per process with external_launcher
 
 CALLS: list = []
 ENGINE_ARGS = {"model", "tokenizer", "tensor_parallel_size", "distributed_executor_backend", "seed",
@@ -27,6 +42,12 @@ class SamplingParams:
     stop: object = None
     logprobs: int = None
     seed: int = None
+
+    def __post_init__(self):
+        if self.n < 1 or self.temperature < 0 or not 0 < self.top_p <= 1 or self.max_tokens < 1:
+            raise ValueError(f"invalid sampling parameters {self}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError("logprobs must be non-negative")
 
 
 @dataclass
@@ -54,15 +75,27 @@ class RequestOutput:
 
 
 class _Model:
-    def __init__(self, engine):
+    def __init__(self, engine, model_path):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(model_path)
+        with torch.device("meta"):
+            reference = AutoModelForCausalLM.from_config(config)
+        self.shapes = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.engine, self.loaded = engine, {}
 
     def load_weights(self, weights):
         if self.engine.weights_asleep:
             raise RuntimeError("load_weights into slept memory")
         for name, tensor in weights:
-            self.loaded[name] = tensor.detach().clone()
             CALLS.append(("load_weights", name))
+            if self.tied and name == "lm_head.weight":
+                continue
+            if name not in self.shapes:
+                raise KeyError(name)
+            assert tuple(tensor.shape) == self.shapes[name], f"{name}: {tuple(tensor.shape)} != {self.shapes[name]}"
+            self.loaded[name] = tensor.detach().clone()
         self.engine.weights_valid = True
 
 
@@ -71,17 +104,23 @@ class _Namespace:
 
 
 class LLM:
-    def __init__(self, **kwargs):
+    def __init__(self, model=None, **kwargs):
+        kwargs["model"] = model if model is not None else kwargs.get("model")
         unknown = set(kwargs) - ENGINE_ARGS
         if unknown:
             raise TypeError(f"unexpected engine arguments {unknown}")
         if kwargs.get("distributed_executor_backend") == "external_launcher" and kwargs.get("seed") is None:
             raise AssertionError("Seed must be set when using external launcher backend")
+        if _ENGINES:
+            raise AssertionError("one vLLM engine per process with the external launcher")
+        _ENGINES.append(self)
+        seed = kwargs["seed"]
+        random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
         self.kwargs = kwargs
         self.weights_asleep = self.kv_asleep = False
         self.weights_valid = True
         self.sleep_level = 0
-        model = _Model(self)
+        model = _Model(self, kwargs["model"])
         runner = _Namespace()
         runner.model = model
         worker = _Namespace()
@@ -135,15 +174,17 @@ class LLM:
         outputs = []
         for i, (prompt, sp) in enumerate(zip(prompts, params)):
             ids = prompt["prompt_token_ids"]
-            if len(ids) + sp.max_tokens > self.kwargs.get("max_model_len", 10**9):
-                raise ValueError("prompt + max_tokens longer than max_model_len")
+            limit = self.kwargs.get("max_model_len", 10**9)
+            if len(ids) >= limit:
+                raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length")
             completions = []
             for j in range(sp.n):
-                length = rng.randint(1, sp.max_tokens)
+                cap = min(sp.max_tokens, limit - len(ids))
+                length = rng.randint(1, cap)
                 tokens = [rng.randint(10, 1000) for _ in range(length)]
                 lps = [-rng.random() * 3 for _ in tokens]
                 logprobs = [{t: Logprob(lp)} for t, lp in zip(tokens, lps)] if sp.logprobs is not None else None
-                reason = "length" if length == sp.max_tokens else "stop"
+                reason = "length" if length == cap else "stop"
                 completions.append(CompletionOutput(j, f"completion {i}.{j}", tokens, math.fsum(lps), logprobs, reason))
             outputs.append(RequestOutput(str(i), ids, completions))
         return outputs
