@@ -4,25 +4,86 @@ A model writes a Lean 4 proof of a given theorem; this module says whether the
 proof is valid, and why not. Two backends, one interface:
 
 * ``backend="repl"`` (the default): a pool of leanprover-community/repl
-  processes, each started inside a mathlib project (``lake env <repl>``).
-  A worker runs a problem's header (``import Mathlib ...``) once, then checks
-  every proof against that environment (``{"cmd": proof, "env": <header env>}``),
-  so mathlib is imported once per process, not once per proof. Workers are
-  keyed by header. A proof that runs past ``timeout`` seconds kills its REPL
-  (status "timeout"); a REPL above ``memory_limit_mb`` (RSS of the process tree)
-  or after ``max_uses`` checks is restarted; a REPL that crashes or prints
-  something that is not a JSON reply is restarted and the proof retried once,
-  then recorded as "crash". Every job gets exactly one result, in order.
+  processes (written against its v4.15.0 tag), each started inside a mathlib
+  project (``lake env <repl>``). A worker runs a problem's header
+  (``import Mathlib ...``) once, then checks every proof against that
+  environment (``{"cmd": proof, "env": <header env>}``), so mathlib is imported
+  once per process, not once per proof. Workers are keyed by header. A proof
+  that runs past ``timeout`` seconds kills its REPL (status "timeout"); a REPL
+  above ``memory_limit_mb`` (RSS of the process tree), after ``max_uses`` checks
+  or ``max_proof_states`` proof states is restarted; a REPL that crashes or
+  prints something that is not a JSON reply is restarted and the proof retried
+  once, then recorded as "crash". Every job gets exactly one result, in order.
+  The pool has ``workers`` REPLs; the default is this rank's share of the
+  machine (cores and RAM divided by torchrun's ``LOCAL_WORLD_SIZE``; one REPL
+  per core, less one, and per 8 GB), logged when the verifier is built.
 * ``backend="kimina"``: a client for a Kimina Lean Server (``POST /api/check``),
-  for verifying on a cluster of CPU machines. Timeouts and server errors are
-  failures ("timeout", "server_error"), never successes.
+  for verifying on a cluster of CPU machines. The server fails a whole POST
+  (up to ``kimina_batch_size`` snippets) for one snippet: HTTP 500 when any REPL
+  writes to stderr, 429 when no REPL frees up in time. Busy or unreachable
+  servers are retried with exponential backoff, a failing batch is split until
+  the bad snippet is alone, so it alone is "server_error". Timeouts and server
+  errors are failures ("timeout", "server_error"), never successes. Every
+  snippet starts with its header's imports (``import Init`` if it has none):
+  Kimina runs a snippet's leading import lines as a separate header command, and
+  with none it runs later snippets in the first one's environment.
 
-Tactic mode (local REPL only), for step-level search::
+``LeanResult.time`` is what the proof itself cost: the seconds of its own REPL
+requests (the proof and its ``#check``/``#print axioms``; on Kimina the server's
+time for the snippet), not starting a REPL, importing the header or waiting for
+a free one. STP weighs proofs by exp(-0.01 time).
 
-    s0 = v.start_proof(header, statement)        # root state: s0.state_id, s0.goals
-    s1 = v.apply_tactic(s0, "intro x")           # new state, or s1.error
-    s1.solved                                     # no goals left (and proofStatus "Completed")
-    v.check_tactic_path(s1)                      # re-check the whole assembled proof -> LeanResult
+Tactic mode: proof search (local REPL only)
+-------------------------------------------
+The REPL's tactic mode (``{"tactic": t, "proofState": n}``) is a step engine for
+best-first search (ReProver, RiR, CoProver)::
+
+    roots = v.start_proofs([(header, statement), ...])   # one root per theorem, spread over the pool
+    kids = v.expand(root, ["intro x", "simp", "omega"])  # many tactics on one state, results in order
+    kids = v.apply_tactics([(s1, "ring"), (s7, "linarith"), ...])   # many states, in parallel
+    k.status      # "open" | "solved" | "error" | "timeout" | "crash"
+    k.goals       # the new goals, as the REPL prints them; k.pretty joins them
+    k.key         # goals_key(k.goals): equal keys = the same goals (merge search nodes on it)
+    k.tactics     # the path from the root
+    v.check_tactic_path(k)    # the final verdict: the whole proof in command mode -> LeanResult
+    v.free_states()           # the search is over: restart the REPLs that hold its proof states
+
+* Affinity: a proof state lives in the REPL that made it and its children are
+  made there (``apply_tactics`` runs one thread per REPL: steps on one REPL in
+  order, different REPLs in parallel). A state whose REPL was restarted
+  (timeout, crash, memory, the bounds below) is replayed on a REPL of its
+  header, its statement and then its path, from the longest prefix already
+  replayed there; nothing else moves between processes.
+* "solved": the REPL reports no goals, no error message and no sorry. v4.15.0
+  has no ``proofStatus`` (REPL/JSON.lean ProofStepResponse: proofState, goals,
+  messages, sorries, traces; newer REPLs add it, and then it must also say the
+  proof is complete). An elaboration error closes its goal with sorry and shows
+  only as a message, so goals [] alone proves nothing; nor has the kernel seen
+  anything: ``check_tactic_path`` is the verdict (the same rules as ``verify``).
+  Tactic text goes through the text rules first (no ``sorry``, no cheats).
+* One tactic per request: the REPL parses the text as exactly one tactic and
+  must reach the end of it (REPL/Snapshots.lean runString). What models emit (a
+  block of lines, ``t1; t2``) is sent as one parenthesised tactic sequence,
+  ``one_tactic(text)``, which runs like the same lines in a ``by`` block; the
+  path keeps the text as given, so ``check_tactic_path`` assembles the same proof.
+* Memory: the REPL never forgets a state. At v4.15.0 ``State.proofStates`` and
+  ``cmdStates`` only grow (REPL/Main.lean); no command deletes one, and pickling
+  (``pickleTo``/``unpickleProofStateFrom``) writes a state to a file and makes a
+  new one on reading it back, which frees nothing. So a REPL holds at most
+  ``max_proof_states`` states before it is restarted, and ``free_states(states)``
+  restarts the REPLs holding a finished search's states (all if None).
+* Each step has a ``timeout`` (the verifier's, or ``timeout=`` per call); a
+  timeout kills that REPL, so its other states are replayed when next used.
+
+Constants and statements (for STP's conjecturer)
+------------------------------------------------
+``verify(jobs, used_constants=True)`` sends each proof with ``"allTactics": true``
+and fills ``LeanResult.used_constants``: the REPL's per-tactic ``usedConstants``
+(the constants in the terms each tactic assigned; REPL/Lean/InfoTree.lean) that
+the proof text names, in order. ``statements(header, names)`` returns each
+name's signature as ``#check _root_.name`` prints it (``Nat.add_comm (n m : ℕ) :
+n + m = m + n``), one REPL round trip (or one Kimina snippet) per call. Kimina
+passes no ``allTactics``, so there ``used_constants`` stays None.
 
 Configuration (arguments win over the environment, the environment over ``.env``):
 
@@ -48,10 +109,14 @@ A proof is valid only if all of these hold:
 2. Lean reports no message of severity "error" and no warning containing
    "failed" (the DeepSeek-Prover/STP/SGS rule).
 3. The REPL reports no ``sorries`` and no warning says "declaration uses 'sorry'".
-4. ``#print axioms <name>`` lists only propext, Classical.choice and Quot.sound
-   (rule ``axioms``; ``sorryAx`` gives status "sorry", anything else "cheat").
-5. ``set_option pp.all true in #check @<name>`` prints the same type after the
-   proof as the original statement does on its own in the header environment
+4. ``#print axioms _root_.<name>`` lists only propext, Classical.choice and
+   Quot.sound (rule ``axioms``; ``sorryAx`` gives status "sorry", anything else
+   "cheat"). ``_root_.`` names the proof's own theorem even when the header opens
+   a namespace with a theorem of the same name; and since ``#print axioms`` prints
+   one message per declaration a name resolves to, only the message naming the
+   checked theorem is read (none: the proof fails).
+5. ``set_option pp.all true in #check @_root_.<name>`` prints the same type after
+   the proof as the original statement does on its own in the header environment
    (rule ``elaborated_statement``): the checked theorem is the one asked for,
    even if notation, instances or namespaces were played with.
 

@@ -1,6 +1,26 @@
 """Tests for lean_verify.py against the stand-in REPL (tests/fake_lean_repl.py) and a
 local HTTP stand-in of the Kimina Lean Server. Tests marked `lean` use a real Lean
-REPL + mathlib when one is configured (`bash setup.sh --lean`) and are skipped otherwise."""
+REPL + mathlib when one is configured (`bash setup.sh --lean`) and are skipped otherwise.
+
+The stand-in is held to the real REPL's own protocol transcripts at v4.15.0
+(tests/repl_transcripts: the REPL's test/*.in and *.expected.out, and those of its
+Mathlib tests; Apache-2.0, see NOTICE). Each is replayed through the stand-in and every
+reply compared in structure: reply kind (error object or not), which keys appear, the
+type of each, the fields of every message, sorry and tactic entry (an endPos may be
+null), the env and proofState numbers, and the text of error replies. Goal texts and
+list lengths are the stand-in's own (it has no Lean). Out of scope (OUT_OF_SCOPE), since
+they need Lean itself:
+
+* enableInitializersExecution: Lake's DSL (`package`) is not something the stand-in parses;
+* infotree: no info trees (and the unused-variable linter warning that comes with it);
+* invalid_tactic #1: telling an unknown identifier (`my_fake_premise`) from a Mathlib
+  lemma the stand-in does not know; no_goal_sorry #0: elaborating `set Nat`;
+* name_generator #4-6, trace_simp #3, #5-7: `traces` and trace messages from simp;
+* variables #1: the unused-variable linter;
+* Mathlib/20240209 #1: simpa's error recovery (goals [] with an error; lean_verify's own
+  test of that trap uses the stand-in's `fake_trap`); Mathlib/H20231110 #1: an `apply`
+  that closes the goal; Mathlib/exact #2, #4: library search (`exact?`).
+test_transcript_scope_is_current checks that each of these still differs."""
 
 from __future__ import annotations
 
