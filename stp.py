@@ -596,18 +596,11 @@ class Logger:
 
 
 # ---- data ----
+# A Lean 4 statement to prove, a dataset statement or a conjecture: its header (imports and opens), the statement
+# ("theorem name ... := by", no proof) and, for a conjecture, the <easy theorem> of its prompt (the seed statement and
+# its proof) and the lemma its prompt shared ('' for none).
+Problem = collections.namedtuple("Problem", "id header statement easy_theorem lemma", defaults=("", ""))
 DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
-
-
-@dataclass
-class Problem:
-    """A Lean 4 statement to prove: a dataset statement or a conjecture."""
-
-    id: str
-    header: str  # imports and opens, e.g. "import Mathlib\n...\n\n"
-    statement: str  # "theorem name ... := by" (no header, no proof)
-    easy_theorem: str = ""  # conjecture: the seed statement with its proof, the <easy theorem> of its prompt
-    lemma: str = ""  # conjecture: the shared lemma of its prompt ('' for none)
 
 
 def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
@@ -647,8 +640,9 @@ def prover_prompt(tokenizer, problem: Problem, args: Args) -> str:
 
 def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, args: Args) -> str:
     """A shared lemma, by name (deviation 2) or the trivial theorem for none, and a proved statement with its proof."""
-    text = CONJECTURER_PROMPT.format(header=header, lemma=f"theorem {lemma}" if lemma else EMPTY_LEMMA, seed=easy_theorem)
-    return truncate_left(tokenizer, text, args.max_prompt_tokens)
+    lemma = f"theorem {lemma}" if lemma else EMPTY_LEMMA
+    return truncate_left(tokenizer, CONJECTURER_PROMPT.format(header=header, lemma=lemma, seed=easy_theorem),
+                         args.max_prompt_tokens)
 
 
 def extract_proof(completion: str) -> str | None:
@@ -781,42 +775,30 @@ def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Ten
 
 
 # ---- phases ----
-@dataclass
-class Attempt:
-    """One sampled proof and Lean's verdict. A malformed, truncated or failed answer is a failed attempt."""
-
-    problem_id: str
-    proof: str | None  # the tactics after ':= by'; kept for correct proofs only (the gather stays small)
-    status: str  # lean_verify's status, or "no_code"
-    correct: bool = False
-    time: float = 0.0  # seconds Lean took
+# A proof attempt: the tactics after ':= by' (kept for correct proofs only, so that gathering them stays cheap),
+# Lean's status (or "no_code": nothing to check), its verdict and the seconds it took. A training sequence: a Sample
+# (prompt and target tokens) and its weight.
+Attempt = collections.namedtuple("Attempt", "proof status correct time", defaults=(False, 0.0))
+Example = collections.namedtuple("Example", "sample weight")
 
 
-@dataclass
-class Example(Sample):
-    """One training sequence (prompt and target tokens) and its weight."""
-
-    weight: float = 1.0
-
-
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, args: Args, dist,
+def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, args: Args, dist: Dist,
                    desc: str = "prove") -> dict[str, list[Attempt]]:
-    """Prove: n prover samples per statement, each checked by Lean (header + original statement + proof; a
-    proof sampled twice is checked once)."""
+    """Prove: n prover samples per statement; Lean checks header + original statement + proof, a (statement, proof)
+    pair sampled twice once. Each rank samples and checks its share of the statements and keeps only the correct
+    proofs' text: gathering every sample would not fit at LeanWorkbook's scale (~10^7 a round)."""
 
-    def prove(part: list[Problem]) -> list[list[Attempt]]:
-        outputs = sampler.generate([prover_prompt(tokenizer, p, args) for p in part], n=n, temperature=args.temperature,
+    def prove(mine: list[Problem]) -> list[list[Attempt]]:
+        outputs = sampler.generate([prover_prompt(tokenizer, p, args) for p in mine], n=n, temperature=args.temperature,
                                    top_p=args.top_p, max_new_tokens=args.max_new_tokens, stop=["\n```"],
-                                   desc=desc) if part else []
-        rows = [[Attempt(p.id, extract_proof(s.text) if s.finish_reason in ("stop", "length") else None, "no_code")
-                 for s in row] for p, row in zip(part, outputs)]
-        jobs = {(p.id, a.proof): ProofJob(p.header, p.statement, p.statement + a.proof, p.id)
-                for p, row in zip(part, rows) for a in row if a.proof is not None}
-        verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())) if jobs else []))
-        for a in [a for row in rows for a in row if a.proof is not None]:
-            v = verdicts[(a.problem_id, a.proof)]
-            a.proof, a.status, a.correct, a.time = a.proof if v.valid else None, v.status, bool(v.valid), float(v.time)
-        return rows
+                                   desc=desc) if mine else []
+        proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None for s in row]
+                  for row in outputs]  # a failed sample (vLLM abort or error) has nothing to check
+        jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
+                for p, row in zip(mine, proofs) for x in row if x is not None}
+        verdicts = {key: Attempt(key[1] if v.valid else None, v.status, bool(v.valid), float(v.time))
+                    for key, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
+        return [[verdicts.get((p.id, x), Attempt(None, "no_code")) for x in row] for p, row in zip(mine, proofs)]
 
     return dict(zip([p.id for p in problems], map_sharded(prove, problems, dist)))
 
@@ -833,7 +815,8 @@ def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: A
                          for p in proofs.get(s.id, [])), key=lambda c: (-c[0], c[1]))  # newest first
     uses, pairs, seeds = collections.Counter(), set(), []
     for _, sid, statement, proof in candidates:
-        for lemma in invoked_lemmas(proof, statement.statement) + ([""] if rng.random() < args.empty_lemma_prob else []):
+        empty = [""] if rng.random() < args.empty_lemma_prob else []
+        for lemma in invoked_lemmas(proof, statement.statement) + empty:
             if (sid, lemma) not in pairs and not (lemma and uses[lemma] >= cap):  # deviation 4: '' is not capped
                 pairs.add((sid, lemma))
                 uses[lemma] += 1
@@ -842,7 +825,7 @@ def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: A
 
 
 def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known: set, n_statements: int, round_: int,
-               args: Args, dist) -> tuple[list[Problem], dict]:
+               args: Args, dist: Dist) -> tuple[list[Problem], dict]:
     """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed; unparsable outputs are dropped, and so
     are duplicates (same header and statement up to whitespace) of a dataset statement or of another conjecture;
     at most #statements conjectures. A conjecture inherits its seed's header."""
@@ -850,9 +833,10 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known:
         return [], {"conjecturer/seeds": 0}
     multiplier = max(1, min(3 * n_statements // len(seeds), args.max_conjecture_multiplier))
 
-    def sample(part: list[str]) -> list[list[str | None]]:
-        outputs = sampler.generate(part, n=multiplier, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, stop=[END_THM], desc="conjecture") if part else []
+    def sample(mine: list[str]) -> list[list[str | None]]:
+        outputs = sampler.generate(mine, n=multiplier, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=args.max_new_tokens, stop=[END_THM],
+                                   desc="conjecture") if mine else []
         return [[extract_conjecture(s.text, s.finish_reason) for s in row] for row in outputs]
 
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
@@ -900,7 +884,8 @@ def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args)
     """A training sequence: the prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
     prompt_ids = encode_prompt(tokenizer, prompt)
     target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return Example(target, prompt_ids, target_ids[: max(1, args.max_train_tokens - len(prompt_ids))], [], "stop", weight)
+    target_ids = target_ids[: max(1, args.max_train_tokens - len(prompt_ids))]
+    return Example(Sample(target, prompt_ids, target_ids, [], "stop"), weight)
 
 
 def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, args: Args, tokenizer) -> list[Example]:
@@ -921,7 +906,7 @@ def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, ar
 
 
 @torch.no_grad()
-def embed(policy, tokenizer, texts: list[str], args: Args, dist) -> torch.Tensor:
+def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.Tensor:
     """Sentence embeddings from the current policy (official): the mean of the last hidden states over the first
     embedding_max_tokens tokens, L2-normalised. [len(texts), hidden], the same on every rank."""
     if not texts:
@@ -984,19 +969,18 @@ def final_examples(problems: dict, history: dict, proofs: dict, originals: set, 
                 or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
         rng.shuffle(keep)
         prompt = prover_prompt(tokenizer, problems[pid], args)
-        examples += [text_example(tokenizer, prompt, p["proof"] + "\n```", math.exp(-args.length_penalty * len(p["proof"])),
-                                  args) for p in keep[: args.final_max_proofs]]
+        for p in keep[: args.final_max_proofs]:
+            weight = math.exp(-args.length_penalty * len(p["proof"]))
+            examples.append(text_example(tokenizer, prompt, p["proof"] + "\n```", weight, args))
     return examples
 
 
-def update(policy, examples: list[Example], lr: float, min_steps: int, args: Args, dist, rng: random.Random
-           ) -> tuple[torch.optim.Optimizer, dict]:
-    """Weighted SFT from a fresh AdamW (official: one Levanter run per round): max(#examples // batch, min_steps)
+def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int, args: Args, dist: Dist,
+           rng: random.Random) -> dict[str, float]:
+    """Weighted SFT from a fresh Adam state (official: one Levanter run per round): max(#examples // batch, min_steps)
     optimizer steps over the shuffled examples (repeated when there are few), linear warm-up over
     min(steps - 1, warmup_steps) steps, then a constant learning rate. Each rank runs its share of every batch."""
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
-    if not examples:
-        return optimizer, {}
+    optimizer.state.clear()
     size = min(args.batch_size, len(examples))
     steps = max(len(examples) // size, min_steps)
     warmup = min(steps - 1, args.warmup_steps)
@@ -1007,32 +991,49 @@ def update(policy, examples: list[Example], lr: float, min_steps: int, args: Arg
         batch, stream = stream[:size], stream[size:]
         for group in optimizer.param_groups:
             group["lr"] = lr * min(1.0, (step + 1) / (warmup + 1))
-        weighted_tokens, total = sum(e.weight * len(e.token_ids) for e in batch), 0.0
+        weighted_tokens, total = sum(e.weight * len(e.sample.token_ids) for e in batch), 0.0
         for micro, scale in micro_batches(batch, args.micro_batch_size, dist,
-                                          length=lambda e: len(e.prompt_ids) + len(e.token_ids)):
-            logp, mask, _ = token_logprobs(policy, micro)
-            weights = torch.tensor([e.weight for e in micro], device=logp.device)
-            loss = weighted_sft_loss(logp, mask, weights, weighted_tokens)
+                                          length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids)):
+            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])
+            loss = weighted_sft_loss(logp, mask, logp.new_tensor([e.weight for e in micro]), weighted_tokens)
             # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
             # (0 for a rank's padding micro-batch), which FSDP2's mean over ranks cancels
             (loss * scale * len(batch)).backward()
             total += loss.item() if scale else 0.0
         norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
         losses.append(sum(all_gather_objects(total, dist)))
-    return optimizer, {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": steps}
+    return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": steps}
 
 
-def retrain_from_base(problems: dict, history: dict, proofs: dict, originals: set, lr: float, args: Args, dist,
-                      tokenizer, rng: random.Random) -> tuple:
-    """Stage 3 (and each round of the expert-iteration baseline): a fresh copy of --model, trained on final_examples."""
+def retrain_from_base(sampler, problems: dict, history: dict, proofs: dict, originals: set, lr: float, args: Args,
+                      dist: Dist, tokenizer, rng: random.Random) -> tuple:
+    """Stage 3 (and each round of the expert-iteration baseline): a fresh copy of --model trained on final_examples,
+    then given to the sampler. Returns (policy, optimizer, stats). The caller drops its old policy first."""
     examples = final_examples(problems, history, proofs, originals, args, tokenizer, rng)
+    sampler.sleep()
+    gc.collect()  # free the old policy before the base model loads
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
-    optimizer, stats = update(policy, examples, lr, args.final_min_train_steps, args, dist, rng)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
+    stats = update(policy, optimizer, examples, lr, args.final_min_train_steps, args, dist, rng) if examples else {}
+    sampler.sync_weights(policy)
     return policy, optimizer, {**stats, "examples": len(examples)}
 
 
 # ---- evaluation ----
-def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], args: Args, dist) -> dict:
+def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Problem],
+                  attempts: dict[str, list[Attempt]], proofs: dict) -> dict[str, float]:
+    """The paper's training curve: the share of dataset statements proved so far (against charts/generations); this
+    round's mean success rate over its targets and its conjectures; Lean's verdicts."""
+    proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
+    return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
+            "charts/targets": len(targets),
+            "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
+            **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
+            **({"conjecturer/solve_rate_mean": float(np.mean([solve_rate(attempts[c.id]) for c in conjectures]))}
+               if conjectures else {})}
+
+
+def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], args: Args, dist: Dist) -> dict:
     """pass@k on each benchmark from eval_samples samples per problem (STP: 3200 at temperature 1): the unbiased
     estimator, and STP's chunked estimator (mean and std over disjoint chunks of k samples)."""
     metrics = {}
@@ -1040,7 +1041,7 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
         attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, args, dist, f"eval {name}")
         correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
         for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
-            metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(row), int(row.sum()), k) for row in correct]))
+            metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(r), int(r.sum()), k) for r in correct]))
             mean, std = chunked_pass_at_k(correct, k)
             metrics[f"eval/{name}/pass@{k}_chunked_mean"] = mean
             if std is not None:
@@ -1060,8 +1061,8 @@ def main(args: Args) -> None:
     except LeanNotInstalled as e:
         sys.exit(f"stp.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n"
-              + "\n".join(scaled))
+        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
+              sep="\n")
     run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
     logger = Logger(run_dir, vars(args), dist, track=args.track)
     statements = load_problems(args.dataset, args.num_statements)
@@ -1069,28 +1070,30 @@ def main(args: Args) -> None:
     benchmarks = {f"{os.path.basename(path).removesuffix('.jsonl')}_{args.eval_split}":
                   load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_sets}
 
-    # one policy plays both roles; it is trained unless it is the pure-sampling baseline. Every round trains from a
-    # fresh AdamW (see update): this one only gives load_checkpoint an optimizer to restore.
+    # one policy plays both roles; it is trained unless it is the pure-sampling baseline
     tokenizer = load_tokenizer(args.model)
-    policy = load_model(args.model, dist, train=not args.pure_sampling, gradient_checkpointing=args.gradient_checkpointing)
-    models = {} if args.pure_sampling else {"policy": (policy, torch.optim.AdamW(policy.parameters()))}
+    policy = load_model(args.model, dist, not args.pure_sampling, args.gradient_checkpointing)
+    models = {} if args.pure_sampling else {"policy": (policy, torch.optim.AdamW(
+        policy.parameters(), args.learning_rate, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0))}
     # run state: every statement ever targeted, its (samples, correct) per round, its distinct correct proofs
-    state, start = {"problems": {s.id: s for s in statements}, "history": {}, "proofs": {}, "generations": 0}, 0
+    start, state = 0, {"problems": {s.id: s for s in statements}, "history": {}, "proofs": {}, "generations": 0}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found[0] + 1, {**found[1], "problems": {k: Problem(**v) for k, v in found[1]["problems"].items()}}
+        start, state = found[0] + 1, found[1]
+        state["problems"] = {k: Problem(**v) for k, v in state["problems"].items()}
         if dist.is_main:
             print(f"resuming {run_dir} at round {start}")
-    sampler = Sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
-                      gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
+    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
+                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     problems, history, proofs = state["problems"], state["history"], state["proofs"]
 
     def save(iteration: int, models: dict) -> None:  # Problems as dicts: state.pt loads without this file
-        portable = {**state, "problems": {k: vars(p) for k, p in problems.items()}}
+        portable = {**state, "problems": {k: p._asdict() for k, p in problems.items()}}
         save_checkpoint(run_dir, iteration, models, tokenizer, portable, dist)
 
     for round_ in range(start, args.rounds):
-        metrics, conjectures = {}, []
-        rng = random.Random(f"{args.seed}/{round_}")  # the same on every rank, so every rank builds the same data
+        metrics, rng = {}, random.Random(f"{args.seed}/{round_}")  # the same on every rank: the same data
+
+        conjectures = []
         if not baseline:  # 1-2. Seeds and conjectures
             with logger.timer("conjecture"):
                 seeds = select_seeds(statements, proofs, history, args, rng)
@@ -1098,6 +1101,7 @@ def main(args: Args) -> None:
                 problems.update({c.id: c for c in conjectures})
                 state["generations"] += stats.get("conjecturer/outputs", 0)
                 metrics.update(stats)
+
         with logger.timer("prove"):  # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
             targets = select_targets(statements, conjectures, proofs, history, args, rng)
             n = args.samples_first_round if round_ == 0 or baseline else args.samples_per_round
@@ -1105,40 +1109,31 @@ def main(args: Args) -> None:
             state["generations"] += len(targets) * n
             record(history, proofs, attempts, round_)
 
-        # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data. Expert iteration re-trains the
-        # base model on every round's proofs; pure sampling does not train.
-        if args.expert_iteration:
+        if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every round
             with logger.timer("update"):
-                sampler.sleep()
-                models, policy = {}, None  # free the old policy before loading the base model
-                gc.collect()
-                policy, optimizer, stats = retrain_from_base(problems, history, proofs, originals, args.learning_rate,
-                                                             args, dist, tokenizer, rng)
-        elif not args.pure_sampling:
+                models, policy = {}, None
+                policy, optimizer, stats = retrain_from_base(sampler, problems, history, proofs, originals,
+                                                             args.learning_rate, args, dist, tokenizer, rng)
+                models = {"policy": (policy, optimizer)}
+                metrics.update({f"losses/{k}": v for k, v in stats.items()})
+        elif not args.pure_sampling:  # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data
             with logger.timer("data"):
                 sampler.sleep()
                 unproved = [s for s in statements if not proofs.get(s.id)]
-                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, policy, tokenizer,
-                                                              args, dist, rng)
+                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, policy,
+                                                              tokenizer, args, dist, rng)
                 prover_set = prover_examples(problems, history, proofs, round_, args, tokenizer)
                 metrics.update({**stats, "data/prover_examples": len(prover_set),
                                 "data/conjecturer_examples": len(conjecturer_set)})
             with logger.timer("update"):
-                optimizer, stats = update(policy, prover_set + conjecturer_set, args.learning_rate, args.min_train_steps,
-                                          args, dist, rng)
-        if not args.pure_sampling:
-            models = {"policy": (policy, optimizer)}
-            metrics.update({f"losses/{k}": v for k, v in stats.items()})
-            sampler.sync_weights(policy)
+                examples = prover_set + conjecturer_set
+                stats = update(*models["policy"], examples, args.learning_rate, args.min_train_steps, args, dist,
+                               rng) if examples else {}
+                metrics.update({f"losses/{k}": v for k, v in stats.items()})
+                sampler.sync_weights(policy)
 
-        # metrics: the share of dataset statements proved so far, against generations
-        proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
-        metrics.update({"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
-                        "charts/generations": state["generations"], "charts/targets": len(targets),
-                        "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
-                        **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))}})
-        if conjectures:
-            metrics["conjecturer/solve_rate_mean"] = float(np.mean([solve_rate(attempts[c.id]) for c in conjectures]))
+        metrics.update({**solve_metrics(statements, targets, conjectures, attempts, proofs),
+                        "charts/generations": state["generations"]})
         if args.eval_every and (round_ + 1) % args.eval_every == 0 and round_ != args.rounds - 1:
             with logger.timer("eval"):
                 metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
@@ -1149,13 +1144,11 @@ def main(args: Args) -> None:
     metrics = {}
     if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
         with logger.timer("final_retrain"):
-            sampler.sleep()
             models, policy = {}, None
-            gc.collect()
-            policy, optimizer, stats = retrain_from_base(problems, history, proofs, originals, args.final_learning_rate,
-                                                         args, dist, tokenizer, random.Random(f"{args.seed}/final"))
+            policy, optimizer, stats = retrain_from_base(sampler, problems, history, proofs, originals,
+                                                         args.final_learning_rate, args, dist, tokenizer,
+                                                         random.Random(f"{args.seed}/final"))
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
-            sampler.sync_weights(policy)
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
             save(args.rounds, {"policy": (policy, optimizer)})
     with logger.timer("eval"):

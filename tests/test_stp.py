@@ -239,9 +239,9 @@ def test_select_targets_and_record():
     statements = problems_for("a", "b", "c")
     history, proofs = {}, {}
     A = stp.Attempt
-    attempts = {"a": [A("a", "\n  simp", "valid", True, 0.5), A("a", "\n  simp", "valid", True, 0.5), A("a", None, "error")],
-                "b": [A("b", "\n  ring", "valid", True, 0.1)] * 3,
-                "c": [A("c", None, "error")] * 3}
+    attempts = {"a": [A("\n  simp", "valid", True, 0.5), A("\n  simp", "valid", True, 0.5), A(None, "error")],
+                "b": [A("\n  ring", "valid", True, 0.1)] * 3,
+                "c": [A(None, "error")] * 3}
     stp.record(history, proofs, attempts, 0)
     assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
     assert proofs["a"] == [{"proof": "\n  simp", "round": 0, "time": 0.5}] and proofs["c"] == []  # distinct proofs only
@@ -271,7 +271,8 @@ def test_prover_and_final_examples(tiny_model_dir):
     weights = sorted(round(e.weight, 6) for e in ex)
     expected = sorted(round(x, 6) for x in [math.exp(-0.001 * 7 - 0.01) / 2, math.exp(-0.001 * 26 - 0.02) / 2, math.exp(-0.001 * 13)])
     assert weights == expected
-    assert ex[0].token_ids[-1] == tok.eos_token_id and tok.decode(ex[0].token_ids[:-1]).endswith("\n```")
+    s = ex[0].sample
+    assert s.token_ids[-1] == tok.eos_token_id and tok.decode(s.token_ids[:-1]).endswith("\n```")
     # round 3: the buffer holds rounds 1..3; a's rate 1/4, only its round-1 proof is recent: weight exp(..) / 1
     assert sorted(round(e.weight, 6) for e in stp.prover_examples(problems, history, proofs, 3, args(), tok)) == sorted(
         round(x, 6) for x in [math.exp(-0.001 * 26 - 0.02), math.exp(-0.001 * 13)])
@@ -285,7 +286,7 @@ def test_prover_and_final_examples(tiny_model_dir):
     many = {"a": [{"proof": f"\n  p{i}", "round": 0, "time": 0.0} for i in range(20)]}
     assert len(stp.final_examples(problems, history, many, {"a"}, args(), tok, random.Random(0))) == 16
     cut = stp.text_example(tok, "a prompt", " x" * 100, 1.0, args(max_train_tokens=10))
-    assert len(cut.prompt_ids) + len(cut.token_ids) == 10
+    assert len(cut.sample.prompt_ids) + len(cut.sample.token_ids) == 10
 
 
 def test_conjecturer_examples(tiny_model_dir):
@@ -296,7 +297,7 @@ def test_conjecturer_examples(tiny_model_dir):
     A = stp.Attempt
 
     def rate(correct, total=8):
-        return [A("", "\n  positivity", "valid", True)] * correct + [A("", None, "error")] * (total - correct)
+        return [A("\n  positivity", "valid", True)] * correct + [A(None, "error")] * (total - correct)
 
     # 1/8 is in the band 0 < p < 1/4; 1/2, exactly 1/4 and 0 are not (the band is strict)
     attempts = {"r1_c0": rate(1), "r1_c1": rate(1), "r1_c2": rate(1), "r1_c3": rate(4), "r1_c4": rate(2), "r1_c5": rate(0)}
@@ -309,13 +310,13 @@ def test_conjecturer_examples(tiny_model_dir):
     # statement is one longer than c1's, so its ratio is the smaller one and falls under the 20% quantile
     assert stats["conjecturer/elegant"] == 2
     assert sum(e.weight for e in ex) == pytest.approx(2.0)  # matching keeps the total weight at N
-    assert all(e.text.endswith("\n</hard theorem>") for e in ex)
+    assert all(e.sample.text.endswith("\n</hard theorem>") for e in ex)
     # with no unproved statement every survivor keeps weight 1; the lemma stays only in the invoking one's prompt
     ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], policy, tok, args(), CPU, random.Random(0))
     assert [e.weight for e in ex] == [1.0, 1.0]
-    prompts = [tok.decode(e.prompt_ids) for e in ex]
+    prompts = [tok.decode(e.sample.prompt_ids) for e in ex]
     assert "<lemma>\ntheorem sq_nonneg\n" in prompts[0] and "<lemma>\ntheorem true: True\n" in prompts[1]
-    assert ex[0].text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
+    assert ex[0].sample.text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
 
 
 def test_embed_is_the_normalised_mean_hidden_state(tiny_model_dir):
@@ -339,13 +340,15 @@ def test_update_respects_min_steps_and_batches(tiny_model_dir):
     before = [p.detach().clone() for p in policy.parameters()]
     ex = [stp.text_example(tok, "Complete: 1 + 1 =", " 2", w, args()) for w in (1.0, 0.5, 0.25)]
     a = args(batch_size=2, micro_batch_size=1, min_train_steps=3, warmup_steps=5)
-    optimizer, stats = stp.update(policy, ex, 1e-3, a.min_train_steps, a, CPU, random.Random(0))
+    optimizer = torch.optim.AdamW(policy.parameters(), 1.0)
+    stats = stp.update(policy, optimizer, ex, 1e-3, a.min_train_steps, a, CPU, random.Random(0))
     assert stats["steps"] == 3 and stats["loss"] > 0 and stats["grad_norm"] > 0  # max(3 // 2, 3)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 3)  # warm-up capped at steps - 1 = 2
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+    assert all(s["step"] == 3 for s in optimizer.state.values())
     a = args(batch_size=2, micro_batch_size=1, min_train_steps=1)
-    assert stp.update(policy, ex * 3, 1e-3, 1, a, CPU, random.Random(0))[1]["steps"] == 4  # 9 // 2
-    assert stp.update(policy, [], 1e-3, 1, a, CPU, random.Random(0))[1] == {}
+    assert stp.update(policy, optimizer, ex * 3, 1e-3, 1, a, CPU, random.Random(0))["steps"] == 4  # 9 // 2
+    assert all(s["step"] == 4 for s in optimizer.state.values())  # a fresh Adam state: 4 steps, not 3 + 4
 
 
 def test_update_learns_what_the_reward_favours(tiny_model_dir):
@@ -367,12 +370,13 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
     for accepted in (favoured, " omega"):
         policy = stp.load_model(tiny_model_dir, CPU)
         before = logp(policy)
-        attempts = {"p": [stp.Attempt("p", x, "valid" if x == accepted else "error", x == accepted, 0.1)
+        attempts = {"p": [stp.Attempt(x, "valid" if x == accepted else "error", x == accepted, 0.1)
                           for x in (favoured, " omega", " decide", " ring")]}  # success rate 1/4
         history, proofs = {}, {}
         stp.record(history, proofs, attempts, 0)
         examples = stp.prover_examples({"p": problem}, history, proofs, 0, a, tok)
-        _, stats = stp.update(policy, examples, 1e-2, a.min_train_steps, a, CPU, random.Random(0))
+        optimizer = torch.optim.AdamW(policy.parameters(), 1e-2, betas=a.adam_betas, eps=a.adam_eps, weight_decay=0.0)
+        stats = stp.update(policy, optimizer, examples, 1e-2, a.min_train_steps, a, CPU, random.Random(0))
         moved[accepted] = (before, logp(policy))
         print(f"accepted {accepted!r}: log p(favoured) {before:.3f} -> {moved[accepted][1]:.3f}, loss {stats['loss']:.3f}")
     (b1, a1), (b2, a2) = moved[favoured], moved[" omega"]
