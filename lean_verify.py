@@ -1240,6 +1240,7 @@ class _Worker:
         self.last_used = 0.0
         self.last_start = 0.0     # when the last request was sent
         self.last_time = 0.0      # how long it took
+        self.last_states = 0      # proof states the last proof check made
 
     def live(self) -> bool:
         return self.proc is not None and self.proc.alive() and self.env is not None
@@ -1305,7 +1306,7 @@ class _ReplPool:
         self.starts = 0      # REPL processes started (stats)
         self.recycles = 0    # restarts for max_uses / memory
 
-    def acquire(self, header: str, worker: _Worker | None = None) -> _Worker | None:
+    def acquire(self, header: str, worker: _Worker | None = None, prefer=None) -> _Worker | None:
         victim = None
         with self.cond:
             while True:
@@ -1319,7 +1320,7 @@ class _ReplPool:
                     continue
                 same = [w for w in self.workers if not w.busy and w.header == header]
                 if same:
-                    w = max(same, key=lambda w: w.live())
+                    w = max(same, key=lambda w: (w.live(), bool(prefer and prefer(w))))
                     w.busy = True
                     return w
                 if len(self.workers) < self.size:
@@ -1715,7 +1716,7 @@ class LeanVerifier:
     def _replay(self, state: TacticState, timeout: float) -> tuple:
         """Rebuild `state` on a live REPL of its header (its own was restarted): the statement, then the
         tactic path, from the longest prefix already rebuilt there. Returns (state, held worker or None)."""
-        w = self._pool.acquire(state.header)
+        w = self._pool.acquire(state.header, prefer=lambda w: (state.statement, ()) in w.paths)
         ok = False
         try:
             self._ensure(w)
