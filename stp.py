@@ -83,10 +83,6 @@ class Args:
     """run directory name; default <exp_name>__<seed>"""
     track: bool = False
     """log to Weights & Biases"""
-    wandb_project_name: str = "selfplay"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team)"""
     save_every: int = 1
     """save a checkpoint every this many iterations"""
     resume: bool = False
@@ -699,7 +695,7 @@ def invoked_lemmas(proof: str, statement: str = "") -> list[str]:
     found = []
     for name in (name.rstrip(".") for name in IDENT.findall(proof)):
         last = name.split(".")[-1]
-        if "_" in last.strip("_") and name not in TACTICS and name not in bound and last not in bound | set(found):
+        if "_" in last.strip("_") and name not in found and name not in TACTICS and not {name, last} & bound:
             found.append(name)
     return found
 

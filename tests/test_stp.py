@@ -128,6 +128,8 @@ def test_invoked_lemmas():
     # lemmas in order of first use; not h_main / hc_pos (bound), h_ab (statement), norm_num / nlinarith (tactics)
     assert stp.invoked_lemmas(proof, statement) == ["sq_nonneg", "one_pos", "mul_pos", "Real.sqrt_nonneg", "Nat.succ_le_iff"]
     assert stp.invoked_lemmas("\n  simp\n  linarith", statement) == []
+    assert stp.invoked_lemmas("\n  nlinarith [Real.sqrt_nonneg x, Real.sqrt_nonneg y, sqrt_nonneg]") == ["Real.sqrt_nonneg",
+                                                                                                    "sqrt_nonneg"]
     assert stp.invoked_lemmas("", "") == []
 
 
