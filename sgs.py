@@ -3,26 +3,22 @@
 Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance", arXiv 2604.20209 (2026).
 Official code: github.com/LukeBailey181/sgs (read at commit 64d2de4; this file copies none of it).
 
-Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (paper §3):
-  * the Solver pi_theta writes whole Lean 4 proofs (trained);
-  * the Conjecturer g_phi writes, for each target it has never solved, a simpler related statement
-    (trained, with its own weights);
-  * the Guide rho, a frozen copy fine-tuned to grade conjectures (LukeBailey181Pub/dspv2_guide), scores
-    each conjecture for relevance to its target, redundant premises and a tangled conclusion (Eq. 3).
-The targets D are ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
+Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (§3): the Solver pi_theta writes whole Lean 4
+proofs (trained); the Conjecturer g_phi writes, for each target it has never solved, a simpler related statement
+(trained, with its own weights); the Guide rho, a frozen copy fine-tuned to grade conjectures
+(LukeBailey181Pub/dspv2_guide), scores each conjecture for relevance to its target, redundant premises and a
+tangled conclusion (Eq. 3). The targets D are ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
   1. conjecture: one conjecture per never-solved target;
   2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
   4. the Conjecturer learns from R = R_guide * (1 - s) on conjectures with 0 < s <= the 70th percentile
      of the conjecture solve rates, min-max normalised.
 The metric is the cumulative share of targets ever solved, against the number of generations.
-Without the Guide the Conjecturer drifts to long disjunctive statements (Fig. 2): that share is logged.
 
 Run.
-  CPU (no CUDA; needs Lean: `bash setup.sh --lean`): `python sgs.py` runs a scaled-down loop on
-      SmolLM2-135M (embedded:smollm2) and data/lean_smoke.jsonl, and prints what it scaled and why.
-  One 8xH200 node: `torchrun --nproc_per_node 8 sgs.py` (paper sizes: D_3k, DeepSeek-Prover-V2-7B).
-  `python sgs.py --help` lists every flag.
+  CPU (no CUDA; needs Lean: `bash setup.sh --lean`): `python sgs.py` runs a loop scaled down by CPU_DEFAULTS
+      (SmolLM2-135M, data/lean_smoke.jsonl) and prints what it scaled.
+  One 8xH200 node: `torchrun --nproc_per_node 8 sgs.py` (paper sizes). `python sgs.py --help` lists every flag.
 
 The seven official experiments (scripts/*.py of the official code) are flags of this file:
   scripts/standard_sgs.py                  python sgs.py
@@ -32,57 +28,52 @@ The seven official experiments (scripts/*.py of the official code) are flags of 
   scripts/sgs_frozen_conjecturer.py        python sgs.py --freeze-conjecturer --no-guide
   scripts/sgs_no_guide.py                  python sgs.py --no-guide
   scripts/sgs_no_problem_conditioning.py   python sgs.py --no-problem-conditioning --no-guide
-(prefix with `torchrun --nproc_per_node 8` on a node; the official EI and CISPO scripts also use
-`--batch-size 64`, see deviation 3.)
+(the official EI and CISPO scripts also use `--batch-size 64`, see deviation 3.)
 
-Logged metrics (metrics.jsonl in the run directory; wandb with --track):
-  charts/cumulative_solve_rate  share of targets with a verified proof so far (the paper's y-axis)
-  charts/generations            conjectures + proof attempts sampled so far (the paper's x-axis)
-  charts/pass@8                 share of this iteration's attempted targets proved by one of their k = 8 attempts
-  conjecturer/extraction_rate   share of Conjecturer outputs that contain a well-formed statement (§4.1: 51.5% at start)
-  conjecturer/disjunctive_share share of conjecture conclusions with a disjunction (Fig. 2), and conclusion_chars
-  guide/*                       R_guide mean and quartiles, its three sub-scores, parse failures
-  solver/entropy                mean per-token entropy of the Solver on its attempts (Figs. 7, 11)
-  losses/*, data/*, time/*      training losses, training-set sizes, wall time of each phase
+Logged (metrics.jsonl in the run directory; wandb with --track): charts/cumulative_solve_rate against
+charts/generations (the paper's axes), pass@8, conjecturer/extraction_rate (§4.1: 51.5% at start) and
+disjunctive_share (without the Guide the Conjecturer drifts to long disjunctive statements, Fig. 2), guide/*,
+solver/entropy (Figs. 7, 11), losses/*, data/*, time/*.
 
 Deliberate deviations from the paper and the official code:
   1. REINFORCE normalisation follows the paper's Eq. 4 (each sequence's log-probability divided by its length,
      averaged over the batch); the official trainer divides the summed token loss by the batch's token count.
-  2. The try penalty (paper §4.1: "0 reward to any Solver proof with the try tactic") matches the word `try` as
-     a tactic in the comment-stripped proof; the official code matches the substring "try", which also hits
-     names such as `symmetry` or `geometry`.
+  2. The try penalty (§4.1: "0 reward to any Solver proof with the try tactic") matches the word `try` as a tactic
+     in the comment-stripped proof; the official code matches the substring "try" (also in `symmetry`, `geometry`).
   3. Batch size 32 for every objective (paper App. C); the official EI and CISPO scripts use 64 (`--batch-size 64`).
   4. Lean timeout 200 s (paper); the official default is 500 s.
-  5. Guide sub-scores outside their scales (relevance 0-5, redundancy 0-1, complexity 0-4) count as a failed
-     parse. As in the official code a failed review gets the mean R_guide of the batch's parsed reviews; when
-     every review failed, R_guide = 1 for all (as without a Guide).
+  5. Guide sub-scores outside their scales (relevance 0-5, redundancy 0-1, complexity 0-4) count as a failed parse.
+     As in the official code a failed review gets the mean R_guide of the batch's parsed reviews; when every review
+     failed, R_guide = 1 for all (as without a Guide).
   6. Conjecture extraction also drops `import`/`open`/`set_option` lines before the declaration (the conjecture
-     inherits its target's header, as in the official code) and requires the statement to start with
-     `theorem` or `lemma`; deduplication ignores whitespace differences.
-  7. Sequences whose weight is exactly 0 (the lowest min-max-normalised conjecture, try-penalised proofs) are
-     not run through the trainer: they carry no gradient.
+     inherits its target's header, as in the official code) and requires the statement to start with `theorem` or
+     `lemma`; deduplication ignores whitespace differences.
+  7. Sequences whose weight is exactly 0 (the lowest min-max-normalised conjecture, try-penalised proofs) are not
+     run through the trainer: they carry no gradient.
   8. The Conjecturer's overlong penalty replaces its weight after the min-max normalisation.
-  9. solver/entropy is the Monte-Carlo estimate -mean log pi(y_t) over sampled tokens (at T = 1 its expectation
-     is the entropy); the paper computes it from the top-10 log-probabilities.
- 10. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in
-     turn); generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once.
+  9. solver/entropy is the Monte-Carlo estimate -mean log pi(y_t) over sampled tokens (at T = 1 its expectation is
+     the entropy); the paper computes it from the top-10 log-probabilities.
+ 10. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in turn);
+     generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once.
  11. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
 """
 
-import math
+import collections
+import functools
+import json
 import os
 import random
 import re
 import sys
-import time
-from dataclasses import dataclass, field
-from typing import Literal, Optional
+from array import array
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 import tyro
 
-from lean_verify import LeanNotInstalled, LeanVerifier, ProofJob
+from lean_verify import LeanNotInstalled, LeanVerifier, ProofJob, strip_comments
 
 
 @dataclass
@@ -94,18 +85,15 @@ class Args:
     """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
     """where run directories go"""
-    run_name: Optional[str] = None
+    run_name: str | None = None
     """run directory name; default <exp_name>__<seed>"""
     track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "selfplay"
-    """the wandb project"""
-    wandb_entity: Optional[str] = None
-    """the wandb entity (team)"""
+    """log to Weights & Biases (project "selfplay")"""
     save_every: int = 1
     """save a checkpoint every this many iterations"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
+
     # model and backends
     model: str = "deepseek-ai/DeepSeek-Prover-V2-7B"
     """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
@@ -119,15 +107,15 @@ class Args:
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
-    conjecturer_model: Optional[str] = None
+    conjecturer_model: str | None = None
     """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
     guide_model: str = "LukeBailey181Pub/dspv2_guide"
-    """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1); same architecture as --model"""
+    """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1); --model's architecture"""
 
     # data
     dataset: str = "LukeBailey181Pub/D_3k"
     """target set D: a Hugging Face dataset with rows (id, header, theorem), or a .jsonl file (miniF2F fields)"""
-    num_targets: Optional[int] = None
+    num_targets: int | None = None
     """use only the first N targets (default all: the paper's batch is the whole target set, §4.1)"""
 
     # algorithm
@@ -145,7 +133,7 @@ class Args:
     """REINFORCE½ trains on problems with 0 < s <= this solve rate (§3.2)"""
     conjecture_percentile: float = 0.7
     """the Conjecturer is rewarded for conjectures with 0 < s <= this percentile of the solve rates in (0, 1) (§3.2)"""
-    learning_rate: Optional[float] = None
+    learning_rate: float | None = None
     """Solver learning rate; default 3e-6, 1e-6 with CISPO (best of the App. C sweep)"""
     conjecturer_learning_rate: float = 3e-6
     """Conjecturer learning rate (App. C)"""
@@ -179,7 +167,7 @@ class Args:
     """expert iteration: train on stored proofs found in the last this many iterations (App. G.4)"""
     verifier_timeout: float = 200.0
     """Lean wall-clock limit per proof, in seconds (§4.1)"""
-    lean_workers: Optional[int] = None
+    lean_workers: int | None = None
     """Lean REPL processes per rank (default: the verifier's choice)"""
 
     # ablations
@@ -193,8 +181,26 @@ class Args:
     """the Conjecturer prompt omits the target (Table 1, No Problem Conditioning)"""
 
     # evaluation
-    max_generations: Optional[int] = None
+    max_generations: int | None = None
     """stop once this many generations were sampled (the paper's x-axis); default: run all iterations"""
+
+
+# Without CUDA the paper's sizes would take days; these run an iteration on a CPU in about five minutes (SmolLM2-135M
+# samples ~60 tokens/s in a batch of 8: 32 attempts of up to 128 tokens take ~70 s; a training step on 8 x 384 tokens
+# takes ~30 s).
+CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", dataset="data/lean_smoke.jsonl",
+                    num_targets=8, iterations=2, proofs_per_problem=4, max_new_tokens=128, conjecturer_max_new_tokens=128,
+                    guide_max_new_tokens=128, batch_size=8, micro_batch_size=4, max_model_len=1024)
+
+
+def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
+    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
+    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
+    for k, v in changed.items():
+        setattr(args, k, v)
+    return report
 
 
 # ---- prompts ----
@@ -222,7 +228,7 @@ neither trivial nor very hard to prove.
 Do not prove it. Give the statement followed by `:= by sorry`, as valid Lean 4, in a ```lean4 code block."""
 
 # The Guide was fine-tuned to end its answer with these three tag pairs (§4.1, App. E.3); the rubric
-# below is ours, on the paper's scales.
+# below is ours, on the paper's scales. It sees both statements without their headers (official code).
 GUIDE_PROMPT = """You are an expert mathematician reviewing a proposed lemma.
 
 The target problem, in Lean 4:
@@ -265,6 +271,7 @@ Example of the format only (these numbers say nothing about the lemma above):
 <begin_relevance_score>2<end_relevance_score>
 <begin_redundancy_score>1<end_redundancy_score>
 <begin_conclusion_complexity_score>0<end_conclusion_complexity_score>"""
+GUIDE_SCORES = {"relevance": (0, 5), "redundancy": (0, 1), "conclusion_complexity": (0, 4)}  # the tags' scales
 
 
 # ---- infrastructure (identical in every algorithm file) ----
@@ -625,28 +632,13 @@ class Logger:
 
 
 # ---- data ----
-@dataclass
-class Problem:
-    """A Lean 4 statement to prove: a target of D or a conjecture."""
-
-    id: str
-    header: str  # imports and opens, e.g. "import Mathlib\n...\n\n"
-    statement: str  # "theorem name ... := by" (no header, no proof)
-    kind: str = "target"  # "target" | "conjecture"
-    seed_id: Optional[str] = None  # conjecture: the target it was proposed for
+# A Lean 4 statement to prove, a target of D or a conjecture: its header (imports and opens), the statement
+# ("theorem name ... := by", no proof) and, for a conjecture, the target it was proposed for and its generation.
+Problem = collections.namedtuple("Problem", "id header statement seed_id sample", defaults=(None, None))
+DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
 
 
-def normalise_statement(text: str) -> Optional[str]:
-    """A formal statement without its proof, ending with ':= by'; None if it has none."""
-    text = text.strip()
-    if text.endswith("sorry"):
-        text = text[: -len("sorry")].rstrip()
-    if text.endswith(":="):
-        text += " by"
-    return text if text.endswith(":= by") else None
-
-
-def load_problems(dataset: str, limit: Optional[int] = None) -> list[Problem]:
+def load_problems(dataset: str, limit: int | None = None) -> list[Problem]:
     """The target set D: D_3k from Hugging Face (rows id, header, theorem), or a .jsonl file in miniF2F's fields
     (name, header, formal_statement) such as data/lean_smoke.jsonl."""
     if dataset.endswith(".jsonl"):
@@ -659,215 +651,107 @@ def load_problems(dataset: str, limit: Optional[int] = None) -> list[Problem]:
     problems, seen = [], set()
     for i, row in enumerate(rows):
         pid = str(row.get("id", row.get("name", i)))
-        statement = normalise_statement(row.get("theorem") or row.get("formal_statement") or "")
-        if statement is None or "sorry" in statement:
+        statement = (row.get("theorem") or row.get("formal_statement") or "").strip().removesuffix("sorry").rstrip()
+        statement += " by" if statement.endswith(":=") else ""
+        if not statement.endswith(":= by") or "sorry" in statement:
             continue  # a statement must end with ':= by' and hold no proof
-        if pid in seen:
-            pid = f"{pid}#{i}"  # ProofNet repeats some names across books
+        pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
         seen.add(pid)
-        problems.append(Problem(id=pid, header=row.get("header") or DEFAULT_HEADER, statement=statement))
+        problems.append(Problem(pid, row.get("header") or DEFAULT_HEADER, statement))
     return problems[:limit] if limit else problems
 
 
-DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
-
-
-# the roles' prompts and the parsers of their answers
-def solver_prompt(tokenizer, problem: Problem) -> str:
-    return chat_prompt(tokenizer, SOLVER_PROMPT.format(header=problem.header, statement=problem.statement))
-
-
-def conjecturer_prompt(tokenizer, target: Problem, conditioned: bool = True) -> str:
-    user = CONJECTURER_PROMPT.format(statement=target.statement) if conditioned else CONJECTURER_PROMPT_UNCONDITIONED
-    return chat_prompt(tokenizer, user)
-
-
-def guide_prompt(tokenizer, seed: Problem, conjecture: Problem) -> str:
-    # The Guide sees both statements without their headers (official code).
-    return chat_prompt(tokenizer, GUIDE_PROMPT.format(seed=seed.statement, conjecture=conjecture.statement))
-
-
-def extract_proof(completion: str) -> Optional[str]:
-    """The Solver's tactic script, by the official strict rule, or None.
-
-    The answer must be exactly one ```lean4 block holding exactly one declaration (theorem / lemma / def);
-    the proof is what follows its first ':= by'. The restated theorem is discarded: Lean checks
-    header + original statement + this proof, so a Solver cannot change the statement.
-    """
+def extract_proof(completion: str) -> str | None:
+    """The Solver's tactic script, by the official strict rule, or None: the answer must be exactly one ```lean4 block
+    holding exactly one declaration (theorem / lemma / def); the proof is what follows its first ':= by'."""
     text = completion.strip()
-    if not (text.startswith("```lean4") and text.endswith("```")):
-        return None
-    if text.count("```lean4") != 1 or text.count("```") != 2:
+    if not (text.startswith("```lean4") and text.endswith("```") and text.count("```") == 2):
         return None
     block = text[len("```lean4") : -len("```")]
-    if sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1:
+    if sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1 or ":= by" not in block:
         return None
-    at = block.find(":= by")
-    if at < 0:
-        return None
-    proof = block[at + len(":= by") :].rstrip()
+    proof = block[block.find(":= by") + len(":= by") :].rstrip()
     return proof if proof.strip() else None
 
 
-HEADER_LINE = re.compile(r"^\s*(import|open|set_option)\b")
-
-
-def extract_conjecture(completion: str) -> Optional[str]:
-    """The Conjecturer's statement, ending with ':= by', or None.
-
-    Official rule: the last ```lean4 block, closed by a fence, with exactly one ':= by' and at most one
-    'sorry', ending with 'sorry' or ':= by'. Added here (deviation 6): header lines before the declaration are
-    dropped and the declaration must start with `theorem` or `lemma`.
-    """
-    start = completion.rfind("```lean4")
-    if start < 0:
+def extract_conjecture(completion: str) -> str | None:
+    """The Conjecturer's statement, ending with ':= by', or None. Official rule: the last ```lean4 block, closed by a
+    fence, with exactly one ':= by' and at most one 'sorry', ending with 'sorry' or ':= by'. Added (deviation 6):
+    header lines before the declaration are dropped and it must start with `theorem` or `lemma`."""
+    start, end = completion.rfind("```lean4"), completion.rfind("```")
+    if start < 0 or end <= start:
+        return None  # no block, or a truncated one
+    block = completion[start + len("```lean4") : end].strip()
+    if block.count(":= by") != 1 or block.count("sorry") > 1 or not block.endswith(("sorry", ":= by")):
         return None
-    block = completion[start + len("```lean4") :]
-    end = block.rfind("```")
-    if end < 0:
-        return None  # truncated
-    block = block[:end].strip()
-    if block.count(":= by") != 1 or block.count("sorry") > 1:
-        return None
-    if not (block.endswith("sorry") or block.endswith(":= by")):
-        return None
-    lines = block.splitlines()
-    while lines and (not lines[0].strip() or HEADER_LINE.match(lines[0])):
-        lines.pop(0)
-    block = "\n".join(lines)
-    if not re.match(r"(theorem|lemma)\s+\S", block):
+    block = re.sub(r"\A(\s*((import|open|set_option)\b.*)?\n)*", "", block)  # blank and header lines
+    if ":= by" not in block or not re.match(r"(theorem|lemma)\s+\S", block):
         return None
     statement = block[: block.index(":= by") + len(":= by")]
     return statement if theorem_conclusion(statement) else None
 
 
-GUIDE_SCORES = {"relevance": (0, 5), "redundancy": (0, 1), "conclusion_complexity": (0, 4)}
-
-
-def parse_guide_scores(completion: str) -> Optional[dict]:
-    """The Guide's three sub-scores from the last pair of each tag, or None if any is missing or off its scale."""
-    scores = {}
-    for name, (lo, hi) in GUIDE_SCORES.items():
-        found = re.findall(rf"<begin_{name}_score>(.*?)<end_{name}_score>", completion, flags=re.S)
-        if not found:
-            return None
-        try:
-            value = float(found[-1].strip())
-        except ValueError:
-            return None
-        if not (lo <= value <= hi):
-            return None
-        scores[name] = value
-    return scores
-
-
 def theorem_conclusion(statement: str) -> str:
-    """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside
-    brackets (binders are bracketed), or '' if there is none."""
-    body = statement[: -len(":= by")] if statement.endswith(":= by") else statement
-    depth = 0
+    """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside brackets
+    (binders are bracketed), or '' if there is none."""
+    body, depth = statement.removesuffix(":= by"), 0
     for i, ch in enumerate(body):
-        if ch in "([{⦃⟨":
-            depth += 1
-        elif ch in ")]}⦄⟩":
-            depth -= 1
-        elif ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
+        depth += (ch in "([{⦃⟨") - (ch in ")]}⦄⟩")
+        if ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
             return body[i + 1 :].strip()
     return ""
 
 
-def is_disjunctive(statement: str) -> bool:
-    """Does the conjecture's conclusion contain a disjunction (the collapse of Fig. 2)?"""
-    conclusion = theorem_conclusion(statement)
-    return "∨" in conclusion or "\\/" in conclusion
+def parse_guide_scores(completion: str) -> dict[str, float] | None:
+    """The Guide's three sub-scores from the last pair of each tag, or None if any is missing or off its scale."""
+    try:
+        scores = {name: float(re.findall(rf"<begin_{name}_score>(.*?)<end_{name}_score>", completion, re.S)[-1])
+                  for name in GUIDE_SCORES}
+    except (IndexError, ValueError):
+        return None
+    return scores if all(lo <= scores[name] <= hi for name, (lo, hi) in GUIDE_SCORES.items()) else None
 
 
 # ---- rewards ----
-def guide_reward(relevance: float, redundancy: float, complexity: float) -> float:
+def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
     """Eq. 3: R_guide = 0 if the conclusion is tangled (complexity >= 3), else relevance + (2 - complexity)
-    + (1 - redundancy), floored at 0. Range 0..8."""
-    if complexity >= 3:
-        return 0.0
-    return max(0.0, relevance + (2.0 - complexity) + (1.0 - redundancy))
-
-
-def guide_rewards(reviews: list[Optional[dict]]) -> list[float]:
-    """R_guide for each review; a failed parse (None) gets the mean of the parsed ones (official code), or 1
-    when none parsed (as without a Guide)."""
-    values = [None if r is None else guide_reward(r["relevance"], r["redundancy"], r["conclusion_complexity"]) for r in reviews]
+    + (1 - redundancy), floored at 0 (range 0..8). A failed parse (None) gets the mean of the parsed ones (official
+    code), or 1 when none parsed (as without a Guide)."""
+    values = [None if r is None else 0.0 if r["conclusion_complexity"] >= 3 else
+              max(0.0, r["relevance"] + (2.0 - r["conclusion_complexity"]) + (1.0 - r["redundancy"])) for r in reviews]
     parsed = [v for v in values if v is not None]
-    fill = sum(parsed) / len(parsed) if parsed else 1.0
-    return [fill if v is None else v for v in values]
-
-
-def solve_rate(attempts: list) -> float:
-    """s: the share of a problem's k attempts that Lean accepted."""
-    return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
+    return [(sum(parsed) / len(parsed) if parsed else 1.0) if v is None else v for v in values]
 
 
 def percentile_cut(rates: list[float], q: float = 0.7) -> float:
-    """The q-th percentile of the conjecture solve rates strictly inside (0, 1), as the official code takes
-    it (the element at index int(q n) of the sorted rates); 0 when there are none."""
+    """The q-th percentile of the conjecture solve rates strictly inside (0, 1), as the official code takes it (the
+    element at index int(q n) of the sorted rates); 0 when there are none."""
     inside = sorted(r for r in rates if 0.0 < r < 1.0)
     return inside[int(q * len(inside))] if inside else 0.0
 
 
-def min_max_normalise(values: list[float]) -> list[float]:
-    """Rescale to [0, 1] within the batch (§3.2); all ones when the values are equal."""
-    lo, hi = min(values), max(values)
-    if hi == lo:
-        return [1.0] * len(values)
-    return [(v - lo) / (hi - lo) for v in values]
-
-
 def conjecturer_rewards(r_guide: list[float], rates: list[float]) -> list[float]:
-    """R = R_guide * R_solve with R_solve = 1 - s (Alg. 1), min-max normalised over the selected conjectures."""
-    return min_max_normalise([g * (1.0 - s) for g, s in zip(r_guide, rates)]) if r_guide else []
+    """R = R_guide * R_solve with R_solve = 1 - s (Alg. 1), min-max normalised over the selected conjectures (§3.2);
+    all ones when they are equal."""
+    r = [g * (1.0 - s) for g, s in zip(r_guide, rates)]
+    lo, hi = min(r, default=0.0), max(r, default=0.0)
+    return [(v - lo) / (hi - lo) if hi > lo else 1.0 for v in r]
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float:
     """§4.1 (DAPO's soft overlong punishment): 0 up to (1 - buffer) M tokens, then linearly down to -1 at M."""
     start = max_tokens * (1.0 - buffer)
-    if length <= start:
-        return 0.0
-    return max(-1.0, -(length - start) / (max_tokens * buffer))
+    return 0.0 if length <= start else max(-1.0, -(length - start) / (max_tokens * buffer))
 
 
-def strip_lean_comments(code: str) -> str:
-    """Remove Lean comments: nested /- ... -/ blocks and -- line comments."""
-    out, i, depth = [], 0, 0
-    while i < len(code):
-        if code.startswith("/-", i):
-            depth, i = depth + 1, i + 2
-        elif depth and code.startswith("-/", i):
-            depth, i = depth - 1, i + 2
-        elif depth:
-            i += 1
-        elif code.startswith("--", i):
-            while i < len(code) and code[i] != "\n":
-                i += 1
-        else:
-            out.append(code[i])
-            i += 1
-    return "".join(out)
-
-
-TRY_TACTIC = re.compile(r"(?<![\w.'])try(?![\w'])")
-
-
-def uses_try(proof: str) -> bool:
-    """Does the proof use the `try` tactic (outside comments)? `symmetry` or `h_try` do not count (deviation 2)."""
-    return TRY_TACTIC.search(strip_lean_comments(proof)) is not None
-
-
-def solver_reward(correct: bool, proof: Optional[str], n_tokens: int, args: Args) -> float:
-    """The Solver's reward for one attempt (§3.2, §4.1): 1 if Lean accepts it, 0 if it uses `try`; an overlong
-    attempt's reward is replaced by the (negative) overlong penalty."""
-    reward = 1.0 if correct else 0.0
-    if reward and args.penalize_try and proof is not None and uses_try(proof):
-        reward = 0.0
+def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
+    """The Solver's reward for one attempt (§3.2, §4.1): 1 if Lean accepts it, but 0 if it uses the `try` tactic
+    outside comments (`symmetry` or `h_try` do not count: deviation 2); an overlong attempt's reward is replaced by
+    the (negative) overlong penalty."""
+    code = strip_comments(proof or "")[0]  # None when a comment is left open: Lean rejects such a proof anyway
+    tries = args.penalize_try and re.search(r"(?<![\w.'])try(?![\w'])", proof if code is None else code)
     penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
-    return penalty if penalty < 0 else reward
+    return penalty if penalty < 0 else 1.0 if correct and not tries else 0.0
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
@@ -878,246 +762,184 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 # ---- losses ----
 def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, n_sequences: int) -> torch.Tensor:
     """Eq. 4: -(1/B) sum_i w_i (1/|y_i|) sum_t log pi(y_it). logp, mask: [B, T]; weights: [B]; n_sequences: the
     number of sequences in the whole optimizer batch (all ranks), so that micro-batches add up."""
-    per_sequence = (logp * mask).sum(1) / mask.sum(1).clamp(min=1)
-    return -(weights * per_sequence).sum() / n_sequences
+    return -(weights * (logp * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_sequences
 
 
-def cispo_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    mask: torch.Tensor,
-    advantages: torch.Tensor,
-    group_tokens: torch.Tensor,
-    n_groups: int,
-    clip_low: float = 0.0,
-    clip_high: float = 4.0,
-) -> torch.Tensor:
+def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
+               group_tokens: torch.Tensor, n_groups: int, clip_low: float = 0.0, clip_high: float = 4.0
+               ) -> torch.Tensor:
     """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), with the token
     importance weight r_it = pi(y_it) / pi_old(y_it) against the sampler's log-probabilities, clipped to
     [clip_low, clip_high] and not differentiated. group_tokens[i]: the token count of sample i's group."""
     ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
-    per_sequence = (ratio * logp * mask).sum(1) * advantages / group_tokens
-    return -per_sequence.sum() / n_groups
+    return -((ratio * logp * mask).sum(1) * advantages / group_tokens).sum() / n_groups
 
 
 # ---- phases ----
-@dataclass
-class Attempt:
-    """One sampled proof attempt and Lean's verdict. A malformed or truncated answer is a failed attempt."""
-
-    problem_id: str
-    sample: "Sample"
-    proof: Optional[str]  # the extracted tactic script; None when the answer had no well-formed code block
-    status: str  # lean_verify's status, or "no_code"
-    correct: bool = False
-    time: float = 0.0
+# A proof attempt: its Sample, the extracted tactic script (None: no well-formed code block), Lean's status (or
+# "no_code") and verdict. A training sequence: a Sample, its weight (reward or advantage) and, for CISPO, the token
+# count of its group and the group's index.
+Attempt = collections.namedtuple("Attempt", "sample proof status correct")
+Example = collections.namedtuple("Example", "sample weight group_tokens group", defaults=(0.0, -1))
 
 
-@dataclass
-class Example:
-    """One training sequence: the sampled tokens and their weight (reward or advantage)."""
+def generate(sampler, prompts: list[str], n: int, max_new_tokens: int, args: Args, dist: Dist, desc: str
+             ) -> list[list[Sample]]:
+    """n samples per prompt at the roles' temperature and top-p (App. C), from the weights last synced. Each rank
+    samples its share, every rank gets them all, token ids and log-probs in arrays (4 bytes a token; a list of ints
+    costs ~36, and D_3k gives ~26k attempts an iteration). A failed sample (vLLM abort or error) keeps no text, so
+    every role's parser rejects it."""
+    def run(mine: list[str]) -> list[list[Sample]]:
+        outputs = sampler.generate(mine, n=n, temperature=args.temperature, top_p=args.top_p,
+                                   max_new_tokens=max_new_tokens, desc=desc) if mine else []
+        return [[Sample(s.text if s.finish_reason in ("stop", "length") else "", array("i", s.prompt_ids),
+                        array("i", s.token_ids), array("f", s.logprobs), s.finish_reason) for s in row]
+                for row in outputs]
 
-    sample: "Sample"
-    weight: float
-    group_tokens: float = 0.0  # CISPO: the token count of the sample's group
-    group: int = -1  # CISPO: the group (problem) it belongs to
-
-
-def compact(sample: "Sample") -> "Sample":
-    """The sample with numpy token ids and log-probs: cheap to gather across ranks and to keep."""
-    return Sample(sample.text, np.asarray(sample.prompt_ids, dtype=np.int32), np.asarray(sample.token_ids, dtype=np.int32),
-                  np.asarray(sample.logprobs, dtype=np.float32), sample.finish_reason)
-
-
-def gather_sorted(local: list, dist) -> list:
-    """Every rank's (index, item) pairs, merged and put back in index order (the same list on every rank)."""
-    return [item for _, item in sorted((pair for part in all_gather_objects(local, dist) for pair in part), key=lambda p: p[0])]
+    return map_sharded(run, prompts, dist)
 
 
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], args: Args, dist, desc="solve") -> dict[str, list[Attempt]]:
-    """Alg. 1, step 2: k Solver attempts per problem, each checked by Lean. Each rank samples and verifies its
-    shard of the problems; the attempts are gathered so that every rank holds all of them."""
-    mine = shard(list(enumerate(problems)), dist)
-    prompts = [solver_prompt(tokenizer, p) for _, p in mine]
-    outputs = sampler.generate(
-        prompts, n=args.proofs_per_problem, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens, desc=desc
-    ) if prompts else []
-    local, jobs = [], {}
-    for (i, problem), samples in zip(mine, outputs):
-        row = []
-        for sample in samples:
-            proof = extract_proof(sample.text)
-            row.append(Attempt(problem.id, compact(sample), proof, "no_code" if proof is None else "pending"))
-            if proof is not None:  # Lean checks header + original statement + proof; duplicates once
-                jobs.setdefault((problem.id, proof), ProofJob(problem.header, problem.statement, problem.statement + proof, problem.id))
-        local.append((i, row))
-    verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())))) if jobs else {}
-    for _, row in local:
-        for a in row:
-            if a.proof is not None:
-                v = verdicts[(a.problem_id, a.proof)]
-                a.status, a.correct, a.time = v.status, bool(v.valid), float(v.time)
-    return dict(zip([p.id for p in problems], gather_sorted(local, dist)))
-
-
-def conjecture(sampler, tokenizer, seeds: list[Problem], known: set[str], iteration: int, args: Args, dist) -> tuple[list[Problem], dict, dict]:
-    """Alg. 1, step 1: the Conjecturer proposes conjectures_per_target statements for each never-solved target.
-    Outputs that do not parse are dropped, as are duplicates of a target or of another conjecture. A
-    conjecture inherits its target's header. Returns (conjectures, {conjecture id: its Sample}, stats)."""
-    mine = shard(list(enumerate(seeds)), dist)
-    prompts = [conjecturer_prompt(tokenizer, s, conditioned=not args.no_problem_conditioning) for _, s in mine]
-    outputs = sampler.generate(
-        prompts, n=args.conjectures_per_target, temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.conjecturer_max_new_tokens, desc="conjecture",
-    ) if prompts else []
-    local = [(i, [(extract_conjecture(s.text), compact(s)) for s in samples]) for (i, _), samples in zip(mine, outputs)]
-    conjectures, samples, seen, n_out, n_ok = [], {}, set(known), 0, 0
-    for seed, row in zip(seeds, gather_sorted(local, dist)):
-        for statement, sample in row:
-            n_out += 1
-            if statement is None:
-                continue
-            n_ok += 1
-            key = " ".join(statement.split())
-            if key in seen:
+def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem], iteration: int, args: Args,
+               dist: Dist) -> tuple[list[Problem], dict[str, float]]:
+    """Alg. 1, step 1: conjectures_per_target statements for each never-solved target (the seeds). Outputs that do not
+    parse are dropped, as are repeats of a target or of another conjecture; a conjecture inherits its target's header.
+    Returns (conjectures, stats)."""
+    users = [CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
+             CONJECTURER_PROMPT.format(statement=seed.statement) for seed in seeds]
+    outputs = generate(sampler, [chat_prompt(tokenizer, u) for u in users], args.conjectures_per_target,
+                       args.conjecturer_max_new_tokens, args, dist, "conjecture")
+    conjectures, seen, parsed = [], {" ".join(t.statement.split()) for t in targets}, []
+    for seed, row in zip(seeds, outputs):
+        for sample in row:
+            parsed.append(statement := extract_conjecture(sample.text))
+            if statement is None or (key := " ".join(statement.split())) in seen:
                 continue
             seen.add(key)
-            problem = Problem(f"it{iteration}_c{len(conjectures)}", seed.header, statement, "conjecture", seed.id)
-            conjectures.append(problem)
-            samples[problem.id] = sample
-    stats = {
-        "conjecturer/outputs": n_out,
-        "conjecturer/extraction_rate": n_ok / n_out if n_out else 0.0,
-        "conjecturer/new_conjectures": len(conjectures),
-        "conjecturer/disjunctive_share": float(np.mean([is_disjunctive(c.statement) for c in conjectures])) if conjectures else 0.0,
-        "conjecturer/conclusion_chars": float(np.mean([len(theorem_conclusion(c.statement)) for c in conjectures])) if conjectures else 0.0,
-    }
-    return conjectures, samples, stats
+            conjectures.append(Problem(f"it{iteration}_c{len(conjectures)}", seed.header, statement, seed.id, sample))
+    conclusions = [theorem_conclusion(c.statement) for c in conjectures] or [""]
+    return conjectures, {
+        "conjecturer/outputs": len(parsed), "conjecturer/new_conjectures": len(conjectures),
+        "conjecturer/extraction_rate": float(np.mean([s is not None for s in parsed])) if parsed else 0.0,
+        "conjecturer/disjunctive_share": float(np.mean([("∨" in c or "\\/" in c) for c in conclusions])),
+        "conjecturer/conclusion_chars": float(np.mean([len(c) for c in conclusions]))}
 
 
-def review(sampler, tokenizer, conjectures: list[Problem], targets: dict[str, Problem], args: Args, dist) -> tuple[list[float], dict]:
-    """The Guide scores each conjecture against its target (§3.1, Eq. 3): one review per conjecture."""
-    mine = shard(list(enumerate(conjectures)), dist)
-    prompts = [guide_prompt(tokenizer, targets[c.seed_id], c) for _, c in mine]
-    outputs = sampler.generate(
-        prompts, n=1, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens, desc="guide"
-    ) if prompts else []
-    reviews = gather_sorted([(i, parse_guide_scores(out[0].text)) for (i, _), out in zip(mine, outputs)], dist)
-    r_guide = guide_rewards(reviews)
-    parsed = [r for r in reviews if r is not None]
-    stats = {"guide/parse_failure_rate": 1.0 - len(parsed) / len(reviews) if reviews else 0.0}
-    if r_guide:
-        q25, q50, q75 = np.percentile(r_guide, [25, 50, 75])
-        stats.update({"guide/r_guide_mean": float(np.mean(r_guide)), "guide/r_guide_q25": float(q25), "guide/r_guide_median": float(q50),
-                      "guide/r_guide_q75": float(q75), "guide/r_guide_zero_share": float(np.mean([g == 0 for g in r_guide]))})
-    for name in GUIDE_SCORES:
-        if parsed:
-            stats[f"guide/{name}_mean"] = float(np.mean([r[name] for r in parsed]))
-    return r_guide, stats
+def solve(sampler, verifier, tokenizer, problems: list[Problem], args: Args, dist: Dist) -> dict[str, list[Attempt]]:
+    """Alg. 1, step 2: k Solver attempts per problem. Lean checks header + original statement + the extracted proof (the
+    restated theorem is discarded, so the Solver cannot change the statement); each rank checks a share of the
+    distinct (problem, proof) pairs."""
+    prompts = [chat_prompt(tokenizer, SOLVER_PROMPT.format(header=p.header, statement=p.statement)) for p in problems]
+    outputs = generate(sampler, prompts, args.proofs_per_problem, args.max_new_tokens, args, dist, "solve")
+    proofs = [[extract_proof(s.text) for s in row] for row in outputs]
+    jobs = {(p.id, proof): ProofJob(p.header, p.statement, p.statement + proof, p.id)
+            for p, row in zip(problems, proofs) for proof in row if proof is not None}
+    verdicts = dict(zip(jobs, map_sharded(lambda mine: [(v.status, v.valid) for v in verifier.verify(mine)] if mine
+                                          else [], list(jobs.values()), dist)))
+    return {p.id: [Attempt(s, proof, *verdicts.get((p.id, proof), ("no_code", False))) for s, proof in zip(row, parsed)]
+            for p, row, parsed in zip(problems, outputs, proofs)}
 
 
-def record_proofs(store: dict[str, list], attempts: dict[str, list[Attempt]], iteration: int, args: Args) -> None:
-    """Keep up to max_stored_proofs verified proofs per target (official code); a target with one is solved."""
-    for pid, row in attempts.items():
-        known = {p["proof"] for p in store[pid]}
-        for a in row:
+def review(sampler, tokenizer, conjectures: list[Problem], targets: list[Problem], args: Args, dist: Dist
+           ) -> tuple[list[float], dict[str, float]]:
+    """The Guide scores each conjecture (at least one) against its target (§3.1, Eq. 3): R_guide, one review each."""
+    seed = {t.id: t.statement for t in targets}
+    prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed=seed[c.seed_id], conjecture=c.statement))
+               for c in conjectures]
+    reviews = [parse_guide_scores(row[0].text) for row in
+               generate(sampler, prompts, 1, args.guide_max_new_tokens, args, dist, "guide")]
+    r_guide, parsed = guide_rewards(reviews), [r for r in reviews if r is not None]
+    quartiles = zip(("q25", "median", "q75"), np.percentile(r_guide, [25, 50, 75]).tolist())
+    return r_guide, {"guide/parse_failure_rate": 1.0 - len(parsed) / len(reviews),
+                     "guide/r_guide_mean": float(np.mean(r_guide)),
+                     "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
+                     **{f"guide/r_guide_{name}": q for name, q in quartiles},
+                     **{f"guide/{name}_mean": float(np.mean([r[name] for r in parsed])) for name in GUIDE_SCORES
+                        if parsed}}
+
+
+def record_proofs(store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, args: Args) -> None:
+    """Keep up to max_stored_proofs distinct verified proofs per target (official code); a target with one is solved.
+    Conjectures are not stored."""
+    for pid in [pid for pid in attempts if pid in store]:
+        for a in attempts[pid]:
+            known = {p["proof"] for p in store[pid]}
             if a.correct and a.proof not in known and len(store[pid]) < args.max_stored_proofs:
-                known.add(a.proof)
                 store[pid].append({"proof": a.proof, "iteration": iteration, "prompt_ids": a.sample.prompt_ids,
                                    "token_ids": a.sample.token_ids, "text": a.sample.text})
 
 
-def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], store: dict[str, list], iteration: int, args: Args, rng: random.Random) -> list[Example]:
+def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], rates: dict[str, float],
+                    store: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
     """The Solver's training set for this iteration, by objective:
     REINFORCE½ (§3.2): correct attempts at problems (targets and conjectures) with 0 < s <= 1/2, weight = reward;
-    CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage;
+    CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups;
     expert iteration (App. G.4): stored target proofs found in the last ei_window iterations, weight = reward.
     Sequences of weight 0 are left out (deviation 7)."""
-    examples = []
+    rows = [(attempts[p.id], rates[p.id]) for p in problems]
+    if args.solver_objective == "cispo":
+        rewards = [[solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row] for row, _ in rows]
+        groups = [(row, group_advantages(r)) for (row, s), r in zip(rows, rewards) if 0 < s < 1]
+        groups = [(row, adv, float(sum(len(a.sample.token_ids) for a in row))) for row, adv in groups if any(adv)]
+        rng.shuffle(groups)
+        return [Example(a.sample, w, tokens, g) for g, (row, adv, tokens) in enumerate(groups)
+                for a, w in zip(row, adv) if w != 0]
     if args.solver_objective == "expert_iteration":
-        for pid, proofs in store.items():
-            for p in proofs:
-                if p["iteration"] > iteration - args.ei_window:
-                    sample = Sample(p["text"], p["prompt_ids"], p["token_ids"], np.zeros(len(p["token_ids"]), np.float32), "stop")
-                    weight = solver_reward(True, p["proof"], len(p["token_ids"]), args)
-                    if weight != 0:
-                        examples.append(Example(sample, weight))
-        rng.shuffle(examples)
-        return examples
-    if args.solver_objective == "reinforce_half":
-        for p in problems:
-            row = attempts[p.id]
-            if 0 < solve_rate(row) <= args.solve_rate_max:
-                for a in row:
-                    weight = solver_reward(True, a.proof, len(a.sample.token_ids), args) if a.correct else 0.0
-                    if weight != 0:  # incorrect attempts teach nothing in REINFORCE½ (official code)
-                        examples.append(Example(a.sample, weight))
-        rng.shuffle(examples)
-        return examples
-    groups = []
-    for p in problems:  # CISPO keeps whole groups together
-        row = attempts[p.id]
-        if 0 < solve_rate(row) < 1:
-            advantages = group_advantages([solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row])
-            if any(abs(x) > 0 for x in advantages):
-                tokens = float(sum(len(a.sample.token_ids) for a in row))
-                groups.append([Example(a.sample, adv, tokens) for a, adv in zip(row, advantages) if adv != 0])
-    rng.shuffle(groups)
-    for g, group in enumerate(groups):
-        for e in group:
-            e.group = g
-            examples.append(e)
-    return examples
-
-
-def conjecturer_examples(selected: list[Problem], rates: dict[str, float], r_guide: list[float], samples: dict, args: Args, rng: random.Random) -> list[Example]:
-    """The Conjecturer's training set (§3.2, Alg. 1): weight R_guide * (1 - s), min-max normalised over the
-    selected conjectures; an overlong generation's weight is replaced by its penalty (deviation 8).
-    The training target is the whole generation, reasoning included (official code)."""
-    weights = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
-    examples = []
-    for c, w in zip(selected, weights):
-        sample = samples[c.id]
-        penalty = overlong_penalty(len(sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
-        w = penalty if penalty < 0 else w
-        if w != 0:
-            examples.append(Example(sample, w))
+        examples = [Example(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"),
+                            solver_reward(True, p["proof"], len(p["token_ids"]), args))
+                    for proofs in store.values() for p in proofs if p["iteration"] > iteration - args.ei_window]
+    else:  # incorrect attempts teach nothing in REINFORCE½ (official code)
+        examples = [Example(a.sample, solver_reward(True, a.proof, len(a.sample.token_ids), args)) for row, s in rows
+                    if 0 < s <= args.solve_rate_max for a in row if a.correct]
+    examples = [e for e in examples if e.weight != 0]
     rng.shuffle(examples)
     return examples
 
 
-def update(policy, optimizer, examples: list[Example], objective: str, args: Args, dist) -> dict:
-    """One epoch over the examples (official code: one epoch of each iteration's data), batch_size sequences per
-    optimizer step; CISPO batches hold whole groups. Each rank runs its share of every batch."""
-    if objective == "cispo":
-        by_group = {}
-        for e in examples:
-            by_group.setdefault(e.group, []).append(e)
-        groups, per_batch = list(by_group.values()), max(1, args.batch_size // args.proofs_per_problem)
-        batches = [[e for g in groups[i : i + per_batch] for e in g] for i in range(0, len(groups), per_batch)]
+def conjecturer_examples(selected: list[Problem], rates: dict[str, float], r_guide: list[float], args: Args,
+                         rng: random.Random) -> list[Example]:
+    """The Conjecturer's training set (§3.2, Alg. 1): weight R_guide * (1 - s), min-max normalised over the selected
+    conjectures; an overlong generation's weight is replaced by its penalty (deviation 8). The training target is
+    the whole generation, reasoning included (official code)."""
+    penalties = [overlong_penalty(len(c.sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
+                 for c in selected]
+    rewards = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
+    weights = [p if p < 0 else w for p, w in zip(penalties, rewards)]
+    examples = [Example(c.sample, w) for c, w in zip(selected, weights) if w != 0]
+    rng.shuffle(examples)
+    return examples
+
+
+def update(policy, optimizer, examples: list[Example], objective: str, args: Args, dist: Dist) -> dict[str, float]:
+    """One epoch over the examples, batch_size sequences per optimizer step, from a fresh Adam state (official code: a
+    new trainer on each iteration's data). CISPO's examples come group after group (solver_examples)."""
+    optimizer.state.clear()
+    cispo = objective == "cispo"
+    if cispo:  # whole groups, batch_size / k of them
+        size = max(1, args.batch_size // args.proofs_per_problem)
+        batches = [[e for e in examples if g <= e.group < g + size] for g in range(0, examples[-1].group + 1, size)]
     else:
         batches = [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
     losses, norms = [], []
     for batch in batches:
-        n_groups, total = len({e.group for e in batch}), 0.0
-        for micro, scale in micro_batches(batch, args.micro_batch_size, dist):
-            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro], args.temperature, micro_batch=len(micro))
-            weights = torch.tensor([e.weight for e in micro], dtype=logp.dtype, device=logp.device)
-            if objective == "cispo":
-                old = torch.zeros_like(logp)  # the sampler's log-probs: pi_old of the importance weight
-                for j, e in enumerate(micro):
-                    old[j, : len(e.sample.logprobs)] = torch.tensor(e.sample.logprobs, dtype=logp.dtype)
-                group_tokens = torch.tensor([e.group_tokens for e in micro], dtype=logp.dtype, device=logp.device)
-                loss = cispo_loss(logp, old, mask, weights, group_tokens, n_groups, args.cispo_clip_low, args.cispo_clip_high)
+        total, n_groups = 0.0, len({e.group for e in batch})
+        for micro, scale in micro_batches(batch, args.micro_batch_size, dist,
+                                          length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids)):
+            # CISPO's importance ratio compares with the sampler's log-probs: renormalise over its top-p nucleus too
+            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro], args.temperature,
+                                           args.top_p if cispo else 1.0)
+            weights = logp.new_tensor([e.weight for e in micro])
+            if cispo:  # pi_old: the sampler's log-probs, padded as logp
+                old = torch.stack([torch.nn.functional.pad(logp.new_tensor(e.sample.logprobs),
+                                                           (0, logp.shape[1] - len(e.sample.logprobs))) for e in micro])
+                loss = cispo_loss(logp, old, mask, weights, logp.new_tensor([e.group_tokens for e in micro]), n_groups,
+                                  args.cispo_clip_low, args.cispo_clip_high)
             else:
                 loss = reinforce_loss(logp, mask, weights, len(batch))
             # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
@@ -1126,64 +948,35 @@ def update(policy, optimizer, examples: list[Example], objective: str, args: Arg
             total += loss.item() if scale else 0.0
         norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
         losses.append(sum(all_gather_objects(total, dist)))
-    return {"loss": float(np.mean(losses)) if losses else 0.0, "grad_norm": float(np.mean(norms)) if norms else 0.0,
-            "steps": len(batches)}
+    return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": len(batches)}
 
 
 # ---- evaluation ----
-def evaluate(targets: list[Problem], store: dict[str, list], attempts: dict[str, list[Attempt]]) -> dict:
-    """The paper's metric (Fig. 1): the cumulative solve rate, the share of targets with a verified proof at
-    any point so far; and this iteration's pass@k over the targets attempted (Fig. 3)."""
-    tried = [t for t in targets if t.id in attempts]
-    k = len(attempts[tried[0].id]) if tried else 0
-    return {
-        "charts/cumulative_solve_rate": sum(bool(store[t.id]) for t in targets) / len(targets),
-        f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in attempts[t.id]), k) for t in tried])) if tried else 0.0,
-        "charts/targets_attempted": len(tried),
-    }
+def evaluate(targets: list[Problem], store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int
+             ) -> dict[str, float]:
+    """The paper's metric (Fig. 1): the cumulative solve rate, the share of targets with a verified proof at any point
+    so far; this iteration's pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 9);
+    Lean's verdicts over all attempts; the conjectures' mean solve rate."""
+    tried = [attempts[t.id] for t in targets if t.id in attempts]
+    conjectures = [np.mean([a.correct for a in row]) for pid, row in attempts.items() if pid not in store]
+    every = [a for row in attempts.values() for a in row]
+    logps = np.concatenate([a.sample.logprobs for a in every] or [np.zeros(0)])
+    statuses = [a.status for a in every]
+    return {"charts/cumulative_solve_rate": sum(bool(store[t.id]) for t in targets) / len(targets),
+            f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in row), k) for row in tried or [[]]])),
+            "charts/targets_attempted": len(tried), "solver/entropy": -float(logps.mean()) if logps.size else 0.0,
+            **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
+            **({"conjecturer/solve_rate_mean": float(np.mean(conjectures))} if conjectures else {})}
 
 
 # ---- main ----
-# With no CUDA the paper's sizes would take days; these run an iteration on a CPU in about five minutes
-# (SmolLM2-135M samples ~60 tokens/s in a batch of 8: 32 attempts of up to 128 tokens take ~70 s; one training
-# step on 8 x 384 tokens takes ~30 s).
-CPU_DEFAULTS = {
-    "model": "embedded:smollm2",
-    "guide_model": "embedded:smollm2",
-    "dataset": "data/lean_smoke.jsonl",
-    "num_targets": 8,
-    "iterations": 2,
-    "proofs_per_problem": 4,
-    "max_new_tokens": 128,
-    "conjecturer_max_new_tokens": 128,
-    "guide_max_new_tokens": 128,
-    "batch_size": 8,
-    "micro_batch_size": 4,
-    "max_model_len": 1024,
-}
-
-
-def scale_for_cpu(args: Args, argv: list[str]) -> list[str]:
-    """Without CUDA, replace the paper's sizes by CPU_DEFAULTS, except where a flag was given. Returns the changes."""
-    if torch.cuda.is_available():
-        return []
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changes = []
-    for name, value in CPU_DEFAULTS.items():
-        if name not in given and getattr(args, name) != value:
-            changes.append(f"  {name}: {getattr(args, name)} -> {value}")
-            setattr(args, name, value)
-    return changes
-
-
 def main(args: Args) -> None:
-    scaled = scale_for_cpu(args, sys.argv[1:])
-    if args.learning_rate is None:
-        args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6  # best of the App. C sweep
+    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         sys.exit("sgs.py: expert iteration is the solver-only baseline of App. G.4; add --no-conjecturer")
-    use_conjecturer = not args.no_conjecturer
-    train_conjecturer = use_conjecturer and not args.freeze_conjecturer
+    if args.learning_rate is None:
+        args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6  # best of the App. C sweep
+    use_conjecturer, train_conjecturer = not args.no_conjecturer, not (args.no_conjecturer or args.freeze_conjecturer)
     use_guide = train_conjecturer and not args.no_guide  # the Guide only shapes the Conjecturer's reward
     dist = setup_distributed(args.seed)
     try:  # stop at once, before any model is loaded, when there is no Lean
@@ -1191,105 +984,86 @@ def main(args: Args) -> None:
     except LeanNotInstalled as e:
         sys.exit(f"sgs.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n" + "\n".join(scaled))
-    run_dir = run_dir_for(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name, entity=args.wandb_entity)
+        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
+              sep="\n")
+    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
+    logger = Logger(run_dir, vars(args), dist, track=args.track)
     targets = load_problems(args.dataset, args.num_targets)
-    by_id = {t.id: t for t in targets}
-    target_keys = {" ".join(t.statement.split()) for t in targets}
 
-    # the roles: the Solver and the Conjecturer are two trained copies of the base model, the Guide is frozen;
+    # the roles: the Solver and the Conjecturer are two trained copies of the base model, the Guide a frozen one;
     # one sampler serves all three (sync_weights loads a role's weights before it generates)
     tokenizer = load_tokenizer(args.model)
-    solver = prepare_policy(load_model(args.model, dist), dist, args.gradient_checkpointing)
-    models = {"solver": (solver, make_optimizer(solver, args.learning_rate, betas=args.adam_betas))}
-    conjecturer = guide = None
-    if use_conjecturer:
-        conjecturer = load_model(args.conjecturer_model or args.model, dist, train=train_conjecturer)
-        conjecturer = prepare_policy(conjecturer, dist, args.gradient_checkpointing and train_conjecturer)
-        if train_conjecturer:
-            models["conjecturer"] = (conjecturer, make_optimizer(conjecturer, args.conjecturer_learning_rate, betas=args.adam_betas))
-    if use_guide:
-        guide = prepare_policy(load_model(args.guide_model, dist, train=False), dist, gradient_checkpointing=False)
-
+    solver = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
+    conjecturer = load_model(args.conjecturer_model or args.model, dist, train_conjecturer,
+                             args.gradient_checkpointing) if use_conjecturer else None
+    guide = load_model(args.guide_model, dist, train=False) if use_guide else None
+    adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=0.0)  # App. C
+    models = {"solver": (solver, adamw(solver.parameters(), args.learning_rate))}
+    if train_conjecturer:
+        models["conjecturer"] = (conjecturer, adamw(conjecturer.parameters(), args.conjecturer_learning_rate))
     # run state: the proofs stored for each target (solved = at least one) and the number of generations
-    state = {"store": {t.id: [] for t in targets}, "generations": 0}
-    start = 0
+    start, state = 0, {"store": {t.id: [] for t in targets}, "generations": 0}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
         start, state = found[0] + 1, found[1]
         if dist.is_main:
             print(f"resuming {run_dir} at iteration {start}")
-    sampler = make_sampler(args.model, solver, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
-                           gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep)
-    store, stopwatch = state["store"], Stopwatch()
+    sampler = Sampler(args.model, solver, tokenizer, dist, args.backend, args.max_model_len,
+                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
+    store = state["store"]
 
     for iteration in range(start, args.iterations):
-        metrics = {}
-        rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank, so every rank builds the same batches
+        metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
         # 1. Conjecture: one statement for each target that was never solved (Alg. 1)
-        conjectures, conjecture_samples = [], {}
+        conjectures = []
         if use_conjecturer:
-            with stopwatch("conjecture"):
+            with logger.timer("conjecture"):
                 seeds = [t for t in targets if not store[t.id]]
                 sampler.sync_weights(conjecturer)
-                conjectures, conjecture_samples, stats = conjecture(sampler, tokenizer, seeds, target_keys, iteration, args, dist)
+                conjectures, stats = conjecture(sampler, tokenizer, seeds, targets, iteration, args, dist)
                 metrics.update(stats)
                 state["generations"] += len(seeds) * args.conjectures_per_target
 
         # 2. Solve: k attempts at every target and every conjecture (EI: at targets with fewer than 16 proofs)
-        with stopwatch("solve"):
-            attempted = [t for t in targets if args.solver_objective != "expert_iteration" or len(store[t.id]) < args.max_stored_proofs]
-            problems = attempted + conjectures
+        with logger.timer("solve"):
+            problems = [t for t in targets if args.solver_objective != "expert_iteration"
+                        or len(store[t.id]) < args.max_stored_proofs] + conjectures
             sampler.sync_weights(solver)
-            attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args, dist)
+            attempts = solve(sampler, verifier, tokenizer, problems, args, dist)
             state["generations"] += len(problems) * args.proofs_per_problem
-            rates = {p.id: solve_rate(attempts[p.id]) for p in problems}
-            record_proofs(store, {t.id: attempts[t.id] for t in attempted}, iteration, args)
+            rates = {pid: sum(a.correct for a in row) / len(row) for pid, row in attempts.items()}  # s
+            record_proofs(store, attempts, iteration, args)
 
         # 3. The Solver's training set (REINFORCE½, CISPO or EI)
-        solver_set = solver_examples(problems, attempts, store, iteration, args, rng)
+        solver_set = solver_examples(problems, attempts, rates, store, iteration, args, rng)
 
         # 4. The Conjecturer's training set: 0 < s <= p70, R = R_guide * (1 - s), min-max normalised
         conjecturer_set = []
         if train_conjecturer and conjectures:
-            with stopwatch("guide"):
+            with logger.timer("guide"):
                 p70 = percentile_cut([rates[c.id] for c in conjectures], args.conjecture_percentile)
                 selected = [c for c in conjectures if 0 < rates[c.id] <= p70]
                 r_guide = [1.0] * len(selected)  # without a Guide, R = R_solve
                 if use_guide and selected:
                     sampler.sync_weights(guide)
-                    r_guide, stats = review(sampler, tokenizer, selected, by_id, args, dist)
+                    r_guide, stats = review(sampler, tokenizer, selected, targets, args, dist)
                     metrics.update(stats)
-                conjecturer_set = conjecturer_examples(selected, rates, r_guide, conjecture_samples, args, rng)
+                conjecturer_set = conjecturer_examples(selected, rates, r_guide, args, rng)
                 metrics.update({"conjecturer/p70": p70, "conjecturer/selected": len(selected)})
 
-        # 5. Update the Solver and the Conjecturer, each from a fresh optimizer (official: a new trainer each iteration)
-        with stopwatch("update"):
+        # 5. Update the Solver and the Conjecturer, each from a fresh Adam state (official: a new trainer each time)
+        with logger.timer("update"):
             sampler.sleep()
-            if solver_set:
-                models["solver"] = (solver, make_optimizer(solver, args.learning_rate, betas=args.adam_betas))
-                stats = update(solver, models["solver"][1], solver_set, args.solver_objective, args, dist)
-                metrics.update({f"losses/solver_{k}": v for k, v in stats.items()})
-            if conjecturer_set:
-                models["conjecturer"] = (conjecturer, make_optimizer(conjecturer, args.conjecturer_learning_rate, betas=args.adam_betas))
-                stats = update(conjecturer, models["conjecturer"][1], conjecturer_set, "reinforce", args, dist)
-                metrics.update({f"losses/conjecturer_{k}": v for k, v in stats.items()})
+            for name, examples, objective in [("solver", solver_set, args.solver_objective),
+                                              ("conjecturer", conjecturer_set, "reinforce")]:
+                if examples:
+                    stats = update(*models[name], examples, objective, args, dist)
+                    metrics.update({f"losses/{name}_{k}": v for k, v in stats.items()})
 
         # metrics: cumulative solve rate against generations (Fig. 1), pass@k (Fig. 3), Solver entropy (Fig. 7)
-        metrics.update(evaluate(targets, store, {t.id: attempts[t.id] for t in attempted}))
-        metrics["charts/generations"] = state["generations"]
-        metrics["data/solver_examples"], metrics["data/conjecturer_examples"] = len(solver_set), len(conjecturer_set)
-        logps = np.concatenate([a.sample.logprobs for row in attempts.values() for a in row] or [np.zeros(0)])
-        metrics["solver/entropy"] = -float(logps.mean()) if logps.size else 0.0
-        statuses = [a.status for row in attempts.values() for a in row]
-        for status in sorted(set(statuses)):
-            metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
-        if conjectures:
-            metrics["conjecturer/solve_rate_mean"] = float(np.mean([rates[c.id] for c in conjectures]))
-        metrics.update(stopwatch.pop())
-        logger.log(metrics, step=iteration)
-
+        metrics.update({"charts/generations": state["generations"], "data/solver_examples": len(solver_set),
+                        "data/conjecturer_examples": len(conjecturer_set)})
+        logger.log({**metrics, **evaluate(targets, store, attempts, args.proofs_per_problem)}, step=iteration)
         done = args.max_generations is not None and state["generations"] >= args.max_generations
         if (iteration + 1) % args.save_every == 0 or iteration == args.iterations - 1 or done:
             save_checkpoint(run_dir, iteration, models, tokenizer, state, dist)

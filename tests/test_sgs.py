@@ -1,6 +1,8 @@
 """Tests of sgs.py: pure functions against values worked out by hand from the paper's equations, the parsers on
-malformed model output, and (marked slow) end-to-end runs in a subprocess with a tiny model and the stand-in REPL."""
+malformed model output, the phases with a scripted sampler and verifier, a learning test of the update on a tiny model,
+and (marked slow) end-to-end runs in a subprocess with a tiny model and the stand-in REPL."""
 
+import collections
 import json
 import math
 import os
@@ -16,27 +18,27 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import sgs  # noqa: E402
 
+CPU = sgs.Dist(0, 0, 1, torch.device("cpu"), True)
+
 
 def args(**kw):
     return sgs.Args(**kw)
 
 
 # ---- the Guide (Eq. 3) ----
+def review(relevance, redundancy, complexity):
+    return {"relevance": relevance, "redundancy": redundancy, "conclusion_complexity": complexity}
+
+
 def test_guide_reward_eq3():
     # relevance + (2 - complexity) + (1 - redundancy), 0 when complexity >= 3
-    assert sgs.guide_reward(4, 0, 1) == 6.0  # 4 + 1 + 1
-    assert sgs.guide_reward(5, 0, 0) == 8.0  # the maximum: 5 + 2 + 1
-    assert sgs.guide_reward(2, 1, 2) == 2.0  # 2 + 0 + 0
-    assert sgs.guide_reward(0, 1, 2) == 0.0  # 0 + 0 + 0
-    assert sgs.guide_reward(5, 0, 3) == 0.0  # tangled conclusion
-    assert sgs.guide_reward(5, 0, 4) == 0.0
+    cases = [((4, 0, 1), 6.0), ((5, 0, 0), 8.0), ((2, 1, 2), 2.0), ((0, 1, 2), 0.0), ((5, 0, 3), 0.0), ((5, 0, 4), 0.0)]
+    assert sgs.guide_rewards([review(*r) for r, _ in cases]) == [value for _, value in cases]
 
 
 def test_guide_rewards_fill_failed_parses_with_the_batch_mean():
-    ok_a = {"relevance": 4.0, "redundancy": 0.0, "conclusion_complexity": 1.0}  # 6
-    ok_b = {"relevance": 2.0, "redundancy": 1.0, "conclusion_complexity": 2.0}  # 2
-    # the failed review gets (6 + 2) / 2 = 4
-    assert sgs.guide_rewards([ok_a, None, ok_b]) == [6.0, 4.0, 2.0]
+    # 6 and 2 parsed: the failed review gets (6 + 2) / 2 = 4
+    assert sgs.guide_rewards([review(4.0, 0.0, 1.0), None, review(2.0, 1.0, 2.0)]) == [6.0, 4.0, 2.0]
     assert sgs.guide_rewards([None, None]) == [1.0, 1.0]  # nothing parsed: as without a Guide
     assert sgs.guide_rewards([]) == []
 
@@ -52,6 +54,7 @@ def test_parse_guide_scores():
     assert sgs.parse_guide_scores(text.replace("<begin_redundancy_score>0<end_redundancy_score>", "")) is None
     assert sgs.parse_guide_scores(text.replace(" 4 ", "four")) is None
     assert sgs.parse_guide_scores(text.replace(" 4 ", "7")) is None  # off the 0..5 scale
+    assert sgs.parse_guide_scores(text.replace(" 4 ", "nan")) is None
     assert sgs.parse_guide_scores("") is None
     assert sgs.parse_guide_scores("<begin_relevance_score>3") is None  # truncated
 
@@ -66,11 +69,11 @@ def test_percentile_cut():
     assert sgs.percentile_cut([0.25], 0.7) == 0.25  # int(0.7) = 0
 
 
-def test_min_max_and_conjecturer_rewards():
-    assert sgs.min_max_normalise([2.0, 4.0, 6.0]) == [0.0, 0.5, 1.0]
-    assert sgs.min_max_normalise([3.0, 3.0]) == [1.0, 1.0]
+def test_conjecturer_rewards_min_max():
     # R = R_guide * (1 - s): 6 * 0.5 = 3, 4 * 0.75 = 3, 8 * 0.125 = 1 -> min 1, max 3 -> [1, 1, 0]
     assert sgs.conjecturer_rewards([6.0, 4.0, 8.0], [0.5, 0.25, 0.875]) == [1.0, 1.0, 0.0]
+    assert sgs.conjecturer_rewards([2.0, 4.0, 6.0], [0.0, 0.0, 0.0]) == [0.0, 0.5, 1.0]
+    assert sgs.conjecturer_rewards([3.0, 6.0], [0.5, 0.75]) == [1.0, 1.0]  # equal R: all ones
     assert sgs.conjecturer_rewards([], []) == []
 
 
@@ -85,7 +88,7 @@ def test_overlong_penalty():
 
 
 @pytest.mark.parametrize(
-    "proof, expected",
+    "proof, uses_try",
     [
         ("\n  try linarith\n  nlinarith", True),
         ("\n  (try simp) <;> linarith", True),
@@ -96,16 +99,16 @@ def test_overlong_penalty():
         ("\n  exact h_try", False),
         ("\n  exact geometry_lemma", False),
         ("\n  first | try? | simp", True),
+        ("\n  try simp /- an open comment", True),
     ],
 )
-def test_uses_try(proof, expected):
-    assert sgs.uses_try(proof) is expected
+def test_try_penalty(proof, uses_try):
+    assert sgs.solver_reward(True, proof, 10, args(max_new_tokens=100)) == (0.0 if uses_try else 1.0)
 
 
 def test_solver_reward():
     a = args(max_new_tokens=100)
     assert sgs.solver_reward(True, "\n  simp", 10, a) == 1.0
-    assert sgs.solver_reward(True, "\n  try simp", 10, a) == 0.0  # try penalty
     assert sgs.solver_reward(False, None, 10, a) == 0.0
     assert sgs.solver_reward(True, "\n  simp", 90, a) == -0.5  # overlong replaces the reward
     assert sgs.solver_reward(False, None, 95, a) == -0.75
@@ -199,6 +202,7 @@ def test_extract_conjecture():
     )
     assert sgs.extract_conjecture(text) == "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by"
     assert sgs.extract_conjecture("```lean4\nlemma l (n : ℕ) : n ≤ n ^ 2 := by\n```") == "lemma l (n : ℕ) : n ≤ n ^ 2 := by"
+    assert sgs.extract_conjecture("```lean4\nopenness_aux\ntheorem t : 1 = 1 := by sorry\n```") is None  # not a header
 
 
 @pytest.mark.parametrize(
@@ -212,72 +216,19 @@ def test_extract_conjecture():
         "```lean4\ndef f : ℕ := 1\ntheorem t : f = 1 := by sorry\n```",  # not a theorem first
         "```lean4\ntheorem t := by sorry\n```",  # no conclusion
         "```lean4\nsorry sorry := by sorry\n```",
+        "```lean4\nset_option x := by\ntheorem t : 1 = 1 sorry\n```",  # its ':= by' was in a header line
     ],
 )
 def test_extract_conjecture_rejects(text):
     assert sgs.extract_conjecture(text) is None
 
 
-def test_conclusion_and_disjunction():
-    s = "theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by"
-    assert sgs.theorem_conclusion(s) == "x = 1 ∨ x = -1"
-    assert sgs.is_disjunctive(s)
-    s = "theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) (hb : 0 < b) : a ≤ b := by"
-    assert sgs.theorem_conclusion(s) == "a ≤ b"  # the disjunction is in a hypothesis
-    assert not sgs.is_disjunctive(s)
+def test_theorem_conclusion():
+    assert sgs.theorem_conclusion("theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by") == "x = 1 ∨ x = -1"
+    # the disjunction is in a hypothesis
+    assert sgs.theorem_conclusion("theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) (hb : 0 < b) : a ≤ b := by") == "a ≤ b"
     assert sgs.theorem_conclusion("theorem t : let a := 2; a = 2 := by") == "let a := 2; a = 2"
-
-
-# ---- training sets ----
-def fake_sample(n_tokens=3):
-    return sgs.Sample("x", [1, 2], list(range(5, 5 + n_tokens)), [-0.5] * n_tokens, "stop")
-
-
-def fake_attempts(pid, correct_flags, proof="\n  simp"):
-    return [sgs.Attempt(pid, fake_sample(), proof if c else None, "valid" if c else "error", c) for c in correct_flags]
-
-
-def test_solver_examples_reinforce_half_and_cispo():
-    problems = [sgs.Problem(p, "", f"theorem {p} : True := by") for p in "abcd"]
-    attempts = {
-        "a": fake_attempts("a", [False] * 4),  # s = 0: nothing to learn
-        "b": fake_attempts("b", [True, False, False, False]),  # s = 0.25
-        "c": fake_attempts("c", [True, True, False, False]),  # s = 0.5: still in REINFORCE½
-        "d": fake_attempts("d", [True, True, True, False]),  # s = 0.75: too easy for REINFORCE½, in CISPO
-    }
-    attempts["c"][0].proof = "\n  try simp"  # reward 0: dropped
-    a = args(max_new_tokens=100)
-    ex = sgs.solver_examples(problems, attempts, {}, 0, a, random.Random(0))
-    assert sorted(e.weight for e in ex) == [1.0, 1.0]  # b's one and c's second correct proof
-    a = args(max_new_tokens=100, solver_objective="cispo")
-    ex = sgs.solver_examples(problems, attempts, {}, 0, a, random.Random(0))
-    assert len(ex) == 12 and len({e.group for e in ex}) == 3  # groups b, c, d: all 4 attempts each
-    assert all(e.group_tokens == 12.0 for e in ex)  # 4 attempts x 3 tokens
-    for g in {e.group for e in ex}:
-        assert sum(e.weight for e in ex if e.group == g) == pytest.approx(0.0, abs=1e-6)
-
-
-def test_solver_examples_expert_iteration_window():
-    store = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"} for it in range(5)]}
-    a = args(solver_objective="expert_iteration", ei_window=3, max_new_tokens=100)
-    ex = sgs.solver_examples([], {}, store, 4, a, random.Random(0))
-    assert len(ex) == 3  # proofs found in iterations 2, 3, 4
-
-
-def test_record_proofs_caps_and_dedups():
-    store = {"a": []}
-    att = {"a": fake_attempts("a", [True] * 3) + [sgs.Attempt("a", fake_sample(), f"\n  p{i}", "valid", True) for i in range(20)]}
-    sgs.record_proofs(store, att, 0, args())
-    assert len(store["a"]) == 16 and len({p["proof"] for p in store["a"]}) == 16
-
-
-def test_conjecturer_examples():
-    cs = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "conjecture", "t") for i in range(3)]
-    rates = {"c0": 0.5, "c1": 0.25, "c2": 0.875}
-    samples = {"c0": fake_sample(3), "c1": fake_sample(95), "c2": fake_sample(3)}
-    # R = [3, 3, 1] -> [1, 1, 0]; c1's 95 tokens of M = 100 -> penalty -0.75 replaces its weight; c2's 0 is dropped
-    ex = sgs.conjecturer_examples(cs, rates, [6.0, 4.0, 8.0], samples, args(conjecturer_max_new_tokens=100), random.Random(0))
-    assert sorted(e.weight for e in ex) == [-0.75, 1.0]
+    assert sgs.theorem_conclusion("theorem t := by") == ""
 
 
 def test_load_problems(tmp_path):
@@ -287,6 +238,8 @@ def test_load_problems(tmp_path):
         {"name": "p3", "formal_statement": "theorem p3 : 3 = 3 :="},
         {"name": "p3", "formal_statement": "theorem p3b : 3 = 3 := by"},  # a repeated name gets a suffix
         {"id": "p4", "header": "", "theorem": "theorem p4 : 4 = 4 := by"},
+        {"id": "p5", "theorem": "theorem p5 : 5 = 5 := by\n  sorry\n  rfl"},  # holds a proof: dropped
+        {"id": "p6", "theorem": "theorem p6 : 6 = 6 := rfl"},  # no ':= by': dropped
     ]
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -298,19 +251,217 @@ def test_load_problems(tmp_path):
     assert sgs.load_problems(str(path))[3].statement == "theorem p3b : 3 = 3 := by"
 
 
-def test_cpu_scaling_keeps_given_flags(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_cpu_defaults_keep_given_flags():
     a = args(proofs_per_problem=8)
-    changes = sgs.scale_for_cpu(a, ["--proofs-per-problem", "8", "--iterations=5"])
-    assert a.proofs_per_problem == 8 and a.model == "embedded:smollm2"
-    assert not any(c.strip().startswith("iterations") for c in changes)
+    changes = sgs.cpu_defaults(a, ["--proofs-per-problem", "8", "--iterations=5"])
+    assert a.proofs_per_problem == 8 and a.iterations == 500 and a.model == "embedded:smollm2" and a.num_targets == 8
+    assert any(c.strip().startswith("model:") for c in changes)
+    assert not any(c.strip().startswith(("iterations", "proofs_per_problem")) for c in changes)
+
+
+# ---- phases, with a scripted sampler and verifier ----
+class ScriptedSampler:
+    """Answers the i-th prompt of each call with replies[i] (a list of n texts); records the prompts."""
+
+    def __init__(self, replies, finish_reason="stop"):
+        self.replies, self.finish_reason, self.prompts = replies, finish_reason, []
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
+        self.prompts += prompts
+        return [[sgs.Sample(text, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), self.finish_reason) for i, text in enumerate(self.replies[j][:n])]
+                for j in range(len(prompts))]
+
+
+class Tokenizer:  # chat_prompt's only need: the user turn as the prompt
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return messages[-1]["content"]
+
+
+Verdict = collections.namedtuple("Verdict", "status valid")  # the fields of lean_verify's LeanResult that sgs reads
+
+
+class Verifier:
+    """Accepts proofs that contain 'simp'; records the jobs."""
+
+    def __init__(self):
+        self.jobs = []
+
+    def verify(self, jobs):
+        self.jobs += jobs
+        return [Verdict("valid", True) if "simp" in j.proof else Verdict("error", False) for j in jobs]
+
+
+def problem(pid, statement=None, header="import Mathlib\n"):
+    return sgs.Problem(pid, header, statement or f"theorem {pid} : True := by")
+
+
+def test_solve_checks_each_distinct_proof_once():
+    problems = [problem("a"), problem("b")]
+    fence = "```lean4\ntheorem x : True := by\n  {}\n```"
+    replies = [[fence.format("simp"), fence.format("simp"), fence.format("rfl"), "no code"],
+               [fence.format("rfl"), fence.format("simp"), fence.format("simp"), fence.format("simp")]]
+    verifier = Verifier()
+    attempts = sgs.solve(ScriptedSampler(replies), verifier, Tokenizer(), problems, args(proofs_per_problem=4), CPU)
+    assert [(a.proof, a.status, a.correct) for a in attempts["a"]] == [
+        ("\n  simp", "valid", True), ("\n  simp", "valid", True), ("\n  rfl", "error", False), (None, "no_code", False)]
+    assert [a.correct for a in attempts["b"]] == [False, True, True, True]
+    # Lean sees header + the original statement + the proof, each (problem, proof) pair once
+    assert sorted((j.name, j.proof) for j in verifier.jobs) == [
+        ("a", "theorem a : True := by\n  rfl"), ("a", "theorem a : True := by\n  simp"),
+        ("b", "theorem b : True := by\n  rfl"), ("b", "theorem b : True := by\n  simp")]
+    assert all(j.header == "import Mathlib\n" and j.statement == f"theorem {j.name} : True := by" for j in verifier.jobs)
+    # a failed sample (vLLM abort) is a failed attempt, whatever its text
+    attempts = sgs.solve(ScriptedSampler(replies, "abort"), Verifier(), Tokenizer(), problems[:1], args(proofs_per_problem=4), CPU)
+    assert {a.status for a in attempts["a"]} == {"no_code"}
+
+
+def test_conjecture_dedups_and_logs_the_disjunctive_share():
+    seeds = [problem("t1", "theorem t1 (x : ℕ) : x = x := by", header="H1\n"), problem("t2", header="H2\n")]
+    block = "```lean4\n{} := by sorry\n```"
+    replies = [[block.format("theorem c1 (x : ℕ) : x = 1 ∨ x = 2"), block.format("theorem  c1 (x : ℕ) : x = 1 ∨ x = 2")],
+               [block.format("theorem t1 (x : ℕ) : x = x"), "no statement"]]
+    sampler = ScriptedSampler(replies)
+    conjectures, stats = sgs.conjecture(sampler, Tokenizer(), seeds, seeds, 3, args(conjectures_per_target=2), CPU)
+    # the second is the first up to whitespace, the third repeats a target, the fourth does not parse
+    assert [(c.id, c.header, c.statement, c.seed_id) for c in conjectures] == [
+        ("it3_c0", "H1\n", "theorem c1 (x : ℕ) : x = 1 ∨ x = 2 := by", "t1")]
+    assert conjectures[0].sample.text == replies[0][0]
+    assert stats["conjecturer/outputs"] == 4 and stats["conjecturer/extraction_rate"] == 0.75
+    assert stats["conjecturer/disjunctive_share"] == 1.0 and stats["conjecturer/conclusion_chars"] == len("x = 1 ∨ x = 2")
+    assert "theorem t1 (x : ℕ) : x = x := by" in sampler.prompts[0]
+    sampler = ScriptedSampler([[block.format("theorem c (x : ℕ) (h : x ∣ 2 ∨ x ∣ 3) : x ≤ 3")]] * 2)
+    conjectures, stats = sgs.conjecture(sampler, Tokenizer(), seeds, seeds, 0, args(no_problem_conditioning=True), CPU)
+    assert stats["conjecturer/disjunctive_share"] == 0.0  # the disjunction is in a hypothesis
+    assert sampler.prompts == [sgs.CONJECTURER_PROMPT_UNCONDITIONED] * 2
+
+
+def test_review_scores_each_conjecture_against_its_target():
+    targets = [problem("t1", "theorem t1 : 1 = 1 := by")]
+    conjectures = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "t1") for i in range(3)]
+    tags = "<begin_relevance_score>{}<end_relevance_score><begin_redundancy_score>{}<end_redundancy_score>" \
+           "<begin_conclusion_complexity_score>{}<end_conclusion_complexity_score>"
+    sampler = ScriptedSampler([[tags.format(4, 0, 1)], ["no tags"], [tags.format(5, 1, 3)]])
+    r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, targets, args(), CPU)
+    assert r_guide == [6.0, 3.0, 0.0]  # the failed review gets the mean of 6 and 0
+    assert stats["guide/parse_failure_rate"] == pytest.approx(1 / 3) and stats["guide/r_guide_zero_share"] == pytest.approx(1 / 3)
+    assert stats["guide/r_guide_median"] == 3.0 and stats["guide/relevance_mean"] == 4.5
+    assert "theorem t1 : 1 = 1 := by" in sampler.prompts[0] and "theorem c0 : True := by" in sampler.prompts[0]
+
+
+# ---- training sets ----
+def fake_sample(n_tokens=3):
+    return sgs.Sample("x", [1, 2], list(range(5, 5 + n_tokens)), [-0.5] * n_tokens, "stop")
+
+
+def fake_attempts(correct_flags, proof="\n  simp"):
+    return [sgs.Attempt(fake_sample(), proof if c else None, "valid" if c else "error", c) for c in correct_flags]
+
+
+def rates_of(attempts):
+    return {pid: sum(a.correct for a in row) / len(row) for pid, row in attempts.items()}
+
+
+def test_solver_examples_reinforce_half_and_cispo():
+    problems = [problem(p) for p in "abcd"]
+    attempts = {
+        "a": fake_attempts([False] * 4),  # s = 0: nothing to learn
+        "b": fake_attempts([True, False, False, False]),  # s = 0.25
+        "c": fake_attempts([True, True, False, False]),  # s = 0.5: still in REINFORCE½
+        "d": fake_attempts([True, True, True, False]),  # s = 0.75: too easy for REINFORCE½, in CISPO
+    }
+    attempts["c"][0] = attempts["c"][0]._replace(proof="\n  try simp")  # reward 0: dropped
+    a = args(max_new_tokens=100)
+    ex = sgs.solver_examples(problems, attempts, rates_of(attempts), {}, 0, a, random.Random(0))
+    assert sorted(e.weight for e in ex) == [1.0, 1.0]  # b's one and c's second correct proof
+    a = args(max_new_tokens=100, solver_objective="cispo")
+    ex = sgs.solver_examples(problems, attempts, rates_of(attempts), {}, 0, a, random.Random(0))
+    assert len(ex) == 12 and len({e.group for e in ex}) == 3  # groups b, c, d: all 4 attempts each
+    assert [e.group for e in ex] == sorted(e.group for e in ex)  # group after group, as update's batches need
+    assert all(e.group_tokens == 12.0 for e in ex)  # 4 attempts x 3 tokens
+    for g in {e.group for e in ex}:
+        assert sum(e.weight for e in ex if e.group == g) == pytest.approx(0.0, abs=1e-5)
+
+
+def test_solver_examples_expert_iteration_window():
+    store = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"} for it in range(5)]}
+    a = args(solver_objective="expert_iteration", ei_window=3, max_new_tokens=100)
+    ex = sgs.solver_examples([], {}, {}, store, 4, a, random.Random(0))
+    assert len(ex) == 3 and all(e.weight == 1.0 for e in ex)  # proofs found in iterations 2, 3, 4
+
+
+def test_record_proofs_caps_and_dedups_and_skips_conjectures():
+    store = {"a": []}
+    att = {"a": fake_attempts([True] * 3) + [sgs.Attempt(fake_sample(), f"\n  p{i}", "valid", True) for i in range(20)],
+           "it0_c0": fake_attempts([True])}
+    sgs.record_proofs(store, att, 0, args())
+    assert len(store["a"]) == 16 and len({p["proof"] for p in store["a"]}) == 16 and set(store) == {"a"}
+
+
+def test_conjecturer_examples():
+    samples = [fake_sample(3), fake_sample(95), fake_sample(3)]
+    cs = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "t", s) for i, s in enumerate(samples)]
+    rates = {"c0": 0.5, "c1": 0.25, "c2": 0.875}
+    # R = [3, 3, 1] -> [1, 1, 0]; c1's 95 tokens of M = 100 -> penalty -0.75 replaces its weight; c2's 0 is dropped
+    ex = sgs.conjecturer_examples(cs, rates, [6.0, 4.0, 8.0], args(conjecturer_max_new_tokens=100), random.Random(0))
+    assert sorted(e.weight for e in ex) == [-0.75, 1.0]
+
+
+def test_evaluate():
+    targets = [problem(p) for p in "abc"]
+    store = {"a": [{"proof": "p"}], "b": [], "c": []}
+    attempts = {"a": fake_attempts([True, False]), "b": fake_attempts([False, False]), "it0_c0": fake_attempts([True, True])}
+    m = sgs.evaluate(targets, store, attempts, 2)
+    assert m["charts/cumulative_solve_rate"] == pytest.approx(1 / 3) and m["charts/targets_attempted"] == 2
+    assert m["charts/pass@2"] == 0.5 and m["solver/entropy"] == pytest.approx(0.5)
+    assert m["lean/valid_share"] == 0.5 and m["lean/error_share"] == 0.5 and m["conjecturer/solve_rate_mean"] == 1.0
+
+
+# ---- the update learns (the file's own update, on a tiny random model) ----
+@pytest.mark.parametrize("objective", ["reinforce_half", "cispo"])
+def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_model_dir, objective):
+    """A reward that favours one fixed completion raises its log-probability over 20 updates; the opposite lowers it.
+    Catches a flipped sign, a detached loss or a wrong normalisation that the value tests let through."""
+    tok = sgs.load_tokenizer(tiny_model_dir)
+    prompt = sgs.encode_prompt(tok, sgs.chat_prompt(tok, "Prove that 1 + 1 = 2 in Lean 4."))
+    completions = [tok(t, add_special_tokens=False).input_ids for t in ["  norm_num", "  simp", "  decide", "  omega"]]
+    a = args(batch_size=4, micro_batch_size=2, proofs_per_problem=4)
+    logps = {}
+    for sign in (1, -1):
+        torch.manual_seed(0)
+        policy = sgs.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=3e-3, betas=a.adam_betas, weight_decay=0.0)
+
+        def logp_of_favoured():
+            with torch.no_grad():
+                logp, _, _ = sgs.token_logprobs(policy, [sgs.Sample("", prompt, completions[0], [], "stop")])
+            return logp.sum().item()
+
+        with torch.no_grad():  # the sampler's log-probs: CISPO's pi_old
+            old, _, _ = sgs.token_logprobs(policy, [sgs.Sample("", prompt, c, [], "stop") for c in completions])
+        samples = [sgs.Sample("", prompt, c, old[i, : len(c)].tolist(), "stop") for i, c in enumerate(completions)]
+        rewards = [float(i == 0) if sign > 0 else float(i != 0) for i in range(4)]  # favour the first, or the others
+        if objective == "cispo":
+            tokens = float(sum(map(len, completions)))
+            examples = [sgs.Example(s, w, tokens, 0) for s, w in zip(samples, sgs.group_advantages(rewards))]
+        else:  # REINFORCE: the favoured completion with reward +1, or -1 (a penalty)
+            examples = [sgs.Example(samples[0], float(sign))]
+        before = logp_of_favoured()
+        for _ in range(20):
+            stats = sgs.update(policy, optimizer, examples, objective, a, CPU)
+        logps[sign] = (before, logp_of_favoured())
+        assert stats["steps"] == 1 and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    print(f"\n{objective}: log p(favoured) rewarded {logps[1][0]:.2f} -> {logps[1][1]:.2f}, "
+          f"penalised {logps[-1][0]:.2f} -> {logps[-1][1]:.2f}")
+    assert logps[1][1] > logps[1][0] + 2.0
+    assert logps[-1][1] < logps[-1][0] - 2.0
 
 
 # ---- end to end (slow): subprocess runs with the stand-in REPL ----
 # A random model never writes a ```lean4 block, so the training paths need a model that does. primed_model_dir is
 # a 2-layer Llama with a 712-token BPE vocabulary (cheap to train on 2 cores), fitted for a few hundred steps to
-# answer each role's prompt in its format: Solver/prover tactics, conjectures, Guide tags. Its samples are noisy
-# enough that extraction fails now and then, and the stand-in's hash rule gives mixed solve rates.
+# answer each role's prompt in its format: Solver/prover tactics, conjectures, Guide tags (for sgs.py and stp.py,
+# whose prompts it reads from their module constants). Its samples are noisy enough that extraction fails now and
+# then, and the stand-in's hash rule gives mixed solve rates.
 PRIMED_TACTICS = ["norm_num", "simp", "linarith", "nlinarith [sq_nonneg x]", "omega", "decide", "ring", "positivity", "try simp", "rfl"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -319,24 +470,24 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def primed_pairs(tok, rows, rng):
     import stp
 
-    a = stp.Args(max_prompt_tokens=512)
     pairs = []
     for row in rows:
-        sp = sgs.Problem(row["name"], row["header"], row["formal_statement"])
-        tp = stp.Problem(row["name"], row["header"], row["formal_statement"])
-        pairs += [(sgs.solver_prompt(tok, sp), f"```lean4\ntheorem t : True := by\n  {t}\n```") for t in PRIMED_TACTICS]
-        pairs += [(stp.prover_prompt(tok, tp, a), f"\n  {t}\n```") for t in PRIMED_TACTICS]
+        header, statement = row["header"], row["formal_statement"]
+        solver = sgs.chat_prompt(tok, sgs.SOLVER_PROMPT.format(header=header, statement=statement))
+        pairs += [(solver, f"```lean4\ntheorem t : True := by\n  {t}\n```") for t in PRIMED_TACTICS]
+        pairs += [(stp.PROVER_PROMPT.format(header=header, statement=statement), f"\n  {t}\n```") for t in PRIMED_TACTICS]
         for _ in range(6):
             n = rng.randint(1, 9)
             conclusion = rng.choice([f"x + {n} > {n}", f"x = {n} ∨ x = {n + 1}", f"{n} ≤ x ^ 2 + {n}"])
             conj = f"theorem c_{n} (x : ℕ) (h : 0 < x) : {conclusion} := by"
             r, d, c = rng.randint(0, 5), rng.randint(0, 1), rng.randint(0, 4)
-            pairs.append((sgs.conjecturer_prompt(tok, sp), f"A lemma:\n```lean4\n{conj} sorry\n```"))
-            pairs.append((sgs.guide_prompt(tok, sp, sgs.Problem("c", "", conj)),
+            pairs.append((sgs.chat_prompt(tok, sgs.CONJECTURER_PROMPT.format(statement=statement)), f"A lemma:\n```lean4\n{conj} sorry\n```"))
+            pairs.append((sgs.chat_prompt(tok, sgs.GUIDE_PROMPT.format(seed=statement, conjecture=conj)),
                           f"<begin_relevance_score>{r}<end_relevance_score>\n<begin_redundancy_score>{d}<end_redundancy_score>\n"
                           f"<begin_conclusion_complexity_score>{c}<end_conclusion_complexity_score>"))
-            lemma = rng.choice(["", "sq_nonneg"])
-            pairs.append((stp.conjecturer_prompt(tok, row["header"], lemma, row["formal_statement"] + "\n  norm_num", a), f"\n{conj}\n{stp.END_THM}"))
+            lemma = rng.choice(["theorem sq_nonneg", stp.EMPTY_LEMMA])
+            pairs.append((stp.CONJECTURER_PROMPT.format(header=header, lemma=lemma, seed=statement + "\n  norm_num"),
+                          f"\n{conj}\n{stp.END_THM}"))
     return pairs
 
 
@@ -478,6 +629,12 @@ def test_official_experiments_run(primed_model_dir, tmp_path, flags, present, ab
         assert key in row, key
     for key in absent:
         assert key not in row, key
+
+
+def test_expert_iteration_needs_no_conjecturer():
+    done = subprocess.run([sys.executable, "sgs.py", "--solver-objective", "expert_iteration"], cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode != 0 and "--no-conjecturer" in done.stderr
 
 
 @pytest.mark.slow
