@@ -1306,7 +1306,9 @@ class _ReplPool:
         self.starts = 0      # REPL processes started (stats)
         self.recycles = 0    # restarts for max_uses / memory
 
-    def acquire(self, header: str, worker: _Worker | None = None, prefer=None) -> _Worker | None:
+    def acquire(self, header: str, worker: _Worker | None = None, prefer=None, wait: bool = True) -> _Worker | None:
+        """A worker for `header` (or `worker` itself), marked busy; None if `worker` was retired, or if
+        wait=False and one would have to wait. `prefer(w)` ranks idle workers of the header."""
         victim = None
         with self.cond:
             while True:
@@ -1320,7 +1322,7 @@ class _ReplPool:
                     continue
                 same = [w for w in self.workers if not w.busy and w.header == header]
                 if same:
-                    w = max(same, key=lambda w: (w.live(), bool(prefer and prefer(w))))
+                    w = max(same, key=lambda w: (w.live(), prefer(w) if prefer else 0))
                     w.busy = True
                     return w
                 if len(self.workers) < self.size:
@@ -1337,6 +1339,8 @@ class _ReplPool:
                     w.busy = True
                     self.workers.append(w)
                     break
+                if not wait:
+                    return None
                 self.cond.wait()
         victim.stop()
         return w
@@ -1650,14 +1654,17 @@ class LeanVerifier:
         """Root proof state of `statement` (which ends in ':= by') under `header`: the REPL's proof state at
         `statement sorry`. The state lives in the REPL that made it (its affinity)."""
         self._require_repl()
-        header, statement = str(header or ""), str(statement or "")
+        return self._start(str(header or ""), str(statement or ""), None)
+
+    def _start(self, header: str, statement: str, held: _Worker | None) -> TacticState:
+        """start_proof on the worker `held` (the caller holds it), or on one acquired here."""
         try:
             _, _, lean_statement = _prepare_statement(statement)
         except _Reject as r:
             return self._tstate(header, statement, [], f"{r.status}: {r.rule}: {r.detail}")
         last = None
         for _attempt in range(2):
-            w = self._pool.acquire(header)
+            w = held or self._pool.acquire(header)
             try:
                 self._ensure(w)
                 resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout)
@@ -1674,16 +1681,42 @@ class LeanVerifier:
                 w.stop()
                 last = e
             finally:
-                self._pool.release(w)
+                if held is None:
+                    self._pool.release(w)
         return self._tstate(header, statement, [], f"crash: {last}", "crash")
 
     def start_proofs(self, items: list) -> list:
-        """start_proof for each (header, statement), in parallel over the pool: the roots (and so the
-        searches from them) are spread over the REPLs."""
+        """start_proof for each (header, statement), spread evenly over the pool's REPLs (round robin over
+        as many REPLs of the header as it can have, started in parallel): the searches from these roots
+        then run in parallel."""
         self._require_repl()
-        items = list(items)
-        return self._in_parallel([(i, lambda it=it: self.start_proof(*it)) for i, it in enumerate(items)],
-                                 len(items), self._pool.size)
+        items = [(str(h or ""), str(st or "")) for h, st in items]
+        results: list = [None] * len(items)
+        by_header: dict = {}
+        for i, (h, _) in enumerate(items):
+            by_header.setdefault(h, []).append(i)
+        for header, idx in by_header.items():
+            held = []
+            while len(held) < min(self._pool.size, len(idx)):
+                w = self._pool.acquire(header, wait=False)
+                if w is None:
+                    break
+                held.append(w)
+            try:
+                if held:
+                    shares = [(w, idx[j::len(held)]) for j, w in enumerate(held)]
+                    tasks = [(k, lambda w=w, share=share: [self._start(*items[i], w) for i in share])
+                             for k, (w, share) in enumerate(shares)]
+                    for (w, share), roots in zip(shares, self._in_parallel(tasks, len(tasks), len(tasks))):
+                        for i, root in zip(share, roots):
+                            results[i] = root
+                else:   # every REPL is busy: one at a time, as they free up
+                    for i in idx:
+                        results[i] = self.start_proof(*items[i])
+            finally:
+                for w in held:
+                    self._pool.release(w)
+        return results
 
     def _root_state(self, resp, header, statement, w) -> TacticState:
         if "message" in resp and "env" not in resp:
