@@ -1158,3 +1158,44 @@ def test_real_lean_tactic_mode():
         s = v.apply_tactic(s, "exact h₂ (h₁ hp)")
         assert s.solved
         assert v.check_tactic_path(s).valid
+        assert s.proof_status is None or s.proof_status == "Completed"   # v4.15.0 sends none
+        two = by_name("smoke_two_goals")
+        r = v.start_proof(two["header"], two["formal_statement"])
+        for block in ("constructor\n· linarith\n· linarith", "constructor; linarith; linarith"):
+            b = v.apply_tactic(r, block)                 # sent as one parenthesised sequence
+            assert b.solved and v.check_tactic_path(b).valid, (block, b.error)
+        bad = v.apply_tactic(r, "constructor\nlinarith\nlinarith")
+        assert bad.status in ("open", "solved")        # a sequence, not "expected end of input"
+
+
+@pytest.mark.lean
+@real_lean
+def test_real_lean_tactic_table():
+    """The stand-in's tactic table against Lean: every known proof, step by step, gives the table's goals."""
+    with LeanVerifier(timeout=120, header_timeout=900, workers=1) as v:
+        for row in TACTIC_ROWS:
+            s = v.start_proof(row["header"], row["formal_statement"])
+            assert s.goals == [row["goal"]], row["name"]
+            table = {(re.sub(r"^case [^\n]*\n", "", t["goal"]), t["tactic"]): t for t in row["transitions"]}
+            for t in row["proof"]:
+                want = table[(re.sub(r"^case [^\n]*\n", "", s.goals[0]), t)]["goals"]
+                s = v.apply_tactic(s, t)
+                assert s.error is None and s.goals[:len(want)] == want, (row["name"], t, s.goals, s.error)
+            assert s.solved and v.check_tactic_path(s).valid, row["name"]
+
+
+@pytest.mark.lean
+@real_lean
+def test_real_lean_names_constants_and_statements():
+    """`_root_.` checks with a same-named theorem opened from a namespace; allTactics' usedConstants;
+    `#check` signatures (the exact text printed is what only a real install shows)."""
+    row = TACTIC_ROWS[0]
+    st = row["formal_statement"]
+    with LeanVerifier(timeout=120, header_timeout=900, workers=1) as v:
+        amb = v.verify([ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega")])[0]
+        assert amb.valid, amb.reason
+        res = v.verify([ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))], used_constants=True)[0]
+        assert res.valid and {"lt_trans", "le_of_lt"} <= set(res.used_constants), res.used_constants
+        got = v.statements(H, ["lt_trans", "Nat.add_comm", "no_such_lemma_xyz"])
+        assert got["Nat.add_comm"].startswith("Nat.add_comm") and " : " in got["lt_trans"]
+        assert got["no_such_lemma_xyz"] is None
