@@ -114,6 +114,9 @@ DEFAULT_AXIOMS = ["propext", "Classical.choice", "Quot.sound"]
 LIBRARY = {
     "lt_trans": "{α : Type u_1} [Preorder α] {a b c : α} : a < b → b < c → a < c",
     "le_of_lt": "{α : Type u_1} [Preorder α] {a b : α} (h : a < b) : a ≤ b",
+    "Nat.lt_trans": "{n m k : ℕ} (h₁ : n < m) : m < k → n < k",
+    "Nat.le_of_lt": "{n m : ℕ} (h : n < m) : n ≤ m",
+    "Nat.left_distrib": "(n m k : ℕ) : n * (m + k) = n * m + n * k",
     "mul_add": "{R : Type u_1} [Mul R] [Add R] [LeftDistribClass R] (a b c : R) : a * (b + c) = a * b + a * c",
     "sq_nonneg": "{α : Type u_1} [LinearOrderedRing α] (a : α) : 0 ≤ a ^ 2",
     "abs_of_nonneg": "{α : Type u_1} [Lattice α] [AddGroup α] {a : α} [CovariantClass α α (· + ·) (· ≤ ·)] "

@@ -806,7 +806,7 @@ def test_apply_tactics_batch_order_affinity_and_parallelism(tmp_path):
         assert count(stats, "start") == starts                                  # no state rebuilt elsewhere
         assert elapsed < 8 * 0.15 - 0.2, elapsed                               # two REPLs answered in parallel
         assert v.apply_tactics([]) == []
-        again = v.expand(res[0], ["exact lt_trans h₁ h₀", "omega", "positivity"])
+        again = v.expand(res[0], ["exact Nat.lt_trans h₁ h₀", "omega", "positivity"])
         assert [r.status for r in again] == ["open", "open", "error"] and len(again[0].goals) == 1
 
 
@@ -817,7 +817,7 @@ def test_goal_key_merges_identical_states(tmp_path):
         root = v.start_proof(row["header"], row["formal_statement"])
         a, b, c = v.expand(root, ["constructor", "refine ⟨?_, ?_⟩", "exact h₀"])
         assert a.goals != b.goals and a.key == b.key and a.key != root.key     # case tags differ only
-        assert c.status == "error" and v.apply_tactic(a, "exact lt_trans h₁ h₀").key != a.key
+        assert c.status == "error" and v.apply_tactic(a, "exact Nat.lt_trans h₁ h₀").key != a.key
         chain = TACTIC_ROWS[2]
         r2 = v.start_proof(chain["header"], chain["formal_statement"])
         x, y = v.expand(r2, ["intro hp", "intro h"])
@@ -880,8 +880,8 @@ def test_used_constants_and_statements(tmp_path):
     with v:
         assert v.verify([job])[0].used_constants is None
         a, b, c = v.verify([job, job2, job3], used_constants=True)
-        assert a.valid and a.used_constants == ["lt_trans", "le_of_lt"]
-        assert b.valid and b.used_constants == ["Finset.sum_range_succ", "mul_add"]
+        assert a.valid and a.used_constants == ["Nat.lt_trans", "Nat.le_of_lt"]
+        assert b.valid and b.used_constants == ["Finset.sum_range_succ", "Nat.left_distrib"]
         assert c.valid and c.used_constants == []
         assert v.verify([job3], used_constants="all")[0].used_constants == ["OfNat.ofNat", "instOfNatNat"]
         cmds = count(stats, "cmd")
@@ -1195,7 +1195,7 @@ def test_real_lean_names_constants_and_statements():
         amb = v.verify([ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega")])[0]
         assert amb.valid, amb.reason
         res = v.verify([ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))], used_constants=True)[0]
-        assert res.valid and {"lt_trans", "le_of_lt"} <= set(res.used_constants), res.used_constants
+        assert res.valid and {"Nat.lt_trans", "Nat.le_of_lt"} <= set(res.used_constants), res.used_constants
         got = v.statements(H, ["lt_trans", "Nat.add_comm", "no_such_lemma_xyz"])
         assert got["Nat.add_comm"].startswith("Nat.add_comm") and " : " in got["lt_trans"]
         assert got["no_such_lemma_xyz"] is None
