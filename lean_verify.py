@@ -1450,10 +1450,12 @@ class LeanVerifier:
         n``), or None (unknown, not a name, or Lean failed)}, in one round trip for the whole list, in the
         environment of `header`. Use with ``verify(..., used_constants=True)`` to show a lemma a proof
         invokes (STP's conjecturer)."""
+        if self._closed:
+            raise RuntimeError("LeanVerifier is closed")
         names = [str(n) for n in names]
         out = dict.fromkeys(names)
         good = list(dict.fromkeys(n for n in names if _is_name(n)))
-        if not good or self._closed:
+        if not good:
             return out
         header = str(header or "")
         if self.backend == "kimina":
@@ -1599,7 +1601,7 @@ class LeanVerifier:
             if orig_type is None:
                 return _fail("error", f"statement: the original statement does not elaborate: {orig_err}")
         request = {"cmd": prep.lean_proof, "env": w.env}
-        if used_constants and self.backend == "repl":
+        if used_constants:
             request["allTactics"] = True
         resp = w.request(self._pool, request, self.timeout)
         spent = w.last_time
