@@ -74,6 +74,11 @@ best-first search (ReProver, RiR, CoProver)::
   restarts the REPLs holding a finished search's states (all if None).
 * Each step has a ``timeout`` (the verifier's, or ``timeout=`` per call); a
   timeout kills that REPL, so its other states are replayed when next used.
+* A built-in theorem set for search: data/lean_tactics.jsonl, small theorems
+  each with its header, statement, root goal, a known proof (a tactic list) and
+  the table of (goal, tactic) -> new goals or error, with alternatives and dead
+  ends. The stand-in REPL (tests/fake_lean_repl.py) follows the table, so a
+  search can be tested without Lean.
 
 Constants and statements (for STP's conjecturer)
 ------------------------------------------------
