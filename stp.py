@@ -1017,12 +1017,12 @@ def retrain_from_base(sampler, problems: dict, history: dict, proofs: dict, orig
 
 # ---- evaluation ----
 def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Problem],
-                  attempts: dict[str, list[Attempt]], proofs: dict) -> dict[str, float]:
-    """The paper's training curve: the share of dataset statements proved so far (against charts/generations); this
-    round's mean success rate over its targets and its conjectures; Lean's verdicts."""
+                  attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
+    """The paper's training curve: the share of dataset statements proved so far against the generations sampled;
+    this round's mean success rate over its targets and its conjectures; Lean's verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
-            "charts/targets": len(targets),
+            "charts/generations": generations, "charts/targets": len(targets),
             "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
             **({"conjecturer/solve_rate_mean": float(np.mean([solve_rate(attempts[c.id]) for c in conjectures]))}
@@ -1088,7 +1088,6 @@ def main(args: Args) -> None:
 
     for round_ in range(start, args.rounds):
         metrics, rng = {}, random.Random(f"{args.seed}/{round_}")  # the same on every rank: the same data
-
         conjectures = []
         if not baseline:  # 1-2. Seeds and conjectures
             with logger.timer("conjecture"):
@@ -1128,8 +1127,7 @@ def main(args: Args) -> None:
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
                 sampler.sync_weights(policy)
 
-        metrics.update({**solve_metrics(statements, targets, conjectures, attempts, proofs),
-                        "charts/generations": state["generations"]})
+        metrics.update(solve_metrics(statements, targets, conjectures, attempts, proofs, state["generations"]))
         if args.eval_every and (round_ + 1) % args.eval_every == 0 and round_ != args.rounds - 1:
             with logger.timer("eval"):
                 metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
