@@ -32,9 +32,9 @@ data/minif2f.jsonl and data/proofnet.jsonl are the Lean 4 versions of the DeepSe
 Deliberate deviations (where the paper is silent this file follows the official code):
   1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
      --model. DeepSeek-Prover-V1.5-SFT itself has never seen the conjecturing format.
-  2. STP reads the lemmas a proof invokes from the AST of DeepSeek's REPL fork, and their statements from a LeanDojo
-     table; the upstream REPL's info trees or usedConstants would give them, but lean_verify returns neither. So
-     they come from a static scan (`invoked_lemmas`), and the prompt shows a lemma by name.
+  2. The lemmas a proof invokes come from a static scan (`invoked_lemmas`) and the prompt shows a lemma by name: STP
+     reads them from the AST of DeepSeek's REPL fork and a LeanDojo table; the upstream REPL's info trees or
+     usedConstants would give them, but lean_verify returns neither.
   3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header lines
      its training prompt has).
   4. The cap on the uses of one lemma (10% of the statements) does not apply to the empty lemma.
@@ -46,8 +46,7 @@ Deliberate deviations (where the paper is silent this file follows the official 
   7. Stage 3 does not mix in the mathlib SFT data (not shipped); the chunked pass@k std is the population std.
   8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
   9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; generation
-     and verification are not pipelined; a (statement, proof) pair sampled twice is checked once (the official
-     multiplicity count has the same effect).
+     and verification are not pipelined; a (statement, proof) pair sampled twice is checked once.
  10. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
      deduplicated lean_workbook_dedup.json (not released).
 """
@@ -650,9 +649,8 @@ def extract_proof(completion: str) -> str | None:
 
 def extract_conjecture(completion: str, finish_reason: str = "stop") -> str | None:
     """The conjecturer's statement, ending with ':= by', or None. Official rule: the text before </hard theorem>,
-    with 'theorem ' in front, cut before its first ':=', then ':= by'. Here a completion that ran out of tokens
-    before </hard theorem> (or failed) is dropped, and the statement needs a name, a conclusion, no sorry and no
-    prompt marker."""
+    with 'theorem ' in front, cut before its first ':=', then ':= by'. Here a completion that failed or ran out of
+    tokens before </hard theorem> is dropped, and a statement needs a name and a conclusion, no sorry or marker."""
     if finish_reason not in ("stop", "length") or (finish_reason == "length" and END_THM not in completion):
         return None
     text = re.sub(r"^(lemma |theorem |)", "theorem ", completion.split(END_THM, 1)[0].strip())
@@ -866,8 +864,7 @@ def select_targets(statements: list[Problem], conjectures: list[Problem], proofs
 
 
 def record(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], round_: int) -> None:
-    """Book-keeping: each statement's (samples, correct) per round and its distinct correct proofs, with the round
-    and the verification time of each."""
+    """Each statement's (samples, correct) per round, and its distinct correct proofs with round and Lean time."""
     for pid, row in attempts.items():
         history.setdefault(pid, {})[round_] = (len(row), sum(a.correct for a in row))
         found = proofs.setdefault(pid, [])
@@ -930,12 +927,10 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
 
 def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], policy,
                          tokenizer, args: Args, dist, rng: random.Random) -> tuple[list[Example], dict]:
-    """The conjecturer's data (official Sampler_base.get_conjecture_examples):
-    1. conjectures in the band 0 < success < 1/4; the shared lemma stays in the prompt when a proof invokes it,
-       and at most max(20 #invoking, 4096) others are kept with the empty lemma;
-    2. elegance: in each lemma group, drop those below the 20% quantile of proof/statement length ratio;
-    3. matching: weights that move the conjectures toward the still-unproved statements (cap 4).
-    Target: the conjecture's statement and </hard theorem>."""
+    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures in the band
+    0 < success < 1/4, with the shared lemma in the prompt if a proof invokes it (then at most max(20 #invoking, 4096)
+    others, with the empty lemma); minus the least elegant (elegance_filter); weighted by matching_weights toward the
+    unproved statements. Target: the conjecture's statement and </hard theorem>."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts[c.id]) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
                                                    for p in proofs[c.id])]
