@@ -21,8 +21,7 @@ The shared weights are updated with Task-Relative REINFORCE++ (AZR Eq. 8: advant
 role group), the PPO clipped objective and no KL, once per rejection-sampling step and per solver phase (App. D).
 
 Run
-  python gasp.py                               # no GPU: CPU_DEFAULTS (SmolLM2-135M, the built-in goalposts, a
-                                               # HumanEval subset; ~10 min on 2 cores)
+  python gasp.py                               # no GPU: CPU_DEFAULTS (SmolLM2-135M; ~10 min on 2 cores)
   torchrun --nproc_per_node 8 gasp.py          # 8xH200: the paper's defaults (Qwen2.5-Coder-7B, LiveCodeBench)
   torchrun --nproc_per_node 8 gasp.py --resume # continue from the latest checkpoint
 
@@ -51,6 +50,7 @@ Deviations (values the text lost are AZR's or ours, see Args)
 """
 
 import base64
+import collections
 import dataclasses
 import importlib.util
 import json
@@ -60,7 +60,6 @@ import random
 import sys
 import time
 import zlib
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -750,18 +749,11 @@ class Logger:
 
 
 # ---- data ----
-@dataclass
-class CodeProblem:
-    """A real programming problem: a goalpost, a training-split question or an evaluation question."""
-
-    id: str
-    question: str  # the statement shown to the model
-    kind: str  # "stdin" | "call" (LiveCodeBench) | "asserts" (HumanEval)
-    tests: list[dict] = field(default_factory=list)  # LCB: {"input", "output", "testtype"}, public then private
-    starter_code: str = ""
-    func_name: str | None = None
-    test_code: str = ""  # HumanEval: the check() function
-    entry_point: str = ""
+# A real programming problem (a goalpost, a training-split or an evaluation question): the statement shown to the
+# model; kind "stdin" or "call" (LiveCodeBench: tests {"input", "output", "testtype"}, public then private, starter
+# code and function name) or "asserts" (HumanEval: its check() code and entry point).
+CodeProblem = collections.namedtuple("CodeProblem", "id question kind tests starter_code func_name test_code "
+                                     "entry_point", defaults=((), "", None, "", ""))
 
 
 def decode_lcb_tests(raw: str) -> list[dict]:
@@ -868,17 +860,12 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     with torch.no_grad():
         return loss, {"pg_sum": float((pg * mask).sum()), "entropy_sum": float((entropy * mask).sum()),
                       "clip_sum": float((((ratio - 1.0).abs() > clip_coef).float() * mask).sum()),
-                      "kl_sum": float((((ratio - 1.0) - (logp - old_logp)) * mask).sum())}  # k3 estimate of KL(old||new)
+                      "kl_sum": float((((ratio - 1.0) - (logp - old_logp)) * mask).sum())}  # k3 estimate of KL
 
 
 # ---- phases ----
-@dataclass
-class Rollout:
-    """A sequence to train on, its reward and its TRR++ group: (task type, role) or, for GRPO, ("real", question)."""
-
-    sample: Sample
-    reward: float
-    group: tuple[str, str]
+# A sequence to train on, its reward and its TRR++ group: (task type, role), or ("real", question id) for GRPO.
+Rollout = collections.namedtuple("Rollout", "sample reward group")
 
 
 class Embedder:
@@ -1029,7 +1016,9 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
                    for s, ([(task, reason)], tokens, [x]) in zip(open_slots, rows)]
         valid = [r for r, _ in drafted if not r["reason"]]
         with logger.timer("embedding"):  # the question text and the code, for the novelty filter (Sec. 3.3.1)
-            for r, q, c in zip(valid, embedder([r["message"] for r in valid]), embedder([r["program"] for r in valid])):
+            embeddings = map_sharded(lambda part: [(q.clone(), c.clone()) for q, c in zip(
+                embedder([r["message"] for r in part]), embedder([r["program"] for r in part]))], valid, dist)
+            for r, (q, c) in zip(valid, embeddings):
                 r["q_emb"], r["c_emb"] = q, c
         if args.rejection_sampling and buffer and valid:  # novelty against the buffer, before paying for pass rates
             for r, sim in zip(valid, max_similarity(valid, buffer)):
@@ -1132,7 +1121,7 @@ def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist
         return {"losses/sequences": float(len(rollouts))}  # the passes and the step; AdamW's moments stay
     num_tokens = max(1.0, float(sum(len(r.sample.token_ids) for r in rollouts)))
     sampler.sleep()  # vLLM frees the GPU while the policy trains; sync_weights wakes it with the new weights
-    sums = Counter()
+    sums = collections.Counter()
     for batch, scale in micro_batches(list(zip(rollouts, adv)), args.micro_batch, dist,
                                       length=lambda x: len(x[0].sample.prompt_ids) + len(x[0].sample.token_ids)):
         samples = [r.sample for r, _ in batch]
@@ -1140,9 +1129,8 @@ def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist
                                              entropy_grad=args.ent_coef > 0)
         old = torch.stack([torch.nn.functional.pad(torch.tensor(list(s.logprobs), dtype=logp.dtype),
                                                    (0, logp.shape[1] - len(s.logprobs))) for s in samples])
-        a = torch.tensor([x for _, x in batch], dtype=logp.dtype, device=logp.device)
-        loss, stats = ppo_clip_loss(logp, old.to(logp.device), a, mask, args.clip_coef, num_tokens, entropy,
-                                    args.ent_coef)
+        loss, stats = ppo_clip_loss(logp, old.to(logp.device), torch.tensor([x for _, x in batch]).to(logp), mask,
+                                    args.clip_coef, num_tokens, entropy, args.ent_coef)
         (loss * scale * len(rollouts)).backward()  # scale * len = world size (0: padding), undone by FSDP2's mean
         sums.update({k: v * (scale > 0) for k, v in stats.items()})
     grad_norm = optimizer_step(policy, optimizer, args.max_grad_norm)
@@ -1165,13 +1153,14 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
     proposals' dissimilarity to the buffer of earlier iterations (App. B, Eq. 7 [RECON])."""
     m = {"tokens/teacher": float(sum(r["tokens"] for r in records)),
          "charts/goalposts_with_accepted_lemma": float(len({r["goalpost"] for r in records if r["accepted"]}))}
-    m |= {f"charts/rejected_{k}": float(v) for k, v in Counter(r["reason"] for r in records if r["reason"]).items()}
+    reasons = collections.Counter(r["reason"] for r in records if r["reason"])
+    m |= {f"charts/rejected_{k}": float(v) for k, v in reasons.items()}
     for stage in sorted({r["stage"] for r in records}):
         rs = [r for r in records if r["stage"] == stage]
         rates = [r["pass_rate"] for r in rs if "pass_rate" in r]
         accepted = [r["pass_rate"] for r in rs if r["accepted"]]
         m |= {f"charts/{stage}_proposals": float(len(rs)), f"charts/{stage}_accepted": float(len(accepted)),
-              f"charts/{stage}_reward": float(np.mean([r["reward"] for r in rs])),  # valid: not a format error
+              f"charts/{stage}_reward": float(np.mean([r["reward"] for r in rs])),
               f"charts/{stage}_valid_rate": float(np.mean([r["reason"] in ("", "too_easy", "too_hard", "similar")
                                                            for r in rs]))}
         m |= {f"charts/{stage}_pass_rate_estimated": float(np.mean(rates))} if rates else {}
