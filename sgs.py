@@ -189,8 +189,8 @@ class Args:
 # samples ~60 tokens/s in a batch of 8: 32 attempts of up to 128 tokens take ~70 s; a training step on 8 x 384 tokens
 # takes ~30 s).
 CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", dataset="data/lean_smoke.jsonl",
-                    num_targets=8, iterations=2, proofs_per_problem=4, max_new_tokens=128, conjecturer_max_new_tokens=128,
-                    guide_max_new_tokens=128, batch_size=8, micro_batch_size=4, max_model_len=1024)
+                    num_targets=8, iterations=2, proofs_per_problem=4, max_new_tokens=128, batch_size=8,
+                    conjecturer_max_new_tokens=128, guide_max_new_tokens=128, micro_batch_size=4, max_model_len=1024)
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -864,13 +864,13 @@ def review(sampler, tokenizer, conjectures: list[Problem], targets: list[Problem
                         if parsed}}
 
 
-def record_proofs(store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, args: Args) -> None:
-    """Keep up to max_stored_proofs distinct verified proofs per target (official code); a target with one is solved.
-    Conjectures are not stored."""
+def record_proofs(store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int) -> None:
+    """Keep up to `cap` distinct verified proofs per target (official code); a target with one is solved. Conjectures
+    are not stored."""
     for pid in [pid for pid in attempts if pid in store]:
         for a in attempts[pid]:
             known = {p["proof"] for p in store[pid]}
-            if a.correct and a.proof not in known and len(store[pid]) < args.max_stored_proofs:
+            if a.correct and a.proof not in known and len(store[pid]) < cap:
                 store[pid].append({"proof": a.proof, "iteration": iteration, "prompt_ids": a.sample.prompt_ids,
                                    "token_ids": a.sample.token_ids, "text": a.sample.text})
 
@@ -1032,7 +1032,7 @@ def main(args: Args) -> None:
             attempts = solve(sampler, verifier, tokenizer, problems, args, dist)
             state["generations"] += len(problems) * args.proofs_per_problem
             rates = {pid: sum(a.correct for a in row) / len(row) for pid, row in attempts.items()}  # s
-            record_proofs(store, attempts, iteration, args)
+            record_proofs(store, attempts, iteration, args.max_stored_proofs)
 
         # 3. The Solver's training set (REINFORCE½, CISPO or EI)
         solver_set = solver_examples(problems, attempts, rates, store, iteration, args, rng)

@@ -151,7 +151,8 @@ def test_cispo_loss_weights_and_clipping():
     # ratios: 0.5/0.25 = 2, 0.25/0.5 = 0.5, 0.4/0.05 = 8 -> clipped to 4
     # loss = -A * (2 log .5 + .5 log .25 + 4 log .4) / group_tokens / n_groups with A = 1.5, group_tokens 6, G 2
     expected = -1.5 * (2 * math.log(0.5) + 0.5 * math.log(0.25) + 4 * math.log(0.4)) / 6 / 2
-    loss = sgs.cispo_loss(logp, old, mask, torch.tensor([1.5]), torch.tensor([6.0]), n_groups=2, clip_low=0.0, clip_high=4.0)
+    loss = sgs.cispo_loss(logp, old, mask, torch.tensor([1.5]), torch.tensor([6.0]), n_groups=2, clip_low=0.0,
+                          clip_high=4.0)
     assert loss.item() == pytest.approx(expected, rel=1e-6)
     loss.backward()
     # the weight is not differentiated: d loss / d logp_t = -A * clip(r_t) / (6 * 2)
@@ -185,7 +186,8 @@ def test_extract_proof_strict():
         GOOD[: -len("```")],  # truncated: no closing fence
         GOOD + "\n" + GOOD,  # two blocks
         "```lean\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",  # not lean4
-        "```lean4\nlemma aux : True := by trivial\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",  # two declarations
+        # two declarations
+        "```lean4\nlemma aux : True := by trivial\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",
         "```lean4\ntheorem foo (x : ℕ) : x + 0 = x :=\n  by simp\n```",  # no ':= by'
         "```lean4\ntheorem foo (x : ℕ) : x + 0 = x := by\n```",  # empty proof
         "\x00\ufffd```lean4 garbage",
@@ -198,10 +200,12 @@ def test_extract_proof_rejects(text):
 def test_extract_conjecture():
     text = (
         "Let me think. A useful lemma is positivity of squares.\n```lean4\ntheorem draft : True := by sorry\n```\n"
-        "Better:\n```lean4\nimport Mathlib\nopen Real\n\ntheorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by sorry\n```\nDone."
+        "Better:\n```lean4\nimport Mathlib\nopen Real\n\n"
+        "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by sorry\n```\nDone."
     )
     assert sgs.extract_conjecture(text) == "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by"
-    assert sgs.extract_conjecture("```lean4\nlemma l (n : ℕ) : n ≤ n ^ 2 := by\n```") == "lemma l (n : ℕ) : n ≤ n ^ 2 := by"
+    lemma = "lemma l (n : ℕ) : n ≤ n ^ 2 := by"
+    assert sgs.extract_conjecture(f"```lean4\n{lemma}\n```") == lemma
     assert sgs.extract_conjecture("```lean4\nopenness_aux\ntheorem t : 1 = 1 := by sorry\n```") is None  # not a header
 
 
@@ -226,7 +230,7 @@ def test_extract_conjecture_rejects(text):
 def test_theorem_conclusion():
     assert sgs.theorem_conclusion("theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by") == "x = 1 ∨ x = -1"
     # the disjunction is in a hypothesis
-    assert sgs.theorem_conclusion("theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) (hb : 0 < b) : a ≤ b := by") == "a ≤ b"
+    assert sgs.theorem_conclusion("theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) : a ≤ b := by") == "a ≤ b"
     assert sgs.theorem_conclusion("theorem t : let a := 2; a = 2 := by") == "let a := 2; a = 2"
     assert sgs.theorem_conclusion("theorem t := by") == ""
 
@@ -245,7 +249,7 @@ def test_load_problems(tmp_path):
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     problems = sgs.load_problems(str(path))
     assert [p.id for p in problems] == ["p1", "p2", "p3", "p3#3", "p4"]
-    assert [p.statement for p in problems][:3] == ["theorem p1 : 1 = 1 := by", "theorem p2 : 2 = 2 := by", "theorem p3 : 3 = 3 := by"]
+    assert [p.statement for p in problems][:3] == [f"theorem p{i} : {i} = {i} := by" for i in (1, 2, 3)]
     assert problems[2].header == sgs.DEFAULT_HEADER
     assert len(sgs.load_problems(str(path), limit=2)) == 2
     assert sgs.load_problems(str(path))[3].statement == "theorem p3b : 3 = 3 := by"
@@ -268,8 +272,8 @@ class ScriptedSampler:
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
         self.prompts += prompts
-        return [[sgs.Sample(text, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), self.finish_reason) for i, text in enumerate(self.replies[j][:n])]
-                for j in range(len(prompts))]
+        return [[sgs.Sample(text, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), self.finish_reason)
+                 for i, text in enumerate(self.replies[j][:n])] for j in range(len(prompts))]
 
 
 class Tokenizer:  # chat_prompt's only need: the user turn as the prompt
@@ -309,16 +313,19 @@ def test_solve_checks_each_distinct_proof_once():
     assert sorted((j.name, j.proof) for j in verifier.jobs) == [
         ("a", "theorem a : True := by\n  rfl"), ("a", "theorem a : True := by\n  simp"),
         ("b", "theorem b : True := by\n  rfl"), ("b", "theorem b : True := by\n  simp")]
-    assert all(j.header == "import Mathlib\n" and j.statement == f"theorem {j.name} : True := by" for j in verifier.jobs)
+    assert all(j.header == "import Mathlib\n" and j.statement == f"theorem {j.name} : True := by"
+               for j in verifier.jobs)
     # a failed sample (vLLM abort) is a failed attempt, whatever its text
-    attempts = sgs.solve(ScriptedSampler(replies, "abort"), Verifier(), Tokenizer(), problems[:1], args(proofs_per_problem=4), CPU)
+    sampler = ScriptedSampler(replies, "abort")
+    attempts = sgs.solve(sampler, Verifier(), Tokenizer(), problems[:1], args(proofs_per_problem=4), CPU)
     assert {a.status for a in attempts["a"]} == {"no_code"}
 
 
 def test_conjecture_dedups_and_logs_the_disjunctive_share():
     seeds = [problem("t1", "theorem t1 (x : ℕ) : x = x := by", header="H1\n"), problem("t2", header="H2\n")]
     block = "```lean4\n{} := by sorry\n```"
-    replies = [[block.format("theorem c1 (x : ℕ) : x = 1 ∨ x = 2"), block.format("theorem  c1 (x : ℕ) : x = 1 ∨ x = 2")],
+    first, again = "theorem c1 (x : ℕ) : x = 1 ∨ x = 2", "theorem  c1 (x : ℕ) :\n  x = 1 ∨ x = 2"  # but spaces
+    replies = [[block.format(first), block.format(again)],
                [block.format("theorem t1 (x : ℕ) : x = x"), "no statement"]]
     sampler = ScriptedSampler(replies)
     conjectures, stats = sgs.conjecture(sampler, Tokenizer(), seeds, seeds, 3, args(conjectures_per_target=2), CPU)
@@ -327,7 +334,8 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
         ("it3_c0", "H1\n", "theorem c1 (x : ℕ) : x = 1 ∨ x = 2 := by", "t1")]
     assert conjectures[0].sample.text == replies[0][0]
     assert stats["conjecturer/outputs"] == 4 and stats["conjecturer/extraction_rate"] == 0.75
-    assert stats["conjecturer/disjunctive_share"] == 1.0 and stats["conjecturer/conclusion_chars"] == len("x = 1 ∨ x = 2")
+    assert stats["conjecturer/disjunctive_share"] == 1.0
+    assert stats["conjecturer/conclusion_chars"] == len("x = 1 ∨ x = 2")
     assert "theorem t1 (x : ℕ) : x = x := by" in sampler.prompts[0]
     sampler = ScriptedSampler([[block.format("theorem c (x : ℕ) (h : x ∣ 2 ∨ x ∣ 3) : x ≤ 3")]] * 2)
     conjectures, stats = sgs.conjecture(sampler, Tokenizer(), seeds, seeds, 0, args(no_problem_conditioning=True), CPU)
@@ -343,7 +351,8 @@ def test_review_scores_each_conjecture_against_its_target():
     sampler = ScriptedSampler([[tags.format(4, 0, 1)], ["no tags"], [tags.format(5, 1, 3)]])
     r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, targets, args(), CPU)
     assert r_guide == [6.0, 3.0, 0.0]  # the failed review gets the mean of 6 and 0
-    assert stats["guide/parse_failure_rate"] == pytest.approx(1 / 3) and stats["guide/r_guide_zero_share"] == pytest.approx(1 / 3)
+    assert stats["guide/parse_failure_rate"] == pytest.approx(1 / 3)
+    assert stats["guide/r_guide_zero_share"] == pytest.approx(1 / 3)
     assert stats["guide/r_guide_median"] == 3.0 and stats["guide/relevance_mean"] == 4.5
     assert "theorem t1 : 1 = 1 := by" in sampler.prompts[0] and "theorem c0 : True := by" in sampler.prompts[0]
 
@@ -383,7 +392,8 @@ def test_solver_examples_reinforce_half_and_cispo():
 
 
 def test_solver_examples_expert_iteration_window():
-    store = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"} for it in range(5)]}
+    store = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"}
+                   for it in range(5)]}
     a = args(solver_objective="expert_iteration", ei_window=3, max_new_tokens=100)
     ex = sgs.solver_examples([], {}, {}, store, 4, a, random.Random(0))
     assert len(ex) == 3 and all(e.weight == 1.0 for e in ex)  # proofs found in iterations 2, 3, 4
@@ -393,7 +403,7 @@ def test_record_proofs_caps_and_dedups_and_skips_conjectures():
     store = {"a": []}
     att = {"a": fake_attempts([True] * 3) + [sgs.Attempt(fake_sample(), f"\n  p{i}", "valid", True) for i in range(20)],
            "it0_c0": fake_attempts([True])}
-    sgs.record_proofs(store, att, 0, args())
+    sgs.record_proofs(store, att, 0, 16)
     assert len(store["a"]) == 16 and len({p["proof"] for p in store["a"]}) == 16 and set(store) == {"a"}
 
 
@@ -409,7 +419,8 @@ def test_conjecturer_examples():
 def test_evaluate():
     targets = [problem(p) for p in "abc"]
     store = {"a": [{"proof": "p"}], "b": [], "c": []}
-    attempts = {"a": fake_attempts([True, False]), "b": fake_attempts([False, False]), "it0_c0": fake_attempts([True, True])}
+    attempts = {"a": fake_attempts([True, False]), "b": fake_attempts([False, False]),
+                "it0_c0": fake_attempts([True, True])}
     m = sgs.evaluate(targets, store, attempts, 2)
     assert m["charts/cumulative_solve_rate"] == pytest.approx(1 / 3) and m["charts/targets_attempted"] == 2
     assert m["charts/pass@2"] == 0.5 and m["solver/entropy"] == pytest.approx(0.5)
@@ -462,7 +473,8 @@ def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_mod
 # answer each role's prompt in its format: Solver/prover tactics, conjectures, Guide tags (for sgs.py and stp.py,
 # whose prompts it reads from their module constants). Its samples are noisy enough that extraction fails now and
 # then, and the stand-in's hash rule gives mixed solve rates.
-PRIMED_TACTICS = ["norm_num", "simp", "linarith", "nlinarith [sq_nonneg x]", "omega", "decide", "ring", "positivity", "try simp", "rfl"]
+PRIMED_TACTICS = ["norm_num", "simp", "linarith", "nlinarith [sq_nonneg x]", "omega", "decide", "ring", "positivity",
+                  "try simp", "rfl"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -475,15 +487,18 @@ def primed_pairs(tok, rows, rng):
         header, statement = row["header"], row["formal_statement"]
         solver = sgs.chat_prompt(tok, sgs.SOLVER_PROMPT.format(header=header, statement=statement))
         pairs += [(solver, f"```lean4\ntheorem t : True := by\n  {t}\n```") for t in PRIMED_TACTICS]
-        pairs += [(stp.PROVER_PROMPT.format(header=header, statement=statement), f"\n  {t}\n```") for t in PRIMED_TACTICS]
+        prover = stp.PROVER_PROMPT.format(header=header, statement=statement)
+        pairs += [(prover, f"\n  {t}\n```") for t in PRIMED_TACTICS]
         for _ in range(6):
             n = rng.randint(1, 9)
             conclusion = rng.choice([f"x + {n} > {n}", f"x = {n} ∨ x = {n + 1}", f"{n} ≤ x ^ 2 + {n}"])
             conj = f"theorem c_{n} (x : ℕ) (h : 0 < x) : {conclusion} := by"
             r, d, c = rng.randint(0, 5), rng.randint(0, 1), rng.randint(0, 4)
-            pairs.append((sgs.chat_prompt(tok, sgs.CONJECTURER_PROMPT.format(statement=statement)), f"A lemma:\n```lean4\n{conj} sorry\n```"))
+            pairs.append((sgs.chat_prompt(tok, sgs.CONJECTURER_PROMPT.format(statement=statement)),
+                          f"A lemma:\n```lean4\n{conj} sorry\n```"))
             pairs.append((sgs.chat_prompt(tok, sgs.GUIDE_PROMPT.format(seed=statement, conjecture=conj)),
-                          f"<begin_relevance_score>{r}<end_relevance_score>\n<begin_redundancy_score>{d}<end_redundancy_score>\n"
+                          f"<begin_relevance_score>{r}<end_relevance_score>\n"
+                          f"<begin_redundancy_score>{d}<end_redundancy_score>\n"
                           f"<begin_conclusion_complexity_score>{c}<end_conclusion_complexity_score>"))
             lemma = rng.choice(["theorem sq_nonneg", stp.EMPTY_LEMMA])
             pairs.append((stp.CONJECTURER_PROMPT.format(header=header, lemma=lemma, seed=statement + "\n  norm_num"),
@@ -499,21 +514,23 @@ def build_primed_model(out: pathlib.Path, steps: int = 400) -> None:
     rows = [json.loads(line) for line in open(REPO / "data" / "lean_smoke.jsonl")]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    corpus = [sgs.SOLVER_PROMPT, sgs.CONJECTURER_PROMPT, sgs.CONJECTURER_PROMPT_UNCONDITIONED, sgs.GUIDE_PROMPT, stp.PROVER_PROMPT,
-              stp.CONJECTURER_PROMPT] + [r["header"] + r["formal_statement"] for r in rows] + PRIMED_TACTICS * 5
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=700, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    corpus = [sgs.SOLVER_PROMPT, sgs.CONJECTURER_PROMPT, sgs.CONJECTURER_PROMPT_UNCONDITIONED, sgs.GUIDE_PROMPT,
+              stp.PROVER_PROMPT, stp.CONJECTURER_PROMPT] + [r["header"] + r["formal_statement"] for r in rows]
+    bpe.train_from_iterator(corpus + PRIMED_TACTICS * 5, trainers.BpeTrainer(
+        vocab_size=700, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHAT_TEMPLATE
     tok.add_tokens([f"<{b}_{n}_score>" for n in sgs.GUIDE_SCORES for b in ("begin", "end")]
                    + ["```lean4", stp.END_THM, ":= by", "theorem", "sorry", "(x : ℕ)", "(h : 0 < x)"])
     rng = random.Random(0)
-    pairs = [(tok(p, add_special_tokens=False)["input_ids"], tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-             for p, t in primed_pairs(tok, rows, rng)]
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    pairs = [(ids(p), ids(t) + [tok.eos_token_id]) for p, t in primed_pairs(tok, rows, rng)]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None)
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
@@ -554,8 +571,10 @@ def run_algorithm(script: str, run_dir: pathlib.Path, *flags, accept="hash:0.3",
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     if lean:
         env["LEAN_REPL_CMD"] = f"{sys.executable} tests/fake_lean_repl.py --accept {accept}"
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
-    cmd = head + [script, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf", "--lean-workers", "1", *flags]
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
+    head = [sys.executable, *launcher]
+    cmd = head + [script, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf",
+                  "--lean-workers", "1", *flags]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -569,9 +588,10 @@ def weights_of(path) -> dict:
     return load_file(str(pathlib.Path(path) / "model.safetensors"))
 
 
-SGS_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-targets", "12", "--proofs-per-problem", "4", "--max-new-tokens", "48",
-             "--conjecturer-max-new-tokens", "64", "--guide-max-new-tokens", "64", "--batch-size", "8", "--micro-batch-size", "4",
-             "--learning-rate", "1e-3", "--conjecturer-learning-rate", "1e-3", "--max-model-len", "1024", "--conjectures-per-target", "2"]
+SGS_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-targets", "12", "--proofs-per-problem", "4",
+             "--max-new-tokens", "48", "--conjecturer-max-new-tokens", "64", "--guide-max-new-tokens", "64",
+             "--batch-size", "8", "--micro-batch-size", "4", "--learning-rate", "1e-3",
+             "--conjecturer-learning-rate", "1e-3", "--max-model-len", "1024", "--conjectures-per-target", "2"]
 
 
 @pytest.mark.slow
@@ -582,8 +602,8 @@ def test_end_to_end_weights_change_metrics_checkpoints_and_resume(primed_model_d
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1]
-    for key in ("charts/cumulative_solve_rate", "charts/generations", "charts/pass@4", "solver/entropy", "conjecturer/extraction_rate",
-                "conjecturer/disjunctive_share", "time/solve"):
+    for key in ("charts/cumulative_solve_rate", "charts/generations", "charts/pass@4", "solver/entropy",
+                "conjecturer/extraction_rate", "conjecturer/disjunctive_share", "time/solve"):
         assert key in rows[0], key
     assert rows[1]["charts/generations"] > rows[0]["charts/generations"] > 0
     assert 0 < rows[1]["charts/cumulative_solve_rate"] <= 1
@@ -613,16 +633,20 @@ def test_end_to_end_weights_change_metrics_checkpoints_and_resume(primed_model_d
     [
         (["--solver-objective", "cispo"], ["losses/solver_loss"], []),
         (["--solver-objective", "cispo", "--no-conjecturer"], ["losses/solver_loss"], ["conjecturer/extraction_rate"]),
-        (["--solver-objective", "expert_iteration", "--no-conjecturer"], ["losses/solver_loss"], ["conjecturer/extraction_rate"]),
-        (["--freeze-conjecturer", "--no-guide"], ["conjecturer/extraction_rate"], ["losses/conjecturer_loss", "guide/parse_failure_rate"]),
+        (["--solver-objective", "expert_iteration", "--no-conjecturer"], ["losses/solver_loss"],
+         ["conjecturer/extraction_rate"]),
+        (["--freeze-conjecturer", "--no-guide"], ["conjecturer/extraction_rate"],
+         ["losses/conjecturer_loss", "guide/parse_failure_rate"]),
         (["--no-guide"], ["conjecturer/extraction_rate"], ["guide/parse_failure_rate"]),
         (["--no-problem-conditioning", "--no-guide"], ["conjecturer/extraction_rate"], ["guide/parse_failure_rate"]),
     ],
-    ids=["cispo_sgs", "cispo_solver_only", "ei_solver_only", "frozen_conjecturer", "no_guide", "no_problem_conditioning"],
+    ids=["cispo_sgs", "cispo_solver_only", "ei_solver_only", "frozen_conjecturer", "no_guide",
+         "no_problem_conditioning"],
 )
 def test_official_experiments_run(primed_model_dir, tmp_path, flags, present, absent):
     run_dir = tmp_path / "run"
-    done = run_algorithm("sgs.py", run_dir, "--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL, "--iterations", "1", *flags)
+    done = run_algorithm("sgs.py", run_dir, "--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL,
+                         "--iterations", "1", *flags)
     assert done.returncode == 0, done.stderr[-4000:]
     (row,) = metrics_of(run_dir)
     for key in present:
@@ -632,16 +656,16 @@ def test_official_experiments_run(primed_model_dir, tmp_path, flags, present, ab
 
 
 def test_expert_iteration_needs_no_conjecturer():
-    done = subprocess.run([sys.executable, "sgs.py", "--solver-objective", "expert_iteration"], cwd=REPO, capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run([sys.executable, "sgs.py", "--solver-objective", "expert_iteration"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--no-conjecturer" in done.stderr
 
 
 @pytest.mark.slow
 def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "noise"
-    done = run_algorithm("sgs.py", run_dir, "--model", tiny_model_dir, "--guide-model", tiny_model_dir, *SGS_SMALL, "--num-targets", "3",
-                         "--iterations", "1")
+    done = run_algorithm("sgs.py", run_dir, "--model", tiny_model_dir, "--guide-model", tiny_model_dir, *SGS_SMALL,
+                         "--num-targets", "3", "--iterations", "1")
     assert done.returncode == 0, done.stderr[-4000:]
     (row,) = metrics_of(run_dir)
     assert row["lean/no_code_share"] == 1.0 and row["conjecturer/extraction_rate"] == 0.0
@@ -651,8 +675,8 @@ def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_under_torchrun(primed_model_dir, tmp_path):
     run_dir = tmp_path / "ddp"
-    done = run_algorithm("sgs.py", run_dir, "--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL, "--num-targets", "6",
-                         "--iterations", "1", torchrun=2)
+    done = run_algorithm("sgs.py", run_dir, "--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL,
+                         "--num-targets", "6", "--iterations", "1", torchrun=2)
     assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
     (row,) = metrics_of(run_dir)
     assert row["charts/targets_attempted"] == 6
@@ -682,4 +706,5 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
     (row,) = metrics_of(run_dir)
-    assert row["charts/targets_attempted"] == 2 and row["charts/generations"] == 2 + 2 * 2 + 2 * row["conjecturer/new_conjectures"]
+    assert row["charts/targets_attempted"] == 2
+    assert row["charts/generations"] == 2 + 2 * 2 + 2 * row["conjecturer/new_conjectures"]
