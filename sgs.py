@@ -36,23 +36,21 @@ disjunctive_share (without the Guide the Conjecturer drifts to long disjunctive 
 solver/entropy (Figs. 7, 11), losses/*, data/*, time/*.
 
 Deliberate deviations from the paper and the official code:
-  1. REINFORCE normalisation follows the paper's Eq. 4 (each sequence's log-probability divided by its length,
-     averaged over the batch); the official trainer divides the summed token loss by the batch's token count.
-  2. The try penalty (§4.1: "0 reward to any Solver proof with the try tactic") matches the word `try` as a tactic
-     in the comment-stripped proof; the official code matches the substring "try" (also in `symmetry`, `geometry`).
-  3. Batch size 32 for every objective (paper App. C); the official EI and CISPO scripts use 64 (`--batch-size 64`).
+  1. REINFORCE loss: the paper's Eq. 4 (each sequence's mean token log-probability, averaged over the batch); the
+     official trainer divides the summed token loss by the batch's token count.
+  2. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
+     comments; the official code matches the substring "try" (also in `symmetry`, `geometry`).
+  3. Batch size 32 for every objective (App. C); the official EI and CISPO scripts use 64 (`--batch-size 64`).
   4. Lean timeout 200 s (paper); the official default is 500 s.
-  5. Guide sub-scores outside their scales (relevance 0-5, redundancy 0-1, complexity 0-4) count as a failed parse.
-     As in the official code a failed review gets the mean R_guide of the batch's parsed reviews; when every review
-     failed, R_guide = 1 for all (as without a Guide).
-  6. Conjecture extraction also drops `import`/`open`/`set_option` lines before the declaration (the conjecture
-     inherits its target's header, as in the official code) and requires the statement to start with `theorem` or
-     `lemma`; deduplication ignores whitespace differences.
-  7. Sequences whose weight is exactly 0 (the lowest min-max-normalised conjecture, try-penalised proofs) are not
-     run through the trainer: they carry no gradient.
+  5. A Guide sub-score off its scale (relevance 0-5, redundancy 0-1, complexity 0-4) is a failed parse. A failed
+     review gets the batch's mean R_guide (official code), or 1 when every review failed (as without a Guide).
+  6. Conjecture extraction also drops `import`/`open`/`set_option` lines (the conjecture inherits its target's
+     header, as in the official code) and needs `theorem` or `lemma`; deduplication ignores whitespace.
+  7. Sequences of weight exactly 0 (the lowest min-max-normalised conjecture, try-penalised proofs) are not trained
+     on: they carry no gradient.
   8. The Conjecturer's overlong penalty replaces its weight after the min-max normalisation.
-  9. solver/entropy is the Monte-Carlo estimate -mean log pi(y_t) over sampled tokens (at T = 1 its expectation is
-     the entropy); the paper computes it from the top-10 log-probabilities.
+  9. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
+     computes it from the top-10 log-probabilities.
  10. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in turn);
      generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once.
  11. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
