@@ -6,7 +6,8 @@
 It runs gasp.py in a subprocess and reads back the run's metrics.jsonl, then prints: the wall time (start-up
 included), each iteration's time split into generation, program execution, embedding (novelty filter), training
 and the loop's own overhead (everything else: parsing, rewards, gathering, logging, checkpoints), the share of that
-overhead (target: under 5%), generated tokens per second, and the run's GASP metrics per iteration.
+overhead (target: under 5%), generated tokens (the run's tokens/* metrics, per phase) per second of generation,
+and the run's GASP metrics per iteration.
 Uses both cores for ~10 minutes: run it on an otherwise idle machine for meaningful numbers.
 """
 
@@ -49,14 +50,15 @@ def main() -> None:
     for r in rows:
         it = r.get("time/iteration", 0.0)
         parts = [r.get(f"time/{p}", 0.0) for p in PARTS]
-        ovh = r.get("time/overhead", it - sum(parts))
+        ovh = it - sum(parts)
+        generated = sum(v for k, v in r.items() if k.startswith("tokens/"))
         for p, v in zip(PARTS, parts):
             totals[p] += v
         totals["overhead"] += ovh
         totals["iteration"] += it
-        tokens += r.get("charts/generated_tokens", 0.0)
+        tokens += generated
         print(f"{r['step']:>4} {it:>8.1f} " + " ".join(f"{v:>11.1f}" for v in parts)
-              + f" {ovh:>9.2f} {100 * ovh / max(it, 1e-9):>6.2f} {r.get('charts/tokens_per_second', 0.0):>7.1f}")
+              + f" {ovh:>9.2f} {100 * ovh / max(it, 1e-9):>6.2f} {generated / max(parts[0], 1e-9):>7.1f}")
     it = max(totals["iteration"], 1e-9)
     print(f"{'all':>4} {it:>8.1f} " + " ".join(f"{totals[p]:>11.1f}" for p in PARTS)
           + f" {totals['overhead']:>9.2f} {100 * totals['overhead'] / it:>6.2f} "
