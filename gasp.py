@@ -35,7 +35,8 @@ Table 2 of the paper, row by row (append any other flags):
   GASP + Real-data RL           gasp.py --real-data-rl
   Base (Qwen2.5-Coder-7B)       gasp.py --total-iterations 0       (evaluation only)
   AZR                           not in this file (unguided self-play from a seed buffer, arXiv 2505.03335)
-Table 4 (goalposts solved) is the eval/goalposts_solved_union metric of the same runs.
+Table 4 (goalposts solved) is the eval/goalposts_solved_union metric of the same runs. Other switches:
+--no-phase-updates (AZR's one joint update per iteration), --goalpost-filter (Sec. 3.2's filter, stage 1).
 
 Deviations (values the text lost are AZR's or ours, see Args)
   - [RECON] marks reconstructions: Eq. 6's family (it reproduces Eq. 4 and 5 exactly), the one-step band (the union
@@ -47,6 +48,7 @@ Deviations (values the text lost are AZR's or ours, see Args)
     are all 0 (and no entropy bonus) is skipped, so AdamW's moments do not advance.
   - Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at 4096 tokens (not
     in the paper); a failed sample (vLLM abort or error) counts as an empty reply.
+  - Without CUDA: built-in goalposts (data/gasp_goalposts.jsonl) and HumanEval replace LiveCodeBench.
 """
 
 import base64
@@ -938,9 +940,9 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
-    """A teacher reply -> (task, reason), reason "" when valid: the last ```python block, num_io distinct ```input
-    argument lists and a ```message, then code_exec's triplet checks (Sec. 3.3.1, AZR's: the program runs, is
-    deterministic and imports nothing banned), which compute the outputs."""
+    """A teacher reply (to slot `problem`) -> (task, reason), reason "" when valid: the last ```python block, num_io
+    distinct ```input argument lists and a ```message, then code_exec's triplet checks (Sec. 3.3.1, AZR's: the
+    program runs, is deterministic and imports nothing banned), which compute the outputs."""
     if sample.finish_reason == "length":
         return None, "truncated"
     program = code_exec.last_block(sample.text, *code_exec.PYTHON_TAGS)

