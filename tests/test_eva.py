@@ -1,0 +1,587 @@
+"""Tests of eva.py: every informativeness metric, sampler and loss against values worked out by hand; the mutation chain
+and its filter on scripted replies; malformed creator output (policy or endpoint) as dropped prompts with a reason in
+the run directory; a learning test of the update; and (marked slow) end-to-end runs with the tiny model: two rounds,
+exact resume after a kill, two ranks under torchrun against one, the ablation flags, and the embedded model once."""
+
+import http.server
+import json
+import math
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import tyro
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import eva  # noqa: E402
+
+CPU = eva.Dist(0, 0, 1, torch.device("cpu"), True)
+SIG1 = math.log1p(math.exp(-1.0))  # -log sigmoid(1) = 0.313262
+
+
+def args(**kw):
+    return eva.Args(**kw)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: two threads on two shared, busy cores run the tiny model ~20 times slower here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ---- informativeness and sampling (Tables 2-4) ----
+def test_informativeness_metrics_by_hand():
+    r = [1.0, 3.0, 2.0, 6.0, 4.0, 2.0]  # max 6, min 1, mean 3, second best 4, E[r^2] = 70/6
+    expected = {"a_min": 5.0, "a_avg": 3.0, "a_dts": 2.0, "var": 70 / 6 - 9, "avg": 3.0, "inv_avg": 3.0,
+                "inv_a_min": 5.0, "uniform": 1.0}
+    for metric, value in expected.items():
+        assert eva.informativeness(r, metric) == pytest.approx(value), metric
+    assert eva.informativeness([2.0, 2.0, 1.0], "a_dts") == 0.0  # a tie at the top: no dueling advantage
+
+
+def test_sampling_weights_by_hand():
+    # min-max [0, 0.5, 1] / 1.5; inverted [1, 0.5, 0] / 1.5; the least informative prompt gets weight 0
+    assert eva.sampling_weights([1.0, 3.0, 5.0], "a_min") == pytest.approx([0.0, 1 / 3, 2 / 3])
+    assert eva.sampling_weights([1.0, 3.0, 5.0], "inv_avg") == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert eva.sampling_weights([1.0, 3.0, 5.0], "inv_a_min") == pytest.approx([2 / 3, 1 / 3, 0.0])
+    assert eva.sampling_weights([1.0, 3.0, 5.0], "uniform") == pytest.approx([1 / 3] * 3)
+    assert eva.sampling_weights([2.0, 2.0], "a_min") == pytest.approx([0.5, 0.5])  # official code: 0 / 0
+
+
+def test_greedy_takes_the_highest_weights():
+    w = np.array([0.1, 0.4, 0.2, 0.3])
+    assert eva.sample_informative([0, 0, 0, 0], w, 0.5, "greedy", np.random.default_rng(0)) == [1, 3]
+    assert eva.sample_informative([0, 0, 0, 0], w, 0.25, "greedy", np.random.default_rng(0)) == [1]
+
+
+def test_weighted_sampling_without_replacement_by_hand():
+    """Two of four by successive draws with weights (0.5, 0.3, 0.2, 0): P(2 is drawn) = 1 - (0.5 * 0.3/0.5 +
+    0.3 * 0.5/0.7) = 0.485714; P(0 is drawn) = 1 - (0.3 * 0.2/0.7 + 0.2 * 0.3/0.8) = 0.839286; never 3."""
+    w, rng, counts = np.array([0.5, 0.3, 0.2, 0.0]), np.random.default_rng(0), np.zeros(4)
+    for _ in range(4000):
+        chosen = eva.sample_informative([0] * 4, w, 0.5, "weighted", rng)
+        assert len(chosen) == 2 == len(set(chosen))
+        counts[chosen] += 1
+    assert counts[3] == 0
+    assert counts / 4000 == pytest.approx([0.839286, 2 - 0.839286 - 0.485714, 0.485714, 0.0], abs=0.03)
+    # fewer positive weights than places: the rest is filled uniformly from the others
+    chosen = eva.sample_informative([0] * 4, np.array([1.0, 0.0, 0.0, 0.0]), 0.5, "weighted", rng)
+    assert 0 in chosen and len(set(chosen)) == 2
+
+
+def test_stratified_sampling_matches_qcut_bins():
+    pd = pytest.importorskip("pandas")
+    values = [float(v) for v in range(20)]  # 10 quantile bins of two prompts each: round(0.5 * 2) = 1 per bin
+    chosen = eva.sample_informative(values, np.full(20, 0.05), 0.5, "stratified", np.random.default_rng(0))
+    assert sorted(c // 2 for c in chosen) == list(range(10))
+    codes = pd.qcut(pd.Series(values), q=10, duplicates="drop").cat.codes.tolist()
+    assert codes == [i // 2 for i in range(20)]  # the bins this file computes are pandas' bins
+    # duplicate edges dropped: edges 0, 1.3, 2.2, 3.1, 4 make bins of 6, 1, 1, 1, 1 prompts; round(0.5 * 6) = 3 from
+    # the first (all weights 0: uniformly), round(0.5 * 1) = 0 (Python's and pandas' rounding) from the others
+    values = [0.0] * 6 + [1.0, 2.0, 3.0, 4.0]
+    assert pd.qcut(pd.Series(values), q=10, duplicates="drop").cat.codes.tolist() == [0] * 6 + [1, 2, 3, 4]
+    w = np.array([0.0] * 6 + [0.1, 0.2, 0.3, 0.4])
+    chosen = eva.sample_informative(values, w, 0.5, "stratified", np.random.default_rng(1))
+    assert len(chosen) == 3 and all(c < 6 for c in chosen)
+
+
+def test_win_probability_rloo_and_win_rate_by_hand():
+    r = [0.0, math.log(3.0)]  # sigmoid(log 3) = 3/4
+    assert eva.win_probability(r, 1) == pytest.approx((0.5 + 0.75) / 2)
+    assert eva.win_probability(r, 0) == pytest.approx((0.25 + 0.5) / 2)
+    assert eva.rloo_advantages([1.0, 2.0, 3.0, 6.0]) == pytest.approx([1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0])
+    assert eva.win_rate([1.0, 2.0, 3.0, 0.0], [0.5, 2.0, 4.0, -1.0]) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
+
+
+# ---- losses (Table 1 and the official scripts) ----
+def t(*values):
+    return torch.tensor(values, dtype=torch.float64, requires_grad=True)
+
+
+def test_dpo_ipo_rpo_by_hand():
+    h = t(2.0, 0.0)
+    loss = eva.dpo_loss(h, 0.5)  # -log sigmoid(1), -log sigmoid(0)
+    assert loss.tolist() == pytest.approx([SIG1, math.log(2.0)])
+    loss.sum().backward()
+    assert h.grad.tolist() == pytest.approx([-0.5 * (1 - 1 / (1 + math.exp(-1))), -0.25])  # raises h
+    assert eva.ipo_loss(t(3.0), 0.25).item() == pytest.approx(1.0)  # (3 - 2)^2
+    assert eva.rpo_loss(t(2.0), t(2.0), 0.5, 1.0).item() == pytest.approx(SIG1 + 2.0)
+
+
+def test_sppo_simpo_orpo_by_hand():
+    # ((1 - (0.75 - 0.5) / 0.5)^2 + (-1 - (0.25 - 0.5) / 0.5)^2) / 2 = (0.25 + 0.25) / 2
+    assert eva.sppo_loss(t(1.0), t(-1.0), t(0.75), t(0.25), 0.5).item() == pytest.approx(0.25)
+    # -log sigmoid(2 * (-1 + 2 - 0.5)) = -log sigmoid(1)
+    assert eva.simpo_loss(t(-1.0), t(-2.0), 2.0, 0.5).item() == pytest.approx(SIG1)
+    # p_w = 1/2: odds 1; p_l = 1/4: odds 1/3; sigmoid(log 3) = 3/4 -> log 2 - 0.1 log(3/4)
+    loss = eva.orpo_loss(t(math.log(0.5)), t(math.log(0.25)), 0.1)
+    assert loss.item() == pytest.approx(math.log(2.0) - 0.1 * math.log(0.75))
+
+
+def test_rloo_loss_by_hand():
+    logp, old = t(-1.0, -1.0, -2.0), torch.tensor([-1.0, -1.5, -1.0], dtype=torch.float64)
+    adv = torch.tensor([2.0, 1.0, -1.0], dtype=torch.float64)
+    loss = eva.rloo_loss(logp, old, adv, 0.2)
+    # rho = 1 -> -2; rho = e^0.5 = 1.6487 clipped to 1.2 for A > 0 -> -1.2; rho = e^-1 = 0.3679, A < 0 -> min(-0.3679
+    # * -1, -0.8 * -1)... -min(rho A, clip A) = -min(-0.3679, -0.8) = 0.8
+    assert loss.tolist() == pytest.approx([-2.0, -1.2, 0.8], abs=1e-4)
+    loss.sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-2.0, 0.0, 0.0])  # on-policy: REINFORCE's -A; clipped: no gradient
+
+
+def test_pair_losses_dispatch():
+    pi = torch.tensor([[-2.0, -4.0], [-6.0, -4.0]])  # rows: chosen, rejected; 2 pairs
+    ref = torch.tensor([[-3.0, -4.0], [-5.0, -4.0]])
+    n = torch.tensor([[2.0, 4.0], [3.0, 2.0]])
+    p = torch.tensor([[0.75, 0.5], [0.25, 0.5]])
+    h = torch.tensor([2.0, 0.0])  # (-2 + 3) - (-6 + 5), 0
+    a = args(beta=0.5)
+    assert torch.allclose(eva.pair_losses("dpo", pi, ref, n, p, a), eva.dpo_loss(h, 0.5))
+    assert torch.allclose(eva.pair_losses("rpo", pi, ref, n, p, a), eva.dpo_loss(h, 0.5) + torch.tensor([1.0, 1.0]))
+    assert torch.allclose(eva.pair_losses("ipo", pi, ref, n, p, a), eva.ipo_loss(torch.tensor([0.5 + 1 / 3, 0.0]), 0.5))
+    assert torch.allclose(eva.pair_losses("sppo", pi, ref, n, p, a),
+                          eva.sppo_loss(torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0]), p[0], p[1], 0.5))
+    assert torch.allclose(eva.pair_losses("simpo", pi, ref, n, p, a),
+                          eva.simpo_loss(torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -2.0]), 0.5, 0.5))
+    assert torch.allclose(eva.pair_losses("orpo", pi, ref, n, p, a),
+                          eva.orpo_loss(torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -2.0]), 0.5))
+
+
+def test_lr_factor_matches_transformers_schedules():
+    # 5 steps, warm-up ceil(0.2 * 5) = 1: step 0 at 0, then decay over the 4 remaining
+    assert [eva.lr_factor(s, 5, 1, "cosine") for s in range(5)] == pytest.approx(
+        [0.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
+    assert [eva.lr_factor(s, 5, 1, "linear") for s in range(5)] == pytest.approx([0.0, 1.0, 0.75, 0.5, 0.25])
+    assert eva.lr_factor(0, 3, 0, "cosine") == 1.0  # no warm-up
+    from transformers import get_cosine_schedule_with_warmup
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = get_cosine_schedule_with_warmup(opt, 2, 9)
+    for step in range(9):
+        assert opt.param_groups[0]["lr"] == pytest.approx(eva.lr_factor(step, 9, 2, "cosine"))
+        opt.step()
+        sched.step()
+
+
+# ---- the creator: the mutation chain and its filter ----
+def test_read_evolution():
+    seen = {"an old prompt"}
+    assert eva.read_evolution("#Rewritten Prompt#: Explain tides step by step.", "stop", "Explain tides.", seen) == (
+        "Explain tides step by step.", "")
+    assert eva.read_evolution("A new one", "length", "p", seen) == ("A new one", "truncated")  # kept, marked
+    assert eva.read_evolution("x", "error", "p", seen) == (None, "failed")
+    assert eva.read_evolution("x", "abort", "p", seen) == (None, "failed")
+    assert eva.read_evolution("#New Prompt#:   ", "stop", "p", seen) == (None, "empty")
+    assert eva.read_evolution("Here is the rewritten prompt: do X", "stop", "p", seen) == (None, "marker")
+    assert eva.read_evolution("Explain  TIDES.", "stop", "Explain tides.", seen) == (None, "unchanged")
+    assert eva.read_evolution("An old\nprompt", "stop", "p", seen) == (None, "duplicate")
+
+
+class ScriptedSampler:
+    """Replies to each mutation prompt by a script: reply(parent, call) -> (text, finish_reason)."""
+
+    batch_size = 8
+
+    def __init__(self, reply):
+        self.reply, self.calls = reply, 0
+
+    def generate(self, prompts, n=1, **kw):
+        out = []
+        for p in prompts:
+            parent = p.split("#Given Prompt#:\n")[-1].split("\n#")[0]
+            text, finish = self.reply(parent, self.calls)
+            self.calls += 1
+            out.append([eva.Sample(text, [], [], [], finish) for _ in range(n)])
+        return out
+
+
+PLAIN = SimpleNamespace(apply_chat_template=lambda messages, **kw: messages[-1]["content"])
+
+
+def test_evolve_chains_mutations_and_drops_bad_steps(tmp_path):
+    failed_once = set()
+
+    def reply(parent, call):
+        if parent == "B +" and parent not in failed_once:  # B's second step: empty -> dropped, B stays at "B +"
+            failed_once.add(parent)
+            return "", "stop"
+        if parent == "C":
+            return "#Rewritten Prompt#: A", "stop"  # a copy of a known prompt
+        return f"#Rewritten Prompt#: {parent} +", "stop"
+
+    a = args(num_evolutions=3, seed=7)
+    evolved, records = eva.evolve(["A", "B", "C"], ["A", "B", "C", "D"], 2, ScriptedSampler(reply), PLAIN, a, CPU)
+    assert evolved == ["A +", "B +", "A + +", "A + + +", "B + +"]
+    assert [(r["seed"], r["step"], r["parent"], r["kept"], r["reason"]) for r in records] == [
+        (0, 0, "A", True, ""), (1, 0, "B", True, ""), (2, 0, "C", False, "duplicate"),
+        (0, 1, "A +", True, ""), (1, 1, "B +", False, "empty"), (2, 1, "C", False, "duplicate"),
+        (0, 2, "A + +", True, ""), (1, 2, "B +", True, ""), (2, 2, "C", False, "duplicate")]
+    rng = random.Random("7/2/mutations")  # uniform over the five mutations, drawn in the same order
+    assert [r["mutation"] for r in records] == [rng.choice(list(eva.MUTATIONS)) for _ in range(9)]
+    assert set(eva.MUTATIONS) == {"constraints", "deepening", "concretizing", "reasoning", "breadth"}
+    assert all("<PROMPT>" in m and "Prompt#:" in m for m in eva.MUTATIONS.values())
+
+
+def test_evolve_with_only_malformed_replies_keeps_nothing():
+    replies = iter([("", "stop"), ("junk", "abort"), ("Here is the given prompt, harder", "stop"), ("Q", "stop")])
+    evolved, records = eva.evolve(["P", "Q"], ["P", "Q"], 0, ScriptedSampler(lambda p, c: next(replies)), PLAIN,
+                                  args(num_evolutions=2), CPU)
+    assert evolved == [] and not any(r["kept"] for r in records)
+    assert [r["reason"] for r in records] == ["empty", "failed", "marker", "unchanged"]
+
+
+class Endpoint:
+    """A local OpenAI-compatible chat endpoint replying from a script; records the requests."""
+
+    def __init__(self, replies):
+        self.replies, self.requests = list(replies), []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append((self.path, self.headers.get("Authorization"), body))
+                status, payload = outer.replies.pop(0) if outer.replies else (200, {"choices": [
+                    {"message": {"content": "#Rewritten Prompt#: fresh " + str(len(outer.requests))},
+                     "finish_reason": "stop"}]})
+                data = payload.encode() if isinstance(payload, str) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+
+    def close(self):
+        self.server.shutdown()
+
+
+def chat(content, finish="stop"):
+    return 200, {"choices": [{"message": {"content": content}, "finish_reason": finish}]}
+
+
+def test_endpoint_creator_request_and_failures(monkeypatch):
+    monkeypatch.setattr(eva.time, "sleep", lambda s: None)
+    monkeypatch.setenv("EVA_TEST_KEY", "sk-test")
+    endpoint = Endpoint([chat("#Rewritten Prompt#: Harder."), (500, "busy"), (500, "busy"), (500, "busy"),
+                         (200, "not json"), (200, "{}"), chat("x")])
+    try:
+        a = args(evolver_url=endpoint.url, evolver_key_env="EVA_TEST_KEY", evolve_max_tokens=50, evolver_workers=1)
+        assert eva.ask_endpoint("rewrite this", a) == ("#Rewritten Prompt#: Harder.", "stop")
+        path, auth, body = endpoint.requests[0]
+        assert path == "/v1/chat/completions" and auth == "Bearer sk-test"
+        assert body == {"model": "gpt-4-0125-preview", "messages": [{"role": "user", "content": "rewrite this"}],
+                        "temperature": 0.88, "max_tokens": 50}
+        text, finish = eva.ask_endpoint("again", a)  # three HTTP 500s: given up, never raised
+        assert finish == "error" and "HTTPError" in text
+        text, finish = eva.ask_endpoint("again", a)  # a reply that is not JSON, then one without choices, then ok
+        assert (text, finish) == ("x", "stop") and len(endpoint.requests) == 7
+    finally:
+        endpoint.close()
+
+
+# ---- data ----
+def test_builtin_prompts_and_splits():
+    rows = [json.loads(line) for line in (REPO / "data" / "chat_prompts.jsonl").read_text().splitlines()]
+    assert len(rows) >= 250 and len({r["prompt"] for r in rows}) == len(rows)
+    assert {r["split"] for r in rows} == {"train", "heldout"} and len({r["task"] for r in rows}) >= 10
+    parts, heldout = eva.load_prompts(args(dataset=str(REPO / "data" / "chat_prompts.jsonl"), heldout_size=1000))
+    train = [r["prompt"] for r in rows if r["split"] == "train"]
+    assert len(parts) == 6 and sum(map(len, parts)) == len(train) and sorted(sum(parts, [])) == sorted(train)
+    assert [len(p) for p in parts[:5]] == [len(train) // 6] * 5
+    assert set(heldout) == {r["prompt"] for r in rows if r["split"] == "heldout"}
+    small, held = eva.load_prompts(args(dataset=str(REPO / "data" / "chat_prompts.jsonl"), num_prompts=3,
+                                        heldout_size=2))
+    assert [len(p) for p in small] == [3] * 6 and small[0] == parts[0][:3] and len(held) == 2
+
+
+def test_cpu_defaults_keep_given_flags():
+    a = args(rounds=5, baseline_round=True)
+    changes = eva.cpu_defaults(a, ["--rounds", "5", "--no-baseline-round", "--num-prompts=3"])
+    assert a.rounds == 5 and a.baseline_round and a.num_prompts is None
+    assert a.model == eva.EMBEDDED_MODEL and a.reward_kind == "judge" and a.n_samples == 6
+    assert "  max_new_tokens: 2048 -> 40" in changes
+
+
+# ---- the solver: pairs, reference log-probs, the update ----
+def sample(prompt_ids, token_ids):
+    return eva.Sample("", list(prompt_ids), list(token_ids), [], "stop")
+
+
+def test_training_items_pairs_ties_rloo_and_truncation():
+    s = [sample(range(10), [i] * (i + 1)) for i in range(4)]
+    groups = [eva.Group("x", s, [1.0, 3.0, 0.0, 3.0]), eva.Group("y", s, [2.0, 2.0, 2.0, 2.0])]
+    [pair] = eva.training_items(groups, args(max_prompt_length=4, max_length=6))  # the tie group gives no pair
+    assert pair.rewards == [3.0, 0.0]  # argmax (the first of the two 3s) and argmin
+    assert [x.token_ids for x in pair.samples] == [[1, 1], [2, 2]]  # cut to 6 - 4 tokens
+    assert pair.samples[0].prompt_ids == [6, 7, 8, 9]  # the prompt's last 4 tokens
+    assert pair.win_probs == pytest.approx([eva.win_probability(groups[0].rewards, 1),
+                                            eva.win_probability(groups[0].rewards, 2)])
+    rollouts = eva.training_items(groups, args(loss="rloo"))
+    assert [r.advantage for r in rollouts] == pytest.approx(eva.rloo_advantages([1.0, 3.0, 0.0, 3.0]))
+
+
+def test_mix_takes_the_official_shares():
+    mixed = eva.mix(list(range(10)), list(range(100, 105)), args(), random.Random(0))
+    assert len(mixed) == 2 + 4 and sum(x >= 100 for x in mixed) == 4  # int(0.2 * 10) old, int(0.8 * 5) new
+
+
+def encode_reply(tok, prompt, reply):
+    ids = eva.encode_prompt(tok, eva.chat_prompt(tok, prompt))
+    return eva.Sample(reply, ids, tok(reply, add_special_tokens=False).input_ids + [tok.eos_token_id], [], "stop")
+
+
+def test_sequence_logprobs_match_token_logprobs(tiny_model_dir):
+    tok, policy = eva.load_tokenizer(tiny_model_dir), eva.load_model(tiny_model_dir, CPU)
+    samples = [encode_reply(tok, "Say hi.", r) for r in (" hi", " hello there", " hey you all", " yo")]
+    got = eva.sequence_logprobs(policy, samples, args(micro_batch_size=1), CPU)
+    for s, value in zip(samples, got):
+        with torch.no_grad():
+            logp, mask, _ = eva.token_logprobs(policy, [s])
+        assert value == pytest.approx(float((logp * mask).sum()), abs=1e-4)
+
+
+def test_judge_and_classifier_scores(tiny_model_dir, tmp_path):
+    tok = eva.load_tokenizer(tiny_model_dir)
+    judge = eva.load_reward_model(args(reward_model=tiny_model_dir, reward_kind="judge"), CPU)
+    scores = eva.score_responses(judge, "What is 2 + 2?", ["4", "five", "4"], "judge")
+    assert all(1.0 <= s <= 9.0 for s in scores) and scores[0] == scores[2] != scores[1]
+    text = eva.chat_prompt(tok, eva.JUDGE_PROMPT.format(prompt="What is 2 + 2?", response="4"))
+    with torch.no_grad():
+        logits = judge[0](input_ids=torch.tensor([eva.encode_prompt(tok, text)])).logits[0, -1]
+    digits = [tok.encode(str(d), add_special_tokens=False)[-1] for d in range(1, 10)]
+    assert scores[0] == pytest.approx(float((logits[digits].softmax(-1) * torch.arange(1, 10)).sum()), abs=1e-5)
+    from transformers import LlamaForSequenceClassification
+
+    config = judge[0].config
+    config.num_labels = 1
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    tok.save_pretrained(tmp_path / "rm")
+    rm = eva.load_reward_model(args(reward_model=str(tmp_path / "rm")), CPU)
+    [score] = eva.score_responses(rm, "What is 2 + 2?", ["4"], "classifier")
+    chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
+    ids = tok.apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
+    with torch.no_grad():
+        assert score == pytest.approx(float(rm[0](input_ids=ids).logits[0, 0]), abs=1e-5)
+
+
+def test_update_steps_schedule_and_fresh_optimizer(tiny_model_dir):
+    tok, policy = eva.load_tokenizer(tiny_model_dir), eva.load_model(tiny_model_dir, CPU)
+    groups = [eva.Group(p, [encode_reply(tok, p, r) for r in (" yes", " no")], [1.0, 0.0]) for p in "abcde"]
+    a = args(batch_size=2, micro_batch_size=1, epochs=2, learning_rate=1e-3)
+    items = eva.training_items(groups, a)
+    refs = iter(eva.sequence_logprobs(policy, [s for i in items for s in i.samples], a, CPU))
+    for item in items:
+        item.ref = (next(refs), next(refs))
+    before = [p.detach().clone() for p in policy.parameters()]
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1.0, weight_decay=0.0)
+    stats = eva.update(policy, optimizer, items, a, CPU, random.Random(0))
+    assert stats["losses/steps"] == 6  # 2 epochs x ceil(5 / 2)
+    assert stats["losses/loss_first"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at step 0
+    assert stats["losses/margin_first"] == pytest.approx(0.0, abs=1e-4)
+    assert all(s["step"] == 6 for s in optimizer.state.values())
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * eva.lr_factor(5, 6, 1, "cosine"))
+    assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
+    eva.update(policy, optimizer, items[:2], args(batch_size=2, epochs=1), CPU, random.Random(0))
+    assert all(s["step"] == 1 for s in optimizer.state.values())  # a fresh state every round
+
+
+@pytest.mark.parametrize("loss", ["dpo", "simpo"])
+def test_update_learns_what_the_reward_favours(tiny_model_dir, loss):
+    """The loop's own path: a fixed reward (it favours replies with the marker " yes") -> training_items -> reference
+    log-probs -> update. The marked reply's log-probability rises over 20 updates; when the reward favours another
+    reply, it falls."""
+    tok = eva.load_tokenizer(tiny_model_dir)
+    prompts = ["Answer me.", "Tell me.", "Say it."]
+    replies = [" yes", " no", " maybe so"]
+    a = args(loss=loss, beta=0.1 if loss == "dpo" else 2.0, learning_rate=3e-3, epochs=20, batch_size=3,
+             micro_batch_size=3, warmup_ratio=0.0, lr_scheduler="linear")
+
+    def marked_logp(policy) -> float:
+        return float(np.mean(eva.sequence_logprobs(policy, [encode_reply(tok, p, " yes") for p in prompts], a, CPU)))
+
+    moved = {}
+    for marker in (" yes", " no"):
+        policy = eva.load_model(tiny_model_dir, CPU)
+        reward = lambda text: 1.0 if text == marker else 0.0  # noqa: E731
+        groups = [eva.Group(p, [encode_reply(tok, p, r) for r in replies], [reward(r) for r in replies])
+                  for p in prompts]
+        items = eva.training_items(groups, a)
+        refs = iter(eva.sequence_logprobs(policy, [s for i in items for s in i.samples], a, CPU))
+        for item in items:
+            item.ref = (next(refs), next(refs))
+        before = marked_logp(policy)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=a.learning_rate, weight_decay=0.0)
+        stats = eva.update(policy, optimizer, items, a, CPU, random.Random(0))
+        moved[marker] = (before, marked_logp(policy))
+        print(f"{loss}, reward favours {marker!r}: log p(' yes') {before:.2f} -> {moved[marker][1]:.2f}, "
+              f"loss {stats['losses/loss_first']:.3f} -> {stats['losses/loss_last']:.3f}")
+        assert stats["losses/loss_last"] < stats["losses/loss_first"]
+    assert moved[" yes"][1] > moved[" yes"][0] + 1.0
+    assert moved[" no"][1] < moved[" no"][0] - 1.0
+
+
+# ---- end to end (slow) ----
+def tiny_flags(model_dir):
+    return ["--model", model_dir, "--reward-model", model_dir, "--num-prompts", "8", "--n-samples", "4",
+            "--max-new-tokens", "12", "--evolve-max-tokens", "12", "--heldout-size", "4", "--learning-rate", "1e-3"]
+
+
+def run_in_process(monkeypatch, tmp_path, name, *flags):
+    argv = ["eva.py", "--output-dir", str(tmp_path), "--run-name", name, *flags]
+    monkeypatch.setattr(sys, "argv", argv)
+    eva.main(tyro.cli(eva.Args, args=argv[1:]))
+    return tmp_path / name
+
+
+def metrics_of(run_dir: pathlib.Path) -> dict:
+    """step -> the LAST metrics line of that step (a resumed run may log a step twice)."""
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/")}
+
+
+def subprocess_cmd(model_dir, out, name, *flags, ranks=0):
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks else [
+        sys.executable]
+    return head + ["eva.py", "--output-dir", str(out), "--run-name", name, *tiny_flags(model_dir), *flags]
+
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def two_rounds(tiny_model_dir, tmp_path_factory):
+    """Round 0: the plain-DPO baseline round; round 1: an eva round. One process, uninterrupted."""
+    out = tmp_path_factory.mktemp("eva_e2e")
+    done = subprocess.run(subprocess_cmd(tiny_model_dir, out, "full", "--rounds", "2"), cwd=REPO, env=ENV,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return out / "full"
+
+
+@pytest.mark.slow
+def test_two_rounds_end_to_end(two_rounds, tiny_model_dir):
+    rows = metrics_of(two_rounds)
+    assert sorted(rows) == [0, 1] and rows[0]["charts/eva_round"] == 0 and rows[1]["charts/eva_round"] == 1
+    assert rows[1]["creator/subset"] == 2 and rows[1]["creator/evolved"] > 0  # int(0.25 * 8), then 4 steps each
+    for row in rows.values():
+        assert row["charts/train_items"] > 0 and 0.0 <= row["eval/win_rate"] <= 1.0
+        assert row["losses/loss_first"] == pytest.approx(math.log(2), abs=1e-3)
+        assert row["losses/loss_last"] < row["losses/loss_first"] and row["losses/margin_last"] > 0
+    records = [json.loads(line) for line in (two_rounds / "evolutions.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 4 and all(r["round"] == 1 for r in records)
+    state = torch.load(two_rounds / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)
+    assert state["iteration"] == 1 and len(state["state"]["prompts"]) == sum(r["kept"] for r in records)
+    from safetensors.torch import load_file
+
+    before = load_file(pathlib.Path(tiny_model_dir) / "model.safetensors")
+    after = load_file(two_rounds / "checkpoints" / "iter_000001" / "policy" / "model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_exactly(two_rounds, tiny_model_dir, tmp_path):
+    cmd = subprocess_cmd(tiny_model_dir, tmp_path, "r", "--rounds", "2")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    first = tmp_path / "r" / "checkpoints" / "iter_000000" / "state.pt"
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and not first.exists():
+            time.sleep(0.05)
+        assert first.exists(), "no checkpoint was written"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started
+        proc.wait()
+    if (tmp_path / "r" / "checkpoints" / "iter_000001").exists():
+        pytest.skip("the first run finished before it could be killed")
+    done = subprocess.run(cmd + ["--resume"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "resuming" in done.stdout
+    resumed, full = metrics_of(tmp_path / "r"), metrics_of(two_rounds)
+    assert deterministic(resumed[1]) == deterministic(full[1])
+
+
+@pytest.mark.slow
+def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
+    done = subprocess.run(subprocess_cmd(tiny_model_dir, tmp_path, "ddp", "--rounds", "2", ranks=2), cwd=REPO,
+                          env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    two, one = metrics_of(tmp_path / "ddp"), metrics_of(two_rounds)
+    assert sorted(two) == [0, 1]
+    for step in (0, 1):
+        a, b = deterministic(two[step]), deterministic(one[step])
+        assert a.keys() == b.keys()
+        for k in a:  # sampling and scoring are identical; FSDP2's reductions differ in the last bits
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-4), (step, k)
+    assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "policy.dcp").is_dir()
+
+
+@pytest.mark.slow
+def test_malformed_endpoint_output_is_dropped_with_a_reason(monkeypatch, tiny_model_dir, tmp_path):
+    monkeypatch.setattr(eva.time, "sleep", lambda s: None)
+    replies = [chat(""), (500, "busy"), (500, "busy"), (500, "busy"), chat("I rewrote the given prompt: oops"),
+               (200, "not json"), (200, "not json"), (200, "not json"), chat("#Rewritten Prompt#: Tell me more.")]
+    endpoint = Endpoint(replies)
+    try:
+        run_dir = run_in_process(monkeypatch, tmp_path, "url", *tiny_flags(tiny_model_dir), "--rounds", "1",
+                                 "--no-baseline-round", "--evolver-url", endpoint.url, "--evolver-workers", "1")
+    finally:
+        endpoint.close()
+    records = [json.loads(line) for line in (run_dir / "evolutions.jsonl").read_text().splitlines()]
+    reasons = [r["reason"] for r in records]
+    assert reasons.count("empty") == 1 and reasons.count("failed") == 2 and reasons.count("marker") == 1
+    assert any(r["kept"] for r in records) and metrics_of(run_dir)[0]["creator/failed"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--no-evolve", "--sampling", "greedy"], ["--sampling", "stratified"],
+                                   ["--info-metric", "a_dts", "--loss", "sppo", "--beta", "0.5"],
+                                   ["--loss", "rloo"], ["--loss", "orpo", "--optim", "rmsprop"],
+                                   ["--new-human-prompts"]], ids=lambda f: "_".join(f))
+def test_ablations_run(monkeypatch, tiny_model_dir, tmp_path, flags):
+    run_dir = run_in_process(monkeypatch, tmp_path, "ablation", *tiny_flags(tiny_model_dir), "--rounds", "1",
+                             "--no-baseline-round", "--n-samples", "3", *flags)
+    row = metrics_of(run_dir)[0]
+    assert row["charts/train_items"] > 0 and "losses/loss" in row
+    if "--no-evolve" in flags:
+        assert row["creator/evolved"] == 0 and row["charts/train_groups"] == 2  # the subset itself
+    if "--new-human-prompts" in flags:
+        assert row["charts/eva_round"] == 0 and "creator/subset" not in row
+
+
+@pytest.mark.slow
+def test_cpu_default_on_the_embedded_model(tmp_path):
+    if not pathlib.Path(eva.EMBEDDED_MODEL, "config.json").exists():
+        pytest.skip("the embedded model is not converted (bash setup.sh)")
+    cmd = [sys.executable, "eva.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--num-prompts", "4",
+           "--n-samples", "2", "--max-new-tokens", "8", "--evolve-max-tokens", "16", "--num-evolutions", "2",
+           "--heldout-size", "2", "--epochs", "1"]
+    done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "No CUDA" in done.stdout and "reward_kind: classifier -> judge" in done.stdout
+    row = metrics_of(tmp_path / "embedded")[0]
+    assert row["charts/eva_round"] == 1 and row["creator/subset"] == 1 and "eval/win_rate" in row
