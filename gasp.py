@@ -305,7 +305,8 @@ Keep the words that have at least n letters and return them in alphabetical orde
 # difficulty axes (Sec. 3.3.1, "Choosing the difficulty axis"): I/O = instances and representations, f = the mapping
 AXIS_HINTS = {
     ("io", "easier"): "Make it easier along the INPUT/OUTPUT axis: keep the same algorithm, but use simpler inputs "
-    "and outputs (fewer arguments, flat lists instead of nested ones, small values) and examples that reveal the rule clearly.",
+    "and outputs (fewer arguments, flat lists instead of nested ones, small values) and examples that reveal the rule "
+    "clearly.",
     ("f", "easier"): "Make it easier along the FUNCTION axis: simplify the algorithm itself (drop a constraint, remove "
     "a step of the computation) while keeping its central idea.",
     ("io", "harder"): "Make it harder along the INPUT/OUTPUT axis: keep the algorithm, but use richer inputs and outputs "
@@ -314,7 +315,8 @@ AXIS_HINTS = {
     "constraint, a second operation composed with the first, a subtler rule).",
     ("io", "related"): "Work along the INPUT/OUTPUT axis: keep the algorithm, and choose the shape of the inputs and "
     "outputs and the examples to set the difficulty.",
-    ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and steps to set the difficulty.",
+    ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and steps to set the "
+    "difficulty.",
 }
 
 # the teacher's three requests (lemma, lift, one-step ablations of App. C.3) share this frame

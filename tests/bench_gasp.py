@@ -43,8 +43,8 @@ def main() -> None:
     in_loop = sum(r.get("time/iteration", 0.0) for r in rows)
     print(f"wall time {wall:.1f} s: {in_loop:.1f} s in {len(rows)} iterations, {wall - in_loop:.1f} s start-up "
           "(model loading, data, sandbox servers), checkpoint writes (after each iteration) and exit\n")
-    header = f"{'iter':>4} {'total s':>8} " + " ".join(f"{p:>11}" for p in PARTS) + f" {'overhead':>9} {'ovh %':>6} {'tok/s':>7}"
-    print(header)
+    print(f"{'iter':>4} {'total s':>8} " + " ".join(f"{p:>11}" for p in PARTS)
+          + f" {'overhead':>9} {'ovh %':>6} {'tok/s':>7}")
     totals = {p: 0.0 for p in PARTS + ["overhead", "iteration"]}
     tokens = 0.0
     for r in rows:

