@@ -699,6 +699,8 @@ def sample_informative(values: list[float], weights: np.ndarray, fraction: float
     (pd.qcut, duplicate edges dropped)."""
     def draw(w: np.ndarray, k: int) -> list[int]:  # successive draws; uniform among zero weights once none is left
         positive, k = np.flatnonzero(w > 0), min(k, len(w))
+        if k <= 0:
+            return []
         if len(positive) >= k:
             return rng.choice(len(w), size=k, replace=False, p=w / w.sum()).tolist()
         return positive.tolist() + rng.permutation(np.flatnonzero(w <= 0))[: k - len(positive)].tolist()

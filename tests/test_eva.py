@@ -80,6 +80,7 @@ def test_weighted_sampling_without_replacement_by_hand():
     # fewer positive weights than places: the rest is filled uniformly from the others
     chosen = eva.sample_informative([0] * 4, np.array([1.0, 0.0, 0.0, 0.0]), 0.5, "weighted", rng)
     assert 0 in chosen and len(set(chosen)) == 2
+    assert eva.sample_informative([0] * 3, np.zeros(3), 0.3, "weighted", rng) == []  # int(0.9) = 0 places
 
 
 def test_stratified_sampling_matches_qcut_bins():
@@ -468,6 +469,7 @@ def subprocess_cmd(model_dir, out, name, *flags, ranks=0):
     return head + ["eva.py", "--output-dir", str(out), "--run-name", name, *tiny_flags(model_dir), *flags]
 
 
+TWO_ROUNDS = ["--rounds", "2", "--baseline-round"]  # the plain-DPO round, then an eva round
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -475,7 +477,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 def two_rounds(tiny_model_dir, tmp_path_factory):
     """Round 0: the plain-DPO baseline round; round 1: an eva round. One process, uninterrupted."""
     out = tmp_path_factory.mktemp("eva_e2e")
-    done = subprocess.run(subprocess_cmd(tiny_model_dir, out, "full", "--rounds", "2"), cwd=REPO, env=ENV,
+    done = subprocess.run(subprocess_cmd(tiny_model_dir, out, "full", *TWO_ROUNDS), cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return out / "full"
@@ -503,7 +505,7 @@ def test_two_rounds_end_to_end(two_rounds, tiny_model_dir):
 
 @pytest.mark.slow
 def test_resume_after_kill_continues_exactly(two_rounds, tiny_model_dir, tmp_path):
-    cmd = subprocess_cmd(tiny_model_dir, tmp_path, "r", "--rounds", "2")
+    cmd = subprocess_cmd(tiny_model_dir, tmp_path, "r", *TWO_ROUNDS)
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     first = tmp_path / "r" / "checkpoints" / "iter_000000" / "state.pt"
@@ -527,7 +529,7 @@ def test_resume_after_kill_continues_exactly(two_rounds, tiny_model_dir, tmp_pat
 
 @pytest.mark.slow
 def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
-    done = subprocess.run(subprocess_cmd(tiny_model_dir, tmp_path, "ddp", "--rounds", "2", ranks=2), cwd=REPO,
+    done = subprocess.run(subprocess_cmd(tiny_model_dir, tmp_path, "ddp", *TWO_ROUNDS, ranks=2), cwd=REPO,
                           env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     two, one = metrics_of(tmp_path / "ddp"), metrics_of(two_rounds)
@@ -535,8 +537,11 @@ def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
     for step in (0, 1):
         a, b = deterministic(two[step]), deterministic(one[step])
         assert a.keys() == b.keys()
-        for k in a:  # sampling and scoring are identical; FSDP2's reductions differ in the last bits
-            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-4), (step, k)
+        # sampling, scoring and evolving are identical; FSDP2's reductions differ in the last bits, which decide the
+        # sign of h = 0 at the first step, so the accuracy (h > 0) is left out
+        differ = {k: (a[k], b[k]) for k in a
+                  if k != "losses/accuracy" and a[k] != pytest.approx(b[k], rel=1e-3, abs=1e-4)}
+        assert not differ, (step, differ)
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "policy.dcp").is_dir()
 
 
