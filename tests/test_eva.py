@@ -580,7 +580,7 @@ def test_ablations_run(monkeypatch, tiny_model_dir, tmp_path, flags):
 
 @pytest.mark.slow
 def test_cpu_default_on_the_embedded_model(tmp_path):
-    if not pathlib.Path(eva.EMBEDDED_MODEL, "config.json").exists():
+    if not pathlib.Path(eva.resolve_model(eva.EMBEDDED_MODEL), "config.json").exists():
         pytest.skip("the embedded model is not converted (bash setup.sh)")
     cmd = [sys.executable, "eva.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--num-prompts", "4",
            "--n-samples", "2", "--max-new-tokens", "8", "--evolve-max-tokens", "16", "--num-evolutions", "2",
