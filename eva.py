@@ -247,8 +247,8 @@ class Args:
 # Without CUDA the paper's sizes would take weeks; these run an eva round on 2 CPU cores in a few minutes (SmolLM2-135M
 # samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
 CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", reward_kind="judge",
-                    dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, rounds=1, baseline_round=False, max_new_tokens=40,
-                    evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4, micro_batch_size=2,
+                    dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, rounds=1, baseline_round=False,
+                    max_new_tokens=40, evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4, micro_batch_size=2,
                     max_length=384, max_prompt_length=256)
 
 
