@@ -248,8 +248,8 @@ class Args:
 # samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
 CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", reward_kind="judge",
                     dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, rounds=1, baseline_round=False,
-                    max_new_tokens=40, evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4, micro_batch_size=2,
-                    max_length=384, max_prompt_length=256)
+                    max_new_tokens=40, evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4,
+                    micro_batch_size=2, max_length=384, max_prompt_length=256)
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
