@@ -626,8 +626,8 @@ def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
         from datasets import concatenate_datasets, load_dataset
 
         raw = load_dataset(args.dataset)
-        train, test = (concatenate_datasets([raw[f"{s}_iteration_{i}"] for i in (1, 2, 3)]).shuffle(seed=8964)["prompt"]
-                       for s in ("train", "test"))
+        train, test = (list(concatenate_datasets([raw[f"{s}_iteration_{i}"] for i in (1, 2, 3)]).shuffle(seed=8964)[
+            "prompt"]) for s in ("train", "test"))
         test = test[: len(test) // args.num_splits]
     size = len(train) // args.num_splits  # the last part takes the rest, as the official split
     parts = [train[i * size : (i + 1) * size if i < args.num_splits - 1 else None] for i in range(args.num_splits)]
@@ -980,11 +980,12 @@ def item_losses(policy, items: list, args: Args) -> tuple[torch.Tensor, dict[str
 def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.Random) -> dict[str, float]:
     """Solver step 'preference optimization' from the current policy, as one fresh trainer run (the official pipeline
     starts TRL anew each round): a fresh optimizer state, `epochs` passes over the shuffled items in batches of
-    batch_size, warm-up then cosine decay. Each rank runs its share of every batch."""
+    batch_size, linear warm-up then cosine (or linear) decay. Each rank runs its share of every batch."""
     optimizer.state.clear()
     per_epoch = -(-len(items) // args.batch_size)
     total, history = args.epochs * per_epoch, []
     warmup = math.ceil(total * args.warmup_ratio)
+    length = lambda x: max(len(s.prompt_ids) + len(s.token_ids) for s in x.samples)  # noqa: E731 (micro-batch sort)
     for step in range(total):
         if step % per_epoch == 0:
             order = rng.sample(items, len(items))
@@ -993,7 +994,6 @@ def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.R
         for group in optimizer.param_groups:
             group["lr"] = lr
         sums = collections.Counter()
-        length = lambda x: max(len(s.prompt_ids) + len(s.token_ids) for s in x.samples)  # noqa: E731
         for micro, scale in micro_batches(batch, args.micro_batch_size, dist, length=length):
             losses, stats = item_losses(policy, micro, args)
             (losses.sum() * scale).backward()  # sum times scale: the batch mean after FSDP2's average over ranks
@@ -1006,7 +1006,7 @@ def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.R
     metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
     metrics |= {f"losses/{k}_{end}": history[i][k] for k in ("loss", "margin") if k in history[0]
                 for end, i in (("first", 0), ("last", -1))}  # where the round's training started and ended
-    return metrics | {"losses/steps": float(total), "losses/learning_rate": args.learning_rate}
+    return metrics | {"losses/steps": float(total)}
 
 
 # ---- evaluation ----
@@ -1044,8 +1044,8 @@ def main(args: Args) -> None:
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     if state["reference_rewards"] is None:  # theta_0's held-out rewards: the first round's reference
-        state["reference_rewards"] = evaluate(sampler, tokenizer, reward_model, heldout, [0.0] * len(heldout),
-                                              f"{args.seed}/reference", args, dist)[1]
+        state["reference_rewards"] = [g.rewards[0] for g in solve(heldout, 1, f"{args.seed}/reference", sampler,
+                                                                  tokenizer, reward_model, args, dist)]
 
     for round_ in range(start, args.rounds):
         metrics, rng = {}, random.Random(f"{args.seed}/{round_}")  # the same on every rank and after a resume
