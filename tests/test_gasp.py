@@ -604,7 +604,7 @@ class FixedReplies:
         with torch.no_grad():
             lp, _, _ = gasp.token_logprobs(self.model, [s for g in out for s in g], temperature, top_p)
         for row, s in zip(lp.tolist(), (s for g in out for s in g)):
-            s.logprobs = row[: len(s.token_ids)]
+            s.logprobs.extend(row[: len(s.token_ids)])  # Sample is a namedtuple: fill its list
         return out
 
     def sleep(self):
@@ -804,8 +804,7 @@ class Scripted:
                     new = gasp.Sample(text, s.prompt_ids, ids, [0.0] * len(ids), "stop")
                     with torch.no_grad():
                         lp, _, _ = gasp.token_logprobs(self.inner.model, [new], temperature, top_p)
-                    new.logprobs = lp[0, : len(ids)].tolist()
-                    group[j] = new
+                    group[j] = new._replace(logprobs=lp[0, : len(ids)].tolist())
         return out
 
     def sleep(self):

