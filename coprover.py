@@ -78,6 +78,7 @@ Deliberate deviations (each a fix of the official code or a gap it leaves):
 """
 
 import collections
+import functools
 import heapq
 import itertools
 import json
@@ -823,8 +824,10 @@ def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperatu
                  for p, row in zip(mine, rows)]  # a failed sample (vLLM abort or error) has nothing to check
         jobs = {(p.id, c): ProofJob(p.header, p.statement, c, p.id) for p, row in zip(mine, codes) for c in row if c}
         verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())) if jobs else []))
-        return [[Attempt(s, c, verdicts[p.id, c].status, proof_reward(verdicts[p.id, c])) if c else
-                 Attempt(s, None, "no_code", 0.0) for s, c in zip(row, crow)] for p, row, crow in zip(mine, rows, codes)]
+        rewards = {job: proof_reward(v) for job, v in verdicts.items()}
+        return [[Attempt(s, c if rewards[p.id, c] else None, verdicts[p.id, c].status, rewards[p.id, c]) if c
+                 else Attempt(s, None, "no_code", 0.0) for s, c in zip(row, crow)]
+                for p, row, crow in zip(mine, rows, codes)]
 
     return map_sharded(run, problems, dist)
 
@@ -862,7 +865,6 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
                 path = [s.key for s in states[:-1]]
                 found = value_labels([], [path], args.gamma)
                 labels += [(s.pretty, found[s.key]) for s in states[1:-1]]
-        verifier.free_states()
         return out
 
     return [label for part in map_sharded(run, list(zip(problems, attempts)), dist) for label in part]
@@ -884,7 +886,8 @@ def load_value_model(name: str, dist: Dist, args: Args) -> torch.nn.Module:
 def value_head(hidden: int, name: str) -> torch.nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(), torch.nn.Linear(hidden // 2, 1))
+        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(),
+                                   torch.nn.Linear(hidden // 2, 1))
     files = list(pathlib.Path(name).glob("*.safetensors")) if os.path.isdir(name) else []
     saved = {k.removeprefix("value_head."): v for f in files for k, v in safetensors.torch.load_file(f).items()
              if k.startswith("value_head.")}
@@ -899,7 +902,8 @@ def value_scorer(value_model, name: str, dist: Dist):
     A collective: every rank calls it (after each value update)."""
     if dist.world_size == 1:
         return value_model
-    copy = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16 if dist.device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
+    copy = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
     copy.value_head = value_head(copy.config.hidden_size, name).float()
     copy.load_state_dict(dict(full_state_dict_items(value_model)))
     return copy.to(dist.device).eval()
@@ -941,9 +945,9 @@ def train_value(value_model, optimizer, tokenizer, labels: list[tuple[str, float
             order = rng.sample(data, len(data))
         batch = order[(step % per_epoch) * args.value_batch_size :][: args.value_batch_size]
         warm = args.value_warmup_steps
+        factor = (step + 1) / warm if step < warm else 0.5 + 0.5 * math.cos(math.pi * (step - warm) / (total - warm))
         for group in optimizer.param_groups:
-            group["lr"] = args.value_learning_rate * ((step + 1) / warm if step < warm else
-                                                      0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm))))
+            group["lr"] = args.value_learning_rate * factor
         summed = 0.0
         for micro, scale in micro_batches(batch, args.value_micro_batch_size, dist, length=lambda x: len(x[0])):
             values = value_forward(value_model, tokenizer, [text for text, _ in micro], args)
@@ -983,7 +987,8 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
         for micro, scale in micro_batches(train, args.micro_batch_size, dist,
                                           length=lambda x: len(x[0].prompt_ids) + len(x[0].token_ids)):
             logp, mask, _ = token_logprobs(policy, [s for s, _ in micro], args.temperature)
-            old = torch.stack([torch.nn.functional.pad(logp.new_tensor(s.logprobs), (0, logp.shape[1] - len(s.logprobs)))
+            pad = torch.nn.functional.pad  # pi_old: the sampler's log-probs, padded as logp
+            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, mask.shape[1] - len(s.logprobs)))
                                for s, _ in micro])
             loss, held = clip_higher_loss(logp, old, mask, logp.new_tensor([adv for _, adv in micro]), n_tokens,
                                           args.eps_clip, args.eps_clip_high)
@@ -1003,14 +1008,14 @@ def search_metrics(trees: list[Tree], prefix: str) -> dict[str, float]:
     """Search efficiency: the share of theorems proved, proofs per expansion and per second of search, nodes expanded
     per proof (README), the proofs' length, merged states and the share of failed edges."""
     proved = [t for t in trees if t.proof]
-    expansions, seconds, edges = sum(t.expansions for t in trees), sum(t.seconds for t in trees), sum(t.edges for t in trees)
+    expansions, seconds = sum(t.expansions for t in trees), sum(t.seconds for t in trees)
     return {f"{prefix}/theorems": float(len(trees)), f"{prefix}/proved_share": len(proved) / max(1, len(trees)),
             f"{prefix}/proofs_per_expansion": len(proved) / max(1, expansions),
             f"{prefix}/proofs_per_second": len(proved) / seconds if seconds else 0.0,
             f"{prefix}/expansions_per_proof": float(np.mean([t.expansions for t in proved])) if proved else 0.0,
             f"{prefix}/proof_length": float(np.mean([len(t.proof) for t in proved])) if proved else 0.0,
             f"{prefix}/merged_states": float(sum(t.merged for t in trees)),
-            f"{prefix}/failed_edge_share": sum(t.failed for t in trees) / max(1, edges)}
+            f"{prefix}/failed_edge_share": sum(t.failed for t in trees) / max(1, sum(t.edges for t in trees))}
 
 
 def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist) -> dict[str, float]:
@@ -1018,8 +1023,9 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
     eval_temperature; and search efficiency on the first eval_search_limit problems, value-guided (when there is a
     value model) and log-prob only."""
     attempts = attempt_proofs(sampler, verifier, problems, args.eval_samples, args.eval_temperature, key, args, dist)
-    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(len(row), sum(a.reward > 0 for a in row), k)
-                                                 for row in attempts])) for k in args.eval_budgets if k <= args.eval_samples}
+    correct = [(len(row), sum(a.reward > 0 for a in row)) for row in attempts]
+    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, c, k) for n, c in correct]))
+               for k in args.eval_budgets if k <= args.eval_samples}
     subset = problems[: args.eval_search_limit] if args.eval_search_limit is not None else problems
     for name, fn, alpha in [("value", score, args.alpha), ("logprob", None, 1.0)][0 if score else 1 :]:
         if subset:
@@ -1048,7 +1054,7 @@ def main(args: Args) -> None:
     # the two models: the prover (GRPO; the sampler generates with it) and the value model (regression)
     tokenizer, value_tokenizer = load_tokenizer(args.model), load_tokenizer(args.value_backbone)
     value_tokenizer.truncation_side = "left"  # a long state keeps the end of its prompt, where the head reads
-    adamw = lambda params, lr: torch.optim.AdamW(params, lr, betas=args.adam_betas, weight_decay=args.weight_decay)
+    adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=args.weight_decay)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     models = {"prover": (policy, adamw(policy.parameters(), args.learning_rate))}
     if args.value_model:
@@ -1064,6 +1070,7 @@ def main(args: Args) -> None:
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     scorer = value_scorer(value_model, args.value_backbone, dist) if args.value_model else None
+    # V for the search; it reads `scorer` when called, so a new scorer after each value update is the one used
     score = (lambda texts: value_scores(scorer, value_tokenizer, texts, args)) if args.value_model else None
 
     if args.frontier_filter and state["frontier"] is None and start < args.rounds:  # data prep (filter_dataset.py)
@@ -1095,7 +1102,8 @@ def main(args: Args) -> None:
                 sampler.sleep()
                 metrics |= train_value(*models["value"], value_tokenizer, state["labels"], args, dist,
                                        random.Random(f"{args.seed}/{round_}/value"))
-                scorer, state["value_rounds"] = value_scorer(value_model, args.value_backbone, dist), state["value_rounds"] + 1
+                scorer = value_scorer(value_model, args.value_backbone, dist)
+                state["value_rounds"] += 1
 
         # 4. The prover: GRPO on whole proofs; their verified proofs are replayed for labels
         with logger.timer("grpo"):
@@ -1128,6 +1136,8 @@ def main(args: Args) -> None:
         logger.log(metrics, step=round_)
         if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
             save_checkpoint(run_dir, round_, models, tokenizer, state, dist)
+            if dist.is_main and args.value_model:  # the block saves the prover's tokenizer with every model
+                value_tokenizer.save_pretrained(os.path.join(run_dir, "checkpoints", f"iter_{round_:06d}", "value"))
 
     if start >= args.rounds:  # nothing to train (--rounds 0, or a finished run): evaluate the models as given
         logger.log(evaluate(sampler, verifier, benchmark, score, f"{args.seed}/eval", args, dist), step=args.rounds)

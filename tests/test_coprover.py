@@ -562,20 +562,27 @@ def test_two_ranks_reproduce_one(e2e, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flag", ["--no-value-model", "--no-co-training", "--value-labels=root"])
+@pytest.mark.parametrize("flag", ["--no-value-model", "--no-co-training"])
 def test_ablations_run(tiny_model_dir, tmp_path, flag):
-    run_driver(tmp_path, "ablation", tiny_model_dir, "--rounds", "2", "--eval-search-limit", "0", flag)
+    rounds = "2" if flag == "--no-co-training" else "1"
+    run_driver(tmp_path, "ablation", tiny_model_dir, "--rounds", rounds, "--eval-search-limit", "0", flag)
     rows = metrics_of(tmp_path / "ablation")
     if flag == "--no-value-model":
         assert all("losses/value_loss" not in r and r["search/value_guided"] == 0.0 for r in rows.values())
-        assert not (tmp_path / "ablation" / "checkpoints" / "iter_000001" / "value.dcp").exists()
-    elif flag == "--no-co-training":
+        assert not (tmp_path / "ablation" / "checkpoints" / "iter_000000" / "value.dcp").exists()
+    else:
         assert "losses/value_loss" in rows[0] and "losses/value_loss" not in rows[1]
         assert rows[1]["search/value_guided"] == 1.0  # the value model of round 0 still guides
-    else:
-        state = torch.load(tmp_path / "ablation" / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)
-        roots = {r["goal"] for r in ROWS}
-        assert {text for text, _ in state["state"]["labels"]} <= roots
+
+
+@pytest.mark.slow
+def test_evaluation_only_from_a_checkpoint(e2e, tmp_path):
+    """--rounds 0 with a checkpoint's prover and value directories (the value head comes with its directory)."""
+    ckpt = e2e[0] / "checkpoints" / "iter_000001"
+    run_driver(tmp_path, "eval", str(ckpt / "prover"), "--rounds", "0", "--value-backbone", str(ckpt / "value"))
+    [row] = metrics_of(tmp_path / "eval").values()
+    assert row["step"] == 0 and "eval/pass@2" in row and "eval/search_value/proved_share" in row
+    assert "search/theorems" not in row  # no training round
 
 
 @pytest.mark.slow
