@@ -563,10 +563,11 @@ def test_malformed_endpoint_output_is_dropped_with_a_reason(monkeypatch, tiny_mo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--no-evolve", "--sampling", "greedy"], ["--sampling", "stratified"],
-                                   ["--info-metric", "a_dts", "--loss", "sppo", "--beta", "0.5"],
-                                   ["--loss", "rloo"], ["--loss", "orpo", "--optim", "rmsprop"],
-                                   ["--new-human-prompts"]], ids=lambda f: "_".join(f))
+@pytest.mark.parametrize("flags", [["--no-evolve", "--sampling", "greedy"],
+                                   ["--sampling", "stratified", "--info-metric", "a_dts", "--loss", "sppo", "--beta",
+                                    "0.5"], ["--loss", "rloo"],
+                                   ["--new-human-prompts", "--loss", "orpo", "--optim", "rmsprop"]],
+                         ids=lambda f: "_".join(f))
 def test_ablations_run(monkeypatch, tiny_model_dir, tmp_path, flags):
     run_dir = run_in_process(monkeypatch, tmp_path, "ablation", *tiny_flags(tiny_model_dir), "--rounds", "1",
                              "--no-baseline-round", "--n-samples", "3", *flags)
