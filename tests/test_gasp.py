@@ -875,7 +875,7 @@ def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
     proposals = [json.loads(l) for l in (run_dir / "proposals.jsonl").read_text().splitlines()]
     assert any(p["accepted"] for p in proposals) and any(p["reason"] == "truncated" for p in proposals)
     # a checkpoint of iteration 2 with the policy, its optimizer and the run state
-    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    ckpt = max((run_dir / "checkpoints").glob("iter_*"))  # the newest: directories are renamed in when whole
     assert ckpt.name == "iter_000002"
     assert (ckpt / "policy" / "config.json").exists() and (ckpt / "policy.dcp").is_dir()
     state = torch.load(ckpt / "state.pt", weights_only=False)
@@ -895,16 +895,16 @@ def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
     cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "r",
            *SMALL]
     run_dir = tmp_path / "r"
-    latest = run_dir / "checkpoints" / "latest"
+    first = run_dir / "checkpoints" / "iter_000001"  # renamed into place when whole
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env=ONE_THREAD)
     try:
         deadline = time.time() + 900
         while time.time() < deadline and proc.poll() is None:
-            if latest.exists() and latest.read_text().strip() == "iter_000001":
+            if first.exists():
                 break
             time.sleep(0.05)
-        assert latest.exists(), "no checkpoint was written"
+        assert first.exists(), "no checkpoint was written"
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its sandbox servers included)
