@@ -90,6 +90,13 @@ name's signature as ``#check _root_.name`` prints it (``Nat.add_comm (n m : ℕ)
 n + m = m + n``), one REPL round trip (or one Kimina snippet) per call. Kimina
 passes no ``allTactics``, so there ``used_constants`` stays None.
 
+Task formats
+------------
+What the algorithms parse, written once here and needing no Lean: ``clean_statement`` (a dataset's statement
+as a task ending in ``:= by``), ``theorem_conclusion``, ``extract_proof`` and ``extract_conjecture`` (a model's
+proof or new statement, from a ```` ```lean4 ```` block or up to an end marker), ``invoked_lemmas`` (the lemma
+names a proof's text uses, a static scan).
+
 Configuration (arguments win over the environment, the environment over ``.env``):
 
 * ``LEAN_REPL_CMD``: a full command line that starts a REPL process; used instead
@@ -939,6 +946,107 @@ def _used_constants(tactics: list, proof: str, mode) -> list:
     fields = {i.rsplit(".", 1)[1] for i in idents if "." in i}
     return [c for c in seen if c in idents or any(c.endswith("." + i) for i in idents)
             or c.rsplit(".", 1)[-1] in fields and "." in c]
+
+
+# --------------------------------------------------------------------------- task formats (the algorithms' parsing)
+
+def clean_statement(text: str) -> str | None:
+    """A dataset's statement as a task: stripped, a trailing 'sorry' dropped and ':=' given ' by'; None unless it
+    then ends with ':= by' and holds no 'sorry' (no proof)."""
+    statement = (text or "").strip().removesuffix("sorry").rstrip()
+    statement += " by" if statement.endswith(":=") else ""
+    return statement if statement.endswith(":= by") and "sorry" not in statement else None
+
+
+def theorem_conclusion(statement: str) -> str:
+    """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside
+    brackets (binders are bracketed), or '' if there is none."""
+    body, depth = statement.removesuffix(":= by"), 0
+    for i, ch in enumerate(body):
+        depth += (ch in "([{⦃⟨") - (ch in ")]}⦄⟩")
+        if ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
+            return body[i + 1 :].strip()
+    return ""
+
+
+def extract_proof(completion: str, whole_block: bool = False) -> str | None:
+    """A model's tactics after ':= by', or None if empty. whole_block=False: the completion continues a prompt
+    that ends inside a ```lean4 block with the statement, so the proof is the completion up to the closing fence
+    (a truncated completion is still checked: Lean rejects an unfinished proof). whole_block=True (strict): the
+    completion must be exactly one ```lean4 block holding exactly one declaration (theorem / lemma / def); the
+    proof is what follows its first ':= by'."""
+    if not whole_block:
+        proof = completion.split("\n```", 1)[0].split("```", 1)[0].rstrip()
+        return proof if proof.strip() else None
+    text = completion.strip()
+    if not (text.startswith("```lean4") and text.endswith("```") and text.count("```") == 2):
+        return None
+    block = text[len("```lean4") : -len("```")]
+    if sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1 or ":= by" not in block:
+        return None
+    proof = block[block.find(":= by") + len(":= by") :].rstrip()
+    return proof if proof.strip() else None
+
+
+def extract_conjecture(completion: str, end_marker: str | None = None, finish_reason: str = "stop",
+                       banned: tuple = ()) -> str | None:
+    """A model's new statement, ending with ':= by', or None.
+
+    end_marker None: the last ```lean4 block, closed by a fence, with exactly one ':= by' and at most one
+    'sorry', ending with 'sorry' or ':= by'; header lines (import/open/set_option) before the declaration are
+    dropped, and it must start with `theorem` or `lemma`.
+    end_marker given: the text before it, with 'theorem ' in front (replacing 'lemma '), cut before its first
+    ':=', then ':= by'; a completion that failed (finish_reason not "stop"/"length") or ran out of tokens before
+    the marker is dropped, and so is a statement holding 'sorry', a fence or one of `banned`.
+    Either way the statement needs a name and a conclusion (theorem_conclusion)."""
+    if end_marker is None:
+        start, end = completion.rfind("```lean4"), completion.rfind("```")
+        if start < 0 or end <= start:
+            return None  # no block, or a truncated one
+        block = completion[start + len("```lean4") : end].strip()
+        if block.count(":= by") != 1 or block.count("sorry") > 1 or not block.endswith(("sorry", ":= by")):
+            return None
+        block = re.sub(r"\A(\s*((import|open|set_option)\b.*)?\n)*", "", block)  # blank and header lines
+        if ":= by" not in block or not re.match(r"(theorem|lemma)\s+\S", block):
+            return None
+        statement = block[: block.index(":= by") + len(":= by")]
+        return statement if theorem_conclusion(statement) else None
+    if finish_reason not in ("stop", "length") or (finish_reason == "length" and end_marker not in completion):
+        return None
+    text = re.sub(r"^(lemma |theorem |)", "theorem ", completion.split(end_marker, 1)[0].strip())
+    statement = text.split(":=", 1)[0].rstrip() + " := by"
+    if any(bad in statement for bad in ("sorry", "```", *banned)):
+        return None
+    return statement if re.match(r"theorem\s+[^\s:(\[{]+", statement) and theorem_conclusion(statement) else None
+
+
+_LEMMA_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_'.!?₀-₉]*")
+_BINDERS = re.compile(r"\b(?:have|haveI|let|set|obtain|intro|intros|rintro|rcases|cases'|induction'|by_cases"
+                      r"|by_contra|by_contra!|generalize|with|fun|λ|at)\b([^:=\n]*)")
+TACTIC_NAMES = frozenset(   # snake_case tactics, which invoked_lemmas would otherwise take for lemmas
+    "norm_num simp_all field_simp ring_nf push_cast exact_mod_cast norm_cast linear_combination simp_arith split_ifs "
+    "by_contra by_cases push_neg interval_cases fin_cases apply_fun rw_mod_cast simp_rw nth_rewrite nth_rw "
+    "induction' cases' conv_lhs conv_rhs norm_num1 all_goals any_goals on_goal pick_goal rotate_left rotate_right "
+    "infer_instance assumption_mod_cast apply_rules solve_by_elim cancel_denoms compute_degree apply_assumption "
+    "simp_intro match_target refine_lift exists_intro decreasing_tactic mod_cases field_simp! contrapose! "
+    "by_contra! push_neg! norm_num! simp_all! positivity_ext nlinarith! linarith! simp! exact? apply? rw? "
+    "aesop_cat unfold_let apply_mod_cast bound_nf".split()
+)
+
+
+def invoked_lemmas(proof: str, statement: str = "") -> list:
+    """Mathlib lemmas a proof names, by a static scan of its text (no Lean; ``verify(used_constants=True)`` asks
+    Lean instead): identifiers whose last component has an underscore (Mathlib's snake_case theorem names:
+    sq_nonneg, Nat.succ_le_iff), minus TACTIC_NAMES, names the proof binds (have h_pos ..., obtain ⟨x, hx_1⟩ ...)
+    and names of the statement. In order of first use."""
+    bound = set(_LEMMA_IDENT.findall(statement)).union(
+        *(_LEMMA_IDENT.findall(m.group(1)) for m in _BINDERS.finditer(proof)))
+    found = []
+    for name in (name.rstrip(".") for name in _LEMMA_IDENT.findall(proof)):
+        last = name.split(".")[-1]
+        if "_" in last.strip("_") and name not in found and name not in TACTIC_NAMES and not {name, last} & bound:
+            found.append(name)
+    return found
 
 
 # --------------------------------------------------------------------------- judging Lean's answer

@@ -71,7 +71,8 @@ import numpy as np
 import torch
 import tyro
 
-from lean_verify import LeanNotInstalled, LeanVerifier, ProofJob, strip_comments
+from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_statement, extract_conjecture, extract_proof,
+                         strip_comments, theorem_conclusion)
 
 
 @dataclass
@@ -599,55 +600,13 @@ def load_problems(dataset: str, limit: int | None = None) -> list[Problem]:
     problems, seen = [], set()
     for i, row in enumerate(rows):
         pid = str(row.get("id", row.get("name", i)))
-        statement = (row.get("theorem") or row.get("formal_statement") or "").strip().removesuffix("sorry").rstrip()
-        statement += " by" if statement.endswith(":=") else ""
-        if not statement.endswith(":= by") or "sorry" in statement:
+        statement = clean_statement(row.get("theorem") or row.get("formal_statement"))
+        if statement is None:
             continue  # a statement must end with ':= by' and hold no proof
         pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
         seen.add(pid)
         problems.append(Problem(pid, row.get("header") or DEFAULT_HEADER, statement))
     return problems[:limit] if limit else problems
-
-
-def extract_proof(completion: str) -> str | None:
-    """The Solver's tactic script, by the official strict rule, or None: the answer must be exactly one ```lean4 block
-    holding exactly one declaration (theorem / lemma / def); the proof is what follows its first ':= by'."""
-    text = completion.strip()
-    if not (text.startswith("```lean4") and text.endswith("```") and text.count("```") == 2):
-        return None
-    block = text[len("```lean4") : -len("```")]
-    if sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1 or ":= by" not in block:
-        return None
-    proof = block[block.find(":= by") + len(":= by") :].rstrip()
-    return proof if proof.strip() else None
-
-
-def extract_conjecture(completion: str) -> str | None:
-    """The Conjecturer's statement, ending with ':= by', or None. Official rule: the last ```lean4 block, closed by a
-    fence, with exactly one ':= by' and at most one 'sorry', ending with 'sorry' or ':= by'. Added (deviation 6):
-    header lines before the declaration are dropped and it must start with `theorem` or `lemma`."""
-    start, end = completion.rfind("```lean4"), completion.rfind("```")
-    if start < 0 or end <= start:
-        return None  # no block, or a truncated one
-    block = completion[start + len("```lean4") : end].strip()
-    if block.count(":= by") != 1 or block.count("sorry") > 1 or not block.endswith(("sorry", ":= by")):
-        return None
-    block = re.sub(r"\A(\s*((import|open|set_option)\b.*)?\n)*", "", block)  # blank and header lines
-    if ":= by" not in block or not re.match(r"(theorem|lemma)\s+\S", block):
-        return None
-    statement = block[: block.index(":= by") + len(":= by")]
-    return statement if theorem_conclusion(statement) else None
-
-
-def theorem_conclusion(statement: str) -> str:
-    """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside brackets
-    (binders are bracketed), or '' if there is none."""
-    body, depth = statement.removesuffix(":= by"), 0
-    for i, ch in enumerate(body):
-        depth += (ch in "([{⦃⟨") - (ch in ")]}⦄⟩")
-        if ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
-            return body[i + 1 :].strip()
-    return ""
 
 
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
@@ -766,7 +725,7 @@ def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem],
     conjectures, seen, parsed = [], {" ".join(t.statement.split()) for t in targets}, []
     for seed, row in zip(seeds, outputs):
         for sample in row:
-            parsed.append(statement := extract_conjecture(sample.text))
+            parsed.append(statement := extract_conjecture(sample.text))  # official rule, and deviation 6
             if statement is None or (key := " ".join(statement.split())) in seen:
                 continue
             seen.add(key)
@@ -785,7 +744,7 @@ def solve(sampler, verifier, tokenizer, problems: list[Problem], args: Args, dis
     distinct (problem, proof) pairs."""
     prompts = [chat_prompt(tokenizer, SOLVER_PROMPT.format(header=p.header, statement=p.statement)) for p in problems]
     outputs = generate(sampler, prompts, args.proofs_per_problem, args.max_new_tokens, args, dist, "solve")
-    proofs = [[extract_proof(s.text) for s in row] for row in outputs]
+    proofs = [[extract_proof(s.text, whole_block=True) for s in row] for row in outputs]  # the official strict rule
     jobs = {(p.id, proof): ProofJob(p.header, p.statement, p.statement + proof, p.id)
             for p, row in zip(problems, proofs) for proof in row if proof is not None}
     verdicts = dict(zip(jobs, map_sharded(lambda mine: [(v.status, v.valid) for v in verifier.verify(mine)] if mine

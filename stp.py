@@ -32,9 +32,9 @@ data/minif2f.jsonl and data/proofnet.jsonl are the Lean 4 versions of the DeepSe
 Deliberate deviations (where the paper is silent this file follows the official code):
   1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
      --model. DeepSeek-Prover-V1.5-SFT itself has never seen the conjecturing format.
-  2. The lemmas a proof invokes come from a static scan (`invoked_lemmas`) and the prompt shows a lemma by name: STP
-     reads them from the AST of DeepSeek's REPL fork and a LeanDojo table; the upstream REPL's info trees or
-     usedConstants would give them, but lean_verify returns neither.
+  2. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas) and the prompt shows a lemma by
+     name: STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table; the upstream REPL's
+     usedConstants would give them (lean_verify's verify(used_constants=True), not used here yet).
   3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header lines
      its training prompt has).
   4. The cap on the uses of one lemma (10% of the statements) does not apply to the empty lemma.
@@ -57,7 +57,6 @@ import json
 import math
 import os
 import random
-import re
 import sys
 from dataclasses import dataclass
 from typing import Literal
@@ -66,7 +65,8 @@ import numpy as np
 import torch
 import tyro
 
-from lean_verify import LeanNotInstalled, LeanVerifier, ProofJob
+from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_statement, extract_conjecture, extract_proof,
+                         invoked_lemmas)
 
 
 @dataclass
@@ -234,6 +234,7 @@ PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{state
 CONJECTURER_PROMPT = ("Complete the following Lean 4 code:\n\n```lean4\n{header}"
                       "<lemma>\n{lemma}\n<easy theorem>\n{seed}\n<hard theorem>")
 END_THM = "</hard theorem>"
+BANNED = ("<lemma>", "<easy theorem>", "<hard theorem>")  # prompt markers a conjecture may not hold
 EMPTY_LEMMA = "theorem true: True"
 
 
@@ -561,9 +562,8 @@ def load_problems(dataset: str, limit: int | None = None, split: str | None = No
         rows = list(datasets.load_dataset(dataset, split="train"))
     problems, seen = [], set()
     for i, row in enumerate(rows):
-        statement = (row.get("theorem") or row.get("formal_statement") or "").strip().removesuffix("sorry").rstrip()
-        statement += " by" if statement.endswith(":=") else ""
-        if (split is not None and row.get("split") != split) or not statement.endswith(":= by") or "sorry" in statement:
+        statement = clean_statement(row.get("theorem") or row.get("formal_statement"))
+        if (split is not None and row.get("split") != split) or statement is None:
             continue
         pid = str(row.get("id", row.get("name", i)))
         pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
@@ -588,64 +588,6 @@ def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, ar
     lemma = f"theorem {lemma}" if lemma else EMPTY_LEMMA
     return truncate_left(tokenizer, CONJECTURER_PROMPT.format(header=header, lemma=lemma, seed=easy_theorem),
                          args.max_prompt_tokens)
-
-
-def extract_proof(completion: str) -> str | None:
-    """The prover's tactics: its completion up to the closing fence (official code); None if empty. A truncated
-    completion is still checked (Lean rejects an unfinished proof)."""
-    proof = completion.split("\n```", 1)[0].split("```", 1)[0].rstrip()
-    return proof if proof.strip() else None
-
-
-def extract_conjecture(completion: str, finish_reason: str = "stop") -> str | None:
-    """The conjecturer's statement, ending with ':= by', or None. Official rule: the text before </hard theorem>,
-    with 'theorem ' in front, cut before its first ':=', then ':= by'. Here a completion that failed or ran out of
-    tokens before </hard theorem> is dropped, and a statement needs a name and a conclusion, no sorry or marker."""
-    if finish_reason not in ("stop", "length") or (finish_reason == "length" and END_THM not in completion):
-        return None
-    text = re.sub(r"^(lemma |theorem |)", "theorem ", completion.split(END_THM, 1)[0].strip())
-    statement = text.split(":=", 1)[0].rstrip() + " := by"
-    if any(bad in statement for bad in ("sorry", "```", "<lemma>", "<easy theorem>", "<hard theorem>")):
-        return None
-    return statement if re.match(r"theorem\s+[^\s:(\[{]+", statement) and theorem_conclusion(statement) else None
-
-
-def theorem_conclusion(statement: str) -> str:
-    """The conclusion of 'theorem name binders : conclusion := by': the text after the first ':' outside
-    brackets (binders are bracketed), or '' if there is none."""
-    body, depth = statement.removesuffix(":= by"), 0
-    for i, ch in enumerate(body):
-        depth += (ch in "([{⦃⟨") - (ch in ")]}⦄⟩")
-        if ch == ":" and depth == 0 and body[i + 1 : i + 2] != "=":
-            return body[i + 1 :].strip()
-    return ""
-
-
-IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_'.!?₀-₉]*")
-BINDING = re.compile(r"\b(?:have|haveI|let|set|obtain|intro|intros|rintro|rcases|cases'|induction'|by_cases|by_contra"
-                     r"|by_contra!|generalize|with|fun|λ|at)\b([^:=\n]*)")
-TACTICS = frozenset(
-    "norm_num simp_all field_simp ring_nf push_cast exact_mod_cast norm_cast linear_combination simp_arith split_ifs "
-    "by_contra by_cases push_neg interval_cases fin_cases apply_fun rw_mod_cast simp_rw nth_rewrite nth_rw "
-    "induction' cases' conv_lhs conv_rhs norm_num1 all_goals any_goals on_goal pick_goal rotate_left rotate_right "
-    "infer_instance assumption_mod_cast apply_rules solve_by_elim cancel_denoms compute_degree apply_assumption "
-    "simp_intro match_target refine_lift exists_intro decreasing_tactic mod_cases field_simp! contrapose! "
-    "by_contra! push_neg! norm_num! simp_all! positivity_ext nlinarith! linarith! simp! exact? apply? rw? "
-    "aesop_cat unfold_let apply_mod_cast bound_nf".split()
-)
-
-
-def invoked_lemmas(proof: str, statement: str = "") -> list[str]:
-    """Mathlib lemmas a proof uses, by a static scan (deviation 2): identifiers whose last component has an
-    underscore (Mathlib's snake_case theorem names: sq_nonneg, Nat.succ_le_iff), minus tactic names, names the
-    proof binds (have h_pos ..., obtain ⟨x, hx_1⟩ ...) and names of the statement. In order of first use."""
-    bound = set(IDENT.findall(statement)).union(*(IDENT.findall(m.group(1)) for m in BINDING.finditer(proof)))
-    found = []
-    for name in (name.rstrip(".") for name in IDENT.findall(proof)):
-        last = name.split(".")[-1]
-        if "_" in last.strip("_") and name not in found and name not in TACTICS and not {name, last} & bound:
-            found.append(name)
-    return found
 
 
 # ---- rewards ----
@@ -781,7 +723,7 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known:
         outputs = sampler.generate(mine, n=multiplier, temperature=args.temperature, top_p=args.top_p,
                                    max_new_tokens=args.max_new_tokens, stop=[END_THM],
                                    desc="conjecture") if mine else []
-        return [[extract_conjecture(s.text, s.finish_reason) for s in row] for row in outputs]
+        return [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row] for row in outputs]
 
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
     outputs, conjectures, seen = map_sharded(sample, prompts, dist), [], set(known)

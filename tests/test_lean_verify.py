@@ -1270,3 +1270,136 @@ def test_real_lean_names_constants_and_statements():
         got = v.statements(H, ["lt_trans", "Nat.add_comm", "no_such_lemma_xyz"])
         assert got["Nat.add_comm"].startswith("Nat.add_comm") and " : " in got["lt_trans"]
         assert got["no_such_lemma_xyz"] is None
+
+
+# --------------------------------------------------------------------------- task formats
+def test_clean_statement():
+    assert lv.clean_statement("theorem p2 : 2 = 2 := by sorry") == "theorem p2 : 2 = 2 := by"
+    assert lv.clean_statement("  theorem p3 : 3 = 3 :=\n") == "theorem p3 : 3 = 3 := by"
+    assert lv.clean_statement("theorem p5 : 5 = 5 := by\n  sorry\n  rfl") is None  # holds a proof
+    assert lv.clean_statement("theorem p6 : 6 = 6 := rfl") is None  # no ':= by'
+    assert lv.clean_statement(None) is None
+
+
+# SGS's formats: the Solver's answer is one whole ```lean4 block, a conjecture the last block
+GOOD = "```lean4\nimport Mathlib\n\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```"
+
+
+def test_extract_proof_whole_block():
+    assert lv.extract_proof(GOOD, whole_block=True) == "\n  simp"
+    assert lv.extract_proof("  \n" + GOOD + "\n\n", whole_block=True) == "\n  simp"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "I think we should use simp.",  # no code block
+        "Here is the proof:\n" + GOOD,  # prose before the block
+        GOOD + "\nThis works because ...",  # prose after
+        GOOD[: -len("```")],  # truncated: no closing fence
+        GOOD + "\n" + GOOD,  # two blocks
+        "```lean\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",  # not lean4
+        # two declarations
+        "```lean4\nlemma aux : True := by trivial\ntheorem foo (x : ℕ) : x + 0 = x := by\n  simp\n```",
+        "```lean4\ntheorem foo (x : ℕ) : x + 0 = x :=\n  by simp\n```",  # no ':= by'
+        "```lean4\ntheorem foo (x : ℕ) : x + 0 = x := by\n```",  # empty proof
+        "\x00\ufffd```lean4 garbage",
+    ],
+)
+def test_extract_proof_whole_block_rejects(text):
+    assert lv.extract_proof(text, whole_block=True) is None
+
+
+def test_extract_block_conjecture():
+    text = (
+        "Let me think. A useful lemma is positivity of squares.\n```lean4\ntheorem draft : True := by sorry\n```\n"
+        "Better:\n```lean4\nimport Mathlib\nopen Real\n\n"
+        "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by sorry\n```\nDone."
+    )
+    assert lv.extract_conjecture(text) == "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by"
+    lemma = "lemma l (n : ℕ) : n ≤ n ^ 2 := by"
+    assert lv.extract_conjecture(f"```lean4\n{lemma}\n```") == lemma
+    assert lv.extract_conjecture("```lean4\nopenness_aux\ntheorem t : 1 = 1 := by sorry\n```") is None  # not a header
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no code at all",
+        "```lean4\ntheorem t (x : ℝ) : 0 ≤ x ^ 2 := by sorry",  # truncated
+        "```lean4\ntheorem t (x : ℝ) : 0 ≤ x ^ 2 := by\n  positivity\n```",  # a proof instead of sorry
+        "```lean4\ntheorem t : 1 = 1 := by sorry\ntheorem u : 2 = 2 := by sorry\n```",  # two ':= by'
+        "```lean4\ntheorem t (x : ℝ) : 0 ≤ x ^ 2 := sorry\n```",  # no ':= by'
+        "```lean4\ndef f : ℕ := 1\ntheorem t : f = 1 := by sorry\n```",  # not a theorem first
+        "```lean4\ntheorem t := by sorry\n```",  # no conclusion
+        "```lean4\nsorry sorry := by sorry\n```",
+        "```lean4\nset_option x := by\ntheorem t : 1 = 1 sorry\n```",  # its ':= by' was in a header line
+    ],
+)
+def test_extract_block_conjecture_rejects(text):
+    assert lv.extract_conjecture(text) is None
+
+
+def test_theorem_conclusion():
+    assert lv.theorem_conclusion("theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by") == "x = 1 ∨ x = -1"
+    # the disjunction is in a hypothesis
+    assert lv.theorem_conclusion("theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) : a ≤ b := by") == "a ≤ b"
+    assert lv.theorem_conclusion("theorem t : let a := 2; a = 2 := by") == "let a := 2; a = 2"
+    assert lv.theorem_conclusion("theorem t := by") == ""
+
+
+# STP's formats: the prover continues the prompt's block, a conjecture ends with </hard theorem>
+END_THM = "</hard theorem>"
+BANNED = ("<lemma>", "<easy theorem>", "<hard theorem>")
+def test_extract_proof_up_to_the_fence():
+    assert lv.extract_proof("\n  nlinarith [sq_nonneg x]\n```\nmore text") == "\n  nlinarith [sq_nonneg x]"
+    assert lv.extract_proof("\n  simp") == "\n  simp"  # the stop string already removed the fence
+    assert lv.extract_proof("\n  simp ```") == "\n  simp"
+    assert lv.extract_proof("") is None
+    assert lv.extract_proof("  \n\n```") is None
+
+
+def test_extract_conjecture_before_marker():
+    text = " theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by\n  positivity\n</hard theorem> junk"
+    assert lv.extract_conjecture(text, END_THM) == "theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by"
+    assert lv.extract_conjecture("foo (n : ℕ) : n ≤ n ^ 2 :=\n</hard theorem>", END_THM) == "theorem foo (n : ℕ) : n ≤ n ^ 2 := by"
+    # everything from the first ':=' on is cut: a proof, even a sorry, is dropped
+    assert lv.extract_conjecture("theorem t : 1 = 1 := by sorry\n</hard theorem>", END_THM) == "theorem t : 1 = 1 := by"
+    assert lv.extract_conjecture("\nlemma bar : (1 : ℕ) < 2 := by", END_THM) == "theorem bar : (1 : ℕ) < 2 := by"  # stopped at the tag
+    # with '...</hard theorem>' in a truncated completion the statement is whole
+    assert lv.extract_conjecture("t : True\n</hard theorem>\n", END_THM, "length", BANNED) == "theorem t : True := by"
+
+
+@pytest.mark.parametrize(
+    "text, finish",
+    [
+        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by\n  nlin", "length"),  # truncated before </hard theorem>
+        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by", "abort"),  # a failed vLLM request
+        ("theorem t (h : sorry) : True\n</hard theorem>", "stop"),  # sorry in the statement
+        ("theorem t := by\n</hard theorem>", "stop"),  # no conclusion
+        ("theorem : P\n</hard theorem>", "stop"),  # no name
+        ("theorem t : True\n```lean4\n</hard theorem>", "stop"),  # a fence inside
+        ("theorem t : True <lemma>\n</hard theorem>", "stop"),  # a prompt marker
+        ("\n</hard theorem>", "stop"),
+        ("", "stop"),
+    ],
+)
+def test_extract_conjecture_before_marker_rejects(text, finish):
+    assert lv.extract_conjecture(text, END_THM, finish, BANNED) is None
+
+
+def test_invoked_lemmas():
+    statement = "theorem t (a b x : ℝ) (ha : 0 < a) (hb : 0 < b) (h_ab : a < b) : a * b ≤ (a ^ 2 + b ^ 2) / 2 := by"
+    proof = (
+        "\n  have h_main : 0 ≤ (a - b) ^ 2 := sq_nonneg (a - b)\n"
+        "  obtain ⟨c, hc_pos⟩ : ∃ c : ℝ, 0 < c := ⟨1, one_pos⟩\n"
+        "  nlinarith [sq_nonneg (a + b), mul_pos ha hb, h_main, Real.sqrt_nonneg x, h_ab, hc_pos]\n"
+        "  norm_num [Nat.succ_le_iff] at h_main"
+    )
+    # lemmas in order of first use; not h_main / hc_pos (bound), h_ab (statement), norm_num / nlinarith (tactics)
+    assert lv.invoked_lemmas(proof, statement) == ["sq_nonneg", "one_pos", "mul_pos", "Real.sqrt_nonneg", "Nat.succ_le_iff"]
+    assert lv.invoked_lemmas("\n  simp\n  linarith", statement) == []
+    assert lv.invoked_lemmas("\n  nlinarith [Real.sqrt_nonneg x, Real.sqrt_nonneg y, sqrt_nonneg]") == ["Real.sqrt_nonneg",
+                                                                                                    "sqrt_nonneg"]
+    assert lv.invoked_lemmas("", "") == []

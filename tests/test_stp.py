@@ -79,60 +79,6 @@ def test_weighted_sft_loss():
     assert logp.grad.flatten().tolist() == pytest.approx([-0.4, -0.4, -0.2, 0.0])
 
 
-# ---- parsers ----
-def test_extract_proof():
-    assert stp.extract_proof("\n  nlinarith [sq_nonneg x]\n```\nmore text") == "\n  nlinarith [sq_nonneg x]"
-    assert stp.extract_proof("\n  simp") == "\n  simp"  # the stop string already removed the fence
-    assert stp.extract_proof("\n  simp ```") == "\n  simp"
-    assert stp.extract_proof("") is None
-    assert stp.extract_proof("  \n\n```") is None
-
-
-def test_extract_conjecture():
-    text = " theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by\n  positivity\n</hard theorem> junk"
-    assert stp.extract_conjecture(text) == "theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by"
-    assert stp.extract_conjecture("foo (n : ℕ) : n ≤ n ^ 2 :=\n</hard theorem>") == "theorem foo (n : ℕ) : n ≤ n ^ 2 := by"
-    # everything from the first ':=' on is cut: a proof, even a sorry, is dropped
-    assert stp.extract_conjecture("theorem t : 1 = 1 := by sorry\n</hard theorem>") == "theorem t : 1 = 1 := by"
-    assert stp.extract_conjecture("\nlemma bar : (1 : ℕ) < 2 := by") == "theorem bar : (1 : ℕ) < 2 := by"  # stopped at the tag
-    # with '...</hard theorem>' in a truncated completion the statement is whole
-    assert stp.extract_conjecture("t : True\n</hard theorem>\n", "length") == "theorem t : True := by"
-
-
-@pytest.mark.parametrize(
-    "text, finish",
-    [
-        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by\n  nlin", "length"),  # truncated before </hard theorem>
-        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by", "abort"),  # a failed vLLM request
-        ("theorem t (h : sorry) : True\n</hard theorem>", "stop"),  # sorry in the statement
-        ("theorem t := by\n</hard theorem>", "stop"),  # no conclusion
-        ("theorem : P\n</hard theorem>", "stop"),  # no name
-        ("theorem t : True\n```lean4\n</hard theorem>", "stop"),  # a fence inside
-        ("theorem t : True <lemma>\n</hard theorem>", "stop"),  # a prompt marker
-        ("\n</hard theorem>", "stop"),
-        ("", "stop"),
-    ],
-)
-def test_extract_conjecture_rejects(text, finish):
-    assert stp.extract_conjecture(text, finish) is None
-
-
-def test_invoked_lemmas():
-    statement = "theorem t (a b x : ℝ) (ha : 0 < a) (hb : 0 < b) (h_ab : a < b) : a * b ≤ (a ^ 2 + b ^ 2) / 2 := by"
-    proof = (
-        "\n  have h_main : 0 ≤ (a - b) ^ 2 := sq_nonneg (a - b)\n"
-        "  obtain ⟨c, hc_pos⟩ : ∃ c : ℝ, 0 < c := ⟨1, one_pos⟩\n"
-        "  nlinarith [sq_nonneg (a + b), mul_pos ha hb, h_main, Real.sqrt_nonneg x, h_ab, hc_pos]\n"
-        "  norm_num [Nat.succ_le_iff] at h_main"
-    )
-    # lemmas in order of first use; not h_main / hc_pos (bound), h_ab (statement), norm_num / nlinarith (tactics)
-    assert stp.invoked_lemmas(proof, statement) == ["sq_nonneg", "one_pos", "mul_pos", "Real.sqrt_nonneg", "Nat.succ_le_iff"]
-    assert stp.invoked_lemmas("\n  simp\n  linarith", statement) == []
-    assert stp.invoked_lemmas("\n  nlinarith [Real.sqrt_nonneg x, Real.sqrt_nonneg y, sqrt_nonneg]") == ["Real.sqrt_nonneg",
-                                                                                                    "sqrt_nonneg"]
-    assert stp.invoked_lemmas("", "") == []
-
-
 def test_prompts_keep_the_published_markers(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     p = stp.Problem("t", "import Mathlib\n\n", "theorem t : 1 + 1 = 2 := by")
