@@ -19,7 +19,6 @@ from _block import load_block
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; otherwise vLLM reserves a share of all host RAM
 B = load_block()
-Sampler = getattr(B, "Sampler", None) or B.make_sampler
 QUESTIONS = ["What is 2+2?", "Write a haiku about the sea.", "Name three prime numbers.", "Explain recursion briefly.",
              "Write a Python function that reverses a string.", "What is the capital of France?",
              "Give a synonym for happy.", "Sort these numbers: 5, 2, 9, 1."]
@@ -51,13 +50,13 @@ def main():
           f"load average {os.getloadavg()[0]:.2f}; {args.prompts} prompts x n={args.n} x up to "
           f"{args.max_new_tokens} new tokens, temperature 1.0", flush=True)
     policies = {d: B.load_model(B.EMBEDDED_MODEL, dist, train=False).to(getattr(torch, d)) for d in args.dtypes}
-    hf = {d: Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="hf", batch_size=args.prompts * args.n)
+    hf = {d: B.Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="hf", batch_size=args.prompts * args.n)
           for d in args.dtypes}
     before = {d: tokens_per_second(hf[d], prompts, args) for d in args.dtypes}  # before any engine exists
     engines, starts = {}, {}
     for d in args.dtypes:
         start = time.perf_counter()
-        engines[d] = Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="vllm", max_model_len=2048,
+        engines[d] = B.Sampler(B.EMBEDDED_MODEL, policies[d], tok, dist, backend="vllm", max_model_len=2048,
                              gpu_memory_utilization=0.3, seed=0, dtype=d)
         built = time.perf_counter() - start
         start = time.perf_counter()

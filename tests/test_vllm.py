@@ -30,7 +30,6 @@ from _block import load_block  # noqa: E402
 pytestmark = pytest.mark.vllm
 REPO = pathlib.Path(__file__).resolve().parent.parent
 B = load_block()
-Sampler = getattr(B, "Sampler", None) or B.make_sampler  # same signature: (model_name, policy, tokenizer, dist, ...)
 # vLLM's CPU backend reserves gpu_memory_utilization x all of the host's RAM unless told a KV-cache size (GiB)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 MAX_MODEL_LEN = 256
@@ -73,8 +72,8 @@ def engine(vllm_model_dir):
     expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
     random.seed(3), np.random.seed(3), torch.manual_seed(3)
     start = time.perf_counter()
-    sampler = Sampler(vllm_model_dir, policy, tok, dist, backend="vllm", max_model_len=MAX_MODEL_LEN,
-                      gpu_memory_utilization=0.3, seed=0, dtype="float32")
+    sampler = B.Sampler(vllm_model_dir, policy, tok, dist, backend="vllm", max_model_len=MAX_MODEL_LEN,
+                        gpu_memory_utilization=0.3, seed=0, dtype="float32")
     build_seconds = time.perf_counter() - start
     rng_kept = (random.random(), float(np.random.rand()), torch.rand(1).item()) == expected
     prompts = [B.chat_prompt(tok, q) for q in QUESTIONS]
@@ -88,9 +87,8 @@ def vllm_model(sampler):
 
 def max_logprob_error(policy, samples, temperature, top_p=1.0) -> float:
     """max |vLLM's processed log-prob - token_logprobs| over all tokens of `samples`."""
-    kwargs = {"top_p": top_p} if top_p < 1 else {}
     with torch.no_grad():
-        logp, mask, _ = B.token_logprobs(policy, samples, temperature=temperature, **kwargs)
+        logp, mask, _ = B.token_logprobs(policy, samples, temperature=temperature, top_p=top_p)
     worst = 0.0
     for row, s in enumerate(samples):
         assert len(s.logprobs) == len(s.token_ids) == int(mask[row].sum())
@@ -144,14 +142,10 @@ def test_processed_logprobs_equal_token_logprobs(engine, temperature):
 
 def test_processed_logprobs_are_renormalised_over_the_top_p_nucleus(engine):
     """With top_p < 1, vLLM's processed log-probs are over the nucleus (renormalised), not the full softmax."""
-    import inspect
-
     samples = [s for g in engine["sampler"].generate(engine["prompts"], n=2, temperature=0.7, top_p=0.5,
                                                       max_new_tokens=16) for s in g]
     # log(0.5) away from the full softmax on this near-uniform model: the nucleus is about half the vocabulary
     assert max_logprob_error(engine["policy"], samples, 0.7) > 0.3
-    if "top_p" not in inspect.signature(B.token_logprobs).parameters:
-        pytest.skip("this block's token_logprobs has no top_p")
     assert max_logprob_error(engine["policy"], samples, 0.7, top_p=0.5) < 1e-4
 
 

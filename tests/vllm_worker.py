@@ -12,7 +12,6 @@ import vllm.model_executor.models.llama as vllm_llama
 from _block import load_block
 
 B = load_block()
-Sampler = getattr(B, "Sampler", None) or B.make_sampler
 model_dir, out = sys.argv[1], pathlib.Path(sys.argv[2])
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; otherwise a share of all host RAM per engine
 
@@ -33,12 +32,10 @@ vllm_llama.LlamaForCausalLM.load_weights = recording_load_weights
 dist = B.setup_distributed(seed=0)
 assert dist.world_size == 2
 tok = B.load_tokenizer(model_dir)
-policy = B.load_model(model_dir, dist)
-if hasattr(B, "prepare_policy"):  # blocks before load_model sharded by itself
-    policy = B.prepare_policy(policy, dist)
+policy = B.load_model(model_dir, dist)  # FSDP2-sharded under torchrun
 sharded = all(hasattr(p, "full_tensor") for p in policy.parameters())
-sampler = Sampler(model_dir, policy, tok, dist, backend="vllm", max_model_len=256, gpu_memory_utilization=0.3,
-                  seed=0, dtype="float32")
+sampler = B.Sampler(model_dir, policy, tok, dist, backend="vllm", max_model_len=256, gpu_memory_utilization=0.3,
+                    seed=0, dtype="float32")
 prompts = [B.chat_prompt(tok, q) for q in ("What is 2+2?", "Name three prime numbers.")]
 
 
@@ -91,4 +88,3 @@ result = {
 results = B.all_gather_objects(result, dist)
 if dist.is_main:
     (out / "result.json").write_text(json.dumps(results))
-B.finish(dist)
