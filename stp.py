@@ -3,9 +3,9 @@
 Paper: Dong, Ma, "Beyond Limited Data: Self-play LLM Theorem Provers with Iterative Conjecturing and Proving",
 arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5fe8b; this file copies none of it).
 
-Method. One model (DeepSeek-Prover-V1.5-SFT) plays two roles with shared weights: the conjecturer reads a proved
-statement, its proof and a Mathlib lemma the proof used, and writes a new, harder statement (prompt markers <lemma>,
-<easy theorem>, <hard theorem>); the prover writes whole Lean 4 proofs. Each round of self-play (Stage 2):
+Method. One model (DeepSeek-Prover-V1.5-SFT) plays two roles: the conjecturer reads a proved statement, its proof
+and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a harder one (<hard theorem>); the prover writes
+whole Lean 4 proofs. Each round of self-play (Stage 2):
   1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
   2. conjecture: new statements from the seeds, deduplicated;
   3. prove: 64 samples (round 0) or 32 for every unproved statement, every conjecture and a few proved statements;
@@ -14,14 +14,12 @@ statement, its proof and a Mathlib lemma the proof used, and writes a new, harde
   5. the prover learns from the correct proofs of the last 3 rounds of statements with success <= 1/2, weighted
      by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
-Stage 3 (--final-retrain) re-trains the base model on the correct proofs of all rounds. Metrics (metrics.jsonl;
-wandb with --track): charts/cumulative_solve_rate (share of dataset statements proved) against charts/generations;
-eval/<set>/pass@k on miniF2F-test and ProofNet-test, unbiased and STP's chunked estimator (mean and std over
-disjoint chunks of k samples); conjecturer/*, lean/*, losses/*, data/*, time/*.
+Stage 3 (--final-retrain) re-trains the base model on the correct proofs of all rounds. Logged (metrics.jsonl; wandb
+with --track): charts/cumulative_solve_rate (dataset statements proved) against charts/generations; eval/<set>/pass@k
+on miniF2F-test and ProofNet-test, unbiased and chunked (STP); conjecturer/*, lean/*, losses/*, data/*, time/*.
 
-Run. `python stp.py` without CUDA runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M, data/lean_smoke.jsonl) and
-prints what it scaled; `torchrun --nproc_per_node 8 stp.py` on an 8xH200 node runs the paper's sizes (LeanWorkbook).
-Both need Lean (`bash setup.sh --lean`). The official entry points (RL/*.sh) as flags:
+Run (needs Lean: `bash setup.sh --lean`). Without CUDA `python stp.py` runs a loop scaled down by CPU_DEFAULTS
+(SmolLM2-135M, data/lean_smoke.jsonl); `torchrun --nproc_per_node 8 stp.py` on 8xH200 the paper's. RL/*.sh as flags:
   run_RL_steps.sh (Stage 2, 12 rounds)          python stp.py
   run_RL_train.sh (Stage 3, after Stage 2)      python stp.py --final-retrain
   run_RL_expert_iter.sh (expert iteration)      python stp.py --expert-iteration
@@ -206,9 +204,8 @@ class Args:
     """evaluate every this many rounds (0: only after the last round)"""
 
 
-# Without CUDA the paper's sizes would take weeks; these run a round on a CPU in about five minutes (SmolLM2-135M
-# samples ~60 tokens/s in a batch of 8: 64 proofs of up to 96 tokens take ~100 s; a training step on 8 x 384 tokens
-# takes ~30 s). Fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty.
+# A round on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a training step ~30 s);
+# fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty.
 CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", num_statements=8, rounds=2,
                     samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
                     embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
@@ -226,8 +223,7 @@ def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
 
 
 # ---- prompts ----
-# Raw completion prompts, no chat template: DeepSeek-Prover-V1.5's non-CoT format and STP's conjecturing format.
-# The prover continues the statement (ending ":= by") with tactics and closes the code fence.
+# Raw completion prompts, no chat template: DeepSeek-Prover-V1.5's non-CoT format; the prover closes the fence.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}"
 
 # The conjecturer continues after <hard theorem> with a new statement and </hard theorem>.
@@ -542,17 +538,13 @@ class Logger:
 
 
 # ---- data ----
-# A Lean 4 statement to prove, a dataset statement or a conjecture: its header (imports and opens), the statement
-# ("theorem name ... := by", no proof) and, for a conjecture, the <easy theorem> of its prompt (the seed statement and
-# its proof) and the lemma its prompt shared ('' for none).
+# A statement ("theorem ... := by") and, for a conjecture, its prompt's <easy theorem> and lemma ('' for none).
 Problem = collections.namedtuple("Problem", "id header statement easy_theorem lemma", defaults=("", ""))
 DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
 
 
 def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
-    """Statements from a Hugging Face dataset (LeanWorkbook: formal_statement) or a .jsonl file in miniF2F's fields
-    (name, split, header, formal_statement), such as data/lean_smoke.jsonl or data/minif2f.jsonl. A statement
-    ends with ':= by' (a trailing 'sorry' is dropped, ':=' gets ' by') and holds no proof."""
+    """Statements from a Hugging Face dataset (LeanWorkbook) or a .jsonl in miniF2F's fields (data/minif2f.jsonl)."""
     if dataset.endswith(".jsonl"):
         with open(dataset) as f:
             rows = [json.loads(line) for line in f if line.strip()]
@@ -597,15 +589,12 @@ def solve_rate(attempts: list) -> float:
 
 
 def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
-    """Expert iteration's weight of a correct proof: exp(-0.001 length - 0.01 verification time) / #correct proofs
-    of its statement; short, fast proofs count more, and every statement gets the same total weight."""
+    """A correct proof's weight exp(-0.001 length - 0.01 Lean seconds) / #correct proofs of its statement."""
     return math.exp(-args.length_penalty * proof_chars - args.time_penalty * verify_seconds) / n_correct
 
 
 def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) -> list[bool]:
-    """Within each group (conjectures sharing a lemma), keep those whose proof/statement length ratio is at least
-    the group's `quantile`; groups with fewer than two members are kept whole. Removes long statements with short
-    proofs (trivial once written out)."""
+    """Per group (conjectures sharing a lemma), drop proof/statement length ratios below its `quantile`."""
     keep = [True] * len(ratios)
     for g in set(groups):
         idx = [i for i, x in enumerate(groups) if x == g]
@@ -617,9 +606,7 @@ def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) ->
 
 def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
                      ) -> list[float]:
-    """Re-weight conjectures toward the unproved statements. P [N, d], Q [M, d]: L2-normalised embeddings.
-    Each unproved statement, in random order, gives N/M to its most similar conjecture not yet at the cap; a
-    conjecture stops receiving at `cap`. Total weight N: the conjectures' mean weight stays 1."""
+    """Each unproved statement Q[q], in random order, gives N/M to its nearest conjecture P[j] below `cap`."""
     n, m = len(P), len(Q)
     if n == 0 or m == 0:
         return [1.0] * n  # deviation 5
@@ -641,9 +628,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
-    """STP's estimator: split each problem's n samples into n // k disjoint chunks of k; in each chunk, the share of
-    problems with a correct sample; the mean over chunks, and their (population) std when there are >= 4 chunks.
-    correct: [problems, n] booleans."""
+    """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
     chunks = correct.shape[1] // k
     if chunks == 0:
         return float("nan"), None
@@ -654,25 +639,20 @@ def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]
 # ---- losses ----
 def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, weighted_tokens: float
                       ) -> torch.Tensor:
-    """Weighted SFT (official: Levanter's weighted LM loss): -sum_i w_i sum_t log pi(y_it) / sum_i w_i |y_i|, the
-    token mean with each token weighted by its example's weight. weighted_tokens: sum_i w_i |y_i| over the whole
-    optimizer batch (all ranks), so that micro-batches add up."""
+    """Weighted SFT (official: Levanter): -sum_i w_i sum_t log pi(y_it) / sum_i w_i |y_i| of the batch."""
     return -(weights[:, None] * logp * mask).sum() / weighted_tokens
 
 
 # ---- phases ----
-# A proof attempt: the tactics after ':= by' (kept for correct proofs only, so that gathering them stays cheap),
-# Lean's status (or "no_code": nothing to check), its verdict and the seconds it took. A training sequence: a Sample
-# (prompt and target tokens) and its weight.
+# A proof attempt: the tactics after ':= by' (correct proofs only: gathering stays cheap), Lean's status ("no_code":
+# nothing to check), verdict and seconds. A training sequence: a Sample (prompt and target tokens) and its weight.
 Attempt = collections.namedtuple("Attempt", "proof status correct time", defaults=(False, 0.0))
 Example = collections.namedtuple("Example", "sample weight")
 
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, args: Args, dist: Dist,
                    desc: str = "prove") -> dict[str, list[Attempt]]:
-    """Prove: n prover samples per statement; Lean checks header + original statement + proof, a (statement, proof)
-    pair sampled twice once. Each rank samples and checks its share of the statements and keeps only the correct
-    proofs' text: gathering every sample would not fit at LeanWorkbook's scale (~10^7 a round)."""
+    """Prove: n samples per statement, each pair checked once; ranks keep only correct proofs' text."""
 
     def prove(mine: list[Problem]) -> list[list[Attempt]]:
         outputs = sampler.generate([prover_prompt(tokenizer, p, args) for p in mine], n=n, temperature=args.temperature,
@@ -691,10 +671,8 @@ def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int
 
 def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
                  ) -> list[tuple[Problem, str, str]]:
-    """Seeds for conjecturing (official Sampler_base.select): the correct proofs of dataset statements whose best
-    round success rate is above 0.35, newest first, each paired with the lemmas it invokes and, with probability
-    1/2, with the empty lemma. A lemma serves at most 10% of #statements seeds, a (statement, lemma) pair is used
-    once, and there are at most #statements seeds. Returns [(statement, proof, lemma)]."""
+    """Seeds (official Sampler_base.select): proofs of statements proved at > 0.35, newest first, with each lemma they
+    invoke and (p = 1/2) the empty lemma; a lemma in <= 10% of them; <= #statements (statement, proof, lemma)."""
     cap = max(1, int(args.lemma_use_cap * len(statements)))
     best = {s.id: max((c / n for n, c in history.get(s.id, {}).values() if n), default=0.0) for s in statements}
     candidates = sorted(((p["round"], s.id, s, p["proof"]) for s in statements if best[s.id] > args.seed_threshold
@@ -712,17 +690,14 @@ def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: A
 
 def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known: set, n_statements: int, round_: int,
                args: Args, dist: Dist) -> tuple[list[Problem], dict]:
-    """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed; unparsable outputs are dropped, and so
-    are duplicates (same header and statement up to whitespace) of a dataset statement or of another conjecture;
-    at most #statements conjectures. A conjecture inherits its seed's header."""
+    """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, deduplicated, capped."""
     if not seeds:
         return [], {"conjecturer/seeds": 0}
     multiplier = max(1, min(3 * n_statements // len(seeds), args.max_conjecture_multiplier))
 
     def sample(mine: list[str]) -> list[list[str | None]]:
-        outputs = sampler.generate(mine, n=multiplier, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=args.max_new_tokens, stop=[END_THM],
-                                   desc="conjecture") if mine else []
+        outputs = sampler.generate(mine, n=multiplier, temperature=args.temperature, top_p=args.top_p, stop=[END_THM],
+                                   max_new_tokens=args.max_new_tokens, desc="conjecture") if mine else []
         return [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row] for row in outputs]
 
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
@@ -743,16 +718,12 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known:
 
 def select_targets(statements: list[Problem], conjectures: list[Problem], proofs: dict, history: dict, args: Args,
                    rng: random.Random) -> list[Problem]:
-    """The statements to prove this round: every unproved dataset statement, the new conjectures, and proved
-    statements still hard (last success rate < 0.35) or drawn with probability 0.05. Baselines: unproved only."""
+    """Unproved dataset statements, the conjectures, proved ones still hard (< 0.35) or drawn (p = 0.05)."""
     if args.expert_iteration or args.pure_sampling:
         return [s for s in statements if not proofs.get(s.id)]
-    targets = []
-    for s in statements:
-        n, c = history[s.id][max(history[s.id])] if proofs.get(s.id) else (0, 0)  # the latest round's
-        if not proofs.get(s.id) or rng.random() < args.proved_keep_prob or (c / n if n else 0.0) < args.seed_threshold:
-            targets.append(s)
-    return targets + conjectures
+    latest = {s.id: history[s.id][max(history[s.id])] for s in statements if proofs.get(s.id)}  # (samples, correct)
+    return [s for s in statements if not proofs.get(s.id) or rng.random() < args.proved_keep_prob
+            or latest[s.id][1] / max(latest[s.id][0], 1) < args.seed_threshold] + conjectures
 
 
 def record(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], round_: int) -> None:
@@ -774,9 +745,7 @@ def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args)
 
 
 def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, args: Args, tokenizer) -> list[Example]:
-    """The prover's data, expert iteration on the replay buffer (official RL_step2_train): the correct proofs of the
-    last `replay_rounds` rounds of statements (dataset statements and conjectures) whose success rate over those
-    rounds is in (0, 1/2]; weight exp(-0.001 length - 0.01 seconds) / #correct proofs of the statement."""
+    """The prover's data (official RL_step2_train): proofs of the last 3 rounds, success in (0, 1/2]."""
     examples = []
     for pid, rounds in history.items():
         window = [v for r, v in rounds.items() if round_ - args.replay_rounds < r <= round_]  # (samples, correct)
@@ -792,8 +761,7 @@ def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, ar
 
 @torch.no_grad()
 def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.Tensor:
-    """Sentence embeddings from the current policy (official): the mean of the last hidden states over the first
-    embedding_max_tokens tokens, L2-normalised. [len(texts), hidden], the same on every rank."""
+    """Sentence embeddings (official): normalised mean of the last hidden states; the same on every rank."""
     if not texts:
         return torch.zeros(0, 1)
     batches = [texts[i : i + args.micro_batch_size] for i in range(0, len(texts), args.micro_batch_size)]
@@ -819,10 +787,8 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
 
 def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], policy,
                          tokenizer, args: Args, dist, rng: random.Random) -> tuple[list[Example], dict]:
-    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures in the band
-    0 < success < 1/4, with the shared lemma in the prompt if a proof invokes it (then at most max(20 #invoking, 4096)
-    others, with the empty lemma); minus the least elegant (elegance_filter); weighted by matching_weights toward the
-    unproved statements. Target: the conjecture's statement and </hard theorem>."""
+    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4 (with
+    their lemma if a proof invokes it), minus the least elegant, weighted by matching_weights."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts[c.id]) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
                                                    for p in proofs[c.id])]
@@ -843,9 +809,7 @@ def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dic
 
 def final_examples(problems: dict, history: dict, proofs: dict, originals: set, args: Args, tokenizer,
                    rng: random.Random) -> list[Example]:
-    """Stage 3 and expert iteration data (official RL_step3_final_model): the correct proofs of every round whose
-    statement had a success rate <= 1/4 in that round, and all proofs of dataset statements; at most 16 distinct
-    proofs per statement; weight exp(-0.001 length)."""
+    """Stage 3 data (official RL_step3_final_model): proofs with success <= 1/4 in their round, <= 16 each."""
     examples = []
     for pid, found in proofs.items():
         keep = [p for p in found if pid in originals
@@ -853,16 +817,14 @@ def final_examples(problems: dict, history: dict, proofs: dict, originals: set, 
         rng.shuffle(keep)
         prompt = prover_prompt(tokenizer, problems[pid], args)
         for p in keep[: args.final_max_proofs]:
-            weight = math.exp(-args.length_penalty * len(p["proof"]))
-            examples.append(text_example(tokenizer, prompt, p["proof"] + "\n```", weight, args))
+            examples.append(text_example(tokenizer, prompt, p["proof"] + "\n```",
+                                         math.exp(-args.length_penalty * len(p["proof"])), args))
     return examples
 
 
 def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int, args: Args, dist: Dist,
            rng: random.Random) -> dict[str, float]:
-    """Weighted SFT from a fresh Adam state (official: one Levanter run per round): max(#examples // batch, min_steps)
-    optimizer steps over the shuffled examples (repeated when there are few), linear warm-up over
-    min(steps - 1, warmup_steps) steps, then a constant learning rate. Each rank runs its share of every batch."""
+    """Weighted SFT from a fresh Adam state (official: a Levanter run per round), warm-up then constant lr."""
     optimizer.state.clear()
     size = min(args.batch_size, len(examples))
     steps = max(len(examples) // size, min_steps)
@@ -890,8 +852,7 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
 
 def retrain_from_base(sampler, problems: dict, history: dict, proofs: dict, originals: set, lr: float, args: Args,
                       dist: Dist, tokenizer, rng: random.Random) -> tuple:
-    """Stage 3 (and each round of the expert-iteration baseline): a fresh copy of --model trained on final_examples,
-    then given to the sampler. Returns (policy, optimizer, stats). The caller drops its old policy first."""
+    """Stage 3 (and each expert-iteration round): a fresh --model trained on final_examples."""
     examples = final_examples(problems, history, proofs, originals, args, tokenizer, rng)
     sampler.sleep()
     gc.collect()  # free the old policy before the base model loads
@@ -905,8 +866,7 @@ def retrain_from_base(sampler, problems: dict, history: dict, proofs: dict, orig
 # ---- evaluation ----
 def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Problem],
                   attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
-    """The paper's training curve: the share of dataset statements proved so far against the generations sampled;
-    this round's mean success rate over its targets and its conjectures; Lean's verdicts."""
+    """The share of dataset statements proved so far against generations; this round's success rates; verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
             "charts/generations": generations, "charts/targets": len(targets),
@@ -917,8 +877,7 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
 
 
 def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], args: Args, dist: Dist) -> dict:
-    """pass@k on each benchmark from eval_samples samples per problem (STP: 3200 at temperature 1): the unbiased
-    estimator, and STP's chunked estimator (mean and std over disjoint chunks of k samples)."""
+    """pass@k on each benchmark from eval_samples samples per problem (STP: 3200): unbiased, and chunked."""
     metrics = {}
     for name, problems in [(name, problems) for name, problems in benchmarks.items() if problems]:
         attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, args, dist, f"eval {name}")
@@ -974,8 +933,7 @@ def main(args: Args) -> None:
         save_checkpoint(run_dir, iteration, models, tokenizer, portable, dist)
 
     for round_ in range(start, args.rounds):
-        metrics, rng = {}, random.Random(f"{args.seed}/{round_}")  # the same on every rank: the same data
-        conjectures = []
+        metrics, conjectures, rng = {}, [], random.Random(f"{args.seed}/{round_}")  # the same on every rank
         if not baseline:  # 1-2. Seeds and conjectures
             with logger.timer("conjecture"):
                 seeds = select_seeds(statements, proofs, history, args, rng)
