@@ -366,7 +366,7 @@ class Sampler:
             for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
                 os.environ.setdefault(k, str(v))  # as torchrun sets them
             if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                self.vllm._custom_ops._supports_onednn = False
+                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
             rng = rng_state()
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
             self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
