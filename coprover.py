@@ -255,20 +255,19 @@ class Args:
 
 # Without CUDA the README's sizes would take weeks; these run a round on two cores in a few minutes (SmolLM2-135M
 # samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
-CPU_DEFAULTS = dict(model="EMBEDDED", value_backbone="EMBEDDED", dataset="data/lean_tactics.jsonl", rounds=2,
-                    search_theorems_per_round=5, num_sampled_tactics=4, max_expansions=3, tactic_max_tokens=24,
-                    value_epochs=1, value_batch_size=16, value_micro_batch_size=8, value_max_length=256,
-                    grpo_steps_per_round=1, prompts_per_step=4, samples_per_prompt=4, max_new_tokens=64,
-                    learning_rate=1e-5, frontier_filter=False, max_model_len=1024, eval_limit=2, eval_samples=4,
-                    eval_budgets=(1, 2, 4), eval_search_limit=2)
+CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2", dataset="data/lean_tactics.jsonl",
+                    rounds=2, search_theorems_per_round=5, num_sampled_tactics=4, max_expansions=3,
+                    tactic_max_tokens=24, value_epochs=1, value_batch_size=16, value_micro_batch_size=8,
+                    value_max_length=256, grpo_steps_per_round=1, prompts_per_step=4, samples_per_prompt=4,
+                    max_new_tokens=64, learning_rate=1e-5, frontier_filter=False, max_model_len=1024, eval_limit=2,
+                    eval_samples=4, eval_budgets=(1, 2, 4), eval_search_limit=2)
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
     """Replace the README's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
     given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
     given |= {g[3:] for g in given if g.startswith("no_")}  # --no-frontier-filter is a given flag too
-    wanted = {k: EMBEDDED_MODEL if v == "EMBEDDED" else v for k, v in CPU_DEFAULTS.items()}
-    changed = {k: v for k, v in wanted.items() if k not in given and getattr(args, k) != v}
+    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
     report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
     for k, v in changed.items():
         setattr(args, k, v)
@@ -1109,7 +1108,7 @@ def main(args: Args) -> None:
 
         # 4. The prover: GRPO on whole proofs; their verified proofs are replayed for labels
         with logger.timer("grpo"):
-            rewards, statuses, stats = [], [], []
+            rewards, statuses, stats, tokens = [], [], [], 0
             sampler.sync_weights(policy)  # wakes vLLM (asleep since the value update) with the prover's weights
             for _ in range(args.grpo_steps_per_round):
                 batch = rollout_prompts(train_set, state["grpo_step"], args.prompts_per_step, args.seed)
@@ -1123,8 +1122,10 @@ def main(args: Args) -> None:
                 state["grpo_step"] += 1
                 rewards += [a.reward for row in groups for a in row]
                 statuses += [a.status for row in groups for a in row]
+                tokens += sum(len(a.sample.token_ids) for row in groups for a in row)
             metrics |= {k: float(np.mean([s[k] for s in stats if k in s])) for k in set().union(*stats)}
             metrics |= {"charts/reward_mean": float(np.mean(rewards or [0.0])), "charts/grpo_steps": float(len(stats)),
+                        "charts/grpo_tokens": float(tokens),
                         **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))}}
         metrics |= {"value/new_labels": float(len(new_labels)), "value/labels": float(len(state["labels"])),
                     "value/new_positive_share": float(np.mean([y > 0 for _, y in new_labels] or [0.0])),
