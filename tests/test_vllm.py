@@ -8,7 +8,9 @@ What the double in tests/vllm_double cannot show: that vLLM's processed log-prob
 computes (temperature, top-p nucleus), that weights loaded in place one parameter at a time (FSDP2 shards gathered
 on every rank) are the ones vLLM generates with, tied output layer included. Everything runs in float32, where
 vLLM's numbers equal transformers' (bf16 differs by 1e-3 to 5e-3 nats on this model). Building an engine takes
-20-90 s, so the session shares one. Sleep mode is GPU-only (vLLM refuses it on CPU) and is not exercised here."""
+20-90 s, so the session shares one. Sleep mode is GPU-only (vLLM refuses it on CPU) and is not exercised here.
+One algorithm file, gasp.py, also runs end to end on the real engine (bf16, the Sampler's default) in a subprocess:
+an iteration that samples with vLLM, trains, syncs the weights and checkpoints."""
 
 import json
 import os
@@ -210,3 +212,39 @@ def test_two_ranks_fsdp2_sync_from_shards(tmp_path, vllm_model_dir):
         assert r["greedy_after"] == r["hf_greedy_after"] and r["greedy_after"] != r["greedy_before"]
     assert ranks[0]["greedy_after"] == ranks[1]["greedy_after"]
     assert ranks[0]["sampled"] != ranks[1]["sampled"], "both engines sampled alike: seed + rank not applied"
+
+
+def test_gasp_iteration_end_to_end_on_vllm(tmp_path, vllm_model_dir):
+    """gasp.py, one iteration with --backend vllm on the tiny model (bf16 engine, its default), in a subprocess of this
+    virtualenv's python: test_gasp's driver, which swaps a share of the real engine's replies for canned proposals
+    and answers so that rewards differ. The run trains (an update ran, the saved HF checkpoint's weights differ from
+    the initial model's), evaluates and writes a checkpoint of iteration 1 with an HF directory."""
+    import test_gasp  # its driver (the canned tasks), flags and metrics reader; imports gasp, not vllm
+
+    from safetensors.torch import load_file
+
+    driver = test_gasp.write_driver(tmp_path / "driver.py")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
+    cmd = [sys.executable, str(driver), "--model", vllm_model_dir, "--output-dir", str(tmp_path), "--run-name", "v",
+           "--backend", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.3",
+           *test_gasp.SMALL, "--total-iterations", "1", "--exec-workers", "1"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    print(f"gasp.py --backend vllm, one iteration: {time.perf_counter() - start:.0f} s")
+    log = done.stdout + done.stderr
+    assert "Initializing a V1 LLM engine (v0.25.1)" in log and "device_config=cpu" in log  # the real engine sampled
+    run_dir = tmp_path / "v"
+    metrics = test_gasp.metrics_of(run_dir)
+    assert sorted(metrics) == [1]
+    row = metrics[1]
+    assert row["charts/lemma_proposals"] >= 1 and row["tokens/teacher"] > 0 and "eval/pass@1" in row
+    assert row["losses/updates"] >= 1 and row["losses/grad_norm"] > 0, row
+    ckpt = run_dir / "checkpoints" / "iter_000001"
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("iter_*")) == ["iter_000001"]
+    assert (ckpt / "policy" / "config.json").exists() and (ckpt / "state.pt").exists()
+    before = load_file(next(pathlib.Path(vllm_model_dir).glob("*.safetensors")))
+    after = load_file(next((ckpt / "policy").glob("*.safetensors")))
+    assert set(after) <= set(before) and after
+    changed = [k for k in after if not torch.equal(before[k], after[k])]
+    assert changed, "no weight changed"
