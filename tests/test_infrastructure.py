@@ -328,7 +328,7 @@ def test_vllm_finish_reasons_pass_through(tiny, vllm_double, monkeypatch):
 
 @pytest.mark.slow
 def test_embedded_model_resolves_and_generates():
-    assert (pathlib.Path(B.EMBEDDED_MODEL) / "config.json").exists()  # converted by setup.sh
+    assert (pathlib.Path(B.resolve_model(B.EMBEDDED_MODEL)) / "config.json").exists()  # converted by setup.sh
     tok = B.load_tokenizer(B.EMBEDDED_MODEL)
     model = B.load_model(B.EMBEDDED_MODEL, ONE, train=False)
     sampler = B.Sampler(B.EMBEDDED_MODEL, model, tok, ONE, backend="hf")
