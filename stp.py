@@ -145,7 +145,7 @@ class Args:
     time_penalty: float = 0.01
     """per second of Lean verification"""
     elegance_quantile: float = 0.2
-    """drop the conjectures below this quantile of proof/statement length ratio in their lemma group"""
+    """drop the conjectures whose proof/statement length ratio is below sorted(group)[int(this * size)]"""
     matching_cap: float = 4.0
     """distribution matching: a conjecture's weight stops growing at this value"""
     embedding_max_tokens: int = 512
@@ -594,13 +594,14 @@ def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: 
 
 
 def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) -> list[bool]:
-    """Per group (conjectures sharing a lemma), drop proof/statement length ratios below its `quantile`."""
+    """Per group (conjectures sharing a lemma) of two or more, drop the proof/statement length ratios below the
+    group's sorted(ratios)[int(size * quantile)] (official filter_by_ratio: no interpolation)."""
     keep = [True] * len(ratios)
     for g in set(groups):
         idx = [i for i, x in enumerate(groups) if x == g]
-        cut = float(np.quantile([ratios[i] for i in idx], quantile)) if len(idx) > 1 else -math.inf
+        cut = sorted(ratios[i] for i in idx)[int(len(idx) * quantile)]
         for i in idx:
-            keep[i] = ratios[i] >= cut
+            keep[i] = ratios[i] >= cut or len(idx) < 2
     return keep
 
 

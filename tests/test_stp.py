@@ -34,10 +34,16 @@ def test_proof_weight():
 
 
 def test_elegance_filter():
+    # official RL_utils.filter_by_ratio: per shared-lemma group, cutoff = sorted(ratios)[int(len * 0.2)], keep
+    # ratio >= cutoff, groups of one kept whole
     groups = ["a"] * 5 + ["b"]
     ratios = [1.0, 2.0, 3.0, 4.0, 5.0, 0.1]
-    # group a: the 20% quantile of [1..5] is 1 + 0.8 * (2 - 1) = 1.8 -> drop ratio 1; group b has one member: kept
+    # group a: int(5 * 0.2) = 1 -> cutoff sorted[1] = 2 -> drop ratio 1; group b has one member: kept
     assert stp.elegance_filter(groups, ratios, 0.2) == [False, True, True, True, True, True]
+    # int(3 * 0.2) = 0 -> cutoff is the smallest ratio, 0.5: all three kept (an interpolated quantile, 0.7, drops one)
+    assert stp.elegance_filter(["a"] * 3, [0.5, 1.0, 2.0], 0.2) == [True, True, True]
+    # int(10 * 0.2) = 2 -> cutoff sorted[2] = 3: ratios 1 and 2 dropped, ties at the cutoff kept
+    assert stp.elegance_filter(["a"] * 10, [3, 1, 2, 3, 4, 5, 6, 7, 8, 9], 0.2) == [True, False, False] + [True] * 7
     assert stp.elegance_filter([], [], 0.2) == []
 
 
