@@ -211,70 +211,117 @@ def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
 # The Solver prompt is DeepSeek-Prover-V2's non-CoT format, which the Solver was trained on.
 SOLVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```"
 
-CONJECTURER_PROMPT = """Here is a Lean 4 theorem that is still unproved:
-
+# The Conjecturer's prompts keep the official layout (prompts.py: the target in a lean4 block, then the request),
+# in our words; the Conjecturer's starting extraction rate (51.5%, §4.1) was measured on that layout.
+CONJECTURER_PROMPT = """Here is a Lean 4 problem statement:
 ```lean4
 {statement}
 ```
+Please write a Lean 4 theorem that is a lemma for the statement above, or a related theorem, and that helps to prove \
+it: a proof of the statement above should be able to use it. It should be simpler to prove than the target \
+statement. It must NOT be the target statement itself, and NOT the target made equivalent by renaming its \
+variables or premises.
+Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last \
+thing you write should be this statement WITHOUT a proof: put 'sorry' where the proof would go."""
 
-Write one new Lean 4 theorem that would help to prove it: a lemma its proof could use, or a related \
-statement that needs the same proof ideas. Your theorem must be easier to prove than the one above. It must \
-not be the same statement, and not the same statement with variables or hypotheses renamed.
+# Ablation "no problem conditioning" (Table 1, official get_deepseek_prover_v2_conjecturer_no_grounding_prompt).
+CONJECTURER_PROMPT_UNCONDITIONED = """Please write a Lean 4 theorem statement. The theorem should be non-trivial, \
+but not too hard to prove. Pick an area of mathematics at random for it, such as algebra, number theory, \
+combinatorics, geometry, calculus or logic. The theorem should be interesting and mathematically meaningful, not \
+merely a very easy identity or a restatement of a definition.
+Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last thing \
+you write should be this statement WITHOUT a proof: just put `sorry` for the proof."""
 
-Do not prove it. Give the statement followed by `:= by sorry`, as valid Lean 4, in a ```lean4 code block."""
+# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official Guide prompt (App. E.3, prompts.py
+# get_guide_prompt). This one keeps its structure in our words: the seed and the lemma in lean4 blocks, the three
+# rubrics in the same order and scales, the empty score tags, and the in-context example whose output shows
+# placeholders only (concrete scores there would be copied). The two example statements are the official ones.
+GUIDE_PROMPT = """You are an expert in mathematics. Here is a seed Lean 4 problem statement:
 
-# Ablation "no problem conditioning" (Table 1): the Conjecturer sees no target.
-CONJECTURER_PROMPT_UNCONDITIONED = """Write one new Lean 4 theorem statement from an area of mathematics of your \
-choice: algebra, number theory, combinatorics, geometry, calculus or logic. It should be meaningful and \
-neither trivial nor very hard to prove.
-
-Do not prove it. Give the statement followed by `:= by sorry`, as valid Lean 4, in a ```lean4 code block."""
-
-# The Guide was fine-tuned to end its answer with these three tag pairs (§4.1, App. E.3); the rubric
-# below is ours, on the paper's scales. It sees both statements without their headers (official code).
-GUIDE_PROMPT = """You are an expert mathematician reviewing a proposed lemma.
-
-The target problem, in Lean 4:
 ```lean4
-{seed}
+{seed_theorem}
 ```
 
-The proposed lemma, meant to help with the target, either because a proof of the target can use it or \
-because proving it plausibly takes the same techniques:
+Here is a lemma, or a related lemma, that is meant to be useful for proving the statement above. It can be useful \
+either as a lemma that directly helps to prove the statement above, or as a related lemma whose proof plausibly \
+needs similar techniques.
+
 ```lean4
 {conjecture}
 ```
 
-Grade the lemma on three scales.
+Please rate how relevant the lemma is to the seed problem on a scale from 0 to 5, where 0 means "not related at \
+all" and 5 means "very useful for proving the target statement". If the lemma is trivial, give it a low score.
 
-Relevance to the target, 0 to 5:
-  0: the lemma is unrelated and trivial, or it is the target itself, possibly with renamed variables;
-  1: unrelated to the target;
-  2: from the same area of mathematics but of no direct use;
-  3: related, and may help;
-  4: directly useful for the target;
-  5: very useful: it makes the target much easier.
-A trivial lemma gets a low relevance score.
+Score the lemma with this rubric:
+- 0: The lemma is not related at all to the seed problem and is trivial to prove. OR the lemma is the seed problem \
+itself (also when it is equivalent up to renaming premises and variables).
+- 1: The lemma is not related at all to the seed problem.
+- 2: The lemma is related to the seed problem only in being about a similar area of mathematics; it does not \
+directly help to prove the seed problem.
+- 3: The lemma is related to the seed problem and might help to prove it.
+- 4: The lemma directly helps to solve the seed problem: once the lemma is proved, the seed problem is easier.
+- 5: The lemma is very useful for solving the seed problem: solving the lemma removes most of the difficulty of the \
+seed problem.
 
-Redundancy, 0 or 1: 1 if some hypotheses of the lemma are not needed for its conclusion, else 0.
+Next decide whether the premises are redundant. Rate this 0 or 1:
 
-Conclusion complexity, 0 to 4:
-  0: the conclusion is one atomic statement;
-  1: two or three conjunctions on one theme;
-  2: a few closely related disjunctions, or three or four conjunctions on one theme;
-  3: two or three unrelated disjunctions, or deep nesting;
-  4: a disjunction of three or more mostly unrelated clauses, or very deep nesting: several lemmas packed into one.
+- 0: No premise is redundant.
+- 1: Some premises are redundant: the conclusion can be proved without them.
 
-Reason step by step, then end with the three scores in exactly this format:
-<begin_relevance_score>R<end_relevance_score>
-<begin_redundancy_score>D<end_redundancy_score>
-<begin_conclusion_complexity_score>C<end_conclusion_complexity_score>
+Next decide whether the conclusion is too complex. Rate this from 0 to 4:
 
-Example of the format only (these numbers say nothing about the lemma above):
-<begin_relevance_score>2<end_relevance_score>
-<begin_redundancy_score>1<end_redundancy_score>
-<begin_conclusion_complexity_score>0<end_conclusion_complexity_score>"""
-GUIDE_SCORES = {"relevance": (0, 5), "redundancy": (0, 1), "conclusion_complexity": (0, 4)}  # the tags' scales
+- 0: The conclusion has minimal complexity: one atomic statement (for example an equality, an inequality or a \
+property), as clear as possible and easy to apply to other problems.
+- 1: The conclusion has low complexity: a few related parts (for example 2-3 conjunctions) that form one coherent \
+statement, each part tied to the others and to the premises, so it is still easy to apply.
+- 2: The conclusion has moderate complexity: disjunctions between closely related alternatives, or several \
+conjunctions (3-4) all on the same theme. Its structure is clear, but applying it takes some thought.
+- 3: The conclusion has high complexity: several unrelated disjunctive clauses (2-3 disjunctions), or deeply nested \
+logical operators that hide the main claim. Its parts concern somewhat different aspects, weakly connected to each \
+other or to the premises, so it is hard to see when and how to apply it.
+- 4: The conclusion has very high complexity: a disjunction of many (3 or more) mostly unrelated clauses, or a deeply \
+nested logical structure that is hard to read. Its parts concern entirely different mathematical objects or \
+properties, so it could hardly be applied meaningfully to other problems. It reads like several lemmas packed into one.
+
+When you have reasoned about all of this, write the scores between the tags:
+
+1) Relevance score: <begin_relevance_score> <end_relevance_score>
+2) Redundancy score: <begin_redundancy_score> <end_redundancy_score>
+3) Conclusion complexity score: <begin_conclusion_complexity_score> <end_conclusion_complexity_score>
+
+
+
+Here is an example:
+
+===========================================
+INPUT SEED PROBLEM:
+```lean4
+theorem aime_1983_p9 (x : ℝ) (h₀ : 0 < x ∧ x < Real.pi) :
+  12 ≤ (9 * (x ^ 2 * Real.sin x ^ 2) + 4) / (x * Real.sin x) := by
+```
+
+INPUT CONJECTURE:
+```lean4
+theorem china1993_p6 (x : ℝ) (h₀ : 0 < x ∧ x ≤ π) :
+    Real.sqrt (1 + Real.sin x) + Real.sqrt (1 + Real.cos x) ≤
+      Real.sqrt (9 + 2 * (Real.sin x + Real.cos x)):= by
+```
+
+YOUR OUTPUT: <... your reasoning ...>
+
+<begin_relevance_score>
+< ... your relevance score ... >
+<end_relevance_score>
+<begin_redundancy_score>
+< ... your redundancy score ... >
+<end_redundancy_score>
+<begin_conclusion_complexity_score>
+< ... your conclusion complexity score ... >
+<end_conclusion_complexity_score>
+===========================================
+"""
+GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the names in the score tags
 
 
 # ---- infrastructure (identical in every algorithm file) ----
@@ -610,24 +657,30 @@ def load_problems(dataset: str, limit: int | None = None) -> list[Problem]:
 
 
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
-    """The Guide's three sub-scores from the last pair of each tag, or None if any is missing or off its scale."""
-    try:
-        scores = {name: float(re.findall(rf"<begin_{name}_score>(.*?)<end_{name}_score>", completion, re.S)[-1])
-                  for name in GUIDE_SCORES}
-    except (IndexError, ValueError):
-        return None
-    return scores if all(lo <= scores[name] <= hi for name, (lo, hi) in GUIDE_SCORES.items()) else None
+    """The Guide's three sub-scores, or None if one is missing or not a number. As the official parser (prompts.py,
+    extract_guide_*_score): the text between the last begin tag and the last end tag of each score, read as a float,
+    whatever its value (no range check)."""
+    scores = {}
+    for name in GUIDE_SCORES:
+        begin, end = completion.rfind(f"<begin_{name}_score>"), completion.rfind(f"<end_{name}_score>")
+        if begin < 0 or end < 0:
+            return None
+        try:
+            scores[name] = float(completion[begin + len(f"<begin_{name}_score>") : end])
+        except ValueError:  # not a number, or the last end tag before the last begin tag
+            return None
+    return scores
 
 
 # ---- rewards ----
 def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
-    """Eq. 3: R_guide = 0 if the conclusion is tangled (complexity >= 3), else relevance + (2 - complexity)
-    + (1 - redundancy), floored at 0 (range 0..8). A failed parse (None) gets the mean of the parsed ones (official
-    code), or 1 when none parsed (as without a Guide)."""
-    values = [None if r is None else 0.0 if r["conclusion_complexity"] >= 3 else
+    """Eq. 3: R_guide = 0 if the conclusion is tangled (complexity 3 or 4), else relevance + (2 - complexity)
+    + (1 - redundancy), floored at 0 (official sub_scores_to_review). A failed parse (None) gets the mean of the
+    parsed ones, or 0 when none parsed (official LLMJudgeGuide.review; then every Conjecturer weight is 1)."""
+    values = [None if r is None else 0.0 if r["conclusion_complexity"] in (3, 4) else
               max(0.0, r["relevance"] + (2.0 - r["conclusion_complexity"]) + (1.0 - r["redundancy"])) for r in reviews]
     parsed = [v for v in values if v is not None]
-    return [(sum(parsed) / len(parsed) if parsed else 1.0) if v is None else v for v in values]
+    return [(sum(parsed) / len(parsed) if parsed else 0.0) if v is None else v for v in values]
 
 
 def percentile_cut(rates: list[float], q: float = 0.7) -> float:
@@ -757,7 +810,7 @@ def review(sampler, tokenizer, conjectures: list[Problem], targets: list[Problem
            ) -> tuple[list[float], dict[str, float]]:
     """The Guide scores each conjecture (at least one) against its target (§3.1, Eq. 3): R_guide, one review each."""
     seed = {t.id: t.statement for t in targets}
-    prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed=seed[c.seed_id], conjecture=c.statement))
+    prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed_theorem=seed[c.seed_id], conjecture=c.statement))
                for c in conjectures]
     reviews = [parse_guide_scores(row[0].text) for row in
                generate(sampler, prompts, 1, args.guide_max_new_tokens, args, dist, "guide")]

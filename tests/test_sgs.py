@@ -31,15 +31,20 @@ def review(relevance, redundancy, complexity):
 
 
 def test_guide_reward_eq3():
-    # relevance + (2 - complexity) + (1 - redundancy), 0 when complexity >= 3
-    cases = [((4, 0, 1), 6.0), ((5, 0, 0), 8.0), ((2, 1, 2), 2.0), ((0, 1, 2), 0.0), ((5, 0, 3), 0.0), ((5, 0, 4), 0.0)]
+    # official sub_scores_to_review (llm_judge_guide.py): 0 if complexity in [3, 4], else
+    # max(0, relevance + (2 - complexity) + (1 - redundancy)); scores off the rubric's scales are used as they are
+    cases = [((4, 0, 1), 6.0), ((5, 0, 0), 8.0), ((2, 1, 2), 2.0), ((0, 1, 2), 0.0), ((5, 0, 3), 0.0), ((5, 0, 4), 0.0),
+             ((5, 0, 5), 3.0), ((7, 0, 0), 10.0)]  # 5 + (2 - 5) + 1 = 3; 7 + 2 + 1 = 10
     assert sgs.guide_rewards([review(*r) for r, _ in cases]) == [value for _, value in cases]
 
 
-def test_guide_rewards_fill_failed_parses_with_the_batch_mean():
-    # 6 and 2 parsed: the failed review gets (6 + 2) / 2 = 4
+def test_guide_rewards_fill_failed_parses_as_the_official_guide():
+    # official LLMJudgeGuide.review: a failed review gets the mean of the others: (6 + 2) / 2 = 4
     assert sgs.guide_rewards([review(4.0, 0.0, 1.0), None, review(2.0, 1.0, 2.0)]) == [6.0, 4.0, 2.0]
-    assert sgs.guide_rewards([None, None]) == [1.0, 1.0]  # nothing parsed: as without a Guide
+    # every review failed: average_review = 0.0 for all; then prepare_conjecturer_train_data's min-max sees
+    # max == min and gives every conjecture weight 1.0
+    assert sgs.guide_rewards([None, None]) == [0.0, 0.0]
+    assert sgs.conjecturer_rewards(sgs.guide_rewards([None, None]), [0.25, 0.5]) == [1.0, 1.0]
     assert sgs.guide_rewards([]) == []
 
 
@@ -49,14 +54,77 @@ def test_parse_guide_scores():
         "<begin_relevance_score> 4 <end_relevance_score>\n<begin_redundancy_score>0<end_redundancy_score>\n"
         "<begin_conclusion_complexity_score>1.0<end_conclusion_complexity_score>"
     )
-    # the last pair of each tag counts
+    # official extract_guide_*_score: between the last begin tag and the last end tag
     assert sgs.parse_guide_scores(text) == {"relevance": 4.0, "redundancy": 0.0, "conclusion_complexity": 1.0}
     assert sgs.parse_guide_scores(text.replace("<begin_redundancy_score>0<end_redundancy_score>", "")) is None
     assert sgs.parse_guide_scores(text.replace(" 4 ", "four")) is None
-    assert sgs.parse_guide_scores(text.replace(" 4 ", "7")) is None  # off the 0..5 scale
-    assert sgs.parse_guide_scores(text.replace(" 4 ", "nan")) is None
+    assert sgs.parse_guide_scores(text.replace(" 4 ", "7"))["relevance"] == 7.0  # no range check (official)
     assert sgs.parse_guide_scores("") is None
     assert sgs.parse_guide_scores("<begin_relevance_score>3") is None  # truncated
+    # a later begin tag with no end after it: the official slice is empty (last begin after last end), a failure
+    assert sgs.parse_guide_scores(text + "\n<begin_relevance_score>5") is None
+
+
+def test_a_reply_in_the_official_format_parses():
+    # the official in-context example's output layout (prompts.py get_guide_prompt): reasoning, then each score on its
+    # own line between its tags
+    reply = ("The lemma bounds the same trigonometric expression, so it helps.\n\n"
+             "<begin_relevance_score>\n4\n<end_relevance_score>\n<begin_redundancy_score>\n0\n<end_redundancy_score>\n"
+             "<begin_conclusion_complexity_score>\n1\n<end_conclusion_complexity_score>")
+    scores = sgs.parse_guide_scores(reply)
+    assert scores == {"relevance": 4.0, "redundancy": 0.0, "conclusion_complexity": 1.0}
+    assert sgs.guide_rewards([scores]) == [6.0]  # 4 + (2 - 1) + (1 - 0)
+    # and the numbered form of the prompt's instructions
+    numbered = ("1) Relevance score: <begin_relevance_score> 3 <end_relevance_score>\n2) Redundancy score: "
+                "<begin_redundancy_score> 1 <end_redundancy_score>\n3) Conclusion complexity score: "
+                "<begin_conclusion_complexity_score> 2 <end_conclusion_complexity_score>")
+    assert sgs.guide_rewards([sgs.parse_guide_scores(numbered)]) == [3.0]  # 3 + 0 + 0
+
+
+def test_guide_prompt_holds_every_official_field_in_order():
+    import string
+
+    prompt = sgs.GUIDE_PROMPT
+    assert {f for _, f, _, _ in string.Formatter().parse(prompt) if f} == {"seed_theorem", "conjecture"}
+    # official get_guide_prompt, in this order: the seed block, the lemma block, the relevance rubric 0..5, the
+    # redundancy rubric 0..1, the complexity rubric 0..4, the three empty numbered tag pairs, then the example with
+    # its seed, its conjecture and an output of placeholders between the tags
+    fields = ["```lean4\n{seed_theorem}\n```", "```lean4\n{conjecture}\n```",
+              *[f"- {i}: " for i in range(6)], *[f"- {i}: " for i in range(2)], *[f"- {i}: " for i in range(5)],
+              "1) Relevance score: <begin_relevance_score> <end_relevance_score>\n",
+              "2) Redundancy score: <begin_redundancy_score> <end_redundancy_score>\n",
+              "3) Conclusion complexity score: <begin_conclusion_complexity_score> <end_conclusion_complexity_score>\n",
+              "Here is an example:\n\n===========================================\nINPUT SEED PROBLEM:\n```lean4\n"
+              "theorem aime_1983_p9 (x : ℝ)", "INPUT CONJECTURE:\n```lean4\ntheorem china1993_p6 (x : ℝ)",
+              "YOUR OUTPUT: <... your reasoning ...>\n\n",
+              "<begin_relevance_score>\n< ... your relevance score ... >\n<end_relevance_score>\n"
+              "<begin_redundancy_score>\n< ... your redundancy score ... >\n<end_redundancy_score>\n"
+              "<begin_conclusion_complexity_score>\n< ... your conclusion complexity score ... >\n"
+              "<end_conclusion_complexity_score>\n===========================================\n"]
+    at = 0
+    for field in fields:
+        found = prompt.find(field, at)
+        assert found >= 0, field
+        at = found + len(field)
+    assert prompt.count("- 5: ") == 1 and prompt.count("- 4: ") == 2  # relevance 0..5; complexity 0..4
+    # no concrete score anywhere between tags: a fine-tuned judge copies an example's numbers
+    import re
+
+    assert not re.search(r"<begin_\w+_score>\s*\d", prompt)
+    # the prompt parses as a failure, not as scores (a judge that echoes it scores nothing)
+    assert sgs.parse_guide_scores(prompt) is None
+
+
+def test_conjecturer_prompts_keep_the_official_layout():
+    import string
+
+    # official get_deepseek_prover_v2_conjecturer_prompt: the target in a lean4 block right after one line, then the
+    # request ending with the output format (a lean4 block, 'sorry' for the proof)
+    assert sgs.CONJECTURER_PROMPT.startswith("Here is a Lean 4 problem statement:\n```lean4\n{statement}\n```\n")
+    assert {f for _, f, _, _ in string.Formatter().parse(sgs.CONJECTURER_PROMPT) if f} == {"statement"}
+    for prompt in (sgs.CONJECTURER_PROMPT, sgs.CONJECTURER_PROMPT_UNCONDITIONED):
+        assert "between ```lean4 and ``` tags" in prompt and "sorry" in prompt.splitlines()[-1]
+    assert "{" not in sgs.CONJECTURER_PROMPT_UNCONDITIONED  # the unconditioned one shows no target
 
 
 # ---- the Conjecturer's reward (Alg. 1, §3.2) ----
@@ -282,7 +350,7 @@ def test_review_scores_each_conjecture_against_its_target():
            "<begin_conclusion_complexity_score>{}<end_conclusion_complexity_score>"
     sampler = ScriptedSampler([[tags.format(4, 0, 1)], ["no tags"], [tags.format(5, 1, 3)]])
     r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, targets, args(), CPU)
-    assert r_guide == [6.0, 3.0, 0.0]  # the failed review gets the mean of 6 and 0
+    assert r_guide == [6.0, 3.0, 0.0]  # the failed review gets the mean of 6 and 0 (official)
     assert stats["guide/parse_failure_rate"] == pytest.approx(1 / 3)
     assert stats["guide/r_guide_zero_share"] == pytest.approx(1 / 3)
     assert stats["guide/r_guide_median"] == 3.0 and stats["guide/relevance_mean"] == 4.5
@@ -428,7 +496,7 @@ def primed_pairs(tok, rows, rng):
             r, d, c = rng.randint(0, 5), rng.randint(0, 1), rng.randint(0, 4)
             pairs.append((sgs.chat_prompt(tok, sgs.CONJECTURER_PROMPT.format(statement=statement)),
                           f"A lemma:\n```lean4\n{conj} sorry\n```"))
-            pairs.append((sgs.chat_prompt(tok, sgs.GUIDE_PROMPT.format(seed=statement, conjecture=conj)),
+            pairs.append((sgs.chat_prompt(tok, sgs.GUIDE_PROMPT.format(seed_theorem=statement, conjecture=conj)),
                           f"<begin_relevance_score>{r}<end_relevance_score>\n"
                           f"<begin_redundancy_score>{d}<end_redundancy_score>\n"
                           f"<begin_conclusion_complexity_score>{c}<end_conclusion_complexity_score>"))
