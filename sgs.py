@@ -20,15 +20,20 @@ Run.
       (SmolLM2-135M, data/lean_smoke.jsonl) and prints what it scaled.
   One 8xH200 node: `torchrun --nproc_per_node 8 sgs.py` (paper sizes). `python sgs.py --help` lists every flag.
 
-The seven official experiments (scripts/*.py of the official code) are flags of this file:
-  scripts/standard_sgs.py                  python sgs.py
-  scripts/cispo_sgs.py                     python sgs.py --solver-objective cispo
-  scripts/cispo_solver_only.py             python sgs.py --solver-objective cispo --no-conjecturer
-  scripts/ei_solver_only.py                python sgs.py --solver-objective expert_iteration --no-conjecturer
-  scripts/sgs_frozen_conjecturer.py        python sgs.py --freeze-conjecturer --no-guide
-  scripts/sgs_no_guide.py                  python sgs.py --no-guide
-  scripts/sgs_no_problem_conditioning.py   python sgs.py --no-problem-conditioning --no-guide
-(the official EI and CISPO scripts also use `--batch-size 64`, see deviation 3.)
+The seven official experiments (scripts/*.py of the official code) are flags of this file. All seven: k = 8 attempts,
+one conjecture per never-solved target, temperature 1, top-p 1, 8192-token completions for every role, Adam betas
+(0.9, 0.95), clipping 1.0, constant learning rate, one epoch per iteration from a fresh optimizer, 500 iterations;
+the Conjecturer, when trained, uses the Solver's learning rate and batch size.
+  script                          flags                                        Solver      Conjecturer Guide  lr   batch
+  standard_sgs.py                 (none)                                       REINFORCE½  trained     yes   3e-6   32
+  cispo_sgs.py                    --solver-objective cispo                     CISPO       trained     yes   1e-6   64
+  cispo_solver_only.py            --solver-objective cispo --no-conjecturer    CISPO       none        no    1e-6   64
+  ei_solver_only.py               --solver-objective expert_iteration          EI          none        no    3e-6   64
+                                  --no-conjecturer
+  sgs_frozen_conjecturer.py       --freeze-conjecturer --no-guide              REINFORCE½  frozen      no    3e-6   32
+  sgs_no_guide.py                 --no-guide                                   REINFORCE½  trained     no    3e-6   32
+  sgs_no_problem_conditioning.py  --no-problem-conditioning --no-guide         REINFORCE½  trained,    no    3e-6   32
+                                                                                           no target
 
 Logged (metrics.jsonl in the run directory; wandb with --track): charts/cumulative_solve_rate against
 charts/generations (the paper's axes), pass@8, conjecturer/extraction_rate (§4.1: 51.5% at start) and
@@ -137,11 +142,11 @@ class Args:
     conjecture_percentile: float = 0.7
     """the Conjecturer is rewarded for conjectures with 0 < s <= this percentile of the solve rates in (0, 1) (§3.2)"""
     learning_rate: float | None = None
-    """Solver learning rate; default 3e-6, 1e-6 with CISPO (best of the App. C sweep)"""
-    conjecturer_learning_rate: float = 3e-6
-    """Conjecturer learning rate (App. C)"""
-    batch_size: int = 32
-    """sequences per optimizer step (App. C)"""
+    """Solver learning rate; default as the official scripts: 3e-6, 1e-6 with CISPO"""
+    conjecturer_learning_rate: float | None = None
+    """Conjecturer learning rate; default --learning-rate (the official scripts train both roles at one rate)"""
+    batch_size: int | None = None
+    """sequences per optimizer step, both roles; default as the official scripts: 32, 64 with CISPO or EI"""
     micro_batch_size: int = 1
     """sequences per forward/backward pass on each rank"""
     max_grad_norm: float = 1.0
@@ -204,6 +209,19 @@ def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
     for k, v in changed.items():
         setattr(args, k, v)
     return report
+
+
+def resolve(args: Args) -> tuple[bool, bool, bool]:
+    """Give the flags left unset the official script's values (the table in the module docstring) and return the
+    roles in play: (use_conjecturer, train_conjecturer, use_guide)."""
+    if args.learning_rate is None:
+        args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6
+    if args.conjecturer_learning_rate is None:
+        args.conjecturer_learning_rate = args.learning_rate
+    if args.batch_size is None:
+        args.batch_size = 64 if args.solver_objective in ("cispo", "expert_iteration") else 32
+    use_conjecturer, train_conjecturer = not args.no_conjecturer, not (args.no_conjecturer or args.freeze_conjecturer)
+    return use_conjecturer, train_conjecturer, train_conjecturer and not args.no_guide  # the Guide shapes R only
 
 
 # ---- prompts ----
@@ -934,10 +952,7 @@ def main(args: Args) -> None:
     scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         sys.exit("sgs.py: expert iteration is the solver-only baseline of App. G.4; add --no-conjecturer")
-    if args.learning_rate is None:
-        args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6  # best of the App. C sweep
-    use_conjecturer, train_conjecturer = not args.no_conjecturer, not (args.no_conjecturer or args.freeze_conjecturer)
-    use_guide = train_conjecturer and not args.no_guide  # the Guide only shapes the Conjecturer's reward
+    use_conjecturer, train_conjecturer, use_guide = resolve(args)
     dist = setup_distributed(args.seed)
     try:  # stop at once, before any model is loaded, when there is no Lean
         verifier = LeanVerifier(timeout=args.verifier_timeout, workers=args.lean_workers)
