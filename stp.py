@@ -728,13 +728,12 @@ def select_targets(statements: list[Problem], conjectures: list[Problem], proofs
 
 
 def record(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], round_: int) -> None:
-    """Each statement's (samples, correct) per round, and its distinct correct proofs with round and Lean time."""
+    """Each statement's (samples, correct) per round, and per round its distinct correct proofs with their Lean time
+    (official: a round's verified samples; a proof found again in a later round is a new entry)."""
     for pid, row in attempts.items():
         history.setdefault(pid, {})[round_] = (len(row), sum(a.correct for a in row))
-        found = proofs.setdefault(pid, [])
-        for a in row:
-            if a.correct and a.proof not in [p["proof"] for p in found]:
-                found.append({"proof": a.proof, "round": round_, "time": a.time})
+        found = {a.proof: a.time for a in row if a.correct}
+        proofs.setdefault(pid, []).extend({"proof": x, "round": round_, "time": t} for x, t in found.items())
 
 
 def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
@@ -746,17 +745,21 @@ def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args)
 
 
 def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, args: Args, tokenizer) -> list[Example]:
-    """The prover's data (official RL_step2_train): proofs of the last 3 rounds, success in (0, 1/2]."""
+    """The prover's data (official RL_step2_train): the correct proofs in the last 3 rounds of statements with success
+    in (0, 1/2] over them; a proof found in several rounds is one example (its newest Lean time) but counts once per
+    round in the weight's #correct."""
     examples = []
     for pid, rounds in history.items():
         window = [v for r, v in rounds.items() if round_ - args.replay_rounds < r <= round_]  # (samples, correct)
         n, c = sum(v[0] for v in window), sum(v[1] for v in window)
         if n == 0 or c == 0 or c / n > args.solve_rate_max:
             continue
-        recent = [p for p in proofs.get(pid, []) if p["round"] > round_ - args.replay_rounds]
+        recent = [p for p in proofs.get(pid, []) if round_ - args.replay_rounds < p["round"] <= round_]
+        newest = {p["proof"]: p for p in sorted(recent, key=lambda p: p["round"])}
         prompt = prover_prompt(tokenizer, problems[pid], args)
         examples += [text_example(tokenizer, prompt, p["proof"] + "\n```",
-                                  proof_weight(len(p["proof"]), p["time"], len(recent), args), args) for p in recent]
+                                  proof_weight(len(p["proof"]), p["time"], len(recent), args), args)
+                     for p in newest.values()]
     return examples
 
 
@@ -786,17 +789,19 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
     return torch.cat(vectors)[: len(texts)]
 
 
-def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], policy,
-                         tokenizer, args: Args, dist, rng: random.Random) -> tuple[list[Example], dict]:
+def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], round_: int,
+                         policy, tokenizer, args: Args, dist, rng: random.Random) -> tuple[list[Example], dict]:
     """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4 (with
-    their lemma if a proof invokes it), minus the least elegant, weighted by matching_weights."""
+    their lemma if a proof of this round invokes it), minus the least elegant (shortest proof in the replay buffer
+    against the statement), weighted by matching_weights."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts[c.id]) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
-                                                   for p in proofs[c.id])]
+                                                   for p in proofs[c.id] if p["round"] == round_)]
     others = [c for c in band if c not in invoking]
     rng.shuffle(others)
     kept = [(c, c.lemma) for c in invoking] + [(c, "") for c in others[: max(20 * len(invoking), 4096)]]
-    ratios = [min(len(p["proof"]) for p in proofs[c.id]) / len(c.statement) for c, _ in kept]
+    ratios = [min(len(p["proof"]) for p in proofs[c.id] if p["round"] > round_ - args.replay_rounds) / len(c.statement)
+              for c, _ in kept]
     elegant = elegance_filter([lemma for _, lemma in kept], ratios, args.elegance_quantile)
     kept = [k for k, ok in zip(kept, elegant) if ok]
     P = embed(policy, tokenizer, [c.statement for c, _ in kept], args, dist)
@@ -810,15 +815,17 @@ def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dic
 
 def final_examples(problems: dict, history: dict, proofs: dict, originals: set, args: Args, tokenizer,
                    rng: random.Random) -> list[Example]:
-    """Stage 3 data (official RL_step3_final_model): proofs with success <= 1/4 in their round, <= 16 each."""
-    examples = []
-    for pid, found in proofs.items():
-        keep = [p for p in found if pid in originals
-                or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
-        rng.shuffle(keep)
-        prompt = prover_prompt(tokenizer, problems[pid], args)
-        for p in keep[: args.final_max_proofs]:
-            examples.append(text_example(tokenizer, prompt, p["proof"] + "\n```",
+    """Stage 3 data (official RL_step3_final_model): the proofs of each round whose statement's success in it is <= 1/4
+    (dataset statements: all), shuffled, distinct, at most 16 per statement."""
+    found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
+             or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
+    rng.shuffle(found)
+    seen, count, examples = set(), collections.Counter(), []
+    for pid, p in found:
+        if (pid, p["proof"]) not in seen and count[pid] < args.final_max_proofs:
+            seen.add((pid, p["proof"]))
+            count[pid] += 1
+            examples.append(text_example(tokenizer, prover_prompt(tokenizer, problems[pid], args), p["proof"] + "\n```",
                                          math.exp(-args.length_penalty * len(p["proof"])), args))
     return examples
 
@@ -961,7 +968,7 @@ def main(args: Args) -> None:
             with logger.timer("data"):
                 sampler.sleep()
                 unproved = [s for s in statements if not proofs.get(s.id)]
-                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, policy,
+                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, round_, policy,
                                                               tokenizer, args, dist, rng)
                 prover_set = prover_examples(problems, history, proofs, round_, args, tokenizer)
                 metrics.update({**stats, "data/prover_examples": len(prover_set),

@@ -243,6 +243,33 @@ def test_prover_and_final_examples(tiny_model_dir):
     assert len(cut.sample.prompt_ids) + len(cut.sample.token_ids) == 10
 
 
+def test_replay_keeps_proofs_found_again(tiny_model_dir):
+    # Official: RL_step1_generate writes the buffer sampler.generated_proofs (each round's verified samples, deduplicated
+    # within the round, the last 3 rounds); RL_step2_train.format_and_deduplicate_dataset trains on every complete
+    # entry (newest first, one example per (prompt, target)) with weight exp(-0.001 len - 0.01 t) / #complete entries
+    # of the statement in the buffer, so a proof found in three rounds counts 3 times in the denominator.
+    tok = stp.load_tokenizer(tiny_model_dir)
+    problems = {"a": problems_for("a")[0]}
+    history, proofs, A = {}, {}, stp.Attempt
+    counts, weights = [], []
+    for round_ in range(4):  # the same proof every round, 1 of 4 samples correct; its Lean time is the round number
+        stp.record(history, proofs, {"a": [A("\n  simp", "valid", True, float(round_))] + [A(None, "error")] * 3},
+                   round_)
+        ex = stp.prover_examples(problems, history, proofs, round_, args(), tok)
+        counts.append(len(ex))
+        weights.append(ex[0].weight)
+    assert counts == [1, 1, 1, 1]  # one example every round (stp.py kept only the first round's: 1, 1, 1, 0)
+    # denominators: rounds 0..r in the buffer, at most 3 of them; the newest entry's Lean time
+    assert weights == pytest.approx([math.exp(-0.007 - 0.01 * r) / min(r + 1, 3) for r in range(4)])
+    assert len(proofs["a"]) == 4 and [p["round"] for p in proofs["a"]] == [0, 1, 2, 3]
+    # a second proof in round 3: the buffer (rounds 1..3) holds simp x3 and ring x1 -> 2 examples, each over 4
+    history["a"][3], proofs["a"] = (4, 2), proofs["a"] + [{"proof": "\n  ring", "round": 3, "time": 0.0}]
+    ex = stp.prover_examples(problems, history, proofs, 3, args(), tok)
+    assert sorted(e.weight for e in ex) == pytest.approx(sorted([math.exp(-0.007 - 0.03) / 4, math.exp(-0.007) / 4]))
+    # Stage 3 (official RL_step3_final_model): all rounds merged, then one example per distinct (statement, proof)
+    assert len(stp.final_examples(problems, history, proofs, {"a"}, args(), tok, random.Random(0))) == 2
+
+
 def test_conjecturer_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     policy = stp.load_model(tiny_model_dir, CPU, train=True)
@@ -258,16 +285,16 @@ def test_conjecturer_examples(tiny_model_dir):
     proofs = {c.id: [{"proof": "\n  positivity", "round": 1, "time": 0.0}] for c in conj}
     proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "round": 1, "time": 0.0}]  # invokes the shared lemma
     unproved = problems_for("u1", "u2")
-    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, policy, tok, args(), CPU, random.Random(0))
+    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, 1, policy, tok, args(), CPU, random.Random(0))
     assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
-    # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': the proof has 13 characters, c2's
-    # statement is one longer than c1's, so its ratio is the smaller one and falls under the 20% quantile
-    assert stats["conjecturer/elegant"] == 2
-    assert sum(e.weight for e in ex) == pytest.approx(2.0)  # matching keeps the total weight at N
+    # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': official cutoff sorted[int(2 * 0.2)]
+    # = sorted[0], the smaller ratio, so both stay
+    assert stats["conjecturer/elegant"] == 3
+    assert sum(e.weight for e in ex) == pytest.approx(3.0)  # matching keeps the total weight at N
     assert all(e.sample.text.endswith("\n</hard theorem>") for e in ex)
     # with no unproved statement every survivor keeps weight 1; the lemma stays only in the invoking one's prompt
-    ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], policy, tok, args(), CPU, random.Random(0))
-    assert [e.weight for e in ex] == [1.0, 1.0]
+    ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], 1, policy, tok, args(), CPU, random.Random(0))
+    assert [e.weight for e in ex] == [1.0, 1.0, 1.0]
     prompts = [tok.decode(e.sample.prompt_ids) for e in ex]
     assert "<lemma>\ntheorem sq_nonneg\n" in prompts[0] and "<lemma>\ntheorem true: True\n" in prompts[1]
     assert ex[0].sample.text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
