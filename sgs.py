@@ -167,6 +167,9 @@ class Args:
     """the last fraction of M where a rollout's reward falls linearly from 0 to -1 (§4.1, after DAPO)"""
     penalize_try: bool = True
     """reward 0 for Solver proofs that use the try tactic (§4.1)"""
+    sequence_mean_loss: bool = False
+    """REINFORCE loss of Eq. 4: each sequence's mean token log-probability; default (official trainer): summed over
+    the batch's tokens and divided by their number"""
     cispo_clip_low: float = 0.0
     """CISPO: lower bound of the token importance weight, 1 - eps_low with eps_low = 1 (App. G.3)"""
     cispo_clip_high: float = 4.0
@@ -744,10 +747,17 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 # ---- losses ----
-def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, n_sequences: int) -> torch.Tensor:
-    """Eq. 4: -(1/B) sum_i w_i (1/|y_i|) sum_t log pi(y_it). logp, mask: [B, T]; weights: [B]; n_sequences: the
-    number of sequences in the whole optimizer batch (all ranks), so that micro-batches add up."""
-    return -(weights * (logp * mask).sum(1) / mask.sum(1).clamp(min=1)).sum() / n_sequences
+def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, denominator: float,
+                   sequence_mean: bool = False) -> torch.Tensor:
+    """The weighted log-likelihood loss, as the official trainer (WeightedTrainer.compute_loss, which produced the
+    paper's numbers): -(1/N) sum_i w_i sum_t log pi(y_it), N = the completion tokens of the whole optimizer batch,
+    so every token weighs the same (a 50-token and a 2000-token proof get 1/2050 per token each). sequence_mean:
+    the paper's Eq. 4, -(1/B) sum_i w_i (1/|y_i|) sum_t log pi(y_it), N = B sequences. logp, mask: [B, T]; weights:
+    [B]; denominator: N or B over the whole optimizer batch (all ranks), so that micro-batches add up."""
+    per_sequence = (logp * mask).sum(1)
+    if sequence_mean:
+        per_sequence = per_sequence / mask.sum(1).clamp(min=1)
+    return -(weights * per_sequence).sum() / denominator
 
 
 def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
@@ -755,7 +765,8 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, a
                ) -> torch.Tensor:
     """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), with the token
     importance weight r_it = pi(y_it) / pi_old(y_it) against the sampler's log-probabilities, clipped to
-    [clip_low, clip_high] and not differentiated. group_tokens[i]: the token count of sample i's group."""
+    [clip_low, clip_high] and not differentiated. group_tokens[i]: the token count of sample i's group; n_groups: G =
+    batch_size / k, the groups a full optimizer batch holds, also for a last, smaller batch (official groups_per_batch)."""
     ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
     return -((ratio * logp * mask).sum(1) * advantages / group_tokens).sum() / n_groups
 
@@ -906,7 +917,9 @@ def update(policy, optimizer, examples: list[Example], objective: str, args: Arg
         batches = [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
     losses, norms = [], []
     for batch in batches:
-        total, n_groups = 0.0, len({e.group for e in batch})
+        total = 0.0
+        # REINFORCE's denominator: the batch's completion tokens (official) or sequences (Eq. 4, --sequence-mean-loss)
+        n = len(batch) if args.sequence_mean_loss else sum(len(e.sample.token_ids) for e in batch)
         for micro, scale in micro_batches(batch, args.micro_batch_size, dist,
                                           length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids)):
             # CISPO's importance ratio compares with the sampler's log-probs: renormalise over its top-p nucleus too
@@ -916,10 +929,10 @@ def update(policy, optimizer, examples: list[Example], objective: str, args: Arg
             if cispo:  # pi_old: the sampler's log-probs, padded as logp
                 old = torch.stack([torch.nn.functional.pad(logp.new_tensor(e.sample.logprobs),
                                                            (0, logp.shape[1] - len(e.sample.logprobs))) for e in micro])
-                loss = cispo_loss(logp, old, mask, weights, logp.new_tensor([e.group_tokens for e in micro]), n_groups,
-                                  args.cispo_clip_low, args.cispo_clip_high)
+                loss = cispo_loss(logp, old, mask, weights, logp.new_tensor([e.group_tokens for e in micro]), size,
+                                  args.cispo_clip_low, args.cispo_clip_high)  # official: / groups_per_batch, fixed
             else:
-                loss = reinforce_loss(logp, mask, weights, len(batch))
+                loss = reinforce_loss(logp, mask, weights, n, args.sequence_mean_loss)
             # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
             # (0 for a rank's padding micro-batch), which FSDP2's mean over ranks cancels
             (loss * scale * len(batch)).backward()

@@ -200,16 +200,65 @@ def test_pass_at_k():
 
 
 # ---- losses ----
-def test_reinforce_loss_per_sequence_normalisation():
+def test_reinforce_loss_token_normalisation_as_the_official_trainer():
+    # official WeightedTrainer.compute_loss: loss = sum_i w_i * sum_t CE_it / num_items_in_batch, where HF's
+    # num_items_in_batch counts the labels != -100 (the completion tokens) of the whole optimizer batch
     logp = torch.tensor([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
-    w = torch.tensor([1.0, 0.5])
-    # per sequence: (-1 - 2) / 2 = -1.5 and -3 / 1 = -3; loss = -(1 * -1.5 + 0.5 * -3) / 2 = 1.5
-    loss = sgs.reinforce_loss(logp, mask, w, n_sequences=2)
-    assert loss.item() == pytest.approx(1.5)
+    w = torch.tensor([1.0, 1.0])
+    # N = 3 tokens: -(1 * (-1 - 2) + 1 * (-3)) / 3 = 2
+    loss = sgs.reinforce_loss(logp, mask, w, 3)
+    assert loss.item() == pytest.approx(2.0)
     loss.backward()
-    # d loss / d logp[0, t] = -w_0 / (|y_0| * B) = -1 / 4; d / d logp[1, 0] = -0.5 / (1 * 2) = -0.25; padding 0
-    assert logp.grad.tolist() == [[-0.25, -0.25, 0.0], [-0.25, 0.0, 0.0]]
+    # every completion token weighs -w / N = -1/3, whatever its sequence's length; padding 0
+    assert logp.grad.flatten().tolist() == pytest.approx([-1 / 3, -1 / 3, 0.0, -1 / 3, 0.0, 0.0])
+    # the issue's example: a 50-token and a 2000-token correct proof get 1/2050 per token each
+    long = torch.zeros(2, 2000, requires_grad=True)
+    m = torch.zeros(2, 2000)
+    m[0, :50], m[1] = 1.0, 1.0
+    sgs.reinforce_loss(long, m, torch.ones(2), 2050).backward()
+    assert long.grad[0, 0].item() == long.grad[1, 1999].item() == pytest.approx(-1 / 2050)
+
+
+def test_reinforce_loss_per_sequence_is_eq4():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-3.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # Eq. 4 (--sequence-mean-loss): means -1.5 and -3; loss = -(1 * -1.5 + 1 * -3) / 2 = 2.25
+    loss = sgs.reinforce_loss(logp, mask, torch.tensor([1.0, 1.0]), 2, sequence_mean=True)
+    assert loss.item() == pytest.approx(2.25)
+    loss.backward()
+    # d loss / d logp[i, t] = -w_i / (|y_i| B): -1 / 4 for the 2-token sequence, -1 / 2 for the 1-token one
+    assert logp.grad.tolist() == [[-0.25, -0.25, 0.0], [-0.5, 0.0, 0.0]]
+
+
+class GradCatcher:  # an optimizer that records the gradient update() accumulated, and changes nothing
+    def __init__(self, params):
+        self.params, self.state, self.grads = list(params), {}, []
+
+    def step(self):
+        self.grads.append([p.grad.clone() for p in self.params])
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("sequence_mean", [False, True])
+def test_update_divides_by_the_whole_batch_across_micro_batches(tiny_model_dir, sequence_mean):
+    # two sequences of 2 and 5 tokens in one optimizer batch, one per micro-batch: the accumulated gradient is that
+    # of the whole batch's loss, -(w_0 sum log p_0 + w_1 sum log p_1) / 7 (official), or Eq. 4's / 2 of the means
+    policy = sgs.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
+    samples = [sgs.Sample("", [5, 6, 7], [8, 9], [], "stop"), sgs.Sample("", [5, 6], [10, 11, 12, 13, 14], [], "stop")]
+    examples = [sgs.Example(samples[0], 1.0), sgs.Example(samples[1], 0.5)]
+    catcher = GradCatcher(policy.parameters())
+    a = args(batch_size=2, micro_batch_size=1, max_grad_norm=1e9, sequence_mean_loss=sequence_mean)
+    sgs.update(policy, catcher, examples, "reinforce_half", a, CPU)
+    logp, mask, _ = sgs.token_logprobs(policy, samples)
+    sums = logp.sum(1)
+    expected = (-(sums[0] / 2 + 0.5 * sums[1] / 5) / 2) if sequence_mean else -(sums[0] + 0.5 * sums[1]) / 7
+    grads = torch.autograd.grad(expected, list(policy.parameters()))
+    for got, want in zip(catcher.grads[0], grads):  # float32 sums in another order: close, not equal
+        assert (got - want).norm() <= 1e-3 * want.norm() + 1e-9
 
 
 def test_cispo_loss_weights_and_clipping():
