@@ -205,10 +205,10 @@ class Args:
 # samples ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s).
 CPU_DEFAULTS = dict(model="EMBEDDED", dataset="data/rir_triples.jsonl", theorems="data/rir_theorems.jsonl",
                     theorems_split="builtin", eval_theorems="data/rir_theorems.jsonl", eval_split="builtin",
-                    n_goals=2, n_tactics=4, max_expansions=4, search_timeout=300.0, tactic_timeout=10.0,
-                    train_steps=6, selfplay_train_steps=2, warmup_steps=0, learning_rate=1e-4, batch_size=8,
+                    n_goals=2, n_tactics=8, max_expansions=4, search_timeout=300.0, tactic_timeout=10.0,
+                    train_steps=8, selfplay_train_steps=2, warmup_steps=0, learning_rate=3e-4, batch_size=8,
                     micro_batch_size=4, max_state_tokens=128, max_goal_tokens=64, max_tactic_tokens=24,
-                    max_model_len=1024)
+                    max_model_len=1024, gradient_checkpointing=False)
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -736,17 +736,18 @@ def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[
     """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples n_goals
     target states s* ~ pi_h(. | s), the actor n_tactics tactics y ~ pi_l(. | s, s*) for each (without planner,
     n_tactics y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by log-prob; malformed
-    samples last, as failed edges), and the planner's and the actor's seconds. Each call is seeded from `key`, so a
-    search does not depend on the number of ranks or on a resume."""
-    state, start = clip(tokenizer, state, args.max_state_tokens), time.monotonic()
+    samples last, as failed edges), and the planner's and the actor's seconds. Each call is seeded from `key`, so on
+    the transformers backend a search depends neither on the number of ranks nor on a resume."""
+    state, planner_time = clip(tokenizer, state, args.max_state_tokens), 0.0
     targets, failed_plans = [(None, 0.0)], []
     if args.planner:
+        start = time.monotonic()
         torch.manual_seed(zlib.crc32(f"{key}/planner".encode()))
         goals = sampler.generate([PLANNER_PROMPT.format(state=state)], n=args.n_goals, temperature=args.temperature,
                                  top_p=args.top_p, max_new_tokens=args.max_goal_tokens, stop=[GOAL_STOP],
                                  desc="plan")[0]
         targets, malformed = ranked(goals)
-        failed_plans = [Edge(None, None, 0.0, 0.0)] * malformed
+        failed_plans, planner_time = [Edge(None, None, 0.0, 0.0)] * malformed, time.monotonic() - start
     planned, edges = time.monotonic(), []
     prompts = [ACTOR_PROMPT.format(state=state, target=clip(tokenizer, g, args.max_state_tokens)) if args.planner
                else FLAT_PROMPT.format(state=state) for g, _ in targets]
@@ -757,7 +758,7 @@ def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[
         tactics, malformed = ranked(samples)
         edges += [Edge(target, y, logp_goal, logp) for y, logp in tactics]
         edges += [Edge(target, None, logp_goal, 0.0)] * malformed
-    return edges + failed_plans, planned - start, time.monotonic() - planned
+    return edges + failed_plans, planner_time, time.monotonic() - planned
 
 
 def expand(node: Node, edges: list[Edge], verifier, nodes: dict, args: Args) -> tuple[object, collections.Counter]:
@@ -937,11 +938,13 @@ def main(args: Args) -> None:
     theorems = load_theorems(args.theorems, args.theorems_split, args.num_theorems)
     eval_theorems = load_theorems(args.eval_theorems, args.eval_split, args.eval_limit)
 
-    # one LM, two roles by prompt; D_0: the traced triples
+    triples = load_triples(args.dataset, args.num_triples)  # D_0: the traced triples
+
+    # one LM, two roles by prompt
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0)
-    start, state = 0, {"triples": [tuple(t) for t in load_triples(args.dataset, args.num_triples)], "proved": {}}
+    start, state = 0, {"selfplay_triples": [], "proved": {}}  # what self-play added to D_0 (plain tuples), its proofs
     if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
         start, state = found[0] + 1, found[1]
         if dist.is_main:
@@ -950,12 +953,13 @@ def main(args: Args) -> None:
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
 
     for round_ in range(start, args.rounds + 1):
-        metrics, rng = {"charts/triples": float(len(state["triples"]))}, random.Random(f"{args.seed}/{round_}")
+        data = triples + [Triple(*t) for t in state["selfplay_triples"]]  # D_t
+        metrics, rng = {"charts/triples": float(len(data))}, random.Random(f"{args.seed}/{round_}")
         steps = args.train_steps if round_ == 0 else args.selfplay_train_steps
-        if steps and state["triples"]:  # 1. Co-train the planner and the actor on D_t (L_co)
+        if steps and data:  # 1. Co-train the planner and the actor on D_t (L_co)
             with logger.timer("co_train"):
                 sampler.sleep()
-                items = training_items([Triple(*t) for t in state["triples"]], tokenizer, args)
+                items = training_items(data, tokenizer, args)
                 metrics |= co_train(policy, optimizer, items, steps, args, dist, rng)
                 sampler.sync_weights(policy)
 
@@ -964,10 +968,10 @@ def main(args: Args) -> None:
                 results = search_theorems(sampler, tokenizer, verifier, theorems, f"{args.seed}/{round_}/selfplay",
                                           args, dist)
             with logger.timer("replay"):
-                known = set(map(tuple, state["triples"]))
-                new = list(dict.fromkeys(tuple(t) for t in replay_proofs(verifier, theorems, results, args, dist)
-                                         if tuple(t) not in known))
-                state["triples"] += new
+                known = set(data)
+                new = list(dict.fromkeys(t for t in replay_proofs(verifier, theorems, results, args, dist)
+                                         if t not in known))
+                state["selfplay_triples"] += [tuple(t) for t in new]
                 state["proved"] |= {r.name: r.proof for r in results if r.proved}
             metrics |= search_metrics(results, "selfplay") | {
                 "selfplay/new_triples": float(len(new)), "charts/proved_ever": float(len(state["proved"]))}
