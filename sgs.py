@@ -40,25 +40,23 @@ charts/generations (the paper's axes), pass@8, conjecturer/extraction_rate (§4.
 disjunctive_share (without the Guide the Conjecturer drifts to long disjunctive statements, Fig. 2), guide/*,
 solver/entropy (Figs. 7, 11), losses/*, data/*, time/*.
 
-Deliberate deviations from the paper and the official code:
-  1. REINFORCE loss: the paper's Eq. 4 (each sequence's mean token log-probability, averaged over the batch); the
-     official trainer divides the summed token loss by the batch's token count.
-  2. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
+Deliberate deviations from the official code (which, where the paper differs, is the default here):
+  1. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
      comments; the official code matches the substring "try" (also in `symmetry`, `geometry`).
-  3. Batch size 32 for every objective (App. C); the official EI and CISPO scripts use 64 (`--batch-size 64`).
-  4. Lean timeout 200 s (paper); the official default is 500 s.
-  5. A Guide sub-score off its scale (relevance 0-5, redundancy 0-1, complexity 0-4) is a failed parse. A failed
-     review gets the batch's mean R_guide (official code), or 1 when every review failed (as without a Guide).
-  6. Conjecture extraction also drops `import`/`open`/`set_option` lines (the conjecture inherits its target's
-     header, as in the official code) and needs `theorem` or `lemma`; deduplication ignores whitespace.
-  7. Sequences of weight exactly 0 (the lowest min-max-normalised conjecture, try-penalised proofs) are not trained
-     on: they carry no gradient.
-  8. The Conjecturer's overlong penalty replaces its weight after the min-max normalisation.
-  9. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
+  2. Lean timeout 200 s (paper); the official default is 500 s.
+  3. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines before the
+     declaration (the conjecture inherits its target's header) and needs the block to start with `theorem` or
+     `lemma` and a name and a conclusion, so a conjecture preceded by a docstring or a comment, or an `example`, is
+     rejected; the official code keeps the block's text up to `:= by`, whatever it starts with. Deduplication
+     ignores whitespace; the official code compares the exact text.
+  4. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
      computes it from the top-10 log-probabilities.
- 10. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in turn);
-     generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once.
- 11. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
+  5. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in turn);
+     generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once; CISPO
+     attempts of advantage 0 are left out of the batch (no gradient; their tokens still count in the group's).
+  6. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
+The paper's own forms, where the official code differs, are flags: --sequence-mean-loss (Eq. 4's per-sequence mean;
+the official trainer divides the batch's summed token losses by its token count).
 """
 
 import collections
@@ -727,7 +725,7 @@ def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float
 
 def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
     """The Solver's reward for one attempt (§3.2, §4.1): 1 if Lean accepts it, but 0 if it uses the `try` tactic
-    outside comments (`symmetry` or `h_try` do not count: deviation 2); an overlong attempt's reward is replaced by
+    outside comments (`symmetry` or `h_try` do not count: deviation 1); an overlong attempt's reward is replaced by
     the (negative) overlong penalty."""
     code = strip_comments(proof or "")[0]  # None when a comment is left open: Lean rejects such a proof anyway
     tries = args.penalize_try and re.search(r"(?<![\w.'])try(?![\w'])", proof if code is None else code)
@@ -807,7 +805,7 @@ def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem],
     conjectures, seen, parsed = [], {" ".join(t.statement.split()) for t in targets}, []
     for seed, row in zip(seeds, outputs):
         for sample in row:
-            parsed.append(statement := extract_conjecture(sample.text))  # official rule, and deviation 6
+            parsed.append(statement := extract_conjecture(sample.text))  # official rule, and deviation 3
             if statement is None or (key := " ".join(statement.split())) in seen:
                 continue
             seen.add(key)
@@ -870,23 +868,24 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
     REINFORCE½ (§3.2): correct attempts at problems (targets and conjectures) with 0 < s <= 1/2, weight = reward;
     CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups;
     expert iteration (App. G.4): stored target proofs found in the last ei_window iterations, weight = reward.
-    Sequences of weight 0 are left out (deviation 7)."""
+    Left out: REINFORCE½/EI proofs using `try` (official), CISPO attempts of advantage 0 (deviation 5)."""
     rows = [(attempts[p.id], rates[p.id]) for p in problems]
     if args.solver_objective == "cispo":
         rewards = [[solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row] for row, _ in rows]
-        groups = [(row, group_advantages(r)) for (row, s), r in zip(rows, rewards) if 0 < s < 1]
-        groups = [(row, adv, float(sum(len(a.sample.token_ids) for a in row))) for row, adv in groups if any(adv)]
+        # official: a group whose rewards are all 0 (its correct proofs used `try`) is skipped
+        groups = [(row, group_advantages(r), float(sum(len(a.sample.token_ids) for a in row)))
+                  for (row, s), r in zip(rows, rewards) if 0 < s < 1 and any(r)]
         rng.shuffle(groups)
         return [Example(a.sample, w, tokens, g) for g, (row, adv, tokens) in enumerate(groups)
                 for a, w in zip(row, adv) if w != 0]
     if args.solver_objective == "expert_iteration":
-        examples = [Example(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"),
-                            solver_reward(True, p["proof"], len(p["token_ids"]), args))
-                    for proofs in store.values() for p in proofs if p["iteration"] > iteration - args.ei_window]
+        found = [(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"), p["proof"]) for proofs in store.values()
+                 for p in proofs if p["iteration"] > iteration - args.ei_window]
     else:  # incorrect attempts teach nothing in REINFORCE½ (official code)
-        examples = [Example(a.sample, solver_reward(True, a.proof, len(a.sample.token_ids), args)) for row, s in rows
-                    if 0 < s <= args.solve_rate_max for a in row if a.correct]
-    examples = [e for e in examples if e.weight != 0]
+        found = [(a.sample, a.proof) for row, s in rows if 0 < s <= args.solve_rate_max for a in row if a.correct]
+    # weight 1 or the overlong penalty; a proof using `try` is dropped, overlong or not (official)
+    examples = [Example(sample, solver_reward(True, proof, len(sample.token_ids), args)) for sample, proof in found
+                if solver_reward(True, proof, 0, args)]
     rng.shuffle(examples)
     return examples
 
@@ -894,13 +893,14 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
 def conjecturer_examples(selected: list[Problem], rates: dict[str, float], r_guide: list[float], args: Args,
                          rng: random.Random) -> list[Example]:
     """The Conjecturer's training set (§3.2, Alg. 1): weight R_guide * (1 - s), min-max normalised over the selected
-    conjectures; an overlong generation's weight is replaced by its penalty (deviation 8). The training target is
-    the whole generation, reasoning included (official code)."""
+    conjectures; then an overlong generation's weight is replaced by its penalty. As the official code
+    (prepare_conjecturer_train_data): the training target is the whole generation, reasoning included, and the
+    conjecture of weight 0 stays in the batch (its tokens count in the loss's denominator)."""
     penalties = [overlong_penalty(len(c.sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
                  for c in selected]
     rewards = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
     weights = [p if p < 0 else w for p, w in zip(penalties, rewards)]
-    examples = [Example(c.sample, w) for c, w in zip(selected, weights) if w != 0]
+    examples = [Example(c.sample, w) for c, w in zip(selected, weights)]
     rng.shuffle(examples)
     return examples
 
@@ -946,7 +946,7 @@ def update(policy, optimizer, examples: list[Example], objective: str, args: Arg
 def evaluate(targets: list[Problem], store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int
              ) -> dict[str, float]:
     """The paper's metric (Fig. 1): the cumulative solve rate, the share of targets with a verified proof at any point
-    so far; this iteration's pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 9);
+    so far; this iteration's pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 4);
     Lean's verdicts over all attempts; the conjectures' mean solve rate."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
     conjectures = [np.mean([a.correct for a in row]) for pid, row in attempts.items() if pid not in store]

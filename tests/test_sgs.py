@@ -472,6 +472,13 @@ def test_solver_examples_reinforce_half_and_cispo():
     a = args(max_new_tokens=100)
     ex = sgs.solver_examples(problems, attempts, rates_of(attempts), {}, 0, a, random.Random(0))
     assert sorted(e.weight for e in ex) == [1.0, 1.0]  # b's one and c's second correct proof
+    # official prepare_prover_train_data (not using groups): a try proof is dropped ("continue") before the length
+    # penalty, so an overlong try proof is dropped too; an overlong clean one gets the penalty: 95 of M = 100 -> -0.75
+    long = sgs.Attempt(fake_sample(95), "\n  try simp", "valid", True)
+    attempts["b"] = [long, long._replace(proof="\n  simp")] + fake_attempts([False, False])
+    ex = sgs.solver_examples(problems, attempts, rates_of(attempts), {}, 0, a, random.Random(0))
+    assert sorted(e.weight for e in ex) == [-0.75, 1.0]
+    attempts["b"] = fake_attempts([True, False, False, False])
     a = args(max_new_tokens=100, solver_objective="cispo")
     ex = sgs.solver_examples(problems, attempts, rates_of(attempts), {}, 0, a, random.Random(0))
     assert len(ex) == 12 and len({e.group for e in ex}) == 3  # groups b, c, d: all 4 attempts each
@@ -501,9 +508,11 @@ def test_conjecturer_examples():
     samples = [fake_sample(3), fake_sample(95), fake_sample(3)]
     cs = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "t", s) for i, s in enumerate(samples)]
     rates = {"c0": 0.5, "c1": 0.25, "c2": 0.875}
-    # R = [3, 3, 1] -> [1, 1, 0]; c1's 95 tokens of M = 100 -> penalty -0.75 replaces its weight; c2's 0 is dropped
+    # R = [3, 3, 1] -> [1, 1, 0]; then c1's 95 tokens of M = 100 -> penalty -0.75 replaces its weight (official: the
+    # DAPO length penalty after the min-max normalisation, ModelConfig.dapo_length_penalty defaults to True)
     ex = sgs.conjecturer_examples(cs, rates, [6.0, 4.0, 8.0], args(conjecturer_max_new_tokens=100), random.Random(0))
-    assert sorted(e.weight for e in ex) == [-0.75, 1.0]
+    # official prepare_conjecturer_train_data keeps the weight-0 conjecture: its tokens count in the loss's denominator
+    assert sorted(e.weight for e in ex) == [-0.75, 0.0, 1.0]
 
 
 def test_evaluate():
