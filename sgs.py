@@ -177,7 +177,8 @@ class Args:
     verifier_timeout: float = 200.0
     """Lean wall-clock limit per proof, in seconds (§4.1)"""
     lean_workers: int | None = None
-    """Lean REPL processes per rank (default: the verifier's choice)"""
+    """Lean REPL processes in all, split over the ranks (at least 1 each; the official runs had 110 verification
+    workers); default: each rank's share of its machine's cores and memory (lean_verify's choice)"""
 
     # ablations
     no_guide: bool = False
@@ -968,7 +969,8 @@ def main(args: Args) -> None:
     use_conjecturer, train_conjecturer, use_guide = resolve(args)
     dist = setup_distributed(args.seed)
     try:  # stop at once, before any model is loaded, when there is no Lean
-        verifier = LeanVerifier(timeout=args.verifier_timeout, workers=args.lean_workers)
+        workers = max(1, args.lean_workers // dist.world_size) if args.lean_workers else None  # this rank's pool
+        verifier = LeanVerifier(timeout=args.verifier_timeout, workers=workers)
     except LeanNotInstalled as e:
         sys.exit(f"sgs.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main and scaled:

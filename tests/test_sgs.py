@@ -754,6 +754,27 @@ def test_official_experiments_run(primed_model_dir, tmp_path, flags, present, ab
         assert key not in row, key
 
 
+@pytest.mark.parametrize("world, given, per_rank", [(8, 110, 13), (2, 1, 1), (1, 3, 3), (8, None, None)])
+def test_each_rank_gets_its_share_of_the_lean_workers(monkeypatch, world, given, per_rank):
+    # --lean-workers counts REPLs in all (the official runs: num_master_verification_workers=110 on one node);
+    # under torchrun each rank's pool gets 110 // 8 = 13, at least 1; unset, lean_verify picks a per-rank share
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_verifier(timeout, workers):
+        seen["workers"] = workers
+        raise Stop
+
+    monkeypatch.setattr(sgs, "setup_distributed", lambda seed: sgs.Dist(0, 0, world, torch.device("cpu"), True))
+    monkeypatch.setattr(sgs, "LeanVerifier", fake_verifier)
+    monkeypatch.setattr(sys, "argv", ["sgs.py"])
+    with pytest.raises(Stop):
+        sgs.main(args(lean_workers=given))
+    assert seen["workers"] == per_rank
+
+
 def test_expert_iteration_needs_no_conjecturer():
     done = subprocess.run([sys.executable, "sgs.py", "--solver-objective", "expert_iteration"], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
