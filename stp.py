@@ -35,12 +35,11 @@ Deliberate deviations (where the paper is silent this file follows the official 
      usedConstants would give them (lean_verify's verify(used_constants=True), not used here yet).
   3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header lines
      its training prompt has).
-  4. The cap on the uses of one lemma (10% of the statements) does not apply to the empty lemma.
-  5. A proved statement stays a target while its latest success rate is below 0.35 (or with probability 0.05);
-     with no unproved statement left to match, every conjecture keeps weight 1.
+  4. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
+     invokes list in place, so a proof that drew it once offers it in every later round).
+  5. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
   6. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
-     target is the proof, the closing fence and EOS; prompts and completions are cut to 1024 tokens each
-     (official: 1024 together, i.e. --max-model-len 1024).
+     target is the proof, the closing fence and EOS (official: the proof and EOS).
   7. Stage 3 does not mix in the mathlib SFT data (not shipped); the chunked pass@k std is the population std.
   8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
   9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; generation
@@ -98,8 +97,8 @@ class Args:
     """vLLM's share of GPU memory (it sleeps while the policy trains)"""
     vllm_sleep: bool = True
     """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
-    max_model_len: int = 8192
-    """longest prompt + completion, in tokens"""
+    max_model_len: int = 1024
+    """longest prompt + completion, in tokens (official vLLM max_model_len)"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
 
@@ -209,7 +208,7 @@ class Args:
 CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", num_statements=8, rounds=2,
                     samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
                     embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
-                    eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4, max_model_len=1024)
+                    eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4)
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -670,61 +669,80 @@ def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int
     return dict(zip([p.id for p in problems], map_sharded(prove, problems, dist)))
 
 
+def best_rate(history: dict, pid: str) -> float:
+    """A statement's success rate in its best round (official succ_rates)."""
+    return max((c / n for n, c in history.get(pid, {}).values() if n), default=0.0)
+
+
 def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
                  ) -> list[tuple[Problem, str, str]]:
-    """Seeds (official Sampler_base.select): proofs of statements proved at > 0.35, newest first, with each lemma they
-    invoke and (p = 1/2) the empty lemma; a lemma in <= 10% of them; <= #statements (statement, proof, lemma)."""
-    cap = max(1, int(args.lemma_use_cap * len(statements)))
-    best = {s.id: max((c / n for n, c in history.get(s.id, {}).values() if n), default=0.0) for s in statements}
-    candidates = sorted(((p["round"], s.id, s, p["proof"]) for s in statements if best[s.id] > args.seed_threshold
-                         for p in proofs.get(s.id, [])), key=lambda c: (-c[0], c[1]))  # newest first
+    """Seeds (official Sampler_base.select): every round's proofs of statements with a best success rate above 0.35, in
+    random order, each with the lemmas it invokes and (p = 1/2) the empty lemma; each lemma, the empty one too, in at
+    most 10% of #statements seeds; at most #statements (statement, proof, lemma)."""
+    candidates = [(s, p["proof"]) for s in statements if best_rate(history, s.id) > args.seed_threshold
+                  for p in proofs.get(s.id, [])]
+    rng.shuffle(candidates)  # official: then sorted by conjecture level, 0 for every dataset statement
     uses, pairs, seeds = collections.Counter(), set(), []
-    for _, sid, statement, proof in candidates:
+    for statement, proof in candidates:
         empty = [""] if rng.random() < args.empty_lemma_prob else []
         for lemma in invoked_lemmas(proof, statement.statement) + empty:
-            if (sid, lemma) not in pairs and not (lemma and uses[lemma] >= cap):  # deviation 4: '' is not capped
-                pairs.add((sid, lemma))
+            if uses[lemma] < args.lemma_use_cap * len(statements) and (statement.id, lemma) not in pairs:
+                pairs.add((statement.id, lemma))
                 uses[lemma] += 1
                 seeds.append((statement, proof, lemma))
     return seeds[: len(statements)]
 
 
-def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], known: set, n_statements: int, round_: int,
-               args: Args, dist: Dist) -> tuple[list[Problem], dict]:
-    """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, deduplicated, capped."""
+def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statements: list[Problem], problems: dict,
+               round_: int, args: Args, dist: Dist, rng: random.Random) -> tuple[list[Problem], dict]:
+    """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, shuffled, deduplicated against the
+    dataset and each other, at most #statements. A statement conjectured before keeps its id (official lemma_id)."""
     if not seeds:
         return [], {"conjecturer/seeds": 0}
-    multiplier = max(1, min(3 * n_statements // len(seeds), args.max_conjecture_multiplier))
+    multiplier = max(1, min(3 * len(statements) // len(seeds), args.max_conjecture_multiplier))
 
     def sample(mine: list[str]) -> list[list[str | None]]:
         outputs = sampler.generate(mine, n=multiplier, temperature=args.temperature, top_p=args.top_p, stop=[END_THM],
                                    max_new_tokens=args.max_new_tokens, desc="conjecture") if mine else []
         return [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row] for row in outputs]
 
+    def key(header: str, statement: str) -> tuple:  # official: spaces and newlines do not count
+        return header, statement.replace(" ", "").replace("\n", "")
+
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
-    outputs, conjectures, seen = map_sharded(sample, prompts, dist), [], set(known)
-    for (seed, proof, lemma), row in zip(seeds, outputs):
-        for statement in row:
-            if statement is not None and (seed.header, "".join(statement.split())) not in seen:
-                seen.add((seed.header, "".join(statement.split())))
-                conjectures.append(Problem(f"r{round_}_c{len(conjectures)}", seed.header, statement,
-                                           seed.statement + proof, lemma))
-    conjectures, n_out = conjectures[:n_statements], sum(len(row) for row in outputs)
+    outputs = map_sharded(sample, prompts, dist)
+    found = [(seed, x) for seed, row in zip(seeds, outputs) for x in row if x is not None]
+    rng.shuffle(found)
+    seen, ids, new = {key(s.header, s.statement) for s in statements}, {p.statement: k for k, p in problems.items()}, []
+    for (seed, proof, lemma), statement in found:
+        if key(seed.header, statement) not in seen:
+            seen.add(key(seed.header, statement))
+            new.append(((seed, proof, lemma), statement))
+    if len(new) > len(statements):
+        rng.shuffle(new)
+    conjectures = [Problem(ids.get(x, f"r{round_}_c{i}"), seed.header, x, seed.statement + proof, lemma)
+                   for i, ((seed, proof, lemma), x) in enumerate(new[: len(statements)])]
+    n_out = sum(len(row) for row in outputs)
     return conjectures, {
         "conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier, "conjecturer/outputs": n_out,
-        "conjecturer/extraction_rate": sum(x is not None for row in outputs for x in row) / n_out if n_out else 0.0,
+        "conjecturer/extraction_rate": len(found) / n_out if n_out else 0.0,
         "conjecturer/new_conjectures": len(conjectures),
         "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
 
 
-def select_targets(statements: list[Problem], conjectures: list[Problem], proofs: dict, history: dict, args: Args,
-                   rng: random.Random) -> list[Problem]:
-    """Unproved dataset statements, the conjectures, proved ones still hard (< 0.35) or drawn (p = 0.05)."""
+def select_targets(statements: list[Problem], conjectures: list[Problem], proofs: dict, history: dict, seeded: bool,
+                   args: Args, rng: random.Random) -> list[Problem]:
+    """Targets (official Sampler_base.select): unproved dataset statements and conjectures, then proved statements
+    whose best success rate is below 0.35 or drawn (p = 0.05); every dataset statement in a round with no seed.
+    The baselines (Sampler_naive): the unproved statements."""
+    unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
-        return [s for s in statements if not proofs.get(s.id)]
-    latest = {s.id: history[s.id][max(history[s.id])] for s in statements if proofs.get(s.id)}  # (samples, correct)
-    return [s for s in statements if not proofs.get(s.id) or rng.random() < args.proved_keep_prob
-            or latest[s.id][1] / max(latest[s.id][0], 1) < args.seed_threshold] + conjectures
+        return unproved
+    if not seeded:
+        return statements
+    return unproved + [c for c in conjectures if not proofs.get(c.id)] + [
+        s for s in statements if proofs.get(s.id) and (rng.random() < args.proved_keep_prob
+                                                       or best_rate(history, s.id) < args.seed_threshold)]
 
 
 def record(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], round_: int) -> None:
@@ -794,7 +812,7 @@ def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dic
     """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4 (with
     their lemma if a proof of this round invokes it), minus the least elegant (shortest proof in the replay buffer
     against the statement), weighted by matching_weights."""
-    band = [c for c in conjectures if 0.0 < solve_rate(attempts[c.id]) < args.conjecture_band]
+    band = [c for c in conjectures if 0.0 < solve_rate(attempts.get(c.id, [])) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
                                                    for p in proofs[c.id] if p["round"] == round_)]
     others = [c for c in band if c not in invoking]
@@ -876,12 +894,13 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
                   attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
     """The share of dataset statements proved so far against generations; this round's success rates; verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
+    tried = [c for c in conjectures if c.id in attempts]  # a conjecture proved in an earlier round is not a target
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
             "charts/generations": generations, "charts/targets": len(targets),
             "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
-            **({"conjecturer/solve_rate_mean": float(np.mean([solve_rate(attempts[c.id]) for c in conjectures]))}
-               if conjectures else {})}
+            **({"conjecturer/solve_rate_mean": float(np.mean([solve_rate(attempts[c.id]) for c in tried]))}
+               if tried else {})}
 
 
 def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], args: Args, dist: Dist) -> dict:
@@ -916,7 +935,7 @@ def main(args: Args) -> None:
     run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
     logger = Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
     statements = load_problems(args.dataset, args.num_statements)
-    originals, known = {s.id for s in statements}, {(s.header, "".join(s.statement.split())) for s in statements}
+    originals = {s.id for s in statements}
     benchmarks = {f"{os.path.basename(path).removesuffix('.jsonl')}_{args.eval_split}":
                   load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_sets}
 
@@ -941,17 +960,18 @@ def main(args: Args) -> None:
         save_checkpoint(run_dir, iteration, models, tokenizer, portable, dist)
 
     for round_ in range(start, args.rounds):
-        metrics, conjectures, rng = {}, [], random.Random(f"{args.seed}/{round_}")  # the same on every rank
+        metrics, seeds, conjectures, rng = {}, [], [], random.Random(f"{args.seed}/{round_}")  # same on every rank
         if not baseline:  # 1-2. Seeds and conjectures
             with logger.timer("conjecture"):
                 seeds = select_seeds(statements, proofs, history, args, rng)
-                conjectures, stats = conjecture(sampler, tokenizer, seeds, known, len(statements), round_, args, dist)
+                conjectures, stats = conjecture(sampler, tokenizer, seeds, statements, problems, round_, args, dist,
+                                                rng)
                 problems.update({c.id: c for c in conjectures})
                 state["generations"] += stats.get("conjecturer/outputs", 0)
                 metrics.update(stats)
 
         with logger.timer("prove"):  # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
-            targets = select_targets(statements, conjectures, proofs, history, args, rng)
+            targets = select_targets(statements, conjectures, proofs, history, bool(seeds), args, rng)
             n = args.samples_first_round if round_ == 0 or baseline else args.samples_per_round
             attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, args, dist)
             state["generations"] += len(targets) * n

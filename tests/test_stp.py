@@ -153,40 +153,77 @@ def test_attempt_proofs_checks_each_distinct_proof_once():
 
 
 def test_select_seeds():
+    # Official RL_utils.Sampler_base.select: candidates are the complete proofs of level-0 statements with
+    # succ_rates (best round) > 0.35; rng.shuffle, then a stable sort by level (all 0); per candidate a coin
+    # (p = 0.5) adds '' to its invoked lemmas; a lemma ('' too) is skipped once used >= 0.1 * #statements times;
+    # (statement, lemma) pairs are distinct; the list is cut to #statements.
     statements = problems_for("s1", "s2", "s3")
     history = {"s1": {0: (4, 1), 1: (4, 2)}, "s2": {0: (4, 1)}, "s3": {2: (4, 4)}}
     proofs = {"s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 0.1}],
               "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 0, "time": 0.1}],
               "s3": [{"proof": "\n  positivity", "round": 2, "time": 0.1}]}
-    # s2's best round rate 1/4 <= 0.35: not a seed (s1's best is 1/2). Newest first: s3 (round 2), then s1 (round 1).
-    seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=1.0), random.Random(0))
-    assert [(s.id, lemma) for s, _, lemma in seeds] == [("s3", ""), ("s1", "sq_nonneg"), ("s1", "")]
+    # s2's best round rate 1/4 <= 0.35: never a seed (s1's best is 1/2). The cap is 0.1 * 3 = 0.3: each lemma, the
+    # empty one too, once (0 < 0.3, then 1 >= 0.3): s1 takes sq_nonneg, and '' goes to whichever of s1, s3 comes first
+    orders = set()
+    for seed in range(20):
+        seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=1.0), random.Random(seed))
+        assert sorted((s.id, lemma) for s, _, lemma in seeds) in ([("s1", ""), ("s1", "sq_nonneg")],
+                                                                  [("s1", "sq_nonneg"), ("s3", "")])
+        orders.add(seeds[0][0].id)
+    assert orders == {"s1", "s3"}  # random order: not newest first (which would always put s3 first)
     seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
     assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
-    # the cap: max(1, int(0.1 * 3)) = 1 use of sq_nonneg
+    # s2 now qualifies too: sq_nonneg is capped at one use, which goes to s1 or s2 depending on the shuffle
     history["s2"] = {0: (4, 4)}
-    seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
-    assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
+    users = {stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(seed))[0][0].id
+             for seed in range(20)}
+    assert users == {"s1", "s2"}
+    # the empty lemma is capped like any other: 15 statements proved without a lemma -> 0.1 * 15 = 1.5 -> 2 uses;
+    # 10 statements -> 1 use
+    many = problems_for(*[f"t{i}" for i in range(15)])
+    history = {p.id: {0: (4, 4)} for p in many}
+    proofs = {p.id: [{"proof": "\n  positivity", "round": 0, "time": 0.1}] for p in many}
+    assert len(stp.select_seeds(many, proofs, history, args(empty_lemma_prob=1.0), random.Random(0))) == 2
+    assert len(stp.select_seeds(many[:10], proofs, history, args(empty_lemma_prob=1.0), random.Random(0))) == 1
 
 
-def test_conjecture_deduplicates_and_caps():
+def fake_sampler(texts, reason="stop"):
+    return SimpleNamespace(llm=None, batch_size=8, generate=lambda prompts, n, **kw: [
+        [stp.Sample(t, [], [], [], reason) for t in texts[:n]] for _ in prompts])
+
+
+def test_conjecture_deduplicates_shuffles_and_caps():
+    # Official Sampler_base.select: conjectures are shuffled, deduplicated by (header, statement without spaces and
+    # newlines) against the dataset and each other, then shuffled again and cut to #statements when there are more
     seed = problems_for("s")[0]
-    texts = [" c1 (x : ℕ) : x ≤ x ^ 2 := by\n  nlinarith", "c1  (x : ℕ) :  x ≤ x ^ 2", "garbage",  # c1 twice
-             "s (x : ℝ) (hx : 0 < x) : 0 < x ^ 2", "c2 : True"]  # a copy of the dataset statement, then c2
-    sampler = SimpleNamespace(generate=lambda prompts, n, **kw: [[stp.Sample(t, [], [], [], "stop") for t in texts[:n]]
-                                                                  for _ in prompts])
+    texts = [" c1 (x : ℕ) : x ≤ x ^ 2 := by\n  nlinarith", "c1  (x : ℕ) :\n  x ≤ x ^ 2", "garbage",  # c1 twice
+             "s (x : ℝ) (hx : 0 < x) : 0 < x ^ 2", "c2 : True", "c3 : False"]  # a copy of the dataset statement
+    sampler = fake_sampler(texts)
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
-    known = {(seed.header, "".join(seed.statement.split()))}
-    # 1 seed, 1 statement: multiplier max(1, min(3 * 1 // 1, 8)) = 3 samples, at most 1 conjecture
-    conj, stats = stp.conjecture(sampler, tok, [(seed, "\n  positivity", "")], known, 1, 2, args(), CPU)
-    assert [c.id for c in conj] == ["r2_c0"] and conj[0].statement == "theorem c1 (x : ℕ) : x ≤ x ^ 2 := by"
+    c1, c2, c3 = "theorem c1 (x : ℕ) : x ≤ x ^ 2 := by", "theorem c2 : True := by", "theorem c3 : False := by"
+    seeds = [(seed, "\n  positivity", "")]
+    # 1 seed, 1 statement: multiplier max(1, min(3 * 1 // 1, 8)) = 3 samples -> c1 (twice); at most 1 conjecture
+    conj, stats = stp.conjecture(sampler, tok, seeds, [seed], {}, 2, args(), CPU, random.Random(0))
+    assert [(c.id, c.statement) for c in conj] == [("r2_c0", c1)]
     assert conj[0].easy_theorem == seed.statement + "\n  positivity" and conj[0].header == seed.header
     assert stats["conjecturer/multiplier"] == 3 and stats["conjecturer/extraction_rate"] == pytest.approx(2 / 3)
-    conj, stats = stp.conjecture(sampler, tok, [(seed, "\n  positivity", "")], known, 5, 0, args(max_conjecture_multiplier=5),
-                                 CPU)
-    assert [c.statement for c in conj] == ["theorem c1 (x : ℕ) : x ≤ x ^ 2 := by", "theorem c2 : True := by"]
-    assert stats["conjecturer/outputs"] == 5 and stats["conjecturer/new_conjectures"] == 2
-    assert stp.conjecture(sampler, tok, [], known, 5, 0, args(), CPU) == ([], {"conjecturer/seeds": 0})
+    # 2 statements: min(3 * 2 // 1, 6) = 6 samples -> c1, c2, c3 survive; the cut keeps 2 of them, chosen at random
+    two = [seed] + problems_for("u")
+    flat = lambda text: " ".join(text.split())  # noqa: E731  (which spelling of c1 survives depends on the shuffle)
+    chosen = {tuple(sorted(flat(c.statement) for c in stp.conjecture(sampler, tok, seeds, two, {}, 0,
+                                                               args(max_conjecture_multiplier=6), CPU,
+                                                               random.Random(r))[0])) for r in range(20)}
+    assert chosen == {(c1, c2), (c1, c3), (c2, c3)}
+    conj, stats = stp.conjecture(sampler, tok, seeds, two + problems_for("v"), {}, 0,
+                                 args(max_conjecture_multiplier=6), CPU, random.Random(0))
+    assert sorted(flat(c.statement) for c in conj) == [c1, c2, c3]
+    assert stats["conjecturer/outputs"] == 6 and stats["conjecturer/new_conjectures"] == 3
+    # a statement conjectured before keeps its id (official lemma_id, keyed by the statement's text)
+    conj, _ = stp.conjecture(fake_sampler(["c1 (x : ℕ) : x ≤ x ^ 2", "c2 : True"]), tok, seeds, two,
+                             {"old": stp.Problem("old", "", c1)}, 3, args(), CPU, random.Random(0))
+    ids = {c.statement: c.id for c in conj}
+    assert ids[c1] == "old" and ids[c2] in ("r3_c0", "r3_c1")
+    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, args(), CPU, random.Random(0)) == ([], {"conjecturer/seeds": 0})
 
 
 def test_select_targets_and_record():
@@ -199,16 +236,22 @@ def test_select_targets_and_record():
     stp.record(history, proofs, attempts, 0)
     assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
     assert proofs["a"] == [{"proof": "\n  simp", "round": 0, "time": 0.5}] and proofs["c"] == []  # distinct proofs only
-    conj = problems_for("r1_c0")
+    conj = problems_for("r1_c0", "r1_c1")
+    proofs["r1_c1"] = [{"proof": "\n  simp", "round": 0, "time": 0.5}]  # conjectured again, proved in round 0
 
-    def targets(**kw):
-        return [t.id for t in stp.select_targets(statements, conj, proofs, history, args(**kw), random.Random(0))]
+    def targets(seeded=True, **kw):
+        return [t.id for t in stp.select_targets(statements, conj, proofs, history, seeded, args(**kw),
+                                                 random.Random(0))]
 
-    # c unproved; a proved but its last rate 2/3 >= 0.35 and b's 1 >= 0.35: dropped with keep probability 0
+    # Official Sampler_base.select: unproved statements, conjectures not in succ_lemmas (r1_c1 is), then proved
+    # statements drawn with p = 0.05 or with succ_rates (the best round's rate) < 0.35: a 2/3, b 1: neither
     assert targets(proved_keep_prob=0.0) == ["c", "r1_c0"]
-    history["a"][1] = (4, 1)  # the latest round's rate 0.25 < 0.35: still a target (round 0's 2/3 does not count)
-    assert targets(proved_keep_prob=0.0) == ["a", "c", "r1_c0"]
-    assert targets(proved_keep_prob=1.0) == ["a", "b", "c", "r1_c0"]
+    history["a"][1] = (4, 1)  # the latest round's rate 1/4 < 0.35, but the best stays 2/3: not a target
+    assert targets(proved_keep_prob=0.0) == ["c", "r1_c0"]
+    history["b"] = {0: (4, 1)}  # best rate 1/4 < 0.35: a target again
+    assert targets(proved_keep_prob=0.0) == ["c", "r1_c0", "b"]
+    assert targets(proved_keep_prob=1.0) == ["c", "r1_c0", "a", "b"]
+    assert targets(seeded=False) == ["a", "b", "c"]  # no conjecture input: every dataset statement
     assert targets(expert_iteration=True) == ["c"] and targets(pure_sampling=True) == ["c"]
 
 
