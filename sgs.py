@@ -53,7 +53,8 @@ Deliberate deviations from the official code (which, where the paper differs, is
      computes it from the top-10 log-probabilities.
   5. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in turn);
      generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once; CISPO
-     attempts of advantage 0 are left out of the batch (no gradient; their tokens still count in the group's).
+     attempts of advantage 0 are left out of the batch (no gradient; their tokens still count in the group's); with
+     transformers (no vLLM) each prompt is sampled alone from its own seed, so any number of ranks draws the same.
   6. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
 The paper's own forms, where the official code differs, are flags: --sequence-mean-loss (Eq. 4's per-sequence mean;
 the official trainer divides the batch's summed token losses by its token count).
@@ -783,15 +784,27 @@ def generate(sampler, prompts: list[str], n: int, max_new_tokens: int, args: Arg
     """n samples per prompt at the roles' temperature and top-p (App. C), from the weights last synced. Each rank
     samples its share, every rank gets them all, token ids and log-probs in arrays (4 bytes a token; a list of ints
     costs ~36, and D_3k gives ~26k attempts an iteration). A failed sample (vLLM abort or error) keeps no text, so
-    every role's parser rejects it."""
-    def run(mine: list[str]) -> list[list[Sample]]:
-        outputs = sampler.generate(mine, n=n, temperature=args.temperature, top_p=args.top_p,
-                                   max_new_tokens=max_new_tokens, desc=desc) if mine else []
+    every role's parser rejects it. With transformers, each prompt is sampled alone from a seed of its own (rank 0's
+    draw plus its index), so that the samples do not depend on how many ranks share the prompts (deviation 5)."""
+    base = all_gather_objects(random.getrandbits(31), dist)[0]  # the same on every rank; checkpoints keep the RNG
+
+    def run(mine: list[tuple[int, str]]) -> list[list[Sample]]:
+        def sample(batch: list[str]) -> list[list[Sample]]:
+            return sampler.generate(batch, n=n, temperature=args.temperature, top_p=args.top_p,
+                                    max_new_tokens=max_new_tokens, desc=desc) if batch else []
+
+        if getattr(sampler, "llm", None):  # vLLM: one call, its engine batches (seeded per rank)
+            outputs = sample([p for _, p in mine])
+        else:  # transformers: prompt by prompt, each from its own seed
+            outputs = []
+            for i, p in mine:
+                torch.manual_seed(base + i)
+                outputs += sample([p])
         return [[Sample(s.text if s.finish_reason in ("stop", "length") else "", array("i", s.prompt_ids),
                         array("i", s.token_ids), array("f", s.logprobs), s.finish_reason) for s in row]
                 for row in outputs]
 
-    return map_sharded(run, prompts, dist)
+    return map_sharded(run, list(enumerate(prompts)), dist)
 
 
 def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem], iteration: int, args: Args,

@@ -355,15 +355,15 @@ def test_cpu_defaults_keep_given_flags():
 
 # ---- phases, with a scripted sampler and verifier ----
 class ScriptedSampler:
-    """Answers the i-th prompt of each call with replies[i] (a list of n texts); records the prompts."""
+    """Answers the i-th prompt it is asked with replies[i] (a list of n texts); records the prompts."""
 
     def __init__(self, replies, finish_reason="stop"):
         self.replies, self.finish_reason, self.prompts = replies, finish_reason, []
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
-        self.prompts += prompts
+        first, self.prompts = len(self.prompts), self.prompts + prompts  # sgs.generate asks prompt by prompt
         return [[sgs.Sample(text, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), self.finish_reason)
-                 for i, text in enumerate(self.replies[j][:n])] for j in range(len(prompts))]
+                 for i, text in enumerate(self.replies[first + j][:n])] for j in range(len(prompts))]
 
 
 class Tokenizer:  # chat_prompt's only need: the user turn as the prompt
