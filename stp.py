@@ -14,9 +14,10 @@ whole Lean 4 proofs. Each round of self-play (Stage 2):
   5. the prover learns from the correct proofs of the last 3 rounds of statements with success <= 1/2, weighted
      by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
-Stage 3 (--final-retrain) re-trains the base model on the correct proofs of all rounds. Logged (metrics.jsonl; wandb
-with --track): charts/cumulative_solve_rate (dataset statements proved) against charts/generations; eval/<set>/pass@k
-on miniF2F-test and ProofNet-test, unbiased and chunked (STP); conjecturer/*, lean/*, losses/*, data/*, time/*.
+Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
+Logged (metrics.jsonl; wandb with --track): charts/cumulative_solve_rate (dataset statements proved) against
+charts/generations; eval/<set>/pass@k on miniF2F-test and ProofNet-test, unbiased and chunked (STP); conjecturer/*,
+lean/*, losses/*, data/*, time/*.
 
 Run (needs Lean: `bash setup.sh --lean`). Without CUDA `python stp.py` runs a loop scaled down by CPU_DEFAULTS
 (SmolLM2-135M, data/lean_smoke.jsonl); `torchrun --nproc_per_node 8 stp.py` on 8xH200 the paper's. RL/*.sh as flags:
@@ -40,7 +41,7 @@ Deliberate deviations (where the paper is silent this file follows the official 
   5. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
   6. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
      target is the proof, the closing fence and EOS (official: the proof and EOS).
-  7. Stage 3 does not mix in the mathlib SFT data (not shipped); the chunked pass@k std is the population std.
+  7. The chunked pass@k std is the population std.
   8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
   9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; generation
      and verification are not pipelined; a (statement, proof) pair sampled twice is checked once.
@@ -55,6 +56,8 @@ import math
 import os
 import random
 import sys
+import urllib.request
+import zlib
 from dataclasses import dataclass
 from typing import Literal
 
@@ -174,7 +177,12 @@ class Args:
 
     # baselines and the final stage
     final_retrain: bool = False
-    """Stage 3 after the rounds: re-train --model from scratch on the correct proofs of every round"""
+    """Stage 3 after the rounds: re-train --final-model on the SFT data and the correct proofs of every round"""
+    final_model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
+    """Stage 3 re-trains this model (run_RL_train.sh); it must share --model's architecture and tokenizer"""
+    final_sft_dataset: str = "kfdong/STP_Lean_SFT"
+    """Stage 3 also trains on its (prompt, target[, weight]) rows but the LeanWorkbook ones (run_RL_train.sh's
+    mathlib.json): a Hugging Face dataset, a .jsonl, or '' for none"""
     final_learning_rate: float = 1e-4
     """Stage 3 learning rate (run_RL_train.sh)"""
     final_solve_rate_max: float = 0.25
@@ -208,7 +216,8 @@ class Args:
 CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", num_statements=8, rounds=2,
                     samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
                     embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
-                    eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4)
+                    eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4, final_model="embedded:smollm2",
+                    final_sft_dataset="data/stp_mathlib_sft.jsonl")
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -542,17 +551,29 @@ Problem = collections.namedtuple("Problem", "id header statement easy_theorem le
 DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
 
 
+def read_rows(source: str) -> list[dict]:
+    """The rows of a .jsonl or .json (a list) file, also at a URL (fetched once into CACHE_DIR), or the train split of
+    a Hugging Face dataset."""
+    if "://" in source:
+        path = CACHE_DIR / "data" / f"{zlib.crc32(source.encode()):08x}-{os.path.basename(source)}"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_name(f"{path.name}.{os.getpid()}")  # ranks fetch at once: each renames a whole file
+            urllib.request.urlretrieve(source, part)
+            os.replace(part, path)
+        source = str(path)
+    if source.endswith((".json", ".jsonl")):
+        with open(source) as f:
+            return json.load(f) if source.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+    import datasets  # imported here: it takes seconds, and the built-in sets do not need it
+
+    return list(datasets.load_dataset(source, split="train"))
+
+
 def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
     """Statements from a Hugging Face dataset (LeanWorkbook) or a .jsonl in miniF2F's fields (data/minif2f.jsonl)."""
-    if dataset.endswith(".jsonl"):
-        with open(dataset) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        import datasets  # imported here: it takes seconds, and the built-in sets do not need it
-
-        rows = list(datasets.load_dataset(dataset, split="train"))
     problems, seen = [], set()
-    for i, row in enumerate(rows):
+    for i, row in enumerate(read_rows(dataset)):
         statement = clean_statement(row.get("theorem") or row.get("formal_statement"))
         if (split is not None and row.get("split") != split) or statement is None:
             continue
@@ -831,19 +852,23 @@ def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dic
                       "conjecturer/elegant": len(kept), "conjecturer/matched": len(examples)}
 
 
-def final_examples(problems: dict, history: dict, proofs: dict, originals: set, args: Args, tokenizer,
-                   rng: random.Random) -> list[Example]:
-    """Stage 3 data (official RL_step3_final_model): the proofs of each round whose statement's success in it is <= 1/4
-    (dataset statements: all), shuffled, distinct, at most 16 per statement."""
+def final_examples(problems: dict, history: dict, proofs: dict, originals: set, sft: list[dict], args: Args,
+                   tokenizer, rng: random.Random) -> list[Example]:
+    """Stage 3 data (official RL_step3_final_model): the SFT rows but LeanWorkbook's (prepare_datasets: mathlib.json),
+    then the proofs of each round whose statement's success in it is <= 1/4 (dataset statements: all), shuffled,
+    distinct, at most 16 per statement, none an SFT (prompt, target)."""
+    sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
+    examples = [text_example(tokenizer, r["prompt"], r["target"], r.get("weight", 1.0), args) for r in sft]
     found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
              or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
     rng.shuffle(found)
-    seen, count, examples = set(), collections.Counter(), []
+    seen, count = {(r["prompt"], r["target"]) for r in sft}, collections.Counter()
     for pid, p in found:
-        if (pid, p["proof"]) not in seen and count[pid] < args.final_max_proofs:
-            seen.add((pid, p["proof"]))
+        prompt = prover_prompt(tokenizer, problems[pid], args)
+        if (prompt, p["proof"]) not in seen and count[pid] < args.final_max_proofs:
+            seen.add((prompt, p["proof"]))
             count[pid] += 1
-            examples.append(text_example(tokenizer, prover_prompt(tokenizer, problems[pid], args), p["proof"] + "\n```",
+            examples.append(text_example(tokenizer, prompt, p["proof"] + "\n```",
                                          math.exp(-args.length_penalty * len(p["proof"])), args))
     return examples
 
@@ -876,13 +901,12 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
     return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": steps}
 
 
-def retrain_from_base(sampler, problems: dict, history: dict, proofs: dict, originals: set, lr: float, args: Args,
-                      dist: Dist, tokenizer, rng: random.Random) -> tuple:
-    """Stage 3 (and each expert-iteration round): a fresh --model trained on final_examples."""
-    examples = final_examples(problems, history, proofs, originals, args, tokenizer, rng)
+def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, args: Args, dist: Dist,
+                      rng: random.Random) -> tuple:
+    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained on final_examples."""
     sampler.sleep()
     gc.collect()  # free the old policy before the base model loads
-    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
+    policy = load_model(base, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
     stats = update(policy, optimizer, examples, lr, args.final_min_train_steps, args, dist, rng) if examples else {}
     sampler.sync_weights(policy)
@@ -980,8 +1004,9 @@ def main(args: Args) -> None:
         if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every round
             with logger.timer("update"):
                 models, policy = {}, None
-                policy, optimizer, stats = retrain_from_base(sampler, problems, history, proofs, originals,
-                                                             args.learning_rate, args, dist, tokenizer, rng)
+                examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
+                policy, optimizer, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args,
+                                                             dist, rng)
                 models = {"policy": (policy, optimizer)}
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
         elif not args.pure_sampling:  # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data
@@ -1011,10 +1036,11 @@ def main(args: Args) -> None:
     metrics = {}
     if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
         with logger.timer("final_retrain"):
-            models, policy = {}, None
-            policy, optimizer, stats = retrain_from_base(sampler, problems, history, proofs, originals,
-                                                         args.final_learning_rate, args, dist, tokenizer,
-                                                         random.Random(f"{args.seed}/final"))
+            models, policy, rng = {}, None, random.Random(f"{args.seed}/final")
+            sft = read_rows(args.final_sft_dataset) if args.final_sft_dataset else []
+            examples = final_examples(problems, history, proofs, originals, sft, args, tokenizer, rng)
+            policy, optimizer, stats = retrain_from_base(sampler, args.final_model, examples,
+                                                         args.final_learning_rate, args, dist, rng)
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
             save(args.rounds, {"policy": (policy, optimizer)})

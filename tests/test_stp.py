@@ -276,12 +276,12 @@ def test_prover_and_final_examples(tiny_model_dir):
     # round 4: nothing of rounds 2..4 is left in the buffer
     assert stp.prover_examples(problems, history, proofs, 4, args(), tok) == []
     # Stage 3: dataset statements always; the conjecture c only if its round rate <= 0.25 (1/8: yes)
-    final = stp.final_examples(problems, history, proofs, {"a", "b"}, args(), tok, random.Random(0))
+    final = stp.final_examples(problems, history, proofs, {"a", "b"}, [], args(), tok, random.Random(0))
     assert len(final) == 4 and sorted(round(e.weight, 6) for e in final)[-1] == round(math.exp(-0.001 * 7), 6)
     history["c"][1] = (8, 4)
-    assert len(stp.final_examples(problems, history, proofs, {"a", "b"}, args(), tok, random.Random(0))) == 3
+    assert len(stp.final_examples(problems, history, proofs, {"a", "b"}, [], args(), tok, random.Random(0))) == 3
     many = {"a": [{"proof": f"\n  p{i}", "round": 0, "time": 0.0} for i in range(20)]}
-    assert len(stp.final_examples(problems, history, many, {"a"}, args(), tok, random.Random(0))) == 16
+    assert len(stp.final_examples(problems, history, many, {"a"}, [], args(), tok, random.Random(0))) == 16
     cut = stp.text_example(tok, "a prompt", " x" * 100, 1.0, args(max_train_tokens=10))
     assert len(cut.sample.prompt_ids) + len(cut.sample.token_ids) == 10
 
@@ -310,7 +310,33 @@ def test_replay_keeps_proofs_found_again(tiny_model_dir):
     ex = stp.prover_examples(problems, history, proofs, 3, args(), tok)
     assert sorted(e.weight for e in ex) == pytest.approx(sorted([math.exp(-0.007 - 0.03) / 4, math.exp(-0.007) / 4]))
     # Stage 3 (official RL_step3_final_model): all rounds merged, then one example per distinct (statement, proof)
-    assert len(stp.final_examples(problems, history, proofs, {"a"}, args(), tok, random.Random(0))) == 2
+    assert len(stp.final_examples(problems, history, proofs, {"a"}, [], args(), tok, random.Random(0))) == 2
+
+
+def test_final_retrain_data(tiny_model_dir, tmp_path):
+    # Official run_RL_train.sh: RL_step3_final_model --base_model deepseek-ai/DeepSeek-Prover-V1.5-SFT --sft_dataset
+    # mathlib.json (prepare_datasets.py: kfdong/STP_Lean_SFT's train rows whose prompt has no 'lean_workbook'); the
+    # merged proofs are deduplicated against the SFT (prompt, target) pairs and appended to them, weight
+    # exp(-0.001 len) (an SFT row keeps its own weight, 1 without one: levanter weighted_lm)
+    a = args()
+    assert (a.final_model, a.final_sft_dataset) == ("deepseek-ai/DeepSeek-Prover-V1.5-SFT", "kfdong/STP_Lean_SFT")
+    stp.cpu_defaults(a, [])  # the CPU default keeps the embedded model and a small built-in SFT file
+    assert (a.final_model, a.final_sft_dataset) == ("embedded:smollm2", "data/stp_mathlib_sft.jsonl")
+    built_in = stp.read_rows(str(REPO / a.final_sft_dataset))
+    assert len(built_in) == 7 and all(r["prompt"].startswith("Complete the following Lean 4 code:") for r in built_in)
+    tok = stp.load_tokenizer(tiny_model_dir)
+    problem = problems_for("a")[0]
+    prompt = stp.prover_prompt(tok, problem, a)
+    sft = [{"prompt": "Complete: mathlib", "target": " x", "weight": 0.5}, {"prompt": "p", "target": " y"},
+           {"prompt": "theorem lean_workbook_1 : True := by", "target": " trivial"},  # a LeanWorkbook row: left out
+           {"prompt": prompt, "target": "\n  simp"}]  # already an SFT pair: the found proof is not added again
+    (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft) + "\n")
+    assert stp.read_rows(str(tmp_path / "sft.jsonl")) == sft
+    history = {"a": {0: (4, 2)}}
+    proofs = {"a": [{"proof": "\n  simp", "round": 0, "time": 0.0}, {"proof": "\n  ring", "round": 0, "time": 0.0}]}
+    ex = stp.final_examples({"a": problem}, history, proofs, {"a"}, sft, a, tok, random.Random(0))
+    assert [e.sample.text for e in ex] == [" x", " y", "\n  simp", "\n  ring\n```"]
+    assert [e.weight for e in ex] == pytest.approx([0.5, 1.0, 1.0, math.exp(-0.007)])
 
 
 def test_conjecturer_examples(tiny_model_dir):
@@ -520,13 +546,15 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
     base = weights_of(primed_model_dir)
     assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
     # resume with a third round, then Stage 3 from the base model
-    done = run_algorithm("stp.py", run_dir, *flags, "--rounds", "3", "--resume", "--final-retrain", accept="hash:0.2")
+    done = run_algorithm("stp.py", run_dir, *flags, "--rounds", "3", "--resume", "--final-retrain", "--final-model",
+                         primed_model_dir, accept="hash:0.2")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming" in done.stdout
     rows = metrics_of(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
     assert rows[3]["charts/generations"] > rows[1]["charts/generations"]  # the count continues
-    assert rows[4]["losses/final_examples"] > 0 and "eval/minif2f_test/pass@1" in rows[4]
+    # Stage 3: the 7 rows of the CPU default's SFT file, then the proofs found
+    assert rows[4]["losses/final_examples"] > 7 and "eval/minif2f_test/pass@1" in rows[4]
     state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)["state"]
     assert state["stage3"] and set(state["history"]) >= {p for p in state["proofs"]}
     assert all(isinstance(p, dict) for p in state["problems"].values())  # portable: loads without stp.py
