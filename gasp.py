@@ -6,26 +6,32 @@ arXiv 2603.15957 (2026). No code was released; this file follows the paper's tex
 One model plays two roles, selected by the prompt (Sec. 3.1): a TEACHER that writes induction tasks (a Python
 function f, five inputs and a description; the outputs come from running f) and a STUDENT that solves them. Unlike
 Absolute Zero (AZR), which self-plays from one identity seed, GASP is guided by GOALPOSTS: hard real problems of the
-LiveCodeBench training window (before 2024-08) that the model cannot solve (Sec. 3.2). Each iteration (Sec. 3.3):
+LiveCodeBench training window (before 2024.08) that the model never solves at pass@100 (Sec. 3.2). Each iteration
+(Sec. 3.3, App. D):
   1. LEMMA  the teacher sees a goalpost and a difficulty axis (I/O or f, uniform) and writes an EASIER variant
             that keeps its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing
-            banned) and novel (question text and code each at most 0.95 cosine-similar to the accepted buffer's),
-            and the student's pass rate p over n attempts must lie in the band [0.3, 0.7]. Reward: r(p) peaked at
-            p = 0.5 (Eq. 4), -0.5 outside the band, -1 on a format error; up to max_attempts proposals per goalpost.
+            banned) and novel (no cosine similarity of its question text or code to an accepted task's exceeds
+            0.95), and the student's pass rate p over n attempts must lie in a learnable band. Reward: Eq. 4, the
+            standard learnability, peaked at p = 0.5; outside the band or malformed, a penalty; up to max_attempts
+            proposals per goalpost.
   2. LIFT   the teacher sees ONLY an accepted lemma (never the goalpost) and writes a HARDER variant along the same
-            axis; band [0.1, 0.5], r(p) peaked at p = 0.1 (Eq. 5).
+            axis, rewarded by the skewed Eq. 5 (peak at p = 0.1) in its own band.
   3. SOLVE  each accepted lemma and lift becomes, uniformly, an induction (2 public and 3 hidden I/O pairs),
             deduction (f and an input -> the output) or abduction (f and an output -> an input) task for the
             student; its answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
-The shared weights are updated with Task-Relative REINFORCE++ (AZR Eq. 8: advantages normalised within each task x
-role group), the PPO clipped objective and no KL, once per rejection-sampling step and per solver phase (App. D).
+Lemma steps repeat until the teacher has generated min_programs programs. The shared weights are updated with
+Task-Relative REINFORCE++ (AZR Eq. 8: advantages normalised within each task x role group), the PPO clipped
+objective and no KL, once per rejection-sampling step and per solver phase (App. D).
 
 Run
   python gasp.py                               # no GPU: CPU_DEFAULTS (SmolLM2-135M; ~10 min on 2 cores)
   torchrun --nproc_per_node 8 gasp.py          # 8xH200: the paper's defaults (Qwen2.5-Coder-7B, LiveCodeBench)
   torchrun --nproc_per_node 8 gasp.py --resume # continue from the latest checkpoint
+The first run filters the 601 training-window questions to those unsolved at pass@100 (Sec. 3.2, stage 1; its
+stages 2-3 need an AZR checkpoint and extra RL runs) and writes <run dir>/goalpost_ids.txt; later runs read it with
+--goalpost-ids PATH (or the paper's 146, if you have them) and skip the filter.
 
-Table 2 of the paper, row by row (append any other flags):
+Table 2 of the paper, row by row (append any other flags; Table 4's goalposts solved is eval/goalposts_solved_union):
   GASP                          gasp.py
   GASP no i/o axis              gasp.py --no-io-axis
   GASP w/o rejection sampling   gasp.py --no-rejection-sampling --total-iterations 200 --eval-every 10
@@ -34,21 +40,29 @@ Table 2 of the paper, row by row (append any other flags):
   Real-data RL                  gasp.py --no-self-play --real-data-rl --total-iterations 500
   GASP + Real-data RL           gasp.py --real-data-rl
   Base (Qwen2.5-Coder-7B)       gasp.py --total-iterations 0       (evaluation only)
-  AZR                           not in this file (unguided self-play from a seed buffer, arXiv 2505.03335)
-Table 4 (goalposts solved) is the eval/goalposts_solved_union metric of the same runs. Other switches:
---no-phase-updates (AZR's one joint update per iteration), --goalpost-filter (Sec. 3.2's filter, stage 1).
+  AZR                           gasp.py --model andrewzh/Absolute_Zero_Reasoner-Coder-7b --total-iterations 0
+                                --goalpost-ids <the base model's goalpost_ids.txt>   (the released checkpoint, App.
+                                C); --no-guidance trains goal-agnostic self-play in this loop instead
+Table 3 (greedy pass@1 on LCBv5, HumanEval+, MBPP+) is eval/greedy_pass@1_* at the final evaluation of each run.
+--no-phase-updates: AZR's one joint update per iteration.
 
-Deviations (values the text lost are AZR's or ours, see Args)
-  - [RECON] marks reconstructions: Eq. 6's family (it reproduces Eq. 4 and 5 exactly), the one-step band (the union
-    of the two), the novelty filter's reward (-0.5, as a rejection), App. B's buffer dissimilarity (Eq. 7).
-  - Goalposts: the paper filters 601 questions to 146 with three RL runs; we take the LiveCodeBench "hard" questions
-    of the window, and --goalpost-filter runs stage 1 (pass@100 = 0) with the current model.
-  - p is estimated on a task's induction form only; the novelty filter embeds with all-MiniLM-L6-v2.
+Deviations and reconstructions. The formulas and most numbers of Sec. 3.3 and App. C-D were lost from the text we
+could read; [RECON] marks values from third-party notes or our own choice, in Args and the comments:
+  - [RECON] the bands [0.3, 0.7] (lemma) and [0.1, 0.5] (lift), kappa = 10 and Eq. 6's form (it reproduces the
+    reported Eq. 4 and 5 exactly), lift peak 0.1, the 0.95 similarity threshold, -0.5 outside a band or too similar,
+    -1 on a format error (AZR's), n = 8, lr 1e-6, max_attempts, min_programs, App. B's buffer dissimilarity.
+  - [RECON] one-step ablations: App. C.3 gives both "the same reward band" (value lost); by default medium takes the
+    lemma band and hard the lift band (--one-step-band LO HI: one band for both); their prompt names no difficulty.
+  - [RECON] novelty: the question text embedded is the description with the public examples; a lift is not compared
+    with its own lemma; the embedder is all-MiniLM-L6-v2 reading 256 tokens (the paper names none).
+  - Goalposts: only stage 1 of the Sec. 3.2 filter runs here (on the model at iteration 0).
+  - --no-guidance proposes induction tasks only (AZR proposes all three types) in the GASP loop.
   - TRR++ takes one sequence-level baseline per group (AZR's code whitens token-weighted); a step whose advantages
     are all 0 (and no entropy bonus) is skipped, so AdamW's moments do not advance.
   - Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at 4096 tokens (not
     in the paper); a failed sample (vLLM abort or error) counts as an empty reply.
-  - Without CUDA: built-in goalposts (data/gasp_goalposts.jsonl) and HumanEval replace LiveCodeBench.
+  - Without CUDA: built-in goalposts (data/gasp_goalposts.jsonl, 14 questions, unfiltered) and HumanEval replace
+    LiveCodeBench's 601 / 216 questions (the window counts are checked against the paper's on LiveCodeBench only).
 """
 
 import base64
@@ -158,9 +172,9 @@ class Args:
     num_public: int = 2
     """of which the student sees this many (App. D: 2 public, 3 private)"""
     lemma_mu: float = 0.5
-    """lemma reward peak (Eq. 4: peaks at p = 0.5)"""
+    """lemma reward peak (Sec. 3.3.1: Eq. 4 is 'the standard learnability' p(1-p), which peaks at p = 0.5)"""
     lift_mu: float = 0.1
-    """lift reward peak (Eq. 5: peaks at p = 0.1)"""
+    """lift reward peak (Sec. 3.3.1: a 'more skewed' Eq. 5 peaking at a low pass rate; value lost [RECON: 0.1])"""
     kappa: float = 10.0
     """sharpness of Eq. 6 (App. A.1; the form and value were lost [RECON]: 10 gives the reported Eq. 4 and 5)"""
     lemma_band: tuple[float, float] = (0.3, 0.7)
@@ -171,9 +185,9 @@ class Args:
     """one band for both one-step ablations (App. C.3: 'the same reward band', value lost); None [RECON]: medium
     takes the lemma band, hard the lift band, so each accepts where its reward is non-negligible"""
     reward_format_error: float = -1.0
-    """teacher reward of a malformed/invalid proposal (Sec. 3.3.1; value lost, AZR's -1)"""
+    """teacher reward of a malformed/invalid proposal (Sec. 3.3.1; value lost [RECON: AZR's -1])"""
     reward_rejected: float = -0.5
-    """teacher reward of a valid proposal outside the band (Eq. 4, 5)"""
+    """teacher reward of a valid proposal outside the band (Eq. 4, 5 were lost [RECON: -0.5, third-party notes])"""
     reward_similar: float = -0.5
     """teacher reward of a valid proposal rejected by the novelty filter [RECON: treated like a rejection]"""
     similarity_threshold: float = 0.95
@@ -815,10 +829,10 @@ def check_windows(counts: dict[str, int], sources: dict[str, str], strict: bool)
 
 # ---- rewards ----
 def generalized_learnability(p: float, mu: float, kappa: float) -> float:
-    """Eq. 6 (App. A.1) [RECON]: r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa.
+    """Eq. 6 (App. A.1; its form was lost) [RECON]: r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa.
 
     The paper's formula was lost in extraction; this family peaks at p = mu with r(mu) = 1 ("normalized such that its
-    maximum value is 1", App. A.1) and reproduces both reported rewards exactly:
+    maximum value is 1", App. A.1) and reproduces both rewards third-party notes report [RECON]:
       mu = 0.5, kappa = 10:  [2 sqrt(p(1-p))]^10 = [4p(1-p)]^5         (lemma, Eq. 4)
       mu = 0.1, kappa = 10:  p (1-p)^9 / (0.1 * 0.9^9) = 10p((1-p)/0.9)^9  (lift, Eq. 5)
     With mu = 0.5, kappa = 2 it is 4p(1-p), the No-Regrets learnability p(1-p) (Rutherford et al. 2024) normalised.
