@@ -26,7 +26,10 @@ Run (needs Lean: `bash setup.sh --lean`). Without CUDA `python stp.py` runs a lo
   run_RL_expert_iter.sh (expert iteration)      python stp.py --expert-iteration
   run_RL_sampling.sh (pure sampling)            python stp.py --pure-sampling --rounds 7
   run_generation_and_test.sh (evaluation only)  python stp.py --rounds 0 --model kfdong/STP_model_Lean_0320
-data/minif2f.jsonl and data/proofnet.jsonl are the Lean 4 versions of the DeepSeek-Prover-V1.5 repository (MIT).
+Which text each number uses: eval/miniF2F_lean_test/* is STP's own miniF2F file (STP_MINIF2F, what its released model
+was evaluated on; STP's header, no blank lines), the default; eval/minif2f_test/* is data/minif2f.jsonl, the Lean 4
+text and header of the DeepSeek-Prover-V1.5 repository (MIT; 178 of 244 test statements differ from STP's beyond
+whitespace), the CPU default. eval/proofnet_test/* is data/proofnet.jsonl (DSP-V1.5), whose test split is STP's text.
 
 Deliberate deviations (where the paper is silent this file follows the official code):
   1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
@@ -67,6 +70,12 @@ import tyro
 
 from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_statement, extract_conjecture, extract_proof,
                          invoked_lemmas)
+
+
+# The miniF2F text and header STP was evaluated on (its own file, MIT, fetched at run time); its ProofNet test split is
+# the same text as data/proofnet.jsonl.
+STP_MINIF2F = ("https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
+               "assets/data/test/miniF2F_lean.json")
 
 
 @dataclass
@@ -197,8 +206,8 @@ class Args:
     """baseline: sample only unproved statements (64 each) with the base model, no training"""
 
     # evaluation
-    eval_sets: tuple[str, ...] = ("data/minif2f.jsonl", "data/proofnet.jsonl")
-    """benchmarks (jsonl with name, split, header, formal_statement)"""
+    eval_sets: tuple[str, ...] = (STP_MINIF2F, "data/proofnet.jsonl")
+    """benchmarks (.json/.jsonl, local or URL, with formal_statement, split[, name, header]); logged by file name"""
     eval_split: str = "test"
     """which split of each benchmark"""
     eval_samples: int = 3200
@@ -212,12 +221,12 @@ class Args:
 
 
 # A round on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a training step ~30 s);
-# fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty.
+# fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty. It evaluates on the built-in text.
 CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", num_statements=8, rounds=2,
                     samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
                     embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
                     eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4, final_model="embedded:smollm2",
-                    final_sft_dataset="data/stp_mathlib_sft.jsonl")
+                    final_sft_dataset="data/stp_mathlib_sft.jsonl", eval_sets=("data/minif2f.jsonl", "data/proofnet.jsonl"))
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -571,13 +580,14 @@ def read_rows(source: str) -> list[dict]:
 
 
 def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
-    """Statements from a Hugging Face dataset (LeanWorkbook) or a .jsonl in miniF2F's fields (data/minif2f.jsonl)."""
+    """Statements from a Hugging Face dataset (LeanWorkbook) or a file in miniF2F's fields (data/minif2f.jsonl; STP's
+    file: split 'miniF2F test', no name, no header, i.e. STP's prover header)."""
     problems, seen = [], set()
     for i, row in enumerate(read_rows(dataset)):
         statement = clean_statement(row.get("theorem") or row.get("formal_statement"))
-        if (split is not None and row.get("split") != split) or statement is None:
+        if (split is not None and split not in str(row.get("split")).split()) or statement is None:
             continue
-        pid = str(row.get("id", row.get("name", i)))
+        pid = str(row.get("id", row.get("name")) or (statement.split()[1] if statement.startswith("theorem ") else i))
         pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
         seen.add(pid)
         problems.append(Problem(pid, row.get("header") or DEFAULT_HEADER, statement))
@@ -960,7 +970,7 @@ def main(args: Args) -> None:
     logger = Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
     statements = load_problems(args.dataset, args.num_statements)
     originals = {s.id for s in statements}
-    benchmarks = {f"{os.path.basename(path).removesuffix('.jsonl')}_{args.eval_split}":
+    benchmarks = {f"{os.path.splitext(os.path.basename(path))[0]}_{args.eval_split}":
                   load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_sets}
 
     # one policy plays both roles; it is trained unless it is the pure-sampling baseline

@@ -115,6 +115,31 @@ def test_load_problems_and_benchmarks(tmp_path):
     assert (a.id, a.statement, a.header) == ("a", "theorem a : True := by", stp.DEFAULT_HEADER)
 
 
+def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypatch):
+    # Official run_generation_and_test.sh -> generate_and_test.py reads assets/data/test/miniF2F_lean.json: a JSON list
+    # of {formal_statement, split: 'miniF2F valid'|'miniF2F test', tags}, no name, no header; model_utils.get_prompt
+    # then uses PROVER_PROMPT + '\n' + statement: the header without blank lines. summary.py counts 'test' splits.
+    assert args().eval_sets[0] == stp.STP_MINIF2F and "/kfdong/STP/2b5fe8b" in stp.STP_MINIF2F
+    assert stp.STP_MINIF2F.endswith("/assets/data/test/miniF2F_lean.json")
+    a = args()
+    stp.cpu_defaults(a, [])
+    assert a.eval_sets == ("data/minif2f.jsonl", "data/proofnet.jsonl")  # offline: DeepSeek-Prover-V1.5's text
+    rows = [{"formal_statement": "theorem mathd_algebra_1 (x : ℝ) (h : x = 2) :\n  x + 1 = 3 := by", "split": "miniF2F test",
+             "tags": None},
+            {"formal_statement": "theorem amc_2 : (2 : ℕ) + 2 = 4 := by", "split": "miniF2F valid", "tags": None},
+            {"formal_statement": "theorem imo_3 : (1 : ℕ) ≤ 2 := by sorry", "split": "miniF2F test", "tags": None}]
+    (tmp_path / "miniF2F_lean.json").write_text(json.dumps(rows))
+    monkeypatch.setattr(stp, "CACHE_DIR", tmp_path / "cache")
+    url = (tmp_path / "miniF2F_lean.json").as_uri()  # fetched by URL, as a run fetches STP_MINIF2F
+    test = stp.load_problems(url, split="test")
+    assert [p.id for p in test] == ["mathd_algebra_1", "imo_3"] and len(list((tmp_path / "cache").rglob("*.json"))) == 1
+    assert stp.load_problems(url, split="valid")[0].statement == "theorem amc_2 : (2 : ℕ) + 2 = 4 := by"
+    tok = stp.load_tokenizer(tiny_model_dir)
+    official = ("Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\nimport Aesop\nset_option maxHeartbeats 0\n"
+                "open BigOperators Real Nat Topology Rat\n" + "\n" + rows[0]["formal_statement"].strip())
+    assert stp.prover_prompt(tok, test[0], a) == official
+
+
 def test_cpu_defaults_keep_given_flags():
     a = args(rounds=5)
     changes = stp.cpu_defaults(a, ["--rounds", "5", "--eval-limit=2"])
