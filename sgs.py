@@ -201,7 +201,7 @@ class Args:
 # takes ~30 s).
 CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", dataset="data/lean_smoke.jsonl",
                     num_targets=8, iterations=2, proofs_per_problem=4, max_new_tokens=128, batch_size=8,
-                    conjecturer_max_new_tokens=128, guide_max_new_tokens=128, micro_batch_size=4, max_model_len=1024)
+                    conjecturer_max_new_tokens=128, guide_max_new_tokens=128, micro_batch_size=4, max_model_len=1536)
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
