@@ -46,8 +46,10 @@ Deliberate deviations (where the paper is silent this file follows the official 
      target is the proof, the closing fence and EOS (official: the proof and EOS).
   7. The chunked pass@k std is the population std.
   8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; generation
-     and verification are not pipelined; a (statement, proof) pair sampled twice is checked once.
+  9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; a fold is
+     verified after it is generated, not while the next one is (official: pipelined); a (statement, proof) pair
+     sampled twice is checked once; transformers samples in calls seeded by position, so any number of ranks gives
+     the same run; the block's sampler returns every sampled token's log-prob, which STP does not use.
  10. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
      deduplicated lean_workbook_dedup.json (not released).
 """
@@ -181,8 +183,10 @@ class Args:
     """gradient clipping"""
     verifier_timeout: float = 200.0
     """Lean wall-clock limit per proof, in seconds"""
+    generation_folds: int = 5
+    """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD)"""
     lean_workers: int | None = None
-    """Lean REPL processes per rank (default: the verifier's choice)"""
+    """Lean REPL processes on each node, shared by its ranks (default: lean_verify's share of the machine per rank)"""
 
     # baselines and the final stage
     final_retrain: bool = False
@@ -226,7 +230,8 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", n
                     samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
                     embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
                     eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4, final_model="embedded:smollm2",
-                    final_sft_dataset="data/stp_mathlib_sft.jsonl", eval_sets=("data/minif2f.jsonl", "data/proofnet.jsonl"))
+                    final_sft_dataset="data/stp_mathlib_sft.jsonl",
+                    eval_sets=("data/minif2f.jsonl", "data/proofnet.jsonl"))
 
 
 def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
@@ -681,23 +686,41 @@ Attempt = collections.namedtuple("Attempt", "proof status correct time", default
 Example = collections.namedtuple("Example", "sample weight")
 
 
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, args: Args, dist: Dist,
-                   desc: str = "prove") -> dict[str, list[Attempt]]:
-    """Prove: n samples per statement, each pair checked once; ranks keep only correct proofs' text."""
+def sampler_calls(sampler, items: list, n: int, folds: int, dist: Dist) -> list[tuple[int, list]]:
+    """`items` cut into (start, part) calls of sampler.generate. vLLM: a rank's share in `folds` calls (official
+    NR_FOLD), only one call's samples in memory at a time; transformers: whole prompts per batch, each call seeded from
+    its start, so the samples do not depend on the number of ranks."""
+    size = -(-len(items) // (dist.world_size * folds)) if sampler.llm else max(1, sampler.batch_size // n)
+    return [(i, items[i : i + size]) for i in range(0, len(items), size)]
 
-    def prove(mine: list[Problem]) -> list[list[Attempt]]:
-        outputs = sampler.generate([prover_prompt(tokenizer, p, args) for p in mine], n=n, temperature=args.temperature,
-                                   top_p=args.top_p, max_new_tokens=args.max_new_tokens, stop=["\n```"],
-                                   desc=desc) if mine else []
-        proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None for s in row]
-                  for row in outputs]  # a failed sample (vLLM abort or error) has nothing to check
-        jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
-                for p, row in zip(mine, proofs) for x in row if x is not None}
-        verdicts = {key: Attempt(key[1] if v.valid else None, v.status, bool(v.valid), float(v.time))
-                    for key, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
-        return [[verdicts.get((p.id, x), Attempt(None, "no_code")) for x in row] for p, row in zip(mine, proofs)]
 
-    return dict(zip([p.id for p in problems], map_sharded(prove, problems, dist)))
+def generate(sampler, prompts: list[str], n: int, stop: list[str], key: str, args: Args) -> list[list[Sample]]:
+    torch.manual_seed(zlib.crc32(key.encode()))
+    return sampler.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, stop=stop, desc=key)
+
+
+def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
+                   ) -> dict[str, list[Attempt]]:
+    """Prove: n samples per statement, in sampler_calls of which only the proofs' text is kept, each (statement,
+    proof) pair checked once; ranks keep only correct proofs' text."""
+
+    def prove(mine: list[tuple[int, list[Problem]]]) -> list[list[list[Attempt]]]:
+        out = []
+        for start, part in mine:
+            proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None for s in row]
+                      for row in generate(sampler, [prover_prompt(tokenizer, p, args) for p in part], n, ["\n```"],
+                                          f"{key}/{start}", args)]  # a vLLM abort or error has nothing to check
+            jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
+                    for p, row in zip(part, proofs) for x in row if x is not None}
+            verdicts = {job: Attempt(job[1] if v.valid else None, v.status, bool(v.valid), float(v.time))
+                        for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
+            out.append([[verdicts.get((p.id, x), Attempt(None, "no_code")) for x in row]
+                        for p, row in zip(part, proofs)])
+        return out
+
+    calls = sampler_calls(sampler, problems, n, args.generation_folds, dist)
+    return dict(zip([p.id for p in problems], [row for part in map_sharded(prove, calls, dist) for row in part]))
 
 
 def best_rate(history: dict, pid: str) -> float:
@@ -732,16 +755,17 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
         return [], {"conjecturer/seeds": 0}
     multiplier = max(1, min(3 * len(statements) // len(seeds), args.max_conjecture_multiplier))
 
-    def sample(mine: list[str]) -> list[list[str | None]]:
-        outputs = sampler.generate(mine, n=multiplier, temperature=args.temperature, top_p=args.top_p, stop=[END_THM],
-                                   max_new_tokens=args.max_new_tokens, desc="conjecture") if mine else []
-        return [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row] for row in outputs]
+    def sample(mine: list[tuple[int, list[str]]]) -> list[list[list[str | None]]]:
+        return [[[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
+                 for row in generate(sampler, part, multiplier, [END_THM], f"{args.seed}/{round_}/conjecture/{start}",
+                                     args)] for start, part in mine]
 
     def key(header: str, statement: str) -> tuple:  # official: spaces and newlines do not count
         return header, statement.replace(" ", "").replace("\n", "")
 
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
-    outputs = map_sharded(sample, prompts, dist)
+    outputs = [row for part in map_sharded(sample, sampler_calls(sampler, prompts, multiplier, 1, dist), dist)
+               for row in part]
     found = [(seed, x) for seed, row in zip(seeds, outputs) for x in row if x is not None]
     rng.shuffle(found)
     seen, ids, new = {key(s.header, s.statement) for s in statements}, {p.statement: k for k, p in problems.items()}, []
@@ -937,11 +961,13 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
                if tried else {})}
 
 
-def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], args: Args, dist: Dist) -> dict:
+def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], key: str, args: Args, dist: Dist
+             ) -> dict:
     """pass@k on each benchmark from eval_samples samples per problem (STP: 3200): unbiased, and chunked."""
     metrics = {}
     for name, problems in [(name, problems) for name, problems in benchmarks.items() if problems]:
-        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, args, dist, f"eval {name}")
+        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, f"{key}/{name}", args,
+                                  dist)
         correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
         for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
             metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(r), int(r.sum()), k) for r in correct]))
@@ -960,9 +986,13 @@ def main(args: Args) -> None:
     baseline = args.expert_iteration or args.pure_sampling
     dist = setup_distributed(args.seed)
     try:  # stop at once, before any model is loaded, when there is no Lean
-        verifier = LeanVerifier(backend="auto", timeout=args.verifier_timeout, workers=args.lean_workers)
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))  # torchrun's ranks on this node
+        verifier = LeanVerifier(backend="auto", timeout=args.verifier_timeout,
+                                workers=max(1, args.lean_workers // ranks) if args.lean_workers else None)
     except LeanNotInstalled as e:
         sys.exit(f"stp.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
+    if dist.is_main:
+        print(f"lean_verify: {verifier.workers} worker(s) per rank, {dist.world_size} rank(s)")
     if dist.is_main and scaled:
         print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
               sep="\n")
@@ -1007,7 +1037,8 @@ def main(args: Args) -> None:
         with logger.timer("prove"):  # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
             targets = select_targets(statements, conjectures, proofs, history, bool(seeds), args, rng)
             n = args.samples_first_round if round_ == 0 or baseline else args.samples_per_round
-            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, args, dist)
+            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, f"{args.seed}/{round_}/prove", args,
+                                      dist)
             state["generations"] += len(targets) * n
             record(history, proofs, attempts, round_)
 
@@ -1038,7 +1069,8 @@ def main(args: Args) -> None:
         metrics.update(solve_metrics(statements, targets, conjectures, attempts, proofs, state["generations"]))
         if args.eval_every and (round_ + 1) % args.eval_every == 0 and round_ != args.rounds - 1:
             with logger.timer("eval"):
-                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
+                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, f"{args.seed}/{round_}/eval", args,
+                                        dist))
         logger.log(metrics, step=round_)
         if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
             save(round_, models)
@@ -1055,7 +1087,8 @@ def main(args: Args) -> None:
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
             save(args.rounds, {"policy": (policy, optimizer)})
     with logger.timer("eval"):
-        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args, dist))
+        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, f"{args.seed}/{args.rounds}/eval", args,
+                                dist))
     logger.log(metrics, step=args.rounds)
     verifier.close()
 

@@ -156,8 +156,8 @@ def problems_for(*ids):
 
 def test_attempt_proofs_checks_each_distinct_proof_once():
     texts = [("\n  simp\n```", "stop"), ("\n  simp", "length"), ("\n  ring", "stop"), ("", "stop"), ("\n  simp", "abort")]
-    sampler = SimpleNamespace(generate=lambda prompts, n, **kw: [[stp.Sample(t, [], [], [], r) for t, r in texts[:n]]
-                                                                  for _ in prompts])
+    sampler = SimpleNamespace(llm=None, batch_size=8, generate=lambda prompts, n, **kw: [
+        [stp.Sample(t, [], [], [], r) for t, r in texts[:n]] for _ in prompts])
     jobs = []
 
     def verify(batch):
@@ -167,7 +167,7 @@ def test_attempt_proofs_checks_each_distinct_proof_once():
 
     problems = problems_for("a", "b")
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731  (prompts are short: no cut)
-    attempts = stp.attempt_proofs(sampler, SimpleNamespace(verify=verify), tok, problems, 5, args(), CPU)
+    attempts = stp.attempt_proofs(sampler, SimpleNamespace(verify=verify), tok, problems, 5, "k", args(), CPU)
     assert [j.proof for j in jobs] == [problems[0].statement + "\n  simp", problems[0].statement + "\n  ring",
                                        problems[1].statement + "\n  simp", problems[1].statement + "\n  ring"]
     row = attempts["a"]
@@ -175,6 +175,35 @@ def test_attempt_proofs_checks_each_distinct_proof_once():
                                                              (None, "error", False), (None, "no_code", False),
                                                              (None, "no_code", False)]  # the aborted sample fails
     assert stp.solve_rate(row) == 0.4 and row[0].time == 0.5
+
+
+def test_generation_in_folds_keeps_only_text():
+    # Official RL_utils.generate_and_test: the (shuffled) jobs are generated in NR_FOLD = 5 folds, each verified while
+    # the next one generates. Here: with vLLM a rank's share in generation_folds calls; with transformers, calls of
+    # whole prompts (batch_size // n of them), each seeded from its position, the same on any number of ranks.
+    calls = []
+
+    def generate(prompts, n, **kw):
+        calls.append(len(prompts))
+        draws = torch.randint(0, 1000, (len(prompts), n)).tolist()  # the sampler's randomness
+        return [[stp.Sample(f"\n  simp -- {d}", [], list(range(50)), [-0.5] * 50, "stop") for d in row] for row in draws]
+
+    verify = lambda jobs: [SimpleNamespace(valid=True, status="valid", time=0.1) for _ in jobs]  # noqa: E731
+    tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
+    problems = problems_for(*[f"p{i}" for i in range(10)])
+    vllm = SimpleNamespace(llm=object(), batch_size=8, generate=generate)
+    attempts = stp.attempt_proofs(vllm, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU)
+    assert calls == [2, 2, 2, 2, 2]  # 10 statements in 5 folds
+    assert all(isinstance(a.proof, str) for row in attempts.values() for a in row)  # no tokens or log-probs kept
+    two_ranks = stp.Dist(0, 0, 2, torch.device("cpu"), True)
+    assert [len(p) for _, p in stp.sampler_calls(vllm, problems, 4, 5, two_ranks)] == [1] * 10  # 5 per rank
+    calls.clear()
+    hf = SimpleNamespace(llm=None, batch_size=8, generate=generate)
+    first = stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU)
+    assert calls == [2] * 5  # 8 // 4 prompts per call
+    assert stp.sampler_calls(hf, problems, 4, 5, two_ranks) == stp.sampler_calls(hf, problems, 4, 5, CPU)
+    assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU) == first
+    assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k2", args(), CPU) != first
 
 
 def test_select_seeds():
@@ -614,15 +643,25 @@ def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_under_torchrun(primed_model_dir, tmp_path):
-    run_dir = tmp_path / "ddp"
-    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--num-statements", "6", "--rounds", "2",
-                         "--eval-sets", "data/minif2f.jsonl", accept="hash:0.3", torchrun=2)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-    rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert rows[0]["charts/targets"] == 6
-    assert (run_dir / "checkpoints" / "iter_000001" / "policy.dcp").exists()  # the checkpoint of both ranks' shards
+def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
+    flags = ["--model", primed_model_dir, *STP_SMALL, "--num-statements", "6", "--rounds", "2", "--eval-sets",
+             "data/minif2f.jsonl", "--lean-workers", "2"]  # 2 REPLs per node: 2 for one rank, 1 for each of two
+    one = run_algorithm("stp.py", tmp_path / "one", *flags, accept="hash:0.5")
+    two = run_algorithm("stp.py", tmp_path / "ddp", *flags, accept="hash:0.5", torchrun=2)
+    assert one.returncode == 0, one.stderr[-4000:]
+    assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-4000:])
+    assert "lean_verify: 2 worker(s) per rank, 1 rank(s)" in one.stdout
+    assert "lean_verify: 1 worker(s) per rank, 2 rank(s)" in two.stdout
+    assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "policy.dcp").exists()  # both ranks' shards
+    rows_one, rows_two = metrics_of(tmp_path / "one"), metrics_of(tmp_path / "ddp")
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [0, 1, 2]
+    assert rows_one[0]["charts/targets"] == 6 and rows_one[1]["conjecturer/seeds"] > 0
+    for a, b in zip(rows_one, rows_two):
+        a, b = ({k: v for k, v in r.items() if not k.startswith("time/")} for r in (a, b))
+        assert a.keys() == b.keys()
+        # sampling is seeded per call and verification is deterministic; FSDP2's reductions differ in the last bits
+        differ = {k: (a[k], b[k]) for k in a if a[k] != pytest.approx(b[k], rel=1e-3, abs=1e-4)}
+        assert not differ, (a["step"], differ)
 
 
 def test_stops_at_once_without_lean(tmp_path):
