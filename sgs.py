@@ -766,7 +766,8 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, a
     """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), with the token
     importance weight r_it = pi(y_it) / pi_old(y_it) against the sampler's log-probabilities, clipped to
     [clip_low, clip_high] and not differentiated. group_tokens[i]: the token count of sample i's group; n_groups: G =
-    batch_size / k, the groups a full optimizer batch holds, also for a last, smaller batch (official groups_per_batch)."""
+    batch_size / k, the groups a full optimizer batch holds, also for a last, smaller one (official groups_per_batch).
+    """
     ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
     return -((ratio * logp * mask).sum(1) * advantages / group_tokens).sum() / n_groups
 
@@ -893,8 +894,8 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
         return [Example(a.sample, w, tokens, g) for g, (row, adv, tokens) in enumerate(groups)
                 for a, w in zip(row, adv) if w != 0]
     if args.solver_objective == "expert_iteration":
-        found = [(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"), p["proof"]) for proofs in store.values()
-                 for p in proofs if p["iteration"] > iteration - args.ei_window]
+        found = [(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"), p["proof"])
+                 for proofs in store.values() for p in proofs if p["iteration"] > iteration - args.ei_window]
     else:  # incorrect attempts teach nothing in REINFORCE½ (official code)
         found = [(a.sample, a.proof) for row, s in rows if 0 < s <= args.solve_rate_max for a in row if a.correct]
     # weight 1 or the overlong penalty; a proof using `try` is dropped, overlong or not (official)

@@ -307,17 +307,20 @@ def test_load_problems(tmp_path):
 # The seven official scripts (scripts/*.py at 64d2de4), read by hand: objective (prover_trainer_cls and
 # statement_selection_mode: WeightedTrainer + HARD = REINFORCE½, GroupedImportanceSampledWeightedTrainer +
 # ALL_NONE_0_1 = CISPO, WeightedTrainer + LESS_16_PROOFS = EI), roles (conjectures_per_statement 0 = no Conjecturer,
-# freeze_conjecturer, guide_class), training_config.learning_rate (used for both roles: prover_/conjecturer_learning_rate
-# are set to lr in the REINFORCE½ scripts and left None in the CISPO/EI ones, so step2_train keeps learning_rate) and
-# batch_size (one TrainingConfig for both roles); proofs_per_sample 8, conjectures_per_statement 1, ModelConfig's
-# temperature 1.0 / top_p 1.0, max_tokens 8192 for Solver, Conjecturer and Guide, end_iteration 500.
+# freeze_conjecturer, guide_class), training_config.learning_rate (used for both roles:
+# prover_/conjecturer_learning_rate are set to lr in the REINFORCE½ scripts and left None in the CISPO/EI ones,
+# so step2_train keeps learning_rate) and batch_size (one TrainingConfig for both roles); proofs_per_sample 8,
+# conjectures_per_statement 1, ModelConfig's temperature 1.0 / top_p 1.0, max_tokens 8192 for Solver, Conjecturer
+# and Guide, end_iteration 500.
 OFFICIAL_SCRIPTS = {  # script: (flags, objective, (use_conjecturer, train_conjecturer, use_guide), lr, batch)
     "standard_sgs": ([], "reinforce_half", (True, True, True), 3e-6, 32),
     "cispo_sgs": (["--solver-objective", "cispo"], "cispo", (True, True, True), 1e-6, 64),
-    "cispo_solver_only": (["--solver-objective", "cispo", "--no-conjecturer"], "cispo", (False, False, False), 1e-6, 64),
+    "cispo_solver_only": (["--solver-objective", "cispo", "--no-conjecturer"], "cispo", (False, False, False),
+                          1e-6, 64),
     "ei_solver_only": (["--solver-objective", "expert_iteration", "--no-conjecturer"], "expert_iteration",
                        (False, False, False), 3e-6, 64),
-    "sgs_frozen_conjecturer": (["--freeze-conjecturer", "--no-guide"], "reinforce_half", (True, False, False), 3e-6, 32),
+    "sgs_frozen_conjecturer": (["--freeze-conjecturer", "--no-guide"], "reinforce_half", (True, False, False),
+                               3e-6, 32),
     "sgs_no_guide": (["--no-guide"], "reinforce_half", (True, True, False), 3e-6, 32),
     "sgs_no_problem_conditioning": (["--no-problem-conditioning", "--no-guide"], "reinforce_half", (True, True, False),
                                     3e-6, 32),
@@ -331,8 +334,10 @@ def test_each_official_script_resolves_to_its_configuration(script):
     flags, objective, roles, lr, batch = OFFICIAL_SCRIPTS[script]
     a = tyro.cli(sgs.Args, args=flags)
     assert sgs.resolve(a) == roles
-    assert (a.solver_objective, a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (objective, lr, lr, batch)
-    assert (a.proofs_per_problem, a.conjectures_per_target, a.temperature, a.top_p, a.iterations) == (8, 1, 1.0, 1.0, 500)
+    assert (a.solver_objective, a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (objective, lr, lr,
+                                                                                                batch)
+    assert (a.proofs_per_problem, a.conjectures_per_target, a.temperature, a.top_p, a.iterations) == (8, 1, 1.0, 1.0,
+                                                                                                      500)
     assert a.max_new_tokens == a.conjecturer_max_new_tokens == a.guide_max_new_tokens == 8192
     assert a.no_problem_conditioning == (script == "sgs_no_problem_conditioning")
     assert (a.cispo_clip_low, a.cispo_clip_high, a.adam_betas, a.max_grad_norm) == (0.0, 4.0, (0.9, 0.95), 1.0)
