@@ -44,13 +44,12 @@ Deliberate deviations (where the paper is silent this file follows the official 
   5. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
   6. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
      target is the proof, the closing fence and EOS (official: the proof and EOS).
-  7. The chunked pass@k std is the population std.
-  8. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  9. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; a fold is
-     verified after it is generated, not while the next one is (official: pipelined); a (statement, proof) pair
-     sampled twice is checked once; transformers samples in calls seeded by position, so any number of ranks gives
-     the same run; the block's sampler returns every sampled token's log-prob, which STP does not use.
- 10. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
+  7. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
+  8. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; a fold is
+     verified after it is generated (official: while the next one is); a (statement, proof) pair is checked once;
+     transformers samples in calls seeded by position (any number of ranks gives the same run); the block's sampler
+     returns every sampled token's log-prob, which STP does not use.
+  9. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
      deduplicated lean_workbook_dedup.json (not released).
 """
 
@@ -74,8 +73,7 @@ from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_stateme
                          invoked_lemmas)
 
 
-# The miniF2F text and header STP was evaluated on (its own file, MIT, fetched at run time); its ProofNet test split is
-# the same text as data/proofnet.jsonl.
+# The miniF2F text STP was evaluated on (its own file, MIT, fetched at run time; its ProofNet is data/proofnet.jsonl's).
 STP_MINIF2F = ("https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
                "assets/data/test/miniF2F_lean.json")
 
@@ -570,11 +568,9 @@ def read_rows(source: str) -> list[dict]:
     a Hugging Face dataset."""
     if "://" in source:
         path = CACHE_DIR / "data" / f"{zlib.crc32(source.encode()):08x}-{os.path.basename(source)}"
-        if not path.exists():
+        if not path.exists():  # ranks fetch at once: each renames a whole file into place
             path.parent.mkdir(parents=True, exist_ok=True)
-            part = path.with_name(f"{path.name}.{os.getpid()}")  # ranks fetch at once: each renames a whole file
-            urllib.request.urlretrieve(source, part)
-            os.replace(part, path)
+            os.replace(urllib.request.urlretrieve(source, f"{path}.{os.getpid()}")[0], path)
         source = str(path)
     if source.endswith((".json", ".jsonl")):
         with open(source) as f:
@@ -695,7 +691,7 @@ def sampler_calls(sampler, items: list, n: int, folds: int, dist: Dist) -> list[
 
 
 def generate(sampler, prompts: list[str], n: int, stop: list[str], key: str, args: Args) -> list[list[Sample]]:
-    torch.manual_seed(zlib.crc32(key.encode()))
+    torch.manual_seed(zlib.crc32(f"{args.seed}/{key}".encode()))
     return sampler.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, stop=stop, desc=key)
 
@@ -757,7 +753,7 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
 
     def sample(mine: list[tuple[int, list[str]]]) -> list[list[list[str | None]]]:
         return [[[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
-                 for row in generate(sampler, part, multiplier, [END_THM], f"{args.seed}/{round_}/conjecture/{start}",
+                 for row in generate(sampler, part, multiplier, [END_THM], f"{round_}/conjecture/{start}",
                                      args)] for start, part in mine]
 
     def key(header: str, statement: str) -> tuple:  # official: spaces and newlines do not count
@@ -961,13 +957,13 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
                if tried else {})}
 
 
-def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], key: str, args: Args, dist: Dist
+def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], step: int, args: Args, dist: Dist
              ) -> dict:
     """pass@k on each benchmark from eval_samples samples per problem (STP: 3200): unbiased, and chunked."""
     metrics = {}
     for name, problems in [(name, problems) for name, problems in benchmarks.items() if problems]:
-        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, f"{key}/{name}", args,
-                                  dist)
+        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, f"{step}/eval/{name}",
+                                  args, dist)
         correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
         for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
             metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(r), int(r.sum()), k) for r in correct]))
@@ -1037,8 +1033,7 @@ def main(args: Args) -> None:
         with logger.timer("prove"):  # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
             targets = select_targets(statements, conjectures, proofs, history, bool(seeds), args, rng)
             n = args.samples_first_round if round_ == 0 or baseline else args.samples_per_round
-            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, f"{args.seed}/{round_}/prove", args,
-                                      dist)
+            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, f"{round_}/prove", args, dist)
             state["generations"] += len(targets) * n
             record(history, proofs, attempts, round_)
 
@@ -1069,8 +1064,7 @@ def main(args: Args) -> None:
         metrics.update(solve_metrics(statements, targets, conjectures, attempts, proofs, state["generations"]))
         if args.eval_every and (round_ + 1) % args.eval_every == 0 and round_ != args.rounds - 1:
             with logger.timer("eval"):
-                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, f"{args.seed}/{round_}/eval", args,
-                                        dist))
+                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, round_, args, dist))
         logger.log(metrics, step=round_)
         if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
             save(round_, models)
@@ -1087,8 +1081,7 @@ def main(args: Args) -> None:
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
             save(args.rounds, {"policy": (policy, optimizer)})
     with logger.timer("eval"):
-        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, f"{args.seed}/{args.rounds}/eval", args,
-                                dist))
+        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.rounds, args, dist))
     logger.log(metrics, step=args.rounds)
     verifier.close()
 
