@@ -813,7 +813,8 @@ def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
     # the same seed on one rank and on two (FSDP2 over gloo): the same samples (each prompt from its own seed), the same
-    # verdicts, training sets and counts; losses and gradient norms equal up to float32 summation order
+    # verdicts, training sets and counts; losses, gradient norms and (after an update) log-probs equal up to float32
+    # summation order
     flags = ["--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL, "--num-targets", "6",
              "--iterations", "2"]
     runs = {}
@@ -828,11 +829,8 @@ def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
     assert one[0]["charts/targets_attempted"] == 6 and one[0]["conjecturer/selected"] >= 1
     for a, b in zip(one, two):
         assert set(a) == set(b)
-        for key in a:
-            if key.startswith("losses/") and not key.endswith("_steps"):
-                assert b[key] == pytest.approx(a[key], rel=1e-4), key
-            else:
-                assert b[key] == a[key], key
+        for key in a:  # a different sample or verdict would move these far more than float32 rounding does
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-9), key
 
 
 def test_stops_at_once_without_lean(tmp_path):
