@@ -893,8 +893,9 @@ def final_examples(problems: dict, history: dict, proofs: dict, originals: set, 
              or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
     rng.shuffle(found)
     seen, count = {(r["prompt"], r["target"]) for r in sft}, collections.Counter()
+    prompts = {pid: prover_prompt(tokenizer, problems[pid], args) for pid, _ in found}
     for pid, p in found:
-        prompt = prover_prompt(tokenizer, problems[pid], args)
+        prompt = prompts[pid]
         if (prompt, p["proof"]) not in seen and count[pid] < args.final_max_proofs:
             seen.add((prompt, p["proof"]))
             count[pid] += 1
