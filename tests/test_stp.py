@@ -86,6 +86,8 @@ def test_weighted_sft_loss():
 
 
 def test_prompts_keep_the_published_markers(tiny_model_dir):
+    # official model_utils.LLMPredictor: vLLM max_model_len 1024, so prompt and proof share 1024 tokens
+    assert args().max_model_len == 1024 and args().max_new_tokens == 1024
     tok = stp.load_tokenizer(tiny_model_dir)
     p = stp.Problem("t", "import Mathlib\n\n", "theorem t : 1 + 1 = 2 := by")
     prompt = stp.prover_prompt(tok, p, args())
