@@ -601,15 +601,15 @@ class Sampler:
             self.model = policy
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
         tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
         if self.llm and ids:
             assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop, logprobs=0,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))))
-                      for p in ids]  # logprobs=0: the sampled token's
+            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
+                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
+                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text, p, list(c.token_ids), [lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)],
+            return [[Sample(c.text, p, list(c.token_ids), [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)],
                             str(c.finish_reason)) for c in out.outputs] for p, out in zip(ids, outputs)]
         jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
         eos = (tok.eos_token_id, tok.pad_token_id)
@@ -620,10 +620,10 @@ class Sampler:
             out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
                                         top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
                                         tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
-                                        output_scores=True, return_dict_in_generate=True)
-            new = out.sequences[:, width:]  # the processed scores (after temperature and top-p) were sampled from
-            logp = model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
-            for row, tokens in enumerate(new.tolist()):
+                                        output_scores=logprobs, return_dict_in_generate=True)
+            logp = (model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+                    if logprobs else [[]] * len(out.sequences))  # the processed scores (after temperature, top-p)
+            for row, tokens in enumerate(out.sequences[:, width:].tolist()):
                 end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
                 text = tok.decode(tokens[:end], skip_special_tokens=True)
                 cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does

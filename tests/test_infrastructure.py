@@ -157,6 +157,19 @@ def test_stop_strings_are_cut_as_vllm_does(tiny):
     assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
 
 
+def test_generate_without_logprobs_draws_the_same_and_keeps_none(tiny):
+    """generate(logprobs=False) (STP's expert iteration uses no log-probs): the same draws, no per-step scores kept."""
+    path, tok, model = tiny
+    sampler, prompts = B.Sampler(path, model, tok, ONE, backend="hf"), [B.chat_prompt(tok, q) for q in ("a", "bc")]
+    torch.manual_seed(5)
+    kept = sampler.generate(prompts, n=2, max_new_tokens=8)
+    torch.manual_seed(5)
+    bare = sampler.generate(prompts, n=2, max_new_tokens=8, logprobs=False)
+    assert [[s.token_ids for s in g] for g in bare] == [[s.token_ids for s in g] for g in kept]
+    assert all(s.logprobs == [] and len(k.logprobs) == len(k.token_ids) > 0
+               for gb, gk in zip(bare, kept) for s, k in zip(gb, gk))
+
+
 def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
     tok = B.load_tokenizer(tiny_model_dir)
     model = B.load_model(tiny_model_dir, ONE)
@@ -246,6 +259,8 @@ def test_vllm_sampler_call_sequence(tiny, vllm_double):
     assert [len(g) for g in out] == [3, 3]
     assert len(out[0][0].token_ids) == len(out[0][0].logprobs) and out[0][0].prompt_ids == B.encode_prompt(tok, "a")
     assert not any(c == ("collective_rpc", "reload_weights") for c in calls)
+    [[bare]] = sampler.generate(["a"], max_new_tokens=5, logprobs=False)  # SamplingParams(logprobs=None): none
+    assert bare.token_ids and bare.logprobs == []
     # a prompt longer than the model keeps its last max_model_len - 1 tokens and a budget of 1 token
     [[long]] = sampler.generate([" ".join(["word"] * 5000)], max_new_tokens=4000)
     assert len(long.prompt_ids) == 4095 and len(long.token_ids) == 1

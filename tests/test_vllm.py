@@ -142,6 +142,13 @@ def test_processed_logprobs_equal_token_logprobs(engine, temperature):
     assert max_logprob_error(engine["policy"], samples, temperature) < 1e-4
 
 
+def test_generation_without_logprobs(engine):
+    """generate(logprobs=False) asks vLLM for none (SamplingParams(logprobs=None): CompletionOutput.logprobs is None)
+    and returns the tokens with an empty log-prob list, never a crash."""
+    [[s]] = engine["sampler"].generate(engine["prompts"][:1], n=1, temperature=0.0, max_new_tokens=8, logprobs=False)
+    assert s.token_ids and s.logprobs == [] and s.finish_reason in ("stop", "length")
+
+
 def test_processed_logprobs_are_renormalised_over_the_top_p_nucleus(engine):
     """With top_p < 1, vLLM's processed log-probs are over the nucleus (renormalised), not the full softmax."""
     samples = [s for g in engine["sampler"].generate(engine["prompts"], n=2, temperature=0.7, top_p=0.5,
