@@ -52,6 +52,18 @@ def _embedded_tokenizer():
     return AutoTokenizer.from_pretrained(pkg, gguf_file=gguf.name)
 
 
+@pytest.fixture
+def one_thread():
+    """One torch thread: a tiny model gains nothing from a second one, and loses several times over when other jobs
+    keep the 2 cores busy."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A 2-layer LlamaForCausalLM with random weights (hidden 64) and the embedded SmolLM2 tokenizer.

@@ -33,13 +33,7 @@ def args(**kw):
     return cp.Args(**kw)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on 2 shared cores two threads are several times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 @pytest.fixture

@@ -33,13 +33,7 @@ def args(**kw):
     return eva.Args(**kw)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: two threads on two shared, busy cores run the tiny model ~20 times slower here."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- informativeness and sampling (Tables 2-4) ----

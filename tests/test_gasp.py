@@ -560,15 +560,6 @@ def embedder():
 
 
 @pytest.fixture
-def one_thread():
-    """A tiny model gains nothing from a second thread, and loses much when other jobs keep the cores busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
 def plain_prompts(monkeypatch):
     monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)  # prompts reach the sampler unchanged
 
