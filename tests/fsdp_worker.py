@@ -24,10 +24,17 @@ before = {k: v.clone() for k, v in B.full_state_dict_items(policy)}
 # rank-specific samples, uneven counts: 3 items -> rank 0 has 2, rank 1 has 1, both run 1 micro-batch of 2
 groups = sampler.generate([B.chat_prompt(tok, f"question {i}") for i in range(3)], n=1, max_new_tokens=6)
 items = [g[0] for g in B.all_gather_objects(groups, dist)[0]]  # rank 0's samples, the same list on every rank
-for batch, scale in B.micro_batches(items, 2, dist, length=lambda s: len(s.prompt_ids) + len(s.token_ids)):
-    logp, mask, _ = B.token_logprobs(policy, batch)
-    (-(logp * mask).sum() * scale).backward()
-norm = B.optimizer_step(policy, opt, 1.0)
+tokens = sum(len(s.token_ids) for s in items)  # the whole batch's denominator
+
+
+def loss_fn(micro):
+    logp, mask, _ = B.token_logprobs(policy, micro)
+    return -(logp * mask).sum() / tokens, {"tokens": float(mask.sum())}
+
+
+stats = B.train_step(policy, opt, items, loss_fn, 2, 1.0, dist, length=lambda s: len(s.prompt_ids) + len(s.token_ids))
+norm = stats["grad_norm"]
+assert stats["tokens"] == tokens  # the statistics are summed over the ranks
 after = {k: v.clone() for k, v in B.full_state_dict_items(policy)}
 changed = any(not torch.equal(before[k], after[k]) for k in before)
 sampler.sync_weights(policy)

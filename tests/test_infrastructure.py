@@ -23,11 +23,11 @@ except FileNotFoundError:
     pytest.skip("no algorithm file yet", allow_module_level=True)
 
 B = load_block()
-ONE = B.Dist(0, 0, 1, torch.device("cpu"), True)
+ONE = B.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 
 
 def rank(r: int, world: int):
-    return B.Dist(r, r, world, torch.device("cpu"), r == 0)
+    return B.Dist(r, r, world, world, torch.device("cpu"), r == 0)
 
 
 def test_micro_batches_same_count_on_every_rank():
@@ -35,15 +35,15 @@ def test_micro_batches_same_count_on_every_rank():
     per_rank = [B.micro_batches(items, 2, rank(r, 3)) for r in range(3)]
     # 7 items over 3 ranks: 3, 2, 2 items -> ceil(ceil(7/3)/2) = 2 batches each
     assert [len(p) for p in per_rank] == [2, 2, 2]
-    assert per_rank[0] == [([0, 3], 3 / 7), ([6], 3 / 7)]
-    assert per_rank[1] == [([1, 4], 3 / 7), ([0], 0.0)]  # padding batch: weight 0
-    real = sorted(x for p in per_rank for batch, scale in p if scale for x in batch)
+    assert per_rank[0] == [([0, 3], True), ([6], True)]
+    assert per_rank[1] == [([1, 4], True), ([0], False)]  # padding batch: not a real one
+    real = sorted(x for p in per_rank for batch, is_real in p if is_real for x in batch)
     assert real == items  # every item trained exactly once
-    assert B.micro_batches(items, 4, ONE) == [([0, 1, 2, 3], 1 / 7), ([4, 5, 6], 1 / 7)]
+    assert B.micro_batches(items, 4, ONE) == [([0, 1, 2, 3], True), ([4, 5, 6], True)]
     assert B.micro_batches([], 4, ONE) == []
     # sorted by length within the rank, so a batch pads little; the rank's share is unchanged
     words = ["aaaa", "b", "ccc", "dd", "eeeee", "f"]  # rank 0 of 2 holds aaaa, ccc, eeeee
-    assert B.micro_batches(words, 2, rank(0, 2), length=len) == [(["ccc", "aaaa"], 1 / 3), (["eeeee"], 1 / 3)]
+    assert B.micro_batches(words, 2, rank(0, 2), length=len) == [(["ccc", "aaaa"], True), (["eeeee"], True)]
 
 
 def test_map_sharded_and_logger_timer(tmp_path):
@@ -176,9 +176,7 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     s = B.Sample("x", [1, 2, 3], [4, 5], [0.0, 0.0], "stop")
     for step in range(2):
-        logp, mask, _ = B.token_logprobs(model, [s])
-        (-(logp * mask).sum()).backward()
-        B.optimizer_step(model, opt, 1.0)
+        B.train_step(model, opt, [s], lambda micro: (-B.token_logprobs(model, micro)[0].sum(), {}), 1, 1.0, ONE)
         B.save_checkpoint(tmp_path, step + 1, {"policy": (model, opt)}, tok, {"buffer": [step]}, ONE)
     after = {k: v.clone() for k, v in model.state_dict().items()}
     expected_next = torch.rand(3)
@@ -338,7 +336,135 @@ def test_vllm_finish_reasons_pass_through(tiny, vllm_double, monkeypatch):
 
     monkeypatch.setattr(vllm_double.LLM, "generate", aborted)
     [[s]] = sampler.generate(["a"])
-    assert s.finish_reason == "abort"
+    assert s.finish_reason == "abort" and s.text == ""  # a failed sample keeps no text: every parser rejects it
+
+
+# ---- the helpers every file shares: CPU scaling, seeded sampling, the training step, the schedule, pass@k ----
+def test_start_run_scales_for_a_cpu_and_keeps_given_flags(tmp_path, capsys, monkeypatch):
+    from dataclasses import dataclass
+
+    @dataclass
+    class Args:
+        exp_name: str = "x"
+        seed: int = 1
+        output_dir: str = str(tmp_path)
+        run_name: str | None = None
+        track: bool = False
+        wandb_project_name: str = "p"
+        wandb_entity: str | None = None
+        model: str = "big"
+        iterations: int = 500
+        planner: bool = True
+        no_guide: bool = False
+
+    monkeypatch.setattr(B.torch.cuda, "is_available", lambda: False)
+    defaults = dict(model="small", iterations=2, planner=False, no_guide=True)
+    args = Args(iterations=7, planner=True, no_guide=False)  # as tyro parses the argv below
+    dist, run_dir, _ = B.start_run(args, defaults, ["--iterations", "7", "--planner", "--no-no-guide"])
+    # given: --iterations (a value), --planner (the boolean planner), --no-no-guide (the boolean no_guide)
+    assert (args.model, args.iterations, args.planner, args.no_guide) == ("small", 7, True, False)
+    out = capsys.readouterr().out
+    assert "No CUDA" in out and "model: big -> small" in out and "iterations" not in out
+    assert run_dir == tmp_path / "x__1" and json.loads((run_dir / "config.json").read_text())["model"] == "small"
+    args = Args(model="other", planner=False)
+    B.start_run(args, defaults, ["--model=other", "--no-planner"])
+    assert (args.model, args.iterations, args.planner, args.no_guide) == ("other", 2, False, True)
+    monkeypatch.setattr(B.torch.cuda, "is_available", lambda: True)
+    args = Args()  # with CUDA nothing is scaled (the device itself is not touched: one process, world size 1)
+    monkeypatch.setattr(B.torch.cuda, "set_device", lambda d: None)
+    B.start_run(args, defaults, [])
+    assert (args.model, args.iterations) == ("big", 500)
+
+
+class Recorder:
+    """A transformers-like sampler: each draw is the next torch.randint, so a sample shows the seed it came from."""
+
+    def __init__(self, batch_size=4):
+        self.llm, self.batch_size, self.calls = None, batch_size, []
+
+    def generate(self, prompts, n=1, **params):
+        self.calls.append((list(prompts), params))
+        return [[B.Sample(p, [], [int(torch.randint(10**9, ()))], [], "stop") for _ in range(n)] for p in prompts]
+
+
+def test_sample_seeds_each_chunk_from_its_key_and_position():
+    import zlib
+
+    sampler = Recorder(batch_size=4)
+    prompts = [f"p{i}" for i in range(5)]
+    rows = B.sample(sampler, prompts, 2, "1/0/solve", ONE, temperature=0.5)
+    # chunks of batch_size // n = 2 prompts, at 0, 2, 4, each seeded by crc32("<key>/<start>")
+    assert [c[0] for c in sampler.calls] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    assert all(c[1] == {"temperature": 0.5} for c in sampler.calls)
+    for start in (0, 2, 4):
+        torch.manual_seed(zlib.crc32(f"1/0/solve/{start}".encode()))
+        expected = [int(torch.randint(10**9, ())) for _ in range(2 * len(prompts[start : start + 2]))]
+        got = [s.token_ids[0] for row in rows[start : start + 2] for s in row]
+        assert got == expected
+    assert [s.text for row in rows for s in row] == [p for p in prompts for _ in range(2)]
+    # a list of keys seeds every prompt alone: a prompt draws the same whatever it is batched with
+    alone = B.sample(Recorder(), ["p3"], 2, ["k3"])
+    together = B.sample(Recorder(), ["p1", "p3"], 2, ["k1", "k3"])
+    assert alone[0] == together[1]
+    # then(start, rows) keeps what the caller wants of each chunk, one item per prompt
+    kept = B.sample(Recorder(), prompts, 2, "k", then=lambda start, rows: [(start, len(r)) for r in rows])
+    assert kept == [(0, 2), (0, 2), (2, 2), (2, 2), (4, 2)]
+    # two ranks (simulated in one process): each samples whole chunks, and every rank gets what one rank draws
+    def two_ranks(fn, items, dist):
+        parts = [list(fn(items[r::2])) for r in range(2)]
+        return [parts[i % 2][i // 2] for i in range(len(items))]
+
+    B.map_sharded, one_rank = two_ranks, B.map_sharded
+    try:
+        assert B.sample(Recorder(), prompts, 2, "1/0/solve", rank(0, 2), temperature=0.5) == rows
+    finally:
+        B.map_sharded = one_rank
+
+
+def test_train_step_does_not_depend_on_the_micro_batches(tiny_model_dir):
+    """The loss, the statistics and the gradient of one step are the same whatever the micro-batch size."""
+    items = [B.Sample("", [1, 2, 3][: 1 + i % 3], [4 + i, 5, 6][: 1 + i % 2], [], "stop") for i in range(5)]
+    tokens = sum(len(s.token_ids) for s in items)
+    results = []
+    for micro_size in (1, 2, 5):
+        model = B.load_model(tiny_model_dir, ONE, gradient_checkpointing=False)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+
+        def loss_fn(micro):
+            logp, mask, _ = B.token_logprobs(model, micro)
+            return -(logp * mask).sum() / tokens, {"tokens": float(mask.sum()), "sequences": float(len(micro))}
+
+        stats = B.train_step(model, opt, items, loss_fn, micro_size, 1e9, ONE, length=lambda s: len(s.token_ids),
+                             lr=0.0)  # lr 0 (set by the step): the weights stay, the grad norm tells the gradient
+        assert opt.param_groups[0]["lr"] == 0.0 and all(p.grad is None for p in model.parameters())
+        assert stats["tokens"] == tokens and stats["sequences"] == 5 and stats["grad_norm"] > 0
+        results.append((stats["loss"], stats["grad_norm"]))
+    assert all(loss == pytest.approx(results[0][0], rel=1e-5) and norm == pytest.approx(results[0][1], rel=1e-4)
+               for loss, norm in results)
+
+
+def test_lr_at_is_transformers_schedules():
+    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, \
+        get_linear_schedule_with_warmup
+
+    for make, schedule in [(get_cosine_schedule_with_warmup, "cosine"), (get_linear_schedule_with_warmup, "linear"),
+                           (get_constant_schedule_with_warmup, "constant")]:
+        for warmup, total in [(0, 5), (2, 9), (3, 3)]:
+            opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0)
+            sched = make(opt, warmup) if schedule == "constant" else make(opt, warmup, total)
+            for step in range(total):  # the lr the step-th optimizer step uses
+                assert B.lr_at(step, total, 2.0, warmup, schedule) == pytest.approx(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+    c = 0.5 * (1 + math.cos(math.pi / 4))
+    assert [B.lr_at(s, 5, 1.0, 1, "cosine") for s in range(5)] == pytest.approx([0, 1, c, 0.5, 1 - c])
+
+
+def test_pass_at_k_by_hand():
+    assert B.pass_at_k(4, 2, 1) == pytest.approx(0.5)
+    assert B.pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2)/C(4,2)
+    assert B.pass_at_k(5, 0, 3) == 0.0 and B.pass_at_k(5, 3, 3) == 1.0 and B.pass_at_k(10, 1, 10) == 1.0
+    assert B.pass_at_k(10, 3, 4) == pytest.approx(1 - math.comb(7, 4) / math.comb(10, 4))
 
 
 @pytest.mark.slow

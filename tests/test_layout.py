@@ -105,9 +105,78 @@ def test_ci_runs_the_readme_test_commands():
 
 
 def test_block_length():
-    """The block is plumbing a reader skims: at most 300 lines (DESIGN.md). The count is printed with -s / -rA."""
+    """The block is plumbing a reader skims: at most 350 lines (DESIGN.md). The count is printed with -s / -rA."""
     if not present():
         pytest.skip("no algorithm file yet")
     lines = len(infrastructure_block(present()[0].read_text()).splitlines())
     print(f"infrastructure block: {lines} lines")
-    assert lines <= 300
+    assert lines <= 350
+
+
+@pytest.mark.parametrize("path", present(), ids=lambda p: p.name)
+def test_method_first_block_last(path):
+    """A file reads method first: the block comes after main(), right above `if __name__ == "__main__":`, which is
+    the file's last statement; the file's imports are one header at the top (the block has none of its own)."""
+    text = path.read_text()
+    block_end = text.index(END) + len(END)
+    assert text.index("\ndef main(") < text.index(START), "main() comes before the block"
+    assert text[block_end:].strip() == 'if __name__ == "__main__":\n    main(tyro.cli(Args))'
+    assert not re.search(r"^(import|from) ", infrastructure_block(text), re.M), "the block's imports are at the top"
+    tree = ast.parse(text)
+    imports = [n.lineno for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    first_other = next(n.lineno for n in tree.body[1:] if not isinstance(n, (ast.Import, ast.ImportFrom)))
+    assert max(imports) < first_other, "one import header, nothing imported further down"
+    assert "from __future__ import annotations" in text
+
+
+# Targets of the one-family issue: a file a reader can hold, and diffs that show the method (the numbers are printed)
+MAX_LINES = {"gasp.py": 1200}
+DIFF_PAIRS = [("sgs.py", "stp.py"), ("coprover.py", "rir.py")]
+
+
+def diff_lines(a: pathlib.Path, b: pathlib.Path) -> int:
+    done = subprocess.run(["diff", str(a), str(b)], capture_output=True, text=True)
+    return len(done.stdout.splitlines())
+
+
+def test_file_sizes_and_diff_sizes():
+    if len(present()) < len(ALGORITHMS):
+        pytest.skip("not all algorithm files yet")
+    sizes = {p.name: len(p.read_text().splitlines()) for p in present()}
+    diffs = {f"{a} {b}": diff_lines(REPO / a, REPO / b) for a, b in DIFF_PAIRS + [("gasp.py", "eva.py")]}
+    starts = {p.name: method_start(p) for p in present()}
+    print("lines:", sizes, "\ndiff | wc -l:", diffs, "\nmethod code starts at line:", starts)
+    assert all(n <= MAX_LINES.get(name, 1000) for name, n in sizes.items()), sizes
+    assert all(diffs[f"{a} {b}"] <= 800 for a, b in DIFF_PAIRS), diffs
+
+
+def method_start(path: pathlib.Path) -> int:
+    """The line of the first definition after the prompts: the file's data, reward or loss code."""
+    text = path.read_text().splitlines()
+    return next(i + 1 for i, line in enumerate(text) if line.startswith(("# ---- data", "# ---- rewards")))
+
+
+LEAN_FILES = ["sgs.py", "stp.py", "coprover.py", "rir.py"]
+
+
+def test_lean_workers_means_one_thing():
+    """--lean-workers has one help text in the four Lean files (REPLs per node, divided among the node's ranks)."""
+    texts = set()
+    for name in LEAN_FILES:
+        source = (REPO / name).read_text()
+        m = re.search(r'\n    lean_workers: int \| None = None\n    """(.*?)"""', source, re.S)
+        assert m, f"{name}: no --lean-workers flag"
+        texts.add(" ".join(m.group(1).split()))
+    assert len(texts) == 1, texts
+    assert "node" in texts.pop()
+
+
+SHARED_FLAGS = ["seed", "exp_name", "output_dir", "run_name", "resume", "track", "wandb_project_name", "wandb_entity",
+                "backend", "max_model_len", "save_every", "micro_batch_size", "iterations", "learning_rate",
+                "lr_schedule", "warmup_steps"]
+
+
+@pytest.mark.parametrize("path", present(), ids=lambda p: p.name)
+def test_shared_run_flags_exist_with_one_spelling(path):
+    fields = set(re.findall(r"^    (\w+): ", path.read_text().split("class Args")[1].split("\n\n\n")[0], re.M))
+    assert not [f for f in SHARED_FLAGS if f not in fields]

@@ -169,9 +169,9 @@ def test_sync_after_an_optimizer_step(engine):
     target = tok(" The answer is 42.", add_special_tokens=False).input_ids * 4
     batch = [B.Sample("", B.encode_prompt(tok, p), target, [0.0] * len(target), "length") for p in prompts]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-    logp, mask, _ = B.token_logprobs(policy, batch)
-    (-(logp * mask).sum() / mask.sum()).backward()
-    B.optimizer_step(policy, optimizer, max_grad_norm=1.0)
+    tokens = sum(len(s.token_ids) for s in batch)
+    B.train_step(policy, optimizer, batch, lambda micro: (-B.token_logprobs(policy, micro)[0].sum() / tokens, {}),
+                 len(batch), 1.0, engine["dist"])
     sampler.sync_weights(policy)
     after = vllm_greedy(sampler, prompts)
     assert after == hf_greedy(policy, tok, prompts)

@@ -46,13 +46,21 @@ def greedy():
 greedy_before = greedy()
 sampled = [g[0].token_ids for g in sampler.generate(prompts, temperature=1.0, max_new_tokens=16)]
 
-# one training step, each rank on its own target: FSDP2 averages the gradients over the ranks
-target = tok([" The answer is 42.", " Primes: 2, 3, 5."][dist.rank], add_special_tokens=False).input_ids * 3
-batch = [B.Sample("", B.encode_prompt(tok, p), target, [0.0] * len(target), "length") for p in prompts]
+# one training step through the block's train_step: the batch is shared out so that each rank trains on its own
+# target (rank r takes items r, r + 2, ...), and FSDP2 averages the gradients over the ranks
+targets = [tok(t, add_special_tokens=False).input_ids * 3 for t in (" The answer is 42.", " Primes: 2, 3, 5.")]
+batch = [B.Sample("", B.encode_prompt(tok, p), t, [0.0] * len(t), "length") for p in prompts for t in targets]
+tokens = sum(len(s.token_ids) for s in batch)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-logp, mask, _ = B.token_logprobs(policy, batch)
-(-(logp * mask).sum() / mask.sum()).backward()
-B.optimizer_step(policy, optimizer, max_grad_norm=1.0)
+
+
+def nll(micro):
+    assert all(s.token_ids == targets[dist.rank] for s in micro)
+    logp, mask, _ = B.token_logprobs(policy, micro)
+    return -(logp * mask).sum() / tokens, {}
+
+
+B.train_step(policy, optimizer, batch, nll, len(batch), 1.0, dist)
 calls.clear()
 sampler.sync_weights(policy)  # a collective: every rank gathers every parameter
 synced = list(calls)
