@@ -17,11 +17,12 @@ the SOLVER learns from its own best and worst responses to them. Each round t (A
                        policy itself: X_t is the evolved set (25% x 4 = as many prompts as X_{t-1});
   5. solver step:      6 responses per evolved prompt, pairs (argmax r, argmin r); 20% of the old pairs and 80% of the
                        new ones; preference optimisation from the current policy with the current policy as reference.
-Reference log-probs are computed with the policy before its update and stored with the pairs, so no second copy of
-the policy is held. Metrics (metrics.jsonl; wandb with --track): creator/* (subset, evolved prompts, drops by reason),
-charts/* (pairs, reward-model margins, tokens), losses/* (first and last step: loss, implicit reward margin,
-accuracy), eval/win_rate: the reward model's win rate of the new policy over the round's reference policy on held-out
-prompts. Every evolution step, kept or dropped with its reason, goes to <run>/evolutions.jsonl.
+Reference log-probs are computed with the policy before its update, so no second copy of the policy is held. Metrics
+(metrics.jsonl; wandb with --track): creator/* (subset, evolved prompts, drops by reason), charts/* (pairs,
+reward-model margins, tokens), losses/* (first and last step: loss, implicit reward margin, accuracy), eval/win_rate:
+the reward model's win rate of the new policy over the round's reference policy on held-out prompts (step 0:
+eval/reward of the initial policy). Every evolution step, kept or dropped with its reason, goes to
+<run>/evolutions.jsonl.
 
 Run
   python eva.py                              # no GPU: CPU_DEFAULTS below (the embedded SmolLM2-135M is policy,
@@ -32,38 +33,8 @@ On the 8xH200 node the reward model is a frozen bf16 copy on every GPU (ArmoRM-8
 scoring each rank's share of responses; the policy is FSDP2-sharded for training and vLLM (gpu_memory_utilization
 0.5) sleeps while it trains. The creator is the policy's vLLM engine, or --evolver-url (an OpenAI-compatible chat
 endpoint, key from $OPENAI_API_KEY or --evolver-key-env).
-
-Experiment map (gemma-2-9b-it; add the flags to `torchrun --nproc_per_node 8 eva.py`). Round 0 is the official plain
-iterative-DPO round theta_0 -> theta_1 on split 1, round 1 the eva round theta_1 -> theta_1~ on the same split:
-  Table 1  theta_0->1 DPO                         --rounds 1
-           theta_1->1~ +eva                        (defaults: --rounds 2)
-           theta_1->2 +new human prompts           --new-human-prompts            (round 1 trains on split 2)
-           SPPO rows (the same three)              --loss sppo --beta 0.001 --optim rmsprop --lr-scheduler linear
-                                                   --epochs 9 --micro-batch-size 2   (scripts/gemma-9b)
-           SimPO rows                              --loss simpo --beta 10 --simpo-gamma-beta-ratio 0.5
-                                                   --learning-rate 8e-7 --epochs 1   (SimPO's gemma-2-9b-it recipe)
-           ORPO rows                               --loss orpo --beta 0.1            (ORPO's lambda)
-           official IPO / RPO scripts              --loss ipo --beta 0.6 --epochs 1 / --loss rpo --beta 0.1
-           v3 online RL (RLOO 52.6 -> 62.4)        --loss rloo --learning-rate 1e-6 --epochs 1
-  Table 3  uniform / var(r) / avg(r) / 1/avg(r)    --info-metric uniform / var / avg / inv_avg
-           1/A*_min / A*_avg / A*_dts / A*_min     --info-metric inv_a_min / a_avg / a_dts / (default a_min)
-  Table 4  [no evolve]-greedy / [no evolve]-sample --no-evolve --sampling greedy / --no-evolve
-           eva-greedy / eva-sample                 --sampling greedy / (defaults)
-  Fig. 5   continual eva / continual DPO           --rounds 4 / --rounds 4 --new-human-prompts
-           (starting from a released theta_1: --model <theta_1> --no-baseline-round --rounds 1)
-  Also: --evolve-fraction, --old-pair-ratio / --new-pair-ratio, --num-evolutions, --sampling stratified, --reward-model
-  (any sequence classifier, or --reward-kind judge for an LLM judge).
-
-Benchmarks (external judges; the checkpoint is <run>/checkpoints/iter_XXXXXX/policy, a Hugging Face directory):
-  Arena-Hard v0.1 (lm-sys/arena-hard-auto; judge gpt-4-1106-preview, baseline gpt-4-0314): add the model to
-    config/api_config.yaml (served by vLLM) and config/gen_answer_config.yaml, then
-    python gen_answer.py && python gen_judgment.py && python show_result.py
-  AlpacaEval 2.0 (pip install alpaca-eval==0.6.3; LC win rate against gpt4_turbo):
-    alpaca_eval evaluate_from_model --model_configs <dir>/configs.yaml \
-      --annotators_config weighted_alpaca_eval_gpt4_turbo
-  MT-Bench (lm-sys/FastChat, fastchat/llm_judge; GPT-4 single-answer grading):
-    python gen_model_answer.py --model-path <policy dir> --model-id eva && python gen_judgment.py --model-list eva
-    --judge-model gpt-4 && python show_result.py --model-list eva
+Experiment map (Tables 1, 3, 4, Fig. 5) and the paper's benchmarks (Arena-Hard v0.1, AlpacaEval 2.0, MT-Bench, run on
+a checkpoint's HF directory <run>/checkpoints/iter_XXXXXX/policy with their external judges): README.md.
 
 Deliberate deviations (the paper's body was not readable here; where it is silent this file follows the official code)
   1. Evolutions that are empty, failed (endpoint or engine error), leak the template's markers, repeat their parent or
@@ -85,9 +56,9 @@ Deliberate deviations (the paper's body was not readable here; where it is silen
      response against all N (official compute_prob.py on PairRM scores).
   8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines over the N responses, a clipped
      sequence-level ratio against the round's start policy, no KL term.
-  9. Sequences are cut as TRL does (prompt to its last 1024 tokens, prompt + response to 2048); sampling on the
-     transformers backend is seeded per batch of prompts, so runs agree on any number of ranks and after a resume.
- 10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are the commands above.
+  9. Sequences are cut as TRL does (prompt to its last 1024 tokens, prompt + response to 2048); sampling is seeded per
+     chunk of prompts, so runs agree on any number of ranks and after a resume.
+ 10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are in README.md.
 """
 
 from __future__ import annotations
@@ -108,7 +79,7 @@ import sys
 import time
 import urllib.request
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -130,7 +101,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
     seed: int = 42
-    """seed of the run (the official recipes' 42)"""
+    """seed of the run (each rank adds its rank) (official)"""
     output_dir: str = "runs"
     """where run directories go"""
     run_name: str | None = None
@@ -142,25 +113,23 @@ class Args:
     wandb_entity: str | None = None
     """the wandb entity (team)"""
     save_every: int = 1
-    """save a checkpoint every this many rounds (and after the last)"""
+    """save a checkpoint every this many iterations (and after the last)"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
 
     # model and backends
     model: str = "google/gemma-2-9b-it"
-    """the policy (solver and creator): a Hugging Face id or a local path"""
+    """policy (solver and creator): a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
     """vLLM's share of GPU memory (it sleeps while the policy trains)"""
     vllm_sleep: bool = True
-    """put vLLM to sleep during training and wake it with fresh weights"""
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
     max_model_len: int = 4096
-    """longest prompt + completion the sampler handles, in tokens"""
+    """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
-
-    # reward model
     reward_model: str = "RLHFlow/ArmoRM-Llama3-8B-v0.1"
     """r(x, y): a Hugging Face sequence classifier, or with --reward-kind judge a causal LM"""
     reward_kind: Literal["classifier", "judge"] = "classifier"
@@ -193,7 +162,7 @@ class Args:
     """length of each seed's mutation chain (official NUM_EVOLUTIONS)"""
     evolve_temperature: float = 0.88
     """creator sampling temperature (official EVOLVE_TEMPERATURE)"""
-    evolve_max_tokens: int = 666
+    evolve_max_new_tokens: int = 666
     """longest evolved prompt, in tokens (official MAX_PROMPT_LENGTH)"""
     evolver_url: str | None = None
     """an OpenAI-compatible endpoint (e.g. https://api.openai.com/v1) to evolve with instead of the policy"""
@@ -207,10 +176,11 @@ class Args:
     """seconds per endpoint request (3 tries)"""
 
     # solver
-    rounds: int = 2
-    """rounds to run: round 0 the plain-DPO baseline round (unless --no-baseline-round), then eva rounds"""
+    iterations: int = 2
+    """rounds to run: the first the plain-DPO baseline round (unless --no-baseline-round), then eva rounds; 0: no
+    training, evaluate the given model"""
     baseline_round: bool = True
-    """round 0 is the official plain iterative-DPO round theta_0 -> theta_1 on split 1 (iterate.sh, ITER=0)"""
+    """the first round is the official plain iterative-DPO round theta_0 -> theta_1 on split 1 (iterate.sh, ITER=0)"""
     new_human_prompts: bool = False
     """baseline: every round is a plain round on the next split of human prompts (Table 1, '+ new human prompts')"""
     n_samples: int = 6
@@ -235,18 +205,20 @@ class Args:
     """SimPO: target margin gamma / beta"""
     rloo_clip: float = 0.2
     """RLOO: clip of the sequence-level probability ratio"""
-    learning_rate: float = 5e-7
-    """peak learning rate"""
-    epochs: int = 2
-    """epochs over the round's pairs"""
-    warmup_ratio: float = 0.1
-    """share of the steps of linear warm-up"""
-    lr_scheduler: Literal["cosine", "linear"] = "cosine"
-    """decay after the warm-up"""
-    optim: Literal["adamw", "rmsprop"] = "adamw"
-    """optimizer, fresh every round (official: adamw_torch; SPPO rmsprop)"""
     batch_size: int = 64
     """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
+    learning_rate: float = 5e-7
+    """peak learning rate"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """learning-rate schedule after the warm-up (lr_at) (official: cosine; the SPPO scripts: linear)"""
+    warmup_steps: int | None = None
+    """linear warm-up steps from 0 (default: --warmup-ratio's share of the round's steps)"""
+    warmup_ratio: float = 0.1
+    """share of the steps of linear warm-up"""
+    epochs: int = 2
+    """epochs over the round's pairs"""
+    optim: Literal["adamw", "rmsprop"] = "adamw"
+    """optimizer, fresh every round (official: adamw_torch; SPPO rmsprop)"""
     micro_batch_size: int = 1
     """pairs per forward/backward pass on each rank"""
     max_grad_norm: float = 1.0
@@ -261,20 +233,9 @@ class Args:
 # evolutions, 6 more responses each, 4 DPO steps, 6 held-out prompts) in about 4 minutes of CPU time (21 min of wall
 # time while other jobs kept the 2 cores at a load of 10).
 CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", reward_kind="judge",
-                    dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, rounds=1, baseline_round=False,
-                    max_new_tokens=40, evolve_max_tokens=64, max_model_len=1024, learning_rate=1e-5, batch_size=4,
-                    micro_batch_size=2, max_length=384, max_prompt_length=256)
-
-
-def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
-    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    given |= {g[3:] for g in given if g.startswith("no_")}  # --no-baseline-round is a given flag too
-    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
-    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
-    for k, v in changed.items():
-        setattr(args, k, v)
-    return report
+                    dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, iterations=1,
+                    baseline_round=False, max_new_tokens=40, evolve_max_new_tokens=64, max_model_len=1024,
+                    learning_rate=1e-5, batch_size=4, micro_batch_size=2, max_length=384, max_prompt_length=256)
 
 
 # ---- prompts ----
@@ -432,10 +393,9 @@ def win_probability(rewards: list[float], i: int) -> float:
     return float(np.mean([1.0 / (1.0 + math.exp(r - rewards[i])) for r in rewards]))
 
 
-def rloo_advantages(rewards: list[float]) -> list[float]:
-    """REINFORCE leave-one-out: r_i minus the mean reward of the other N - 1 responses."""
-    n, total = len(rewards), sum(rewards)
-    return [r - (total - r) / (n - 1) for r in rewards]
+def rloo_advantage(reward: float, rewards: list[float]) -> float:
+    """REINFORCE leave-one-out: a response's reward minus the mean reward of the other N - 1 responses of its prompt."""
+    return reward - (sum(rewards) - reward) / (len(rewards) - 1)
 
 
 def win_rate(rewards: list[float], reference: list[float]) -> float:
@@ -498,72 +458,29 @@ def pair_losses(loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor,
             "orpo": lambda: orpo_loss(mean[0], mean[1], args.beta)}[loss]()
 
 
-def lr_factor(step: int, total: int, warmup: int, schedule: str) -> float:
-    """The learning-rate factor at optimizer step `step` (from 0) of transformers' linear warm-up then cosine or
-    linear decay (get_{cosine,linear}_schedule_with_warmup, the official TRL runs): 0 at step 0 when warming up."""
-    if step < warmup:
-        return step / max(1, warmup)
-    if schedule == "cosine":
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * (step - warmup) / max(1, total - warmup))))
-    return max(0.0, (total - step) / max(1, total - warmup))
-
-
 # ---- phases ----
-@dataclass
-class Group:  # a prompt, the solver's N responses to it and their rewards
-    prompt: str
-    samples: list
-    rewards: list
-
-
-@dataclass
-class Pair:  # (argmax, argmin) of a group; ref: their log-probs under the round's start policy
-    samples: list
-    rewards: list
-    win_probs: list
-    ref: tuple = (0.0, 0.0)
-
-
-@dataclass
-class Rollout:  # RLOO: one response with its leave-one-out advantage
-    samples: list
-    advantage: float
-    ref: tuple = (0.0,)
-
-
-def generate(sampler, prompts: list[str], n: int, key: str, temperature: float, top_p: float, max_new_tokens: int,
-             dist: Dist) -> list[list[Sample]]:
-    """n samples per prompt, sharded over ranks. vLLM: one call per rank. transformers: batches of whole prompts,
-    each seeded from `key` and its position, so the samples do not depend on the number of ranks or on a resume."""
-    size = -(-len(prompts) // dist.world_size) if getattr(sampler, "llm", None) else max(1, sampler.batch_size // n)
-
-    def run(chunks):
-        out = []
-        for start, chunk in chunks:
-            torch.manual_seed(zlib.crc32(f"{key}/{start}".encode()))
-            out.append(sampler.generate(chunk, n=n, temperature=temperature, top_p=top_p,
-                                        max_new_tokens=max_new_tokens, desc=key))
-        return out
-
-    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), size)]
-    return [group for part in map_sharded(run, chunks, dist) for group in part]
+Group = collections.namedtuple("Group", "prompt samples rewards")  # a prompt, the solver's N responses, their rewards
+Pair = collections.namedtuple("Pair", "samples rewards win_probs")  # (argmax, argmin) of a group's rewards
+# RLOO: one response, its reward and its Group, whose rewards give the leave-one-out baseline where it trains
+Rollout = collections.namedtuple("Rollout", "sample reward group")
 
 
 def solve(prompts: list[str], n: int, key: str, sampler, tokenizer, reward_model, args: Args,
           dist: Dist) -> list[Group]:
     """Algorithm 1, 'self-generate responses' and 'annotate rewards': n responses per prompt (one user turn, the
-    chat template's generation prompt; official src/generate.py) scored by r(x, y) (src/reward_hf.py)."""
-    samples = generate(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, args.temperature, args.top_p,
-                       args.max_new_tokens, dist)
-    rewards = map_sharded(lambda mine: [score_responses(reward_model, p, [s.text for s in ss], args.reward_kind)
-                                        for p, ss in mine], list(zip(prompts, samples)), dist)
-    return [Group(p, ss, rs) for p, ss, rs in zip(prompts, samples, rewards)]
+    chat template's generation prompt; official src/generate.py) scored by r(x, y) (src/reward_hf.py), each chunk
+    by the rank that sampled it."""
+    return sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, dist,
+                  lambda start, rows: [Group(p, ss, score_responses(reward_model, p, [s.text for s in ss],
+                                                                    args.reward_kind))
+                                       for p, ss in zip(prompts[start:], rows)],
+                  temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
 
 
 def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
     """(text, finish reason) of one chat completion from --evolver-url; a failed request is ("<error>", "error")."""
     body = json.dumps({"model": args.evolver_model, "messages": [{"role": "user", "content": prompt}],
-                       "temperature": args.evolve_temperature, "max_tokens": args.evolve_max_tokens}).encode()
+                       "temperature": args.evolve_temperature, "max_tokens": args.evolve_max_new_tokens}).encode()
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get(args.evolver_key_env)}"}
     error = ""
     for attempt in range(3):
@@ -585,8 +502,8 @@ def ask_creator(prompts: list[str], key: str, sampler, tokenizer, args: Args, di
             with concurrent.futures.ThreadPoolExecutor(args.evolver_workers) as pool:
                 return list(pool.map(lambda p: ask_endpoint(p, args), mine))
         return map_sharded(call, prompts, dist)
-    out = generate(sampler, [chat_prompt(tokenizer, p) for p in prompts], 1, key, args.evolve_temperature, 1.0,
-                   args.evolve_max_tokens, dist)
+    out = sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], 1, key, dist,
+                 temperature=args.evolve_temperature, max_new_tokens=args.evolve_max_new_tokens)
     return [(s[0].text, s[0].finish_reason) for s in out]
 
 
@@ -611,20 +528,20 @@ def read_evolution(text: str, finish_reason: str, parent: str, seen: set[str]) -
     return new, "truncated" if finish_reason == "length" else ""
 
 
-def evolve(seeds: list[str], known: list[str], round_: int, sampler, tokenizer, args: Args,
+def evolve(seeds: list[str], known: list[str], iteration: int, sampler, tokenizer, args: Args,
            dist: Dist) -> tuple[list[str], list[dict]]:
     """Creator step 'self-evolve prompts' (official src/evolve_prompt.py: distilabel's EvolInstruct, store_evolutions):
     each seed grows a chain of num_evolutions mutations, each applied to the chain's last prompt, drawn uniformly
     from MUTATIONS; every kept step is a new prompt. Returns (the new prompts, one record per step)."""
-    rng = random.Random(f"{args.seed}/{round_}/mutations")  # the same draws on every rank and after a resume
+    rng = random.Random(f"{args.seed}/{iteration}/mutations")  # the same draws on every rank and after a resume
     chains, seen, evolved, records = list(seeds), {normalise(p) for p in known}, [], []
     for step in range(args.num_evolutions):
         names = [rng.choice(list(MUTATIONS)) for _ in chains]
         replies = ask_creator([MUTATIONS[m].replace("<PROMPT>", c) for m, c in zip(names, chains)],
-                              f"{args.seed}/{round_}/evolve/{step}", sampler, tokenizer, args, dist)
+                              f"{args.seed}/{iteration}/evolve/{step}", sampler, tokenizer, args, dist)
         for i, (name, (text, finish)) in enumerate(zip(names, replies)):
             new, reason = read_evolution(text, finish, chains[i], seen)
-            records.append({"round": round_, "seed": i, "step": step, "mutation": name, "parent": chains[i],
+            records.append({"round": iteration, "seed": i, "step": step, "mutation": name, "parent": chains[i],
                             "reply": text, "finish_reason": finish, "kept": new is not None, "reason": reason})
             if new is not None:
                 chains[i] = new
@@ -641,9 +558,9 @@ def mix(old: list, new: list, args: Args, rng: random.Random) -> list:
     return both
 
 
-def training_items(groups: list[Group], args: Args) -> list:
-    """Pairs (argmax, argmin of the rewards; official reward_hf.py) or, for RLOO, every response with its advantage;
-    a group whose rewards all agree teaches nothing and is skipped. Sequences are cut as TRL does."""
+def training_items(groups: list[Group], args: Args) -> list[Pair | Rollout]:
+    """Pairs (argmax, argmin of the rewards; official reward_hf.py) or, for RLOO, every response as a Rollout; a
+    group whose rewards all agree teaches nothing and is skipped. Sequences are cut as TRL does."""
     def fit(s: Sample) -> Sample:
         prompt = s.prompt_ids[-args.max_prompt_length :]
         return s._replace(prompt_ids=prompt, token_ids=s.token_ids[: args.max_length - len(prompt)], logprobs=[])
@@ -651,7 +568,7 @@ def training_items(groups: list[Group], args: Args) -> list:
     items = []
     for g in [g for g in groups if max(g.rewards) > min(g.rewards)]:
         if args.loss == "rloo":
-            items += [Rollout([fit(s)], a) for s, a in zip(g.samples, rloo_advantages(g.rewards))]
+            items += [Rollout(fit(s), r, g) for s, r in zip(g.samples, g.rewards)]
         else:
             w, l = int(np.argmax(g.rewards)), int(np.argmin(g.rewards))
             items.append(Pair([fit(g.samples[w]), fit(g.samples[l])], [g.rewards[w], g.rewards[l]],
@@ -659,61 +576,59 @@ def training_items(groups: list[Group], args: Args) -> list:
     return items
 
 
+def sequences(item: Pair | Rollout) -> list[Sample]:  # a pair's chosen and rejected, or a rollout's one
+    return item.samples if isinstance(item, Pair) else [item.sample]
+
+
 @torch.no_grad()
 def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> list[float]:
     """log pi(y | x) of each sample, summed over its tokens at temperature 1; as many micro-batches on every rank."""
     mine = []
-    for batch, scale in micro_batches(list(enumerate(samples)), 2 * args.micro_batch_size, dist,
-                                      length=lambda x: len(x[1].prompt_ids) + len(x[1].token_ids)):
+    for batch, real in micro_batches(list(enumerate(samples)), 2 * args.micro_batch_size, dist,
+                                     length=lambda x: len(x[1].prompt_ids) + len(x[1].token_ids)):
         logp, mask, _ = token_logprobs(policy, [s for _, s in batch])
-        mine += [(i, v) for (i, _), v in zip(batch, (logp * mask).sum(1).tolist())] if scale else []
+        mine += [(i, v) for (i, _), v in zip(batch, (logp * mask).sum(1).tolist())] if real else []
     found = dict(kv for part in all_gather_objects(mine, dist) for kv in part)
     return [found[i] for i in range(len(samples))]
 
 
-def item_losses(policy, items: list, args: Args) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-item losses of one micro-batch (one forward over all its sequences: every chosen, then every rejected,
-    as TRL's concatenated forward) and the summed statistics: loss, implicit reward margin beta h, accuracy h > 0."""
-    k = len(items[0].samples)
-    logp, mask, _ = token_logprobs(policy, [item.samples[j] for j in range(k) for item in items])
+def item_losses(policy, items: list[tuple], args: Args, size: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """The loss of a micro-batch of (item, its reference log-probs) as its part of the mean over a batch of `size`
+    items (one forward over all its sequences: every chosen, then every rejected, as TRL's concatenated forward), and
+    its part of the batch means of: the implicit reward margin beta h, the accuracy h > 0, the log-probs."""
+    k = len(sequences(items[0][0]))
+    logp, mask, _ = token_logprobs(policy, [sequences(item)[j] for j in range(k) for item, _ in items])
     pi, n = (logp * mask).sum(1).view(k, -1), mask.sum(1).clamp(min=1).view(k, -1)
-    ref = pi.new_tensor([item.ref for item in items]).T
+    ref = pi.new_tensor([r for _, r in items]).T
     if args.loss == "rloo":
-        losses = rloo_loss(pi[0], ref[0], pi.new_tensor([item.advantage for item in items]), args.rloo_clip)
-        return losses, {"loss": losses.sum().item(), "ratio": torch.exp(pi[0] - ref[0]).sum().item()}
-    losses = pair_losses(args.loss, pi, ref, n, pi.new_tensor([item.win_probs for item in items]).T, args)
+        advantages = pi.new_tensor([rloo_advantage(item.reward, item.group.rewards) for item, _ in items])
+        losses = rloo_loss(pi[0], ref[0], advantages, args.rloo_clip)
+        return losses.sum() / size, {"ratio": torch.exp(pi[0] - ref[0]).sum().item() / size}
+    losses = pair_losses(args.loss, pi, ref, n, pi.new_tensor([item.win_probs for item, _ in items]).T, args)
     h = ((pi[0] - ref[0]) - (pi[1] - ref[1])).detach()
-    return losses, {"loss": losses.sum().item(), "margin": args.beta * h.sum().item(),
-                    "accuracy": (h > 0).sum().item(), "logp_chosen": pi[0].sum().item(),
-                    "logp_rejected": pi[1].sum().item()}
+    return losses.sum() / size, {"margin": args.beta * h.sum().item() / size, "accuracy": (h > 0).sum().item() / size,
+                                 "logp_chosen": pi[0].sum().item() / size, "logp_rejected": pi[1].sum().item() / size}
 
 
 def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.Random) -> dict[str, float]:
     """Solver step 'preference optimization' from the current policy, as one fresh trainer run (the official pipeline
-    starts TRL anew each round): a fresh optimizer state, `epochs` passes over the shuffled items in batches of
-    batch_size, linear warm-up then cosine (or linear) decay. Each rank runs its share of every batch."""
+    starts TRL anew each round): the reference log-probs of every sequence under the policy as it starts, a fresh
+    optimizer state, `epochs` passes over the shuffled items in batches of batch_size, linear warm-up then cosine (or
+    linear) decay. Each rank runs its share of every batch."""
+    refs = iter(sequence_logprobs(policy, [s for item in items for s in sequences(item)], args, dist))
+    items = [(item, [next(refs) for _ in sequences(item)]) for item in items]
     optimizer.state.clear()
     per_epoch = -(-len(items) // args.batch_size)
     total, history = args.epochs * per_epoch, []
-    warmup = math.ceil(total * args.warmup_ratio)
-    length = lambda x: max(len(s.prompt_ids) + len(s.token_ids) for s in x.samples)  # noqa: E731 (micro-batch sort)
+    warmup = math.ceil(total * args.warmup_ratio) if args.warmup_steps is None else args.warmup_steps
     for step in range(total):
         if step % per_epoch == 0:
             order = rng.sample(items, len(items))
         batch = order[(step % per_epoch) * args.batch_size : (step % per_epoch + 1) * args.batch_size]
-        lr = args.learning_rate * lr_factor(step, total, warmup, args.lr_scheduler)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        sums = collections.Counter()
-        for micro, scale in micro_batches(batch, args.micro_batch_size, dist, length=length):
-            losses, stats = item_losses(policy, micro, args)
-            (losses.sum() * scale).backward()  # sum times scale: the batch mean after FSDP2's average over ranks
-            sums.update(stats if scale else {})
-        grad_norm = optimizer_step(policy, optimizer, args.max_grad_norm)
-        totals = collections.Counter()
-        for part in all_gather_objects(dict(sums), dist):
-            totals.update(part)
-        history.append({**{k: v / len(batch) for k, v in totals.items()}, "grad_norm": grad_norm})
+        history.append(train_step(policy, optimizer, batch, lambda micro: item_losses(policy, micro, args, len(batch)),
+                                  args.micro_batch_size, args.max_grad_norm, dist,
+                                  length=lambda x: max(len(s.prompt_ids) + len(s.token_ids) for s in sequences(x[0])),
+                                  lr=lr_at(step, total, args.learning_rate, warmup, args.lr_schedule)))
     metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
     metrics |= {f"losses/{k}_{end}": history[i][k] for k in ("loss", "margin") if k in history[0]
                 for end, i in (("first", 0), ("last", -1))}  # where the round's training started and ended
@@ -733,49 +648,44 @@ def evaluate(sampler, tokenizer, reward_model, heldout: list[str], reference: li
 
 # ---- main ----
 def main(args: Args) -> None:
-    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
-    dist = setup_distributed(args.seed)
-    if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
-              sep="\n")
-    run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name,
-                    entity=args.wandb_entity)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     splits, heldout = load_prompts(args)
+
+    # one policy plays both roles, creator and solver, by prompt; the reward model is frozen
     tokenizer = load_tokenizer(args.model)
-    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)  # creator and solver
+    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = (torch.optim.AdamW if args.optim == "adamw" else torch.optim.RMSprop)(
         policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     reward_model = load_reward_model(args, dist)  # before vLLM, which sizes its cache from the memory left
-    start, state = 0, {"prompts": splits[0], "reference_rewards": None}  # X_0: the first split
+    # run state: the round's prompts X_{t-1} (X_0: the first split), the reference policy's held-out rewards
+    start, state = 0, {"prompts": splits[0], "reference_rewards": None}
     if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
-        start, state = found[0] + 1, found[1]
-        if dist.is_main:
-            print(f"resuming {run_dir} at round {start}")
+        start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     if state["reference_rewards"] is None:  # theta_0's held-out rewards: the first round's reference
         state["reference_rewards"] = [g.rewards[0] for g in solve(heldout, 1, f"{args.seed}/reference", sampler,
                                                                   tokenizer, reward_model, args, dist)]
+        logger.log({"eval/reward": float(np.mean(state["reference_rewards"]))}, step=0)
 
-    for round_ in range(start, args.rounds):
-        metrics, rng = {}, random.Random(f"{args.seed}/{round_}")  # the same on every rank and after a resume
-        eva_round = not (args.baseline_round and round_ == 0) and not args.new_human_prompts
-        prompts = state["prompts"] if eva_round else splits[min(round_, len(splits) - 1)]
+    for iteration in range(start, args.iterations):
+        metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank and after a resume
+        eva_round = not (args.baseline_round and iteration == 0) and not args.new_human_prompts
+        prompts = state["prompts"] if eva_round else splits[min(iteration, len(splits) - 1)]
         with logger.timer("solve"):  # responses of theta_{t-1} to X_{t-1}, and their rewards
-            groups = solve(prompts, args.n_samples, f"{args.seed}/{round_}/solve", sampler, tokenizer, reward_model,
-                           args, dist)
+            groups = solve(prompts, args.n_samples, f"{args.seed}/{iteration}/solve", sampler, tokenizer,
+                           reward_model, args, dist)
         train_groups, evolved = groups, []
         if eva_round:
             with logger.timer("creator"):  # creator step: estimate informativeness, sample a subset, evolve it
                 info = [informativeness(g.rewards, args.info_metric) for g in groups]
-                generator = np.random.default_rng(zlib.crc32(f"{args.seed}/{round_}".encode()))
+                generator = np.random.default_rng(zlib.crc32(f"{args.seed}/{iteration}".encode()))
                 chosen = sample_informative(info, sampling_weights(info, args.info_metric), args.evolve_fraction,
                                             args.sampling, generator, args.stratified_bins)
                 subset = [groups[i] for i in chosen]
                 if args.evolve:
-                    evolved, records = evolve([g.prompt for g in subset], prompts, round_, sampler, tokenizer, args,
-                                              dist)
+                    evolved, records = evolve([g.prompt for g in subset], prompts, iteration, sampler, tokenizer,
+                                              args, dist)
                     if dist.is_main:
                         with open(run_dir / "evolutions.jsonl", "a") as f:
                             f.writelines(json.dumps(r) + "\n" for r in records)
@@ -787,7 +697,7 @@ def main(args: Args) -> None:
             train_groups = groups if args.evolve else subset  # --no-evolve: the subset itself (Table 4's blue rows)
             if evolved:  # the solver on X_t, then 20% of the old groups with 80% of the new
                 with logger.timer("solve"):
-                    new_groups = solve(evolved, args.n_samples, f"{args.seed}/{round_}/solve_evolved", sampler,
+                    new_groups = solve(evolved, args.n_samples, f"{args.seed}/{iteration}/solve_evolved", sampler,
                                        tokenizer, reward_model, args, dist)
                 train_groups = mix(groups, new_groups, args, rng)
                 metrics |= {"charts/evolved_reward_mean": float(np.mean([r for g in new_groups for r in g.rewards]))}
@@ -796,14 +706,11 @@ def main(args: Args) -> None:
         with logger.timer("update"):  # solver step: preference optimisation from theta_{t-1}, reference theta_{t-1}
             items = training_items(train_groups, args)
             sampler.sleep()
-            refs = iter(sequence_logprobs(policy, [s for item in items for s in item.samples], args, dist))
-            for item in items:
-                item.ref = tuple(next(refs) for _ in item.samples)
             metrics |= update(policy, optimizer, items, args, dist, rng) if items else {}
             sampler.sync_weights(policy)
         with logger.timer("eval"):
             stats, state["reference_rewards"] = evaluate(sampler, tokenizer, reward_model, heldout,
-                                                         state["reference_rewards"], f"{args.seed}/{round_}/eval",
+                                                         state["reference_rewards"], f"{args.seed}/{iteration}/eval",
                                                          args, dist)
         pairs = [item for item in items if isinstance(item, Pair)]
         metrics |= stats | {
@@ -813,9 +720,9 @@ def main(args: Args) -> None:
             "charts/rm_margin": float(np.mean([p.rewards[0] - p.rewards[1] for p in pairs] or [0.0])),
             "charts/generated_tokens": float(sum(len(s.token_ids) for g in groups for s in g.samples)),
             "charts/response_tokens": float(np.mean([len(s.token_ids) for g in groups for s in g.samples]))}
-        logger.log(metrics, step=round_)
-        if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
-            save_checkpoint(run_dir, round_, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+        logger.log(metrics, step=iteration + 1)
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+            save_checkpoint(run_dir, iteration + 1, {"policy": (policy, optimizer)}, tokenizer, state, dist)
 
 
 # ---- infrastructure (identical in every algorithm file) ----

