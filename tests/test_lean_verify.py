@@ -58,7 +58,7 @@ _spec = importlib.util.spec_from_file_location("fake_lean_repl", FAKE)
 fake = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake)
 
-H = lv.DEFAULT_HEADER
+H = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n\n"  # data/*.jsonl
 SMOKE = [json.loads(line) for line in (ROOT / "data" / "lean_smoke.jsonl").read_text(encoding="utf-8").splitlines()
          if line.strip()]
 ENV_KEYS = ("LEAN_REPL_CMD", "LEAN_REPL_PATH", "SGS_REPL_PATH", "LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH",
@@ -1279,6 +1279,50 @@ def test_clean_statement():
     assert lv.clean_statement("theorem p5 : 5 = 5 := by\n  sorry\n  rfl") is None  # holds a proof
     assert lv.clean_statement("theorem p6 : 6 = 6 := rfl") is None  # no ':= by'
     assert lv.clean_statement(None) is None
+
+
+def test_load_problems_reads_every_dataset_layout(tmp_path):
+    """One Lean problem record for the four Lean files, from D_3k (id, header, theorem), miniF2F (name, split, header,
+    formal_statement), STP's file (split "miniF2F test", no name, no header) and Kimina-Prover-Promptset (the header
+    inside formal_statement)."""
+    rows = [
+        {"id": "d1", "header": "import Mathlib\n", "theorem": "theorem d1 : 1 = 1 := by sorry"},
+        {"name": "m1", "split": "test", "header": "import Mathlib\nopen Real\n", "formal_statement": "theorem m1 : 2 = 2 :="},
+        {"name": "m2", "split": "valid", "formal_statement": "theorem m2 : 3 = 3 := by"},
+        {"split": "miniF2F test", "formal_statement": "theorem stp_name (x : ℕ) : x = x := by"},
+        {"formal_statement": "import Mathlib\nimport Aesop\n\nopen Nat\n\ntheorem k1 : True := by\n  sorry"},
+        {"name": "m1", "formal_statement": "theorem m1' : 4 = 4 := by"},  # a repeated name
+        {"name": "bad", "formal_statement": "theorem bad : 5 = 5 := rfl"},  # not a ':= by' task: skipped
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    problems = lv.load_problems(str(path))
+    assert [p.id for p in problems] == ["d1", "m1", "m2", "stp_name", "k1", "m1#5"]
+    d1, m1, m2, stp, k1, _ = problems
+    assert d1 == lv.Problem("d1", "import Mathlib\n", "theorem d1 : 1 = 1 := by")
+    assert m1.header == "import Mathlib\nopen Real\n" and m1.statement == "theorem m1 : 2 = 2 := by"
+    assert m2.header == stp.header == lv.DEFAULT_HEADER and "maxHeartbeats 0" in lv.DEFAULT_HEADER
+    assert k1 == lv.Problem("k1", "import Mathlib\nimport Aesop\n\nopen Nat\n\n", "theorem k1 : True := by")
+    # split: rows naming it (as a word of their split) and rows with no split
+    assert [p.id for p in lv.load_problems(str(path), split="test")] == ["d1", "m1", "stp_name", "k1", "m1#5"]
+    assert [p.id for p in lv.load_problems(str(path), limit=2, split="valid")] == ["d1", "m2"]
+    (tmp_path / "rows.json").write_text(json.dumps(rows[:2]))
+    assert [p.id for p in lv.load_problems(str(tmp_path / "rows.json"))] == ["d1", "m1"]
+
+
+def test_read_rows_fetches_a_url_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "cache"))
+    fetched = []
+
+    def fake_retrieve(url, filename):
+        fetched.append(url)
+        Path(filename).write_text(json.dumps([{"formal_statement": "theorem u : True := by"}]))
+        return filename, None
+
+    monkeypatch.setattr(lv.urllib.request, "urlretrieve", fake_retrieve)
+    url = "https://example.org/data/test.json"
+    assert lv.read_rows(url) == lv.read_rows(url) == [{"formal_statement": "theorem u : True := by"}]
+    assert fetched == [url]  # the second read comes from the cache
 
 
 # SGS's formats: the Solver's answer is one whole ```lean4 block, a conjecture the last block
