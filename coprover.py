@@ -1,82 +1,60 @@
 """CoProver: a GRPO prover co-trained with a value model that guides best-first proof search, in Lean 4.
 
-Source: the CoProver code release (github.com/kanav9063/CoProver, read at afcc317; README "Co-Training Proof
-Generation and Search Heuristics"; no paper, no reported results; "Proprietary" licence, so this file copies none of
-it). The repository is a scaffold around slime, SGLang, kimina-lean-server and ReProver whose pieces are not wired
-together; this file is the method as its README describes it, working end to end, with the defects fixed (below).
+Source: the CoProver code release (github.com/kanav9063/CoProver at afcc317, README "Co-Training Proof Generation and
+Search Heuristics"; no paper, no results; "Proprietary" licence: nothing copied), a scaffold around slime, SGLang,
+kimina-lean-server and ReProver whose pieces are not wired together; this file is the method as its README describes
+it, working end to end, with the defects fixed (below).
 
-Method. Two models improve each other. The PROVER (DeepSeek-Prover-V2-7B) writes whole proofs and, asked for one
-step, tactics; the VALUE MODEL (Llama-3.2-1B with a scalar head: the last token's hidden state, an MLP, a sigmoid)
-estimates V(s) = gamma^d, d the number of steps from proof state s to QED. Each co-training round (README):
-  1. search:  value-guided best-first search over Lean proof states (lean_verify's tactic mode) on this round's
-              theorems. One expansion pops the best open node, samples K = 32 tactics for its goals, applies them, and
-              pushes the new states with priority alpha * exp(mean token log-prob of the path) + (1 - alpha) * V(s);
-              identical goal states are merged; budgets of 128 expansions and 300 s per theorem (co_train.py);
-  2. labels:  every proof found, by search or by a verified whole-proof sample, is replayed tactic by tactic and each
-              state on it is labelled gamma^d (gamma 0.95, d the steps left); expanded states off every proof path get
-              0, and so does the root of a failed whole-proof sample;
-  3. value:   regression (MSE on the sigmoid) on the labels of ALL rounds so far, positives repeated 3 times; lr 2e-5,
-              cosine with 10 warm-up steps, 3 epochs (configs/value_model_sft.yaml);
-  4. prover:  GRPO on whole proofs: 64 prompts x 8 samples, reward 1 iff Lean accepts the proof, DAPO clip-higher
-              (0.2 / 0.28), token-level loss, no KL, lr 1e-6, T 1.0, 4096 tokens (train_step_grpo.sh); the training
-              statements are first filtered to the "frontier" (1 to 6 of 8 samples pass, filter_dataset.py);
-  5. eval:    pass@1/8/32 (unbiased estimator, 32 samples at T 0.8; evaluate.py) on miniF2F-test, and search
-              efficiency (proofs per expansion and per second, expansions per proof) with and without the value model.
-Metrics (metrics.jsonl; wandb with --track): search/*, value/*, losses/* (value_*, grpo_*), charts/* (GRPO rewards,
-frontier), lean/* (verdicts), eval/* (pass@k, eval/search_value/*, eval/search_logprob/*), time/*.
+Method. The PROVER (DeepSeek-Prover-V2-7B) writes whole proofs and, asked for one step, tactics; the VALUE MODEL
+(Llama-3.2-1B, a scalar head on the last token: an MLP, a sigmoid) estimates V(s) = gamma^d, d the steps from proof
+state s to QED. Each iteration (the README's round):
+  1. search: best-first over Lean's tactic mode (lean_verify): pop the best open node, sample K = 32 tactics, apply
+     them, push the new states at priority alpha * exp(mean token log-prob of the path) + (1 - alpha) * V(s); equal
+     goals merge; 128 expansions and 300 s per theorem (co_train.py);
+  2. labels: the states of each proof found, by search or by a verified whole proof, get gamma^d (gamma 0.95, d the
+     steps left); expanded states off every proof path and the roots of failed whole proofs get 0;
+  3. value: regression (MSE) on the labels of ALL iterations, positives repeated 3 times, lr 2e-5, cosine, 10 warm-up
+     steps, 3 epochs (value_model_sft.yaml);
+  4. prover: GRPO on whole proofs, 64 prompts x 8 samples, reward 1 iff Lean accepts, DAPO clip-higher 0.2 / 0.28,
+     token-level loss, no KL, lr 1e-6, T 1.0, 4096 tokens (train_step_grpo.sh), on the "frontier" statements (1 to 6
+     of 8 samples pass, filter_dataset.py);
+  5. eval: pass@1/8/32 (unbiased, 32 samples at T 0.8) on miniF2F-test, and search efficiency with and without V.
+Metrics (metrics.jsonl, step = iterations done): search/*, value/*, losses/*, charts/*, lean/*, eval/*, time/*.
 
-Run. `python coprover.py` without CUDA runs a loop scaled down by CPU_DEFAULTS (the embedded SmolLM2-135M as prover
-and value backbone, the five theorems of data/lean_tactics.jsonl, a round in minutes) and prints what it scaled;
-`torchrun --nproc_per_node 8 coprover.py` runs the README's sizes. Both need Lean: `bash setup.sh --lean`, or for a
-CPU smoke run the stand-in REPL, `LEAN_REPL_CMD="python tests/fake_lean_repl.py"` (it follows the tactic table of
-data/lean_tactics.jsonl). On the node both models are FSDP2-sharded in every rank; the prover generates with the
-colocated vLLM engine (asleep while either model trains); the value model scores states in batches on the trainer side
-(a full bf16 copy per rank, synced after each value update, so that ranks search independently); every rank searches
-its shard of the theorems with its own lean_verify pool (sized per LOCAL_WORLD_SIZE).
-
-Experiment map (prefix `torchrun --nproc_per_node 8`):
-  co-training (README defaults)                     python coprover.py
-  log-prob-only best-first search (no value model)  python coprover.py --no-value-model
-  independent training (value trained once)         python coprover.py --no-co-training
-  priority weight (0 = pure value, 1 = log-prob)    python coprover.py --alpha 0.5
-  the official labels: the root state only          python coprover.py --value-labels root
-  the official frontier bounds (its code keeps 7/8) python coprover.py --frontier-max 7
-  evaluation only                                   python coprover.py --rounds 0 --model <ckpt>/prover
-                                                      --value-backbone <ckpt>/value   (checkpoints/iter_XXXXXX/)
+Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
+--nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
+`bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
+which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md. On a node the prover generates
+with the colocated vLLM engine (asleep while a model trains); each rank scores states with a full copy of the value
+model, synced after each value update, so that ranks search alone.
 
 Deliberate deviations (each a fix of the official code or a gap it leaves):
-  1. Priority: the official value_guided_search.py adds the cumulative log-prob (an unbounded negative sum) to V in
-     [0, 1], so with alpha 0.3 the log-prob decides after a few steps. Here the log-prob term is exp(mean token
-     log-prob along the path), the geometric-mean token probability, in (0, 1] like V; alpha 1 is log-prob-only.
+  1. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
+     log-prob decides after a few steps; here exp(mean token log-prob of the path), in (0, 1] like V.
   2. The search runs: co_train.py passes --num-sampled-tactics/--timeout/--max-expansions to trajectory_collector.py,
-     which accepts none of them, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at
-     T 0.8, the collector's temperature), not ReProver's beam; a solved path counts only if the kernel accepts it as a
-     whole proof (check_tactic_path). Round 0, before any value model exists, searches by log-prob only.
-  3. Labels per state, as the README describes: the official collector emits one example per whole-proof attempt, the
-     theorem statement labelled 0.95^(lines of the proof) or 0 (`--value-labels root`: only root states, as proof
-     states, from the search and from every attempt). d counts top-level tactics, not lines; failed whole-proof
-     samples label only their root (they are not replayed).
-  4. Timeouts and server errors are failures: lean_reward.py, trajectory_collector.py and evaluate.py count a kimina
-     timeout (a result with "error" and no "response") as a valid proof.
-  5. The frontier filter counts a pass when Lean accepts the proof; filter_dataset.py counts a pass when kimina's
-     response is EMPTY, so valid proofs (response {"env": N}) count as failures and errors as passes. Bounds 1..6 of
-     8 (its docstring; its code also keeps 7 of 8).
-  6. The value model is value_model.py's scalar head, trained end to end by regression; the official training
-     scripts instead fine-tune the LM to print the value as text (train_value_model.py, train_value_slime.sh, which
-     also runs a single step: num_rollout 1), and nothing trains the head. It continues from the previous round.
-  7. 100 GRPO steps per round: slime's num_rollout 500 spread over the 5 rounds (co_train.py reruns
-     train_step_grpo.sh each round, which loads its fixed save directory: as we read slime, rounds after the first
-     find the 500 rollouts done). pi_old is the sampler's log-probs (slime recomputes them on the trainer: equal up to
-     numerics, with one optimizer step per rollout batch).
-  8. Search theorems are the training statements (Kimina-Prover-Promptset): the official collector reads LeanDojo
-     Benchmark 4, whose entries have no formal_statement, and falls back to prompting with the theorem's name.
-  9. Search prompts are the prover's whole-proof prompt with its answer block prefilled (the tactics so far, the goals
-     as a comment): the official lean_generate.py uses ReProver's "[GOAL] ... [PROOFSTEP]" for a tactic-level model.
+     which accepts none, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at T 0.8),
+     not ReProver's beam; a solved path counts only if the kernel accepts the whole proof (check_tactic_path). The
+     first iteration, before any value model, searches by log-prob only.
+  3. Labels per state (README); the official collector labels each whole-proof attempt's statement 0.95^(lines) or
+     0 (`--value-labels root`: root states only). d counts top-level tactics; failed whole proofs label their root.
+  4. Timeouts and server errors fail: lean_reward.py, trajectory_collector.py and evaluate.py count a kimina timeout
+     as a valid proof.
+  5. The frontier filter passes a proof Lean accepts; filter_dataset.py passes an EMPTY kimina response (valid proofs
+     fail, errors pass). Bounds 1..6 of 8 (its docstring; its code keeps 7 of 8 too).
+  6. The value model is value_model.py's scalar head, trained end to end by regression, continued across iterations;
+     the official scripts fine-tune the LM to print the value as text (train_value_slime.sh runs one step), and
+     nothing trains the head.
+  7. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on
+     its fixed save directory: as we read slime, later rounds find the 500 rollouts done). pi_old is the sampler's
+     log-probs (slime recomputes them: equal up to numerics, one step per rollout batch).
+  8. Search theorems are the training statements: the official collector reads LeanDojo Benchmark 4, which has no
+     formal_statement, and prompts with the theorem's name.
+  9. Search prompts are the whole-proof prompt with its answer block prefilled (the tactics so far, the goals as a
+     comment), not ReProver's "[GOAL] ... [PROOFSTEP]" (lean_generate.py).
  10. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
-     cancels in the advantage. A code block without the theorem's declaration is read as its tactic body.
- 11. Engineering: lean_verify (Lean 4.15 REPL) instead of kimina and LeanDojo; each rank searches `search_batch`
-     theorems in lockstep (one generate, one batched apply_tactics and one V call per expansion step), and a theorem's
-     300 s run on the batch's wall clock.
+     cancels. A code block without the theorem's declaration is read as its tactic body.
+ 11. lean_verify (Lean 4.15 REPL) instead of kimina and LeanDojo; each rank searches `search_batch` theorems in
+     lockstep (one generate, apply_tactics and V call per step), a theorem's 300 s on the batch's wall clock.
 """
 
 from __future__ import annotations
@@ -100,7 +78,7 @@ import sys
 import textwrap
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -115,7 +93,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import DEFAULT_HEADER, LeanNotInstalled, LeanVerifier, ProofJob, proof_from_tactics, strip_comments
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, ProofJob, load_problems, proof_from_tactics,
+                         strip_comments)
 
 
 @dataclass
@@ -124,79 +103,85 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
     seed: int = 1
-    """seed of the run"""
+    """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
     """where run directories go"""
     run_name: str | None = None
     """run directory name; default <exp_name>__<seed>"""
     track: bool = False
     """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
     save_every: int = 1
-    """save a checkpoint every this many rounds (and after the last)"""
+    """save a checkpoint every this many iterations (and after the last)"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
 
-    # models and backends
+    # model and backends
     model: str = "deepseek-ai/DeepSeek-Prover-V2-7B"
-    """the prover: a Hugging Face id or a local path"""
+    """the prover: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     value_backbone: str = "meta-llama/Llama-3.2-1B"
     """the value model's LM (any causal LM; a coprover checkpoint's value/ directory brings its head too)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
-    """vLLM's share of GPU memory (it sleeps while a model trains)"""
+    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
     vllm_sleep: bool = True
-    """put vLLM to sleep during training and wake it with fresh weights"""
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
     max_model_len: int = 8192
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
 
     # data
-    dataset: str = "AI-MO/Kimina-Prover-Promptset"
-    """training statements (prepare_minif2f.py): a Hugging Face dataset or a .jsonl with formal_statement (header)"""
-    num_statements: int | None = None
-    """use only the first N training statements"""
-    eval_dataset: str = "data/minif2f.jsonl"
-    """benchmark (jsonl with name, split, header, formal_statement)"""
-    eval_split: str = "test"
-    """which split of the benchmark"""
-    eval_limit: int | None = None
-    """use only the first N benchmark problems"""
+    dataset: str = "AI-MO/Kimina-Prover-Promptset"  # prepare_minif2f.py
+    """the problems to train on: a Hugging Face dataset, a .jsonl or a .json (lean_verify.load_problems)"""
+    num_problems: int | None = None
+    """use only the first N problems of --dataset (default all)"""
 
-    # co-training
-    rounds: int = 5
-    """co-training rounds (configs/co_training.yaml)"""
+    # algorithm
+    iterations: int = 5  # configs/co_training.yaml
+    """iterations to run (the paper's word: rounds); 0: no training, evaluate the given model"""
     search_theorems_per_round: int = 5000
-    """theorems searched each round (co_training.yaml num_theorems_per_round)"""
+    """theorems searched each iteration (co_training.yaml num_theorems_per_round)"""
+
+    # search (co_train.py, value_guided_search.py)
     num_sampled_tactics: int = 32
-    """K: tactics sampled per expansion (co_train.py; duplicates are applied once)"""
-    max_expansions: int = 128
-    """expansions per theorem (co_train.py)"""
+    """K: tactics sampled per expansion (official num_sampled_tactics; duplicates run once)"""
+    max_expansions: int | None = 128
+    """expansions per theorem (None: only the clock limits a search)"""
     search_timeout: float = 300.0
-    """wall-clock seconds per theorem (co_train.py)"""
-    alpha: float = 0.3
-    """priority = alpha * normalised log-prob + (1 - alpha) * V(s) (value_guided_search.py)"""
+    """wall-clock seconds per theorem"""
     search_temperature: float = 0.8
     """tactic sampling temperature (the official collector's)"""
-    tactic_max_tokens: int = 256
-    """longest tactic (lean_generate.py)"""
+    tactic_max_new_tokens: int = 256  # lean_generate.py
+    """longest tactic"""
+    lean_timeout: float = 60.0  # lean_reward.py
+    """Lean's wall-clock limit per whole proof and per tactic, in seconds"""
+    lean_workers: int | None = None
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each rank)"""
+    alpha: float = 0.3
+    """priority = alpha * normalised log-prob + (1 - alpha) * V(s) (value_guided_search.py)"""
     search_batch: int | None = None
     """theorems searched in lockstep on each rank (default: the rank's REPL pool size)"""
+
+    # value model (configs/value_model_sft.yaml, train_value_slime.sh)
     gamma: float = 0.95
     """value label gamma^d, d = steps left to QED"""
     value_labels: Literal["state", "root"] = "state"
     """label every state of a proof (README) or only the root (the official collector)"""
     positive_oversample: int = 3
     """positive labels are repeated this many times (co_training.yaml oversample_positive)"""
-
-    # value model training (configs/value_model_sft.yaml, train_value_slime.sh)
     value_learning_rate: float = 2e-5
-    """value model learning rate (cosine, after warm-up)"""
+    """value model learning rate (peak)"""
+    value_lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """learning-rate schedule after the warm-up (lr_at), over each iteration's value training"""
     value_warmup_steps: int = 10
-    """linear warm-up steps of each round's value training"""
+    """linear warm-up steps from 0, in each iteration's value training"""
     value_epochs: int = 3
-    """epochs over all labels so far, each round"""
+    """epochs over all labels so far, each iteration"""
     value_batch_size: int = 64
     """states per optimizer step"""
     value_micro_batch_size: int = 8
@@ -208,7 +193,7 @@ class Args:
 
     # prover GRPO (train_step_grpo.sh, configs/generator_grpo.yaml)
     grpo_steps_per_round: int = 100
-    """rollout batches per round (num_rollout 500 over 5 rounds)"""
+    """rollout batches per iteration (num_rollout 500 over 5 rounds)"""
     prompts_per_step: int = 64
     """prompts per rollout batch (rollout_batch_size)"""
     samples_per_prompt: int = 8
@@ -218,7 +203,11 @@ class Args:
     max_new_tokens: int = 4096
     """rollout_max_response_len"""
     learning_rate: float = 1e-6
-    """prover learning rate (constant)"""
+    """peak learning rate of the prover"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up (lr_at), over all rollout batches of the run"""
+    warmup_steps: int = 0
+    """linear warm-up steps from 0 (rollout batches)"""
     weight_decay: float = 0.01
     """AdamW weight decay (both models)"""
     adam_betas: tuple[float, float] = (0.9, 0.98)
@@ -243,20 +232,22 @@ class Args:
     """fewest passes kept"""
     frontier_max: int = 6
     """most passes kept"""
-    verifier_timeout: float = 60.0
-    """Lean seconds per whole proof and per tactic (lean_reward.py: 60)"""
-    lean_workers: int | None = None
-    """REPL processes per rank (default: lean_verify's share of the machine)"""
 
     # ablations
     value_model: bool = True
     """guide the search with the value model (--no-value-model: log-prob-only best-first search, no value model)"""
     co_training: bool = True
-    """train the value model every round (--no-co-training: only in round 0; the prover trains alone after it)"""
+    """train the value model every iteration (--no-co-training: only in the first; the prover trains alone after it)"""
 
     # evaluation
-    eval_every: int = 1
-    """evaluate every this many rounds (and after the last; co_train.py phase 4)"""
+    eval_dataset: str = "data/minif2f.jsonl"
+    """benchmark (lean_verify.load_problems: miniF2F's name, split, header, formal_statement)"""
+    eval_split: str | None = "test"
+    """which split of the benchmark (None: all rows)"""
+    eval_limit: int | None = None
+    """use only the first N benchmark problems"""
+    eval_every: int = 1  # co_train.py phase 4
+    """evaluate every this many iterations and after the last (0: only after the last)"""
     eval_samples: int = 32
     """whole-proof samples per benchmark problem"""
     eval_budgets: tuple[int, ...] = (1, 8, 32)
@@ -267,68 +258,29 @@ class Args:
     """benchmark problems searched with and without the value model (default all; 0: none)"""
 
 
-# Without CUDA the README's sizes would take weeks; these run a round on two cores in a few minutes (SmolLM2-135M
-# samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
+# Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes (SmolLM2-135M samples
+# ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
 CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2", dataset="data/lean_tactics.jsonl",
-                    rounds=2, search_theorems_per_round=5, num_sampled_tactics=4, max_expansions=3,
-                    tactic_max_tokens=24, value_epochs=1, value_batch_size=16, value_micro_batch_size=8,
+                    iterations=2, search_theorems_per_round=5, num_sampled_tactics=4, max_expansions=3,
+                    tactic_max_new_tokens=24, value_epochs=1, value_batch_size=16, value_micro_batch_size=8,
                     value_max_length=256, grpo_steps_per_round=1, prompts_per_step=4, samples_per_prompt=4,
                     max_new_tokens=64, learning_rate=1e-5, frontier_filter=False, max_model_len=1024, eval_limit=2,
                     eval_samples=4, eval_budgets=(1, 2, 4), eval_search_limit=2)
 
 
-def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
-    """Replace the README's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    given |= {g[3:] for g in given if g.startswith("no_")}  # --no-frontier-filter is a given flag too
-    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
-    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
-    for k, v in changed.items():
-        setattr(args, k, v)
-    return report
-
-
 # ---- prompts ----
 # The prover's whole-proof prompt: DeepSeek-Prover-V2's non-CoT format as the official data prep writes it (a raw
-# completion, no chat template); the answer is a new ```lean4 block with the whole theorem.
+# completion, no chat template); the answer is a new ```lean4 block with the whole theorem. Search asks the same prover
+# for one step: its answer block prefilled with the statement, the tactics so far and the goals in a comment
+# (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line. The value model reads a state in a frame.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```\n"
-# Search asks the same prover for one step: its answer block is prefilled with the statement, the tactics so far and
-# the current goals in a comment (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line.
 TACTIC_PROMPT = PROVER_PROMPT + "```lean4\n{header}{proof}\n  /- tactic state:\n{goals}\n  -/\n  "
-# The value model reads a proof state in this frame; its head reads the hidden state of the last token.
 VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a finished proof?"
 
 
 # ---- data ----
-# A statement to prove: its id, header (imports, options, opens) and statement ("theorem name ... := by", no proof).
-Problem = collections.namedtuple("Problem", "id header statement")
-
-
-def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
-    """Statements from a .jsonl (miniF2F's fields: name, split, header, formal_statement) or a Hugging Face dataset
-    (Kimina-Prover-Promptset, whose formal_statement starts with its header). What precedes the declaration is the
-    header; a trailing sorry is dropped; a statement that does not end in ':= by' or holds a sorry is skipped."""
-    if dataset.endswith(".jsonl"):
-        with open(dataset) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        import datasets  # imported here: it takes seconds, and the built-in sets do not need it
-
-        rows = list(datasets.load_dataset(dataset, split="train"))
-    problems, seen = [], set()
-    for i, row in enumerate(rows):
-        text = (row.get("formal_statement") or "").strip().removesuffix("sorry").rstrip()
-        text += " by" if text.endswith(":=") else ""
-        decl = re.search(r"^(theorem|lemma)\s", text, re.M)
-        if (split and row.get("split", split) != split) or not decl or not text.endswith(":= by") or "sorry" in text:
-            continue
-        pid = str(row.get("name") or row.get("id") or i)
-        pid = f"{pid}#{i}" if pid in seen else pid  # names repeat in some sets
-        seen.add(pid)
-        problems.append(Problem(pid, row.get("header") or text[: decl.start()] or DEFAULT_HEADER, text[decl.start() :]))
-    return problems[:limit] if limit else problems
-
-
+# Theorems are lean_verify's Problem(id, header, statement): load_problems reads miniF2F's fields and
+# Kimina-Prover-Promptset's formal_statement, whose text before the declaration is its header.
 def declaration(code: str, statement: str) -> re.Match | None:
     """Where `code` declares the theorem of `statement` (`theorem <name>` or `lemma <name>`)."""
     name = re.match(r"\s*(?:theorem|lemma)\s+(\S+)", statement).group(1)
@@ -336,9 +288,8 @@ def declaration(code: str, statement: str) -> re.Match | None:
 
 
 def extract_proof(completion: str, problem: Problem) -> str | None:
-    """The code Lean checks: the last closed ```lean4 block of the completion (lean_reward.py's rule) without its import
-    lines (the header has them), or None. A block that does not declare the theorem is its tactic body (deviation 10);
-    one that does must keep the statement (lean_verify checks it)."""
+    """The code Lean checks: the last closed ```lean4 block (lean_reward.py's rule) without its import lines (the header
+    has them), or None; a block without the theorem's declaration is its tactic body (deviation 10)."""
     blocks = re.findall(r"```lean4?[ \t]*\n(.*?)```", completion, re.S)
     code = "\n".join(line for line in (blocks or [""])[-1].rstrip().split("\n") if not line.startswith("import "))
     if not code.strip():
@@ -348,42 +299,49 @@ def extract_proof(completion: str, problem: Problem) -> str | None:
 
 
 def proof_tactics(code: str, problem: Problem) -> list[str]:
-    """The top-level tactics of a whole proof, to replay it step by step: the lines after the theorem's ':= by' with
-    comments blanked; a line indented deeper than the block (a `·` body, a `calc` step) or starting with `|` or `<;>`
-    continues the tactic above it, which is then a block (lean_verify sends it as one parenthesised sequence)."""
+    """The top-level tactics of a whole proof, to replay it: the lines after the theorem's ':= by', comments blanked; a
+    line indented deeper than the block (a `·` body, a `calc` step) or starting with `|` or `<;>` continues the tactic
+    above it, which is then a block (lean_verify sends it as one parenthesised sequence)."""
     code = strip_comments(code)[0] or code
     decl = declaration(code, problem.statement)
     start = code.find(":= by", decl.start() if decl else 0)
     first, *rest = code[start + len(":= by") :].split("\n") if start >= 0 else [""]
-    tactics = [first.strip()] if first.strip() else []
-    indent = min((len(line) - len(line.lstrip()) for line in rest if line.strip()), default=0)
-    for line in (line for line in rest if line.strip()):
-        deeper = len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))
-        if deeper and tactics:
+    tactics, rest = [first.strip()] if first.strip() else [], [line for line in rest if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in rest), default=0)
+    for line in rest:
+        if tactics and (len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))):
             tactics[-1] += "\n" + line[indent:].rstrip()
         else:
             tactics.append(line.strip())
     return tactics
 
 
+def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) -> list[Problem]:
+    """The statements of GRPO rollout `step` (slime --rollout-shuffle): epochs, each in its own seeded order."""
+    n, orders = len(problems), {}
+    for j in range(step * size, (step + 1) * size):
+        orders.setdefault(j // n, random.Random(f"{seed}/epoch{j // n}").sample(range(n), n))
+    return [problems[orders[j // n][j % n]] for j in range(step * size, (step + 1) * size)]
+
+
 # ---- rewards ----
 def proof_reward(result) -> float:
-    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof. lean_verify reports a timeout or a
-    server error as a failure, and it stays one here (the official reward counts a kimina timeout as valid)."""
+    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof; a timeout or a server error is a
+    failure (the official reward counts a kimina timeout as valid)."""
     return 1.0 if result.valid and result.status == "valid" else 0.0
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """GRPO's advantage (slime with grpo_std_normalization): (r - mean) / (std + eps) over a prompt's samples, the
-    std with Bessel's correction (torch's default). All-equal rewards give 0: no gradient (no dynamic sampling)."""
+    """GRPO's advantage (slime, grpo_std_normalization): (r - mean) / (std + eps) over a prompt's samples, the std with
+    Bessel's correction (torch's default). All-equal rewards give 0: no gradient (no dynamic sampling)."""
     r = np.asarray(rewards, dtype=np.float64)
     return ((r - r.mean()) / ((r.std(ddof=1) if len(r) > 1 else 0.0) + eps)).tolist()
 
 
 def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
-    """The value model's targets (README "gamma^d scoring"): a state on a proof path with d tactics left to QED gets
-    gamma^d (the nearest QED when it lies on several); every other expanded state lies only on failed paths and gets
-    0. A path lists the states before each of its tactics, the root first: [s_0, ..., s_{n-1}] -> gamma^n ... gamma."""
+    """The value model's targets (README "gamma^d scoring"): a state on a proof path with d tactics left gets gamma^d
+    (the nearest QED when on several), every other expanded state 0. A path lists the states before each of its
+    tactics, the root first: [s_0, ..., s_{n-1}] -> gamma^n ... gamma."""
     labels = {k: 0.0 for k in expanded}
     for path in proof_paths:
         for i, k in enumerate(path):
@@ -397,18 +355,13 @@ def priority(logprob: float, tokens: int, value: float, alpha: float) -> float:
     return alpha * math.exp(logprob / max(tokens, 1)) + (1 - alpha) * value
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (evaluate.py)."""
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
 # ---- losses ----
 def clip_higher_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                      n_tokens: int, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
     """DAPO's token-level clipped objective (slime compute_policy_loss, --calculate-per-token-loss, no KL):
-    -sum_{i,t} min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) / n_tokens, r_it = pi(y_it) / pi_old(y_it).
-    logp, old_logp, mask: [B, T]; advantages: [B]; n_tokens: the completion tokens of the whole optimizer batch (all
-    ranks), so that micro-batches add up. Also returns how many tokens the clip held back."""
+    -sum_{i,t} min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) / n_tokens, r_it = pi(y_it) / pi_old(y_it);
+    logp, old_logp, mask [B, T], advantages [B]; n_tokens: the whole optimizer batch's completion tokens (all ranks).
+    Also returns how many tokens the clip held back."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * advantages[:, None], ratio.clamp(1 - eps_low, 1 + eps_high) * advantages[:, None]
     return -(torch.minimum(unclipped, clipped) * mask).sum() / n_tokens, ((clipped < unclipped).float() * mask).sum()
@@ -420,150 +373,139 @@ def value_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- phases ----
-# A search node: its TacticState, the key of the node it came from, the summed log-prob and token count of the tactics
-# on its path. A finished search: the proof (tactics) or None, expansions, seconds, merged states, edges tried, failed
-# edges, and its labelled states [(state, label)]. A whole-proof attempt: its Sample, the code Lean accepted (None:
-# rejected), Lean's status ("no_code": nothing to check) and the reward.
-Node = collections.namedtuple("Node", "state parent logprob tokens")
-Tree = collections.namedtuple("Tree", "id proof expansions seconds merged edges failed labels")
-Attempt = collections.namedtuple("Attempt", "sample proof status reward")
+# A search's record: the fields every search of the family has, then the method's own (merged states, the labelled
+# states of step 2). A whole-proof attempt: its Sample, the code Lean accepted (None: rejected or no code), Lean's
+# status ("no_code": nothing to check), whether Lean accepted it (the reward) and Lean's seconds.
+SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
+                                                      "merged labels")
+Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
 
 
-def generate(sampler, prompts: list[str], keys: list[str], n: int, temperature: float, max_new_tokens: int,
-             stop: list[str] | None = None) -> list[list[Sample]]:
-    """n samples per prompt. vLLM: one call. transformers: a call per prompt, seeded by its key, so that the samples
-    depend neither on how the prompts are spread over ranks nor on a resume."""
-    if getattr(sampler, "llm", None):
-        return sampler.generate(prompts, n=n, temperature=temperature, max_new_tokens=max_new_tokens, stop=stop)
-    out = []
-    for prompt, key in zip(prompts, keys):
-        torch.manual_seed(zlib.crc32(key.encode()))
-        out += sampler.generate([prompt], n=n, temperature=temperature, max_new_tokens=max_new_tokens, stop=stop)
-    return out
+@dataclass(eq=False)
+class Node:  # a proof state of the search (states with the same goals are one node)
+    state: object  # lean_verify.TacticState
+    parent: str | None = None  # the key of the node whose expansion found this state
+    logprob: float = 0.0  # the summed log-prob of the tactics on its path (deviation 1)
+    tokens: int = 0  # and their number of tokens
 
 
 def best_first_search(sampler, verifier, problems: list[Problem], score, alpha: float, key: str, args: Args
-                      ) -> list[Tree]:
-    """Step 1, value-guided best-first search (README; ReProver's loop with value_guided_search.py's priority) on
-    `problems` in lockstep. Each step pops every live theorem's best open node, samples K tactics for it (one generate
-    call), applies the distinct ones (one apply_tactics call over the REPL pool), scores the new states with V
-    (`score`: texts -> values in one batch; None: log-prob only) and pushes them. A new state whose goals equal a
-    known node's is merged into it. A sample that is not one finished line, a tactic Lean rejects and a solved path
-    the kernel rejects are failed edges. A theorem stops at its first proof, with an empty queue, after max_expansions
-    or after search_timeout seconds."""
+                      ) -> list[SearchResult]:
+    """Step 1 on `problems` in lockstep (README; ReProver's loop, value_guided_search.py's priority): each step pops
+    every live theorem's best node, samples K tactics for each (one generate call), applies the distinct ones (one
+    apply_tactics call), scores the new states with V (`score`: texts -> values; None: log-prob only) and pushes them;
+    a state with known goals merges into its node. A sample that is not one finished line, a tactic Lean rejects and a
+    solved path the kernel rejects are failed edges. A theorem stops at its first proof, an empty queue or its budget."""
     start, tie = time.monotonic(), itertools.count(1)
-    roots = verifier.start_proofs([(p.header, p.statement) for p in problems])
-    trees = [dict(problem=p, nodes={r.key: Node(r, None, 0.0, 0)}, queue=[(0.0, 0, r.key)] if r.status == "open"
-                  else [], expanded=[], proof=None, merged=0, edges=0, failed=0, seconds=0.0)
-             for p, r in zip(problems, roots)]
-    while live := [t for t in trees if t["queue"] and t["proof"] is None and len(t["expanded"]) < args.max_expansions
-                   and time.monotonic() - start < args.search_timeout]:
-        prompts, keys = [], []
+    trees = [dict(problem=p, nodes={r.key: Node(r)}, queue=[(0.0, 0, r.key)] if r.status == "open" else [],
+                  expanded=[], proof=None, counts=collections.Counter(), seconds=0.0)
+             for p, r in zip(problems, verifier.start_proofs([(p.header, p.statement) for p in problems]))]
+    while live := [t for t in trees if t["queue"] and t["proof"] is None and time.monotonic() - start <
+                   args.search_timeout and (args.max_expansions is None or len(t["expanded"]) < args.max_expansions)]:
+        prompts = []
         for t in live:
             t["expanded"].append(heapq.heappop(t["queue"])[2])
             p, state = t["problem"], t["nodes"][t["expanded"][-1]].state
-            goals = "\n".join("  " + line for line in state.pretty.split("\n"))
-            prompts.append(TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals,
-                                                proof=proof_from_tactics(p.statement, state.tactics).rstrip()))
-            keys.append(f"{key}/{p.id}/{len(t['expanded'])}")
-        edges = []  # (tree, parent key, tactic, summed log-prob, tokens)
-        for t, row in zip(live, generate(sampler, prompts, keys, args.num_sampled_tactics, args.search_temperature,
-                                         args.tactic_max_tokens, stop=["\n"])):
+            goals, proof = "\n".join("  " + g for g in state.pretty.split("\n")), proof_from_tactics(p.statement,
+                                                                                                   state.tactics)
+            prompts.append(TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals, proof=proof.rstrip()))
+        # a key per prompt: a node's tactics are the same whichever theorems share its lockstep batch and rank
+        keys, edges = [f"{key}/{t['problem'].id}/{len(t['expanded'])}" for t in live], []
+        for t, row in zip(live, sample(sampler, prompts, args.num_sampled_tactics, keys, stop=["\n"],
+                                       temperature=args.search_temperature, max_new_tokens=args.tactic_max_new_tokens)):
             distinct = {}
             for s in row:  # truncated, aborted and empty samples are failed edges
                 if s.finish_reason != "stop" or not s.text.strip():
-                    t["edges"], t["failed"] = t["edges"] + 1, t["failed"] + 1
+                    t["counts"].update(edges=1, failed_edges=1)
                 else:
                     distinct.setdefault(s.text.strip(), (float(sum(s.logprobs)), len(s.token_ids)))
             edges += [(t, t["expanded"][-1], tactic, lp, n) for tactic, (lp, n) in distinct.items()]
-        children = verifier.apply_tactics([(t["nodes"][k].state, tactic) for t, k, tactic, _, _ in edges])
         new = []
-        for (t, k, tactic, lp, n), child in zip(edges, children):
+        for (t, k, tactic, lp, n), child in zip(edges, verifier.apply_tactics(
+                [(t["nodes"][k].state, tactic) for t, k, tactic, _, _ in edges])):
             if t["proof"] is not None:
                 continue  # proved by an earlier edge of this step
-            t["edges"] += 1
+            t["counts"]["edges"] += 1
             if child.status == "solved" and verifier.check_tactic_path(child).valid:
                 t["proof"] = (child.tactics, k)
             elif child.status != "open":
-                t["failed"] += 1
+                t["counts"]["failed_edges"] += 1
             elif child.key in t["nodes"]:
-                t["merged"] += 1
+                t["counts"]["merged"] += 1
             else:
                 parent = t["nodes"][k]
-                t["nodes"][child.key] = Node(child, k, parent.logprob + lp, parent.tokens + n)
-                new.append((t, child.key))
-        values = score([t["nodes"][c].state.pretty for t, c in new]) if score and new else [0.0] * len(new)
-        for (t, c), v in zip(new, values):
-            node = t["nodes"][c]
-            heapq.heappush(t["queue"], (-priority(node.logprob, node.tokens, v, alpha), next(tie), c))
+                new.append((t, Node(child, k, parent.logprob + lp, parent.tokens + n)))
+                t["nodes"][child.key] = new[-1][1]
+        values = score([node.state.pretty for _, node in new]) if score and new else [0.0] * len(new)
+        for (t, node), v in zip(new, values):
+            heapq.heappush(t["queue"], (-priority(node.logprob, node.tokens, v, alpha), next(tie), node.state.key))
         for t in live:
             t["seconds"] = time.monotonic() - start
-    out = []
+    results = []
     for t in trees:  # step 2 for the search: the states of the proof path, root first, and every expanded state
         nodes, path, k = t["nodes"], [], t["proof"][1] if t["proof"] else None
         while k is not None:
             path, k = [k] + path, nodes[k].parent
         labels = value_labels(t["expanded"], [path] if t["proof"] else [], args.gamma)
-        out.append(Tree(t["problem"].id, t["proof"][0] if t["proof"] else None, len(t["expanded"]), t["seconds"],
-                        t["merged"], t["edges"], t["failed"],
-                        [(nodes[k].state.pretty, v) for k, v in labels.items()
-                         if args.value_labels == "state" or nodes[k].parent is None]))
-    return out
+        results.append(SearchResult(t["problem"].id, t["proof"] and t["proof"][0], t["seconds"], len(t["expanded"]),
+                                    len(nodes), *(t["counts"][c] for c in ("edges", "failed_edges", "merged")),
+                                    [(nodes[k].state.pretty, v) for k, v in labels.items()
+                                     if args.value_labels == "state" or nodes[k].parent is None]))
+    return results
 
 
 def search(sampler, verifier, problems: list[Problem], score, alpha: float, key: str, args: Args, dist: Dist
-           ) -> list[Tree]:
-    """Step 1 on every rank's shard of `problems`, search_batch theorems at a time (default: one per REPL of the
-    rank's pool); after each batch the REPLs holding its proof states are restarted (a REPL never frees a state)."""
-    def run(mine: list[Problem]) -> list[Tree]:
-        size, trees = args.search_batch or verifier.workers, []
+           ) -> list[SearchResult]:
+    """Step 1 on every rank's share of `problems`, search_batch theorems at a time in lockstep (default: one per REPL of
+    the rank's pool); then the REPLs holding the batch's proof states are restarted (a REPL never frees one)."""
+    def run(mine: list[Problem]) -> list[SearchResult]:
+        size, results = args.search_batch or verifier.workers, []
         for i in range(0, len(mine), size):
-            trees += best_first_search(sampler, verifier, mine[i : i + size], score, alpha, key, args)
+            results += best_first_search(sampler, verifier, mine[i : i + size], score, alpha, key, args)
             verifier.free_states()
-        return trees
+        return results
 
     return map_sharded(run, problems, dist)
 
 
 def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperature: float, key: str, args: Args,
                    dist: Dist) -> list[list[Attempt]]:
-    """Whole proofs (GRPO's rollouts, the frontier filter's and the evaluation's samples): n samples per statement on
-    each rank's share; Lean checks header + statement + proof, a (statement, code) pair sampled twice once."""
-    def run(mine: list[Problem]) -> list[list[Attempt]]:
-        rows = generate(sampler, [PROVER_PROMPT.format(header=p.header, statement=p.statement) for p in mine],
-                        [f"{key}/{p.id}" for p in mine], n, temperature, args.max_new_tokens)
-        codes = [[extract_proof(s.text, p) if s.finish_reason in ("stop", "length") else None for s in row]
-                 for p, row in zip(mine, rows)]  # a failed sample (vLLM abort or error) has nothing to check
+    """Whole proofs (GRPO's rollouts, the frontier filter's and the evaluation's samples): n per statement, shared out
+    over the ranks, a statement seeded by its key; Lean checks them on the sampling rank, a (statement, code) once."""
+    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:
+        mine = problems[start : start + len(rows)]
+        codes = [[extract_proof(s.text, p) for s in row] for p, row in zip(mine, rows)]  # a failed sample's text: ""
         jobs = {(p.id, c): ProofJob(p.header, p.statement, c, p.id) for p, row in zip(mine, codes) for c in row if c}
-        verdicts = dict(zip(jobs, verifier.verify(list(jobs.values())) if jobs else []))
-        rewards = {job: proof_reward(v) for job, v in verdicts.items()}
-        return [[Attempt(s, c if rewards[p.id, c] else None, verdicts[p.id, c].status, rewards[p.id, c]) if c
-                 else Attempt(s, None, "no_code", 0.0) for s, c in zip(row, crow)]
+        verdicts = {job: (job[1] if proof_reward(v) else None, v.status, proof_reward(v) > 0, v.time)
+                    for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
+        return [[Attempt(s, *verdicts.get((p.id, c), (None, "no_code", False))) for s, c in zip(row, crow)]
                 for p, row, crow in zip(mine, rows, codes)]
 
-    return map_sharded(run, problems, dist)
+    prompts = [PROVER_PROMPT.format(header=p.header, statement=p.statement) for p in problems]
+    return sample(sampler, prompts, n, [f"{key}/{p.id}" for p in problems], dist, then=check, temperature=temperature,
+                  max_new_tokens=args.max_new_tokens)
 
 
-def frontier_filter(sampler, verifier, statements: list[Problem], args: Args, dist: Dist) -> list[str]:
+def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist: Dist) -> list[str]:
     """Data prep (filter_dataset.py): frontier_samples whole proofs per statement at frontier_temperature; the ids of
-    the statements with frontier_min..frontier_max of them proved. A pass is a proof Lean accepts (deviation 5)."""
-    attempts = attempt_proofs(sampler, verifier, statements, args.frontier_samples, args.frontier_temperature,
+    the statements with frontier_min..frontier_max of them proved (a pass: a proof Lean accepts, deviation 5)."""
+    attempts = attempt_proofs(sampler, verifier, problems, args.frontier_samples, args.frontier_temperature,
                               f"{args.seed}/frontier", args, dist)
-    return [p.id for p, row in zip(statements, attempts)
-            if args.frontier_min <= sum(a.reward for a in row) <= args.frontier_max]
+    return [p.id for p, row in zip(problems, attempts)
+            if args.frontier_min <= sum(a.correct for a in row) <= args.frontier_max]
 
 
 def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[Attempt]], args: Args, dist: Dist
                        ) -> list[tuple[str, float]]:
-    """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (as the official collector does); a
-    verified one of n top-level tactics labels the root gamma^n and, with per-state labels, is replayed tactic by
-    tactic (all of a rank's proofs in lockstep) so that its i-th state gets gamma^(n - i). A replay that does not end
-    solved (a proof using a lemma it declared first) labels the root only."""
+    """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (as the official collector does); a proof
+    of n top-level tactics labels the root gamma^n and, with per-state labels, is replayed (a rank's proofs in
+    lockstep), its i-th state labelled gamma^(n - i); a replay that does not end solved (a proof using a lemma it
+    declares) labels the root only."""
     def run(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
         roots, out, replays = verifier.start_proofs([(p.header, p.statement) for p, _ in mine]), [], []
         for (p, row), root in zip(mine, roots):
-            out.append([] if root.status != "open" else [(root.pretty, 0.0) for a in row if a.reward == 0])
-            for tactics in [proof_tactics(a.proof, p) for a in row if a.reward > 0 and root.status == "open"]:
+            out.append([] if root.status != "open" else [(root.pretty, 0.0) for a in row if not a.correct])
+            for tactics in [proof_tactics(a.proof, p) for a in row if a.correct and root.status == "open"]:
                 out[-1].append((root.pretty, args.gamma ** len(tactics)))
                 if args.value_labels == "state" and len(tactics) > 1:
                     replays.append((out[-1], [root], tactics))
@@ -574,8 +516,7 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
                 states.append(child)
         for labels, states, tactics in replays:
             if len(states) == len(tactics) + 1 and states[-1].status == "solved":
-                path = [s.key for s in states[:-1]]
-                found = value_labels([], [path], args.gamma)
+                found = value_labels([], [[s.key for s in states[:-1]]], args.gamma)
                 labels += [(s.pretty, found[s.key]) for s in states[1:-1]]
         return out
 
@@ -583,10 +524,8 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
 
 
 def load_value_model(name: str, dist: Dist, args: Args) -> torch.nn.Module:
-    """The value model (value_model.py): a causal LM, loaded and sharded as the prover, with a head on its final hidden
-    state, Linear(h, h/2) - GELU - Linear(h/2, 1) in fp32, registered as `value_head` so that FSDP2, checkpoints and
-    the HF directory carry it (a directory written by this file brings its trained head). The head starts from the
-    same seed on every rank and in every run; --freeze-value-backbone trains the head only."""
+    """The value model (value_model.py): a causal LM, loaded and sharded as the prover, with `value_head` on its final
+    hidden state, so that FSDP2, checkpoints and the HF directory carry it; --freeze-value-backbone trains the head."""
     model = load_model(name, dist, gradient_checkpointing=args.gradient_checkpointing)
     model.requires_grad_(not args.freeze_value_backbone)
     model.value_head = value_head(model.config.hidden_size, name).to(dist.device)
@@ -596,22 +535,21 @@ def load_value_model(name: str, dist: Dist, args: Args) -> torch.nn.Module:
 
 
 def value_head(hidden: int, name: str) -> torch.nn.Module:
+    """Linear(h, h/2) - GELU - Linear(h/2, 1) in fp32, from seed 0 (the same on every rank and in every run) or, from a
+    directory this file wrote, trained."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(),
-                                   torch.nn.Linear(hidden // 2, 1))
-    files = list(pathlib.Path(resolve_model(name)).glob("*.safetensors")) if os.path.isdir(resolve_model(name)) else []
-    saved = {k.removeprefix("value_head."): v for f in files for k, v in safetensors.torch.load_file(f).items()
-             if k.startswith("value_head.")}
+        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(), torch.nn.Linear(hidden // 2, 1))
+    saved = {k.removeprefix("value_head."): v for f in pathlib.Path(resolve_model(name)).glob("*.safetensors")
+             for k, v in safetensors.torch.load_file(f).items() if k.startswith("value_head.")}
     if saved:
         head.load_state_dict(saved)
     return head
 
 
 def value_scorer(value_model, name: str, dist: Dist):
-    """What scores states in search: the value model itself in one process; under torchrun a full copy per rank (bf16
-    on GPUs) of its current weights, since each rank searches its own shard and a sharded forward is a collective.
-    A collective: every rank calls it (after each value update)."""
+    """What scores states in search: the value model in one process; under torchrun a full copy of its weights per rank
+    (bf16 on GPUs), since each rank searches alone and a sharded forward is a collective. A collective."""
     if dist.world_size == 1:
         return value_model
     dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
@@ -622,9 +560,9 @@ def value_scorer(value_model, name: str, dist: Dist):
 
 
 def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tensor:
-    """V(s) for a batch of states (value_model.py): the prompts are left-padded (and keep their last value_max_length
-    tokens), so the last position holds the last real token; its final hidden state goes through the head in fp32
-    and a sigmoid. Positions count real tokens only, so a state's value does not depend on its batch."""
+    """V(s) of a batch of states (value_model.py): left-padded prompts (their last value_max_length tokens), so the last
+    position holds the last real token, whose final hidden state goes through the head in fp32 and a sigmoid;
+    positions count real tokens only, so a value does not depend on its batch."""
     enc = tokenizer([VALUE_PROMPT.format(state=t) for t in texts], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.value_max_length).to(next(model.parameters()).device)
     mask = enc["attention_mask"]
@@ -635,109 +573,89 @@ def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tenso
 
 @torch.no_grad()
 def value_scores(scorer, tokenizer, texts: list[str], args: Args) -> list[float]:
-    training = scorer.training
-    scorer.eval()
-    size = args.value_micro_batch_size
-    values = [v for i in range(0, len(texts), size) for v in value_forward(scorer, tokenizer, texts[i : i + size],
-                                                                             args).tolist()]
+    training, size = scorer.training, args.value_micro_batch_size
+    values = [v for i in range(0, len(texts), size)
+              for v in value_forward(scorer.eval(), tokenizer, texts[i : i + size], args).tolist()]
     scorer.train(training)
     return values
 
 
 def train_value(value_model, optimizer, tokenizer, labels: list[tuple[str, float]], args: Args, dist: Dist,
                 rng: random.Random) -> dict[str, float]:
-    """Step 3 (configs/value_model_sft.yaml, prepare_value_data.py): value_epochs epochs over the labels of all rounds
-    so far, each positive label repeated positive_oversample times, shuffled, value_batch_size states per optimizer
-    step; the mean squared error of V(s); linear warm-up, then a cosine decay to 0 over this round's steps."""
+    """Step 3 (configs/value_model_sft.yaml, prepare_value_data.py): value_epochs epochs over the labels so far, each
+    positive repeated positive_oversample times, shuffled, value_batch_size states a step; the mean squared error of
+    V(s); the HF/slime trainer's warm-up and cosine decay (lr_at) over this training's steps."""
     data = [x for x in labels for _ in range(args.positive_oversample if x[1] > 0 else 1)]
     per_epoch = -(-len(data) // args.value_batch_size)
-    total, losses, norms = args.value_epochs * per_epoch, [], []
+    total, stats = args.value_epochs * per_epoch, []
     for step in range(total):
         if step % per_epoch == 0:
             order = rng.sample(data, len(data))
         batch = order[(step % per_epoch) * args.value_batch_size :][: args.value_batch_size]
-        warm = args.value_warmup_steps
-        factor = (step + 1) / warm if step < warm else 0.5 + 0.5 * math.cos(math.pi * (step - warm) / (total - warm))
-        for group in optimizer.param_groups:
-            group["lr"] = args.value_learning_rate * factor
-        summed = 0.0
-        for micro, scale in micro_batches(batch, args.value_micro_batch_size, dist, length=lambda x: len(x[0])):
+
+        def loss_fn(micro: list[tuple[str, float]]) -> tuple[torch.Tensor, dict]:  # the batch's mean squared error
             values = value_forward(value_model, tokenizer, [text for text, _ in micro], args)
-            loss = value_loss(values, values.new_tensor([label for _, label in micro]))
-            (loss * scale).backward()  # scale: the mean over the whole batch after FSDP2's averaging over ranks
-            summed += loss.item() if scale else 0.0
-        norms.append(optimizer_step(value_model, optimizer, args.max_grad_norm))
-        losses.append(sum(all_gather_objects(summed, dist)) / len(batch))
-    return {"losses/value_loss_first_epoch": float(np.mean(losses[:per_epoch])),
-            "losses/value_loss": float(np.mean(losses[-per_epoch:])), "losses/value_grad_norm": float(np.mean(norms)),
+            return value_loss(values, values.new_tensor([label for _, label in micro])) / len(batch), {}
+
+        lr = lr_at(step, total, args.value_learning_rate, args.value_warmup_steps, args.value_lr_schedule)
+        stats.append(train_step(value_model, optimizer, batch, loss_fn, args.value_micro_batch_size, args.max_grad_norm,
+                                dist, length=lambda x: len(x[0]), lr=lr))
+    return {"losses/value_loss_first_epoch": float(np.mean([s["loss"] for s in stats[:per_epoch]])),
+            "losses/value_loss": float(np.mean([s["loss"] for s in stats[-per_epoch:]])),
+            "losses/value_grad_norm": float(np.mean([s["grad_norm"] for s in stats])),
             "value/steps": float(total), "value/examples": float(len(data))} if data else {}
 
 
-def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) -> list[Problem]:
-    """The statements of GRPO rollout `step` (slime --rollout-shuffle): epochs over the statements, each epoch in its
-    own seeded order, `size` prompts a rollout."""
-    n, orders, out = len(problems), {}, []
-    for j in range(step * size, (step + 1) * size):
-        order = orders.setdefault(j // n, random.Random(f"{seed}/epoch{j // n}").sample(range(n), n))
-        out.append(problems[order[j % n]])
-    return out
-
-
-def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist: Dist) -> dict[str, float]:
+def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist: Dist, lr: float | None = None
+                ) -> dict[str, float]:
     """Step 4, GRPO on one rollout batch (train_step_grpo.sh: advantage_estimator grpo, calculate_per_token_loss, eps
-    0.2 / 0.28, no KL, no entropy bonus): group advantages, then grpo_minibatches optimizer steps over the samples,
-    pi_old the sampler's log-probs. A sample with advantage 0 adds no gradient, so it is not run, but its tokens count
-    in the token-level denominator."""
-    items = [(a.sample, adv) for row in groups for a, adv in zip(row, group_advantages([a.reward for a in row]))]
-    size, losses, clipfracs, norms = -(-len(items) // args.grpo_minibatches), [], [], []
+    0.2 / 0.28, no KL, no entropy bonus): group advantages, then grpo_minibatches optimizer steps, pi_old the sampler's
+    log-probs. A sample with advantage 0 adds no gradient and is not run; its tokens count in the denominator."""
+    items = [(a.sample, adv) for row in groups for a, adv in zip(row, group_advantages([a.correct for a in row]))]
+    size, stats = -(-len(items) // args.grpo_minibatches), []
     for minibatch in [items[i : i + size] for i in range(0, len(items), size)]:
         n_tokens = sum(len(s.token_ids) for s, _ in minibatch)
-        train = [(s, adv) for s, adv in minibatch if abs(adv) > 1e-8 and s.token_ids]
-        if not train:
-            continue
-        summed, clipped = 0.0, 0.0
-        for micro, scale in micro_batches(train, args.micro_batch_size, dist,
-                                          length=lambda x: len(x[0].prompt_ids) + len(x[0].token_ids)):
+
+        def loss_fn(micro: list[tuple[Sample, float]]) -> tuple[torch.Tensor, dict]:
             logp, mask, _ = token_logprobs(policy, [s for s, _ in micro], args.temperature)
             pad = torch.nn.functional.pad  # pi_old: the sampler's log-probs, padded as logp
-            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, mask.shape[1] - len(s.logprobs)))
-                               for s, _ in micro])
+            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, mask.shape[1] - len(s.logprobs))) for s, _ in micro])
             loss, held = clip_higher_loss(logp, old, mask, logp.new_tensor([adv for _, adv in micro]), n_tokens,
                                           args.eps_clip, args.eps_clip_high)
-            # the loss is already divided by the whole minibatch's tokens; scale * len(train) is the world size (0 for
-            # a rank's padding micro-batch), which FSDP2's mean over ranks cancels
-            (loss * scale * len(train)).backward()
-            summed, clipped = summed + (loss.item() if scale else 0.0), clipped + (held.item() if scale else 0.0)
-        norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
-        losses.append(sum(all_gather_objects(summed, dist)))
-        clipfracs.append(sum(all_gather_objects(clipped, dist)) / n_tokens)
-    return {"losses/grpo_loss": float(np.mean(losses)), "losses/grpo_clipfrac": float(np.mean(clipfracs)),
-            "losses/grpo_grad_norm": float(np.mean(norms)), "losses/grpo_steps": float(len(norms))} if norms else {}
+            return loss, {"clipfrac": held.item() / n_tokens}
+
+        if train := [(s, adv) for s, adv in minibatch if abs(adv) > 1e-8 and s.token_ids]:
+            stats.append(train_step(policy, optimizer, train, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
+                                    length=lambda x: len(x[0].prompt_ids) + len(x[0].token_ids), lr=lr))
+    return {f"losses/grpo_{k}": float(np.mean([s[k] for s in stats])) for k in ("loss", "clipfrac", "grad_norm")} | {
+        "losses/grpo_steps": float(len(stats))} if stats else {}
 
 
 # ---- evaluation ----
-def search_metrics(trees: list[Tree], prefix: str) -> dict[str, float]:
-    """Search efficiency: the share of theorems proved, proofs per expansion and per second of search, nodes expanded
-    per proof (README), the proofs' length, merged states and the share of failed edges."""
-    proved = [t for t in trees if t.proof]
-    expansions, seconds = sum(t.expansions for t in trees), sum(t.seconds for t in trees)
-    return {f"{prefix}/theorems": float(len(trees)), f"{prefix}/proved_share": len(proved) / max(1, len(trees)),
-            f"{prefix}/proofs_per_expansion": len(proved) / max(1, expansions),
+def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
+    """Search efficiency (README): the theorems proved (count, share, per expansion and per second of search), the
+    expansions and nodes per proof, the proofs' length, the share of failed edges; merged states (the method's own)."""
+    proved = [r for r in results if r.proof is not None]
+    mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
+    expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
+    return {f"{prefix}/theorems": float(len(results)), f"{prefix}/proved": float(len(proved)),
+            f"{prefix}/proved_share": len(proved) / max(len(results), 1),
+            f"{prefix}/proofs_per_expansion": len(proved) / max(expansions, 1),
             f"{prefix}/proofs_per_second": len(proved) / seconds if seconds else 0.0,
-            f"{prefix}/expansions_per_proof": float(np.mean([t.expansions for t in proved])) if proved else 0.0,
-            f"{prefix}/proof_length": float(np.mean([len(t.proof) for t in proved])) if proved else 0.0,
-            f"{prefix}/merged_states": float(sum(t.merged for t in trees)),
-            f"{prefix}/failed_edge_share": sum(t.failed for t in trees) / max(1, sum(t.edges for t in trees))}
+            f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
+            f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
+            f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
+            f"{prefix}/expansions": float(expansions),
+            f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
+            f"{prefix}/merged_states": float(sum(r.merged for r in results))}
 
 
 def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist) -> dict[str, float]:
-    """Step 5 (evaluate.py): pass@k with the unbiased estimator from eval_samples whole proofs per problem at
-    eval_temperature; and search efficiency on the first eval_search_limit problems, value-guided (when there is a
-    value model) and log-prob only."""
+    """Step 5 (evaluate.py): pass@k (unbiased) from eval_samples whole proofs per problem at eval_temperature; search
+    efficiency on the first eval_search_limit problems, value-guided (with a value model) and log-prob only."""
     attempts = attempt_proofs(sampler, verifier, problems, args.eval_samples, args.eval_temperature, key, args, dist)
-    correct = [(len(row), sum(a.reward > 0 for a in row)) for row in attempts]
-    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, c, k) for n, c in correct]))
-               for k in args.eval_budgets if k <= args.eval_samples}
+    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(len(row), sum(a.correct for a in row), k)
+                                                for row in attempts])) for k in args.eval_budgets if k <= args.eval_samples}
     subset = problems[: args.eval_search_limit] if args.eval_search_limit is not None else problems
     for name, fn, alpha in [("value", score, args.alpha), ("logprob", None, 1.0)][0 if score else 1 :]:
         if subset:
@@ -748,22 +666,20 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
 
 # ---- main ----
 def main(args: Args) -> None:
-    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
-    dist = setup_distributed(args.seed)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     try:  # stop at once, before any model is loaded, when there is no Lean REPL (the search needs its tactic mode)
-        verifier = LeanVerifier(backend="repl", timeout=args.verifier_timeout, workers=args.lean_workers)
-    except LeanNotInstalled as e:
-        sys.exit(f"coprover.py searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a CPU smoke run "
-                 "without Lean, the stand-in REPL: LEAN_REPL_CMD='python tests/fake_lean_repl.py' python coprover.py")
-    if dist.is_main and scaled:
-        print("No CUDA: the README's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
-              sep="\n")
-    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, track=args.track)
-    statements = load_problems(args.dataset, args.num_statements)
+        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout,
+                                workers=max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None)
+    except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's tactic table
+        name = os.path.basename(__file__)
+        sys.exit(f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a CPU smoke run "
+                 f"without Lean, the stand-in REPL: LEAN_REPL_CMD='python tests/fake_lean_repl.py' python {name}")
+    if dist.is_main:
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
+    problems = load_problems(args.dataset, args.num_problems)
     benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
 
-    # the two models: the prover (GRPO; the sampler generates with it) and the value model (regression)
+    # the models (method: the prover, trained by GRPO and sampled; the value model, trained by regression)
     tokenizer, value_tokenizer = load_tokenizer(args.model), load_tokenizer(args.value_backbone)
     value_tokenizer.truncation_side = "left"  # a long state keeps the end of its prompt, where the head reads
     adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=args.weight_decay)
@@ -773,53 +689,49 @@ def main(args: Args) -> None:
         value_model = load_value_model(args.value_backbone, dist, args)
         models["value"] = (value_model, adamw([p for p in value_model.parameters() if p.requires_grad],
                                               args.value_learning_rate))
-    # run state: the labelled states of all rounds, the GRPO rollout counter, the frontier, value-training rounds
+    # run state: the labelled states of all iterations, the GRPO rollout counter, the frontier, value trainings done
     start, state = 0, {"labels": [], "grpo_step": 0, "frontier": None, "value_rounds": 0}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found[0] + 1, found[1]
-        if dist.is_main:
-            print(f"resuming {run_dir} at round {start}")
+        start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     scorer = value_scorer(value_model, args.value_backbone, dist) if args.value_model else None
     # V for the search; it reads `scorer` when called, so a new scorer after each value update is the one used
     score = (lambda texts: value_scores(scorer, value_tokenizer, texts, args)) if args.value_model else None
-
-    if args.frontier_filter and state["frontier"] is None and start < args.rounds:  # data prep (filter_dataset.py)
+    if args.frontier_filter and state["frontier"] is None and start < args.iterations:  # data prep (filter_dataset.py)
         with logger.timer("frontier"):
-            state["frontier"] = frontier_filter(sampler, verifier, statements, args, dist)
-    train_set = [s for s in statements if state["frontier"] is None or s.id in set(state["frontier"])]
-    if not train_set and start < args.rounds:
+            state["frontier"] = frontier_filter(sampler, verifier, problems, args, dist)
+    frontier = None if state["frontier"] is None else set(state["frontier"])
+    if not (train_set := [p for p in problems if frontier is None or p.id in frontier]) and start < args.iterations:
         sys.exit(f"coprover.py: no training statement left (frontier: {args.frontier_min}..{args.frontier_max} of "
                  f"{args.frontier_samples} proved); --no-frontier-filter trains on all of them")
 
-    for round_ in range(start, args.rounds):
-        metrics, rng = {"charts/train_statements": float(len(train_set))}, random.Random(f"{args.seed}/{round_}")
+    for iteration in range(start, args.iterations):
+        metrics, rng = {"charts/train_statements": float(len(train_set))}, random.Random(f"{args.seed}/{iteration}")
 
         # 1. Search: value-guided best-first search (log-prob only until a value model has been trained)
         with logger.timer("search"):
             guided = args.value_model and state["value_rounds"] > 0
             theorems = rng.sample(train_set, min(args.search_theorems_per_round, len(train_set)))
-            trees = search(sampler, verifier, theorems, score if guided else None, args.alpha if guided else 1.0,
-                           f"{args.seed}/{round_}/search", args, dist)
-            metrics |= search_metrics(trees, "search") | {"search/value_guided": float(guided)}
+            results = search(sampler, verifier, theorems, score if guided else None, args.alpha if guided else 1.0,
+                             f"{args.seed}/{iteration}/search", args, dist)
+            metrics |= search_metrics(results, "search") | {"search/value_guided": float(guided)}
 
         # 2. Labels: gamma^d on every state of a found proof, 0 off them (the whole proofs' labels come with step 4)
-        new_labels = [label for t in trees for label in t.labels]
-        state["labels"] += new_labels
+        state["labels"] += (new_labels := [label for r in results for label in r.labels])
 
         # 3. The value model: regression on all labels so far (--no-co-training: only once)
         if args.value_model and (args.co_training or state["value_rounds"] == 0) and state["labels"]:
             with logger.timer("value"):
                 sampler.sleep()
                 metrics |= train_value(*models["value"], value_tokenizer, state["labels"], args, dist,
-                                       random.Random(f"{args.seed}/{round_}/value"))
+                                       random.Random(f"{args.seed}/{iteration}/value"))
                 scorer = value_scorer(value_model, args.value_backbone, dist)
                 state["value_rounds"] += 1
 
         # 4. The prover: GRPO on whole proofs; their verified proofs are replayed for labels
         with logger.timer("grpo"):
-            rewards, statuses, stats, tokens = [], [], [], 0
+            stats, attempts = [], []
             sampler.sync_weights(policy)  # wakes vLLM (asleep since the value update) with the prover's weights
             for _ in range(args.grpo_steps_per_round):
                 batch = rollout_prompts(train_set, state["grpo_step"], args.prompts_per_step, args.seed)
@@ -828,33 +740,33 @@ def main(args: Args) -> None:
                 labels = whole_proof_labels(verifier, batch, groups, args, dist)
                 state["labels"], new_labels = state["labels"] + labels, new_labels + labels
                 sampler.sleep()
-                stats.append(grpo_update(*models["prover"], groups, args, dist))
+                lr = lr_at(state["grpo_step"], args.iterations * args.grpo_steps_per_round, args.learning_rate,
+                           args.warmup_steps, args.lr_schedule)
+                stats.append(grpo_update(*models["prover"], groups, args, dist, lr))
                 sampler.sync_weights(policy)
-                state["grpo_step"] += 1
-                rewards += [a.reward for row in groups for a in row]
-                statuses += [a.status for row in groups for a in row]
-                tokens += sum(len(a.sample.token_ids) for row in groups for a in row)
-            metrics |= {k: float(np.mean([s[k] for s in stats if k in s])) for k in set().union(*stats)}
-            metrics |= {"charts/reward_mean": float(np.mean(rewards or [0.0])), "charts/grpo_steps": float(len(stats)),
-                        "charts/grpo_tokens": float(tokens),
-                        **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))}}
+                state["grpo_step"], attempts = state["grpo_step"] + 1, attempts + [a for row in groups for a in row]
+            statuses = [a.status for a in attempts]
+            metrics |= {k: float(np.mean([s[k] for s in stats if k in s])) for k in set().union(*stats)} | {
+                "charts/reward_mean": float(np.mean([a.correct for a in attempts] or [0.0])),
+                "charts/grpo_steps": float(len(stats)),
+                "charts/grpo_tokens": float(sum(len(a.sample.token_ids) for a in attempts)),
+                **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))}}
         metrics |= {"value/new_labels": float(len(new_labels)), "value/labels": float(len(state["labels"])),
                     "value/new_positive_share": float(np.mean([y > 0 for _, y in new_labels] or [0.0])),
                     "value/new_label_mean": float(np.mean([y for _, y in new_labels] or [0.0]))}
 
         # 5. Evaluate: pass@k on the benchmark, search efficiency with and without the value model
-        if (round_ + 1) % max(1, args.eval_every) == 0 or round_ == args.rounds - 1:
+        if args.eval_every and (iteration + 1) % args.eval_every == 0 or iteration + 1 == args.iterations:
             with logger.timer("eval"):
                 metrics |= evaluate(sampler, verifier, benchmark, score if state["value_rounds"] else None,
-                                    f"{args.seed}/{round_}/eval", args, dist)
-        logger.log(metrics, step=round_)
-        if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
-            save_checkpoint(run_dir, round_, models, tokenizer, state, dist)
+                                    f"{args.seed}/{iteration}/eval", args, dist)
+        logger.log(metrics, step=iteration + 1)
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
             if dist.is_main and args.value_model:  # the block saves the prover's tokenizer with every model
-                value_tokenizer.save_pretrained(os.path.join(run_dir, "checkpoints", f"iter_{round_:06d}", "value"))
-
-    if start >= args.rounds:  # nothing to train (--rounds 0, or a finished run): evaluate the models as given
-        logger.log(evaluate(sampler, verifier, benchmark, score, f"{args.seed}/eval", args, dist), step=args.rounds)
+                value_tokenizer.save_pretrained(run_dir / "checkpoints" / f"iter_{iteration + 1:06d}" / "value")
+    if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
+        logger.log(evaluate(sampler, verifier, benchmark, score, f"{args.seed}/eval", args, dist), step=args.iterations)
     verifier.close()
 
 

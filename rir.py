@@ -9,38 +9,32 @@ Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR sp
 PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
 the ACTOR pi_l(y | s, s*) proposes a tactic that reaches it. Here both are ONE decoder LM (served by vLLM on GPUs)
 prompted in the official text formats ([CURRENT GOAL] / [TARGET GOAL] / [PROOFSTEP]); the official code trains two
-ByT5-small models. Each round:
-  1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples with
+ByT5-small models. Each iteration (the official run is one):
+  1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples D_t with
      L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)], the loss on the output tokens only;
   2. search: best-first (official) or MCTS (ours) over Lean's tactic mode (lean_verify); an expansion pops the best
      open node, the planner proposes n_goals = 5 target states, the actor n_tactics = 64 tactics for each, Lean runs
      them; a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s); identical states merge; the search
      stops at the first proof or at the budget (wall-clock seconds and expansions);
-  3. self-play (ours, expert iteration): proofs found on the training theorems are replayed through Lean into new
-     (s, y, s') triples, added to the triples of the next round's co-training. --rounds 0 is the official offline run.
-Metrics (metrics.jsonl; wandb with --track): eval/pass@1 under the budget (Tables 1-2), eval/{planner,actor,env}_time_
-proved (Figure 2), eval/search_time_proved and <run>/search_time_cdf.csv (Figure 3), eval/expansions_per_proof,
-selfplay/* for the self-play searches, losses/*, time/*; every search goes to <run>/searches.jsonl. matplotlib is not in
-requirements.txt; to draw Figure 3: `import csv, matplotlib.pyplot as plt; r = list(csv.DictReader(open(
-"search_time_cdf.csv"))); plt.step([float(x["seconds"]) for x in r], [float(x["share"]) for x in r], where="post")`.
+  3. self-play (ours, expert iteration): proofs found on the self-play theorems are replayed through Lean into new
+     (s, y, s') triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
+`--iterations 1` is the official offline run (co-train, evaluate); `--iterations 0` evaluates the given model.
+Metrics (metrics.jsonl, step = iterations done; wandb with --track): eval/pass@1 under the budget (Tables 1-2),
+eval/{planner,actor,env}_time_proved (Figure 2), eval/search_time_proved and <run>/search_time_cdf.csv (Figure 3),
+eval/expansions_per_proof, selfplay/* for the self-play searches, losses/*, time/*; every search goes to
+<run>/searches.jsonl. matplotlib is not in requirements.txt; to draw Figure 3: `import csv, matplotlib.pyplot as plt;
+r = list(csv.DictReader(open("search_time_cdf.csv"))); plt.step([float(x["seconds"]) for x in r], [float(x["share"])
+for x in r], where="post")`.
 
-Run. `python rir.py` without CUDA runs a scaled-down loop (CPU_DEFAULTS: SmolLM2-135M, data/rir_triples.jsonl, the five
-theorems of data/rir_theorems.jsonl, a few co-training steps, 4 expansions per search) and prints what it scaled;
-`torchrun --nproc_per_node 8 rir.py` runs the official sizes. Both need Lean (`bash setup.sh --lean`), or a stand-in:
-LEAN_REPL_CMD="python tests/fake_lean_repl.py" follows the tactic table of data/lean_tactics.jsonl, which the built-in
-triples and theorems come from. Data: --dataset is LeanDojo Benchmark 4's random split (the Hugging Face upload by the
-RiR authors, or train.json of zenodo.org/records/10929138/files/leandojo_benchmark_4.tar.gz, as the official
-utils/download_data.py fetches it); the theorems are miniF2F (data/minif2f.jsonl: valid for self-play, test for eval).
-Experiment map (miniF2F-test pass@1, one search per theorem; add to `torchrun --nproc_per_node 8 rir.py`):
-  Table 1 BFS    RiR                 --rounds 0
-                 ReProver (flat)     --rounds 0 --no-planner
-  Table 2 MCTS   RiR                 --rounds 0 --search mcts
-                 ReProver (flat)     --rounds 0 --search mcts --no-planner
-  the official joint model (joint_8gpu.yaml: one sequence s -> s*, y)     --joint-format
-  the talk's L_co as written (sequence sums, mean over triples)           --loss-reduction sequence
-  the official run's budgets (RiR 3200 s, ReProver 600 s)                 --search-timeout 3200 (RiR runs only)
-  self-play (ours, on by default)                                         --rounds N
-  evaluate a trained model without training                              --model <dir> --rounds 0 --train-steps 0
+Run. `python rir.py` without CUDA runs a loop scaled down by CPU_DEFAULTS (the embedded SmolLM2-135M,
+data/rir_triples.jsonl, the five theorems of data/rir_theorems.jsonl, a few co-training steps, 4 expansions per
+search) and prints what it scaled; `torchrun --nproc_per_node 8 rir.py` runs the official sizes. Both need Lean:
+`bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py" (it
+follows the tactic table of data/lean_tactics.jsonl, which the built-in triples and theorems come from). Data:
+--dataset is LeanDojo Benchmark 4's random split (the Hugging Face upload by the RiR authors, or train.json of
+zenodo.org/records/10929138/files/leandojo_benchmark_4.tar.gz, as the official utils/download_data.py fetches it);
+the theorems are miniF2F (data/minif2f.jsonl: valid for self-play, test for eval). Experiment map (Tables 1-2, the
+flat baseline, the joint format): README.md, "RiR".
 
 Deliberate deviations:
   1. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
@@ -55,14 +49,14 @@ Deliberate deviations:
   5. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals joined by blank lines,
      merged by goals_key; a proof counts only if check_tactic_path accepts it whole; a tactic proposed under two
      targets runs once; the tactics of one target run as one batch, and the expansion stops after the first batch that
-     proves (official: one tactic at a time); a per-tactic limit of tactic_timeout seconds.
+     proves (official: one tactic at a time); a per-tactic limit of lean_timeout seconds.
   6. LeanDojo Benchmark 4's test theorems need their source files (LeanDojo's Dojo), so its test column is not
      reproduced: its train split is the co-training data, theorems are statements (miniF2F).
   7. MCTS is ours (no code was released): PUCT with the planner x actor probability of the edges that found a child as
      its prior, no value network and no rollouts: an open leaf backs up leaf_value, a dead end 0 (and is never selected
      again), a proof ends the search; visits and values live on states (the first parent to find a state owns it);
      one simulation = one expansion, so the budgets are the BFS ones.
-  8. Self-play rounds are ours (expert iteration); each round continues from the current weights and optimizer.
+  8. Self-play iterations are ours (expert iteration); each continues from the current weights and optimizer.
   9. One theorem at a time per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N expansions
      (ReProver's allows N + 1).
  10. The default loss is each role's token mean over the batch (official: each T5's loss is the mean over its output
@@ -102,7 +96,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import LeanNotInstalled, LeanVerifier
+from lean_verify import LeanNotInstalled, LeanVerifier, Problem, load_problems, read_rows
 
 
 @dataclass
@@ -111,7 +105,7 @@ class Args:
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
     seed: int = 3407
-    """seed of the run (the official configs' seed_everything)"""
+    """seed of the run (each rank adds its rank) (official)"""
     output_dir: str = "runs"
     """where run directories go"""
     run_name: str | None = None
@@ -123,19 +117,19 @@ class Args:
     wandb_entity: str | None = None
     """the wandb entity (team)"""
     save_every: int = 1
-    """save a checkpoint every this many rounds (and after the last)"""
+    """save a checkpoint every this many iterations (and after the last)"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
 
     # model and backends
     model: str = "Qwen/Qwen2.5-0.5B"
-    """the decoder LM playing planner and actor (official: two ByT5-small models)"""
+    """planner and actor, one decoder LM: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
     """vLLM's share of GPU memory (it sleeps while the policy trains)"""
     vllm_sleep: bool = True
-    """put vLLM to sleep during training and wake it with fresh weights"""
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
     max_model_len: int = 4096
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
@@ -146,96 +140,91 @@ class Args:
     """traced tactics: LeanDojo Benchmark 4 (random split) on the Hugging Face hub, its train.json, or a .jsonl"""
     num_triples: int | None = None
     """use only the first N triples"""
-    theorems: str = "data/minif2f.jsonl"
-    """statements searched in self-play rounds (jsonl: name, split, header, formal_statement)"""
-    theorems_split: str | None = "valid"
-    """which split of --theorems (None: all rows)"""
-    num_theorems: int | None = None
-    """use only the first N self-play theorems"""
+    selfplay_dataset: str = "data/minif2f.jsonl"
+    """statements searched in self-play (lean_verify.load_problems: miniF2F's name, split, header, formal_statement)"""
+    selfplay_split: str | None = "valid"
+    """which split of --selfplay-dataset (None: all rows)"""
+    num_problems: int | None = None
+    """use only the first N problems of --selfplay-dataset (default all)"""
 
-    # co-training (L_co)
-    joint_format: bool = False
-    """one sequence per triple, [CURRENT GOAL] s -> [TARGET GOAL] s* [PROOFSTEP] y (official gen_type joint)"""
-    loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
-    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
+    # algorithm
+    iterations: int = 2
+    """iterations to run (the paper's word: rounds): co-train, then self-play except in the last (ours); 1: the
+    official offline run; 0: no training, evaluate the given model"""
+    train_steps: int = 40000
+    """co-training steps of iteration 0 (the released actor checkpoint: step 40000)"""
+    selfplay_train_steps: int = 4000
+    """co-training steps of each later iteration (ours)"""
+
+    # co-training (L_co; official goal_driven_tactic_8gpu.yaml)
     learning_rate: float = 2e-5
     """peak learning rate (AdamW, no weight decay)"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """learning-rate schedule after the warm-up (lr_at), over each iteration's co-training (official common.py)"""
     warmup_steps: int = 4000
-    """linear warm-up steps, then cosine decay (official goal_driven_tactic_8gpu.yaml)"""
-    train_steps: int = 40000
-    """co-training steps of round 0 (the released actor checkpoint: step 40000)"""
-    selfplay_train_steps: int = 4000
-    """co-training steps of each later round (ours)"""
+    """linear warm-up steps from 0 (official)"""
     batch_size: int = 32
     """triples per optimizer step (each gives a planner and an actor sequence)"""
     micro_batch_size: int = 8
-    """triples per forward/backward pass on each rank"""
+    """triples per forward/backward on each rank"""
     max_grad_norm: float = 1.0
     """gradient clipping (official gradient_clip_val)"""
+    loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
+    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
     max_state_tokens: int = 768
     """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
-    max_goal_tokens: int = 768
-    """longest target state the planner writes (official max_oup_seq_len 2300 bytes)"""
-    max_tactic_tokens: int = 128
-    """longest tactic the actor writes (official max_oup_seq_len 512 bytes)"""
 
     # search
     search: Literal["bfs", "mcts"] = "bfs"
     """best-first search (official) or MCTS (the talk's Table 2; ours)"""
-    planner: bool = True
-    """the goal planner (--no-planner: the flat ReProver baseline, the same LM as a plain tactic generator)"""
-    n_goals: int = 5
-    """target states the planner proposes per expansion (official scripts' num_sampled_goals)"""
-    n_tactics: int = 64
-    """tactics the actor proposes per target state, or per expansion without planner (num_sampled_tactics)"""
+    num_sampled_goals: int = 5
+    """target states the planner proposes per expansion (official num_sampled_goals)"""
+    num_sampled_tactics: int = 64
+    """tactics the actor proposes per target state, or per expansion without planner (official num_sampled_tactics)"""
+    max_expansions: int | None = None
+    """expansions per theorem (None: the clock only, as official RiR)"""
+    search_timeout: float = 600.0
+    """wall-clock seconds per theorem, the same for RiR and the flat baseline (official --timeout)"""
     temperature: float = 1.0
     """sampling temperature of planner and actor"""
     top_p: float = 1.0
     """nucleus sampling"""
-    search_timeout: float = 600.0
-    """wall-clock seconds per search, the same for RiR and the flat baseline (official --timeout)"""
-    max_expansions: int | None = None
-    """expansions per search (None: the clock only, as official RiR)"""
-    tactic_timeout: float = 60.0
-    """Lean's limit per tactic step, in seconds (a timeout is a failed edge)"""
+    goal_max_new_tokens: int = 768
+    """longest target state the planner writes (official max_oup_seq_len 2300 bytes)"""
+    tactic_max_new_tokens: int = 128
+    """longest tactic the actor writes (official max_oup_seq_len 512 bytes)"""
+    lean_timeout: float = 60.0
+    """Lean's wall-clock limit per tactic, in seconds (a timeout is a failed edge)"""
+    lean_workers: int | None = None
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each rank)"""
     c_puct: float = 1.0
     """MCTS: exploration constant of PUCT"""
     leaf_value: float = 0.5
     """MCTS: value an open leaf backs up (no value network; a dead end backs up 0)"""
-    lean_workers: int | None = None
-    """Lean REPL processes per rank (default: the verifier's choice)"""
 
-    # self-play and evaluation
-    rounds: int = 1
-    """self-play rounds (ours): search the theorems, replay the proofs into triples, co-train again; 0: offline"""
-    eval_theorems: str = "data/minif2f.jsonl"
-    """statements of the pass@1 evaluation"""
+    # ablations
+    planner: bool = True
+    """the goal planner (--no-planner: the flat ReProver baseline, the same LM as a plain tactic generator)"""
+    joint_format: bool = False
+    """one sequence per triple, [CURRENT GOAL] s -> [TARGET GOAL] s* [PROOFSTEP] y (official gen_type joint)"""
+
+    # evaluation
+    eval_dataset: str = "data/minif2f.jsonl"
+    """benchmark (lean_verify.load_problems: miniF2F's name, split, header, formal_statement)"""
     eval_split: str | None = "test"
-    """which split of --eval-theorems (None: all rows)"""
+    """which split of the benchmark (None: all rows)"""
     eval_limit: int | None = None
-    """use only the first N evaluation theorems"""
+    """use only the first N benchmark problems"""
 
 
 # Without CUDA the official sizes would take weeks; these run `python rir.py` on 2 cores in minutes (SmolLM2-135M
 # samples ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s).
-CPU_DEFAULTS = dict(model="EMBEDDED", dataset="data/rir_triples.jsonl", theorems="data/rir_theorems.jsonl",
-                    theorems_split="builtin", eval_theorems="data/rir_theorems.jsonl", eval_split="builtin",
-                    n_goals=2, n_tactics=8, max_expansions=4, search_timeout=300.0, tactic_timeout=10.0,
-                    train_steps=8, selfplay_train_steps=2, warmup_steps=0, learning_rate=3e-4, batch_size=8,
-                    micro_batch_size=4, max_state_tokens=128, max_goal_tokens=64, max_tactic_tokens=24,
-                    max_model_len=1024, gradient_checkpointing=False)
-
-
-def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
-    """Replace the official sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    given |= {g[3:] for g in given if g.startswith("no_")}  # --no-planner is a given flag too
-    wanted = {k: EMBEDDED_MODEL if v == "EMBEDDED" else v for k, v in CPU_DEFAULTS.items()}
-    changed = {k: v for k, v in wanted.items() if k not in given and getattr(args, k) != v}
-    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
-    for k, v in changed.items():
-        setattr(args, k, v)
-    return report
+CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/rir_triples.jsonl", selfplay_dataset="data/rir_theorems.jsonl",
+                    selfplay_split="builtin", eval_dataset="data/rir_theorems.jsonl", eval_split="builtin",
+                    num_sampled_goals=2, num_sampled_tactics=8, max_expansions=4, search_timeout=300.0,
+                    lean_timeout=10.0, train_steps=8, selfplay_train_steps=2, warmup_steps=0, learning_rate=3e-4,
+                    batch_size=8, micro_batch_size=4, max_state_tokens=128, goal_max_new_tokens=64,
+                    tactic_max_new_tokens=24, max_model_len=1024, gradient_checkpointing=False)
 
 
 # ---- prompts ----
@@ -252,29 +241,15 @@ NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof
 
 
 # ---- data ----
-# A traced tactic (s, y*, s*): the state before it, the tactic, the state after it (official datamodule._load_data).
-# A theorem to search: its name, header (imports and opens) and statement (ending ':= by').
+# Theorems to search are lean_verify's Problem(id, header, statement). A traced tactic (s, y*, s*): the state before
+# it, the tactic, the state after it (official datamodule._load_data).
 Triple = collections.namedtuple("Triple", "state tactic target")
-Theorem = collections.namedtuple("Theorem", "name header statement")
 
 
 def format_state(text: str) -> str:
     """LeanDojo's pretty-printed state without its leading 'N goals' line (official common.format_state)."""
     head, _, rest = text.partition("\n")
     return rest.strip() if head.endswith(" goals") and head.split()[0].isdigit() else text.strip()
-
-
-def read_rows(source: str) -> list[dict]:
-    """Rows of a .jsonl file, a .json list (LeanDojo's train.json) or a Hugging Face dataset's train split."""
-    if source.endswith(".jsonl"):
-        with open(source) as f:
-            return [json.loads(line) for line in f if line.strip()]
-    if source.endswith(".json"):
-        with open(source) as f:
-            return json.load(f)
-    import datasets  # imported here: it takes seconds, and the built-in sets do not need it
-
-    return list(datasets.load_dataset(source, split="train"))
 
 
 def load_triples(source: str, limit: int | None = None) -> list[Triple]:
@@ -288,14 +263,6 @@ def load_triples(source: str, limit: int | None = None) -> list[Triple]:
                                  f"{sorted(t)}")
             triples.append(Triple(format_state(t["state_before"]), t["tactic"].strip(), format_state(t["state_after"])))
     return triples[:limit] if limit else triples
-
-
-def load_theorems(source: str, split: str | None = None, limit: int | None = None) -> list[Theorem]:
-    """Statements in miniF2F's fields (name, split, header, formal_statement ending ':= by'), such as data/minif2f.jsonl
-    and data/rir_theorems.jsonl."""
-    rows = [r for r in read_rows(source) if split is None or r.get("split") == split]
-    theorems = [Theorem(str(r["name"]), r.get("header", ""), r["formal_statement"].strip()) for r in rows]
-    return theorems[:limit] if limit else theorems
 
 
 def clip(tokenizer, text: str, max_tokens: int) -> str:
@@ -346,19 +313,13 @@ def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor
     return -sum(seq[roles == r].sum() / d for r, d in enumerate(denominators) if d > 0)
 
 
-def lr_factor(step: int, total: int, warmup: int) -> float:
-    """Linear warm-up, then cosine decay to 0 at `total` (official common.get_optimizers)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(total - warmup, 1)))
-
-
 # ---- phases ----
-# A proposal: target state s* (None without the planner), tactic y (None for a malformed sample: a failed edge) and
-# their log-probabilities. A search's record: its proof (the tactic path) and the official "Search Statistics".
+# A search node (below). A proposal: target state s* (None without the planner), tactic y (None for a malformed
+# sample: a failed edge) and their log-probabilities. A search's record: the shared fields of the family (coprover.py's
+# too), then whether the proof came within the budget and the official "Search Statistics" (seconds per role).
 Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
-SearchResult = collections.namedtuple("SearchResult", "name proved proof time planner_time actor_time env_time "
-                                                      "expansions nodes edges failed_edges")
+SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
+                                                      "proved planner_seconds actor_seconds env_seconds")
 
 
 @dataclass(eq=False)
@@ -386,46 +347,41 @@ def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tu
     for s, y, g in triples:
         s, g = clip(tokenizer, s, args.max_state_tokens), clip(tokenizer, g, args.max_state_tokens)
         if not args.planner:
-            items.append([sequence(FLAT_PROMPT.format(state=s), y, args.max_tactic_tokens, 1)])
+            items.append([sequence(FLAT_PROMPT.format(state=s), y, args.tactic_max_new_tokens, 1)])
         elif args.joint_format:
             items.append([sequence(JOINT_PROMPT.format(state=s), JOINT_TARGET.format(target=g, tactic=y),
-                                   args.max_goal_tokens + args.max_tactic_tokens, 0)])
+                                   args.goal_max_new_tokens + args.tactic_max_new_tokens, 0)])
         else:
-            items.append([sequence(PLANNER_PROMPT.format(state=s), g, args.max_goal_tokens, 0),
-                          sequence(ACTOR_PROMPT.format(state=s, target=g), y, args.max_tactic_tokens, 1)])
+            items.append([sequence(PLANNER_PROMPT.format(state=s), g, args.goal_max_new_tokens, 0),
+                          sequence(ACTOR_PROMPT.format(state=s, target=g), y, args.tactic_max_new_tokens, 1)])
     return items
 
 
 def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist, rng: random.Random) -> dict:
     """Offline goal-driven co-training (official generator/main.py fit, one model here): `steps` AdamW steps on
     batches of batch_size triples drawn epoch by epoch, each step minimising L_co over its batch; linear warm-up, then
-    cosine decay. Each rank runs its share of every batch."""
+    cosine decay over the `steps` (Lightning + get_cosine_schedule_with_warmup, interval "step"). Each rank runs its
+    share of every batch."""
     stream, history, size = [], [], min(args.batch_size, len(items))
     for step in range(steps):
         while len(stream) < size:
             stream += rng.sample(items, len(items))
         batch, stream = stream[:size], stream[size:]
-        for group in optimizer.param_groups:
-            group["lr"] = args.learning_rate * lr_factor(step, steps, args.warmup_steps)
         tokens = [sum(len(s.token_ids) for item in batch for s, r in item if r == role) for role in (0, 1)]
         denominators = tokens if args.loss_reduction == "token_mean" else [len(batch)] * 2
-        sums = collections.Counter()
-        length = lambda item: sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item)  # noqa: E731
-        for micro, scale in micro_batches(batch, args.micro_batch_size, dist, length=length):
+
+        def loss_fn(micro: list) -> tuple[torch.Tensor, dict]:  # the batch's L_co; the roles' summed NLL to log
             pairs = [x for item in micro for x in item]
             logp, mask, _ = token_logprobs(policy, [s for s, _ in pairs])
-            roles = torch.tensor([r for _, r in pairs], device=logp.device)
-            loss = co_training_loss(logp, mask, roles, denominators)
-            # the loss is divided by the whole batch's denominators; scale * len(batch) is the world size (0 for a
-            # rank's padding micro-batch), which FSDP2's mean over ranks cancels
-            (loss * scale * len(batch)).backward()
-            if scale:
-                nll = -(logp.detach() * mask).sum(1)
-                sums.update(loss=loss.item(), goal=nll[roles == 0].sum().item(), tactic=nll[roles == 1].sum().item())
-        grad_norm = optimizer_step(policy, optimizer, args.max_grad_norm)
-        total = sum((collections.Counter(part) for part in all_gather_objects(dict(sums), dist)), collections.Counter())
-        history.append({"loss": total["loss"], "goal_nll": total["goal"] / max(tokens[0], 1),
-                        "tactic_nll": total["tactic"] / max(tokens[1], 1), "grad_norm": grad_norm})
+            roles, nll = torch.tensor([r for _, r in pairs], device=logp.device), -(logp.detach() * mask).sum(1)
+            return co_training_loss(logp, mask, roles, denominators), {
+                "goal": nll[roles == 0].sum().item(), "tactic": nll[roles == 1].sum().item()}
+
+        stats = train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
+                           length=lambda item: sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item),
+                           lr=lr_at(step, steps, args.learning_rate, args.warmup_steps, args.lr_schedule))
+        history.append({"loss": stats["loss"], "goal_nll": stats["goal"] / max(tokens[0], 1),
+                        "tactic_nll": stats["tactic"] / max(tokens[1], 1), "grad_norm": stats["grad_norm"]})
     metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
     return metrics | {"losses/loss_first": history[0]["loss"], "losses/loss_last": history[-1]["loss"],
                       "losses/steps": float(steps), "losses/learning_rate": args.learning_rate}
@@ -445,35 +401,33 @@ def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
 
 
 def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[Edge], float, float]:
-    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples n_goals
-    target states s* ~ pi_h(. | s), the actor n_tactics tactics y ~ pi_l(. | s, s*) for each (without planner,
-    n_tactics y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by log-prob; malformed
-    samples last, as failed edges), and the planner's and the actor's seconds. Each call is seeded from `key`, so on
-    the transformers backend a search depends neither on the number of ranks nor on a resume."""
-    state, planner_time = clip(tokenizer, state, args.max_state_tokens), 0.0
+    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples
+    num_sampled_goals target states s* ~ pi_h(. | s), the actor num_sampled_tactics tactics y ~ pi_l(. | s, s*) for
+    each (without planner, y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by
+    log-prob; malformed samples last, as failed edges), and the planner's and the actor's seconds. Each call has its
+    own key, so a search depends neither on the number of ranks nor on a resume."""
+    state, planner_seconds = clip(tokenizer, state, args.max_state_tokens), 0.0
     targets, failed_plans = [(None, 0.0)], []
     if args.planner:
         start = time.monotonic()
-        torch.manual_seed(zlib.crc32(f"{key}/planner".encode()))
-        goals = sampler.generate([PLANNER_PROMPT.format(state=state)], n=args.n_goals, temperature=args.temperature,
-                                 top_p=args.top_p, max_new_tokens=args.max_goal_tokens, stop=[GOAL_STOP],
-                                 desc="plan")[0]
+        [goals] = sample(sampler, [PLANNER_PROMPT.format(state=state)], args.num_sampled_goals, f"{key}/planner",
+                         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.goal_max_new_tokens,
+                         stop=[GOAL_STOP], desc="plan")
         targets, malformed = ranked(goals)
-        failed_plans, planner_time = [Edge(None, None, 0.0, 0.0)] * malformed, time.monotonic() - start
+        failed_plans, planner_seconds = [Edge(None, None, 0.0, 0.0)] * malformed, time.monotonic() - start
     planned, edges = time.monotonic(), []
     prompts = [ACTOR_PROMPT.format(state=state, target=clip(tokenizer, g, args.max_state_tokens)) if args.planner
                else FLAT_PROMPT.format(state=state) for g, _ in targets]
-    torch.manual_seed(zlib.crc32(f"{key}/actor".encode()))
-    outputs = sampler.generate(prompts, n=args.n_tactics, temperature=args.temperature, top_p=args.top_p,
-                               max_new_tokens=args.max_tactic_tokens, desc="act") if prompts else []
-    for (target, logp_goal), samples in zip(targets, outputs):
+    for (target, logp_goal), samples in zip(targets, sample(
+            sampler, prompts, args.num_sampled_tactics, f"{key}/actor", temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.tactic_max_new_tokens, desc="act")):
         tactics, malformed = ranked(samples)
         edges += [Edge(target, y, logp_goal, logp) for y, logp in tactics]
         edges += [Edge(target, None, logp_goal, 0.0)] * malformed
-    return edges + failed_plans, planner_time, time.monotonic() - planned
+    return edges + failed_plans, planner_seconds, time.monotonic() - planned
 
 
-def expand(node: Node, edges: list[Edge], verifier, nodes: dict, args: Args) -> tuple[object, collections.Counter]:
+def expand(node: Node, edges: list[Edge], verifier, nodes: dict) -> tuple[object, collections.Counter]:
     """One expansion after the proposals (official _step): run the tactics on the node's state in Lean's tactic mode,
     one batch per target in the planner's order, until a batch proves the theorem (check_tactic_path must accept the
     whole proof). A new open state becomes a child with priority parent + log p(y | s, s*) + log p(s* | s); a state
@@ -484,7 +438,7 @@ def expand(node: Node, edges: list[Edge], verifier, nodes: dict, args: Args) -> 
         group = list(group)
         todo = list(dict.fromkeys(e.tactic for e in group if e.tactic and e.tactic not in tried))
         start = time.monotonic()
-        tried.update(zip(todo, verifier.apply_tactics([(node.state, t) for t in todo], args.tactic_timeout)))
+        tried.update(zip(todo, verifier.apply_tactics([(node.state, t) for t in todo])))
         stats["env"] += time.monotonic() - start
         for e in group:
             child = tried.get(e.tactic)
@@ -497,7 +451,7 @@ def expand(node: Node, edges: list[Edge], verifier, nodes: dict, args: Args) -> 
                     node.expanded = True
                     return child, stats
             if child is None or child.status != "open":
-                stats["failed"] += 1
+                stats["failed_edges"] += 1
                 continue
             logp = e.logp_goal + e.logp_tactic
             if child.key in mass:  # another edge to a child of this expansion: its prior mass grows
@@ -533,14 +487,14 @@ def backup(path: list[Node], value: float) -> None:
         node.dead = all(c.dead for c in node.children)
 
 
-def prove(theorem: Theorem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
+def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
     """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree, or the
     budget: search_timeout seconds of wall clock and max_expansions expansions, the same for RiR and the flat baseline.
     BFS pops the open node of highest priority; MCTS selects by PUCT and backs up leaf_value (0 for a dead end). As
     officially, the clock is checked after each expansion, and a proof found past the timeout does not count.
     `plan_and_act(state_text, expansion)` -> (edges, planner seconds, actor seconds)."""
-    root = Node(verifier.start_proof(theorem.header, theorem.statement))
-    nodes, frontier, tie, times = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
+    root = Node(verifier.start_proof(problem.header, problem.statement))
+    nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
     proof, expansions, start = None, 0, clock()
     while (root.state.status == "open" and proof is None and clock() - start <= args.search_timeout
            and (args.max_expansions is None or expansions < args.max_expansions)):
@@ -552,42 +506,42 @@ def prove(theorem: Theorem, plan_and_act, verifier, args: Args, clock=time.monot
             if root.dead:
                 break
             path = select(root, args.c_puct)
-        edges, planner_time, actor_time = plan_and_act(path[-1].state.pretty, expansions)
-        proof, stats = expand(path[-1], edges, verifier, nodes, args)
-        times.update(stats)
-        times.update(planner=planner_time, actor=actor_time)
+        edges, planner_seconds, actor_seconds = plan_and_act(path[-1].state.pretty, expansions)
+        proof, stats = expand(path[-1], edges, verifier, nodes)
+        counts.update(stats)
+        counts.update(planner=planner_seconds, actor=actor_seconds)
         expansions += 1
         if args.search == "bfs":
             for child in path[-1].children:
                 heapq.heappush(frontier, (-child.priority, next(tie), child))
         else:
             backup(path, 0.0 if path[-1].dead else args.leaf_value)
-    elapsed = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
-    return SearchResult(theorem.name, proof is not None and elapsed <= args.search_timeout,
-                        proof.tactics if proof else None, elapsed, times["planner"], times["actor"], times["env"],
-                        expansions, len(nodes), times["edges"], times["failed"])
+    seconds = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
+    return SearchResult(problem.id, proof.tactics if proof else None, seconds, expansions, len(nodes), counts["edges"],
+                        counts["failed_edges"], proof is not None and seconds <= args.search_timeout,
+                        counts["planner"], counts["actor"], counts["env"])
 
 
-def search_theorems(sampler, tokenizer, verifier, theorems: list[Theorem], key: str, args: Args,
-                    dist: Dist) -> list[SearchResult]:
-    """One search per theorem (pass@1); each rank searches its share, one theorem at a time (deviation 9)."""
-    def run(mine: list[Theorem]) -> list[SearchResult]:
-        return [prove(t, lambda state, k, t=t: propose(sampler, tokenizer, state, f"{key}/{t.name}/{k}", args),
-                      verifier, args) for t in mine]
+def search(sampler, tokenizer, verifier, problems: list[Problem], key: str, args: Args, dist: Dist
+           ) -> list[SearchResult]:
+    """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 9)."""
+    def run(mine: list[Problem]) -> list[SearchResult]:
+        return [prove(p, lambda state, k, p=p: propose(sampler, tokenizer, state, f"{key}/{p.id}/{k}", args),
+                      verifier, args) for p in mine]
 
-    return map_sharded(run, theorems, dist)
+    return map_sharded(run, problems, dist)
 
 
-def replay_proofs(verifier, theorems: list[Theorem], results: list[SearchResult], args: Args,
-                  dist: Dist) -> list[Triple]:
+def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult], args: Args, dist: Dist
+                  ) -> list[Triple]:
     """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
     become (s, y, s') triples (s' = 'no goals' for the last), as LeanDojo traces a human proof."""
-    def replay(mine: list[tuple[Theorem, list[str]]]) -> list[list[Triple]]:
+    def replay(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:
         out = []
-        for theorem, proof in mine:
-            state, steps = verifier.start_proof(theorem.header, theorem.statement), []
+        for problem, proof in mine:
+            state, steps = verifier.start_proof(problem.header, problem.statement), []
             for tactic in proof:
-                after = verifier.apply_tactic(state, tactic, args.tactic_timeout)
+                after = verifier.apply_tactic(state, tactic)
                 if after.status not in ("open", "solved"):
                     steps = []  # the path no longer replays: keep nothing of it
                     break
@@ -596,7 +550,7 @@ def replay_proofs(verifier, theorems: list[Theorem], results: list[SearchResult]
             out.append(steps)
         return out
 
-    proved = [(t, r.proof) for t, r in zip(theorems, results) if r.proved]
+    proved = [(p, r.proof) for p, r in zip(problems, results) if r.proved]
     return [triple for steps in map_sharded(replay, proved, dist) for triple in steps]
 
 
@@ -608,95 +562,102 @@ def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]
     proved = [r for r in results if r.proved]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     return {f"{prefix}/pass@1": len(proved) / max(len(results), 1), f"{prefix}/proved": float(len(proved)),
-            **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_time") for r in proved])
+            **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_seconds") for r in proved])
                for k in ("planner", "actor", "env")},
-            f"{prefix}/search_time_proved": mean([r.time for r in proved]),
-            f"{prefix}/search_time_proved_median": float(np.median([r.time for r in proved])) if proved else 0.0,
+            f"{prefix}/search_time_proved": mean([r.seconds for r in proved]),
+            f"{prefix}/search_time_proved_median": float(np.median([r.seconds for r in proved])) if proved else 0.0,
             f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
             f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
             f"{prefix}/expansions": float(sum(r.expansions for r in results)),
             f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
-            **{f"{prefix}/{k}_seconds": float(sum(getattr(r, f"{k}_time") for r in results))
+            **{f"{prefix}/{k}_seconds": float(sum(getattr(r, f"{k}_seconds") for r in results))
                for k in ("planner", "actor", "env")}}
 
 
-def write_searches(run_dir, results: list[SearchResult], phase: str, round_: int, dist: Dist) -> None:
-    """Every search to <run>/searches.jsonl; after the evaluation, Figure 3's CDF to <run>/search_time_cdf.csv."""
-    if not dist.is_main:
-        return
-    with open(os.path.join(run_dir, "searches.jsonl"), "a") as f:
-        f.writelines(json.dumps({"round": round_, "phase": phase, **r._asdict()}) + "\n" for r in results)
-    if phase == "eval":
-        with open(os.path.join(run_dir, "search_time_cdf.csv"), "w", newline="") as f:
+def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: str, step: int, dist: Dist) -> None:
+    """Every search to <run>/searches.jsonl, with the step (iterations done) it is logged at."""
+    if dist.is_main:
+        with open(run_dir / "searches.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, "phase": phase, **r._asdict()}) + "\n" for r in results)
+
+
+def evaluate(sampler, tokenizer, verifier, problems: list[Problem], key: str, run_dir: pathlib.Path, args: Args,
+             dist: Dist) -> dict[str, float]:
+    """Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget (pass@1 and the search
+    statistics); every search to searches.jsonl, Figure 3's CDF to <run>/search_time_cdf.csv."""
+    results = search(sampler, tokenizer, verifier, problems, key, args, dist)
+    write_searches(run_dir, results, "eval", args.iterations, dist)
+    if dist.is_main:
+        with open(run_dir / "search_time_cdf.csv", "w", newline="") as f:
             out = csv.writer(f)
             out.writerow(["seconds", "proved", "share"])
-            out.writerows(search_time_cdf([r.time for r in results if r.proved], len(results)))
+            out.writerows(search_time_cdf([r.seconds for r in results if r.proved], len(results)))
+    return search_metrics(results, "eval")
 
 
 # ---- main ----
 def main(args: Args) -> None:
-    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
-    dist = setup_distributed(args.seed)
-    try:  # stop at once, before any model is loaded, when there is no Lean
-        verifier = LeanVerifier(timeout=args.tactic_timeout, workers=args.lean_workers)
-    except LeanNotInstalled as e:
-        sys.exit(f"rir.py searches proofs in Lean 4's tactic mode, and found no Lean: {e}")
-    if dist.is_main and scaled:
-        print("No CUDA: the official sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
-              sep="\n")
-    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, track=args.track, project=args.wandb_project_name,
-                    entity=args.wandb_entity)
-    theorems = load_theorems(args.theorems, args.theorems_split, args.num_theorems)
-    eval_theorems = load_theorems(args.eval_theorems, args.eval_split, args.eval_limit)
-
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
+    try:  # stop at once, before any model is loaded, when there is no Lean REPL (the search needs its tactic mode)
+        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout,
+                                workers=max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None)
+    except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's tactic table
+        name = os.path.basename(__file__)
+        sys.exit(f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a CPU smoke run "
+                 f"without Lean, the stand-in REPL: LEAN_REPL_CMD='python tests/fake_lean_repl.py' python {name}")
+    if dist.is_main:
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
+    problems = load_problems(args.selfplay_dataset, args.num_problems, split=args.selfplay_split)
+    benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
     triples = load_triples(args.dataset, args.num_triples)  # D_0: the traced triples
 
-    # one LM, two roles by prompt
+    # one model: the decoder LM plays planner and actor by prompt (method: the official code trains two ByT5 models)
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
-    optimizer = torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0)
-    start, state = 0, {"selfplay_triples": [], "proved": {}}  # what self-play added to D_0 (plain tuples), its proofs
-    if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
-        start, state = found[0] + 1, found[1]
-        if dist.is_main:
-            print(f"resuming {run_dir} at round {start}")
+    models = {"policy": (policy, torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0))}
+    # run state: the triples self-play added to D_0 (plain tuples, so state.pt loads without rir.py), the proofs found
+    start, state = 0, {"selfplay_triples": [], "proved": {}}
+    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
+        start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
 
-    for round_ in range(start, args.rounds + 1):
+    for iteration in range(start, args.iterations):
         data = triples + [Triple(*t) for t in state["selfplay_triples"]]  # D_t
-        metrics, rng = {"charts/triples": float(len(data))}, random.Random(f"{args.seed}/{round_}")
-        steps = args.train_steps if round_ == 0 else args.selfplay_train_steps
-        if steps and data:  # 1. Co-train the planner and the actor on D_t (L_co)
+        metrics, rng = {"charts/triples": float(len(data))}, random.Random(f"{args.seed}/{iteration}")
+
+        # 1. Co-train the planner and the actor on D_t (L_co)
+        if (steps := args.train_steps if iteration == 0 else args.selfplay_train_steps) and data:
             with logger.timer("co_train"):
                 sampler.sleep()
-                items = training_items(data, tokenizer, args)
-                metrics |= co_train(policy, optimizer, items, steps, args, dist, rng)
+                metrics |= co_train(*models["policy"], training_items(data, tokenizer, args), steps, args, dist, rng)
                 sampler.sync_weights(policy)
 
-        if round_ < args.rounds:  # 2-3. Self-play: search the theorems, replay the proofs into D_{t+1}
+        # 2-3. Self-play (ours): search the problems, replay the proofs into D_{t+1} (not in the last iteration)
+        if iteration + 1 < args.iterations:
             with logger.timer("selfplay_search"):
-                results = search_theorems(sampler, tokenizer, verifier, theorems, f"{args.seed}/{round_}/selfplay",
-                                          args, dist)
+                results = search(sampler, tokenizer, verifier, problems, f"{args.seed}/{iteration}/selfplay", args,
+                                 dist)
             with logger.timer("replay"):
                 known = set(data)
-                new = list(dict.fromkeys(t for t in replay_proofs(verifier, theorems, results, args, dist)
+                new = list(dict.fromkeys(t for t in replay_proofs(verifier, problems, results, args, dist)
                                          if t not in known))
                 state["selfplay_triples"] += [tuple(t) for t in new]
-                state["proved"] |= {r.name: r.proof for r in results if r.proved}
+                state["proved"] |= {r.id: r.proof for r in results if r.proved}
             metrics |= search_metrics(results, "selfplay") | {
                 "selfplay/new_triples": float(len(new)), "charts/proved_ever": float(len(state["proved"]))}
-            write_searches(run_dir, results, "selfplay", round_, dist)
-        else:  # the last round: pass@1 of the co-trained policy under the budget
-            with logger.timer("eval"):
-                results = search_theorems(sampler, tokenizer, verifier, eval_theorems, f"{args.seed}/eval", args, dist)
-            metrics |= search_metrics(results, "eval")
-            write_searches(run_dir, results, "eval", round_, dist)
+            write_searches(run_dir, results, "selfplay", iteration + 1, dist)
 
-        logger.log(metrics, step=round_)
-        if (round_ + 1) % args.save_every == 0 or round_ == args.rounds:
-            save_checkpoint(run_dir, round_, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+        # 4. Evaluate: pass@1 of the co-trained policy under the budget, after the last iteration
+        if iteration + 1 == args.iterations:
+            with logger.timer("eval"):
+                metrics |= evaluate(sampler, tokenizer, verifier, benchmark, f"{args.seed}/eval", run_dir, args, dist)
+        logger.log(metrics, step=iteration + 1)
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
+    if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
+        logger.log(evaluate(sampler, tokenizer, verifier, benchmark, f"{args.seed}/eval", run_dir, args, dist),
+                   step=args.iterations)
     verifier.close()
 
 

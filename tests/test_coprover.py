@@ -21,9 +21,9 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import coprover as cp  # noqa: E402
-from lean_verify import LeanResult, LeanVerifier, goals_key  # noqa: E402
+from lean_verify import DEFAULT_HEADER, LeanResult, LeanVerifier, goals_key  # noqa: E402
 
-CPU = cp.Dist(0, 0, 1, torch.device("cpu"), True)
+CPU = cp.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 ROWS = [json.loads(line) for line in (REPO / "data" / "lean_tactics.jsonl").read_text().splitlines() if line.strip()]
 PROBLEMS = {p.id: p for p in cp.load_problems(str(REPO / "data" / "lean_tactics.jsonl"))}
 STAND_IN = f"{sys.executable} {REPO / 'tests' / 'fake_lean_repl.py'}"
@@ -137,7 +137,7 @@ def test_a_hanging_proof_times_out_and_earns_nothing(tmp_path):
                                                                            for t in (good, hang)] for _ in prompts])
     with LeanVerifier(repl_cmd=STAND_IN, workers=1, timeout=2) as v:
         [row_attempts] = cp.attempt_proofs(sampler, v, [p], 2, 1.0, "k", args(), CPU)
-    assert [(a.status, a.reward) for a in row_attempts] == [("valid", 1.0), ("timeout", 0.0)]
+    assert [(a.status, float(a.correct)) for a in row_attempts] == [("valid", 1.0), ("timeout", 0.0)]
 
 
 # ---- parsing model output ----
@@ -175,7 +175,7 @@ def test_load_problems(tmp_path):
     (tmp_path / "s.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     a, b = cp.load_problems(str(tmp_path / "s.jsonl"))
     assert (a.id, a.header, a.statement) == ("a", "import Mathlib\nopen Real\n\n", "theorem a : (1 : ℝ) = 1 := by")
-    assert (b.id, b.header, b.statement) == ("a#1", cp.DEFAULT_HEADER, "theorem a2 : True := by")
+    assert (b.id, b.header, b.statement) == ("a#1", DEFAULT_HEADER, "theorem a2 : True := by")
 
 
 def test_rollout_prompts_cover_each_epoch():
@@ -186,12 +186,14 @@ def test_rollout_prompts_cover_each_epoch():
     assert [p.id for p in cp.rollout_prompts(problems, 3, 2, 1)] == ids[6:8]
 
 
-def test_cpu_defaults_keep_given_flags():
-    a = args(rounds=3)
-    changes = cp.cpu_defaults(a, ["--rounds", "3", "--no-frontier-filter", "--eval-limit=7"])
-    assert a.rounds == 3 and a.eval_limit is None and a.model == cp.EMBEDDED_MODEL == a.value_backbone
+def test_cpu_defaults_keep_given_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(cp.torch.cuda, "is_available", lambda: False)
+    a = args(iterations=3, output_dir=str(tmp_path))
+    cp.start_run(a, cp.CPU_DEFAULTS, ["--iterations", "3", "--no-frontier-filter", "--eval-limit=7"])
+    changes = capsys.readouterr().out.splitlines()
+    assert a.iterations == 3 and a.eval_limit is None and a.model == cp.EMBEDDED_MODEL == a.value_backbone
     assert a.frontier_filter and a.num_sampled_tactics == cp.CPU_DEFAULTS["num_sampled_tactics"]
-    assert "  max_new_tokens: 4096 -> 64" in changes and not any(c.strip().startswith("rounds") for c in changes)
+    assert "  max_new_tokens: 4096 -> 64" in changes and not any(c.strip().startswith("iterations") for c in changes)
 
 
 # ---- the search on the stand-in REPL's tactic table ----
@@ -213,7 +215,7 @@ def test_search_order_merging_and_labels(verifier):
     [tree] = cp.best_first_search(sampler, verifier, [p], score, 0.3, "k", args(max_expansions=10))
     assert [g.split("⊢ ")[-1] for g in sampler.asked] == ["0 < b ∧ a ≤ b", "0 < b", "a ≤ b"]
     assert tree.proof == ["refine ⟨?_, ?_⟩", "exact Nat.lt_trans h₁ h₀", "exact Nat.le_of_lt h₀"]  # the first path in
-    assert (tree.expansions, tree.merged, tree.edges, tree.failed) == (3, 1, 5, 1)  # `exact h₀` fails
+    assert (tree.expansions, tree.merged, tree.edges, tree.failed_edges) == (3, 1, 5, 1)  # `exact h₀` fails
     labels = sorted(v for _, v in tree.labels)
     assert labels == pytest.approx([0.95**3, 0.95**2, 0.95])
     # the root only (the official labels)
@@ -246,7 +248,7 @@ def test_malformed_tactics_become_failed_edges(verifier):
             ("\u2028\x00 garbage ⟨⟩", -1.0, "stop"), ("norm_num", -1.0, "stop"), ("fake_crash", -1.0, "stop")]
     [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [p], None, 1.0, "k",
                                   args(num_sampled_tactics=len(junk)))
-    assert tree.proof is None and tree.expansions == 1 and tree.edges == tree.failed == len(junk)
+    assert tree.proof is None and tree.expansions == 1 and tree.edges == tree.failed_edges == len(junk)
     assert tree.labels == [(ROWS[3]["goal"], 0.0)]  # the expanded root, on failed paths only
     # a theorem whose root cannot even be started is a search with no expansion
     bad = cp.Problem("bad", p.header, "theorem bad (h : sorry) : True := by")
@@ -271,8 +273,8 @@ def test_whole_proof_labels(verifier):
     p = PROBLEMS["search_and_le"]
     code = p.statement + "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
     helper = "lemma aux : True := trivial\n" + p.statement + "\n  constructor\n  · exact aux.elim\n  · omega"
-    row = [cp.Attempt(None, code, "valid", 1.0), cp.Attempt(None, None, "error", 0.0),
-           cp.Attempt(None, helper, "valid", 1.0)]
+    row = [cp.Attempt(None, code, "valid", True), cp.Attempt(None, None, "error", False),
+           cp.Attempt(None, helper, "valid", True)]
     labels = cp.whole_proof_labels(verifier, [p], [row], args(), CPU)
     root = ROWS[0]["goal"]
     # the failed attempt: root 0; the proof of 3 steps: root 0.95^3, then the two states after each step; the one whose
@@ -361,7 +363,7 @@ def test_grpo_update_learns_what_the_reward_favours(tiny_model_dir):
         optimizer = torch.optim.AdamW(policy.parameters(), a.learning_rate, betas=a.adam_betas, weight_decay=0.0)
         before = margin(policy)
         for _ in range(20):
-            group = [cp.Attempt(s, None, "valid" if (i == 0) == favoured else "error", float((i == 0) == favoured))
+            group = [cp.Attempt(s, None, "valid" if (i == 0) == favoured else "error", (i == 0) == favoured)
                      for i, s in enumerate(samples(policy))]
             stats = cp.grpo_update(policy, optimizer, [group], a, CPU)
         moved[favoured] = (before, margin(policy))
@@ -369,7 +371,7 @@ def test_grpo_update_learns_what_the_reward_favours(tiny_model_dir):
     (b1, a1), (b2, a2) = moved[True], moved[False]
     assert b1 == pytest.approx(b2) and a1 > b1 + 5.0 and a2 < b2 - 5.0  # -6.9 -> 12.3 and -6.9 -> -22.8 here
     # a group whose samples all earn the same reward has no advantage: no optimizer step at all
-    flat = [cp.Attempt(s, None, "error", 0.0) for s in samples(policy)]
+    flat = [cp.Attempt(s, None, "error", False) for s in samples(policy)]
     assert cp.grpo_update(policy, optimizer, [flat], a, CPU) == {}
 
 
@@ -450,7 +452,7 @@ cp.main(tyro.cli(cp.Args))
 
 SMALL = ["--dataset", "data/lean_tactics.jsonl", "--eval-dataset", "data/lean_tactics.jsonl", "--eval-split", "tactics",
          "--search-theorems-per-round", "5", "--num-sampled-tactics", "4", "--max-expansions", "4",
-         "--tactic-max-tokens", "6", "--value-batch-size", "8", "--value-micro-batch-size", "8",
+         "--tactic-max-new-tokens", "6", "--value-batch-size", "8", "--value-micro-batch-size", "8",
          "--value-max-length", "128", "--value-epochs", "1", "--value-warmup-steps", "1", "--grpo-steps-per-round",
          "1", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "12", "--learning-rate",
          "1e-3", "--micro-batch-size", "8", "--max-model-len", "1024", "--no-frontier-filter", "--eval-limit", "2",
@@ -493,24 +495,24 @@ def weights(path) -> dict:
 @pytest.fixture(scope="module")
 def e2e(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("coprover_e2e")
-    done = run_driver(tmp, "full", tiny_model_dir, "--rounds", "2")
+    done = run_driver(tmp, "full", tiny_model_dir, "--iterations", "2")
     return tmp / "full", done
 
 
 @pytest.mark.slow
-def test_two_rounds_end_to_end(e2e, tiny_model_dir):
+def test_two_iterations_end_to_end(e2e, tiny_model_dir):
     run_dir, done = e2e
     rows = metrics_of(run_dir)
-    assert sorted(rows) == [0, 1]
+    assert sorted(rows) == [1, 2]
     for key in ("search/proved_share", "search/expansions_per_proof", "search/proofs_per_second", "value/new_labels",
                 "losses/value_loss", "losses/grpo_loss", "losses/grpo_clipfrac", "charts/reward_mean", "eval/pass@1",
                 "eval/pass@2", "eval/search_value/proofs_per_expansion", "eval/search_logprob/proofs_per_expansion",
                 "time/search", "time/value", "time/grpo", "time/eval"):
         assert all(key in r for r in rows.values()), key
-    assert rows[0]["search/value_guided"] == 0.0 and rows[1]["search/value_guided"] == 1.0  # no value model in round 0
-    assert rows[0]["search/proved_share"] > 0 and rows[0]["value/new_positive_share"] > 0  # the table's proofs
-    assert 0 < rows[0]["charts/reward_mean"] < 1 and rows[1]["value/labels"] > rows[0]["value/labels"]
-    ckpt = run_dir / "checkpoints" / "iter_000001"
+    assert rows[1]["search/value_guided"] == 0.0 and rows[2]["search/value_guided"] == 1.0  # no value model in iteration 1
+    assert rows[1]["search/proved_share"] > 0 and rows[1]["value/new_positive_share"] > 0  # the table's proofs
+    assert 0 < rows[1]["charts/reward_mean"] < 1 and rows[2]["value/labels"] > rows[1]["value/labels"]
+    ckpt = run_dir / "checkpoints" / "iter_000002"
     assert (ckpt / "prover.dcp").is_dir() and (ckpt / "value.dcp").is_dir() and (ckpt / "state.pt").exists()
     base = weights(tiny_model_dir)
     for name in ("prover", "value"):  # both models trained
@@ -519,64 +521,64 @@ def test_two_rounds_end_to_end(e2e, tiny_model_dir):
     head = cp.value_head(64, tiny_model_dir).state_dict()
     assert any(not torch.equal(v, weights(ckpt / "value")["value_head." + k]) for k, v in head.items())
     state = torch.load(ckpt / "state.pt", weights_only=False)["state"]
-    assert state["grpo_step"] == 2 and state["value_rounds"] == 2 and len(state["labels"]) == rows[1]["value/labels"]
+    assert state["grpo_step"] == 2 and state["value_rounds"] == 2 and len(state["labels"]) == rows[2]["value/labels"]
 
 
 @pytest.mark.slow
 def test_resume_after_kill_continues_exactly(e2e, tiny_model_dir, tmp_path):
     full_dir, _ = e2e
     run_dir = tmp_path / "r"
-    proc = run_driver(tmp_path, "r", tiny_model_dir, "--rounds", "2", wait=False)
+    proc = run_driver(tmp_path, "r", tiny_model_dir, "--iterations", "2", wait=False)
     try:
         deadline = time.time() + 600
-        while time.time() < deadline and proc.poll() is None and not (run_dir / "checkpoints" / "iter_000000").exists():
+        while time.time() < deadline and proc.poll() is None and not (run_dir / "checkpoints" / "iter_000001").exists():
             time.sleep(0.05)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its REPLs included)
         proc.wait()
-    assert (run_dir / "checkpoints" / "iter_000000").exists(), "no checkpoint was written"
-    done = run_driver(tmp_path, "r", tiny_model_dir, "--rounds", "2", "--resume")
+    assert (run_dir / "checkpoints" / "iter_000001").exists(), "no checkpoint was written"
+    done = run_driver(tmp_path, "r", tiny_model_dir, "--iterations", "2", "--resume")
     if "resuming" not in done.stdout:
         pytest.skip("the first run finished before it could be killed")
     resumed, full = metrics_of(run_dir), metrics_of(full_dir)
-    assert sorted(resumed) == [0, 1]
-    assert deterministic(resumed[1]) == pytest.approx(deterministic(full[1]), rel=1e-6)
+    assert sorted(resumed) == [1, 2]
+    assert deterministic(resumed[2]) == pytest.approx(deterministic(full[2]), rel=1e-6)
 
 
 @pytest.mark.slow
 def test_two_ranks_reproduce_one(e2e, tiny_model_dir, tmp_path):
     full_dir, _ = e2e
-    run_driver(tmp_path, "ddp", tiny_model_dir, "--rounds", "2", torchrun=2)
+    run_driver(tmp_path, "ddp", tiny_model_dir, "--iterations", "2", torchrun=2)
     two, one = metrics_of(tmp_path / "ddp"), metrics_of(full_dir)
-    assert sorted(two) == [0, 1]
-    assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "value.dcp").is_dir()
-    for step in (0, 1):  # the same searches, labels, rewards and (up to float sums in another order) losses
+    assert sorted(two) == [1, 2]
+    assert (tmp_path / "ddp" / "checkpoints" / "iter_000002" / "value.dcp").is_dir()
+    for step in (1, 2):  # the same searches, labels, rewards and (up to float sums in another order) losses
         assert deterministic(two[step]) == pytest.approx(deterministic(one[step]), rel=1e-3, abs=1e-6)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--no-value-model", "--no-co-training"])
 def test_ablations_run(tiny_model_dir, tmp_path, flag):
-    rounds = "2" if flag == "--no-co-training" else "1"
-    run_driver(tmp_path, "ablation", tiny_model_dir, "--rounds", rounds, "--eval-search-limit", "0", flag)
+    iterations = "2" if flag == "--no-co-training" else "1"
+    run_driver(tmp_path, "ablation", tiny_model_dir, "--iterations", iterations, "--eval-search-limit", "0", flag)
     rows = metrics_of(tmp_path / "ablation")
     if flag == "--no-value-model":
         assert all("losses/value_loss" not in r and r["search/value_guided"] == 0.0 for r in rows.values())
-        assert not (tmp_path / "ablation" / "checkpoints" / "iter_000000" / "value.dcp").exists()
+        assert not (tmp_path / "ablation" / "checkpoints" / "iter_000001" / "value.dcp").exists()
     else:
-        assert "losses/value_loss" in rows[0] and "losses/value_loss" not in rows[1]
-        assert rows[1]["search/value_guided"] == 1.0  # the value model of round 0 still guides
+        assert "losses/value_loss" in rows[1] and "losses/value_loss" not in rows[2]
+        assert rows[2]["search/value_guided"] == 1.0  # the value model of iteration 1 still guides
 
 
 @pytest.mark.slow
 def test_evaluation_only_from_a_checkpoint(e2e, tmp_path):
-    """--rounds 0 with a checkpoint's prover and value directories (the value head comes with its directory)."""
-    ckpt = e2e[0] / "checkpoints" / "iter_000001"
-    run_driver(tmp_path, "eval", str(ckpt / "prover"), "--rounds", "0", "--value-backbone", str(ckpt / "value"))
+    """--iterations 0 with a checkpoint's prover and value directories (the value head comes with its directory)."""
+    ckpt = e2e[0] / "checkpoints" / "iter_000002"
+    run_driver(tmp_path, "eval", str(ckpt / "prover"), "--iterations", "0", "--value-backbone", str(ckpt / "value"))
     [row] = metrics_of(tmp_path / "eval").values()
     assert row["step"] == 0 and "eval/pass@2" in row and "eval/search_value/proved_share" in row
-    assert "search/theorems" not in row  # no training round
+    assert "search/theorems" not in row  # no training iteration
 
 
 @pytest.mark.slow
@@ -586,8 +588,8 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
     env.update(OMP_NUM_THREADS="1", LEAN_REPL_CMD=STAND_IN + " --accept hash:0.3")
     done = subprocess.run([sys.executable, "coprover.py", "--output-dir", str(tmp_path), "--run-name", "embedded",
-                           "--rounds", "1", "--search-theorems-per-round", "2", "--max-expansions", "2",
-                           "--num-sampled-tactics", "2", "--tactic-max-tokens", "8", "--prompts-per-step", "2",
+                           "--iterations", "1", "--search-theorems-per-round", "2", "--max-expansions", "2",
+                           "--num-sampled-tactics", "2", "--tactic-max-new-tokens", "8", "--prompts-per-step", "2",
                            "--samples-per-prompt", "2", "--max-new-tokens", "16", "--eval-limit", "1",
                            "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-search-limit", "0"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -23,11 +23,11 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import rir  # noqa: E402
-from lean_verify import LeanVerifier, TacticState  # noqa: E402
+from lean_verify import LeanVerifier, Problem, TacticState, load_problems  # noqa: E402
 
-CPU = rir.Dist(0, 0, 1, torch.device("cpu"), True)
+CPU = rir.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 FAKE_REPL = f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'fake_lean_repl.py'))}"
-THEOREMS = {t.name: t for t in rir.load_theorems(str(REPO / "data" / "rir_theorems.jsonl"))}
+THEOREMS = {t.id: t for t in load_problems(str(REPO / "data" / "rir_theorems.jsonl"))}
 
 
 def args(**kw):
@@ -57,11 +57,13 @@ def test_co_training_loss_hand_values():
     assert rir.co_training_loss(logp[1:], mask[1:], roles[1:], [0, 4]).item() == pytest.approx(1.625)
 
 
-def test_lr_factor():
-    # warm-up over 2 steps, cosine over the remaining 4 of 6
+def test_lr_schedule():
+    # warm-up over 2 steps, cosine over the remaining 4 of 6: transformers' get_cosine_schedule_with_warmup, as the
+    # official Lightning run steps it (the warm-up starts at 0: step 0 trains at lr 0, step 1 at half the peak)
     c = 0.5 * math.cos(math.pi / 4)
-    assert [rir.lr_factor(s, 6, 2) for s in range(7)] == pytest.approx([0.5, 1.0, 1.0, 0.5 + c, 0.5, 0.5 - c, 0.0])
-    assert rir.lr_factor(0, 3, 0) == 1.0
+    assert [rir.lr_at(s, 6, 1.0, 2, "cosine") for s in range(7)] == pytest.approx([0.0, 0.5, 1.0, 0.5 + c, 0.5, 0.5 - c,
+                                                                                    0.0])
+    assert rir.lr_at(0, 3, 1.0, 0, "cosine") == 1.0
 
 
 def test_search_scores():
@@ -91,8 +93,8 @@ def test_format_state_and_triples(tmp_path):
     with pytest.raises(ValueError, match="traced_tactics"):
         rir.load_triples(str(tmp_path / "bad.jsonl"))
     assert len(THEOREMS) == 5 and all(t.statement.endswith(":= by") for t in THEOREMS.values())
-    assert len(rir.load_theorems(str(REPO / "data" / "minif2f.jsonl"), "test")) == 244
-    assert len(rir.load_theorems(str(REPO / "data" / "minif2f.jsonl"), "valid", 3)) == 3
+    assert len(load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")) == 244
+    assert len(load_problems(str(REPO / "data" / "minif2f.jsonl"), 3, split="valid")) == 3
 
 
 def test_built_in_data_follows_the_stand_in():
@@ -133,12 +135,14 @@ def test_training_items_keep_the_official_formats(tiny_model_dir):
     assert len(item[0][0].prompt_ids) < 40  # the state is cut to 20 tokens
 
 
-def test_cpu_defaults_keep_given_flags():
-    a = args(n_goals=3, planner=False)
-    changes = rir.cpu_defaults(a, ["--n-goals", "3", "--no-planner", "--max-expansions=7"])
-    assert a.n_goals == 3 and a.max_expansions is None and a.model == rir.EMBEDDED_MODEL
-    assert a.dataset == "data/rir_triples.jsonl" and a.n_tactics == 8
-    assert not any(c.strip().startswith(("n_goals", "max_expansions")) for c in changes)
+def test_cpu_defaults_keep_given_flags(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rir.torch.cuda, "is_available", lambda: False)
+    a = args(num_sampled_goals=3, planner=False, output_dir=str(tmp_path))
+    rir.start_run(a, rir.CPU_DEFAULTS, ["--num-sampled-goals", "3", "--no-planner", "--max-expansions=7"])
+    changes = capsys.readouterr().out.splitlines()
+    assert a.num_sampled_goals == 3 and a.max_expansions is None and a.model == rir.EMBEDDED_MODEL
+    assert a.dataset == "data/rir_triples.jsonl" and a.num_sampled_tactics == 8
+    assert not any(c.strip().startswith(("num_sampled_goals", "max_expansions")) for c in changes)
 
 
 # ---- the search on scripted trees ----
@@ -183,7 +187,7 @@ PROPOSALS = {
     "⊢ C": [rir.Edge("no goals", "close", L(0.9), L(0.9)), rir.Edge("⊢ Z", "after", L(0.1), L(0.9))],
     "⊢ D": [rir.Edge("⊢ E", "tE", L(0.9), L(0.9))],
 }
-THEOREM = rir.Theorem("t", "", "theorem t : A := by")
+THEOREM = Problem("t", "", "theorem t : A := by")
 
 
 def scripted(proposals, clock=None, dt=0.0):
@@ -199,13 +203,13 @@ def test_expand_priorities_merging_and_failed_edges():
     lean = ScriptedLean(TABLE)
     root = rir.Node(lean.start_proof("", THEOREM.statement), priority=-1.0)
     nodes = {root.state.key: root}
-    proof, stats = rir.expand(root, PROPOSALS["⊢ A"], lean, nodes, args())
+    proof, stats = rir.expand(root, PROPOSALS["⊢ A"], lean, nodes)
     assert proof is None and root.expanded and not root.dead
     assert [c.state.goals for c in root.children] == [["⊢ B"], ["⊢ C"]]  # tB2 merged into B, noop into the root
     b, c = root.children
     assert b.priority == pytest.approx(-1.0 + L(0.5) + L(0.5)) and c.priority == pytest.approx(-1.0 + L(0.25) + L(0.8))
     assert lean.ran == ["tB", "tB2", "noop", "tC", "bad"]  # tB again under C: run once
-    assert stats["edges"] == 7 and stats["failed"] == 2  # "bad" and the malformed proposal
+    assert stats["edges"] == 7 and stats["failed_edges"] == 2  # "bad" and the malformed proposal
     # MCTS priors: the mass of the edges into each child, B: .25 + .125 (+ the tB edge under C: .025), C: .2
     mass_b, mass_c = 0.25 + 0.125 + 0.025, 0.2
     assert [b.prior, c.prior] == pytest.approx([mass_b / (mass_b + mass_c), mass_c / (mass_b + mass_c)])
@@ -218,7 +222,7 @@ def test_best_first_search_on_a_scripted_tree():
     assert result.proved and result.proof == ["tC", "close"]
     assert result.expansions == 3 and result.nodes == 4  # A, B, C, D
     assert "after" not in lean.ran  # the expansion stops at the first proof
-    assert (result.planner_time, result.actor_time) == (0.75, 1.5)
+    assert (result.planner_seconds, result.actor_seconds) == (0.75, 1.5)
     # the final check rejects that proof: it is a failed edge and the search goes on to the second one
     lean = ScriptedLean(TABLE, invalid=[["tC", "close"]])
     result = rir.prove(THEOREM, scripted(PROPOSALS), lean, args())
@@ -292,7 +296,7 @@ def test_rir_and_the_flat_baseline_get_the_same_budget(search):
         now = [0.0]
         result = rir.prove(THEOREM, lambda s, k: endless(s, k, now), EndlessLean(),
                            args(search=search, planner=not flat, search_timeout=25.0), clock=lambda: now[0])
-        assert result.expansions == 3 and result.time == 30.0  # at 0, 10 and 20 s: the clock is read between them
+        assert result.expansions == 3 and result.seconds == 30.0  # at 0, 10 and 20 s: the clock is read between them
     # a proof found in an expansion that ends past the timeout does not count (official)
     now = [0.0]
     result = rir.prove(THEOREM, scripted(PROPOSALS, now, dt=30.0), ScriptedLean(TABLE),
@@ -306,6 +310,8 @@ def sample(text, logprobs=(), finish="stop"):
 
 
 class ScriptedSampler:
+    llm, batch_size = None, 8  # what the block's sample() reads of a sampler
+
     def __init__(self, planner, actor):
         self.planner, self.actor, self.calls = planner, actor, []
 
@@ -321,20 +327,20 @@ def test_malformed_planner_and_actor_output_are_failed_edges(tiny_model_dir):
     actor = [sample("  "), sample("simp", [-1.0]), sample("junk", [-0.1], "error"), sample("omega", [-0.5]),
              sample("omega\n", [-0.7]), sample("t\n  cont", [-2.0], "length")]
     sampler = ScriptedSampler(planner, actor)
-    edges, _, _ = rir.propose(sampler, tok, "⊢ A", "k", args(n_goals=4, n_tactics=6))
+    edges, _, _ = rir.propose(sampler, tok, "⊢ A", "k", args(num_sampled_goals=4, num_sampled_tactics=6))
     goal = pytest.approx(-0.3)  # the best of the two samples of the target "⊢ B"
     assert edges == [rir.Edge("⊢ B", "omega", goal, -0.5), rir.Edge("⊢ B", "simp", goal, -1.0),
                      rir.Edge("⊢ B", "t\n  cont", goal, -2.0)] + \
         [rir.Edge("⊢ B", None, goal, 0.0)] * 2 + [rir.Edge(None, None, 0.0, 0.0)] * 2
     assert sampler.calls[0][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n"] and sampler.calls[0][2] == [rir.GOAL_STOP]
     assert sampler.calls[1][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n⊢ B\n[PROOFSTEP]\n"]
-    flat, _, _ = rir.propose(ScriptedSampler([], actor), tok, "⊢ A", "k", args(planner=False, n_tactics=6))
+    flat, _, _ = rir.propose(ScriptedSampler([], actor), tok, "⊢ A", "k", args(planner=False, num_sampled_tactics=6))
     assert [e.tactic for e in flat] == ["omega", "simp", "t\n  cont", None, None] and flat[0].target is None
     # every planner sample malformed: no actor call, only failed edges, and the search ends without a crash
     sampler = ScriptedSampler([sample(""), sample("x", [], "abort")], actor)
-    edges, _, _ = rir.propose(sampler, tok, "⊢ A", "k", args(n_goals=2))
+    edges, _, _ = rir.propose(sampler, tok, "⊢ A", "k", args(num_sampled_goals=2))
     assert edges == [rir.Edge(None, None, 0.0, 0.0)] * 2 and len(sampler.calls) == 1
-    result = rir.prove(THEOREM, lambda s, k: rir.propose(sampler, tok, s, "k", args(n_goals=2)),
+    result = rir.prove(THEOREM, lambda s, k: rir.propose(sampler, tok, s, "k", args(num_sampled_goals=2)),
                        ScriptedLean(TABLE), args())
     assert not result.proved and result.expansions == 1 and result.failed_edges == 2
 
@@ -360,7 +366,7 @@ def test_garbage_tactics_through_lean_are_failed_edges():
 
 def test_search_metrics():
     def res(name, proved, t, exp):
-        return rir.SearchResult(name, proved, ["x"] if proved else None, t, t / 4, t / 2, t / 4, exp, exp + 1, 10, 5)
+        return rir.SearchResult(name, ["x"] if proved else None, t, exp, exp + 1, 10, 5, proved, t / 4, t / 2, t / 4)
     m = rir.search_metrics([res("a", True, 4.0, 1), res("b", True, 8.0, 3), res("c", False, 600.0, 9)], "eval")
     assert m["eval/pass@1"] == pytest.approx(2 / 3) and m["eval/proved"] == 2
     assert (m["eval/search_time_proved"], m["eval/search_time_proved_median"]) == (6.0, 6.0)
@@ -435,7 +441,7 @@ def metrics_of(run_dir: pathlib.Path) -> list[dict]:
 
 def searches_of(run_dir: pathlib.Path) -> list[tuple]:
     rows = [json.loads(line) for line in (run_dir / "searches.jsonl").read_text().splitlines()]
-    return [(r["round"], r["phase"], r["name"], r["proved"], r["proof"], r["expansions"], r["nodes"]) for r in rows]
+    return [(r["step"], r["phase"], r["id"], r["proved"], r["proof"], r["expansions"], r["nodes"]) for r in rows]
 
 
 def weights_of(path) -> dict:
@@ -444,13 +450,14 @@ def weights_of(path) -> dict:
     return load_file(str(pathlib.Path(path) / "model.safetensors"))
 
 
-SMALL = ["--num-theorems", "3", "--eval-limit", "3", "--max-expansions", "2", "--train-steps", "3",
+SMALL = ["--num-problems", "3", "--eval-limit", "3", "--max-expansions", "2", "--train-steps", "3",
          "--selfplay-train-steps", "2", "--learning-rate", "1e-3"]
 
 
 @pytest.fixture(scope="module")
 def reference_run(tiny_model_dir, tmp_path_factory):
-    """One uninterrupted run of the CPU default (one self-play round, then the evaluation) with the tiny model."""
+    """One uninterrupted run of the CPU default (two iterations: self-play in the first, the evaluation after the second)
+    with the tiny model."""
     run_dir = tmp_path_factory.mktemp("rir") / "reference"
     done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -460,7 +467,7 @@ def reference_run(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_end_to_end(reference_run, tiny_model_dir):
     rows = metrics_of(reference_run)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["losses/steps"] == 3 and rows[1]["losses/steps"] == 2
     assert rows[0]["selfplay/proved"] > 0 and rows[0]["selfplay/new_triples"] > 0  # the hash rule proves some
     assert rows[1]["charts/triples"] == 18 + rows[0]["selfplay/new_triples"]
@@ -468,9 +475,9 @@ def test_end_to_end(reference_run, tiny_model_dir):
     assert len(searches_of(reference_run)) == 6
     cdf = (reference_run / "search_time_cdf.csv").read_text().splitlines()
     assert cdf[0] == "seconds,proved,share" and len(cdf) == 1 + rows[1]["eval/proved"]
-    trained, base = weights_of(reference_run / "checkpoints" / "iter_000001" / "policy"), weights_of(tiny_model_dir)
+    trained, base = weights_of(reference_run / "checkpoints" / "iter_000002" / "policy"), weights_of(tiny_model_dir)
     assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
-    state = torch.load(reference_run / "checkpoints" / "iter_000001" / "state.pt", weights_only=False)["state"]
+    state = torch.load(reference_run / "checkpoints" / "iter_000002" / "state.pt", weights_only=False)["state"]
     assert len(state["selfplay_triples"]) == rows[0]["selfplay/new_triples"]  # D_1 = D_0 + these
     assert all(type(t) is tuple for t in state["selfplay_triples"])  # state.pt loads without rir.py
 
@@ -479,13 +486,13 @@ def test_end_to_end(reference_run, tiny_model_dir):
 def test_exact_resume_after_a_kill(reference_run, tiny_model_dir, tmp_path):
     run_dir = tmp_path / "killed"
     proc = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, wait=False)
-    first, last = run_dir / "checkpoints" / "iter_000000", run_dir / "checkpoints" / "iter_000001"
+    first, last = run_dir / "checkpoints" / "iter_000001", run_dir / "checkpoints" / "iter_000002"
     deadline = time.time() + 600
     while not first.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
-    assert first.exists() and not last.exists(), "killed too late: round 1 had finished"
+    assert first.exists() and not last.exists(), "killed too late: iteration 2 had finished"
     done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--resume")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming" in done.stdout
@@ -494,7 +501,7 @@ def test_exact_resume_after_a_kill(reference_run, tiny_model_dir, tmp_path):
     assert {k: v for k, v in resumed.items() if not k.startswith(("time/", "eval/", "selfplay/"))} == \
         {k: v for k, v in reference.items() if not k.startswith(("time/", "eval/", "selfplay/"))}
     assert resumed["eval/pass@1"] == reference["eval/pass@1"]
-    a, b = weights_of(last / "policy"), weights_of(reference_run / "checkpoints" / "iter_000001" / "policy")
+    a, b = weights_of(last / "policy"), weights_of(reference_run / "checkpoints" / "iter_000002" / "policy")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -507,7 +514,7 @@ def test_two_ranks_reproduce_one(reference_run, tiny_model_dir, tmp_path):
     two, one = metrics_of(run_dir), metrics_of(reference_run)
     for r2, r1 in zip(two, one):
         assert r2["losses/loss"] == pytest.approx(r1["losses/loss"], rel=1e-4)
-    a, b = (weights_of(d / "checkpoints" / "iter_000001" / "policy") for d in (run_dir, reference_run))
+    a, b = (weights_of(d / "checkpoints" / "iter_000002" / "policy") for d in (run_dir, reference_run))
     # one rank's export drops the tied lm_head (shared storage); two ranks' gathered copies save it too
     assert set(b) <= set(a) and all(torch.allclose(a[k], b[k], atol=1e-5) for k in b)
 
@@ -518,7 +525,7 @@ def test_two_ranks_reproduce_one(reference_run, tiny_model_dir, tmp_path):
     ["--search", "mcts", "--joint-format", "--loss-reduction", "sequence"]])
 def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
     run_dir = tmp_path / "variant"
-    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--rounds", "0", *flags)
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--iterations", "1", *flags)
     assert done.returncode == 0, done.stderr[-4000:]
     [row] = metrics_of(run_dir)
     assert row["eval/expansions"] > 0 and "losses/loss" in row and "selfplay/pass@1" not in row
@@ -530,7 +537,7 @@ def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
 def test_random_output_with_known_tactics_only(tiny_model_dir, tmp_path):
     """With the stand-in's tactic table (the CPU default's REPL), a random model proves nothing: every edge fails."""
     run_dir = tmp_path / "noise"
-    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--rounds", "0", "--eval-limit", "2", accept="known")
+    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--iterations", "1", "--eval-limit", "2", accept="known")
     assert done.returncode == 0, done.stderr[-4000:]
     [row] = metrics_of(run_dir)
     assert row["eval/pass@1"] == 0.0 and row["eval/failed_edge_share"] == 1.0
@@ -551,7 +558,7 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     if not (pathlib.Path(rir.resolve_model(rir.EMBEDDED_MODEL)) / "config.json").exists():
         pytest.skip("the embedded model is not converted (bash setup.sh)")
     run_dir = tmp_path / "embedded"
-    done = run_rir(run_dir, "--rounds", "0", "--train-steps", "1", "--eval-limit", "1", "--max-expansions", "1",
+    done = run_rir(run_dir, "--iterations", "1", "--train-steps", "1", "--eval-limit", "1", "--max-expansions", "1",
                    accept="known")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "smollm2" in done.stdout
