@@ -13,48 +13,23 @@ tangled conclusion (Eq. 3). The targets D are ~3.3k hard Lean 4 problems (D_3k).
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
   4. the Conjecturer learns from R = R_guide * (1 - s) on conjectures with 0 < s <= the 70th percentile
      of the conjecture solve rates, min-max normalised.
-The metric is the cumulative share of targets ever solved, against the number of generations.
+The metric (Fig. 1) is the cumulative share of targets ever solved, against the number of generations.
 
-Run.
-  CPU (no CUDA; needs Lean: `bash setup.sh --lean`): `python sgs.py` runs a loop scaled down by CPU_DEFAULTS
-      (SmolLM2-135M, data/lean_smoke.jsonl) and prints what it scaled.
-  One 8xH200 node: `torchrun --nproc_per_node 8 sgs.py` (paper sizes). `python sgs.py --help` lists every flag.
-
-The seven official experiments (scripts/*.py of the official code) are flags of this file. All seven: k = 8 attempts,
-one conjecture per never-solved target, temperature 1, top-p 1, 8192-token completions for every role, Adam betas
-(0.9, 0.95), clipping 1.0, constant learning rate, one epoch per iteration from a fresh optimizer, 500 iterations;
-the Conjecturer, when trained, uses the Solver's learning rate and batch size.
-  script                          flags                                        Solver      Conjecturer Guide  lr   batch
-  standard_sgs.py                 (none)                                       REINFORCE½  trained     yes   3e-6   32
-  cispo_sgs.py                    --solver-objective cispo                     CISPO       trained     yes   1e-6   64
-  cispo_solver_only.py            --solver-objective cispo --no-conjecturer    CISPO       none        no    1e-6   64
-  ei_solver_only.py               --solver-objective expert_iteration          EI          none        no    3e-6   64
-                                  --no-conjecturer
-  sgs_frozen_conjecturer.py       --freeze-conjecturer --no-guide              REINFORCE½  frozen      no    3e-6   32
-  sgs_no_guide.py                 --no-guide                                   REINFORCE½  trained     no    3e-6   32
-  sgs_no_problem_conditioning.py  --no-problem-conditioning --no-guide         REINFORCE½  trained,    no    3e-6   32
-                                                                                           no target
-
-Logged (metrics.jsonl in the run directory; wandb with --track): charts/cumulative_solve_rate against
-charts/generations (the paper's axes), pass@8, conjecturer/extraction_rate (§4.1: 51.5% at start) and
-disjunctive_share (without the Guide the Conjecturer drifts to long disjunctive statements, Fig. 2), guide/*,
-solver/entropy (Figs. 7, 11), losses/*, data/*, time/*.
+Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
+data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code (which, where the paper differs, is the default here):
   1. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
      comments; the official code matches the substring "try" (also in `symmetry`, `geometry`).
   2. Lean timeout 200 s (paper); the official default is 500 s.
-  3. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines before the
-     declaration (the conjecture inherits its target's header) and needs the block to start with `theorem` or
-     `lemma` and a name and a conclusion, so a conjecture preceded by a docstring or a comment, or an `example`, is
-     rejected; the official code keeps the block's text up to `:= by`, whatever it starts with. Deduplication
-     ignores whitespace; the official code compares the exact text.
+  3. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines (a conjecture
+     inherits its target's header) and needs `theorem` or `lemma`, a name and a conclusion first in the block; the
+     official code keeps the block up to `:= by`. Deduplication ignores whitespace; the official code's does not.
   4. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
      computes it from the top-10 log-probabilities.
-  5. Engineering, not algorithm: one sampler per process serves the three roles (their weights are loaded in turn);
-     generation and verification are not pipelined; a (problem, proof) pair sampled twice is checked once; CISPO
-     attempts of advantage 0 are left out of the batch (no gradient; their tokens still count in the group's); with
-     transformers (no vLLM) each prompt is sampled alone from its own seed, so any number of ranks draws the same.
+  5. Engineering: one sampler serves the three roles (their weights are loaded in turn); generation and verification
+     are not pipelined; a (problem, proof) pair is checked once; CISPO attempts of advantage 0 are left out of the
+     batch (their tokens still count in the group's); transformers samples in calls seeded by position.
   6. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
 The paper's own forms, where the official code differs, are flags: --sequence-mean-loss (Eq. 4's per-sequence mean;
 the official trainer divides the batch's summed token losses by its token count).
@@ -79,7 +54,7 @@ import sys
 import time
 import zlib
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -93,8 +68,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_statement, extract_conjecture, extract_proof,
-                         strip_comments, theorem_conclusion)
+from lean_verify import (DEFAULT_HEADER, LeanNotInstalled, LeanVerifier, Problem, ProofJob, extract_conjecture,
+                         extract_proof, load_problems, strip_comments, theorem_conclusion)
 
 
 @dataclass
@@ -115,13 +90,13 @@ class Args:
     wandb_entity: str | None = None
     """the wandb entity (team)"""
     save_every: int = 1
-    """save a checkpoint every this many iterations"""
+    """save a checkpoint every this many iterations (and after the last)"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
 
     # model and backends
     model: str = "deepseek-ai/DeepSeek-Prover-V2-7B"
-    """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    """the Solver: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
@@ -136,42 +111,28 @@ class Args:
     """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
     guide_model: str = "LukeBailey181Pub/dspv2_guide"
     """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1); --model's architecture"""
+    lean_timeout: float = 200.0
+    """Lean's wall-clock limit per proof, in seconds (§4.1; deviation 2)"""
+    lean_workers: int | None = None
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each
+    rank)"""
 
     # data
     dataset: str = "LukeBailey181Pub/D_3k"
     """target set D: a Hugging Face dataset with rows (id, header, theorem), or a .jsonl file (miniF2F fields)"""
-    num_targets: int | None = None
-    """use only the first N targets (default all: the paper's batch is the whole target set, §4.1)"""
+    num_problems: int | None = None
+    """use only the first N problems of --dataset (default all)"""
 
     # algorithm
     iterations: int = 500
-    """self-play iterations (the official scripts stop at 500; the paper reports about 200)"""
+    """self-play iterations to run (the official scripts stop at 500; the paper reports about 200)"""
     proofs_per_problem: int = 8
     """k: Solver attempts per target and per conjecture (§4.1)"""
     conjectures_per_target: int = 1
     """conjectures sampled per never-solved target (Table 1)"""
-    max_stored_proofs: int = 16
-    """verified proofs kept per solved target"""
-    solver_objective: Literal["reinforce_half", "cispo", "expert_iteration"] = "reinforce_half"
-    """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration (App. G.4)"""
-    solve_rate_max: float = 0.5
-    """REINFORCE½ trains on problems with 0 < s <= this solve rate (§3.2)"""
-    conjecture_percentile: float = 0.7
-    """the Conjecturer is rewarded for conjectures with 0 < s <= this percentile of the solve rates in (0, 1) (§3.2)"""
-    learning_rate: float | None = None
-    """Solver learning rate; default as the official scripts: 3e-6, 1e-6 with CISPO"""
-    conjecturer_learning_rate: float | None = None
-    """Conjecturer learning rate; default --learning-rate (the official scripts train both roles at one rate)"""
-    batch_size: int | None = None
-    """sequences per optimizer step, both roles; default as the official scripts: 32, 64 with CISPO or EI"""
-    micro_batch_size: int = 1
-    """sequences per forward/backward pass on each rank"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (App. C)"""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """Adam betas (App. C)"""
+    # App. C: temperature 1 and top-p 1 for every role, Adam betas (0.9, 0.95), gradient clipping 1.0, constant lr
     temperature: float = 1.0
-    """sampling temperature of every role (App. C)"""
+    """sampling temperature of every role"""
     top_p: float = 1.0
     """nucleus sampling"""
     max_new_tokens: int = 8192
@@ -180,24 +141,42 @@ class Args:
     """longest Conjecturer completion"""
     guide_max_new_tokens: int = 8192
     """longest Guide completion"""
+    solve_rate_max: float = 0.5
+    """REINFORCE½ trains on problems with 0 < s <= this solve rate (§3.2)"""
+    conjecture_percentile: float = 0.7
+    """the Conjecturer is rewarded for conjectures with 0 < s <= this percentile of the solve rates in (0, 1) (§3.2)"""
+    max_stored_proofs: int = 16
+    """verified proofs kept per solved target"""
     overlong_buffer: float = 0.2
     """the last fraction of M where a rollout's reward falls linearly from 0 to -1 (§4.1, after DAPO)"""
     penalize_try: bool = True
     """reward 0 for Solver proofs that use the try tactic (§4.1)"""
+    solver_objective: Literal["reinforce_half", "cispo", "expert_iteration"] = "reinforce_half"
+    """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration (App. G.4)"""
+    learning_rate: float | None = None
+    """Solver learning rate; default as the official scripts: 3e-6, 1e-6 with CISPO"""
+    warmup_steps: int = 0
+    """linear warm-up steps from 0"""
+    batch_size: int | None = None
+    """sequences per optimizer step, both roles; default as the official scripts: 32, 64 with CISPO or EI"""
+    micro_batch_size: int = 1
+    """sequences per forward/backward pass on each rank"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up (lr_at)"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas"""
+    conjecturer_learning_rate: float | None = None
+    """Conjecturer learning rate; default --learning-rate (the official scripts train both roles at one rate)"""
     sequence_mean_loss: bool = False
-    """REINFORCE loss of Eq. 4: each sequence's mean token log-probability; default (official trainer): summed over
-    the batch's tokens and divided by their number"""
+    """REINFORCE loss of Eq. 4 (each sequence's mean); default, official: the batch's token sum / its token count"""
     cispo_clip_low: float = 0.0
     """CISPO: lower bound of the token importance weight, 1 - eps_low with eps_low = 1 (App. G.3)"""
     cispo_clip_high: float = 4.0
     """CISPO: upper bound of the token importance weight, 1 + eps_high with eps_high = 3 (App. G.3)"""
     ei_window: int = 3
     """expert iteration: train on stored proofs found in the last this many iterations (App. G.4)"""
-    verifier_timeout: float = 200.0
-    """Lean wall-clock limit per proof, in seconds (§4.1)"""
-    lean_workers: int | None = None
-    """Lean REPL processes in all, split over the ranks (at least 1 each; the official runs had 110 verification
-    workers); default: each rank's share of its machine's cores and memory (lean_verify's choice)"""
 
     # ablations
     no_guide: bool = False
@@ -214,27 +193,17 @@ class Args:
     """stop once this many generations were sampled (the paper's x-axis); default: run all iterations"""
 
 
-# Without CUDA the paper's sizes would take days; these run an iteration on a CPU in about five minutes (SmolLM2-135M
-# samples ~60 tokens/s in a batch of 8: 32 attempts of up to 128 tokens take ~70 s; a training step on 8 x 384 tokens
-# takes ~30 s).
-CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", dataset="data/lean_smoke.jsonl",
-                    num_targets=8, iterations=2, proofs_per_problem=4, max_new_tokens=128, batch_size=8,
-                    conjecturer_max_new_tokens=128, guide_max_new_tokens=128, micro_batch_size=4, max_model_len=1536)
-
-
-def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
-    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
-    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
-    for k, v in changed.items():
-        setattr(args, k, v)
-    return report
+# An iteration on a CPU in about five minutes (SmolLM2-135M samples ~60 tokens/s in a batch of 8: 32 attempts of up
+# to 128 tokens take ~70 s; a training step on 8 x 384 tokens takes ~30 s).
+CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", max_model_len=1536,
+                    dataset="data/lean_smoke.jsonl", num_problems=8, iterations=2, proofs_per_problem=4,
+                    max_new_tokens=128, conjecturer_max_new_tokens=128, guide_max_new_tokens=128, batch_size=8,
+                    micro_batch_size=4)
 
 
 def resolve(args: Args) -> tuple[bool, bool, bool]:
-    """Give the flags left unset the official script's values (the table in the module docstring) and return the
-    roles in play: (use_conjecturer, train_conjecturer, use_guide)."""
+    """Give the flags left unset the official script's values (README's experiment map) and return the roles in
+    play: (use_conjecturer, train_conjecturer, use_guide)."""
     if args.learning_rate is None:
         args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6
     if args.conjecturer_learning_rate is None:
@@ -364,38 +333,24 @@ GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the names
 
 
 # ---- data ----
-# A Lean 4 statement to prove, a target of D or a conjecture: its header (imports and opens), the statement
-# ("theorem name ... := by", no proof) and, for a conjecture, the target it was proposed for and its generation.
-Problem = collections.namedtuple("Problem", "id header statement seed_id sample", defaults=(None, None))
-DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
+# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
+# conjecture also keeps the target it was proposed for and its generation (the Conjecturer's training sequence).
+Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("seed_id", "sample"))
+# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status ("no_code": there was
+# no proof to check), verdict and seconds.
+Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
+# A training sequence: a Sample, its weight (reward or advantage) and, for CISPO, its group's tokens and index.
+Example = collections.namedtuple("Example", "sample weight group_tokens group", defaults=(0.0, -1))
 
 
-def load_problems(dataset: str, limit: int | None = None) -> list[Problem]:
-    """The target set D: D_3k from Hugging Face (rows id, header, theorem), or a .jsonl file in miniF2F's fields
-    (name, header, formal_statement) such as data/lean_smoke.jsonl."""
-    if dataset.endswith(".jsonl"):
-        with open(dataset) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        import datasets  # imported here: it takes seconds, and the built-in sets do not need it
-
-        rows = list(datasets.load_dataset(dataset, split="train"))
-    problems, seen = [], set()
-    for i, row in enumerate(rows):
-        pid = str(row.get("id", row.get("name", i)))
-        statement = clean_statement(row.get("theorem") or row.get("formal_statement"))
-        if statement is None:
-            continue  # a statement must end with ':= by' and hold no proof
-        pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
-        seen.add(pid)
-        problems.append(Problem(pid, row.get("header") or DEFAULT_HEADER, statement))
-    return problems[:limit] if limit else problems
+def compact(sample: Sample) -> Sample:  # 4 bytes a token, not ~36 in a list: D_3k gives ~26k attempts an iteration
+    return sample._replace(prompt_ids=array("i", sample.prompt_ids), token_ids=array("i", sample.token_ids),
+                           logprobs=array("f", sample.logprobs))
 
 
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
     """The Guide's three sub-scores, or None if one is missing or not a number. As the official parser (prompts.py,
-    extract_guide_*_score): the text between the last begin tag and the last end tag of each score, read as a float,
-    whatever its value (no range check)."""
+    extract_guide_*_score): the text between the last begin and the last end tag, as a float (no range check)."""
     scores = {}
     for name in GUIDE_SCORES:
         begin, end = completion.rfind(f"<begin_{name}_score>"), completion.rfind(f"<end_{name}_score>")
@@ -409,6 +364,11 @@ def parse_guide_scores(completion: str) -> dict[str, float] | None:
 
 
 # ---- rewards ----
+def solve_rate(attempts: list[Attempt]) -> float:
+    """A problem's solve rate s: the share of its attempts that Lean accepted."""
+    return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
+
+
 def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
     """Eq. 3: R_guide = 0 if the conclusion is tangled (complexity 3 or 4), else relevance + (2 - complexity)
     + (1 - redundancy), floored at 0 (official sub_scores_to_review). A failed parse (None) gets the mean of the
@@ -427,8 +387,7 @@ def percentile_cut(rates: list[float], q: float = 0.7) -> float:
 
 
 def conjecturer_rewards(r_guide: list[float], rates: list[float]) -> list[float]:
-    """R = R_guide * R_solve with R_solve = 1 - s (Alg. 1), min-max normalised over the selected conjectures (§3.2);
-    all ones when they are equal."""
+    """R = R_guide * (1 - s) (Alg. 1), min-max normalised over the selected conjectures (§3.2); ones if all equal."""
     r = [g * (1.0 - s) for g, s in zip(r_guide, rates)]
     lo, hi = min(r, default=0.0), max(r, default=0.0)
     return [(v - lo) / (hi - lo) if hi > lo else 1.0 for v in r]
@@ -441,9 +400,8 @@ def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float
 
 
 def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
-    """The Solver's reward for one attempt (§3.2, §4.1): 1 if Lean accepts it, but 0 if it uses the `try` tactic
-    outside comments (`symmetry` or `h_try` do not count: deviation 1); an overlong attempt's reward is replaced by
-    the (negative) overlong penalty."""
+    """The Solver's reward (§3.2, §4.1): 1 if Lean accepts the proof, but 0 if it uses the `try` tactic outside
+    comments (deviation 1); an overlong attempt's reward is replaced by the (negative) overlong penalty."""
     code = strip_comments(proof or "")[0]  # None when a comment is left open: Lean rejects such a proof anyway
     tries = args.penalize_try and re.search(r"(?<![\w.'])try(?![\w'])", proof if code is None else code)
     penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
@@ -456,19 +414,12 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     return ((r - r.mean()) / (r.std() + eps)).tolist()
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
 # ---- losses ----
 def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, denominator: float,
                    sequence_mean: bool = False) -> torch.Tensor:
-    """The weighted log-likelihood loss, as the official trainer (WeightedTrainer.compute_loss, which produced the
-    paper's numbers): -(1/N) sum_i w_i sum_t log pi(y_it), N = the completion tokens of the whole optimizer batch,
-    so every token weighs the same (a 50-token and a 2000-token proof get 1/2050 per token each). sequence_mean:
-    the paper's Eq. 4, -(1/B) sum_i w_i (1/|y_i|) sum_t log pi(y_it), N = B sequences. logp, mask: [B, T]; weights:
-    [B]; denominator: N or B over the whole optimizer batch (all ranks), so that micro-batches add up."""
+    """As the official trainer (WeightedTrainer.compute_loss): -(1/N) sum_i w_i sum_t log pi(y_it), N = the whole
+    optimizer batch's completion tokens, so every token weighs the same. sequence_mean: Eq. 4, -(1/B) sum_i w_i
+    (1/|y_i|) sum_t log pi(y_it), N = B sequences. logp, mask: [B, T]; denominator: N or B of the batch (all ranks)."""
     per_sequence = (logp * mask).sum(1)
     if sequence_mean:
         per_sequence = per_sequence / mask.sum(1).clamp(min=1)
@@ -478,122 +429,89 @@ def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
 def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                group_tokens: torch.Tensor, n_groups: int, clip_low: float = 0.0, clip_high: float = 4.0
                ) -> torch.Tensor:
-    """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), with the token
-    importance weight r_it = pi(y_it) / pi_old(y_it) against the sampler's log-probabilities, clipped to
-    [clip_low, clip_high] and not differentiated. group_tokens[i]: the token count of sample i's group; n_groups: G =
-    batch_size / k, the groups a full optimizer batch holds, also for a last, smaller one (official groups_per_batch).
-    """
+    """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), r_it = pi(y_it)
+    / pi_old(y_it) against the sampler's log-probabilities, clipped and not differentiated. group_tokens[i]: sample i's
+    group's tokens; n_groups: G = batch_size / k, also for a last, smaller batch (official groups_per_batch)."""
     ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
     return -((ratio * logp * mask).sum(1) * advantages / group_tokens).sum() / n_groups
 
 
 # ---- phases ----
-# A proof attempt: its Sample, the extracted tactic script (None: no well-formed code block), Lean's status (or
-# "no_code") and verdict. A training sequence: a Sample, its weight (reward or advantage) and, for CISPO, the token
-# count of its group and the group's index.
-Attempt = collections.namedtuple("Attempt", "sample proof status correct")
-Example = collections.namedtuple("Example", "sample weight group_tokens group", defaults=(0.0, -1))
-
-
-def generate(sampler, prompts: list[str], n: int, max_new_tokens: int, args: Args, dist: Dist, desc: str
-             ) -> list[list[Sample]]:
-    """n samples per prompt at the roles' temperature and top-p (App. C), from the weights last synced. Each rank
-    samples its share, every rank gets them all, token ids and log-probs in arrays (4 bytes a token; a list of ints
-    costs ~36, and D_3k gives ~26k attempts an iteration). A failed sample (vLLM abort or error) keeps no text, so
-    every role's parser rejects it. With transformers, each prompt is sampled alone from a seed of its own (rank 0's
-    draw plus its index), so that the samples do not depend on how many ranks share the prompts (deviation 5)."""
-    base = all_gather_objects(random.getrandbits(31), dist)[0]  # the same on every rank; checkpoints keep the RNG
-
-    def run(mine: list[tuple[int, str]]) -> list[list[Sample]]:
-        def sample(batch: list[str]) -> list[list[Sample]]:
-            return sampler.generate(batch, n=n, temperature=args.temperature, top_p=args.top_p,
-                                    max_new_tokens=max_new_tokens, desc=desc) if batch else []
-
-        if getattr(sampler, "llm", None):  # vLLM: one call, its engine batches (seeded per rank)
-            outputs = sample([p for _, p in mine])
-        else:  # transformers: prompt by prompt, each from its own seed
-            outputs = []
-            for i, p in mine:
-                torch.manual_seed(base + i)
-                outputs += sample([p])
-        return [[Sample(s.text if s.finish_reason in ("stop", "length") else "", array("i", s.prompt_ids),
-                        array("i", s.token_ids), array("f", s.logprobs), s.finish_reason) for s in row]
-                for row in outputs]
-
-    return map_sharded(run, list(enumerate(prompts)), dist)
-
-
 def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem], iteration: int, args: Args,
-               dist: Dist) -> tuple[list[Problem], dict[str, float]]:
-    """Alg. 1, step 1: conjectures_per_target statements for each never-solved target (the seeds). Outputs that do not
-    parse are dropped, as are repeats of a target or of another conjecture; a conjecture inherits its target's header.
-    Returns (conjectures, stats)."""
+               dist: Dist) -> tuple[list[Conjecture], dict[str, float]]:
+    """Alg. 1, step 1: conjectures_per_target statements for each never-solved target (the seeds), parsed (deviation
+    3), deduplicated against the targets and each other; a conjecture inherits its target's header."""
     users = [CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
              CONJECTURER_PROMPT.format(statement=seed.statement) for seed in seeds]
-    outputs = generate(sampler, [chat_prompt(tokenizer, u) for u in users], args.conjectures_per_target,
-                       args.conjecturer_max_new_tokens, args, dist, "conjecture")
+    outputs = sample(sampler, [chat_prompt(tokenizer, u) for u in users], args.conjectures_per_target,
+                     f"{args.seed}/{iteration}/conjecture", dist, lambda start, rows: [list(map(compact, r)) for r in rows],
+                     temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.conjecturer_max_new_tokens)
     conjectures, seen, parsed = [], {" ".join(t.statement.split()) for t in targets}, []
     for seed, row in zip(seeds, outputs):
-        for sample in row:
-            parsed.append(statement := extract_conjecture(sample.text))  # official rule, and deviation 3
-            if statement is None or (key := " ".join(statement.split())) in seen:
-                continue
-            seen.add(key)
-            conjectures.append(Problem(f"it{iteration}_c{len(conjectures)}", seed.header, statement, seed.id, sample))
-    conclusions = [theorem_conclusion(c.statement) for c in conjectures] or [""]
-    return conjectures, {
-        "conjecturer/outputs": len(parsed), "conjecturer/new_conjectures": len(conjectures),
-        "conjecturer/extraction_rate": float(np.mean([s is not None for s in parsed])) if parsed else 0.0,
-        "conjecturer/disjunctive_share": float(np.mean([("∨" in c or "\\/" in c) for c in conclusions])),
-        "conjecturer/conclusion_chars": float(np.mean([len(c) for c in conclusions]))}
+        for s in row:
+            parsed.append(statement := extract_conjecture(s.text))
+            if statement is not None and (key := " ".join(statement.split())) not in seen:
+                seen.add(key)
+                conjectures.append(Conjecture(f"it{iteration}_c{len(conjectures)}", seed.header, statement, seed.id, s))
+    conclusions = [theorem_conclusion(c.statement) for c in conjectures] or [""]  # disjunctions: Fig. 2's drift
+    return conjectures, {"conjecturer/outputs": len(parsed), "conjecturer/new_conjectures": len(conjectures),
+                         "conjecturer/extraction_rate": float(np.mean([s is not None for s in parsed] or [0.0])),
+                         "conjecturer/disjunctive_share": float(np.mean([("∨" in c or "\\/" in c) for c in conclusions])),
+                         "conjecturer/conclusion_chars": float(np.mean([len(c) for c in conclusions]))}
 
 
-def solve(sampler, verifier, tokenizer, problems: list[Problem], args: Args, dist: Dist) -> dict[str, list[Attempt]]:
-    """Alg. 1, step 2: k Solver attempts per problem. Lean checks header + original statement + the extracted proof (the
-    restated theorem is discarded, so the Solver cannot change the statement); each rank checks a share of the
-    distinct (problem, proof) pairs."""
+def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
+                   ) -> dict[str, list[Attempt]]:
+    """Alg. 1, step 2: n whole proofs per problem; each attempt keeps its Sample (the Solver trains on it). Each
+    distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
+    statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
     prompts = [chat_prompt(tokenizer, SOLVER_PROMPT.format(header=p.header, statement=p.statement)) for p in problems]
-    outputs = generate(sampler, prompts, args.proofs_per_problem, args.max_new_tokens, args, dist, "solve")
-    proofs = [[extract_proof(s.text, whole_block=True) for s in row] for row in outputs]  # the official strict rule
-    jobs = {(p.id, proof): ProofJob(p.header, p.statement, p.statement + proof, p.id)
-            for p, row in zip(problems, proofs) for proof in row if proof is not None}
-    verdicts = dict(zip(jobs, map_sharded(lambda mine: [(v.status, v.valid) for v in verifier.verify(mine)] if mine
-                                          else [], list(jobs.values()), dist)))
-    return {p.id: [Attempt(s, proof, *verdicts.get((p.id, proof), ("no_code", False))) for s, proof in zip(row, parsed)]
-            for p, row, parsed in zip(problems, outputs, proofs)}
+
+    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:
+        part = problems[start : start + len(rows)]  # a failed sample (vLLM abort or error) has nothing to check
+        proofs = [[extract_proof(s.text, whole_block=True) if s.finish_reason in ("stop", "length") else None
+                   for s in row] for row in rows]
+        jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
+                for p, row in zip(part, proofs) for x in row if x is not None}
+        verdicts = {job: (v.status, bool(v.valid), float(v.time))
+                    for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
+        found = [[verdicts.get((p.id, x), ("no_code", False)) for x in row] for p, row in zip(part, proofs)]
+        return [[Attempt(compact(s), x, *v) for s, x, v in zip(*r)] for r in zip(rows, proofs, found)]
+
+    rows = sample(sampler, prompts, n, key, dist, check, temperature=args.temperature, top_p=args.top_p,
+                  max_new_tokens=args.max_new_tokens)
+    return {p.id: row for p, row in zip(problems, rows)}
 
 
-def review(sampler, tokenizer, conjectures: list[Problem], targets: list[Problem], args: Args, dist: Dist
-           ) -> tuple[list[float], dict[str, float]]:
+def review(sampler, tokenizer, conjectures: list[Conjecture], targets: list[Problem], iteration: int, args: Args,
+           dist: Dist) -> tuple[list[float], dict[str, float]]:
     """The Guide scores each conjecture (at least one) against its target (§3.1, Eq. 3): R_guide, one review each."""
     seed = {t.id: t.statement for t in targets}
     prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed_theorem=seed[c.seed_id], conjecture=c.statement))
                for c in conjectures]
-    reviews = [parse_guide_scores(row[0].text) for row in
-               generate(sampler, prompts, 1, args.guide_max_new_tokens, args, dist, "guide")]
+    reviews = sample(sampler, prompts, 1, f"{args.seed}/{iteration}/guide", dist,
+                     lambda start, rows: [parse_guide_scores(row[0].text) for row in rows], temperature=args.temperature,
+                     top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens)
     r_guide, parsed = guide_rewards(reviews), [r for r in reviews if r is not None]
     quartiles = zip(("q25", "median", "q75"), np.percentile(r_guide, [25, 50, 75]).tolist())
     return r_guide, {"guide/parse_failure_rate": 1.0 - len(parsed) / len(reviews),
-                     "guide/r_guide_mean": float(np.mean(r_guide)),
-                     "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
+                     "guide/r_guide_mean": float(np.mean(r_guide)), "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
                      **{f"guide/r_guide_{name}": q for name, q in quartiles},
-                     **{f"guide/{name}_mean": float(np.mean([r[name] for r in parsed])) for name in GUIDE_SCORES
-                        if parsed}}
+                     **{f"guide/{name}_mean": float(np.mean([r[name] for r in parsed])) for name in GUIDE_SCORES if parsed}}
 
 
-def record_proofs(store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int) -> None:
-    """Keep up to `cap` distinct verified proofs per target (official code); a target with one is solved. Conjectures
-    are not stored."""
-    for pid in [pid for pid in attempts if pid in store]:
+def record_proofs(proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int):
+    """Up to `cap` distinct verified proofs per target (official code; a target with one is solved), none of a
+    conjecture."""
+    for pid in [pid for pid in attempts if pid in proofs]:
         for a in attempts[pid]:
-            known = {p["proof"] for p in store[pid]}
-            if a.correct and a.proof not in known and len(store[pid]) < cap:
-                store[pid].append({"proof": a.proof, "iteration": iteration, "prompt_ids": a.sample.prompt_ids,
-                                   "token_ids": a.sample.token_ids, "text": a.sample.text})
+            if a.correct and a.proof not in {p["proof"] for p in proofs[pid]} and len(proofs[pid]) < cap:
+                proofs[pid].append({"proof": a.proof, "iteration": iteration, "prompt_ids": a.sample.prompt_ids,
+                                    "token_ids": a.sample.token_ids, "text": a.sample.text})
 
 
 def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], rates: dict[str, float],
-                    store: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
+                    proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
     """The Solver's training set for this iteration, by objective:
     REINFORCE½ (§3.2): correct attempts at problems (targets and conjectures) with 0 < s <= 1/2, weight = reward;
     CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups;
@@ -610,80 +528,71 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
                 for a, w in zip(row, adv) if w != 0]
     if args.solver_objective == "expert_iteration":
         found = [(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"), p["proof"])
-                 for proofs in store.values() for p in proofs if p["iteration"] > iteration - args.ei_window]
+                 for stored in proofs.values() for p in stored if p["iteration"] > iteration - args.ei_window]
     else:  # incorrect attempts teach nothing in REINFORCE½ (official code)
         found = [(a.sample, a.proof) for row, s in rows if 0 < s <= args.solve_rate_max for a in row if a.correct]
     # weight 1 or the overlong penalty; a proof using `try` is dropped, overlong or not (official)
-    examples = [Example(sample, solver_reward(True, proof, len(sample.token_ids), args)) for sample, proof in found
+    examples = [Example(s, solver_reward(True, proof, len(s.token_ids), args)) for s, proof in found
                 if solver_reward(True, proof, 0, args)]
     rng.shuffle(examples)
     return examples
 
 
-def conjecturer_examples(selected: list[Problem], rates: dict[str, float], r_guide: list[float], args: Args,
+def conjecturer_examples(selected: list[Conjecture], rates: dict[str, float], r_guide: list[float], args: Args,
                          rng: random.Random) -> list[Example]:
-    """The Conjecturer's training set (§3.2, Alg. 1): weight R_guide * (1 - s), min-max normalised over the selected
-    conjectures; then an overlong generation's weight is replaced by its penalty. As the official code
-    (prepare_conjecturer_train_data): the training target is the whole generation, reasoning included, and the
-    conjecture of weight 0 stays in the batch (its tokens count in the loss's denominator)."""
+    """The Conjecturer's training set (§3.2): weight R_guide * (1 - s), min-max normalised, or an overlong
+    generation's penalty. As the official prepare_conjecturer_train_data: the target is the whole generation,
+    reasoning included, and a conjecture of weight 0 stays in the batch (its tokens count in the denominator)."""
     penalties = [overlong_penalty(len(c.sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
                  for c in selected]
     rewards = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
-    weights = [p if p < 0 else w for p, w in zip(penalties, rewards)]
-    examples = [Example(c.sample, w) for c, w in zip(selected, weights)]
+    examples = [Example(c.sample, p if p < 0 else w) for c, p, w in zip(selected, penalties, rewards)]
     rng.shuffle(examples)
     return examples
 
 
-def update(policy, optimizer, examples: list[Example], objective: str, args: Args, dist: Dist) -> dict[str, float]:
-    """One epoch over the examples, batch_size sequences per optimizer step, from a fresh Adam state (official code: a
-    new trainer on each iteration's data). CISPO's examples come group after group (solver_examples)."""
+def update(policy, optimizer, examples: list[Example], lr: float, objective: str, args: Args, dist: Dist
+           ) -> dict[str, float]:
+    """One epoch, batch_size sequences a step (CISPO: whole groups, batch_size / k of them, as solver_examples orders
+    them), from a fresh Adam state (official code: a new trainer on each iteration's data)."""
     optimizer.state.clear()
-    cispo = objective == "cispo"
-    if cispo:  # whole groups, batch_size / k of them
-        size = max(1, args.batch_size // args.proofs_per_problem)
-        batches = [[e for e in examples if g <= e.group < g + size] for g in range(0, examples[-1].group + 1, size)]
-    else:
-        batches = [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)]
-    losses, norms = [], []
-    for batch in batches:
-        total = 0.0
+    cispo, size = objective == "cispo", max(1, args.batch_size // args.proofs_per_problem)
+    batches = ([[e for e in examples if g <= e.group < g + size] for g in range(0, examples[-1].group + 1, size)]
+               if cispo else [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)])
+    stats = []
+    for step, batch in enumerate(batches):
         # REINFORCE's denominator: the batch's completion tokens (official) or sequences (Eq. 4, --sequence-mean-loss)
         n = len(batch) if args.sequence_mean_loss else sum(len(e.sample.token_ids) for e in batch)
-        for micro, scale in micro_batches(batch, args.micro_batch_size, dist,
-                                          length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids)):
+
+        def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
             # CISPO's importance ratio compares with the sampler's log-probs: renormalise over its top-p nucleus too
             logp, mask, _ = token_logprobs(policy, [e.sample for e in micro], args.temperature,
                                            args.top_p if cispo else 1.0)
             weights = logp.new_tensor([e.weight for e in micro])
-            if cispo:  # pi_old: the sampler's log-probs, padded as logp
-                old = torch.stack([torch.nn.functional.pad(logp.new_tensor(e.sample.logprobs),
-                                                           (0, logp.shape[1] - len(e.sample.logprobs))) for e in micro])
-                loss = cispo_loss(logp, old, mask, weights, logp.new_tensor([e.group_tokens for e in micro]), size,
-                                  args.cispo_clip_low, args.cispo_clip_high)  # official: / groups_per_batch, fixed
-            else:
-                loss = reinforce_loss(logp, mask, weights, n, args.sequence_mean_loss)
-            # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
-            # (0 for a rank's padding micro-batch), which FSDP2's mean over ranks cancels
-            (loss * scale * len(batch)).backward()
-            total += loss.item() if scale else 0.0
-        norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
-        losses.append(sum(all_gather_objects(total, dist)))
-    return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": len(batches)}
+            if not cispo:
+                return reinforce_loss(logp, mask, weights, n, args.sequence_mean_loss), {}
+            old = torch.stack([torch.nn.functional.pad(logp.new_tensor(e.sample.logprobs),  # pi_old, padded as logp
+                                                       (0, logp.shape[1] - len(e.sample.logprobs))) for e in micro])
+            return cispo_loss(logp, old, mask, weights, logp.new_tensor([e.group_tokens for e in micro]), size,
+                              args.cispo_clip_low, args.cispo_clip_high), {}  # official: / groups_per_batch, fixed
+
+        stats.append(train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
+                                length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids),
+                                lr=lr_at(step, len(batches), lr, args.warmup_steps, args.lr_schedule)))
+    return {"loss": float(np.mean([s["loss"] for s in stats])), "steps": len(stats),
+            "grad_norm": float(np.mean([s["grad_norm"] for s in stats]))}
 
 
 # ---- evaluation ----
-def evaluate(targets: list[Problem], store: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int
-             ) -> dict[str, float]:
-    """The paper's metric (Fig. 1): the cumulative solve rate, the share of targets with a verified proof at any point
-    so far; this iteration's pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 4);
-    Lean's verdicts over all attempts; the conjectures' mean solve rate."""
+def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int
+                  ) -> dict[str, float]:
+    """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever proved); this iteration's
+    pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 4); Lean's verdicts."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
-    conjectures = [np.mean([a.correct for a in row]) for pid, row in attempts.items() if pid not in store]
+    conjectures = [solve_rate(row) for pid, row in attempts.items() if pid not in proofs]
     every = [a for row in attempts.values() for a in row]
-    logps = np.concatenate([a.sample.logprobs for a in every] or [np.zeros(0)])
-    statuses = [a.status for a in every]
-    return {"charts/cumulative_solve_rate": sum(bool(store[t.id]) for t in targets) / len(targets),
+    logps, statuses = np.concatenate([a.sample.logprobs for a in every] or [np.zeros(0)]), [a.status for a in every]
+    return {"charts/cumulative_solve_rate": sum(bool(proofs[t.id]) for t in targets) / len(targets),
             f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in row), k) for row in tried or [[]]])),
             "charts/targets_attempted": len(tried), "solver/entropy": -float(logps.mean()) if logps.size else 0.0,
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
@@ -692,69 +601,64 @@ def evaluate(targets: list[Problem], store: dict[str, list[dict]], attempts: dic
 
 # ---- main ----
 def main(args: Args) -> None:
-    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         sys.exit("sgs.py: expert iteration is the solver-only baseline of App. G.4; add --no-conjecturer")
-    use_conjecturer, train_conjecturer, use_guide = resolve(args)
-    dist = setup_distributed(args.seed)
+    use_conjecturer, train_conjecturer, use_guide = resolve(args)  # before the CPU scaling, which a flag overrides
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     try:  # stop at once, before any model is loaded, when there is no Lean
-        workers = max(1, args.lean_workers // dist.world_size) if args.lean_workers else None  # this rank's pool
-        verifier = LeanVerifier(timeout=args.verifier_timeout, workers=workers)
+        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None  # this rank's
+        verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:
         sys.exit(f"sgs.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
-    if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
-              sep="\n")
-    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
-    targets = load_problems(args.dataset, args.num_targets)
+    if dist.is_main:
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
+    targets = load_problems(args.dataset, args.num_problems)
 
-    # the roles: the Solver and the Conjecturer are two trained copies of the base model, the Guide a frozen one;
-    # one sampler serves all three (sync_weights loads a role's weights before it generates)
+    # the Solver and the Conjecturer are two trained copies of the base model, the Guide a frozen one; one sampler
+    # serves all three (sync_weights loads a role's weights before it generates)
     tokenizer = load_tokenizer(args.model)
     solver = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     conjecturer = load_model(args.conjecturer_model or args.model, dist, train_conjecturer,
                              args.gradient_checkpointing) if use_conjecturer else None
     guide = load_model(args.guide_model, dist, train=False) if use_guide else None
-    adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=0.0)  # App. C
+    adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=0.0)
     models = {"solver": (solver, adamw(solver.parameters(), args.learning_rate))}
     if train_conjecturer:
         models["conjecturer"] = (conjecturer, adamw(conjecturer.parameters(), args.conjecturer_learning_rate))
     # run state: the proofs stored for each target (solved = at least one) and the number of generations
-    start, state = 0, {"store": {t.id: [] for t in targets}, "generations": 0}
+    start, state = 0, {"proofs": {t.id: [] for t in targets}, "generations": 0}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found[0] + 1, found[1]
-        if dist.is_main:
-            print(f"resuming {run_dir} at iteration {start}")
+        start, state = found
     sampler = Sampler(args.model, solver, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    store = state["store"]
+    proofs = state["proofs"]
 
     for iteration in range(start, args.iterations):
         metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
-        # 1. Conjecture: one statement for each target that was never solved (Alg. 1)
+        # 1. Conjecture: one statement for each target that was never solved
         conjectures = []
         if use_conjecturer:
             with logger.timer("conjecture"):
-                seeds = [t for t in targets if not store[t.id]]
+                seeds = [t for t in targets if not proofs[t.id]]
                 sampler.sync_weights(conjecturer)
                 conjectures, stats = conjecture(sampler, tokenizer, seeds, targets, iteration, args, dist)
-                metrics.update(stats)
                 state["generations"] += len(seeds) * args.conjectures_per_target
+                metrics.update(stats)
 
         # 2. Solve: k attempts at every target and every conjecture (EI: at targets with fewer than 16 proofs)
         with logger.timer("solve"):
             problems = [t for t in targets if args.solver_objective != "expert_iteration"
-                        or len(store[t.id]) < args.max_stored_proofs] + conjectures
+                        or len(proofs[t.id]) < args.max_stored_proofs] + conjectures
             sampler.sync_weights(solver)
-            attempts = solve(sampler, verifier, tokenizer, problems, args, dist)
+            attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.proofs_per_problem,
+                                      f"{args.seed}/{iteration}/solve", args, dist)
             state["generations"] += len(problems) * args.proofs_per_problem
-            rates = {pid: sum(a.correct for a in row) / len(row) for pid, row in attempts.items()}  # s
-            record_proofs(store, attempts, iteration, args.max_stored_proofs)
+            record_proofs(proofs, attempts, iteration, args.max_stored_proofs)
+            rates = {pid: solve_rate(row) for pid, row in attempts.items()}  # s
 
         # 3. The Solver's training set (REINFORCE½, CISPO or EI)
-        solver_set = solver_examples(problems, attempts, rates, store, iteration, args, rng)
+        solver_set = solver_examples(problems, attempts, rates, proofs, iteration, args, rng)
 
         # 4. The Conjecturer's training set: 0 < s <= p70, R = R_guide * (1 - s), min-max normalised
         conjecturer_set = []
@@ -765,7 +669,7 @@ def main(args: Args) -> None:
                 r_guide = [1.0] * len(selected)  # without a Guide, R = R_solve
                 if use_guide and selected:
                     sampler.sync_weights(guide)
-                    r_guide, stats = review(sampler, tokenizer, selected, targets, args, dist)
+                    r_guide, stats = review(sampler, tokenizer, selected, targets, iteration, args, dist)
                     metrics.update(stats)
                 conjecturer_set = conjecturer_examples(selected, rates, r_guide, args, rng)
                 metrics.update({"conjecturer/p70": p70, "conjecturer/selected": len(selected)})
@@ -773,22 +677,22 @@ def main(args: Args) -> None:
         # 5. Update the Solver and the Conjecturer, each from a fresh Adam state (official: a new trainer each time)
         with logger.timer("update"):
             sampler.sleep()
-            for name, examples, objective in [("solver", solver_set, args.solver_objective),
-                                              ("conjecturer", conjecturer_set, "reinforce")]:
+            roles = {"solver": (solver_set, args.learning_rate, args.solver_objective),
+                     "conjecturer": (conjecturer_set, args.conjecturer_learning_rate, "reinforce")}
+            for name, (examples, lr, objective) in roles.items():
                 if examples:
-                    stats = update(*models[name], examples, objective, args, dist)
+                    stats = update(*models[name], examples, lr, objective, args, dist)
                     metrics.update({f"losses/{name}_{k}": v for k, v in stats.items()})
 
-        # metrics: cumulative solve rate against generations (Fig. 1), pass@k (Fig. 3), Solver entropy (Fig. 7)
         metrics.update({"charts/generations": state["generations"], "data/solver_examples": len(solver_set),
-                        "data/conjecturer_examples": len(conjecturer_set)})
-        logger.log({**metrics, **evaluate(targets, store, attempts, args.proofs_per_problem)}, step=iteration)
+                        "data/conjecturer_examples": len(conjecturer_set),
+                        **solve_metrics(targets, proofs, attempts, args.proofs_per_problem)})
+        logger.log(metrics, step=iteration + 1)
         done = args.max_generations is not None and state["generations"] >= args.max_generations
-        if (iteration + 1) % args.save_every == 0 or iteration == args.iterations - 1 or done:
-            save_checkpoint(run_dir, iteration, models, tokenizer, state, dist)
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or done:
+            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
         if done:
             break
-
     verifier.close()
 
 

