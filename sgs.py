@@ -68,8 +68,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (DEFAULT_HEADER, LeanNotInstalled, LeanVerifier, Problem, ProofJob, extract_conjecture,
-                         extract_proof, load_problems, strip_comments, theorem_conclusion)
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, ProofJob, extract_conjecture, extract_proof,
+                         load_problems, strip_comments, theorem_conclusion)
 
 
 @dataclass
@@ -195,15 +195,13 @@ class Args:
 
 # An iteration on a CPU in about five minutes (SmolLM2-135M samples ~60 tokens/s in a batch of 8: 32 attempts of up
 # to 128 tokens take ~70 s; a training step on 8 x 384 tokens takes ~30 s).
-CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", max_model_len=1536,
-                    dataset="data/lean_smoke.jsonl", num_problems=8, iterations=2, proofs_per_problem=4,
-                    max_new_tokens=128, conjecturer_max_new_tokens=128, guide_max_new_tokens=128, batch_size=8,
-                    micro_batch_size=4)
+CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", max_model_len=1536, micro_batch_size=4,
+                    dataset="data/lean_smoke.jsonl", num_problems=8, iterations=2, proofs_per_problem=4, batch_size=8,
+                    max_new_tokens=128, conjecturer_max_new_tokens=128, guide_max_new_tokens=128)
 
 
 def resolve(args: Args) -> tuple[bool, bool, bool]:
-    """Give the flags left unset the official script's values (README's experiment map) and return the roles in
-    play: (use_conjecturer, train_conjecturer, use_guide)."""
+    """The official script's values for the flags left unset; the roles in play: (conjecturer, trained, Guide)."""
     if args.learning_rate is None:
         args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6
     if args.conjecturer_learning_rate is None:
@@ -351,16 +349,11 @@ def compact(sample: Sample) -> Sample:  # 4 bytes a token, not ~36 in a list: D_
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
     """The Guide's three sub-scores, or None if one is missing or not a number. As the official parser (prompts.py,
     extract_guide_*_score): the text between the last begin and the last end tag, as a float (no range check)."""
-    scores = {}
-    for name in GUIDE_SCORES:
-        begin, end = completion.rfind(f"<begin_{name}_score>"), completion.rfind(f"<end_{name}_score>")
-        if begin < 0 or end < 0:
-            return None
-        try:
-            scores[name] = float(completion[begin + len(f"<begin_{name}_score>") : end])
-        except ValueError:  # not a number, or the last end tag before the last begin tag
-            return None
-    return scores
+    try:
+        return {name: float(completion[completion.rindex(f"<begin_{name}_score>") + len(f"<begin_{name}_score>") :
+                                       completion.rindex(f"<end_{name}_score>")]) for name in GUIDE_SCORES}
+    except ValueError:  # a tag is missing, the text is not a number, or the last end tag is before the last begin tag
+        return None
 
 
 # ---- rewards ----
@@ -444,7 +437,7 @@ def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem],
     users = [CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
              CONJECTURER_PROMPT.format(statement=seed.statement) for seed in seeds]
     outputs = sample(sampler, [chat_prompt(tokenizer, u) for u in users], args.conjectures_per_target,
-                     f"{args.seed}/{iteration}/conjecture", dist, lambda start, rows: [list(map(compact, r)) for r in rows],
+                     f"{args.seed}/{iteration}/conjecture", dist, lambda _, rows: [list(map(compact, r)) for r in rows],
                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.conjecturer_max_new_tokens)
     conjectures, seen, parsed = [], {" ".join(t.statement.split()) for t in targets}, []
     for seed, row in zip(seeds, outputs):
@@ -455,9 +448,9 @@ def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem],
                 conjectures.append(Conjecture(f"it{iteration}_c{len(conjectures)}", seed.header, statement, seed.id, s))
     conclusions = [theorem_conclusion(c.statement) for c in conjectures] or [""]  # disjunctions: Fig. 2's drift
     return conjectures, {"conjecturer/outputs": len(parsed), "conjecturer/new_conjectures": len(conjectures),
-                         "conjecturer/extraction_rate": float(np.mean([s is not None for s in parsed] or [0.0])),
-                         "conjecturer/disjunctive_share": float(np.mean([("∨" in c or "\\/" in c) for c in conclusions])),
-                         "conjecturer/conclusion_chars": float(np.mean([len(c) for c in conclusions]))}
+                         "conjecturer/extraction_rate": np.mean([s is not None for s in parsed] or [0.0]),
+                         "conjecturer/disjunctive_share": np.mean([("∨" in c or "\\/" in c) for c in conclusions]),
+                         "conjecturer/conclusion_chars": np.mean([len(c) for c in conclusions])}
 
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
@@ -490,19 +483,18 @@ def review(sampler, tokenizer, conjectures: list[Conjecture], targets: list[Prob
     prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed_theorem=seed[c.seed_id], conjecture=c.statement))
                for c in conjectures]
     reviews = sample(sampler, prompts, 1, f"{args.seed}/{iteration}/guide", dist,
-                     lambda start, rows: [parse_guide_scores(row[0].text) for row in rows], temperature=args.temperature,
+                     lambda _, rows: [parse_guide_scores(row[0].text) for row in rows], temperature=args.temperature,
                      top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens)
     r_guide, parsed = guide_rewards(reviews), [r for r in reviews if r is not None]
     quartiles = zip(("q25", "median", "q75"), np.percentile(r_guide, [25, 50, 75]).tolist())
-    return r_guide, {"guide/parse_failure_rate": 1.0 - len(parsed) / len(reviews),
-                     "guide/r_guide_mean": float(np.mean(r_guide)), "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
+    return r_guide, {"guide/parse_failure_rate": 1 - len(parsed) / len(reviews), "guide/r_guide_mean": np.mean(r_guide),
+                     "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
                      **{f"guide/r_guide_{name}": q for name, q in quartiles},
-                     **{f"guide/{name}_mean": float(np.mean([r[name] for r in parsed])) for name in GUIDE_SCORES if parsed}}
+                     **{f"guide/{name}_mean": np.mean([r[name] for r in parsed]) for name in GUIDE_SCORES if parsed}}
 
 
 def record_proofs(proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int):
-    """Up to `cap` distinct verified proofs per target (official code; a target with one is solved), none of a
-    conjecture."""
+    """Up to `cap` distinct verified proofs per target (official; a target with one is solved), none of a conjecture."""
     for pid in [pid for pid in attempts if pid in proofs]:
         for a in attempts[pid]:
             if a.correct and a.proof not in {p["proof"] for p in proofs[pid]} and len(proofs[pid]) < cap:

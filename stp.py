@@ -16,19 +16,14 @@ whole Lean 4 proofs. Each iteration of self-play (the paper's word: round; Stage
   6. one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
 
-Run (needs Lean: `bash setup.sh --lean`). Without CUDA `python stp.py` runs a loop scaled down by CPU_DEFAULTS
-(SmolLM2-135M, data/lean_smoke.jsonl); `torchrun --nproc_per_node 8 stp.py` on 8xH200 the paper's. The official
-experiments (RL/*.sh) are flags: the experiment map, and which miniF2F text each number uses, are in README.md.
-Logged (metrics.jsonl; wandb with --track): charts/cumulative_solve_rate (dataset statements proved) against
-charts/generations; eval/<set>/pass@k on miniF2F-test and ProofNet-test, unbiased and chunked (STP); conjecturer/*,
-losses/*, data/*, lean/*, time/*.
+Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
+data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations (where the paper is silent this file follows the official code):
   1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
      --model. DeepSeek-Prover-V1.5-SFT itself has never seen the conjecturing format.
   2. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas) and the prompt shows a lemma by
-     name: STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table; the upstream REPL's
-     usedConstants would give them (lean_verify's verify(used_constants=True), not used here yet).
+     name: STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table.
   3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header lines
      its training prompt has).
   4. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
@@ -39,7 +34,7 @@ Deliberate deviations (where the paper is silent this file follows the official 
   7. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
   8. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; a fold is
      verified after it is generated (official: while the next one is); a (statement, proof) pair is checked once;
-     transformers samples in calls seeded by position (any number of ranks gives the same run).
+     transformers samples in calls seeded by position.
   9. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
      deduplicated lean_workbook_dedup.json (not released).
 """
@@ -201,8 +196,7 @@ class Args:
     final_model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
     """Stage 3 re-trains this model (run_RL_train.sh); it must share --model's architecture and tokenizer"""
     final_sft_dataset: str = "kfdong/STP_Lean_SFT"
-    """Stage 3 also trains on its (prompt, target[, weight]) rows but the LeanWorkbook ones (run_RL_train.sh's
-    mathlib.json): a Hugging Face dataset, a .jsonl, or '' for none"""
+    """Stage 3 also trains on its rows (prompt, target[, weight]) but LeanWorkbook's (mathlib.json); '' for none"""
     final_learning_rate: float = 1e-4
     """Stage 3 learning rate (run_RL_train.sh)"""
     final_solve_rate_max: float = 0.25
@@ -244,10 +238,9 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", final_model="embedded:smollm2", da
 
 
 # ---- prompts ----
-# Raw completion prompts, no chat template: DeepSeek-Prover-V1.5's non-CoT format; the prover closes the fence.
+# Raw completion prompts, no chat template: DeepSeek-Prover-V1.5's non-CoT format; the prover closes the fence, the
+# conjecturer continues after <hard theorem> with a new statement and </hard theorem>.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}"
-
-# The conjecturer continues after <hard theorem> with a new statement and </hard theorem>.
 CONJECTURER_PROMPT = ("Complete the following Lean 4 code:\n\n```lean4\n{header}"
                       "<lemma>\n{lemma}\n<easy theorem>\n{seed}\n<hard theorem>")
 END_THM = "</hard theorem>"
@@ -386,27 +379,23 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
                      lambda start, rows: [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
                                           for row in rows], temperature=args.temperature, top_p=args.top_p,
                      max_new_tokens=args.max_new_tokens, stop=[END_THM], desc="conjecture", logprobs=False)
-
-    def key(header: str, statement: str) -> tuple:  # official: spaces and newlines do not count
-        return header, statement.replace(" ", "").replace("\n", "")
-
     found = [(seed, x) for seed, row in zip(seeds, outputs) for x in row if x is not None]
     rng.shuffle(found)
-    seen, ids, new = {key(s.header, s.statement) for s in statements}, {p.statement: k for k, p in problems.items()}, []
+    seen = {(s.header, s.statement.replace(" ", "").replace("\n", "")) for s in statements}  # official: no spaces
+    ids, new = {p.statement: k for k, p in problems.items()}, []
     for (seed, proof, lemma), statement in found:
-        if key(seed.header, statement) not in seen:
-            seen.add(key(seed.header, statement))
+        if (key := (seed.header, statement.replace(" ", "").replace("\n", ""))) not in seen:
+            seen.add(key)
             new.append(((seed, proof, lemma), statement))
     if len(new) > len(statements):
         rng.shuffle(new)
     conjectures = [Conjecture(ids.get(x, f"r{iteration}_c{i}"), seed.header, x, seed.statement + proof, lemma)
                    for i, ((seed, proof, lemma), x) in enumerate(new[: len(statements)])]
     n_out = sum(len(row) for row in outputs)
-    return conjectures, {
-        "conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier, "conjecturer/outputs": n_out,
-        "conjecturer/extraction_rate": len(found) / n_out if n_out else 0.0,
-        "conjecturer/new_conjectures": len(conjectures),
-        "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
+    return conjectures, {"conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier,
+                         "conjecturer/outputs": n_out, "conjecturer/extraction_rate": len(found) / max(n_out, 1),
+                         "conjecturer/new_conjectures": len(conjectures),
+                         "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
 
 
 def select_targets(statements: list[Problem], conjectures: list[Conjecture], proofs: dict, history: dict,
@@ -548,6 +537,7 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
     optimizer.state.clear()
     size, stream = min(args.batch_size, len(examples)), []
     steps = max(len(examples) // size, min_steps)
+    warmup = min(steps - 1, args.warmup_steps)  # Levanter's: it reaches the peak one step before lr_at's, so both +1
     while len(stream) < steps * size:
         stream += rng.sample(examples, len(examples))
     batches = [stream[i * size : (i + 1) * size] for i in range(steps)]
@@ -560,24 +550,24 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
             logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])
             return weighted_sft_loss(logp, mask, logp.new_tensor([e.weight for e in micro]), weighted_tokens), {}
 
-        # Levanter's warm-up reaches the peak at step `warmup`, one step earlier than lr_at's: both shifted by one
         stats.append(train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
                                 length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids),
-                                lr=lr_at(step + 1, steps + 1, lr, min(steps - 1, args.warmup_steps) + 1, args.lr_schedule)))
+                                lr=lr_at(step + 1, steps + 1, lr, warmup + 1, args.lr_schedule)))
     return {"loss": float(np.mean([s["loss"] for s in stats])), "steps": len(stats),
             "grad_norm": float(np.mean([s["grad_norm"] for s in stats]))}
 
 
 def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, args: Args, dist: Dist,
-                      rng: random.Random) -> tuple:
-    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained on final_examples."""
+                      rng: random.Random) -> tuple[dict, torch.nn.Module, dict]:
+    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained on final_examples: (models, policy,
+    stats)."""
     sampler.sleep()
-    gc.collect()  # free the old policy before the base model loads
+    gc.collect()  # free the old policy (the caller dropped it) before the base model loads
     policy = load_model(base, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
     stats = update(policy, optimizer, examples, lr, args.final_min_train_steps, args, dist, rng) if examples else {}
     sampler.sync_weights(policy)
-    return policy, optimizer, {**stats, "examples": len(examples)}
+    return {"policy": (policy, optimizer)}, policy, {**stats, "examples": len(examples)}
 
 
 # ---- evaluation ----
@@ -641,6 +631,7 @@ def main(args: Args) -> None:
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
     problems, history, proofs = state["problems"], state["history"], state["proofs"]
+    originals = {s.id for s in statements}
 
     def save(iterations_done: int, models: dict) -> None:  # problems as dicts: state.pt loads without this file
         portable = {**state, "problems": {k: p._asdict() for k, p in problems.items()}}
@@ -673,11 +664,9 @@ def main(args: Args) -> None:
         if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every iteration
             with logger.timer("update"):
                 models, policy = {}, None
-                examples = final_examples(problems, history, proofs, {s.id for s in statements}, [], args, tokenizer,
-                                          rng)
-                policy, optimizer, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args,
-                                                             dist, rng)
-                models = {"policy": (policy, optimizer)}
+                examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
+                models, policy, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args, dist,
+                                                          rng)
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
         elif not args.pure_sampling:  # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data
             with logger.timer("data"):
@@ -708,12 +697,12 @@ def main(args: Args) -> None:
         with logger.timer("final_retrain"):
             models, policy, rng = {}, None, random.Random(f"{args.seed}/final")
             sft = read_rows(args.final_sft_dataset) if args.final_sft_dataset else []
-            examples = final_examples(problems, history, proofs, {s.id for s in statements}, sft, args, tokenizer, rng)
-            policy, optimizer, stats = retrain_from_base(sampler, args.final_model, examples,
-                                                         args.final_learning_rate, args, dist, rng)
+            examples = final_examples(problems, history, proofs, originals, sft, args, tokenizer, rng)
+            models, policy, stats = retrain_from_base(sampler, args.final_model, examples, args.final_learning_rate,
+                                                      args, dist, rng)
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save(args.iterations, {"policy": (policy, optimizer)})
+            save(args.iterations, models)
     with logger.timer("eval"):
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
     logger.log(metrics, step=args.iterations)
