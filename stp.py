@@ -117,8 +117,7 @@ class Args:
     lean_timeout: float = 200.0
     """Lean's wall-clock limit per proof, in seconds"""
     lean_workers: int | None = None
-    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each
-    rank)"""
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each rank)"""
 
     # data
     dataset: str = "internlm/Lean-Workbook"
