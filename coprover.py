@@ -24,32 +24,32 @@ Metrics (metrics.jsonl, step = iterations done): search/*, value/*, losses/*, ch
 Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
 --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
 `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
-which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md. On a node the prover generates
-with the colocated vLLM engine (asleep while a model trains); each rank scores states with a full copy of the value
-model, synced after each value update, so that ranks search alone.
+which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
+On a node the prover generates with the colocated vLLM engine (asleep while a model trains); each rank scores states
+with a full copy of the value model, synced after each value update, so that ranks search alone.
 
 Deliberate deviations (each a fix of the official code or a gap it leaves):
   1. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
      log-prob decides after a few steps; here exp(mean token log-prob of the path), in (0, 1] like V.
   2. The search runs: co_train.py passes --num-sampled-tactics/--timeout/--max-expansions to trajectory_collector.py,
-     which accepts none, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at T 0.8),
-     not ReProver's beam; a solved path counts only if the kernel accepts the whole proof (check_tactic_path). The
+     which takes none of them, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at T
+     0.8), not ReProver's beam; a solved path counts if the kernel accepts the whole proof (check_tactic_path). The
      first iteration, before any value model, searches by log-prob only.
-  3. Labels per state (README); the official collector labels each whole-proof attempt's statement 0.95^(lines) or
-     0 (`--value-labels root`: root states only). d counts top-level tactics; failed whole proofs label their root.
+  3. Labels per state (README); the official collector labels each whole-proof attempt's statement 0.95^(lines) or 0
+     (`--value-labels root`: root states only). d counts top-level tactics; failed whole proofs label their root.
   4. Timeouts and server errors fail: lean_reward.py, trajectory_collector.py and evaluate.py count a kimina timeout
      as a valid proof.
   5. The frontier filter passes a proof Lean accepts; filter_dataset.py passes an EMPTY kimina response (valid proofs
      fail, errors pass). Bounds 1..6 of 8 (its docstring; its code keeps 7 of 8 too).
   6. The value model is value_model.py's scalar head, trained end to end by regression, continued across iterations;
-     the official scripts fine-tune the LM to print the value as text (train_value_slime.sh runs one step), and
-     nothing trains the head.
-  7. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on
-     its fixed save directory: as we read slime, later rounds find the 500 rollouts done). pi_old is the sampler's
-     log-probs (slime recomputes them: equal up to numerics, one step per rollout batch).
+     the official scripts fine-tune the LM to print the value as text (one step: train_value_slime.sh), and nothing
+     trains the head.
+  7. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
+     fixed save directory: as we read slime, later rounds find the rollouts done). pi_old is the sampler's log-probs
+     (slime recomputes them: equal up to numerics, one step per rollout batch).
   8. Search theorems are the training statements: the official collector reads LeanDojo Benchmark 4, which has no
      formal_statement, and prompts with the theorem's name.
-  9. Search prompts are the whole-proof prompt with its answer block prefilled (the tactics so far, the goals as a
+  9. Search prompts are the whole-proof prompt with its answer block prefilled (the tactics so far, the goals in a
      comment), not ReProver's "[GOAL] ... [PROOFSTEP]" (lean_generate.py).
  10. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
      cancels. A code block without the theorem's declaration is read as its tactic body.
@@ -174,22 +174,22 @@ class Args:
     """label every state of a proof (README) or only the root (the official collector)"""
     positive_oversample: int = 3
     """positive labels are repeated this many times (co_training.yaml oversample_positive)"""
-    value_learning_rate: float = 2e-5
-    """value model learning rate (peak)"""
-    value_lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """learning-rate schedule after the warm-up (lr_at), over each iteration's value training"""
-    value_warmup_steps: int = 10
-    """linear warm-up steps from 0, in each iteration's value training"""
     value_epochs: int = 3
     """epochs over all labels so far, each iteration"""
     value_batch_size: int = 64
     """states per optimizer step"""
-    value_micro_batch_size: int = 8
-    """states per forward/backward on each rank (and per scoring batch in search)"""
     value_max_length: int = 512
     """a state's prompt keeps its last this many tokens (train_value_model.py)"""
     freeze_value_backbone: bool = False
     """train only the head (value_model.py's default; the official SFT scripts train the whole LM)"""
+    value_learning_rate: float = 2e-5
+    """peak learning rate of the value model"""
+    value_lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # over each iteration's value training
+    """learning-rate schedule after the warm-up (lr_at)"""
+    value_warmup_steps: int = 10
+    """linear warm-up steps from 0"""
+    value_micro_batch_size: int = 8
+    """states per forward/backward on each rank (and per scoring batch in search)"""
 
     # prover GRPO (train_step_grpo.sh, configs/generator_grpo.yaml)
     grpo_steps_per_round: int = 100
@@ -202,26 +202,12 @@ class Args:
     """rollout temperature"""
     max_new_tokens: int = 4096
     """rollout_max_response_len"""
-    learning_rate: float = 1e-6
-    """peak learning rate of the prover"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """learning-rate schedule after the warm-up (lr_at), over all rollout batches of the run"""
-    warmup_steps: int = 0
-    """linear warm-up steps from 0 (rollout batches)"""
-    weight_decay: float = 0.01
-    """AdamW weight decay (both models)"""
-    adam_betas: tuple[float, float] = (0.9, 0.98)
-    """AdamW betas (both models)"""
     eps_clip: float = 0.2
     """PPO clip below 1"""
     eps_clip_high: float = 0.28
     """PPO clip above 1 (DAPO clip-higher)"""
     grpo_minibatches: int = 1
     """optimizer steps per rollout batch (global_batch_size 512 = one)"""
-    micro_batch_size: int = 4
-    """sequences per forward/backward on each rank"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (both models)"""
     frontier_filter: bool = True
     """keep the training statements with frontier_min..frontier_max of 8 samples proved (filter_dataset.py)"""
     frontier_samples: int = 8
@@ -232,6 +218,20 @@ class Args:
     """fewest passes kept"""
     frontier_max: int = 6
     """most passes kept"""
+    learning_rate: float = 1e-6
+    """peak learning rate"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # over all rollout batches of the run
+    """learning-rate schedule after the warm-up (lr_at)"""
+    warmup_steps: int = 0  # rollout batches
+    """linear warm-up steps from 0"""
+    weight_decay: float = 0.01
+    """AdamW weight decay (both models)"""
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    """AdamW betas (both models)"""
+    micro_batch_size: int = 4
+    """sequences per forward/backward on each rank"""
+    max_grad_norm: float = 1.0  # both models
+    """gradient clipping"""
 
     # ablations
     value_model: bool = True
@@ -279,8 +279,8 @@ VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a fin
 
 
 # ---- data ----
-# Theorems are lean_verify's Problem(id, header, statement): load_problems reads miniF2F's fields and
-# Kimina-Prover-Promptset's formal_statement, whose text before the declaration is its header.
+# A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a dataset (miniF2F's
+# fields; Kimina-Prover-Promptset's formal_statement, whose text before the declaration is its header).
 def declaration(code: str, statement: str) -> re.Match | None:
     """Where `code` declares the theorem of `statement` (`theorem <name>` or `lemma <name>`)."""
     name = re.match(r"\s*(?:theorem|lemma)\s+(\S+)", statement).group(1)
@@ -373,9 +373,9 @@ def value_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- phases ----
-# A search's record: the fields every search of the family has, then the method's own (merged states, the labelled
-# states of step 2). A whole-proof attempt: its Sample, the code Lean accepted (None: rejected or no code), Lean's
-# status ("no_code": nothing to check), whether Lean accepted it (the reward) and Lean's seconds.
+# A search's record: the fields every search of the family has (rir.py's too), then the method's own fields:
+# merged states, the labelled states of step 2. A whole-proof attempt: its Sample, the code Lean accepted (None:
+# rejected or no code), Lean's status ("no_code": nothing to check), whether Lean accepted it (the reward), seconds.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
                                                       "merged labels")
 Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
@@ -391,11 +391,11 @@ class Node:  # a proof state of the search (states with the same goals are one n
 
 def best_first_search(sampler, verifier, problems: list[Problem], score, alpha: float, key: str, args: Args
                       ) -> list[SearchResult]:
-    """Step 1 on `problems` in lockstep (README; ReProver's loop, value_guided_search.py's priority): each step pops
-    every live theorem's best node, samples K tactics for each (one generate call), applies the distinct ones (one
-    apply_tactics call), scores the new states with V (`score`: texts -> values; None: log-prob only) and pushes them;
-    a state with known goals merges into its node. A sample that is not one finished line, a tactic Lean rejects and a
-    solved path the kernel rejects are failed edges. A theorem stops at its first proof, an empty queue or its budget."""
+    """Step 1 on `problems` in lockstep (ReProver's loop, value_guided_search.py's priority): each step pops every live
+    theorem's best node, samples K tactics for each (one generate call), applies the distinct ones (one apply_tactics
+    call), scores the new states with V (`score`: texts -> values; None: log-prob only) and pushes them; known goals
+    merge. A sample that is not one finished line, a tactic Lean rejects and a solved path the kernel rejects are
+    failed edges. A theorem stops at its first proof, an empty queue or its budget."""
     start, tie = time.monotonic(), itertools.count(1)
     trees = [dict(problem=p, nodes={r.key: Node(r)}, queue=[(0.0, 0, r.key)] if r.status == "open" else [],
                   expanded=[], proof=None, counts=collections.Counter(), seconds=0.0)
@@ -406,9 +406,9 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, alpha: 
         for t in live:
             t["expanded"].append(heapq.heappop(t["queue"])[2])
             p, state = t["problem"], t["nodes"][t["expanded"][-1]].state
-            goals, proof = "\n".join("  " + g for g in state.pretty.split("\n")), proof_from_tactics(p.statement,
-                                                                                                   state.tactics)
-            prompts.append(TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals, proof=proof.rstrip()))
+            goals = "\n".join("  " + line for line in state.pretty.split("\n"))  # a comment in the answer block
+            prompts.append(TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals,
+                                                proof=proof_from_tactics(p.statement, state.tactics).rstrip()))
         # a key per prompt: a node's tactics are the same whichever theorems share its lockstep batch and rank
         keys, edges = [f"{key}/{t['problem'].id}/{len(t['expanded'])}" for t in live], []
         for t, row in zip(live, sample(sampler, prompts, args.num_sampled_tactics, keys, stop=["\n"],
@@ -487,8 +487,8 @@ def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperatu
 
 
 def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist: Dist) -> list[str]:
-    """Data prep (filter_dataset.py): frontier_samples whole proofs per statement at frontier_temperature; the ids of
-    the statements with frontier_min..frontier_max of them proved (a pass: a proof Lean accepts, deviation 5)."""
+    """Data prep (filter_dataset.py): the ids of the statements with frontier_min..frontier_max of frontier_samples
+    whole proofs at frontier_temperature proved (a pass: a proof Lean accepts, deviation 5)."""
     attempts = attempt_proofs(sampler, verifier, problems, args.frontier_samples, args.frontier_temperature,
                               f"{args.seed}/frontier", args, dist)
     return [p.id for p, row in zip(problems, attempts)
@@ -535,11 +535,12 @@ def load_value_model(name: str, dist: Dist, args: Args) -> torch.nn.Module:
 
 
 def value_head(hidden: int, name: str) -> torch.nn.Module:
-    """Linear(h, h/2) - GELU - Linear(h/2, 1) in fp32, from seed 0 (the same on every rank and in every run) or, from a
-    directory this file wrote, trained."""
+    """Linear(h, h/2) - GELU - Linear(h/2, 1) in fp32, from seed 0 (the same on every rank and in every run), or
+    trained: from the value_head.* tensors of a directory this file wrote."""
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(), torch.nn.Linear(hidden // 2, 1))
+        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(),
+                                   torch.nn.Linear(hidden // 2, 1))
     saved = {k.removeprefix("value_head."): v for f in pathlib.Path(resolve_model(name)).glob("*.safetensors")
              for k, v in safetensors.torch.load_file(f).items() if k.startswith("value_head.")}
     if saved:
@@ -619,7 +620,8 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
         def loss_fn(micro: list[tuple[Sample, float]]) -> tuple[torch.Tensor, dict]:
             logp, mask, _ = token_logprobs(policy, [s for s, _ in micro], args.temperature)
             pad = torch.nn.functional.pad  # pi_old: the sampler's log-probs, padded as logp
-            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, mask.shape[1] - len(s.logprobs))) for s, _ in micro])
+            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, mask.shape[1] - len(s.logprobs)))
+                               for s, _ in micro])
             loss, held = clip_higher_loss(logp, old, mask, logp.new_tensor([adv for _, adv in micro]), n_tokens,
                                           args.eps_clip, args.eps_clip_high)
             return loss, {"clipfrac": held.item() / n_tokens}
@@ -654,8 +656,9 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
     """Step 5 (evaluate.py): pass@k (unbiased) from eval_samples whole proofs per problem at eval_temperature; search
     efficiency on the first eval_search_limit problems, value-guided (with a value model) and log-prob only."""
     attempts = attempt_proofs(sampler, verifier, problems, args.eval_samples, args.eval_temperature, key, args, dist)
-    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(len(row), sum(a.correct for a in row), k)
-                                                for row in attempts])) for k in args.eval_budgets if k <= args.eval_samples}
+    correct = [(len(row), sum(a.correct for a in row)) for row in attempts]
+    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, c, k) for n, c in correct]))
+               for k in args.eval_budgets if k <= args.eval_samples}
     subset = problems[: args.eval_search_limit] if args.eval_search_limit is not None else problems
     for name, fn, alpha in [("value", score, args.alpha), ("logprob", None, 1.0)][0 if score else 1 :]:
         if subset:
@@ -668,8 +671,8 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
 def main(args: Args) -> None:
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     try:  # stop at once, before any model is loaded, when there is no Lean REPL (the search needs its tactic mode)
-        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout,
-                                workers=max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None)
+        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None
+        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's tactic table
         name = os.path.basename(__file__)
         sys.exit(f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a CPU smoke run "

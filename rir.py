@@ -7,34 +7,27 @@ ReProver, read at fd6d99c); this file copies none of it.
 
 Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR splits the step in two policies: the
 PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
-the ACTOR pi_l(y | s, s*) proposes a tactic that reaches it. Here both are ONE decoder LM (served by vLLM on GPUs)
-prompted in the official text formats ([CURRENT GOAL] / [TARGET GOAL] / [PROOFSTEP]); the official code trains two
-ByT5-small models. Each iteration (the official run is one):
+the ACTOR pi_l(y | s, s*) a tactic that reaches it. Here both are ONE decoder LM prompted in the official text formats
+([CURRENT GOAL] / [TARGET GOAL] / [PROOFSTEP]); the official code trains two ByT5-small models. Each iteration:
   1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples D_t with
      L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)], the loss on the output tokens only;
   2. search: best-first (official) or MCTS (ours) over Lean's tactic mode (lean_verify); an expansion pops the best
-     open node, the planner proposes n_goals = 5 target states, the actor n_tactics = 64 tactics for each, Lean runs
-     them; a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s); identical states merge; the search
-     stops at the first proof or at the budget (wall-clock seconds and expansions);
+     open node, the planner proposes 5 target states, the actor 64 tactics for each, Lean runs them; a new node's
+     priority is its parent's + log p(y | s, s*) + log p(s* | s); equal states merge; a search stops at the first
+     proof or at its budget (wall-clock seconds and expansions);
   3. self-play (ours, expert iteration): proofs found on the self-play theorems are replayed through Lean into new
      (s, y, s') triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
-`--iterations 1` is the official offline run (co-train, evaluate); `--iterations 0` evaluates the given model.
-Metrics (metrics.jsonl, step = iterations done; wandb with --track): eval/pass@1 under the budget (Tables 1-2),
-eval/{planner,actor,env}_time_proved (Figure 2), eval/search_time_proved and <run>/search_time_cdf.csv (Figure 3),
-eval/expansions_per_proof, selfplay/* for the self-play searches, losses/*, time/*; every search goes to
-<run>/searches.jsonl. matplotlib is not in requirements.txt; to draw Figure 3: `import csv, matplotlib.pyplot as plt;
-r = list(csv.DictReader(open("search_time_cdf.csv"))); plt.step([float(x["seconds"]) for x in r], [float(x["share"])
-for x in r], where="post")`.
+Metrics (metrics.jsonl, step = iterations done): eval/pass@1 under the budget (Tables 1-2), eval/{planner,actor,env}_
+time_proved (Figure 2), eval/search_time_proved and <run>/search_time_cdf.csv (Figure 3), selfplay/*, losses/*,
+time/*; every search goes to <run>/searches.jsonl.
 
-Run. `python rir.py` without CUDA runs a loop scaled down by CPU_DEFAULTS (the embedded SmolLM2-135M,
-data/rir_triples.jsonl, the five theorems of data/rir_theorems.jsonl, a few co-training steps, 4 expansions per
-search) and prints what it scaled; `torchrun --nproc_per_node 8 rir.py` runs the official sizes. Both need Lean:
-`bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py" (it
-follows the tactic table of data/lean_tactics.jsonl, which the built-in triples and theorems come from). Data:
---dataset is LeanDojo Benchmark 4's random split (the Hugging Face upload by the RiR authors, or train.json of
-zenodo.org/records/10929138/files/leandojo_benchmark_4.tar.gz, as the official utils/download_data.py fetches it);
-the theorems are miniF2F (data/minif2f.jsonl: valid for self-play, test for eval). Experiment map (Tables 1-2, the
-flat baseline, the joint format): README.md, "RiR".
+Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
+--nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
+`bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
+which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
+`--iterations 1` is the official offline run (co-train, evaluate). Data: --dataset is LeanDojo Benchmark 4's random
+split (the RiR authors' Hugging Face upload, or train.json of zenodo.org/records/10929138, as the official
+utils/download_data.py fetches it); the theorems are miniF2F (valid for self-play, test for the evaluation).
 
 Deliberate deviations:
   1. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
@@ -123,7 +116,7 @@ class Args:
 
     # model and backends
     model: str = "Qwen/Qwen2.5-0.5B"
-    """planner and actor, one decoder LM: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    """planner and actor, one LM: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
@@ -141,38 +134,19 @@ class Args:
     num_triples: int | None = None
     """use only the first N triples"""
     selfplay_dataset: str = "data/minif2f.jsonl"
-    """statements searched in self-play (lean_verify.load_problems: miniF2F's name, split, header, formal_statement)"""
+    """the problems searched in self-play: a Hugging Face dataset, a .jsonl or a .json (lean_verify.load_problems)"""
     selfplay_split: str | None = "valid"
     """which split of --selfplay-dataset (None: all rows)"""
     num_problems: int | None = None
     """use only the first N problems of --selfplay-dataset (default all)"""
 
     # algorithm
-    iterations: int = 2
-    """iterations to run (the paper's word: rounds): co-train, then self-play except in the last (ours); 1: the
-    official offline run; 0: no training, evaluate the given model"""
+    iterations: int = 2  # 1: the official offline run (co-train, evaluate); 2 (ours): a self-play iteration first
+    """iterations to run (the paper's word: rounds); 0: no training, evaluate the given model"""
     train_steps: int = 40000
-    """co-training steps of iteration 0 (the released actor checkpoint: step 40000)"""
+    """co-training steps of the first iteration (the released actor checkpoint: step 40000)"""
     selfplay_train_steps: int = 4000
     """co-training steps of each later iteration (ours)"""
-
-    # co-training (L_co; official goal_driven_tactic_8gpu.yaml)
-    learning_rate: float = 2e-5
-    """peak learning rate (AdamW, no weight decay)"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """learning-rate schedule after the warm-up (lr_at), over each iteration's co-training (official common.py)"""
-    warmup_steps: int = 4000
-    """linear warm-up steps from 0 (official)"""
-    batch_size: int = 32
-    """triples per optimizer step (each gives a planner and an actor sequence)"""
-    micro_batch_size: int = 8
-    """triples per forward/backward on each rank"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (official gradient_clip_val)"""
-    loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
-    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
-    max_state_tokens: int = 768
-    """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
 
     # search
     search: Literal["bfs", "mcts"] = "bfs"
@@ -181,26 +155,44 @@ class Args:
     """target states the planner proposes per expansion (official num_sampled_goals)"""
     num_sampled_tactics: int = 64
     """tactics the actor proposes per target state, or per expansion without planner (official num_sampled_tactics)"""
-    max_expansions: int | None = None
-    """expansions per theorem (None: the clock only, as official RiR)"""
-    search_timeout: float = 600.0
-    """wall-clock seconds per theorem, the same for RiR and the flat baseline (official --timeout)"""
+    max_expansions: int | None = None  # as the official RiR
+    """expansions per theorem (None: only the clock limits a search)"""
+    search_timeout: float = 600.0  # official --timeout, the same for RiR and the flat baseline
+    """wall-clock seconds per theorem"""
     temperature: float = 1.0
     """sampling temperature of planner and actor"""
     top_p: float = 1.0
     """nucleus sampling"""
-    goal_max_new_tokens: int = 768
-    """longest target state the planner writes (official max_oup_seq_len 2300 bytes)"""
-    tactic_max_new_tokens: int = 128
-    """longest tactic the actor writes (official max_oup_seq_len 512 bytes)"""
-    lean_timeout: float = 60.0
-    """Lean's wall-clock limit per tactic, in seconds (a timeout is a failed edge)"""
+    goal_max_new_tokens: int = 768  # official max_oup_seq_len 2300 bytes
+    """longest target state"""
+    tactic_max_new_tokens: int = 128  # official max_oup_seq_len 512 bytes
+    """longest tactic"""
+    lean_timeout: float = 60.0  # a timeout is a failed edge
+    """Lean's wall-clock limit per tactic, in seconds"""
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each rank)"""
     c_puct: float = 1.0
     """MCTS: exploration constant of PUCT"""
     leaf_value: float = 0.5
     """MCTS: value an open leaf backs up (no value network; a dead end backs up 0)"""
+
+    # co-training (L_co; official goal_driven_tactic_8gpu.yaml)
+    batch_size: int = 32
+    """triples per optimizer step (each gives a planner and an actor sequence)"""
+    loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
+    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
+    max_state_tokens: int = 768
+    """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
+    learning_rate: float = 2e-5  # AdamW, no weight decay
+    """peak learning rate"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # official common.py, over each co-training
+    """learning-rate schedule after the warm-up (lr_at)"""
+    warmup_steps: int = 4000
+    """linear warm-up steps from 0"""
+    micro_batch_size: int = 8
+    """triples per forward/backward on each rank"""
+    max_grad_norm: float = 1.0  # official gradient_clip_val
+    """gradient clipping"""
 
     # ablations
     planner: bool = True
@@ -215,15 +207,17 @@ class Args:
     """which split of the benchmark (None: all rows)"""
     eval_limit: int | None = None
     """use only the first N benchmark problems"""
+    eval_every: int = 0  # the talk evaluates the trained model
+    """evaluate every this many iterations and after the last (0: only after the last)"""
 
 
-# Without CUDA the official sizes would take weeks; these run `python rir.py` on 2 cores in minutes (SmolLM2-135M
-# samples ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s).
-CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/rir_triples.jsonl", selfplay_dataset="data/rir_theorems.jsonl",
-                    selfplay_split="builtin", eval_dataset="data/rir_theorems.jsonl", eval_split="builtin",
-                    num_sampled_goals=2, num_sampled_tactics=8, max_expansions=4, search_timeout=300.0,
-                    lean_timeout=10.0, train_steps=8, selfplay_train_steps=2, warmup_steps=0, learning_rate=3e-4,
-                    batch_size=8, micro_batch_size=4, max_state_tokens=128, goal_max_new_tokens=64,
+# Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes (SmolLM2-135M samples
+# ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s).
+CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/rir_triples.jsonl", selfplay_split="builtin",
+                    selfplay_dataset="data/rir_theorems.jsonl", eval_dataset="data/rir_theorems.jsonl",
+                    eval_split="builtin", num_sampled_goals=2, num_sampled_tactics=8, max_expansions=4,
+                    search_timeout=300.0, lean_timeout=10.0, train_steps=8, selfplay_train_steps=2, warmup_steps=0,
+                    learning_rate=3e-4, batch_size=8, micro_batch_size=4, max_state_tokens=128, goal_max_new_tokens=64,
                     tactic_max_new_tokens=24, max_model_len=1024, gradient_checkpointing=False)
 
 
@@ -241,8 +235,8 @@ NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof
 
 
 # ---- data ----
-# Theorems to search are lean_verify's Problem(id, header, statement). A traced tactic (s, y*, s*): the state before
-# it, the tactic, the state after it (official datamodule._load_data).
+# A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a dataset (miniF2F's
+# fields). A traced tactic (s, y*, s*): the state before it, the tactic, the state after it (datamodule._load_data).
 Triple = collections.namedtuple("Triple", "state tactic target")
 
 
@@ -314,12 +308,12 @@ def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor
 
 
 # ---- phases ----
-# A search node (below). A proposal: target state s* (None without the planner), tactic y (None for a malformed
-# sample: a failed edge) and their log-probabilities. A search's record: the shared fields of the family (coprover.py's
-# too), then whether the proof came within the budget and the official "Search Statistics" (seconds per role).
-Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
+# A search's record: the fields every search of the family has (coprover.py's too), then the method's own fields:
+# whether the proof came within the budget, the official "Search Statistics" (seconds per role). A proposal: target
+# state s* (None without the planner), tactic y (None for a malformed sample: a failed edge), their log-probabilities.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
                                                       "proved planner_seconds actor_seconds env_seconds")
+Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
 
 
 @dataclass(eq=False)
@@ -332,6 +326,158 @@ class Node:  # a proof state of the search (states with the same goals are one n
     children: list = field(default_factory=list)  # the new states its expansion found
     expanded: bool = False
     dead: bool = False  # expanded and no live child: nothing left to search below it
+
+
+def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
+    """Distinct non-empty completions, highest log-prob first (sampling stands in for the official beam search, whose
+    scores are summed log-probs), and how many were malformed (empty, or a failed vLLM request)."""
+    best, malformed = {}, 0
+    for s in samples:
+        if s.finish_reason not in ("stop", "length") or not s.text.strip():
+            malformed += 1
+        else:
+            best[s.text.strip()] = max(best.get(s.text.strip(), -math.inf), float(sum(s.logprobs)))
+    return sorted(best.items(), key=lambda kv: -kv[1]), malformed
+
+
+def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[Edge], float, float]:
+    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples
+    num_sampled_goals targets s* ~ pi_h(. | s), the actor num_sampled_tactics tactics y ~ pi_l(. | s, s*) for each
+    (without planner, y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by log-prob;
+    malformed samples last, as failed edges), the planner's and the actor's seconds. Each call has its own key."""
+    state, planner_seconds = clip(tokenizer, state, args.max_state_tokens), 0.0
+    targets, failed_plans = [(None, 0.0)], []
+    if args.planner:
+        start = time.monotonic()
+        [goals] = sample(sampler, [PLANNER_PROMPT.format(state=state)], args.num_sampled_goals, f"{key}/planner",
+                         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.goal_max_new_tokens,
+                         stop=[GOAL_STOP], desc="plan")
+        targets, malformed = ranked(goals)
+        failed_plans, planner_seconds = [Edge(None, None, 0.0, 0.0)] * malformed, time.monotonic() - start
+    planned, edges = time.monotonic(), []
+    prompts = [ACTOR_PROMPT.format(state=state, target=clip(tokenizer, g, args.max_state_tokens)) if args.planner
+               else FLAT_PROMPT.format(state=state) for g, _ in targets]
+    for (target, logp_goal), samples in zip(targets, sample(
+            sampler, prompts, args.num_sampled_tactics, f"{key}/actor", temperature=args.temperature, top_p=args.top_p,
+            max_new_tokens=args.tactic_max_new_tokens, desc="act")):
+        tactics, malformed = ranked(samples)
+        edges += [Edge(target, y, logp_goal, logp) for y, logp in tactics]
+        edges += [Edge(target, None, logp_goal, 0.0)] * malformed
+    return edges + failed_plans, planner_seconds, time.monotonic() - planned
+
+
+def expand(node: Node, edges: list[Edge], verifier, nodes: dict) -> tuple[object, collections.Counter]:
+    """One expansion after the proposals (official _step): the tactics run on the node's state, one batch per target
+    in the planner's order, until a batch proves the theorem (check_tactic_path accepts the whole proof). A new open
+    state becomes a child at priority parent + log p(y | s, s*) + log p(s* | s); a known state merges into its node;
+    errors, timeouts and malformed proposals are failed edges. Returns (the proved state or None, env seconds and
+    edge counts)."""
+    tried, counts, mass = {}, collections.Counter(), {}
+    for _, group in itertools.groupby(edges, key=lambda e: e.target):
+        group, start = list(group), time.monotonic()
+        todo = list(dict.fromkeys(e.tactic for e in group if e.tactic and e.tactic not in tried))
+        tried.update(zip(todo, verifier.apply_tactics([(node.state, t) for t in todo])))
+        counts["env"] += time.monotonic() - start
+        for e in group:
+            child = tried.get(e.tactic)
+            counts["edges"] += 1
+            if child is not None and child.solved:
+                start = time.monotonic()
+                valid = verifier.check_tactic_path(child).valid
+                counts["env"] += time.monotonic() - start
+                if valid:
+                    node.expanded = True
+                    return child, counts
+            if child is None or child.status != "open":
+                counts["failed_edges"] += 1
+            elif child.key in mass:  # another edge to a child of this expansion: its prior mass grows
+                mass[child.key] = np.logaddexp(mass[child.key], e.logp_goal + e.logp_tactic)
+            elif child.key not in nodes:
+                nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
+                node.children.append(nodes[child.key])
+                mass[child.key] = e.logp_goal + e.logp_tactic
+    for child, prior in zip(node.children, edge_priors([mass[c.state.key] for c in node.children])):
+        child.prior = prior
+    node.expanded, node.dead = True, not node.children
+    return None, counts
+
+
+def select(root: Node, c_puct: float) -> list[Node]:
+    """MCTS selection (ours): from the root, the live child with the best PUCT score, down to a node not yet
+    expanded. Returns the path."""
+    path = [root]
+    while path[-1].expanded:
+        parent = path[-1]
+        path.append(max((c for c in parent.children if not c.dead), key=lambda c: puct_score(
+            c.value, c.visits, c.prior, parent.value, parent.visits, c_puct)))
+    return path
+
+
+def backup(path: list[Node], value: float) -> None:
+    """MCTS backup (ours): every node of the path counts the visit and adds the leaf's value; a node whose children
+    are all dead is dead."""
+    for node in path:
+        node.visits, node.value = node.visits + 1, node.value + value
+    for node in reversed(path[:-1]):
+        node.dead = all(c.dead for c in node.children)
+
+
+def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
+    """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree or the
+    budget (search_timeout seconds of wall clock, max_expansions expansions). BFS pops the open node of highest
+    priority; MCTS selects by PUCT and backs up leaf_value (0 for a dead end). As officially, the clock is checked
+    after each expansion, and a proof found past the timeout does not count. `plan_and_act(state_text, expansion)` ->
+    (edges, planner seconds, actor seconds)."""
+    root = Node(verifier.start_proof(problem.header, problem.statement))
+    nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
+    proof, expansions, start = None, 0, clock()
+    while (root.state.status == "open" and proof is None and clock() - start <= args.search_timeout
+           and (args.max_expansions is None or expansions < args.max_expansions)):
+        if args.search == "bfs" and not frontier or args.search == "mcts" and root.dead:
+            break
+        path = [heapq.heappop(frontier)[2]] if args.search == "bfs" else select(root, args.c_puct)
+        edges, planner_seconds, actor_seconds = plan_and_act(path[-1].state.pretty, expansions)
+        proof, stats = expand(path[-1], edges, verifier, nodes)
+        counts.update(stats)
+        counts.update(planner=planner_seconds, actor=actor_seconds)
+        expansions += 1
+        if args.search == "bfs":
+            for child in path[-1].children:
+                heapq.heappush(frontier, (-child.priority, next(tie), child))
+        else:
+            backup(path, 0.0 if path[-1].dead else args.leaf_value)
+    seconds = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
+    return SearchResult(problem.id, proof and proof.tactics, seconds, expansions, len(nodes), counts["edges"],
+                        counts["failed_edges"], proof is not None and seconds <= args.search_timeout,
+                        counts["planner"], counts["actor"], counts["env"])
+
+
+def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dist: Dist) -> list[SearchResult]:
+    """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 9)."""
+    def run(mine: list[Problem]) -> list[SearchResult]:
+        return [prove(p, lambda state, k, p=p: propose(sampler, sampler.tokenizer, state, f"{key}/{p.id}/{k}", args),
+                      verifier, args) for p in mine]
+
+    return map_sharded(run, problems, dist)
+
+
+def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult], dist: Dist) -> list[Triple]:
+    """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
+    become (s, y, s') triples (s' = 'no goals' for the last), as LeanDojo traces a human proof."""
+    def run(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:
+        out = []
+        for problem, proof in mine:
+            state, steps = verifier.start_proof(problem.header, problem.statement), []
+            for tactic in proof:
+                if (after := verifier.apply_tactic(state, tactic)).status not in ("open", "solved"):
+                    steps = []  # the path no longer replays: keep nothing of it
+                    break
+                steps, state = steps + [Triple(state.pretty, tactic, after.pretty or NO_GOALS)], after
+            out.append(steps)
+        return out
+
+    proved = [(p, r.proof) for p, r in zip(problems, results) if r.proved]
+    return [triple for steps in map_sharded(run, proved, dist) for triple in steps]
 
 
 def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tuple[Sample, int]]]:
@@ -359,9 +505,8 @@ def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tu
 
 def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist, rng: random.Random) -> dict:
     """Offline goal-driven co-training (official generator/main.py fit, one model here): `steps` AdamW steps on
-    batches of batch_size triples drawn epoch by epoch, each step minimising L_co over its batch; linear warm-up, then
-    cosine decay over the `steps` (Lightning + get_cosine_schedule_with_warmup, interval "step"). Each rank runs its
-    share of every batch."""
+    batch_size triples drawn epoch by epoch, each minimising L_co over its batch; the learning rate of Lightning +
+    get_cosine_schedule_with_warmup (interval "step", lr_at) over the `steps`. Each rank runs its share of a batch."""
     stream, history, size = [], [], min(args.batch_size, len(items))
     for step in range(steps):
         while len(stream) < size:
@@ -382,216 +527,54 @@ def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist,
                            lr=lr_at(step, steps, args.learning_rate, args.warmup_steps, args.lr_schedule))
         history.append({"loss": stats["loss"], "goal_nll": stats["goal"] / max(tokens[0], 1),
                         "tactic_nll": stats["tactic"] / max(tokens[1], 1), "grad_norm": stats["grad_norm"]})
-    metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
-    return metrics | {"losses/loss_first": history[0]["loss"], "losses/loss_last": history[-1]["loss"],
-                      "losses/steps": float(steps), "losses/learning_rate": args.learning_rate}
-
-
-def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
-    """Distinct non-empty completions, highest log-prob first (sampling stands in for the official beam search, whose
-    scores are summed log-probs), and how many were malformed (empty, or a failed vLLM request)."""
-    best, malformed = {}, 0
-    for s in samples:
-        text = s.text.strip()
-        if s.finish_reason not in ("stop", "length") or not text:
-            malformed += 1
-        else:
-            best[text] = max(best.get(text, -math.inf), float(sum(s.logprobs)))
-    return sorted(best.items(), key=lambda kv: -kv[1]), malformed
-
-
-def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[Edge], float, float]:
-    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples
-    num_sampled_goals target states s* ~ pi_h(. | s), the actor num_sampled_tactics tactics y ~ pi_l(. | s, s*) for
-    each (without planner, y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by
-    log-prob; malformed samples last, as failed edges), and the planner's and the actor's seconds. Each call has its
-    own key, so a search depends neither on the number of ranks nor on a resume."""
-    state, planner_seconds = clip(tokenizer, state, args.max_state_tokens), 0.0
-    targets, failed_plans = [(None, 0.0)], []
-    if args.planner:
-        start = time.monotonic()
-        [goals] = sample(sampler, [PLANNER_PROMPT.format(state=state)], args.num_sampled_goals, f"{key}/planner",
-                         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.goal_max_new_tokens,
-                         stop=[GOAL_STOP], desc="plan")
-        targets, malformed = ranked(goals)
-        failed_plans, planner_seconds = [Edge(None, None, 0.0, 0.0)] * malformed, time.monotonic() - start
-    planned, edges = time.monotonic(), []
-    prompts = [ACTOR_PROMPT.format(state=state, target=clip(tokenizer, g, args.max_state_tokens)) if args.planner
-               else FLAT_PROMPT.format(state=state) for g, _ in targets]
-    for (target, logp_goal), samples in zip(targets, sample(
-            sampler, prompts, args.num_sampled_tactics, f"{key}/actor", temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.tactic_max_new_tokens, desc="act")):
-        tactics, malformed = ranked(samples)
-        edges += [Edge(target, y, logp_goal, logp) for y, logp in tactics]
-        edges += [Edge(target, None, logp_goal, 0.0)] * malformed
-    return edges + failed_plans, planner_seconds, time.monotonic() - planned
-
-
-def expand(node: Node, edges: list[Edge], verifier, nodes: dict) -> tuple[object, collections.Counter]:
-    """One expansion after the proposals (official _step): run the tactics on the node's state in Lean's tactic mode,
-    one batch per target in the planner's order, until a batch proves the theorem (check_tactic_path must accept the
-    whole proof). A new open state becomes a child with priority parent + log p(y | s, s*) + log p(s* | s); a state
-    seen before merges into its node (graph search); errors, timeouts and malformed proposals are failed edges.
-    Returns (the proved TacticState or None, counts: env seconds, edges, failed edges)."""
-    tried, stats, mass = {}, collections.Counter(), {}
-    for _, group in itertools.groupby(edges, key=lambda e: e.target):
-        group = list(group)
-        todo = list(dict.fromkeys(e.tactic for e in group if e.tactic and e.tactic not in tried))
-        start = time.monotonic()
-        tried.update(zip(todo, verifier.apply_tactics([(node.state, t) for t in todo])))
-        stats["env"] += time.monotonic() - start
-        for e in group:
-            child = tried.get(e.tactic)
-            stats["edges"] += 1
-            if child is not None and child.solved:
-                start = time.monotonic()
-                valid = verifier.check_tactic_path(child).valid
-                stats["env"] += time.monotonic() - start
-                if valid:
-                    node.expanded = True
-                    return child, stats
-            if child is None or child.status != "open":
-                stats["failed_edges"] += 1
-                continue
-            logp = e.logp_goal + e.logp_tactic
-            if child.key in mass:  # another edge to a child of this expansion: its prior mass grows
-                mass[child.key] = np.logaddexp(mass[child.key], logp)
-            elif child.key not in nodes:
-                nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
-                node.children.append(nodes[child.key])
-                mass[child.key] = logp
-    for child, prior in zip(node.children, edge_priors([mass[c.state.key] for c in node.children])):
-        child.prior = prior
-    node.expanded, node.dead = True, not node.children
-    return None, stats
-
-
-def select(root: Node, c_puct: float) -> list[Node]:
-    """MCTS selection (ours): from the root, the live child with the best PUCT score, down to a node not yet
-    expanded. Returns the path."""
-    path = [root]
-    while path[-1].expanded:
-        parent = path[-1]
-        path.append(max((c for c in parent.children if not c.dead), key=lambda c: puct_score(
-            c.value, c.visits, c.prior, parent.value, parent.visits, c_puct)))
-    return path
-
-
-def backup(path: list[Node], value: float) -> None:
-    """MCTS backup (ours): every node of the path counts the visit and adds the leaf's value; a node whose children
-    are all dead is dead."""
-    for node in path:
-        node.visits += 1
-        node.value += value
-    for node in reversed(path[:-1]):
-        node.dead = all(c.dead for c in node.children)
-
-
-def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
-    """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree, or the
-    budget: search_timeout seconds of wall clock and max_expansions expansions, the same for RiR and the flat baseline.
-    BFS pops the open node of highest priority; MCTS selects by PUCT and backs up leaf_value (0 for a dead end). As
-    officially, the clock is checked after each expansion, and a proof found past the timeout does not count.
-    `plan_and_act(state_text, expansion)` -> (edges, planner seconds, actor seconds)."""
-    root = Node(verifier.start_proof(problem.header, problem.statement))
-    nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
-    proof, expansions, start = None, 0, clock()
-    while (root.state.status == "open" and proof is None and clock() - start <= args.search_timeout
-           and (args.max_expansions is None or expansions < args.max_expansions)):
-        if args.search == "bfs":
-            if not frontier:
-                break
-            path = [heapq.heappop(frontier)[2]]
-        else:
-            if root.dead:
-                break
-            path = select(root, args.c_puct)
-        edges, planner_seconds, actor_seconds = plan_and_act(path[-1].state.pretty, expansions)
-        proof, stats = expand(path[-1], edges, verifier, nodes)
-        counts.update(stats)
-        counts.update(planner=planner_seconds, actor=actor_seconds)
-        expansions += 1
-        if args.search == "bfs":
-            for child in path[-1].children:
-                heapq.heappush(frontier, (-child.priority, next(tie), child))
-        else:
-            backup(path, 0.0 if path[-1].dead else args.leaf_value)
-    seconds = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
-    return SearchResult(problem.id, proof.tactics if proof else None, seconds, expansions, len(nodes), counts["edges"],
-                        counts["failed_edges"], proof is not None and seconds <= args.search_timeout,
-                        counts["planner"], counts["actor"], counts["env"])
-
-
-def search(sampler, tokenizer, verifier, problems: list[Problem], key: str, args: Args, dist: Dist
-           ) -> list[SearchResult]:
-    """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 9)."""
-    def run(mine: list[Problem]) -> list[SearchResult]:
-        return [prove(p, lambda state, k, p=p: propose(sampler, tokenizer, state, f"{key}/{p.id}/{k}", args),
-                      verifier, args) for p in mine]
-
-    return map_sharded(run, problems, dist)
-
-
-def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult], args: Args, dist: Dist
-                  ) -> list[Triple]:
-    """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
-    become (s, y, s') triples (s' = 'no goals' for the last), as LeanDojo traces a human proof."""
-    def replay(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:
-        out = []
-        for problem, proof in mine:
-            state, steps = verifier.start_proof(problem.header, problem.statement), []
-            for tactic in proof:
-                after = verifier.apply_tactic(state, tactic)
-                if after.status not in ("open", "solved"):
-                    steps = []  # the path no longer replays: keep nothing of it
-                    break
-                steps.append(Triple(state.pretty, tactic, after.pretty or NO_GOALS))
-                state = after
-            out.append(steps)
-        return out
-
-    proved = [(p, r.proof) for p, r in zip(problems, results) if r.proved]
-    return [triple for steps in map_sharded(replay, proved, dist) for triple in steps]
+    return {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]} | {
+        "losses/loss_first": history[0]["loss"], "losses/loss_last": history[-1]["loss"],
+        "losses/steps": float(steps), "losses/learning_rate": args.learning_rate}
 
 
 # ---- evaluation ----
 def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
-    """The talk's metrics: pass@1 under the budget (Tables 1-2); over the proved theorems the planner, actor and
-    environment seconds (Figure 2, the official Search Statistics), the search time (Figure 3; mean and median as the
-    official logs report them) and the expansions and nodes per proof; the share of failed edges."""
+    """Search efficiency: the theorems proved (count, per expansion and per second of search), the expansions and nodes
+    per proof, the proofs' length, the share of failed edges; the talk's (method's own): pass@1 under the budget
+    (Tables 1-2), the planner, actor and environment seconds and the search time of the proved theorems (Figures 2-3;
+    mean and median as the official logs report them)."""
     proved = [r for r in results if r.proved]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
-    return {f"{prefix}/pass@1": len(proved) / max(len(results), 1), f"{prefix}/proved": float(len(proved)),
-            **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_seconds") for r in proved])
-               for k in ("planner", "actor", "env")},
-            f"{prefix}/search_time_proved": mean([r.seconds for r in proved]),
-            f"{prefix}/search_time_proved_median": float(np.median([r.seconds for r in proved])) if proved else 0.0,
+    expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
+    return {f"{prefix}/theorems": float(len(results)), f"{prefix}/proved": float(len(proved)),
+            f"{prefix}/pass@1": len(proved) / max(len(results), 1),
+            f"{prefix}/proofs_per_expansion": len(proved) / max(expansions, 1),
+            f"{prefix}/proofs_per_second": len(proved) / seconds if seconds else 0.0,
             f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
             f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
-            f"{prefix}/expansions": float(sum(r.expansions for r in results)),
+            f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
+            f"{prefix}/expansions": float(expansions),
             f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
+            f"{prefix}/search_time_proved": mean([r.seconds for r in proved]),
+            f"{prefix}/search_time_proved_median": float(np.median([r.seconds for r in proved])) if proved else 0.0,
+            **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_seconds") for r in proved])
+               for k in ("planner", "actor", "env")},
             **{f"{prefix}/{k}_seconds": float(sum(getattr(r, f"{k}_seconds") for r in results))
                for k in ("planner", "actor", "env")}}
 
 
 def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: str, step: int, dist: Dist) -> None:
-    """Every search to <run>/searches.jsonl, with the step (iterations done) it is logged at."""
+    """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are logged at."""
     if dist.is_main:
         with open(run_dir / "searches.jsonl", "a") as f:
             f.writelines(json.dumps({"step": step, "phase": phase, **r._asdict()}) + "\n" for r in results)
 
 
-def evaluate(sampler, tokenizer, verifier, problems: list[Problem], key: str, run_dir: pathlib.Path, args: Args,
+def evaluate(sampler, verifier, problems: list[Problem], key: str, run_dir: pathlib.Path, step: int, args: Args,
              dist: Dist) -> dict[str, float]:
-    """Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget (pass@1 and the search
-    statistics); every search to searches.jsonl, Figure 3's CDF to <run>/search_time_cdf.csv."""
-    results = search(sampler, tokenizer, verifier, problems, key, args, dist)
-    write_searches(run_dir, results, "eval", args.iterations, dist)
+    """Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget; every search to searches.jsonl,
+    Figure 3's CDF to <run>/search_time_cdf.csv."""
+    results = search(sampler, verifier, problems, key, args, dist)
+    write_searches(run_dir, results, "eval", step, dist)
     if dist.is_main:
         with open(run_dir / "search_time_cdf.csv", "w", newline="") as f:
-            out = csv.writer(f)
-            out.writerow(["seconds", "proved", "share"])
-            out.writerows(search_time_cdf([r.seconds for r in results if r.proved], len(results)))
+            csv.writer(f).writerows([("seconds", "proved", "share")] + search_time_cdf(
+                [r.seconds for r in results if r.proved], len(results)))
     return search_metrics(results, "eval")
 
 
@@ -599,8 +582,8 @@ def evaluate(sampler, tokenizer, verifier, problems: list[Problem], key: str, ru
 def main(args: Args) -> None:
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     try:  # stop at once, before any model is loaded, when there is no Lean REPL (the search needs its tactic mode)
-        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout,
-                                workers=max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None)
+        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None
+        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's tactic table
         name = os.path.basename(__file__)
         sys.exit(f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a CPU smoke run "
@@ -611,11 +594,11 @@ def main(args: Args) -> None:
     benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
     triples = load_triples(args.dataset, args.num_triples)  # D_0: the traced triples
 
-    # one model: the decoder LM plays planner and actor by prompt (method: the official code trains two ByT5 models)
+    # the model (method: one LM plays planner and actor by prompt; the official code trains two ByT5 models)
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     models = {"policy": (policy, torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0))}
-    # run state: the triples self-play added to D_0 (plain tuples, so state.pt loads without rir.py), the proofs found
+    # run state: the triples self-play added to D_0 (plain tuples: state.pt loads without rir.py), the proofs found
     start, state = 0, {"selfplay_triples": [], "proved": {}}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
         start, state = found
@@ -633,30 +616,29 @@ def main(args: Args) -> None:
                 metrics |= co_train(*models["policy"], training_items(data, tokenizer, args), steps, args, dist, rng)
                 sampler.sync_weights(policy)
 
-        # 2-3. Self-play (ours): search the problems, replay the proofs into D_{t+1} (not in the last iteration)
+        # 2-3. Self-play (ours): search the problems, replay the proofs into D_{t+1}; not in the last iteration
         if iteration + 1 < args.iterations:
             with logger.timer("selfplay_search"):
-                results = search(sampler, tokenizer, verifier, problems, f"{args.seed}/{iteration}/selfplay", args,
-                                 dist)
+                results = search(sampler, verifier, problems, f"{args.seed}/{iteration}/selfplay", args, dist)
             with logger.timer("replay"):
                 known = set(data)
-                new = list(dict.fromkeys(t for t in replay_proofs(verifier, problems, results, args, dist)
-                                         if t not in known))
+                new = list(dict.fromkeys(t for t in replay_proofs(verifier, problems, results, dist) if t not in known))
                 state["selfplay_triples"] += [tuple(t) for t in new]
                 state["proved"] |= {r.id: r.proof for r in results if r.proved}
             metrics |= search_metrics(results, "selfplay") | {
                 "selfplay/new_triples": float(len(new)), "charts/proved_ever": float(len(state["proved"]))}
             write_searches(run_dir, results, "selfplay", iteration + 1, dist)
 
-        # 4. Evaluate: pass@1 of the co-trained policy under the budget, after the last iteration
-        if iteration + 1 == args.iterations:
+        # 4. Evaluate: pass@1 under the budget (after the last iteration by default)
+        if args.eval_every and (iteration + 1) % args.eval_every == 0 or iteration + 1 == args.iterations:
             with logger.timer("eval"):
-                metrics |= evaluate(sampler, tokenizer, verifier, benchmark, f"{args.seed}/eval", run_dir, args, dist)
+                metrics |= evaluate(sampler, verifier, benchmark, f"{args.seed}/{iteration}/eval", run_dir,
+                                    iteration + 1, args, dist)
         logger.log(metrics, step=iteration + 1)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
             save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
     if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
-        logger.log(evaluate(sampler, tokenizer, verifier, benchmark, f"{args.seed}/eval", run_dir, args, dist),
+        logger.log(evaluate(sampler, verifier, benchmark, f"{args.seed}/eval", run_dir, args.iterations, args, dist),
                    step=args.iterations)
     verifier.close()
 

@@ -502,6 +502,7 @@ def e2e(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_two_iterations_end_to_end(e2e, tiny_model_dir):
     run_dir, done = e2e
+    assert "lean_verify: 1 REPL(s) on each of the node's 1 rank(s)" in done.stdout  # --lean-workers 1 on one rank
     rows = metrics_of(run_dir)
     assert sorted(rows) == [1, 2]
     for key in ("search/proved_share", "search/expansions_per_proof", "search/proofs_per_second", "value/new_labels",

@@ -106,11 +106,11 @@ def test_built_in_data_follows_the_stand_in():
             theorem = THEOREMS[row["full_name"]]
             proof = [t["tactic"] for t in row["traced_tactics"]]
             result = SimpleNamespace(proved=True, proof=proof)
-            replayed = rir.replay_proofs(v, [theorem], [result], args(), CPU)
+            replayed = rir.replay_proofs(v, [theorem], [result], CPU)
             assert replayed == [rir.Triple(rir.format_state(t["state_before"]), t["tactic"],
                                            rir.format_state(t["state_after"])) for t in row["traced_tactics"]]
         broken = SimpleNamespace(proved=True, proof=["constructor", "exact h₁"])  # a dead end: nothing is kept
-        assert rir.replay_proofs(v, [THEOREMS["search_and_le"]], [broken], args(), CPU) == []
+        assert rir.replay_proofs(v, [THEOREMS["search_and_le"]], [broken], CPU) == []
 
 
 def test_training_items_keep_the_official_formats(tiny_model_dir):
@@ -387,7 +387,7 @@ def test_co_training_learns_the_proofs_search_found(tiny_model_dir):
     with stand_in() as v:
         proofs = {"omega": ["constructor", "omega", "omega"],
                   "exact": ["constructor", "exact Nat.lt_trans h₁ h₀", "exact Nat.le_of_lt h₀"]}
-        triples = {k: rir.replay_proofs(v, [theorem], [SimpleNamespace(proved=True, proof=p)], a, CPU)
+        triples = {k: rir.replay_proofs(v, [theorem], [SimpleNamespace(proved=True, proof=p)], CPU)
                    for k, p in proofs.items()}
     left = triples["omega"][1]  # s = the two goals after constructor, s* = the right goal alone
 
@@ -531,6 +531,19 @@ def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
     assert row["eval/expansions"] > 0 and "losses/loss" in row and "selfplay/pass@1" not in row
     if "--no-planner" in flags:
         assert row["eval/planner_seconds"] == 0.0 and row["losses/goal_nll"] == 0.0
+
+
+@pytest.mark.slow
+def test_evaluation_only_from_a_checkpoint(reference_run, tmp_path):
+    """--iterations 0: the given model (a checkpoint's policy directory) is evaluated, nothing is trained."""
+    run_dir = tmp_path / "eval"
+    done = run_rir(run_dir, "--model", str(reference_run / "checkpoints" / "iter_000002" / "policy"), *SMALL,
+                   "--iterations", "0")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "lean_verify: 1 REPL(s) on each of the node's 1 rank(s)" in done.stdout
+    [row] = metrics_of(run_dir)
+    assert row["step"] == 0 and "eval/pass@1" in row and not any(k.startswith(("losses/", "selfplay/")) for k in row)
+    assert {step for step, phase, *_ in searches_of(run_dir)} == {0} and not (run_dir / "checkpoints").exists()
 
 
 @pytest.mark.slow
