@@ -401,7 +401,7 @@ def problem(pid, statement=None, header="import Mathlib\n"):
     return sgs.Problem(pid, header, statement or f"theorem {pid} : True := by")
 
 
-def test_solve_checks_each_distinct_proof_once():
+def test_attempt_proofs_checks_each_distinct_proof_once():
     problems = [problem("a"), problem("b")]
     fence = "```lean4\ntheorem x : True := by\n  {}\n```"
     replies = [[fence.format("simp"), fence.format("simp"), fence.format("rfl"), "no code"],
@@ -502,7 +502,7 @@ def test_solver_examples_reinforce_half_and_cispo():
 
 def test_solver_examples_expert_iteration_window():
     proofs = {"a": [{"proof": "\n  simp", "iteration": it, "prompt_ids": [1], "token_ids": [2, 3], "text": "t"}
-                   for it in range(5)]}
+                    for it in range(5)]}
     a = args(solver_objective="expert_iteration", ei_window=3, max_new_tokens=100)
     ex = sgs.solver_examples([], {}, {}, proofs, 4, a, random.Random(0))
     assert len(ex) == 3 and all(e.weight == 1.0 for e in ex)  # proofs found in iterations 2, 3, 4
