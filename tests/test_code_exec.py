@@ -4,9 +4,14 @@ no file left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pathlib
+import secrets
+import shutil
 import signal
 import sys
+import tempfile
 import time
 
 import pytest
@@ -57,13 +62,15 @@ def _alive(pid: int) -> bool:
 
 
 def assert_clean(marker: str | None = None) -> None:
-    """No process of any job is left (servers have no children), no job file is left (job dirs are empty)."""
+    """No process of any job is left (servers have no children), no job file is left (job dirs are empty; the
+    mount point of a server's view, if it has one, is empty from outside its mount namespace)."""
     for c in _servers():
         assert c.alive()
         assert _children_of(c.proc.pid) == [], "a job process outlived its job"
         base = c.info["base"]
         jobdir = os.path.join(base, "job")
-        assert os.listdir(base) == ["job"] and os.listdir(jobdir) == [], "a job file outlived its job"
+        assert set(os.listdir(base)) <= {"job", "view"} and os.listdir(jobdir) == [], "a job file outlived its job"
+        assert not os.path.exists(os.path.join(base, "view")) or os.listdir(os.path.join(base, "view")) == []
     if marker:
         assert _processes_with(marker) == []
 
@@ -547,13 +554,27 @@ def test_environment_network_and_privileges(layers):
     assert_clean()
 
 
-def test_fallback_layers(monkeypatch):
-    """With the cgroup and Landlock switched off, the other layers still hold (a separate pool of servers)."""
-    monkeypatch.setenv("CODE_EXEC_NO_CGROUP", "1")
-    monkeypatch.setenv("CODE_EXEC_NO_LANDLOCK", "1")
+@contextlib.contextmanager
+def _own_pool(**switches):
+    """A separate pool of servers started with these CODE_EXEC_* switches (read by a server when it starts)."""
+    saved = {k: os.environ.get(k) for k in switches}
+    os.environ.update(switches)
     pool, ce._POOL = ce._POOL, ce._Pool()
     try:
-        info = ce.isolation()
+        yield ce.isolation()
+    finally:
+        ce._POOL.shutdown()
+        ce._POOL = pool
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def test_fallback_layers():
+    """With the cgroup and Landlock switched off, the other layers still hold (a separate pool of servers)."""
+    with _own_pool(CODE_EXEC_NO_CGROUP="1", CODE_EXEC_NO_LANDLOCK="1") as info:
         assert info["cgroup"] is None and info["landlock_abi"] == 0
         bomb = "import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n"
         if info["pids_limit"].startswith("none"):
@@ -567,27 +588,171 @@ def test_fallback_layers(monkeypatch):
             before = {c.proc.pid for c in _servers()}
             assert ce.run("import posix\nposix.kill(posix.getppid(), 9)").status == "error"
             assert before <= {c.proc.pid for c in _servers()}
+        if info["fs_write_confined"]:                    # the view: writable only beneath the job directory
+            for path in ["/tmp/code_exec_escape.txt", "/dev/shm/code_exec_escape.txt", "../escape.txt"]:
+                r = ce.run(f"open({path!r}, 'w').write('x')")
+                assert r.status == "error" and "PermissionError" in r.stderr, path
+            assert not os.path.exists("/tmp/code_exec_escape.txt")
         assert ce.run("print(1)").stdout == "1\n"
         assert_clean()
-    finally:
-        ce._POOL.shutdown()
-        ce._POOL = pool
 
 
-def test_exec_strategy(monkeypatch):
-    """The fresh-interpreter strategy gives the same results (it is slower; see the module docstring)."""
-    monkeypatch.setenv("CODE_EXEC_STRATEGY", "exec")
-    pool, ce._POOL = ce._POOL, ce._Pool()
+# ---------------------------------------------------------------------------------------------------------------
+# reads: confined to what a Python job needs (issue 20), by each layer that can do it alone
+# ---------------------------------------------------------------------------------------------------------------
+
+READ_LAYERS = {           # the layer under test -> the switches that leave it as the strongest one
+    "landlock": {},
+    "mount namespace": {"CODE_EXEC_NO_LANDLOCK": "1"},
+    "file permissions (own uid)": {"CODE_EXEC_NO_LANDLOCK": "1", "CODE_EXEC_NO_MOUNTNS": "1"},
+}
+
+
+def _machine_lacks(layer: str) -> str | None:
+    """Why this machine cannot give `layer` (then its tests skip), judged without code_exec; None if it can."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if layer == "landlock":
+        return None if libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)) > 0 else \
+            "no Landlock (Linux < 5.13 or disabled)"
+    if layer == "mount namespace":
+        pid = os.fork()
+        if pid == 0:                 # CLONE_NEWNS, or CLONE_NEWUSER | CLONE_NEWNS for a user
+            os._exit(0 if libc.unshare(0x20000) == 0 or libc.unshare(0x10000000 | 0x20000) == 0 else 1)
+        return None if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 else "no mount namespaces here"
+    return None if os.geteuid() == 0 else "jobs get a uid of their own only when the caller is root"
+
+
+@pytest.fixture(params=list(READ_LAYERS))
+def read_layer(request):
+    """A pool of servers whose strongest read confinement is this layer, on a machine that has it."""
+    why = _machine_lacks(request.param)
+    if why:
+        pytest.skip(why)
+    with _own_pool(**READ_LAYERS[request.param]):
+        yield request.param
+
+
+def _assert_layer(layer: str) -> None:
+    assert str(ce.isolation().get("fs_read_confined")).startswith(layer), ce.isolation()
+
+
+@pytest.fixture
+def callers_secrets():
+    """A 0600 file of the caller's in /tmp and a token under the caller's home cache directory (0644, as
+    huggingface_hub writes ~/.cache/huggingface/token), each holding a fresh random value."""
+    value = "secret-" + secrets.token_hex(8)
+    fd, tmp_file = tempfile.mkstemp(prefix="code_exec_secret_", dir="/tmp")
+    os.write(fd, value.encode())
+    os.close(fd)
+    os.chmod(tmp_file, 0o600)
+    cache = pathlib.Path.home() / ".cache" / f"code_exec_test_{os.getpid()}_{secrets.token_hex(4)}"
+    cache.mkdir(parents=True)
+    (cache / "token").write_text(value)
+    (cache / "token").chmod(0o644)
     try:
-        assert ce.isolation()["strategy"] == "exec"
-        assert ce.run("import math\nprint(math.factorial(5))").stdout == "120\n"
-        assert ce.run("raise KeyError(1)").status == "error"
-        assert ce.run("while True: pass", timeout=0.5).status == "timeout"
-        assert ce.check_asserts("def f(x): return x", "def check(c):\n    assert c(1) == 1", "f").passed
-        assert_clean()
+        yield value, [tmp_file, str(cache / "token")]
     finally:
-        ce._POOL.shutdown()
-        ce._POOL = pool
+        os.unlink(tmp_file)
+        shutil.rmtree(cache)
+
+
+def _read(path: str) -> str:
+    return f"print(open({path!r}, 'rb').read())"
+
+
+def test_reads_of_the_callers_files_are_refused(read_layer, callers_secrets):
+    value, files = callers_secrets
+    paths = files + [f"/proc/{os.getpid()}/environ"]
+    if read_layer != "file permissions (own uid)":   # world-readable things too: another process's /proc, a 0644
+        world = pathlib.Path(tempfile.mkdtemp(prefix="code_exec_world_", dir="/tmp"))   # file in a 0755 directory
+        (world / "notes.txt").write_text(value)
+        world.chmod(0o755)
+        paths += [f"/proc/{os.getpid()}/cmdline", f"/proc/{os.getpid()}/status", f"/proc/{os.getppid()}/cmdline",
+                  str(world / "notes.txt"), os.path.abspath(ce.__file__)]
+    try:
+        results = ce.run_batch([_read(p) for p in paths], workers=2)
+    finally:
+        if read_layer != "file permissions (own uid)":
+            shutil.rmtree(world)
+    for path, r in zip(paths, results):
+        assert r.status == "error" and ("PermissionError" in r.stderr or "FileNotFoundError" in r.stderr), (path, r)
+        assert value not in r.stdout + r.stderr
+    if read_layer != "file permissions (own uid)":  # not even their names: the home and /tmp cannot be listed
+        r = ce.run(f"import os\nfor d in ({str(pathlib.Path.home())!r}, '/tmp', '/proc'):\n    try:\n"
+                   f"        print(os.listdir(d))\n    except OSError as e:\n        print(type(e).__name__)")
+        assert r.status == "ok"
+        assert os.path.basename(files[0]) not in r.stdout and "code_exec_test_" not in r.stdout
+        assert f"'{os.getpid()}'" not in r.stdout
+    assert_clean()
+    _assert_layer(read_layer)
+
+
+def test_what_a_job_needs_is_still_readable(read_layer):
+    pytest.importorskip("numpy")
+    prog = f"""
+import decimal, json, os, sqlite3, sys, time, zoneinfo
+import numpy, numpy.linalg
+open('own.txt', 'w').write('mine')
+os.makedirs('d/e')
+open('d/e/f', 'w').write('deep')
+print(open('own.txt').read(), open('d/e/f').read(), os.listdir('.'))
+print(len(open('/dev/urandom', 'rb').read(16)), len(os.urandom(4)))
+print(round(numpy.linalg.det(numpy.eye(3) * 2)))
+print(open('/proc/self/status').read().count('NoNewPrivs'))
+print(open('/dev/stdin').read(), sys.stdin.read())
+print(time.strftime('%Y', time.localtime(0)), sys.prefix == {sys.prefix!r})
+"""
+    r = ce.run(prog, stdin="from stdin", timeout=20)
+    assert r.status == "ok", r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("mine deep [") and sorted(eval(lines[0][len("mine deep "):])) == ["d", "own.txt"]
+    assert lines[1:] == ["16 4", "8", "1", "from stdin from stdin", "1970 True"]
+    r = ce.run("import posix\nposix.execv('/bin/echo', ['echo', 'exec works'])")
+    assert r.status == "ok" and r.stdout == "exec works\n"
+    assert_clean()
+    _assert_layer(read_layer)
+
+
+@pytest.mark.parametrize("layer", ["landlock", "mount namespace"])
+def test_read_paths_option(layer, tmp_path):
+    """A caller adds task data: the job reads it, and still nothing next to it."""
+    if _machine_lacks(layer):
+        pytest.skip(_machine_lacks(layer))
+    with _own_pool(**READ_LAYERS[layer]):
+        data = tmp_path / "data"
+        data.mkdir()
+        (data / "cases.txt").write_text("1 2\n")
+        (tmp_path / "answers.txt").write_text("3\n")
+        prog = "a, b = map(int, open(%r).read().split())\nprint(a + b)" % str(data / "cases.txt")
+        r = ce.run(prog, read_paths=[data])
+        assert r.status == "ok" and r.stdout == "3\n", r.stderr
+        assert ce.check_stdio(prog, [("", "3")], read_paths=str(data)).passed
+        assert ce.run(prog).status == "error"                                 # not without the option
+        r = ce.run(_read(str(tmp_path / "answers.txt")), read_paths=[data])
+        assert r.status == "error" and "3" not in r.stdout
+        assert str(data.resolve()) in ce.isolation(read_paths=[data])["read_paths"]
+        assert str(data.resolve()) not in ce.isolation()["read_paths"]
+        assert ce.run("print(1)", read_paths=[12, None, "/nonexistent/x", "\0"]).stdout == "1\n"   # ignored
+        assert_clean()
+        _assert_layer(layer)
+
+
+def test_bench_exec_baseline():
+    """The benchmark's baseline, a fresh interpreter per job in the same locked-down process, gives the same
+    results as the fork server (it is slower; see tests/bench_code_exec.py)."""
+    bench = pytest.importorskip("bench_code_exec")
+    with bench.exec_strategy():
+        extra = bench.EXEC_READ_PATHS
+        assert ce.run("import math, sys\nprint(math.factorial(5), 'code_exec_server' in sys.modules)",
+                      read_paths=extra).stdout == "120 False\n"
+        assert ce.run("raise KeyError(1)", read_paths=extra).status == "error"
+        assert ce.run("while True: pass", timeout=0.5, read_paths=extra).status == "timeout"
+        assert ce.check_asserts("def f(x): return x", "def check(c):\n    assert c(1) == 1", "f",
+                                read_paths=extra).passed
+        assert ce.check_stdio("print(Counter('aab').most_common(1)[0][0])", [("", "a")], read_paths=extra).passed
+        assert_clean()
 
 
 def test_server_death_is_reported_and_recovered():
