@@ -143,7 +143,7 @@ class Args:
 
     # algorithm
     iterations: int = 5  # configs/co_training.yaml
-    """iterations to run (the paper's word: rounds); 0: no training, evaluate the given model"""
+    """iterations to run (the README's word: rounds); 0: no training, evaluate the given model"""
     search_theorems_per_round: int = 5000
     """theorems searched each iteration (co_training.yaml num_theorems_per_round)"""
 
@@ -158,8 +158,8 @@ class Args:
     """tactic sampling temperature (the official collector's)"""
     tactic_max_new_tokens: int = 256  # lean_generate.py
     """longest tactic"""
-    lean_timeout: float = 60.0  # lean_reward.py
-    """Lean's wall-clock limit per whole proof and per tactic, in seconds"""
+    lean_timeout: float = 60.0
+    """Lean's wall-clock limit per whole proof and per tactic, in seconds (lean_reward.py)"""
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each rank)"""
     alpha: float = 0.3
@@ -270,11 +270,12 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2",
 
 # ---- prompts ----
 # The prover's whole-proof prompt: DeepSeek-Prover-V2's non-CoT format as the official data prep writes it (a raw
-# completion, no chat template); the answer is a new ```lean4 block with the whole theorem. Search asks the same prover
-# for one step: its answer block prefilled with the statement, the tactics so far and the goals in a comment
-# (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line. The value model reads a state in a frame.
+# completion, no chat template); the answer is a new ```lean4 block with the whole theorem.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```\n"
+# Search asks the same prover for one step: its answer block is prefilled with the statement, the tactics so far and
+# the current goals in a comment (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line.
 TACTIC_PROMPT = PROVER_PROMPT + "```lean4\n{header}{proof}\n  /- tactic state:\n{goals}\n  -/\n  "
+# The value model reads a proof state in this frame; its head reads the hidden state of the last token.
 VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a finished proof?"
 
 

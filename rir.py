@@ -141,8 +141,8 @@ class Args:
     """use only the first N problems of --selfplay-dataset (default all)"""
 
     # algorithm
-    iterations: int = 2  # 1: the official offline run (co-train, evaluate); 2 (ours): a self-play iteration first
-    """iterations to run (the paper's word: rounds); 0: no training, evaluate the given model"""
+    iterations: int = 2  # 2 (ours): one self-play iteration, then co-training again and the evaluation
+    """iterations to run (the paper's word: rounds); 1: the official offline run; 0: evaluate the given model"""
     train_steps: int = 40000
     """co-training steps of the first iteration (the released actor checkpoint: step 40000)"""
     selfplay_train_steps: int = 4000
@@ -163,12 +163,12 @@ class Args:
     """sampling temperature of planner and actor"""
     top_p: float = 1.0
     """nucleus sampling"""
-    goal_max_new_tokens: int = 768  # official max_oup_seq_len 2300 bytes
-    """longest target state"""
+    goal_max_new_tokens: int = 768
+    """longest target state the planner writes (official max_oup_seq_len 2300 bytes)"""
     tactic_max_new_tokens: int = 128  # official max_oup_seq_len 512 bytes
     """longest tactic"""
-    lean_timeout: float = 60.0  # a timeout is a failed edge
-    """Lean's wall-clock limit per tactic, in seconds"""
+    lean_timeout: float = 60.0
+    """Lean's wall-clock limit per tactic, in seconds (a timeout is a failed edge)"""
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine for each rank)"""
     c_puct: float = 1.0
