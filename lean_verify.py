@@ -1575,6 +1575,16 @@ class LeanVerifier:
 
     # ---------------------------------------------------------------- public API
 
+    def verify_attempts(self, problems: list, proofs: list, whole: bool = False) -> list:
+        """Lean's verdict on each attempt, row i holding the attempts at problems[i] (Problem records): a LeanResult,
+        or None where the attempt has no proof. Each distinct (problem, proof) is checked once. A proof is the text
+        after the original statement (the model cannot change the statement), or with whole=True its whole code,
+        which must then keep the statement (the statement rule checks it)."""
+        jobs = {(p.id, x): ProofJob(p.header, p.statement, x if whole else p.statement + x, p.id)
+                for p, row in zip(problems, proofs) for x in row if x is not None}
+        verdicts = dict(zip(jobs, self.verify(list(jobs.values())) if jobs else []))
+        return [[verdicts.get((p.id, x)) for x in row] for p, row in zip(problems, proofs)]
+
     def verify(self, jobs: list, progress: bool = False, used_constants: bool | str = False) -> list:
         """One LeanResult per job, in order. Never raises on model output.
 

@@ -1310,6 +1310,26 @@ def test_load_problems_reads_every_dataset_layout(tmp_path):
     assert [p.id for p in lv.load_problems(str(tmp_path / "rows.json"))] == ["d1", "m1"]
 
 
+def test_verify_attempts_checks_each_distinct_proof_once(tmp_path):
+    """A grid of attempts (row i: the attempts at problem i), each distinct (problem, proof) sent to Lean once, None
+    where an attempt has no proof; a whole-code attempt must keep the statement."""
+    st = "theorem t1 (x : ℕ) (h₀ : x = 2) : x + x = 4 := by"
+    problems = [lv.Problem("a", H, st), lv.Problem("b", H, st.replace("t1", "t2"))]
+    good, bad = "\n  subst h₀\n  rfl", "\n  sorry"
+    v, stats = make(tmp_path)
+    with v:
+        before = count(stats, "cmd")
+        grid = v.verify_attempts(problems, [[good, bad, good, None], [good]])
+        assert [[r and r.valid for r in row] for row in grid] == [[True, False, True, None], [True]]
+        assert grid[0][0] is grid[0][2]  # the same pair: one check, one result
+        assert count(stats, "cmd") - before >= 3
+        checked = count(stats, "cmd")
+        assert v.verify_attempts(problems, [[], []]) == [[], []] and count(stats, "cmd") == checked
+        [[whole, changed]] = v.verify_attempts(problems[:1], [[st + good, st.replace("= 4", "= 5") + good]],
+                                               whole=True)
+        assert whole.valid and not changed.valid
+
+
 def test_read_rows_fetches_a_url_once(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path / "cache"))
     fetched = []
