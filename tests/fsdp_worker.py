@@ -16,8 +16,14 @@ model_dir, out, backend = sys.argv[1], pathlib.Path(sys.argv[2]), sys.argv[3]
 dist = B.setup_distributed(seed=1)
 assert dist.world_size == 2
 tok = B.load_tokenizer(model_dir)
-policy = B.load_model(model_dir, dist, gradient_checkpointing=True)
+policy = B.load_model(model_dir, dist, gradient_checkpointing=True)  # only rank 0 reads the weights
 assert isinstance(policy, FSDPModule)
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+plain = AutoModelForCausalLM.from_pretrained(model_dir)
+loaded = dict(B.full_state_dict_items(policy))
+same_as_plain = all(torch.equal(loaded[k], v) for k, v in plain.state_dict().items()) and all(
+    torch.equal(a, b) for a, b in zip(policy.buffers(), plain.buffers()))  # rotary frequencies: rank 0's
 opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
 sampler = B.Sampler(model_dir, policy, tok, dist, backend=backend)
 before = {k: v.clone() for k, v in B.full_state_dict_items(policy)}
@@ -44,7 +50,7 @@ if backend == "vllm":  # the sharded names arrived as checkpoint names with full
 else:
     own = sampler.model.state_dict()
     synced = all(torch.equal(own[k], after[k]) for k in after if k in own)
-result = {"changed": changed, "synced": synced, "grad_norm": norm}
+result = {"changed": changed, "synced": synced, "grad_norm": norm, "same_as_plain": same_as_plain}
 if backend == "hf":
     with torch.no_grad():  # a forward without backward (e.g. scoring) right before the checkpoint
         B.token_logprobs(policy, items[:1])

@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 import coprover as cp  # noqa: E402
 from lean_verify import DEFAULT_HEADER, LeanResult, LeanVerifier, goals_key  # noqa: E402
 
-CPU = cp.Dist(0, 0, 1, 1, torch.device("cpu"), True)
+CPU = cp.Dist(0, 1, 1, torch.device("cpu"), True)
 ROWS = [json.loads(line) for line in (REPO / "data" / "lean_tactics.jsonl").read_text().splitlines() if line.strip()]
 PROBLEMS = {p.id: p for p in cp.load_problems(str(REPO / "data" / "lean_tactics.jsonl"))}
 STAND_IN = f"{sys.executable} {REPO / 'tests' / 'fake_lean_repl.py'}"

@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 import rir  # noqa: E402
 from lean_verify import LeanVerifier, Problem, TacticState, load_problems  # noqa: E402
 
-CPU = rir.Dist(0, 0, 1, 1, torch.device("cpu"), True)
+CPU = rir.Dist(0, 1, 1, torch.device("cpu"), True)
 FAKE_REPL = f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'fake_lean_repl.py'))}"
 THEOREMS = {t.id: t for t in load_problems(str(REPO / "data" / "rir_theorems.jsonl"))}
 

@@ -18,7 +18,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import sgs  # noqa: E402
 
-CPU = sgs.Dist(0, 0, 1, 1, torch.device("cpu"), True)
+CPU = sgs.Dist(0, 1, 1, torch.device("cpu"), True)
 
 
 def args(**kw):
@@ -792,7 +792,7 @@ def test_each_rank_gets_its_share_of_the_lean_workers(monkeypatch, tmp_path, wor
         seen["workers"] = workers
         raise Stop
 
-    monkeypatch.setattr(sgs, "setup_distributed", lambda seed: sgs.Dist(0, 0, world, world, torch.device("cpu"), True))
+    monkeypatch.setattr(sgs, "setup_distributed", lambda seed: sgs.Dist(0, world, world, torch.device("cpu"), True))
     monkeypatch.setattr(sgs, "LeanVerifier", fake_verifier)
     monkeypatch.setattr(sys, "argv", ["sgs.py"])
     with pytest.raises(Stop):

@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 import stp  # noqa: E402
 from lean_verify import DEFAULT_HEADER  # noqa: E402
 
-CPU = stp.Dist(0, 0, 1, 1, torch.device("cpu"), True)
+CPU = stp.Dist(0, 1, 1, torch.device("cpu"), True)
 
 
 def args(**kw):
@@ -210,7 +210,7 @@ def test_generation_in_folds_keeps_only_text(monkeypatch):
         return [parts[i % 2][i // 2] for i in range(len(items))]
 
     monkeypatch.setattr(stp, "map_sharded", two_ranks_map)
-    two_ranks = stp.Dist(0, 0, 2, 2, torch.device("cpu"), True)
+    two_ranks = stp.Dist(0, 2, 2, torch.device("cpu"), True)
     calls.clear()
     stp.attempt_proofs(vllm, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), two_ranks)
     assert calls == [1] * 10  # 5 per rank
