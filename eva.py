@@ -17,12 +17,10 @@ the SOLVER learns from its own best and worst responses to them. Each round t (A
                        policy itself: X_t is the evolved set (25% x 4 = as many prompts as X_{t-1});
   5. solver step:      6 responses per evolved prompt, pairs (argmax r, argmin r); 20% of the old pairs and 80% of the
                        new ones; preference optimisation from the current policy with the current policy as reference.
-Reference log-probs are computed with the policy before its update, so no second copy of the policy is held. Metrics
-(metrics.jsonl; wandb with --track): creator/* (subset, evolved prompts, drops by reason), charts/* (pairs,
-reward-model margins, tokens), losses/* (first and last step: loss, implicit reward margin, accuracy), eval/win_rate:
-the reward model's win rate of the new policy over the round's reference policy on held-out prompts (step 0:
-eval/reward of the initial policy). Every evolution step, kept or dropped with its reason, goes to
-<run>/evolutions.jsonl.
+Reference log-probs are computed with the policy before its update, so no second copy of the policy is held. Metrics:
+creator/* (subset, evolutions, drops by reason), charts/*, losses/* (first and last step), eval/win_rate (the reward
+model's, of the new policy over the round's reference policy on held-out prompts; step 0: the initial eval/reward).
+Every evolution step, kept or dropped with its reason, goes to <run>/evolutions.jsonl.
 
 Run
   python eva.py                              # no GPU: CPU_DEFAULTS below (the embedded SmolLM2-135M is policy,
@@ -613,8 +611,8 @@ def item_losses(policy, items: list[tuple], args: Args, size: int) -> tuple[torc
 def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.Random) -> dict[str, float]:
     """Solver step 'preference optimization' from the current policy, as one fresh trainer run (the official pipeline
     starts TRL anew each round): the reference log-probs of every sequence under the policy as it starts, a fresh
-    optimizer state, `epochs` passes over the shuffled items in batches of batch_size, linear warm-up then cosine (or
-    linear) decay. Each rank runs its share of every batch."""
+    optimizer state, `epochs` passes over the shuffled items in batches of batch_size, linear warm-up then
+    --lr-schedule's decay. Each rank runs its share of every batch."""
     refs = iter(sequence_logprobs(policy, [s for item in items for s in sequences(item)], args, dist))
     items = [(item, [next(refs) for _ in sequences(item)]) for item in items]
     optimizer.state.clear()

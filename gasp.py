@@ -165,8 +165,8 @@ class Args:
     max_attempts: int = 4
     """rejection sampling: proposals per goalpost (lemma) or lemma (lift) until one is accepted (App. D; no value)"""
     min_programs: int = 64
-    """repeat lemma+lift steps in an iteration until the teacher has generated this many programs (App. D: 'the
-    minimum count of total generated programs per step'; value lost [RECON: the batch size])"""
+    """lemma+lift steps repeat until the teacher generated this many programs (App. D: 'the minimum count of total
+    generated programs per step'; value lost [RECON: the batch size])"""
     max_rounds: int = 4
     """at most this many lemma+lift steps per iteration"""
     num_io: int = 5
@@ -296,14 +296,16 @@ TASK_RULES = """Rules for the program:
 - Deterministic: no randomness, no clock, no files or network, no printing, no input().
 - Standard library only, and none of these modules: {banned}.
 - Each call must finish in well under a second.
-- Arguments and results are plain Python literals: numbers, strings, booleans, None, and lists, tuples, dicts or sets of them."""
+- Arguments and results are plain Python literals: numbers, strings, booleans, None, and lists, tuples, dicts or \
+sets of them."""
 
 PROPOSAL_FORMAT = """Reply in exactly this format. First the program:
 ```python
 def f(...):
     ...
 ```
-Then {num_io} different inputs, each in its own block, written as the argument list of a call to f (for the call f(3, [1, 2]) write 3, [1, 2]):
+Then {num_io} different inputs, each in its own block, written as the argument list of a call to f (for the call \
+f(3, [1, 2]) write 3, [1, 2]):
 ```input
 ...
 ```
@@ -337,8 +339,9 @@ AXIS_HINTS = {
     "clearly.",
     ("f", "easier"): "Make it easier along the FUNCTION axis: simplify the algorithm itself (drop a constraint, remove "
     "a step of the computation) while keeping its central idea.",
-    ("io", "harder"): "Make it harder along the INPUT/OUTPUT axis: keep the algorithm, but use richer inputs and outputs "
-    "(several lists, nested structures, tricky edge cases) and examples from which the rule is harder to infer.",
+    ("io", "harder"): "Make it harder along the INPUT/OUTPUT axis: keep the algorithm, but use richer inputs and "
+    "outputs (several lists, nested structures, tricky edge cases) and examples from which the rule is harder to "
+    "infer.",
     ("f", "harder"): "Make it harder along the FUNCTION axis: make the algorithm itself more demanding (an extra "
     "constraint, a second operation composed with the first, a subtler rule).",
     ("io", "related"): "Work along the INPUT/OUTPUT axis: keep the algorithm, and choose the shape of the inputs and "
@@ -352,7 +355,9 @@ TEACHER_PROMPT = """You write practice problems for a student programmer.
 
 {request} {axis_hint}
 
-Your problem is an induction task: the student sees your description and, for your FIRST {num_public} inputs only, the outputs of your hidden Python function f; the student writes f and is graded on your other {num_hidden} inputs, which stay hidden.
+Your problem is an induction task: the student sees your description and, for your FIRST {num_public} inputs only, \
+the outputs of your hidden Python function f; the student writes f and is graded on your other {num_hidden} inputs, \
+which stay hidden.
 
 {rules}
 
@@ -363,7 +368,8 @@ GOALPOST = """Here is a hard competition problem the student cannot solve yet:
 </problem>
 
 """
-LEMMA_REQUEST = GOALPOST + """Write an EASIER problem that keeps the core algorithmic idea of this one, so that solving it is a step towards the hard problem."""
+LEMMA_REQUEST = GOALPOST + """Write an EASIER problem that keeps the core algorithmic idea of this one, so that \
+solving it is a step towards the hard problem."""
 LIFT_REQUEST = """The student has learned to solve this problem:
 <problem>
 Description: {message}
@@ -410,7 +416,8 @@ ABDUCTION_PROMPT = """Find an input for this Python program.
 {program}
 ```
 
-Give arguments for which f returns {output}. Write them as the argument list of the call (for f(3, [1, 2]) write 3, [1, 2]) in one ```input block."""
+Give arguments for which f returns {output}. Write them as the argument list of the call (for f(3, [1, 2]) write \
+3, [1, 2]) in one ```input block."""
 
 # real problems (goalposts, real-data RL, LCB and HumanEval evaluation)
 CODE_PROMPT = """Solve this programming problem in Python.
@@ -420,7 +427,8 @@ CODE_PROMPT = """Solve this programming problem in Python.
 {format}"""
 STDIN_FORMAT = ("Your program reads the input from standard input and prints the answer to standard output. "
                 "Reply with the complete program in one ```python block.")
-CALL_FORMAT = "Complete this starter code and reply with the whole solution in one ```python block:\n```python\n{starter}\n```"
+CALL_FORMAT = ("Complete this starter code and reply with the whole solution in one ```python block:\n```python\n"
+               "{starter}\n```")
 HUMANEVAL_PROMPT = """Complete this Python code.
 
 ```python
