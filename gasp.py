@@ -57,7 +57,6 @@ import atexit
 import base64
 import collections
 import contextlib
-import datetime
 import importlib.util
 import json
 import math
@@ -71,6 +70,7 @@ import sys
 import time
 import zlib
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Literal
 
 import numpy as np
@@ -79,10 +79,11 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import tyro
 import wandb
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import code_exec
 
@@ -1065,35 +1066,31 @@ def main(args: Args) -> None:
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-# Plumbing, byte for byte the same in every file so that `diff a.py b.py` shows the methods; its imports are at the top.
 EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
 CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank local_rank world_size local_world_size device is_main")
+Dist = collections.namedtuple("Dist", "rank world_size local_world_size device is_main objects", defaults=[None])
 
 
-def setup_distributed(seed: int, timeout_minutes: int = 60) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); `python`: one. A checkpoint must fit in the timeout."""
-    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")  # as torchrun sets them; else one process
-    rank, local_rank, world, local = (int(os.environ.get(k, int("WORLD" in k))) for k in keys)
+def setup_distributed(seed: int, timeout_minutes: float = 60, objects_timeout_days: float = 7) -> Dist:
+    """torchrun: a process per GPU (NCCL) or CPU share (gloo); objects gather on gloo (after hours of work: days)."""
+    names = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE".split()  # as torchrun sets them; else one process
+    rank, local_rank, world, local = (int(os.environ.get(k, "WORLD" in k)) for k in names)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    torch.cuda.set_device(device) if device.type == "cuda" else None
     if world > 1 and not tdist.is_initialized():
-        backend, timeout = "nccl" if device.type == "cuda" else "gloo", datetime.timedelta(minutes=timeout_minutes)
-        tdist.init_process_group(backend, timeout=timeout)
+        tdist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=timeout_minutes))
         atexit.register(tdist.destroy_process_group)
+    objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days)) if world > 1 else None
     random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, local_rank, world, local, device, rank == 0)  # local: torchrun's ranks on this node
+    return Dist(rank, world, local, device, rank == 0, objects)
 
 
 def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes; without CUDA, `cpu_defaults` replace the paper's sizes except for the flags given in `argv`
-    (--x, --x=v, --no-x), and the changes are printed; the run directory and its logger."""
+    """The processes; without CUDA, cpu_defaults replace the sizes but for flags in argv (printed); a run's logger."""
     dist = setup_distributed(args.seed)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}
-    given |= {g[3:] for g in given if g.startswith("no_")}
+    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}  # --x, --x=v, --no-x
     scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
-                                                    if k not in given and getattr(args, k) != v}
+                                                    if {k, f"no_{k}"}.isdisjoint(given) and getattr(args, k) != v}
     if dist.is_main and scaled:
         print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
               *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
@@ -1104,13 +1101,11 @@ def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.
 
 def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
     out = [obj] * dist.world_size
-    if dist.world_size > 1:
-        tdist.all_gather_object(out, obj)
+    tdist.all_gather_object(out, obj, group=dist.objects) if dist.world_size > 1 else None
     return out
 
 
-def map_sharded(fn, items: list, dist: Dist) -> list:
-    """Run `fn` on this rank's share of `items` (one result per item); every rank gets all results, in item order."""
+def map_sharded(fn, items: list, dist: Dist) -> list:  # fn on this rank's share, one result an item; all, in order
     parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
     return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
 
@@ -1133,24 +1128,29 @@ def load_tokenizer(name: str):
 
 
 def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Loaded on the CPU, sharded (FSDP2 per decoder block and root) under torchrun, then moved. Trained: fp32 master
-    weights, bf16 compute and fp32 reduction on GPUs. Frozen: bf16 on GPUs, sharded too so it can sync to a sampler."""
-    cuda = dist.device.type == "cuda"
+    """Trained: fp32 weights, bf16 compute on GPUs; frozen: bf16 on GPUs. torchrun: only rank 0 reads, all shard."""
+    cuda, path = dist.device.type == "cuda", resolve_model(name)
     dtype = torch.bfloat16 if cuda and not train else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype).train(train).requires_grad_(train)
-    if train and gradient_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
+    with torch.device("meta") if dist.rank else contextlib.nullcontext():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype) if dist.rank else \
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model.train(train).requires_grad_(train)
+    model.activation_checkpointing_enable({"use_reentrant": False}) if train and gradient_checkpointing else None
     if dist.world_size > 1:
+        full = model.state_dict() if dist.rank == 0 else {}
         blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
         assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
         mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
         for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
             fully_shard(module, mp_policy=mp, reshard_after_forward=True)
+        model.to_empty(device=dist.device) if dist.rank else model.to(dist.device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        for buffer in model.buffers():  # not in the state dict (rotary frequencies): rank 0's, computed at load
+            tdist.broadcast(buffer, src=0)
     return model.to(dist.device)
 
 
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):
-    """(name, full tensor), one at a time, cast before FSDP2 gathers it; a collective: every rank iterates it all."""
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):  # one full tensor at a time; a collective
     for name, tensor in policy.state_dict().items():
         tensor = tensor.to(dtype) if dtype else tensor
         yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
@@ -1160,27 +1160,26 @@ def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
     return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    bos = tokenizer.bos_token  # added unless the chat template put it there
-    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos))).input_ids
+def encode_prompt(tok, text: str) -> list[int]:  # BOS added unless the chat template put it there
+    return tok(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))).input_ids
 
 
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")
-"""logprobs: as each token was drawn; finish_reason: stop, length, or vLLM's abort/error (a failure: empty text)."""
+Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")  # logprobs: as drawn
 
 
 class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF."""
+    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF. A
+    Sample's finish_reason is stop, length, or vLLM's abort or error: a failed sample, whose text is empty."""
 
     def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
                  gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
         self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = policy, None, False, getattr(torch, dtype)
+        self.model, self.llm, self.asleep, self.dtype = None, None, False, getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
         if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
             self.vllm = importlib.import_module("vllm")
-            for k, v in dict(RANK=0, LOCAL_RANK=0, WORLD_SIZE=1, MASTER_ADDR="localhost", MASTER_PORT=29500).items():
-                os.environ.setdefault(k, str(v))  # as torchrun sets them
+            os.environ |= {**dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost",
+                                  MASTER_PORT="29500"), **os.environ}  # as torchrun sets them
             if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
                 importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
             rng = rng_state()
@@ -1191,8 +1190,9 @@ class Sampler:
                                 logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
             rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
             self.sleep()
-        elif dist.world_size > 1:
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name)).to(dist.device)
+        elif dist.world_size > 1:  # ranks generate apart: a whole copy each (bf16 on GPUs), synced tensor by tensor
+            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32 if
+                                                              dist.device.type == "cpu" else self.dtype)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
     def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
@@ -1203,6 +1203,7 @@ class Sampler:
     def sync_weights(self, policy):
         if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
             if self.asleep:
+                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
                 self.llm.wake_up(tags=["weights"])
             model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
             for name, tensor in full_state_dict_items(policy, self.dtype):
@@ -1212,7 +1213,8 @@ class Sampler:
             self.asleep = False
             self.llm.reset_prefix_cache()
         elif self.dist.world_size > 1:
-            self.model.load_state_dict(dict(full_state_dict_items(policy)))  # this rank's full copy
+            own = self.model.to(self.dist.device).state_dict()
+            [own[name].copy_(tensor) for name, tensor in full_state_dict_items(policy, self.model.dtype)]
         else:
             self.model = policy
 
@@ -1229,22 +1231,25 @@ class Sampler:
                             [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
                      for c in out.outputs] for p, out in zip(ids, outputs)]
         jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = (tok.eos_token_id, tok.pad_token_id)
+        eos = model.generation_config.eos_token_id  # the model's stop ids too (Gemma-2: <eos> and <end_of_turn>)
+        stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
         for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
             batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
             width = batch.input_ids.shape[1]
-            limit = max(1, min(max_new_tokens, self.max_model_len - width))
             out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
                                         top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
-                                        tokenizer=tok, max_new_tokens=limit, pad_token_id=tok.pad_token_id,
+                                        tokenizer=tok, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len
+                                        - width)), pad_token_id=tok.pad_token_id, eos_token_id=stops,
                                         output_scores=logprobs, return_dict_in_generate=True)
             logp = (model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
                     if logprobs else [[]] * len(out.sequences))  # the processed scores (after temperature, top-p)
             for row, tokens in enumerate(out.sequences[:, width:].tolist()):
-                end = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
+                while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
+                    tokens.pop()
+                end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
                 text = tok.decode(tokens[:end], skip_special_tokens=True)
                 cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or end < limit or tokens[end - 1] in eos else "length"
+                reason = "stop" if cut >= 0 or tokens and tokens[end - 1] in stops else "length"
                 results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
                                       logp[row][:end], reason))
         model.train(training)
@@ -1253,10 +1258,9 @@ class Sampler:
 
 def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
            calls: int = 1, **params) -> list:
-    """n Samples of each prompt, by the rule that makes any number of ranks (and a resume) draw the same: transformers
-    takes chunks of its batch, each seeded by crc32(f"{key}/{start}") (key: the call's name, with the run's seed; a list
-    seeds each prompt alone), vLLM a rank's share in `calls` calls. dist: shared out over the ranks, all results on
-    every rank; None: this rank alone. then(start, rows): what to keep of a chunk's rows. params: Sampler.generate's."""
+    """n Samples a prompt by the rule that makes any number of ranks (and a resume) draw the same: transformers takes
+    chunks of its batch seeded by crc32(f"{key}/{start}") (key: the call's name and seed; a list: a seed per prompt),
+    vLLM a rank's share in `calls` calls. dist: shared over ranks; None: this rank. then(start, rows): what to keep."""
     ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
     size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
 
@@ -1274,18 +1278,17 @@ def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
                    chunk=256):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do);
-    prompts left-padded, so the head runs on completions only; the fp32 log-softmax in chunks, again in backward."""
+    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
+    The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    device, pad = next(policy.parameters()).device, torch.nn.functional.pad
-    ids = torch.stack([pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T - len(s.token_ids)),
-                           value=-1) for s in samples]).to(device)
-    mask, ids = (ids >= 0).float(), ids.clamp(min=0)
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                    use_cache=False, logits_to_keep=torch.arange(P - 1, P + T - 1, device=device)).logits
+    ids = torch.stack([torch.nn.functional.pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T -
+                       len(s.token_ids)), value=-1) for s in samples]).to(next(policy.parameters()).device)
+    mask, ids, head = (ids >= 0).float(), ids.clamp(min=0), policy.get_output_embeddings()
+    cap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2's
 
-    def head(z, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = z.float() / temperature
+    def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
+        z = head(h).float()
+        z = (cap * torch.tanh(z / cap) if cap else z) / temperature
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
@@ -1294,28 +1297,34 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
         logp = z.gather(-1, target[:, None])[:, 0] - logz
         return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
 
-    chunks = zip(logits.flatten(0, 1).split(chunk), ids[:, P:].flatten().split(chunk))
-    parts = [torch.utils.checkpoint.checkpoint(head, z, t, use_reentrant=False) for z, t in chunks]
-    logp, ent = (torch.cat(x).view(len(samples), T) for x in zip(*parts))
-    mask = mask[:, P:]
+    def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
+        h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
+        parts = [torch.utils.checkpoint.checkpoint(logprob, x, t, use_reentrant=False)
+                 for x, t in zip(h.split(chunk), ids[:, P:].flatten().split(chunk))]
+        out.logits, out.hidden_states = torch.stack([torch.cat(x).view(len(samples), T) for x in zip(*parts)], -1), None
+        return out
+
+    hook = policy.register_forward_hook(head_in_forward, with_kwargs=True, prepend=True)
+    try:  # the model's own head gets no position
+        out = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
+                     use_cache=False, output_hidden_states=True, logits_to_keep=ids[0, :0]).logits
+    finally:
+        hook.remove()
+    logp, ent, mask = out[..., 0], out[..., 1], mask[:, P:]
     return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
 
 
 def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
                length=None, lr: float | None = None) -> dict[str, float]:
-    """One optimizer step on `batch`, each rank running its share in micro-batches sorted by `length`. loss_fn(micro)
-    -> (loss, stats): the micro-batch's part of the batch's loss, i.e. already divided by the whole batch's denominator
-    (tokens, sequences or pairs, all ranks'), and statistics to add up. FSDP2 averages gradients over ranks, so each
-    backward is scaled by the world size (0 for a rank's padding micro-batch). Returns "loss" and the statistics
-    summed over ranks, and "grad_norm" before clipping."""
+    """One optimizer step, each rank on its share. loss_fn(micro) -> (loss, stats): the loss over the whole batch's
+    denominator; FSDP2 averages over ranks, so backward scales it by the world size. Returns summed stats, grad_norm."""
     for group in optimizer.param_groups if lr is not None else []:
         group["lr"] = lr
-    sums = collections.defaultdict(float)
+    sums = collections.Counter()
     for micro, real in micro_batches(batch, micro_batch_size, dist, length):
         loss, stats = loss_fn(micro)
         (loss * (dist.world_size if real else 0.0)).backward()
-        for k, v in ({"loss": loss.item(), **stats} if real else {}).items():
-            sums[k] += float(v)
+        sums.update({"loss": loss.item(), **stats} if real else {})  # update adds (negative sums too)
     norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -1324,62 +1333,55 @@ def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, ma
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
-    """The learning rate of optimizer step `step` (from 0) of `total`, as transformers' schedules (the HF Trainer, TRL,
-    Lightning runs): linear warm-up from 0 over `warmup` steps (step 0 trains at 0), then constant, or a linear or
-    cosine decay to 0 at `total`."""
-    if step < warmup:
-        return peak * step / warmup
+    """Step `step`'s lr in transformers' schedules (HF Trainer, TRL, Lightning): warm-up from 0, then constant/decay."""
     progress = (step - warmup) / max(1, total - warmup)
-    return peak * max(0.0, {"constant": 1.0, "linear": 1.0 - progress,
-                            "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule])
+    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
+    return peak * (step / warmup if step < warmup else max(0.0, decay))
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)."""
+def pass_at_k(n: int, c: int, k: int) -> float:  # unbiased, c of n correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
     return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
 def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
     if state is not None:
         random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        if state[3]:
-            torch.cuda.set_rng_state_all(state[3])
+        torch.cuda.set_rng_state_all(state[3]) if state[3] else None
     cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
     return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
 
 
 def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/ after XXXXXX iterations: per model an HF directory and <name>.dcp/ (DCP shards, optimizer too);
-    state.pt. A collective."""
-    root = pathlib.Path(run_dir) / "checkpoints"
+    """iter_XXXXXX/ after XXXXXX iterations: DCP shards (an optimizer if given), HF copies (bf16 on GPUs), state.pt."""
+    root, export = pathlib.Path(run_dir) / "checkpoints", torch.bfloat16 if dist.device.type == "cuda" else None
     final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
     rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
-        dcp.save(dict(zip(("model", "optim"), get_state_dict(policy, optimizer))), checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy) if dist.is_main}
+        state_dicts = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))  # None: rebuilt each time
+        dcp.save(state_dicts, checkpoint_id=tmp / f"{name}.dcp")
+        weights = {k: v.cpu() for k, v in full_state_dict_items(policy, export) if dist.is_main}
         if dist.is_main:
+            policy.config.dtype = export or policy.config.dtype
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        for old in sorted(root.glob("iter_*"))[:-keep]:
-            shutil.rmtree(old)
+        [shutil.rmtree(old) for old in sorted(root.glob("iter_*"))[:-keep]]
     all_gather_objects(None, dist)
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the latest checkpoint (rank 0's choice) into `models`, strictly, and the RNGs: (iterations done, state),
-    or None when there is none."""
+    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs: (iterations done, state)."""
     path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
     if path is None:
         return None
     for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer)))
+        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))
         dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     saved = torch.load(path / "state.pt", weights_only=False)
     rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
     if dist.is_main:
@@ -1410,8 +1412,7 @@ class Logger:
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
             tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            if self.wandb:
-                self.wandb.log(metrics, step=step)
+            self.wandb and self.wandb.log(metrics, step=step)
 
 
 # ---- end of infrastructure ----

@@ -25,7 +25,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import eva  # noqa: E402
 
-CPU = eva.Dist(0, 0, 1, 1, torch.device("cpu"), True)
+CPU = eva.Dist(0, 1, 1, torch.device("cpu"), True)
 SIG1 = math.log1p(math.exp(-1.0))  # -log sigmoid(1) = 0.313262
 
 

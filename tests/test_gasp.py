@@ -22,7 +22,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import gasp  # noqa: E402
 
-CPU = gasp.Dist(0, 0, 1, 1, torch.device("cpu"), True)
+CPU = gasp.Dist(0, 1, 1, torch.device("cpu"), True)
 
 
 def sample(text, prompt_ids=(1,), token_ids=(2,), logprobs=(-1.0,), finish="stop"):
