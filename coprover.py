@@ -71,10 +71,8 @@ import math
 import os
 import pathlib
 import random
-import re
 import shutil
 import sys
-import textwrap
 import time
 import zlib
 from dataclasses import dataclass
@@ -94,8 +92,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, ProofJob, load_problems, proof_from_tactics,
-                         strip_comments)
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_last_block, load_problems, proof_from_tactics,
+                         proof_tactics)
 
 
 @dataclass
@@ -283,41 +281,6 @@ VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a fin
 # ---- data ----
 # A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a dataset (miniF2F's
 # fields; Kimina-Prover-Promptset's formal_statement, whose text before the declaration is its header).
-def declaration(code: str, statement: str) -> re.Match | None:
-    """Where `code` declares the theorem of `statement` (`theorem <name>` or `lemma <name>`)."""
-    name = re.match(r"\s*(?:theorem|lemma)\s+(\S+)", statement).group(1)
-    return re.search(rf"(?m)^\s*(?:theorem|lemma)\s+{re.escape(name)}(?![\w'.])", code)
-
-
-def extract_proof(completion: str, problem: Problem) -> str | None:
-    """The code Lean checks: the last closed ```lean4 block (lean_reward.py's rule) without its import lines (the header
-    has them), or None; a block without the theorem's declaration is its tactic body (deviation 10)."""
-    blocks = re.findall(r"```lean4?[ \t]*\n(.*?)```", completion, re.S)
-    code = "\n".join(line for line in (blocks or [""])[-1].rstrip().split("\n") if not line.startswith("import "))
-    if not code.strip():
-        return None
-    return code if declaration(code, problem.statement) else problem.statement + "\n" + textwrap.indent(
-        textwrap.dedent(code).strip("\n"), "  ")
-
-
-def proof_tactics(code: str, problem: Problem) -> list[str]:
-    """The top-level tactics of a whole proof, to replay it: the lines after the theorem's ':= by', comments blanked; a
-    line indented deeper than the block (a `·` body, a `calc` step) or starting with `|` or `<;>` continues the tactic
-    above it, which is then a block (lean_verify sends it as one parenthesised sequence)."""
-    code = strip_comments(code)[0] or code
-    decl = declaration(code, problem.statement)
-    start = code.find(":= by", decl.start() if decl else 0)
-    first, *rest = code[start + len(":= by") :].split("\n") if start >= 0 else [""]
-    tactics, rest = [first.strip()] if first.strip() else [], [line for line in rest if line.strip()]
-    indent = min((len(line) - len(line.lstrip()) for line in rest), default=0)
-    for line in rest:
-        if tactics and (len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))):
-            tactics[-1] += "\n" + line[indent:].rstrip()
-        else:
-            tactics.append(line.strip())
-    return tactics
-
-
 def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) -> list[Problem]:
     """The statements of GRPO rollout `step` (slime --rollout-shuffle): epochs, each in its own seeded order."""
     n, orders = len(problems), {}
@@ -476,12 +439,10 @@ def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperatu
     over the ranks, a statement seeded by its key; Lean checks them on the sampling rank, a (statement, code) once."""
     def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:
         mine = problems[start : start + len(rows)]
-        codes = [[extract_proof(s.text, p) for s in row] for p, row in zip(mine, rows)]  # a failed sample's text: ""
-        jobs = {(p.id, c): ProofJob(p.header, p.statement, c, p.id) for p, row in zip(mine, codes) for c in row if c}
-        verdicts = {job: (job[1] if proof_reward(v) else None, v.status, proof_reward(v) > 0, v.time)
-                    for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
-        return [[Attempt(s, *verdicts.get((p.id, c), (None, "no_code", False))) for s, c in zip(row, crow)]
-                for p, row, crow in zip(mine, rows, codes)]
+        codes = [[extract_last_block(s.text, p.statement) for s in row] for p, row in zip(mine, rows)]  # failed: ""
+        return [[Attempt(s, None, "no_code", False) if v is None else Attempt(s, c if proof_reward(v) else None,
+                 v.status, proof_reward(v) > 0, v.time) for s, c, v in zip(*cols)]
+                for cols in zip(rows, codes, verifier.verify_attempts(mine, codes, whole=True))]
 
     prompts = [PROVER_PROMPT.format(header=p.header, statement=p.statement) for p in problems]
     return sample(sampler, prompts, n, [f"{key}/{p.id}" for p in problems], dist, then=check, temperature=temperature,
@@ -507,17 +468,12 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
         roots, out, replays = verifier.start_proofs([(p.header, p.statement) for p, _ in mine]), [], []
         for (p, row), root in zip(mine, roots):
             out.append([] if root.status != "open" else [(root.pretty, 0.0) for a in row if not a.correct])
-            for tactics in [proof_tactics(a.proof, p) for a in row if a.correct and root.status == "open"]:
+            for tactics in [proof_tactics(a.proof, p.statement) for a in row if a.correct and root.status == "open"]:
                 out[-1].append((root.pretty, args.gamma ** len(tactics)))
                 if args.value_labels == "state" and len(tactics) > 1:
-                    replays.append((out[-1], [root], tactics))
-        for depth in range(max((len(tactics) for _, _, tactics in replays), default=0)):
-            todo = [(states, tactics) for _, states, tactics in replays
-                    if depth < len(tactics) and states[-1].status == "open"]
-            for (states, _), child in zip(todo, verifier.apply_tactics([(s[-1], t[depth]) for s, t in todo])):
-                states.append(child)
-        for labels, states, tactics in replays:
-            if len(states) == len(tactics) + 1 and states[-1].status == "solved":
+                    replays.append((out[-1], root, tactics))
+        for (labels, _, _), states in zip(replays, verifier.replay(*[[r[i] for r in replays] for i in (1, 2)])):
+            if states and states[-1].status == "solved":
                 found = value_labels([], [[s.key for s in states[:-1]]], args.gamma)
                 labels += [(s.pretty, found[s.key]) for s in states[1:-1]]
         return out

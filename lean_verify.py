@@ -46,6 +46,7 @@ best-first search (ReProver, RiR, CoProver)::
     k.key         # goals_key(k.goals): equal keys = the same goals (merge search nodes on it)
     k.tactics     # the path from the root
     v.check_tactic_path(k)    # the final verdict: the whole proof in command mode -> LeanResult
+    v.replay(roots, [["intro x", "simp"], ...])   # tactic paths in lockstep: their states, or None if one fails
     v.free_states()           # the search is over: restart the REPLs that hold its proof states
 
 * Affinity: a proof state lives in the REPL that made it and its children are
@@ -93,9 +94,10 @@ passes no ``allTactics``, so there ``used_constants`` stays None.
 Task formats
 ------------
 What the algorithms parse, written once here and needing no Lean: ``clean_statement`` (a dataset's statement
-as a task ending in ``:= by``), ``theorem_conclusion``, ``extract_proof`` and ``extract_conjecture`` (a model's
-proof or new statement, from a ```` ```lean4 ```` block or up to an end marker), ``invoked_lemmas`` (the lemma
-names a proof's text uses, a static scan).
+as a task ending in ``:= by``), ``theorem_conclusion``, ``extract_proof``, ``extract_last_block`` and
+``extract_conjecture`` (a model's proof or new statement, from a ```` ```lean4 ```` block or up to an end marker),
+``proof_tactics`` (a whole proof's top-level tactics, to replay it), ``invoked_lemmas`` (the lemma names a proof's
+text uses, a static scan), ``load_triples`` and ``format_state`` (LeanDojo's traced tactics).
 
 Configuration (arguments win over the environment, the environment over ``.env``):
 
@@ -673,7 +675,8 @@ CHEAT_EXAMPLES = [
     ("syntax_extension", _CHEAT_TARGET, "infixl:65 \" +' \" => HAdd.hAdd\n" + _CHEAT_TARGET + "\n  omega"),
     ("unsafe", _CHEAT_TARGET, "unsafe def f : ℕ := 4\n" + _CHEAT_TARGET + "\n  omega"),
     ("unsafe", _CHEAT_TARGET, "@[implemented_by id] def g (n : ℕ) : ℕ := n\n" + _CHEAT_TARGET + "\n  omega"),
-    ("unsafe", _CHEAT_TARGET, "@[extern \"lean_nat_add\"] def h (a b : ℕ) : ℕ := a + b\n" + _CHEAT_TARGET + "\n  omega"),
+    ("unsafe", _CHEAT_TARGET,
+     "@[extern \"lean_nat_add\"] def h (a b : ℕ) : ℕ := a + b\n" + _CHEAT_TARGET + "\n  omega"),
     ("native", _CHEAT_TARGET, _CHEAT_TARGET + "\n  subst h₀\n  native_decide"),
     ("native", _CHEAT_TARGET, _CHEAT_TARGET + "\n  subst h₀\n  decide +native"),
     ("set_option", _CHEAT_TARGET, "set_option debug.skipKernelTC true in\n" + _CHEAT_TARGET + "\n  omega"),
@@ -1030,6 +1033,65 @@ def extract_proof(completion: str, whole_block: bool = False) -> str | None:
         return None
     proof = block[block.find(":= by") + len(":= by") :].rstrip()
     return proof if proof.strip() else None
+
+
+def _declaration(code: str, statement: str) -> re.Match | None:
+    """Where `code` declares the theorem of `statement` (`theorem <name>` or `lemma <name>`)."""
+    name = re.match(r"\s*(?:theorem|lemma)\s+(\S+)", statement).group(1)
+    return re.search(rf"(?m)^\s*(?:theorem|lemma)\s+{re.escape(name)}(?![\w'.])", code)
+
+
+def extract_last_block(completion: str, statement: str) -> str | None:
+    """The whole code of a completion that answers in a new ```lean4 block (DeepSeek-Prover's format): its last closed
+    block (CoProver's lean_reward.py rule) without import lines (the header has them), or None if empty; a block
+    without the declaration of `statement` is its tactic body, put under the statement."""
+    blocks = re.findall(r"```lean4?[ \t]*\n(.*?)```", completion, re.S)
+    code = "\n".join(line for line in (blocks or [""])[-1].rstrip().split("\n") if not line.startswith("import "))
+    if not code.strip():
+        return None
+    return code if _declaration(code, statement) else statement + "\n" + textwrap.indent(
+        textwrap.dedent(code).strip("\n"), "  ")
+
+
+def proof_tactics(code: str, statement: str) -> list:
+    """The top-level tactics of a whole proof of `statement`, to replay it: the lines after its ':= by', comments
+    blanked; a line indented deeper than the block (a `·` body, a `calc` step) or starting with `|` or `<;>` continues
+    the tactic above it, which is then a block (apply_tactic sends it as one parenthesised sequence)."""
+    code = strip_comments(code)[0] or code
+    decl = _declaration(code, statement)
+    start = code.find(":= by", decl.start() if decl else 0)
+    first, *rest = code[start + len(":= by") :].split("\n") if start >= 0 else [""]
+    tactics, rest = [first.strip()] if first.strip() else [], [line for line in rest if line.strip()]
+    indent = min((len(line) - len(line.lstrip()) for line in rest), default=0)
+    for line in rest:
+        if tactics and (len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))):
+            tactics[-1] += "\n" + line[indent:].rstrip()
+        else:
+            tactics.append(line.strip())
+    return tactics
+
+
+# A traced tactic (LeanDojo): the state before it, the tactic, the state after it (for RiR, the target state).
+Triple = collections.namedtuple("Triple", "state tactic target")
+
+
+def format_state(text: str) -> str:
+    """LeanDojo's pretty-printed state without its leading 'N goals' line (RiR's common.format_state)."""
+    head, _, rest = text.partition("\n")
+    return rest.strip() if head.endswith(" goals") and head.split()[0].isdigit() else text.strip()
+
+
+def load_triples(source: str, limit: int | None = None) -> list:
+    """Traced tactics as Triples (format_state'd) from LeanDojo's theorem rows (traced_tactics: tactic, state_before,
+    state_after, as in LeanDojo Benchmark 4's train.json) or from rows that are triples themselves (read_rows)."""
+    triples = []
+    for row in read_rows(source):
+        for t in row.get("traced_tactics") or [row]:
+            if not {"tactic", "state_before", "state_after"} <= set(t):
+                raise ValueError(f"{source}: a row with neither traced_tactics nor tactic, state_before, state_after: "
+                                 f"{sorted(t)}")
+            triples.append(Triple(format_state(t["state_before"]), t["tactic"].strip(), format_state(t["state_after"])))
+    return triples[:limit] if limit else triples
 
 
 def extract_conjecture(completion: str, end_marker: str | None = None, finish_reason: str = "stop",
@@ -2036,6 +2098,18 @@ class LeanVerifier:
         self._in_parallel([(k, lambda idx=idx: run(idx)) for k, idx in enumerate(groups.values())],
                           len(groups), max(self._pool.size, 1))
         return results
+
+    def replay(self, roots: list, paths: list) -> list:
+        """Each tactic path from its root state (roots[i] for paths[i]; a root may repeat), all paths in lockstep (one
+        apply_tactics per depth): the states it passes, root first, or None when it does not run to its end (a tactic
+        fails, or follows a solved state)."""
+        states = [[root] for root in roots]
+        for depth in range(max(map(len, paths), default=0)):
+            todo = [(s, p[depth]) for s, p in zip(states, paths) if depth < len(p) and s[-1].status == "open"]
+            for (s, _), child in zip(todo, self.apply_tactics([(s[-1], tactic) for s, tactic in todo])):
+                s.append(child)
+        return [s if len(s) == len(p) + 1 and s[-1].status in ("open", "solved") else None
+                for s, p in zip(states, paths)]
 
     def expand(self, state: TacticState, tactics: list, timeout: float | None = None) -> list:
         """The children of `state`: apply_tactics([(state, t) for t in tactics])."""

@@ -90,7 +90,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import LeanNotInstalled, LeanVerifier, Problem, load_problems, read_rows
+from lean_verify import LeanNotInstalled, LeanVerifier, Problem, Triple, load_problems, load_triples
 
 
 @dataclass
@@ -237,29 +237,8 @@ NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof
 
 # ---- data ----
 # A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a dataset (miniF2F's
-# fields). A traced tactic (s, y*, s*): the state before it, the tactic, the state after it (datamodule._load_data).
-Triple = collections.namedtuple("Triple", "state tactic target")
-
-
-def format_state(text: str) -> str:
-    """LeanDojo's pretty-printed state without its leading 'N goals' line (official common.format_state)."""
-    head, _, rest = text.partition("\n")
-    return rest.strip() if head.endswith(" goals") and head.split()[0].isdigit() else text.strip()
-
-
-def load_triples(source: str, limit: int | None = None) -> list[Triple]:
-    """Traced triples from LeanDojo's theorem rows (traced_tactics: tactic, state_before, state_after, as in the
-    benchmark's train.json and data/rir_triples.jsonl) or from rows that are triples themselves."""
-    triples = []
-    for row in read_rows(source):
-        for t in row.get("traced_tactics") or [row]:
-            if not {"tactic", "state_before", "state_after"} <= set(t):
-                raise ValueError(f"{source}: a row with neither traced_tactics nor tactic, state_before, state_after: "
-                                 f"{sorted(t)}")
-            triples.append(Triple(format_state(t["state_before"]), t["tactic"].strip(), format_state(t["state_after"])))
-    return triples[:limit] if limit else triples
-
-
+# fields). A traced tactic (s, y*, s*) is lean_verify's Triple(state, tactic, target), as load_triples reads them
+# from LeanDojo's rows (official datamodule._load_data, common.format_state).
 def clip(tokenizer, text: str, max_tokens: int) -> str:
     """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at their end)."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -465,17 +444,10 @@ def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dis
 def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult], dist: Dist) -> list[Triple]:
     """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
     become (s, y, s') triples (s' = 'no goals' for the last), as LeanDojo traces a human proof."""
-    def run(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:
-        out = []
-        for problem, proof in mine:
-            state, steps = verifier.start_proof(problem.header, problem.statement), []
-            for tactic in proof:
-                if (after := verifier.apply_tactic(state, tactic)).status not in ("open", "solved"):
-                    steps = []  # the path no longer replays: keep nothing of it
-                    break
-                steps, state = steps + [Triple(state.pretty, tactic, after.pretty or NO_GOALS)], after
-            out.append(steps)
-        return out
+    def run(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:  # a path that no longer replays: nothing
+        roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])
+        return [[Triple(s.pretty, after.tactics[-1], after.pretty or NO_GOALS) for s, after in zip(states, states[1:])]
+                if states else [] for states in verifier.replay(roots, [proof for _, proof in mine])]
 
     proved = [(p, r.proof) for p, r in zip(problems, results) if r.proved]
     return [triple for steps in map_sharded(run, proved, dist) for triple in steps]

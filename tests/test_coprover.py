@@ -141,31 +141,6 @@ def test_a_hanging_proof_times_out_and_earns_nothing(tmp_path):
 
 
 # ---- parsing model output ----
-def test_extract_proof():
-    p = PROBLEMS["search_and_le"]
-    body = "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
-    # the last closed block, import lines dropped (the header has them), the declaration kept for Lean to check
-    text = "Plan: split.\n```lean4\nwrong\n```\n```lean4\nimport Mathlib\nimport Aesop\n\n" + p.statement + body + "\n```"
-    assert cp.extract_proof(text, p) == "\n" + p.statement + body
-    # a block without the declaration is the tactic body (indented under the statement)
-    assert cp.extract_proof("```lean4\nomega\n```", p) == p.statement + "\n  omega"
-    for bad in ["", "no code here", "```lean4\n" + p.statement + "\n  omega", "```lean4\n\n```"]:  # unclosed, empty
-        assert cp.extract_proof(bad, p) is None
-
-
-def test_proof_tactics():
-    p = PROBLEMS["search_and_le"]
-    code = (p.statement + "\n  constructor -- split\n  · exact Nat.lt_trans h₁ h₀\n  · have h := h₀\n    exact h.le\n"
-            "  all_goals simp\n  <;> omega\n  /- a comment\n  spanning lines -/\n")
-    assert cp.proof_tactics(code, p) == ["constructor", "· exact Nat.lt_trans h₁ h₀", "· have h := h₀\n  exact h.le",
-                                         "all_goals simp\n<;> omega"]
-    induction = "theorem t (n : ℕ) : n = n := by\n  induction n with\n  | zero => rfl\n  | succ k ih => rfl"
-    assert cp.proof_tactics(induction, cp.Problem("t", "", "theorem t (n : ℕ) : n = n := by")) == [
-        "induction n with\n| zero => rfl\n| succ k ih => rfl"]
-    assert cp.proof_tactics(p.statement + " omega", p) == ["omega"]
-    assert cp.proof_tactics("lemma helper : True := trivial\n" + p.statement + "\n  omega", p) == ["omega"]
-
-
 def test_load_problems(tmp_path):
     assert len(PROBLEMS) == 5 and all(p.statement.endswith(":= by") for p in PROBLEMS.values())
     assert len(cp.load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")) == 244
@@ -292,11 +267,12 @@ def test_frontier_filter_keeps_one_to_six_of_eight():
     sampler = SimpleNamespace(llm=None, generate=lambda prompts, n, **kw: [
         [cp.Sample(f"```lean4\nok{j}\n```" if j < int(prompt.split("theorem p")[1][0]) else "```lean4\nno\n```", [], [],
                    [], "stop") for j in range(n)] for prompt in prompts])
-    verify = lambda jobs: [LeanResult(valid="ok" in j.proof, status="valid" if "ok" in j.proof else "error")  # noqa
-                           for j in jobs]
-    kept = cp.frontier_filter(sampler, SimpleNamespace(verify=verify), problems, args(), CPU)
+    lean = SimpleNamespace(verify=lambda jobs: [LeanResult(valid="ok" in j.proof, status="valid" if "ok" in j.proof
+                                                           else "error") for j in jobs])
+    lean.verify_attempts = lambda *a, **kw: LeanVerifier.verify_attempts(lean, *a, **kw)  # the grid over `verify`
+    kept = cp.frontier_filter(sampler, lean, problems, args(), CPU)
     assert kept == ["p1", "p2", "p3", "p4", "p5", "p6"]
-    assert cp.frontier_filter(sampler, SimpleNamespace(verify=verify), problems, args(frontier_max=7), CPU)[-1] == "p7"
+    assert cp.frontier_filter(sampler, lean, problems, args(frontier_max=7), CPU)[-1] == "p7"
 
 
 # ---- the value model and the prover update learn ----

@@ -794,6 +794,23 @@ def test_best_first_search_over_the_table(tmp_path):
         v.free_states()
 
 
+def test_replay_runs_tactic_paths_in_lockstep(tmp_path):
+    """Tactic paths replayed from their roots (a root may serve several paths): every state, root first, where the
+    path runs to its end (solved or still open); None where a tactic fails or follows a solved state."""
+    row = TACTIC_ROWS[0]
+    v, _ = make(tmp_path, workers=2)
+    with v:
+        root, other = v.start_proofs([(r["header"], r["formal_statement"]) for r in TACTIC_ROWS[:2]])
+        proof, dead = row["proof"], [row["proof"][0], "frobnicate"]
+        paths = [proof, proof[:1], dead, proof + ["omega"], [], TACTIC_ROWS[1]["proof"]]
+        full, part, failed, past, empty, two = v.replay([root] * 5 + [other], paths)
+        assert [s.tactics for s in full] == [proof[:i] for i in range(len(proof) + 1)] and full[0] is root
+        assert full[-1].status == "solved" and all(s.status == "open" for s in full[:-1])
+        assert part[-1].status == "open" and len(part) == 2 and failed is None and past is None and empty == [root]
+        assert two[-1].status == "solved" and two[0] is other
+        assert v.replay([], []) == []
+
+
 def test_apply_tactics_batch_order_affinity_and_parallelism(tmp_path):
     v, stats = make(tmp_path, "--delay", 0.15, workers=2)
     with v:
@@ -1467,3 +1484,50 @@ def test_invoked_lemmas():
     assert lv.invoked_lemmas("\n  nlinarith [Real.sqrt_nonneg x, Real.sqrt_nonneg y, sqrt_nonneg]") == ["Real.sqrt_nonneg",
                                                                                                     "sqrt_nonneg"]
     assert lv.invoked_lemmas("", "") == []
+
+
+# CoProver's formats: the prover answers with a new ```lean4 block, replayed by its top-level tactics
+LEAN_TACTICS = {p.id: p for p in lv.load_problems(str(ROOT / "data" / "lean_tactics.jsonl"))}
+
+
+def test_extract_last_block():
+    st = LEAN_TACTICS["search_and_le"].statement
+    body = "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
+    # the last closed block, import lines dropped (the header has them), the declaration kept for Lean to check
+    text = "Plan: split.\n```lean4\nwrong\n```\n```lean4\nimport Mathlib\nimport Aesop\n\n" + st + body + "\n```"
+    assert lv.extract_last_block(text, st) == "\n" + st + body
+    # a block without the declaration is the tactic body (indented under the statement)
+    assert lv.extract_last_block("```lean4\nomega\n```", st) == st + "\n  omega"
+    for bad in ["", "no code here", "```lean4\n" + st + "\n  omega", "```lean4\n\n```"]:  # unclosed, empty
+        assert lv.extract_last_block(bad, st) is None
+
+
+def test_proof_tactics():
+    st = LEAN_TACTICS["search_and_le"].statement
+    code = (st + "\n  constructor -- split\n  · exact Nat.lt_trans h₁ h₀\n  · have h := h₀\n    exact h.le\n"
+            "  all_goals simp\n  <;> omega\n  /- a comment\n  spanning lines -/\n")
+    assert lv.proof_tactics(code, st) == ["constructor", "· exact Nat.lt_trans h₁ h₀", "· have h := h₀\n  exact h.le",
+                                          "all_goals simp\n<;> omega"]
+    induction = "theorem t (n : ℕ) : n = n := by\n  induction n with\n  | zero => rfl\n  | succ k ih => rfl"
+    assert lv.proof_tactics(induction, "theorem t (n : ℕ) : n = n := by") == [
+        "induction n with\n| zero => rfl\n| succ k ih => rfl"]
+    assert lv.proof_tactics(st + " omega", st) == ["omega"]
+    assert lv.proof_tactics("lemma helper : True := trivial\n" + st + "\n  omega", st) == ["omega"]
+
+
+# RiR's data: LeanDojo's traced tactics
+def test_format_state_and_load_triples(tmp_path):
+    assert lv.format_state("2 goals\ncase a\n⊢ p\n\ncase b\n⊢ q") == "case a\n⊢ p\n\ncase b\n⊢ q"
+    assert lv.format_state("no goals") == "no goals"
+    assert lv.format_state("x : ℕ\n⊢ 2 goals") == "x : ℕ\n⊢ 2 goals"
+    triples = lv.load_triples(str(ROOT / "data" / "rir_triples.jsonl"))
+    assert len(triples) == 18 and triples[0].tactic == "constructor"
+    assert triples[0].target.startswith("case left") and "2 goals" not in triples[0].target
+    assert sum(t.target == "no goals" for t in triples) == 5  # each theorem's last step closes it
+    assert lv.load_triples(str(ROOT / "data" / "rir_triples.jsonl"), 3) == triples[:3]
+    rows = [{"state_before": "⊢ p", "tactic": " trivial ", "state_after": "no goals"}]
+    (tmp_path / "flat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    assert lv.load_triples(str(tmp_path / "flat.jsonl")) == [lv.Triple("⊢ p", "trivial", "no goals")]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"state": "⊢ p"}))
+    with pytest.raises(ValueError, match="traced_tactics"):
+        lv.load_triples(str(tmp_path / "bad.jsonl"))

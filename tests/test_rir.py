@@ -23,7 +23,7 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import rir  # noqa: E402
-from lean_verify import LeanVerifier, Problem, TacticState, load_problems  # noqa: E402
+from lean_verify import LeanVerifier, Problem, TacticState, format_state, load_problems  # noqa: E402
 
 CPU = rir.Dist(0, 1, 1, torch.device("cpu"), True)
 FAKE_REPL = f"{shlex.quote(sys.executable)} {shlex.quote(str(REPO / 'tests' / 'fake_lean_repl.py'))}"
@@ -78,20 +78,11 @@ def test_search_scores():
 
 
 # ---- data and prompts ----
-def test_format_state_and_triples(tmp_path):
-    assert rir.format_state("2 goals\ncase a\n⊢ p\n\ncase b\n⊢ q") == "case a\n⊢ p\n\ncase b\n⊢ q"
-    assert rir.format_state("no goals") == "no goals"
-    assert rir.format_state("x : ℕ\n⊢ 2 goals") == "x : ℕ\n⊢ 2 goals"
+def test_built_in_triples_and_theorems():  # format_state and load_triples themselves: tests/test_lean_verify.py
     triples = rir.load_triples(str(REPO / "data" / "rir_triples.jsonl"))
     assert len(triples) == 18 and triples[0].tactic == "constructor"
     assert triples[0].target.startswith("case left") and "2 goals" not in triples[0].target
     assert sum(t.target == rir.NO_GOALS for t in triples) == 5  # each theorem's last step closes it
-    rows = [{"state_before": "⊢ p", "tactic": " trivial ", "state_after": "no goals"}]
-    (tmp_path / "flat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    assert rir.load_triples(str(tmp_path / "flat.jsonl")) == [rir.Triple("⊢ p", "trivial", "no goals")]
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"state": "⊢ p"}))
-    with pytest.raises(ValueError, match="traced_tactics"):
-        rir.load_triples(str(tmp_path / "bad.jsonl"))
     assert len(THEOREMS) == 5 and all(t.statement.endswith(":= by") for t in THEOREMS.values())
     assert len(load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")) == 244
     assert len(load_problems(str(REPO / "data" / "minif2f.jsonl"), 3, split="valid")) == 3
@@ -107,8 +98,8 @@ def test_built_in_data_follows_the_stand_in():
             proof = [t["tactic"] for t in row["traced_tactics"]]
             result = SimpleNamespace(proved=True, proof=proof)
             replayed = rir.replay_proofs(v, [theorem], [result], CPU)
-            assert replayed == [rir.Triple(rir.format_state(t["state_before"]), t["tactic"],
-                                           rir.format_state(t["state_after"])) for t in row["traced_tactics"]]
+            assert replayed == [rir.Triple(format_state(t["state_before"]), t["tactic"],
+                                           format_state(t["state_after"])) for t in row["traced_tactics"]]
         broken = SimpleNamespace(proved=True, proof=["constructor", "exact h₁"])  # a dead end: nothing is kept
         assert rir.replay_proofs(v, [THEOREMS["search_and_le"]], [broken], CPU) == []
 
