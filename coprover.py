@@ -2,58 +2,51 @@
 
 Source: the CoProver code release (github.com/kanav9063/CoProver at afcc317, README "Co-Training Proof Generation and
 Search Heuristics"; no paper, no results; "Proprietary" licence: nothing copied), a scaffold around slime, SGLang,
-kimina-lean-server and ReProver whose pieces are not wired together; this file is the method as its README describes
-it, working end to end, with the defects fixed (below).
+kimina-lean-server and ReProver whose pieces are not wired together; here the method its README describes, end to end.
 
 Method. The PROVER (DeepSeek-Prover-V2-7B) writes whole proofs and, asked for one step, tactics; the VALUE MODEL
 (Llama-3.2-1B, a scalar head on the last token: an MLP, a sigmoid) estimates V(s) = gamma^d, d the steps from proof
 state s to QED. Each iteration (the README's round):
-  1. search: best-first over Lean's tactic mode (lean_verify): pop the best open node, sample K = 32 tactics, apply
-     them, push the new states at priority alpha * exp(mean token log-prob of the path) + (1 - alpha) * V(s); equal
-     goals merge; 128 expansions and 300 s per theorem (co_train.py);
-  2. labels: the states of each proof found, by search or by a verified whole proof, get gamma^d (gamma 0.95, d the
-     steps left); expanded states off every proof path and the roots of failed whole proofs get 0;
-  3. value: regression (MSE) on the labels of ALL iterations, positives repeated 3 times, lr 2e-5, cosine, 10 warm-up
-     steps, 3 epochs (value_model_sft.yaml);
-  4. prover: GRPO on whole proofs, 64 prompts x 8 samples, reward 1 iff Lean accepts, DAPO clip-higher 0.2 / 0.28,
-     token-level loss, no KL, lr 1e-6, T 1.0, 4096 tokens (train_step_grpo.sh), on the "frontier" statements (1 to 6
-     of 8 samples pass, filter_dataset.py);
-  5. eval: pass@1/8/32 (unbiased, 32 samples at T 0.8) on miniF2F-test, and search efficiency with and without V.
+  1. search: best-first over Lean's tactic mode (lean_verify): pop the best open node, sample K tactics, apply them,
+     push the new states at priority alpha * exp(mean token log-prob of the path) + (1 - alpha) * V(s); equal goals
+     merge; a budget of expansions and seconds per theorem (co_train.py);
+  2. labels: the states of each proof found, by search or by a verified whole proof, get gamma^d (d the steps left);
+     expanded states off every proof path and the roots of failed whole proofs get 0;
+  3. value: regression (MSE) on the labels of ALL iterations, positives oversampled (value_model_sft.yaml);
+  4. prover: GRPO on whole proofs, reward 1 iff Lean accepts, DAPO clip-higher, token-level loss, no KL
+     (train_step_grpo.sh), on the "frontier" statements (1 to 6 of 8 samples pass, filter_dataset.py);
+  5. eval: pass@1/8/32 (unbiased) on miniF2F-test, and search efficiency with and without V.
 Metrics (metrics.jsonl, step = iterations done): search/*, value/*, losses/*, charts/*, lean/*, eval/*, time/*.
 
 Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
 --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
 `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
 which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
-On a node the prover generates with the colocated vLLM engine (asleep while a model trains); each rank scores states
-with a full copy of the value model, synced after each value update, so that ranks search alone.
+Each rank scores states with a full copy of the value model, synced after each value update, and searches alone.
 
-Deliberate deviations (each a fix of the official code or a gap it leaves):
+Deliberate deviations (fixes of the official code, or gaps it leaves):
   1. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
      log-prob decides after a few steps; here exp(mean token log-prob of the path), in (0, 1] like V.
   2. The search runs: co_train.py passes --num-sampled-tactics/--timeout/--max-expansions to trajectory_collector.py,
      which takes none of them, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at T
-     0.8), not ReProver's beam; a solved path counts if the kernel accepts the whole proof (check_tactic_path). The
-     first iteration, before any value model, searches by log-prob only.
+     0.8), not ReProver's beam; a solved path counts if the kernel accepts the whole proof. The first iteration,
+     before any value model, searches by log-prob only.
   3. Labels per state (README); the official collector labels each whole-proof attempt's statement 0.95^(lines) or 0
      (`--value-labels root`: root states only). d counts top-level tactics; failed whole proofs label their root.
   4. Timeouts and server errors fail: lean_reward.py, trajectory_collector.py and evaluate.py count a kimina timeout
-     as a valid proof.
-  5. The frontier filter passes a proof Lean accepts; filter_dataset.py passes an EMPTY kimina response (valid proofs
-     fail, errors pass). Bounds 1..6 of 8 (its docstring; its code keeps 7 of 8 too).
-  6. The value model is value_model.py's scalar head, trained end to end by regression, continued across iterations;
-     the official scripts fine-tune the LM to print the value as text (one step: train_value_slime.sh), and nothing
-     trains the head.
-  7. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
+     as a valid proof. The frontier filter passes a proof Lean accepts; filter_dataset.py passes an EMPTY kimina
+     response (valid proofs fail, errors pass). Bounds 1..6 of 8 (its docstring; its code keeps 7 of 8 too).
+  5. The value model is value_model.py's scalar head, trained end to end by regression, continued across iterations;
+     the official scripts fine-tune the LM to print the value as text (train_value_slime.sh); nothing trains the head.
+  6. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
      fixed save directory: as we read slime, later rounds find the rollouts done). pi_old is the sampler's log-probs
      (slime recomputes them: equal up to numerics, one step per rollout batch).
-  8. Search theorems are the training statements: the official collector reads LeanDojo Benchmark 4, which has no
-     formal_statement, and prompts with the theorem's name.
-  9. Search prompts are the whole-proof prompt with its answer block prefilled (the tactics so far, the goals in a
-     comment), not ReProver's "[GOAL] ... [PROOFSTEP]" (lean_generate.py).
- 10. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
+  7. Search theorems are the training statements: the official collector reads LeanDojo Benchmark 4, which has no
+     formal_statement, and prompts with the theorem's name. Search prompts are the whole-proof prompt with its answer
+     block prefilled (the tactics so far, the goals in a comment), not ReProver's "[GOAL] ... [PROOFSTEP]".
+  8. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
      cancels. A code block without the theorem's declaration is read as its tactic body.
- 11. lean_verify (Lean 4.15 REPL) instead of kimina and LeanDojo; each rank searches `search_batch` theorems in
+  9. lean_verify (Lean 4.15 REPL) instead of kimina and LeanDojo; each rank searches `search_batch` theorems in
      lockstep (one generate, apply_tactics and V call per step), a theorem's 300 s on the batch's wall clock.
 """
 
@@ -291,8 +284,7 @@ def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) ->
 
 # ---- rewards ----
 def proof_reward(result) -> float:
-    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof; a timeout or a server error is a
-    failure (the official reward counts a kimina timeout as valid)."""
+    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof; a timeout fails (deviation 4)."""
     return 1.0 if result.valid and result.status == "valid" else 0.0
 
 
@@ -323,10 +315,9 @@ def priority(logprob: float, tokens: int, value: float, alpha: float) -> float:
 # ---- losses ----
 def clip_higher_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                      n_tokens: int, eps_low: float, eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """DAPO's token-level clipped objective (slime compute_policy_loss, --calculate-per-token-loss, no KL):
-    -sum_{i,t} min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) / n_tokens, r_it = pi(y_it) / pi_old(y_it);
-    logp, old_logp, mask [B, T], advantages [B]; n_tokens: the whole optimizer batch's completion tokens (all ranks).
-    Also returns how many tokens the clip held back."""
+    """DAPO's token-level clipped objective (slime compute_policy_loss, --calculate-per-token-loss, no KL), and the
+    tokens the clip held back: -sum_{i,t} min(r_it A_i, clip(r_it, 1 - eps_low, 1 + eps_high) A_i) / n_tokens, r_it =
+    pi(y_it) / pi_old(y_it); logp, old_logp, mask [B, T], advantages [B]; n_tokens: the optimizer batch's, all ranks."""
     ratio = torch.exp(logp - old_logp)
     unclipped, clipped = ratio * advantages[:, None], ratio.clamp(1 - eps_low, 1 + eps_high) * advantages[:, None]
     return -(torch.minimum(unclipped, clipped) * mask).sum() / n_tokens, ((clipped < unclipped).float() * mask).sum()
@@ -338,7 +329,7 @@ def value_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- phases ----
-# A search's record: the fields every search of the family has (rir.py's too), then the method's own fields:
+# A search's record: the fields every search of the family has (coprover.py, rir.py), then the method's own fields:
 # merged states, the labelled states of step 2. A whole-proof attempt: its Sample, the code Lean accepted (None:
 # rejected or no code), Lean's status ("no_code": nothing to check), whether Lean accepted it (the reward), seconds.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
@@ -354,14 +345,13 @@ class Node:  # a proof state of the search (states with the same goals are one n
     tokens: int = 0  # and their number of tokens
 
 
-def best_first_search(sampler, verifier, problems: list[Problem], score, alpha: float, key: str, args: Args
-                      ) -> list[SearchResult]:
+def best_first_search(sampler, verifier, problems: list[Problem], score, key: str, args: Args) -> list[SearchResult]:
     """Step 1 on `problems` in lockstep (ReProver's loop, value_guided_search.py's priority): each step pops every live
     theorem's best node, samples K tactics for each (one generate call), applies the distinct ones (one apply_tactics
-    call), scores the new states with V (`score`: texts -> values; None: log-prob only) and pushes them; known goals
-    merge. A sample that is not one finished line, a tactic Lean rejects and a solved path the kernel rejects are
-    failed edges. A theorem stops at its first proof, an empty queue or its budget."""
-    start, tie = time.monotonic(), itertools.count(1)
+    call), scores the new states with V (`score`: texts -> values; None: log-prob only, alpha 1) and pushes them;
+    known goals merge. A sample that is not one finished line, a tactic Lean rejects and a solved path the kernel
+    rejects are failed edges. A theorem stops at its first proof, an empty queue or its budget."""
+    start, tie, alpha = time.monotonic(), itertools.count(1), args.alpha if score else 1.0
     trees = [dict(problem=p, nodes={r.key: Node(r)}, queue=[(0.0, 0, r.key)] if r.status == "open" else [],
                   expanded=[], proof=None, counts=collections.Counter(), seconds=0.0)
              for p, r in zip(problems, verifier.start_proofs([(p.header, p.statement) for p in problems]))]
@@ -419,14 +409,13 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, alpha: 
     return results
 
 
-def search(sampler, verifier, problems: list[Problem], score, alpha: float, key: str, args: Args, dist: Dist
-           ) -> list[SearchResult]:
+def search(sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist) -> list[SearchResult]:
     """Step 1 on every rank's share of `problems`, search_batch theorems at a time in lockstep (default: one per REPL of
     the rank's pool); then the REPLs holding the batch's proof states are restarted (a REPL never frees one)."""
     def run(mine: list[Problem]) -> list[SearchResult]:
         size, results = args.search_batch or verifier.workers, []
         for i in range(0, len(mine), size):
-            results += best_first_search(sampler, verifier, mine[i : i + size], score, alpha, key, args)
+            results += best_first_search(sampler, verifier, mine[i : i + size], score, key, args)
             verifier.free_states()
         return results
 
@@ -451,7 +440,7 @@ def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperatu
 
 def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist: Dist) -> list[str]:
     """Data prep (filter_dataset.py): the ids of the statements with frontier_min..frontier_max of frontier_samples
-    whole proofs at frontier_temperature proved (a pass: a proof Lean accepts, deviation 5)."""
+    whole proofs at frontier_temperature proved (a pass: a proof Lean accepts, deviation 4)."""
     attempts = attempt_proofs(sampler, verifier, problems, args.frontier_samples, args.frontier_temperature,
                               f"{args.seed}/frontier", args, dist)
     return [p.id for p, row in zip(problems, attempts)
@@ -460,10 +449,9 @@ def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist
 
 def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[Attempt]], args: Args, dist: Dist
                        ) -> list[tuple[str, float]]:
-    """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (as the official collector does); a proof
-    of n top-level tactics labels the root gamma^n and, with per-state labels, is replayed (a rank's proofs in
-    lockstep), its i-th state labelled gamma^(n - i); a replay that does not end solved (a proof using a lemma it
-    declares) labels the root only."""
+    """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (the official collector's rule); a proof of
+    n top-level tactics labels the root gamma^n and, with per-state labels, is replayed, its i-th state labelled
+    gamma^(n - i); a replay that does not end solved (a proof using a lemma it declares) labels the root only."""
     def run(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
         roots, out, replays = verifier.start_proofs([(p.header, p.statement) for p, _ in mine]), [], []
         for (p, row), root in zip(mine, roots):
@@ -578,8 +566,7 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
         def loss_fn(micro: list[tuple[Sample, float]]) -> tuple[torch.Tensor, dict]:
             logp, mask, _ = token_logprobs(policy, [s for s, _ in micro], args.temperature)
             pad = torch.nn.functional.pad  # pi_old: the sampler's log-probs, padded as logp
-            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, mask.shape[1] - len(s.logprobs)))
-                               for s, _ in micro])
+            old = torch.stack([pad(logp.new_tensor(s.logprobs), (0, len(logp[0]) - len(s.logprobs))) for s, _ in micro])
             loss, held = clip_higher_loss(logp, old, mask, logp.new_tensor([adv for _, adv in micro]), n_tokens,
                                           args.eps_clip, args.eps_clip_high)
             return loss, {"clipfrac": held.item() / n_tokens}
@@ -593,8 +580,8 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
 
 # ---- evaluation ----
 def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
-    """Search efficiency (README): the theorems proved (count, share, per expansion and per second of search), the
-    expansions and nodes per proof, the proofs' length, the share of failed edges; merged states (the method's own)."""
+    """Search efficiency: the theorems proved (count, share, per expansion and per second of search), the expansions and
+    nodes per proof, the proofs' length, the share of failed edges; the method's own: merged states."""
     proved = [r for r in results if r.proof is not None]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
@@ -618,10 +605,9 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
     metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, c, k) for n, c in correct]))
                for k in args.eval_budgets if k <= args.eval_samples}
     subset = problems[: args.eval_search_limit] if args.eval_search_limit is not None else problems
-    for name, fn, alpha in [("value", score, args.alpha), ("logprob", None, 1.0)][0 if score else 1 :]:
-        if subset:
-            metrics |= search_metrics(search(sampler, verifier, subset, fn, alpha, f"{key}/{name}", args, dist),
-                                      f"eval/search_{name}")
+    for name, fn in [("value", score), ("logprob", None)][0 if score else 1 :] if subset else []:
+        metrics |= search_metrics(search(sampler, verifier, subset, fn, f"{key}/{name}", args, dist),
+                                  f"eval/search_{name}")
     return metrics
 
 
@@ -674,8 +660,8 @@ def main(args: Args) -> None:
         with logger.timer("search"):
             guided = args.value_model and state["value_rounds"] > 0
             theorems = rng.sample(train_set, min(args.search_theorems_per_round, len(train_set)))
-            results = search(sampler, verifier, theorems, score if guided else None, args.alpha if guided else 1.0,
-                             f"{args.seed}/{iteration}/search", args, dist)
+            results = search(sampler, verifier, theorems, score if guided else None, f"{args.seed}/{iteration}/search",
+                             args, dist)
             metrics |= search_metrics(results, "search") | {"search/value_guided": float(guided)}
 
         # 2. Labels: gamma^d on every state of a found proof, 0 off them (the whole proofs' labels come with step 4)

@@ -187,14 +187,14 @@ def test_search_order_merging_and_labels(verifier):
     values = {"0 < b": 0.9}  # V by the first goal's target: the split state (first goal 0 < b) is promising
     score = lambda texts: [values.get(t.split("\n\n")[0].split("⊢ ")[-1], 0.1) for t in texts]  # noqa: E731
     sampler = Scripted(propose)
-    [tree] = cp.best_first_search(sampler, verifier, [p], score, 0.3, "k", args(max_expansions=10))
+    [tree] = cp.best_first_search(sampler, verifier, [p], score, "k", args(max_expansions=10))
     assert [g.split("⊢ ")[-1] for g in sampler.asked] == ["0 < b ∧ a ≤ b", "0 < b", "a ≤ b"]
     assert tree.proof == ["refine ⟨?_, ?_⟩", "exact Nat.lt_trans h₁ h₀", "exact Nat.le_of_lt h₀"]  # the first path in
     assert (tree.expansions, tree.merged, tree.edges, tree.failed_edges) == (3, 1, 5, 1)  # `exact h₀` fails
     labels = sorted(v for _, v in tree.labels)
     assert labels == pytest.approx([0.95**3, 0.95**2, 0.95])
     # the root only (the official labels)
-    [tree] = cp.best_first_search(Scripted(propose), verifier, [p], score, 0.3, "k", args(value_labels="root"))
+    [tree] = cp.best_first_search(Scripted(propose), verifier, [p], score, "k", args(value_labels="root"))
     assert [v for _, v in tree.labels] == pytest.approx([0.95**3])
 
 
@@ -212,7 +212,7 @@ def test_search_priority_orders_expansions(verifier):
     score = lambda texts: [0.9 if "\nh : p\n" in t else 0.2 for t in texts]  # noqa: E731
     for alpha, hypothesis in [(1.0, "\nhp : p\n"), (0.3, "\nh : p\n"), (0.0, "\nh : p\n")]:
         sampler = Scripted(propose)
-        [tree] = cp.best_first_search(sampler, verifier, [p], score, alpha, "k", args(max_expansions=2))
+        [tree] = cp.best_first_search(sampler, verifier, [p], score, "k", args(max_expansions=2, alpha=alpha))
         assert tree.expansions == 2 and len(sampler.asked) == 2 and hypothesis in sampler.asked[1], alpha
 
 
@@ -221,25 +221,25 @@ def test_malformed_tactics_become_failed_edges(verifier):
     junk = [("", -1.0, "stop"), ("   ", -1.0, "stop"), ("refine ⟨3,", -1.0, "length"), ("use 3", -1.0, "abort"),
             ("```", -1.0, "stop"), ("sorry", -1.0, "stop"), ("(((", -1.0, "stop"), ("#exit", -1.0, "stop"),
             ("\u2028\x00 garbage ⟨⟩", -1.0, "stop"), ("norm_num", -1.0, "stop"), ("fake_crash", -1.0, "stop")]
-    [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [p], None, 1.0, "k",
+    [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [p], None, "k",
                                   args(num_sampled_tactics=len(junk)))
     assert tree.proof is None and tree.expansions == 1 and tree.edges == tree.failed_edges == len(junk)
     assert tree.labels == [(ROWS[3]["goal"], 0.0)]  # the expanded root, on failed paths only
     # a theorem whose root cannot even be started is a search with no expansion
     bad = cp.Problem("bad", p.header, "theorem bad (h : sorry) : True := by")
-    [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [bad], None, 1.0, "k", args())
+    [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [bad], None, "k", args())
     assert (tree.proof, tree.expansions, tree.labels) == (None, 0, [])
 
 
 def test_search_budget_and_sharding(verifier):
     p = PROBLEMS["search_imp_chain"]
     sampler = Scripted(lambda goal: [("exfalso", -1.0, "stop"), ("intro hp", -1.0, "stop")])
-    trees = cp.search(sampler, verifier, [p, PROBLEMS["search_odd_ne_zero"]], None, 1.0, "k",
+    trees = cp.search(sampler, verifier, [p, PROBLEMS["search_odd_ne_zero"]], None, "k",
                       args(max_expansions=2, search_batch=2), CPU)
     assert [t.id for t in trees] == [p.id, "search_odd_ne_zero"] and all(t.expansions <= 2 for t in trees)
     metrics = cp.search_metrics(trees, "search")
     assert metrics["search/theorems"] == 2 and 0 <= metrics["search/failed_edge_share"] <= 1
-    [tree] = cp.search(sampler, verifier, [p], None, 1.0, "k", args(search_timeout=0.0), CPU)
+    [tree] = cp.search(sampler, verifier, [p], None, "k", args(search_timeout=0.0), CPU)
     assert tree.expansions == 0  # no time at all
 
 
