@@ -208,8 +208,8 @@ class Args:
     """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
     learning_rate: float = 5e-7
     """peak learning rate"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """learning-rate schedule after the warm-up (lr_at) (official: cosine; the SPPO scripts: linear)"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # official (the SPPO scripts: linear)
+    """learning-rate schedule after the warm-up (lr_at)"""
     warmup_steps: int | None = None
     """linear warm-up steps from 0 (default: --warmup-ratio's share of the round's steps)"""
     warmup_ratio: float = 0.1

@@ -157,10 +157,10 @@ class Args:
     """goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)"""
     learning_rate: float = 1e-6
     """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """learning-rate schedule after the warm-up (lr_at), over the iterations: an iteration's updates share one rate"""
-    warmup_steps: int = 0
-    """linear warm-up steps from 0 (here iterations)"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # per iteration: its updates share one rate
+    """learning-rate schedule after the warm-up (lr_at)"""
+    warmup_steps: int = 0  # iterations
+    """linear warm-up steps from 0"""
     n_pass_rate: int = 8
     """student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)"""
     max_attempts: int = 4
@@ -211,7 +211,7 @@ class Args:
     ent_coef: float = 0.001
     """entropy bonus (AZR Table 3: 0.001); 0 turns it off and saves the memory of the entropy's gradient"""
     micro_batch_size: int = 4
-    """sequences per forward/backward pass in training"""
+    """sequences per forward/backward pass on each rank"""
     max_grad_norm: float = 1.0
     """gradient clipping (AZR Table 3: 1.0)"""
     phase_updates: bool = True
@@ -259,11 +259,11 @@ class Args:
     eval_window: tuple[str, str] = ("2024-10-01", "2025-02-01")
     """LCBv5 evaluation window (Sec. 3: 2024.10 - 2025.02, 216 questions)"""
     eval_limit: int | None = None
-    """evaluate on the first N benchmark problems (default all)"""
+    """use only the first N benchmark problems"""
     eval_samples: int = 20
     """samples per evaluation question for the pass@k estimator (App. C: value lost; >= the largest k)"""
-    eval_budgets: list[int] = field(default_factory=lambda: [1, 20])
-    """pass@k values reported (Table 2: pass@1, pass@20)"""
+    eval_budgets: tuple[int, ...] = (1, 20)
+    """k of the reported pass@k (Table 2: pass@1, pass@20)"""
     eval_temperature: float = 0.6
     """evaluation temperature (App. C, D: 0.6)"""
     eval_max_new_tokens: int = 4096
@@ -284,7 +284,7 @@ class Args:
 CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", iterations=2, batch_size=2,
                     max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1, teacher_max_new_tokens=320,
                     student_max_new_tokens=192, real_batch_size=2, real_group_size=4, eval_samples=4,
-                    eval_budgets=[1, 4], eval_max_new_tokens=256, eval_limit=6, goalpost_eval_samples=2,
+                    eval_budgets=(1, 4), eval_max_new_tokens=256, eval_limit=6, goalpost_eval_samples=2,
                     max_goalpost_evals=4, eval_at_start=False, max_model_len=2048, gradient_checkpointing=False,
                     exec_timeout=5.0, goalpost_filter=False, greedy_benchmarks=["humaneval"])
 
