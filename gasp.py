@@ -83,7 +83,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import code_exec
 
@@ -609,8 +609,6 @@ class Embedder:
     norm). `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or a path."""
 
     def __init__(self, name: str, device: torch.device, max_length: int = 256):
-        from transformers import AutoModel
-
         spec = None if "/" in name or os.path.exists(name) else importlib.util.find_spec(name.replace("-", "_"))
         path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model" if spec else name
         self.tokenizer, self.device, self.max_length = AutoTokenizer.from_pretrained(path), device, max_length
