@@ -3,17 +3,17 @@
 Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance", arXiv 2604.20209 (2026).
 Official code: github.com/LukeBailey181/sgs (read at commit 64d2de4; this file copies none of it).
 
-Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (§3): the Solver pi_theta writes whole Lean 4
-proofs (trained); the Conjecturer g_phi writes, for each target it has never solved, a simpler related statement
-(trained, with its own weights); the Guide rho, a frozen copy fine-tuned to grade conjectures
-(LukeBailey181Pub/dspv2_guide), scores each conjecture for relevance to its target, redundant premises and a
-tangled conclusion (Eq. 3). The targets D are ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
+Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (§3): the Solver writes whole Lean 4 proofs; the
+Conjecturer (trained, with its own weights) writes a simpler related statement for each target it never solved; the
+Guide, a frozen copy fine-tuned to grade conjectures (LukeBailey181Pub/dspv2_guide), scores a conjecture's relevance
+to its target, redundant premises and tangled conclusion (Eq. 3). Targets D: ~3.3k hard Lean 4 problems (D_3k). Each
+iteration (Algorithm 1):
   1. conjecture: one conjecture per never-solved target;
   2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
-  4. the Conjecturer learns from R = R_guide * (1 - s) on conjectures with 0 < s <= the 70th percentile
-     of the conjecture solve rates, min-max normalised.
-The metric (Fig. 1) is the cumulative share of targets ever solved, against the number of generations.
+  4. the Conjecturer learns from R = R_guide * (1 - s), min-max normalised, on conjectures with 0 < s <= p70.
+The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations. Eq. 4's
+per-sequence mean loss is --sequence-mean-loss (default, official: the batch's token sum / its token count).
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
@@ -27,12 +27,11 @@ Deliberate deviations from the official code (which, where the paper differs, is
      official code keeps the block up to `:= by`. Deduplication ignores whitespace; the official code's does not.
   4. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
      computes it from the top-10 log-probabilities.
-  5. Engineering: one sampler serves the three roles (their weights are loaded in turn); generation and verification
-     are not pipelined; a (problem, proof) pair is checked once; CISPO attempts of advantage 0 are left out of the
-     batch (their tokens still count in the group's); transformers samples in calls seeded by position.
+  5. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in the group's).
   6. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
-The paper's own forms, where the official code differs, are flags: --sequence-mean-loss (Eq. 4's per-sequence mean;
-the official trainer divides the batch's summed token losses by its token count).
+  7. Engineering: one sampler serves the three roles (their weights are loaded in turn); generation and verification
+     are not pipelined; transformers samples in calls seeded by position; each distinct (problem, proof) pair is
+     checked once.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, ProofJob, extract_conjecture, extract_proof,
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof,
                          load_problems, strip_comments, theorem_conclusion)
 
 
@@ -108,14 +107,14 @@ class Args:
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
+    lean_workers: int | None = None
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
+    lean_timeout: float = 200.0
+    """Lean's wall-clock limit per proof, in seconds (§4.1; deviation 2)"""
     conjecturer_model: str | None = None
     """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
     guide_model: str = "LukeBailey181Pub/dspv2_guide"
     """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1); --model's architecture"""
-    lean_timeout: float = 200.0
-    """Lean's wall-clock limit per proof, in seconds (§4.1; deviation 2)"""
-    lean_workers: int | None = None
-    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
 
     # data
     dataset: str = "LukeBailey181Pub/D_3k"
@@ -155,12 +154,12 @@ class Args:
     """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration (App. G.4)"""
     learning_rate: float | None = None
     """Solver learning rate; default as the official scripts: 3e-6, 1e-6 with CISPO"""
-    warmup_steps: int = 0
-    """linear warm-up steps from 0"""
     batch_size: int | None = None
     """sequences per optimizer step, both roles; default as the official scripts: 32, 64 with CISPO or EI"""
     micro_batch_size: int = 1
     """sequences per forward/backward pass on each rank"""
+    warmup_steps: int = 0
+    """linear warm-up steps from 0"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """learning-rate schedule after the warm-up (lr_at)"""
     max_grad_norm: float = 1.0
@@ -213,12 +212,10 @@ def resolve(args: Args) -> tuple[bool, bool, bool]:
 
 
 # ---- prompts ----
-# All three roles are single user turns in the model's chat template, no system prompt (official code).
-# The Solver prompt is DeepSeek-Prover-V2's non-CoT format, which the Solver was trained on.
+# Single user turns in the chat template, no system prompt (official). The Solver's: DeepSeek-Prover-V2's non-CoT.
 SOLVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```"
-
-# The Conjecturer's prompts keep the official layout (prompts.py: the target in a lean4 block, then the request),
-# in our words; the Conjecturer's starting extraction rate (51.5%, §4.1) was measured on that layout.
+# The Conjecturer's keep the official layout (prompts.py: the target in a lean4 block, then the request) in our words;
+# its starting extraction rate (51.5%, §4.1) was measured on that layout.
 CONJECTURER_PROMPT = """Here is a Lean 4 problem statement:
 ```lean4
 {statement}
@@ -229,7 +226,6 @@ statement. It must NOT be the target statement itself, and NOT the target made e
 variables or premises.
 Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last \
 thing you write should be this statement WITHOUT a proof: put 'sorry' where the proof would go."""
-
 # Ablation "no problem conditioning" (Table 1, official get_deepseek_prover_v2_conjecturer_no_grounding_prompt).
 CONJECTURER_PROMPT_UNCONDITIONED = """Please write a Lean 4 theorem statement. The theorem should be non-trivial, \
 but not too hard to prove. Pick an area of mathematics at random for it, such as algebra, number theory, \
@@ -237,11 +233,9 @@ combinatorics, geometry, calculus or logic. The theorem should be interesting an
 merely a very easy identity or a restatement of a definition.
 Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last thing \
 you write should be this statement WITHOUT a proof: just put `sorry` for the proof."""
-
-# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official Guide prompt (App. E.3, prompts.py
-# get_guide_prompt). This one keeps its structure in our words: the seed and the lemma in lean4 blocks, the three
-# rubrics in the same order and scales, the empty score tags, and the in-context example whose output shows
-# placeholders only (concrete scores there would be copied). The two example statements are the official ones.
+# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App. E.3, prompts.get_guide_prompt);
+# ours keeps its structure: the seed and the lemma in lean4 blocks, the three rubrics in the same order and scales, the
+# empty score tags, the official example statements with placeholders in the output (scores there would be copied).
 GUIDE_PROMPT = """You are an expert in mathematics. Here is a seed Lean 4 problem statement:
 
 ```lean4
@@ -373,7 +367,7 @@ def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
 
 
 def percentile_cut(rates: list[float], q: float = 0.7) -> float:
-    """The q-th percentile of the conjecture solve rates strictly inside (0, 1), as the official code takes it (the
+    """The q-th percentile of the conjecture solve rates strictly inside (0, 1) as the official code takes it (the
     element at index int(q n) of the sorted rates); 0 when there are none."""
     inside = sorted(r for r in rates if 0.0 < r < 1.0)
     return inside[int(q * len(inside))] if inside else 0.0
@@ -434,41 +428,37 @@ def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem],
                dist: Dist) -> tuple[list[Conjecture], dict[str, float]]:
     """Alg. 1, step 1: conjectures_per_target statements for each never-solved target (the seeds), parsed (deviation
     3), deduplicated against the targets and each other; a conjecture inherits its target's header."""
-    users = [CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
-             CONJECTURER_PROMPT.format(statement=seed.statement) for seed in seeds]
-    outputs = sample(sampler, [chat_prompt(tokenizer, u) for u in users], args.conjectures_per_target,
-                     f"{args.seed}/{iteration}/conjecture", dist, lambda _, rows: [list(map(compact, r)) for r in rows],
+    prompts = [chat_prompt(tokenizer, CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
+                           CONJECTURER_PROMPT.format(statement=seed.statement)) for seed in seeds]
+    outputs = sample(sampler, prompts, args.conjectures_per_target, f"{args.seed}/{iteration}/conjecture", dist,
+                     lambda _, rows: [[(compact(s), extract_conjecture(s.text)) for s in row] for row in rows],
                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.conjecturer_max_new_tokens)
-    conjectures, seen, parsed = [], {" ".join(t.statement.split()) for t in targets}, []
-    for seed, row in zip(seeds, outputs):
-        for s in row:
-            parsed.append(statement := extract_conjecture(s.text))
-            if statement is not None and (key := " ".join(statement.split())) not in seen:
-                seen.add(key)
-                conjectures.append(Conjecture(f"it{iteration}_c{len(conjectures)}", seed.header, statement, seed.id, s))
+    found = [(seed, s, x) for seed, row in zip(seeds, outputs) for s, x in row if x is not None]
+    seen, conjectures = {" ".join(t.statement.split()) for t in targets}, []
+    for seed, s, x in found:
+        if (key := " ".join(x.split())) not in seen:
+            seen.add(key)
+            conjectures.append(Conjecture(f"it{iteration}_c{len(conjectures)}", seed.header, x, seed.id, s))
     conclusions = [theorem_conclusion(c.statement) for c in conjectures] or [""]  # disjunctions: Fig. 2's drift
-    return conjectures, {"conjecturer/outputs": len(parsed), "conjecturer/new_conjectures": len(conjectures),
-                         "conjecturer/extraction_rate": np.mean([s is not None for s in parsed] or [0.0]),
+    n_out = sum(len(row) for row in outputs)
+    return conjectures, {"conjecturer/outputs": n_out, "conjecturer/extraction_rate": len(found) / max(n_out, 1),
+                         "conjecturer/new_conjectures": len(conjectures),
                          "conjecturer/disjunctive_share": np.mean([("∨" in c or "\\/" in c) for c in conclusions]),
                          "conjecturer/conclusion_chars": np.mean([len(c) for c in conclusions])}
 
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
                    ) -> dict[str, list[Attempt]]:
-    """Alg. 1, step 2: n whole proofs per problem; each attempt keeps its Sample (the Solver trains on it). Each
+    """n whole proofs per problem, each attempt with its Sample (Alg. 1, step 2: the Solver trains on it). Each
     distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
     statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
     prompts = [chat_prompt(tokenizer, SOLVER_PROMPT.format(header=p.header, statement=p.statement)) for p in problems]
 
-    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:
-        part = problems[start : start + len(rows)]  # a failed sample (vLLM abort or error) has nothing to check
+    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
         proofs = [[extract_proof(s.text, whole_block=True) if s.finish_reason in ("stop", "length") else None
                    for s in row] for row in rows]
-        jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
-                for p, row in zip(part, proofs) for x in row if x is not None}
-        verdicts = {job: (v.status, bool(v.valid), float(v.time))
-                    for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
-        found = [[verdicts.get((p.id, x), ("no_code", False)) for x in row] for p, row in zip(part, proofs)]
+        verdicts = verifier.verify_attempts(problems[start : start + len(rows)], proofs)
+        found = [[(v.status, v.valid, v.time) if v else ("no_code", False) for v in row] for row in verdicts]
         return [[Attempt(compact(s), x, *v) for s, x, v in zip(*r)] for r in zip(rows, proofs, found)]
 
     rows = sample(sampler, prompts, n, key, dist, check, temperature=args.temperature, top_p=args.top_p,
@@ -581,14 +571,14 @@ def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempt
     """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever proved); this iteration's
     pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 4); Lean's verdicts."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
-    conjectures = [solve_rate(row) for pid, row in attempts.items() if pid not in proofs]
+    rates = [solve_rate(row) for pid, row in attempts.items() if pid not in proofs]  # of the conjectures
     every = [a for row in attempts.values() for a in row]
     logps, statuses = np.concatenate([a.sample.logprobs for a in every] or [np.zeros(0)]), [a.status for a in every]
     return {"charts/cumulative_solve_rate": sum(bool(proofs[t.id]) for t in targets) / len(targets),
             f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in row), k) for row in tried or [[]]])),
             "charts/targets_attempted": len(tried), "solver/entropy": -float(logps.mean()) if logps.size else 0.0,
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
-            **({"conjecturer/solve_rate_mean": float(np.mean(conjectures))} if conjectures else {})}
+            **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
 
 
 # ---- main ----
@@ -601,7 +591,7 @@ def main(args: Args) -> None:
         workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None  # this rank's
         verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:
-        sys.exit(f"sgs.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
+        sys.exit(f"{os.path.basename(__file__)} checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main:
         print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
     targets = load_problems(args.dataset, args.num_problems)
@@ -635,7 +625,7 @@ def main(args: Args) -> None:
                 seeds = [t for t in targets if not proofs[t.id]]
                 sampler.sync_weights(conjecturer)
                 conjectures, stats = conjecture(sampler, tokenizer, seeds, targets, iteration, args, dist)
-                state["generations"] += len(seeds) * args.conjectures_per_target
+                state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
         # 2. Solve: k attempts at every target and every conjecture (EI: at targets with fewer than 16 proofs)

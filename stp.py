@@ -20,23 +20,22 @@ Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop sca
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations (where the paper is silent this file follows the official code):
-  1. No Stage 1 (SFT on kfdong/STP_Lean_SFT: mathlib proofs and conjecturing examples): pass its checkpoint as
-     --model. DeepSeek-Prover-V1.5-SFT itself has never seen the conjecturing format.
-  2. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas) and the prompt shows a lemma by
-     name: STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table.
-  3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks the header lines
-     its training prompt has).
+  1. No Stage 1 (SFT on kfdong/STP_Lean_SFT): pass its checkpoint as --model (DeepSeek-Prover-V1.5-SFT has never
+     seen the conjecturing format).
+  2. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), shown by name in the prompt;
+     STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table.
+  3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
   4. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
      invokes list in place, so a proof that drew it once offers it in every later round).
   5. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
   6. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
      target is the proof, the closing fence and EOS (official: the proof and EOS).
   7. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  8. Engineering: Lean 4.15 with the upstream REPL (lean_verify), not Lean 4.9 with DeepSeek's fork; a fold is
-     verified after it is generated (official: while the next one is); a (statement, proof) pair is checked once;
-     transformers samples in calls seeded by position.
-  9. The statements: the train split of internlm/Lean-Workbook (formal_statement) or any .jsonl, not STP's own
-     deduplicated lean_workbook_dedup.json (not released).
+  8. The statements: the train split of internlm/Lean-Workbook or any .jsonl, not STP's own (unreleased)
+     lean_workbook_dedup.json.
+  9. Engineering: Lean 4.15 and the upstream REPL, not Lean 4.9 and DeepSeek's fork; generation and verification
+     are not pipelined; transformers samples in calls seeded by position; each distinct (problem, proof) pair is
+     checked once.
 """
 
 from __future__ import annotations
@@ -72,9 +71,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, ProofJob, extract_conjecture, extract_proof,
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof,
                          invoked_lemmas, load_problems, read_rows)
-
 
 # The miniF2F text STP was evaluated on (its own file, MIT, fetched at run time; its ProofNet is data/proofnet.jsonl's).
 STP_MINIF2F = ("https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
@@ -116,10 +114,10 @@ class Args:
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
-    lean_timeout: float = 200.0
-    """Lean's wall-clock limit per proof, in seconds"""
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
+    lean_timeout: float = 200.0
+    """Lean's wall-clock limit per proof, in seconds"""
 
     # data
     dataset: str = "internlm/Lean-Workbook"
@@ -134,6 +132,8 @@ class Args:
     """proofs sampled per statement in iteration 0"""
     samples_per_round: int = 32
     """proofs sampled per statement in later iterations"""
+    generation_folds: int = 5
+    """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD, pipelined)"""
     temperature: float = 1.0
     """sampling temperature of every role"""
     top_p: float = 1.0
@@ -170,12 +170,12 @@ class Args:
     """statements are embedded from their first this many tokens"""
     learning_rate: float = 5e-5
     """learning rate of each iteration's weighted SFT (run_RL_steps.sh)"""
-    warmup_steps: int = 5
-    """linear warm-up steps from 0"""
     batch_size: int = 2048
     """sequences per optimizer step"""
     micro_batch_size: int = 4
     """sequences per forward/backward pass on each rank"""
+    warmup_steps: int = 5
+    """linear warm-up steps from 0"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """learning-rate schedule after the warm-up (lr_at)"""
     max_grad_norm: float = 1.0
@@ -188,8 +188,6 @@ class Args:
     """optimizer steps per iteration: max(#examples // batch_size, this)"""
     max_train_tokens: int = 2048
     """training sequences (prompt + target) are cut to this many tokens"""
-    generation_folds: int = 5
-    """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD)"""
 
     # Stage 3
     final_retrain: bool = False
@@ -249,17 +247,6 @@ BANNED = ("<lemma>", "<easy theorem>", "<hard theorem>")  # prompt markers a con
 EMPTY_LEMMA = "theorem true: True"
 
 
-# ---- data ----
-# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
-# conjecture also keeps its prompt's <easy theorem> and lemma ('' for none).
-Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("easy_theorem", "lemma"))
-# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status ("no_code": there was
-# no proof to check), verdict and seconds.
-Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
-# A training sequence: a Sample (prompt and target tokens) and its weight.
-Example = collections.namedtuple("Example", "sample weight")
-
-
 def truncate_left(tokenizer, text: str, max_tokens: int) -> str:
     """The text cut to its last max_tokens tokens (official: the tokenizer with truncation_side='left')."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -278,12 +265,23 @@ def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, ar
                          args.max_prompt_tokens)
 
 
+# ---- data ----
+# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
+# conjecture also keeps its prompt's <easy theorem> and lemma ('' for none).
+Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("easy_theorem", "lemma"))
+# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status ("no_code": there was
+# no proof to check), verdict and seconds.
+Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
+# A training sequence: a Sample (prompt and target tokens) and its weight.
+Example = collections.namedtuple("Example", "sample weight")
+
+
 def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
-    """A training sequence: the prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
+    """The prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
     prompt_ids = encode_prompt(tokenizer, prompt)
     target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    target_ids = target_ids[: max(1, args.max_train_tokens - len(prompt_ids))]
-    return Example(Sample(target, prompt_ids, target_ids, [], "stop"), weight)
+    return Example(Sample(target, prompt_ids, target_ids[: max(1, args.max_train_tokens - len(prompt_ids))], [],
+                          "stop"), weight)
 
 
 # ---- rewards ----
@@ -320,8 +318,7 @@ def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: ra
     n, m = len(P), len(Q)
     if n == 0 or m == 0:
         return [1.0] * n  # deviation 5
-    sim, weights, full = (P @ Q.T).float(), [0.0] * n, torch.zeros(n, dtype=torch.bool)
-    order = list(range(m))
+    sim, weights, full, order = (P @ Q.T).float(), [0.0] * n, torch.zeros(n, dtype=torch.bool), list(range(m))
     (rng or random.Random(0)).shuffle(order)
     for q in order:
         if bool(full.all()):
@@ -370,15 +367,15 @@ def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: A
 
 def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statements: list[Problem], problems: dict,
                iteration: int, args: Args, dist: Dist, rng: random.Random) -> tuple[list[Conjecture], dict]:
-    """Conjecture: max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, shuffled, deduplicated against the
-    dataset and each other, at most #statements. A statement conjectured before keeps its id (official lemma_id)."""
+    """max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, shuffled, deduplicated against the dataset and
+    each other, at most #statements. A statement conjectured before keeps its id (official lemma_id)."""
     if not seeds:
         return [], {"conjecturer/seeds": 0}
     multiplier = max(1, min(3 * len(statements) // len(seeds), args.max_conjecture_multiplier))
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
     outputs = sample(sampler, prompts, multiplier, f"{args.seed}/{iteration}/conjecture", dist,
-                     lambda start, rows: [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
-                                          for row in rows], temperature=args.temperature, top_p=args.top_p,
+                     lambda _, rows: [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
+                                      for row in rows], temperature=args.temperature, top_p=args.top_p,
                      max_new_tokens=args.max_new_tokens, stop=[END_THM], desc="conjecture", logprobs=False)
     found = [(seed, x) for seed, row in zip(seeds, outputs) for x in row if x is not None]
     rng.shuffle(found)
@@ -416,20 +413,16 @@ def select_targets(statements: list[Problem], conjectures: list[Conjecture], pro
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
                    ) -> dict[str, list[Attempt]]:
-    """Prove: n whole proofs per statement (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each
+    """n whole proofs per problem (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each
     distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
     statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
     prompts = [prover_prompt(tokenizer, p, args) for p in problems]
 
-    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:
-        part = problems[start : start + len(rows)]  # a failed sample (vLLM abort or error) has nothing to check
+    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
         proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None
                    for s in row] for row in rows]
-        jobs = {(p.id, x): ProofJob(p.header, p.statement, p.statement + x, p.id)
-                for p, row in zip(part, proofs) for x in row if x is not None}
-        verdicts = {job: (v.status, bool(v.valid), float(v.time))
-                    for job, v in zip(jobs, verifier.verify(list(jobs.values())) if jobs else [])}
-        found = [[verdicts.get((p.id, x), ("no_code", False)) for x in row] for p, row in zip(part, proofs)]
+        verdicts = verifier.verify_attempts(problems[start : start + len(rows)], proofs)
+        found = [[(v.status, v.valid, v.time) if v else ("no_code", False) for v in row] for row in verdicts]
         # 3200 samples per benchmark problem: an attempt keeps no Sample, and a proof only when it is correct
         return [[Attempt(None, x if v[1] else None, *v) for x, v in zip(*r)] for r in zip(proofs, found)]
 
@@ -481,8 +474,8 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
         mine += list(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).cpu()) if real else []
     policy.train(training)
     parts = all_gather_objects(mine, dist)  # rank r embedded texts r, r + world size, ...
-    return torch.stack([parts[i % dist.world_size][i // dist.world_size] for i in range(len(texts))]) if texts else \
-        torch.zeros(0, 1)
+    rows = [parts[i % dist.world_size][i // dist.world_size] for i in range(len(texts))]
+    return torch.stack(rows) if rows else torch.zeros(0, 1)
 
 
 def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: dict, unproved: list[Problem],
@@ -560,8 +553,7 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
 
 def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, args: Args, dist: Dist,
                       rng: random.Random) -> tuple[dict, torch.nn.Module, dict]:
-    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained on final_examples: (models, policy,
-    stats)."""
+    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained on final_examples."""
     sampler.sleep()
     gc.collect()  # free the old policy (the caller dropped it) before the base model loads
     policy = load_model(base, dist, gradient_checkpointing=args.gradient_checkpointing)
@@ -595,8 +587,7 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
         correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
         for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
             metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(r), int(r.sum()), k) for r in correct]))
-            mean, std = chunked_pass_at_k(correct, k)
-            metrics[f"eval/{name}/pass@{k}_chunked_mean"] = mean
+            metrics[f"eval/{name}/pass@{k}_chunked_mean"], std = chunked_pass_at_k(correct, k)
             if std is not None:
                 metrics[f"eval/{name}/pass@{k}_chunked_std"] = std
     return metrics
@@ -612,7 +603,7 @@ def main(args: Args) -> None:
         workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None  # this rank's
         verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:
-        sys.exit(f"stp.py checks every proof with Lean 4 and Mathlib, and found none: {e}")
+        sys.exit(f"{os.path.basename(__file__)} checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main:
         print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
     statements = load_problems(args.dataset, args.num_problems)
@@ -624,19 +615,15 @@ def main(args: Args) -> None:
     policy = load_model(args.model, dist, not args.pure_sampling, args.gradient_checkpointing)
     adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
     models = {} if args.pure_sampling else {"policy": (policy, adamw(policy.parameters(), args.learning_rate))}
-    # run state: every statement ever targeted, its (samples, correct) per iteration, its distinct correct proofs
-    start, state = 0, {"problems": {s.id: s for s in statements}, "history": {}, "proofs": {}, "generations": 0}
+    # run state: each statement's (samples, correct) per iteration and distinct correct proofs, the conjectures (dicts:
+    # state.pt loads without this file) and the number of generations
+    start, state = 0, {"history": {}, "proofs": {}, "conjectures": {}, "generations": 0}
     if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
         start, state = found
-        state["problems"] = {k: (Conjecture if "lemma" in v else Problem)(**v) for k, v in state["problems"].items()}
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    problems, history, proofs = state["problems"], state["history"], state["proofs"]
-    originals = {s.id for s in statements}
-
-    def save(iterations_done: int, models: dict) -> None:  # problems as dicts: state.pt loads without this file
-        portable = {**state, "problems": {k: p._asdict() for k, p in problems.items()}}
-        save_checkpoint(run_dir, iterations_done, models, tokenizer, portable, dist)
+    history, proofs, originals = state["history"], state["proofs"], {s.id for s in statements}
+    problems = {s.id: s for s in statements} | {k: Conjecture(**v) for k, v in state["conjectures"].items()}
 
     metrics = {}
     for iteration in range(start, args.iterations):
@@ -650,6 +637,7 @@ def main(args: Args) -> None:
                 conjectures, stats = conjecture(sampler, tokenizer, seeds, statements, problems, iteration, args,
                                                 dist, rng)
                 problems.update({c.id: c for c in conjectures})
+                state["conjectures"].update({c.id: c._asdict() for c in conjectures})
                 state["generations"] += stats.get("conjecturer/outputs", 0)
                 metrics.update(stats)
 
@@ -692,7 +680,7 @@ def main(args: Args) -> None:
         if iteration + 1 < args.iterations:  # the last iteration's line also holds Stage 3 and the final evaluation
             logger.log(metrics, step=iteration + 1)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save(iteration + 1, models)
+            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
 
     if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
         with logger.timer("final_retrain"):
@@ -703,7 +691,7 @@ def main(args: Args) -> None:
                                                       args, dist, rng)
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save(args.iterations, models)
+            save_checkpoint(run_dir, args.iterations, models, tokenizer, state, dist)
     with logger.timer("eval"):
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
     logger.log(metrics, step=args.iterations)

@@ -396,6 +396,8 @@ class Verifier:
         self.jobs += jobs
         return [Verdict("valid", True) if "simp" in j.proof else Verdict("error", False) for j in jobs]
 
+    verify_attempts = sgs.LeanVerifier.verify_attempts  # the real grid on this verify
+
 
 def problem(pid, statement=None, header="import Mathlib\n"):
     return sgs.Problem(pid, header, statement or f"theorem {pid} : True := by")

@@ -18,7 +18,7 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import stp  # noqa: E402
-from lean_verify import DEFAULT_HEADER  # noqa: E402
+from lean_verify import DEFAULT_HEADER, LeanVerifier  # noqa: E402
 
 CPU = stp.Dist(0, 1, 1, torch.device("cpu"), True)
 
@@ -154,6 +154,13 @@ def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
 
 
 # ---- the phases ----
+class Verifier(SimpleNamespace):  # a stand-in for LeanVerifier: its verify_attempts on the given verify(jobs)
+    def __init__(self, verify):
+        super().__init__(verify=verify)
+
+    verify_attempts = LeanVerifier.verify_attempts
+
+
 def problems_for(*ids):
     return [stp.Problem(i, DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by") for i in ids]
 
@@ -171,7 +178,7 @@ def test_attempt_proofs_checks_each_distinct_proof_once():
 
     problems = problems_for("a", "b")
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731  (prompts are short: no cut)
-    attempts = stp.attempt_proofs(sampler, SimpleNamespace(verify=verify), tok, problems, 5, "k", args(), CPU)
+    attempts = stp.attempt_proofs(sampler, Verifier(verify), tok, problems, 5, "k", args(), CPU)
     assert [j.proof for j in jobs] == [problems[0].statement + "\n  simp", problems[0].statement + "\n  ring",
                                        problems[1].statement + "\n  simp", problems[1].statement + "\n  ring"]
     row = attempts["a"]
@@ -196,14 +203,14 @@ def test_generation_in_folds_keeps_only_text(monkeypatch):
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
     problems = problems_for(*[f"p{i}" for i in range(10)])
     vllm = SimpleNamespace(llm=object(), batch_size=8, generate=generate)
-    attempts = stp.attempt_proofs(vllm, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU)
+    attempts = stp.attempt_proofs(vllm, Verifier(verify), tok, problems, 4, "k", args(), CPU)
     assert calls == [2, 2, 2, 2, 2]  # 10 statements in 5 folds
     assert all(isinstance(a.proof, str) for row in attempts.values() for a in row)  # no tokens or log-probs kept
     hf = SimpleNamespace(llm=None, batch_size=8, generate=generate)
     calls.clear()
-    first = stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU)
+    first = stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k", args(), CPU)
     assert calls == [2] * 5  # 8 // 4 prompts per call
-    assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), CPU) == first
+    assert stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k", args(), CPU) == first
 
     def two_ranks_map(fn, items, dist):  # map_sharded of two ranks, run one after the other in this process
         parts = [list(fn(items[r::2])) for r in range(2)]
@@ -212,12 +219,12 @@ def test_generation_in_folds_keeps_only_text(monkeypatch):
     monkeypatch.setattr(stp, "map_sharded", two_ranks_map)
     two_ranks = stp.Dist(0, 2, 2, torch.device("cpu"), True)
     calls.clear()
-    stp.attempt_proofs(vllm, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), two_ranks)
+    stp.attempt_proofs(vllm, Verifier(verify), tok, problems, 4, "k", args(), two_ranks)
     assert calls == [1] * 10  # 5 per rank
     calls.clear()
-    assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k", args(), two_ranks) == first
+    assert stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k", args(), two_ranks) == first
     assert calls == [2] * 5  # the same calls, whatever the number of ranks
-    assert stp.attempt_proofs(hf, SimpleNamespace(verify=verify), tok, problems, 4, "k2", args(), CPU) != first
+    assert stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k2", args(), CPU) != first
 
 
 def test_select_seeds():
@@ -626,7 +633,7 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
     assert rows[2]["losses/final_examples"] > 7 and "eval/minif2f_test/pass@1" in rows[2]
     state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)["state"]
     assert state["stage3"] and set(state["history"]) >= {p for p in state["proofs"]}
-    assert all(isinstance(p, dict) for p in state["problems"].values())  # portable: loads without stp.py
+    assert state["conjectures"] and all(isinstance(c, dict) for c in state["conjectures"].values())  # without stp.py
 
 
 @pytest.mark.slow
