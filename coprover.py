@@ -5,49 +5,45 @@ Search Heuristics"; no paper, no results; "Proprietary" licence: nothing copied)
 kimina-lean-server and ReProver whose pieces are not wired together; here the method its README describes, end to end.
 
 Method. The PROVER (DeepSeek-Prover-V2-7B) writes whole proofs and, asked for one step, tactics; the VALUE MODEL
-(Llama-3.2-1B, a scalar head on the last token: an MLP, a sigmoid) estimates V(s) = gamma^d, d the steps from proof
-state s to QED. Each iteration (the README's round):
-  1. search: best-first over Lean's tactic mode (lean_verify): pop the best open node, sample K tactics, apply them,
-     push the new states at priority alpha * exp(mean token log-prob of the path) + (1 - alpha) * V(s); equal goals
-     merge; a budget of expansions and seconds per theorem (co_train.py);
-  2. labels: the states of each proof found, by search or by a verified whole proof, get gamma^d (d the steps left);
-     expanded states off every proof path and the roots of failed whole proofs get 0;
-  3. value: regression (MSE) on the labels of ALL iterations, positives oversampled (value_model_sft.yaml);
-  4. prover: GRPO on whole proofs, reward 1 iff Lean accepts, DAPO clip-higher, token-level loss, no KL
-     (train_step_grpo.sh), on the "frontier" statements (1 to 6 of 8 samples pass, filter_dataset.py);
-  5. eval: pass@1/8/32 (unbiased) on miniF2F-test, and search efficiency with and without V.
+(Llama-3.2-1B, a scalar head on the last token) estimates V(s) = gamma^d, d the steps from proof state s to QED. Each
+iteration (the README's round):
+  1. search: best-first over Lean's tactic mode, priority alpha * exp(mean token log-prob of the path) + (1 - alpha) V;
+  2. labels: gamma^d on the states of each proof found (by search or a verified whole proof), 0 on expanded states off
+     every proof path and on the roots of failed whole proofs;
+  3. value: regression (MSE) on the labels of ALL iterations;
+  4. prover: GRPO on whole proofs (reward 1 iff Lean accepts, DAPO clip-higher, no KL) on the "frontier" statements;
+  5. eval: pass@1/8/32 on miniF2F-test, and search efficiency with and without V.
 Metrics (metrics.jsonl, step = iterations done): search/*, value/*, losses/*, charts/*, lean/*, eval/*, time/*.
 
 Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
 --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
 `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
 which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
-Each rank scores states with a full copy of the value model, synced after each value update, and searches alone.
 
-Deliberate deviations (fixes of the official code, or gaps it leaves):
-  1. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
+Deliberate deviations:
+  1. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals (joined by blank
+     lines), merged by goals_key; a proof counts only if check_tactic_path accepts it whole (kernel, statement).
+     Whole proofs too, not kimina. Each rank searches search_batch theorems in lockstep (one generate, apply_tactics
+     and V call per step), a theorem's seconds on the batch's wall clock.
+  2. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
      log-prob decides after a few steps; here exp(mean token log-prob of the path), in (0, 1] like V.
-  2. The search runs: co_train.py passes --num-sampled-tactics/--timeout/--max-expansions to trajectory_collector.py,
-     which takes none of them, and nothing calls ValueGuidedSearchProver. Tactics are sampled (K distinct lines at T
-     0.8), not ReProver's beam; a solved path counts if the kernel accepts the whole proof. The first iteration,
-     before any value model, searches by log-prob only.
-  3. Labels per state (README); the official collector labels each whole-proof attempt's statement 0.95^(lines) or 0
-     (`--value-labels root`: root states only). d counts top-level tactics; failed whole proofs label their root.
-  4. Timeouts and server errors fail: lean_reward.py, trajectory_collector.py and evaluate.py count a kimina timeout
-     as a valid proof. The frontier filter passes a proof Lean accepts; filter_dataset.py passes an EMPTY kimina
-     response (valid proofs fail, errors pass). Bounds 1..6 of 8 (its docstring; its code keeps 7 of 8 too).
-  5. The value model is value_model.py's scalar head, trained end to end by regression, continued across iterations;
-     the official scripts fine-tune the LM to print the value as text (train_value_slime.sh); nothing trains the head.
-  6. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
-     fixed save directory: as we read slime, later rounds find the rollouts done). pi_old is the sampler's log-probs
-     (slime recomputes them: equal up to numerics, one step per rollout batch).
-  7. Search theorems are the training statements: the official collector reads LeanDojo Benchmark 4, which has no
-     formal_statement, and prompts with the theorem's name. Search prompts are the whole-proof prompt with its answer
-     block prefilled (the tactics so far, the goals in a comment), not ReProver's "[GOAL] ... [PROOFSTEP]".
-  8. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
+  3. The search runs (co_train.py passes its flags to trajectory_collector.py, which takes none; nothing calls
+     ValueGuidedSearchProver); tactics are sampled (K distinct lines), not ReProver's beam; before any value model,
+     the search goes by log-prob only.
+  4. Labels per state (README; the official collector labels each whole-proof attempt's statement 0.95^lines or 0:
+     --value-labels root); d counts top-level tactics; failed whole proofs label their root.
+  5. Timeouts and server errors fail (lean_reward.py, trajectory_collector.py and evaluate.py count a kimina timeout as
+     valid; filter_dataset.py passes an EMPTY response). Frontier bounds 1..6 of 8 (its docstring; its code keeps 7).
+  6. V is value_model.py's scalar head trained by regression, continued across iterations (the official scripts
+     fine-tune the LM to print the value as text; nothing trains the head).
+  7. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
+     fixed save directory: as we read slime, later rounds find the rollouts done); pi_old is the sampler's log-probs
+     (slime recomputes them: equal up to numerics).
+  8. Search theorems are the training statements (the official collector reads LeanDojo Benchmark 4, which has no
+     formal_statement), prompted by the whole-proof prompt with its answer block prefilled (tactics so far, goals in a
+     comment), not ReProver's "[GOAL] ... [PROOFSTEP]".
+  9. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
      cancels. A code block without the theorem's declaration is read as its tactic body.
-  9. lean_verify (Lean 4.15 REPL) instead of kimina and LeanDojo; each rank searches `search_batch` theorems in
-     lockstep (one generate, apply_tactics and V call per step), a theorem's 300 s on the batch's wall clock.
 """
 
 from __future__ import annotations
@@ -276,15 +272,14 @@ VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a fin
 # fields; Kimina-Prover-Promptset's formal_statement, whose text before the declaration is its header).
 def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) -> list[Problem]:
     """The statements of GRPO rollout `step` (slime --rollout-shuffle): epochs, each in its own seeded order."""
-    n, orders = len(problems), {}
-    for j in range(step * size, (step + 1) * size):
-        orders.setdefault(j // n, random.Random(f"{seed}/epoch{j // n}").sample(range(n), n))
-    return [problems[orders[j // n][j % n]] for j in range(step * size, (step + 1) * size)]
+    n = len(problems)
+    order = functools.cache(lambda epoch: random.Random(f"{seed}/epoch{epoch}").sample(range(n), n))
+    return [problems[order(j // n)[j % n]] for j in range(step * size, (step + 1) * size)]
 
 
 # ---- rewards ----
 def proof_reward(result) -> float:
-    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof; a timeout fails (deviation 4)."""
+    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof; a timeout fails (deviation 5)."""
     return 1.0 if result.valid and result.status == "valid" else 0.0
 
 
@@ -296,9 +291,8 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
 
 
 def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
-    """The value model's targets (README "gamma^d scoring"): a state on a proof path with d tactics left gets gamma^d
-    (the nearest QED when on several), every other expanded state 0. A path lists the states before each of its
-    tactics, the root first: [s_0, ..., s_{n-1}] -> gamma^n ... gamma."""
+    """The value model's targets (README "gamma^d scoring"): a state on a proof path (the states before its tactics,
+    root first) with d tactics left gets gamma^d (the nearest QED when on several), every other expanded state 0."""
     labels = {k: 0.0 for k in expanded}
     for path in proof_paths:
         for i, k in enumerate(path):
@@ -307,8 +301,8 @@ def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
 
 
 def priority(logprob: float, tokens: int, value: float, alpha: float) -> float:
-    """A search node's priority (value_guided_search.py, normalised: deviation 1): alpha * exp(logprob / tokens), the
-    geometric-mean probability of the tactic tokens on the node's path, + (1 - alpha) * V(s); both terms in [0, 1]."""
+    """A node's priority (value_guided_search.py, normalised: deviation 2), both terms in [0, 1]: alpha times the
+    geometric-mean probability of the tactic tokens on its path, exp(logprob / tokens), + (1 - alpha) * V(s)."""
     return alpha * math.exp(logprob / max(tokens, 1)) + (1 - alpha) * value
 
 
@@ -330,8 +324,8 @@ def value_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 # ---- phases ----
 # A search's record: the fields every search of the family has (coprover.py, rir.py), then the method's own fields:
-# merged states, the labelled states of step 2. A whole-proof attempt: its Sample, the code Lean accepted (None:
-# rejected or no code), Lean's status ("no_code": nothing to check), whether Lean accepted it (the reward), seconds.
+# merged states, the labelled states of step 2. A whole-proof attempt: its Sample, the code Lean accepted (else None),
+# Lean's status ("no_code": nothing to check), whether Lean accepted it (the reward), seconds.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
                                                       "merged labels")
 Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
@@ -341,16 +335,15 @@ Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds
 class Node:  # a proof state of the search (states with the same goals are one node)
     state: object  # lean_verify.TacticState
     parent: str | None = None  # the key of the node whose expansion found this state
-    logprob: float = 0.0  # the summed log-prob of the tactics on its path (deviation 1)
+    logprob: float = 0.0  # the summed log-prob of the tactics on its path (deviation 2)
     tokens: int = 0  # and their number of tokens
 
 
 def best_first_search(sampler, verifier, problems: list[Problem], score, key: str, args: Args) -> list[SearchResult]:
     """Step 1 on `problems` in lockstep (ReProver's loop, value_guided_search.py's priority): each step pops every live
     theorem's best node, samples K tactics for each (one generate call), applies the distinct ones (one apply_tactics
-    call), scores the new states with V (`score`: texts -> values; None: log-prob only, alpha 1) and pushes them;
-    known goals merge. A sample that is not one finished line, a tactic Lean rejects and a solved path the kernel
-    rejects are failed edges. A theorem stops at its first proof, an empty queue or its budget."""
+    call), scores the new states with V (`score`; None: log-prob only) and pushes them; known goals merge. A sample
+    that is not one finished line, a tactic Lean rejects and a solved path the kernel rejects are failed edges."""
     start, tie, alpha = time.monotonic(), itertools.count(1), args.alpha if score else 1.0
     trees = [dict(problem=p, nodes={r.key: Node(r)}, queue=[(0.0, 0, r.key)] if r.status == "open" else [],
                   expanded=[], proof=None, counts=collections.Counter(), seconds=0.0)
@@ -440,7 +433,7 @@ def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperatu
 
 def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist: Dist) -> list[str]:
     """Data prep (filter_dataset.py): the ids of the statements with frontier_min..frontier_max of frontier_samples
-    whole proofs at frontier_temperature proved (a pass: a proof Lean accepts, deviation 4)."""
+    whole proofs proved (deviation 5)."""
     attempts = attempt_proofs(sampler, verifier, problems, args.frontier_samples, args.frontier_temperature,
                               f"{args.seed}/frontier", args, dist)
     return [p.id for p, row in zip(problems, attempts)
@@ -489,27 +482,24 @@ def value_head(hidden: int, name: str) -> torch.nn.Module:
                                    torch.nn.Linear(hidden // 2, 1))
     saved = {k.removeprefix("value_head."): v for f in pathlib.Path(resolve_model(name)).glob("*.safetensors")
              for k, v in safetensors.torch.load_file(f).items() if k.startswith("value_head.")}
-    if saved:
-        head.load_state_dict(saved)
+    head.load_state_dict(saved, strict=bool(saved))  # nothing saved: the seed-0 head
     return head
 
 
 def value_scorer(value_model, name: str, dist: Dist):
     """What scores states in search: the value model in one process; under torchrun a full copy of its weights per rank
-    (bf16 on GPUs), since each rank searches alone and a sharded forward is a collective. A collective."""
+    (bf16 on GPUs), synced after each value update, since each rank searches alone. A collective."""
     if dist.world_size == 1:
         return value_model
-    dtype = torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    copy = AutoModelForCausalLM.from_pretrained(resolve_model(name), dtype=dtype)
-    copy.value_head = value_head(copy.config.hidden_size, name).float()
+    copy = load_model(name, Dist(0, 1, 1, dist.device, True), train=False)  # this rank's own, unsharded
+    copy.value_head = value_head(copy.config.hidden_size, name).float().to(dist.device)
     copy.load_state_dict(dict(full_state_dict_items(value_model)))
-    return copy.to(dist.device).eval()
+    return copy
 
 
 def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tensor:
-    """V(s) of a batch of states (value_model.py): left-padded prompts (their last value_max_length tokens), so the last
-    position holds the last real token, whose final hidden state goes through the head in fp32 and a sigmoid;
-    positions count real tokens only, so a value does not depend on its batch."""
+    """V(s) of a batch of states (value_model.py): the final hidden state of each left-padded prompt's last token (its
+    last value_max_length tokens) through the head in fp32 and a sigmoid; positions count real tokens only."""
     enc = tokenizer([VALUE_PROMPT.format(state=t) for t in texts], return_tensors="pt", padding=True,
                     truncation=True, max_length=args.value_max_length).to(next(model.parameters()).device)
     mask = enc["attention_mask"]
@@ -529,9 +519,8 @@ def value_scores(scorer, tokenizer, texts: list[str], args: Args) -> list[float]
 
 def train_value(value_model, optimizer, tokenizer, labels: list[tuple[str, float]], args: Args, dist: Dist,
                 rng: random.Random) -> dict[str, float]:
-    """Step 3 (configs/value_model_sft.yaml, prepare_value_data.py): value_epochs epochs over the labels so far, each
-    positive repeated positive_oversample times, shuffled, value_batch_size states a step; the mean squared error of
-    V(s); the HF/slime trainer's warm-up and cosine decay (lr_at) over this training's steps."""
+    """Step 3 (value_model_sft.yaml, prepare_value_data.py): value_epochs shuffled epochs over the labels so far, each
+    positive positive_oversample times; the mean squared error of V(s); the HF trainer's schedule over these steps."""
     data = [x for x in labels for _ in range(args.positive_oversample if x[1] > 0 else 1)]
     per_epoch = -(-len(data) // args.value_batch_size)
     total, stats = args.value_epochs * per_epoch, []
@@ -555,9 +544,8 @@ def train_value(value_model, optimizer, tokenizer, labels: list[tuple[str, float
 
 def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist: Dist, lr: float | None = None
                 ) -> dict[str, float]:
-    """Step 4, GRPO on one rollout batch (train_step_grpo.sh: advantage_estimator grpo, calculate_per_token_loss, eps
-    0.2 / 0.28, no KL, no entropy bonus): group advantages, then grpo_minibatches optimizer steps, pi_old the sampler's
-    log-probs. A sample with advantage 0 adds no gradient and is not run; its tokens count in the denominator."""
+    """Step 4, GRPO on one rollout batch (train_step_grpo.sh, no KL, no entropy bonus): grpo_minibatches optimizer
+    steps; a sample with advantage 0 adds no gradient and is not run, but its tokens count in the denominator."""
     items = [(a.sample, adv) for row in groups for a, adv in zip(row, group_advantages([a.correct for a in row]))]
     size, stats = -(-len(items) // args.grpo_minibatches), []
     for minibatch in [items[i : i + size] for i in range(0, len(items), size)]:

@@ -7,14 +7,13 @@ ReProver, read at fd6d99c); this file copies none of it.
 
 Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR splits the step in two policies: the
 PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
-the ACTOR pi_l(y | s, s*) a tactic that reaches it. Here both are ONE decoder LM prompted in the official text formats
-([CURRENT GOAL] / [TARGET GOAL] / [PROOFSTEP]); the official code trains two ByT5-small models. Each iteration:
+the ACTOR pi_l(y | s, s*) a tactic that reaches it, both in the official text formats ([CURRENT GOAL] / [TARGET GOAL] /
+[PROOFSTEP]). Each iteration:
   1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples D_t with
      L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)], the loss on the output tokens only;
-  2. search: best-first (official) or MCTS (ours) over Lean's tactic mode (lean_verify); an expansion pops the best
-     open node, the planner proposes 5 target states, the actor 64 tactics for each, Lean runs them; a new node's
-     priority is its parent's + log p(y | s, s*) + log p(s* | s); equal states merge; a search stops at the first
-     proof or at its budget (wall-clock seconds and expansions);
+  2. search: best-first (official) or MCTS (ours) over Lean's tactic mode; an expansion pops the best open node, the
+     planner proposes target states, the actor tactics for each, Lean runs them; a new node's priority is its
+     parent's + log p(y | s, s*) + log p(s* | s); a search stops at the first proof or at its budget;
   3. self-play (ours, expert iteration): proofs found on the self-play theorems are replayed through Lean into new
      (s, y, s') triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
 Metrics (metrics.jsonl, step = iterations done): eval/pass@1 under the budget (Tables 1-2), eval/{planner,actor,env}_
@@ -30,19 +29,21 @@ split (the RiR authors' Hugging Face upload, or train.json of zenodo.org/records
 utils/download_data.py fetches it); the theorems are miniF2F (valid for self-play, test for the evaluation).
 
 Deliberate deviations:
-  1. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
+  1. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals (joined by blank
+     lines), merged by goals_key; a proof counts only if check_tactic_path accepts it whole (kernel, statement).
+     A tactic proposed under two targets runs once; the tactics of one target run as one batch, and the expansion
+     stops after the first batch that proves (official: one tactic at a time); a per-tactic limit of lean_timeout
+     seconds. One theorem at a time per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N
+     expansions (ReProver's allows N + 1).
+  2. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
      generator); each step sums both roles' losses; Qwen2.5-0.5B at lr 2e-5 (ByT5: 8e-4, 7e-4); 32 triples per step
      (official: 64 planner, 32 actor sequences); the cosine runs over the steps run (official: over 500k, stopped ~40k).
-  2. Sampling at temperature 1, deduplicated, ranked by the sampled tokens' summed log-probs, instead of beam search
+  3. Sampling at temperature 1, deduplicated, ranked by the sampled tokens' summed log-probs, instead of beam search
      with length_penalty 0 (as ReProver's vLLM generator does).
-  3. The flat baseline's prompt is `[CURRENT GOAL]\\n{s}\\n[PROOFSTEP]\\n` (official: the bare state, an encoder input);
+  4. The flat baseline's prompt is `[CURRENT GOAL]\\n{s}\\n[PROOFSTEP]\\n` (official: the bare state, an encoder input);
      states are cut to their first max_state_tokens tokens (official: the first 2300 bytes).
-  4. Equal budgets for RiR and the flat baseline: 600 s (the scripts' and ReProver's default) and the same expansion
+  5. Equal budgets for RiR and the flat baseline: 600 s (the scripts' and ReProver's default) and the same expansion
      cap; the official logged comparison gave RiR 3200 s and ReProver 600 s.
-  5. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals joined by blank lines,
-     merged by goals_key; a proof counts only if check_tactic_path accepts it whole; a tactic proposed under two
-     targets runs once; the tactics of one target run as one batch, and the expansion stops after the first batch that
-     proves (official: one tactic at a time); a per-tactic limit of lean_timeout seconds.
   6. LeanDojo Benchmark 4's test theorems need their source files (LeanDojo's Dojo), so its test column is not
      reproduced: its train split is the co-training data, theorems are statements (miniF2F).
   7. MCTS is ours (no code was released): PUCT with the planner x actor probability of the edges that found a child as
@@ -50,9 +51,7 @@ Deliberate deviations:
      again), a proof ends the search; visits and values live on states (the first parent to find a state owns it);
      one simulation = one expansion, so the budgets are the BFS ones.
   8. Self-play iterations are ours (expert iteration); each continues from the current weights and optimizer.
-  9. One theorem at a time per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N expansions
-     (ReProver's allows N + 1).
- 10. The default loss is each role's token mean over the batch (official: each T5's loss is the mean over its output
+  9. The default loss is each role's token mean over the batch (official: each T5's loss is the mean over its output
      tokens); --loss-reduction sequence is L_co as written.
 """
 
@@ -230,7 +229,7 @@ PLANNER_PROMPT = "[CURRENT GOAL]\n{state}\n[TARGET GOAL]\n"
 ACTOR_PROMPT = "[CURRENT GOAL]\n{state}\n[TARGET GOAL]\n{target}\n[PROOFSTEP]\n"
 JOINT_PROMPT = "[CURRENT GOAL]\n{state}\n"
 JOINT_TARGET = "[TARGET GOAL]\n{target}\n[PROOFSTEP]\n{tactic}\n"
-FLAT_PROMPT = "[CURRENT GOAL]\n{state}\n[PROOFSTEP]\n"  # deviation 3: a decoder needs a marker where the tactic starts
+FLAT_PROMPT = "[CURRENT GOAL]\n{state}\n[PROOFSTEP]\n"  # deviation 4: a decoder needs a marker where the tactic starts
 GOAL_STOP = "\n[PROOFSTEP]"  # where a target state ends in the joint format
 NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof: the planner's target for it
 
@@ -246,18 +245,16 @@ def clip(tokenizer, text: str, max_tokens: int) -> str:
 
 
 # ---- rewards ----
-# RiR has no reward model: what ranks the search is the policy's own log-probabilities. These scores are the
-# search's arithmetic, pure functions of a node's numbers.
+# RiR has no reward model: the policy's own log-probabilities rank the search; these are its arithmetic.
 def child_priority(parent_priority: float, logp_goal: float, logp_tactic: float) -> float:
     """Best-first priority of a new node (official prover_rir _run_tactic): the parent's cumulative log-probability
     plus log p(y | s, s*) + log p(s* | s); the flat baseline has log p(s* | s) = 0 (ReProver)."""
     return parent_priority + logp_tactic + logp_goal
 
 
-def puct_score(value: float, visits: int, prior: float, parent_value: float, parent_visits: int,
-               c_puct: float) -> float:
-    """MCTS selection (ours): Q + c_puct P sqrt(N_parent) / (1 + N); an unvisited child takes its parent's mean
-    value as Q (first-play urgency)."""
+def puct_score(value: float, visits: int, prior: float, parent_value: float, parent_visits: int, c_puct: float
+               ) -> float:
+    """MCTS selection (ours): Q + c_puct P sqrt(N_parent) / (1 + N), Q of an unvisited child its parent's mean value."""
     q = value / visits if visits else parent_value / max(parent_visits, 1)
     return q + c_puct * prior * math.sqrt(parent_visits) / (1 + visits)
 
@@ -271,8 +268,7 @@ def edge_priors(log_masses: list[float]) -> list[float]:
 
 
 def search_time_cdf(times: list[float], total: int) -> list[tuple[float, int, float]]:
-    """Figure 3: for each proved theorem's search time t (sorted), the theorems proved within t and their share of all
-    `total` searched theorems."""
+    """Figure 3: each proved theorem's search time t (sorted), the theorems proved within t, their share of `total`."""
     return [(t, k, k / total) for k, t in enumerate(sorted(times), 1)]
 
 
@@ -288,7 +284,7 @@ def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor
 
 
 # ---- phases ----
-# A search's record: the fields every search of the family has (coprover.py's too), then the method's own fields:
+# A search's record: the fields every search of the family has (coprover.py, rir.py), then the method's own fields:
 # whether the proof came within the budget, the official "Search Statistics" (seconds per role). A proposal: target
 # state s* (None without the planner), tactic y (None for a malformed sample: a failed edge), their log-probabilities.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
@@ -321,10 +317,9 @@ def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
 
 
 def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[Edge], float, float]:
-    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): the planner samples
-    num_sampled_goals targets s* ~ pi_h(. | s), the actor num_sampled_tactics tactics y ~ pi_l(. | s, s*) for each
-    (without planner, y ~ pi(. | s)). Returns the edges in the official order (targets, then tactics, by log-prob;
-    malformed samples last, as failed edges), the planner's and the actor's seconds. Each call has its own key."""
+    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): targets s* ~ pi_h(. | s),
+    then tactics y ~ pi_l(. | s, s*) for each (flat: y ~ pi(. | s)). Returns the edges in the official order (by
+    log-prob; malformed samples last, as failed edges), the planner's and the actor's seconds."""
     state, planner_seconds = clip(tokenizer, state, args.max_state_tokens), 0.0
     targets, failed_plans = [(None, 0.0)], []
     if args.planner:
@@ -347,11 +342,9 @@ def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[
 
 
 def expand(node: Node, edges: list[Edge], verifier, nodes: dict) -> tuple[object, collections.Counter]:
-    """One expansion after the proposals (official _step): the tactics run on the node's state, one batch per target
-    in the planner's order, until a batch proves the theorem (check_tactic_path accepts the whole proof). A new open
-    state becomes a child at priority parent + log p(y | s, s*) + log p(s* | s); a known state merges into its node;
-    errors, timeouts and malformed proposals are failed edges. Returns (the proved state or None, env seconds and
-    edge counts)."""
+    """One expansion (official _step): the tactics run on the node's state, one batch per target in the planner's
+    order, until a batch proves the theorem; a new open state becomes a child (child_priority), a known one merges;
+    errors, timeouts and malformed proposals are failed edges. Returns (the proof or None, env seconds, edge counts)."""
     tried, counts, mass = {}, collections.Counter(), {}
     for _, group in itertools.groupby(edges, key=lambda e: e.target):
         group, start = list(group), time.monotonic()
@@ -383,8 +376,7 @@ def expand(node: Node, edges: list[Edge], verifier, nodes: dict) -> tuple[object
 
 
 def select(root: Node, c_puct: float) -> list[Node]:
-    """MCTS selection (ours): from the root, the live child with the best PUCT score, down to a node not yet
-    expanded. Returns the path."""
+    """MCTS selection (ours): the path from the root by the live child of best PUCT score, down to a leaf."""
     path = [root]
     while path[-1].expanded:
         parent = path[-1]
@@ -394,8 +386,7 @@ def select(root: Node, c_puct: float) -> list[Node]:
 
 
 def backup(path: list[Node], value: float) -> None:
-    """MCTS backup (ours): every node of the path counts the visit and adds the leaf's value; a node whose children
-    are all dead is dead."""
+    """MCTS backup (ours): the path's nodes count the visit and add the leaf's value; all children dead: dead."""
     for node in path:
         node.visits, node.value = node.visits + 1, node.value + value
     for node in reversed(path[:-1]):
@@ -404,10 +395,8 @@ def backup(path: list[Node], value: float) -> None:
 
 def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
     """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree or the
-    budget (search_timeout seconds of wall clock, max_expansions expansions). BFS pops the open node of highest
-    priority; MCTS selects by PUCT and backs up leaf_value (0 for a dead end). As officially, the clock is checked
-    after each expansion, and a proof found past the timeout does not count. `plan_and_act(state_text, expansion)` ->
-    (edges, planner seconds, actor seconds)."""
+    budget; as officially, the clock is checked after each expansion and a proof past the timeout does not count.
+    `plan_and_act(state_text, expansion)` -> (edges, planner seconds, actor seconds)."""
     root = Node(verifier.start_proof(problem.header, problem.statement))
     nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
     proof, expansions, start = None, 0, clock()
@@ -418,8 +407,7 @@ def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monot
         path = [heapq.heappop(frontier)[2]] if args.search == "bfs" else select(root, args.c_puct)
         edges, planner_seconds, actor_seconds = plan_and_act(path[-1].state.pretty, expansions)
         proof, stats = expand(path[-1], edges, verifier, nodes)
-        counts.update(stats)
-        counts.update(planner=planner_seconds, actor=actor_seconds)
+        counts.update(stats, planner=planner_seconds, actor=actor_seconds)
         expansions += 1
         if args.search == "bfs":
             for child in path[-1].children:
@@ -433,7 +421,7 @@ def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monot
 
 
 def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dist: Dist) -> list[SearchResult]:
-    """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 9)."""
+    """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 1)."""
     def run(mine: list[Problem]) -> list[SearchResult]:
         return [prove(p, lambda state, k, p=p: propose(sampler, sampler.tokenizer, state, f"{key}/{p.id}/{k}", args),
                       verifier, args) for p in mine]
@@ -454,10 +442,9 @@ def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult]
 
 
 def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tuple[Sample, int]]]:
-    """Each triple (s, y*, s*) as the sequences of L_co, (Sample, role) pairs: the planner's PLANNER_PROMPT(s) -> s*
-    (role 0) and the actor's ACTOR_PROMPT(s, s*) -> y* (role 1) (official collate: gen_type goal, goal_driven_tactic);
-    one JOINT_PROMPT(s) -> JOINT_TARGET sequence with --joint-format (role 0); FLAT_PROMPT(s) -> y* without planner.
-    Targets end with end-of-sequence, as the sampler stops."""
+    """Each triple (s, y*, s*) as the sequences of L_co, (Sample, role) pairs ending in end-of-sequence: PLANNER_PROMPT
+    -> s* (role 0) and ACTOR_PROMPT -> y* (role 1) (official collate: gen_type goal, goal_driven_tactic); one JOINT
+    sequence (role 0) with --joint-format; FLAT_PROMPT -> y* (role 1) without planner."""
     def sequence(prompt: str, target: str, limit: int, role: int) -> tuple[Sample, int]:
         ids = tokenizer(target, add_special_tokens=False).input_ids[:limit] + [tokenizer.eos_token_id]
         return Sample(target, encode_prompt(tokenizer, prompt), ids, [], "stop"), role
