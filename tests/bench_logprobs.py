@@ -1,51 +1,85 @@
-"""Benchmark (by hand, not a test): the block's token_logprobs against a naive full-logits reference.
+"""Benchmark (by hand, not a test): the block's token_logprobs against a naive full-logits reference and TRL 1.16.0's
+fused LM head (what a GRPO user would otherwise run), at two shapes, side by side in one run.
 
-    python tests/bench_logprobs.py            # both variants, side by side, then the comparison
+    python tests/bench_logprobs.py                 # every variant at both shapes, then the table
+    python tests/bench_logprobs.py --shapes 1024x256
 
-A 2-layer Llama with a 151,936-token vocabulary (Qwen2.5's), micro-batch 4, prompt 1024 and completion 256 tokens, fp32
-on CPU; one forward + backward of the summed log-probs. Each variant runs in its own process so that its peak
-memory (resident set size above the level before the step, sampled every 2 ms) is its own. The reference is what
-the block did before: logits for every prompt and completion position, an fp32 log-softmax over all of them."""
+A 2-layer Llama with a 151,936-token vocabulary (Qwen2.5's, hidden 256, tied head), batch 4 x (prompt + completion)
+tokens, fp32 on the CPU; one forward + backward of the completion tokens' summed log-probs. Each variant runs in its
+own process, so that its peak memory (resident set size above the level before the step, sampled every 2 ms) is its
+own. Variants:
+  naive            logits for every prompt and completion position, one fp32 log-softmax (what the block did once)
+  token_logprobs   the block: the head inside the forward, a chunk of completion positions at a time, again in backward
+  trl              TRL's GRPOTrainer path (trl.trainer.utils.add_fused_lm_head, trl/kernels/chunked_logprob.py: tiles of
+                   4096 tokens x 32768 vocabulary entries, online logsumexp, the head recomputed in backward); on a CPU
+                   it scores every position of the sequence
+  trl_completion   the same with the selection it makes on CUDA: completion rows only (torch tiles on a CPU)
+TRL is not a requirement of this project: install it in a virtualenv of its own and the bench uses it,
+    python -m venv .venv-trl && .venv-trl/bin/pip install torch==2.13.0 transformers==5.23.0 trl==1.16.0 psutil
+(or pass --trl-python PATH); without it the TRL rows are left out. Values and gradients are compared with naive's."""
 
+import argparse
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 
-VOCAB, HIDDEN, PROMPT, COMPLETION, BATCH = 151_936, 256, 1024, 256, 4
+VOCAB, HIDDEN, BATCH = 151_936, 256, 4
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def naive(policy, samples, temperature=1.0):
-    import torch
-
-    ids = torch.tensor([s.prompt_ids + s.token_ids for s in samples])
-    z = policy(input_ids=ids, use_cache=False).logits.float() / temperature
-    P = len(samples[0].prompt_ids)
-    logp = z.log_softmax(-1)[:, P - 1 : -1].gather(-1, ids[:, P:, None])[..., 0]
-    return logp, torch.ones_like(logp)
-
-
-def run(variant: str, out: str) -> None:
-    import psutil
+def build(prompt: int, completion: int):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _block import load_block
-
-    B = load_block()
     torch.manual_seed(0)
-    torch.set_num_threads(os.cpu_count())
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
-    policy = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(1)
-    samples = [B.Sample("", torch.randint(VOCAB, (PROMPT,), generator=g).tolist(),
-                        torch.randint(VOCAB, (COMPLETION,), generator=g).tolist(), [], "length") for _ in range(BATCH)]
-    fn = naive if variant == "naive" else B.token_logprobs
+    ids = torch.randint(VOCAB, (BATCH, prompt + completion), generator=g)
+    return LlamaForCausalLM(config), ids
+
+
+def naive(policy, ids, prompt):
+    z = policy(input_ids=ids, use_cache=False).logits.float()
+    return z.log_softmax(-1)[:, prompt - 1 : -1].gather(-1, ids[:, prompt:, None])[..., 0]
+
+
+def block(policy, ids, prompt):
+    samples = [B.Sample("", row[:prompt].tolist(), row[prompt:].tolist(), [], "length") for row in ids]
+    return B.token_logprobs(policy, samples)[0]
+
+
+def trl(policy, ids, prompt):
+    labels = ids.clone()
+    labels[:, :prompt] = -100
+    out = policy(input_ids=ids, attention_mask=ids.new_ones(ids.shape), labels=labels, fused_lm_head=True)
+    return out.log_probs[:, -(ids.shape[1] - prompt) :]
+
+
+def run(variant: str, prompt: int, completion: int, out: str) -> None:
+    import psutil
+    import torch
+
+    torch.set_num_threads(os.cpu_count())
+    policy, ids = build(prompt, completion)
+    if variant == "token_logprobs":  # imports before the clock starts
+        global B
+        sys.path.insert(0, str(REPO / "tests"))
+        from _block import load_block
+
+        B = load_block()
+    if variant.startswith("trl"):
+        import trl.trainer.utils as trl_utils
+
+        if variant == "trl_completion":  # the selection TRL makes on CUDA; the tiles stay torch's on a CPU
+            trl_utils._use_triton = lambda device: True
+        trl_utils.add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs",))
+    fn = {"naive": naive, "token_logprobs": block, "trl": trl, "trl_completion": trl}[variant]
     proc, peak, running = psutil.Process(), [0], [True]
 
     def sample_rss():
@@ -57,37 +91,49 @@ def run(variant: str, out: str) -> None:
     watcher = threading.Thread(target=sample_rss)
     watcher.start()
     start = time.perf_counter()
-    logp, mask = fn(policy, samples)[:2]
-    (logp * mask).sum().backward()
+    logp = fn(policy, ids, prompt)
+    logp.sum().backward()
     seconds = time.perf_counter() - start
     running[0] = False
     watcher.join()
-    torch.save({"logp": logp.detach(), "grad": policy.model.embed_tokens.weight.grad[:1000].clone()}, out + ".pt")
+    grads = {name: p.grad for name, p in policy.named_parameters() if p.grad is not None}
+    torch.save({"logp": logp.detach(), "grads": {k: v[:2000] if v.dim() > 1 else v for k, v in grads.items()}},
+               out + ".pt")
     with open(out, "w") as f:
-        json.dump({"seconds": seconds, "peak_gb": (peak[0] - before) / 2**30}, f)
+        json.dump({"seconds": seconds, "peak_gib": (peak[0] - before) / 2**30}, f)
 
 
 def main() -> None:
     import torch
 
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shapes", nargs="+", default=["1024x256", "256x1024"], help="prompt x completion")
+    parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    args = parser.parse_args()
+    has_trl = os.path.exists(args.trl_python) and subprocess.run(
+        [args.trl_python, "-c", "import trl"], capture_output=True).returncode == 0
     tmp = tempfile.mkdtemp()
-    results = {}
-    for variant in ("naive", "token_logprobs"):
-        out = os.path.join(tmp, variant)
-        subprocess.run([sys.executable, __file__, variant, out], check=True)
-        results[variant] = {**json.load(open(out)), **torch.load(out + ".pt")}
-    a, b = results["naive"], results["token_logprobs"]
-    diff = (a["logp"] - b["logp"]).abs().max().item()
-    grad_diff = (a["grad"] - b["grad"]).abs().max().item()
-    print(f"2-layer Llama, vocab {VOCAB}, hidden {HIDDEN}, batch {BATCH} x (prompt {PROMPT} + completion {COMPLETION}),"
-          f" fp32, CPU ({os.cpu_count()} cores), forward + backward")
-    print(f"{'':16}{'seconds':>10}{'peak GiB':>10}")
-    for name, r in results.items():
-        print(f"{name:16}{r['seconds']:10.2f}{r['peak_gb']:10.2f}")
-    print(f"token_logprobs: {a['peak_gb'] / b['peak_gb']:.1f}x less peak memory, {a['seconds'] / b['seconds']:.1f}x faster;"
-          f" max |logp difference| {diff:.2e}, max |gradient difference| {grad_diff:.2e}")
-    assert diff <= 1e-5, diff
+    print(f"2-layer Llama, vocabulary {VOCAB}, hidden {HIDDEN}, tied head, fp32, CPU ({os.cpu_count()} cores), "
+          f"forward + backward; batch {BATCH} x (prompt + completion)" + ("" if has_trl else "; no TRL (see --help)"))
+    print(f"{'shape':>12} {'variant':16}{'seconds':>9}{'peak GiB':>10}{'max |dlogp|':>13}{'max |dgrad|':>13}")
+    for shape in args.shapes:
+        prompt, completion = map(int, shape.split("x"))
+        results = {}
+        for variant in ["naive", "token_logprobs"] + (["trl", "trl_completion"] if has_trl else []):
+            out = os.path.join(tmp, f"{variant}-{shape}")
+            python = args.trl_python if variant.startswith("trl") else sys.executable
+            subprocess.run([python, __file__, "--run", variant, str(prompt), str(completion), out], check=True)
+            results[variant] = {**json.load(open(out)), **torch.load(out + ".pt")}
+        ref = results["naive"]
+        for variant, r in results.items():
+            dlogp = (r["logp"] - ref["logp"]).abs().max().item()
+            dgrad = max((r["grads"][k] - g).abs().max().item() for k, g in ref["grads"].items())
+            print(f"{prompt:>5}+{completion:<6} {variant:16}{r['seconds']:9.2f}{r['peak_gib']:10.2f}{dlogp:13.1e}"
+                  f"{dgrad:13.1e}")
 
 
 if __name__ == "__main__":
-    run(sys.argv[1], sys.argv[2]) if len(sys.argv) == 3 else main()
+    if len(sys.argv) == 6 and sys.argv[1] == "--run":
+        run(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+    else:
+        main()

@@ -604,8 +604,9 @@ def test_fsdp2_two_ranks_sync_into_the_vllm_double(tmp_path, tiny_model_dir):
 
 @pytest.mark.gpu
 def test_gpu_vllm_greedy_survives_sleep_and_sync(tmp_path, tiny_model_dir):
-    """On a GPU with vLLM: greedy output identical before and after sleep(level 2) + sync, and vLLM's processed
-    log-probs close to token_logprobs at the same temperature (2 ranks)."""
+    """On a GPU with vLLM (its default model runner, V2 for dense models): after a training step, a level-2 sleep and
+    a sync, the engine's greedy output equals greedy generation from the same trained weights that never slept (plain
+    transformers); vLLM's processed log-probs stay close to token_logprobs at the same temperature (2 ranks)."""
     pytest.importorskip("vllm")
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
     done = subprocess.run(
