@@ -341,8 +341,7 @@ def compact(sample: Sample) -> Sample:  # 4 bytes a token, not ~36 in a list: D_
 
 
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
-    """The Guide's three sub-scores, or None if one is missing or not a number. As the official parser (prompts.py,
-    extract_guide_*_score): the text between the last begin and the last end tag, as a float (no range check)."""
+    """As official extract_guide_*_score: each text between the last begin and end tags as a float (no range check)."""
     try:
         return {name: float(completion[completion.rindex(f"<begin_{name}_score>") + len(f"<begin_{name}_score>") :
                                        completion.rindex(f"<end_{name}_score>")]) for name in GUIDE_SCORES}
@@ -357,9 +356,8 @@ def solve_rate(attempts: list[Attempt]) -> float:
 
 
 def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
-    """Eq. 3: R_guide = 0 if the conclusion is tangled (complexity 3 or 4), else relevance + (2 - complexity)
-    + (1 - redundancy), floored at 0 (official sub_scores_to_review). A failed parse (None) gets the mean of the
-    parsed ones, or 0 when none parsed (official LLMJudgeGuide.review; then every Conjecturer weight is 1)."""
+    """Eq. 3 (official sub_scores_to_review): 0 if complexity is 3 or 4, else max(0, relevance + (2 - complexity) +
+    (1 - redundancy)); a failed parse gets the others' mean, or 0 (official LLMJudgeGuide.review: then weights 1)."""
     values = [None if r is None else 0.0 if r["conclusion_complexity"] in (3, 4) else
               max(0.0, r["relevance"] + (2.0 - r["conclusion_complexity"]) + (1.0 - r["redundancy"])) for r in reviews]
     parsed = [v for v in values if v is not None]
@@ -367,8 +365,7 @@ def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
 
 
 def percentile_cut(rates: list[float], q: float = 0.7) -> float:
-    """The q-th percentile of the conjecture solve rates strictly inside (0, 1) as the official code takes it (the
-    element at index int(q n) of the sorted rates); 0 when there are none."""
+    """The official q-th percentile of the solve rates inside (0, 1): sorted(rates)[int(q n)]; 0 when there are none."""
     inside = sorted(r for r in rates if 0.0 < r < 1.0)
     return inside[int(q * len(inside))] if inside else 0.0
 
@@ -494,8 +491,7 @@ def record_proofs(proofs: dict[str, list[dict]], attempts: dict[str, list[Attemp
 
 def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], rates: dict[str, float],
                     proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
-    """The Solver's training set for this iteration, by objective:
-    REINFORCE½ (§3.2): correct attempts at problems (targets and conjectures) with 0 < s <= 1/2, weight = reward;
+    """By objective: REINFORCE½ (§3.2): correct attempts at problems with 0 < s <= 1/2, weight = reward;
     CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups;
     expert iteration (App. G.4): stored target proofs found in the last ei_window iterations, weight = reward.
     Left out: REINFORCE½/EI proofs using `try` (official), CISPO attempts of advantage 0 (deviation 5)."""
@@ -522,9 +518,8 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
 
 def conjecturer_examples(selected: list[Conjecture], rates: dict[str, float], r_guide: list[float], args: Args,
                          rng: random.Random) -> list[Example]:
-    """The Conjecturer's training set (§3.2): weight R_guide * (1 - s), min-max normalised, or an overlong
-    generation's penalty. As the official prepare_conjecturer_train_data: the target is the whole generation,
-    reasoning included, and a conjecture of weight 0 stays in the batch (its tokens count in the denominator)."""
+    """Weight R_guide * (1 - s), min-max normalised (§3.2), or the overlong penalty. As official
+    prepare_conjecturer_train_data: the whole generation is the target; weight 0 stays (its tokens count)."""
     penalties = [overlong_penalty(len(c.sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
                  for c in selected]
     rewards = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
@@ -566,15 +561,16 @@ def update(policy, optimizer, examples: list[Example], lr: float, objective: str
 
 
 # ---- evaluation ----
-def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int
-                  ) -> dict[str, float]:
-    """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever proved); this iteration's
-    pass@k over the targets attempted (Fig. 3); the Solver's entropy (Fig. 7, deviation 4); Lean's verdicts."""
+def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int,
+                  generations: int = 0) -> dict[str, float]:
+    """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever proved) against generations;
+    this iteration's pass@k over the targets attempted (Fig. 3), the Solver's entropy (Fig. 7, deviation 4), Lean's."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
     rates = [solve_rate(row) for pid, row in attempts.items() if pid not in proofs]  # of the conjectures
     every = [a for row in attempts.values() for a in row]
     logps, statuses = np.concatenate([a.sample.logprobs for a in every] or [np.zeros(0)]), [a.status for a in every]
     return {"charts/cumulative_solve_rate": sum(bool(proofs[t.id]) for t in targets) / len(targets),
+            "charts/generations": generations,
             f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in row), k) for row in tried or [[]]])),
             "charts/targets_attempted": len(tried), "solver/entropy": -float(logps.mean()) if logps.size else 0.0,
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
@@ -596,8 +592,7 @@ def main(args: Args) -> None:
         print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
     targets = load_problems(args.dataset, args.num_problems)
 
-    # the Solver and the Conjecturer are two trained copies of the base model, the Guide a frozen one; one sampler
-    # serves all three (sync_weights loads a role's weights before it generates)
+    # the Solver and the Conjecturer: two trained copies of the base model; the Guide: a frozen one (deviation 7)
     tokenizer = load_tokenizer(args.model)
     solver = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     conjecturer = load_model(args.conjecturer_model or args.model, dist, train_conjecturer,
@@ -639,11 +634,8 @@ def main(args: Args) -> None:
             record_proofs(proofs, attempts, iteration, args.max_stored_proofs)
             rates = {pid: solve_rate(row) for pid, row in attempts.items()}  # s
 
-        # 3. The Solver's training set (REINFORCE½, CISPO or EI)
-        solver_set = solver_examples(problems, attempts, rates, proofs, iteration, args, rng)
-
-        # 4. The Conjecturer's training set: 0 < s <= p70, R = R_guide * (1 - s), min-max normalised
-        conjecturer_set = []
+        # 3-4. The Solver's training set (REINFORCE½, CISPO or EI); the Conjecturer's: 0 < s <= p70, R = R_guide (1 - s)
+        solver_set, conjecturer_set = solver_examples(problems, attempts, rates, proofs, iteration, args, rng), []
         if train_conjecturer and conjectures:
             with logger.timer("guide"):
                 p70 = percentile_cut([rates[c.id] for c in conjectures], args.conjecture_percentile)
@@ -656,7 +648,7 @@ def main(args: Args) -> None:
                 conjecturer_set = conjecturer_examples(selected, rates, r_guide, args, rng)
                 metrics.update({"conjecturer/p70": p70, "conjecturer/selected": len(selected)})
 
-        # 5. Update the Solver and the Conjecturer, each from a fresh Adam state (official: a new trainer each time)
+        # 5. Update the Solver and the Conjecturer
         with logger.timer("update"):
             sampler.sleep()
             roles = {"solver": (solver_set, args.learning_rate, args.solver_objective),
@@ -666,9 +658,8 @@ def main(args: Args) -> None:
                     stats = update(*models[name], examples, lr, objective, args, dist)
                     metrics.update({f"losses/{name}_{k}": v for k, v in stats.items()})
 
-        metrics.update({"charts/generations": state["generations"], "data/solver_examples": len(solver_set),
-                        "data/conjecturer_examples": len(conjecturer_set),
-                        **solve_metrics(targets, proofs, attempts, args.proofs_per_problem)})
+        metrics.update({"data/solver_examples": len(solver_set), "data/conjecturer_examples": len(conjecturer_set),
+                        **solve_metrics(targets, proofs, attempts, args.proofs_per_problem, state["generations"])})
         logger.log(metrics, step=iteration + 1)
         done = args.max_generations is not None and state["generations"] >= args.max_generations
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or done:

@@ -301,15 +301,9 @@ def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: 
 
 
 def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) -> list[bool]:
-    """Per group (conjectures sharing a lemma) of two or more, drop the proof/statement length ratios below the
-    group's sorted(ratios)[int(size * quantile)] (official filter_by_ratio: no interpolation)."""
-    keep = [True] * len(ratios)
-    for g in set(groups):
-        idx = [i for i, x in enumerate(groups) if x == g]
-        cut = sorted(ratios[i] for i in idx)[int(len(idx) * quantile)]
-        for i in idx:
-            keep[i] = ratios[i] >= cut or len(idx) < 2
-    return keep
+    """Official filter_by_ratio: drop a ratio below its group's sorted(ratios)[int(size * quantile)] (size >= 2)."""
+    group = {g: sorted(r for x, r in zip(groups, ratios) if x == g) for g in set(groups)}
+    return [len(group[g]) < 2 or r >= group[g][int(len(group[g]) * quantile)] for g, r in zip(groups, ratios)]
 
 
 def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
@@ -331,11 +325,8 @@ def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: ra
 
 def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
     """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
-    chunks = correct.shape[1] // k
-    if chunks == 0:
-        return float("nan"), None
-    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(chunks)]
-    return float(np.mean(solved)), (float(np.std(solved)) if chunks >= 4 else None)
+    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(correct.shape[1] // k)]
+    return (float(np.mean(solved)) if solved else float("nan")), (float(np.std(solved)) if len(solved) >= 4 else None)
 
 
 # ---- losses ----
@@ -348,9 +339,8 @@ def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Ten
 # ---- phases ----
 def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
                  ) -> list[tuple[Problem, str, str]]:
-    """Seeds (official Sampler_base.select): every iteration's proofs of statements with a best success rate above
-    0.35, in random order, each with the lemmas it invokes and (p = 1/2) the empty lemma; each lemma, the empty one
-    too, in at most 10% of #statements seeds; at most #statements (statement, proof, lemma)."""
+    """Official Sampler_base.select: the proofs of statements with a best success rate above 0.35, shuffled, each with
+    its invoked lemmas and (p = 1/2) the empty one; a lemma in at most 10% of #statements seeds; #statements at most."""
     candidates = [(s, p["proof"]) for s in statements if best_rate(history, s.id) > args.seed_threshold
                   for p in proofs.get(s.id, [])]
     rng.shuffle(candidates)  # official: then sorted by conjecture level, 0 for every dataset statement
@@ -398,9 +388,8 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
 
 def select_targets(statements: list[Problem], conjectures: list[Conjecture], proofs: dict, history: dict,
                    seeded: bool, args: Args, rng: random.Random) -> list[Problem]:
-    """Targets (official Sampler_base.select): unproved dataset statements and conjectures, then proved statements
-    whose best success rate is below 0.35 or drawn (p = 0.05); every dataset statement in an iteration with no seed.
-    The baselines (Sampler_naive): the unproved statements."""
+    """Official Sampler_base.select: unproved statements and conjectures, proved statements with a best success rate
+    below 0.35 or drawn (p = 0.05); all statements when there is no seed; the baselines' (Sampler_naive): unproved."""
     unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
         return unproved
@@ -442,9 +431,8 @@ def record_proofs(history: dict, proofs: dict, attempts: dict[str, list[Attempt]
 
 def prover_examples(problems: dict, history: dict, proofs: dict, iteration: int, args: Args, tokenizer
                     ) -> list[Example]:
-    """The prover's data (official RL_step2_train): the correct proofs in the last 3 iterations of statements with
-    success in (0, 1/2] over them; a proof found in several iterations is one example (its newest Lean time) but
-    counts once per iteration in the weight's #correct."""
+    """The prover's data (official RL_step2_train): the correct proofs of the last 3 iterations of statements with
+    success in (0, 1/2] over them; one example a proof (its newest Lean time), #correct counting each iteration's."""
     examples = []
     for pid, rounds in history.items():
         window = [v for r, v in rounds.items() if iteration - args.replay_rounds < r <= iteration]  # (samples, correct)
@@ -481,9 +469,8 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
 def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: dict, unproved: list[Problem],
                          iteration: int, policy, tokenizer, args: Args, dist: Dist, rng: random.Random
                          ) -> tuple[list[Example], dict]:
-    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4 (with
-    their lemma if a proof of this iteration invokes it), minus the least elegant (shortest proof in the replay buffer
-    against the statement), weighted by matching_weights."""
+    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4, with
+    their lemma if a proof of this iteration invokes it, but the least elegant (elegance_filter), matching_weights."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts.get(c.id, [])) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
                                                    for p in proofs[c.id] if p["iteration"] == iteration)]
@@ -505,9 +492,8 @@ def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: 
 
 def final_examples(problems: dict, history: dict, proofs: dict, originals: set, sft: list[dict], args: Args,
                    tokenizer, rng: random.Random) -> list[Example]:
-    """Stage 3 data (official RL_step3_final_model): the SFT rows but LeanWorkbook's (prepare_datasets: mathlib.json),
-    then the proofs of each iteration whose statement's success in it is <= 1/4 (dataset statements: all), shuffled,
-    distinct, at most 16 per statement, none an SFT (prompt, target)."""
+    """Official RL_step3_final_model: the SFT rows but LeanWorkbook's (mathlib.json), then each iteration's proofs of
+    statements with success <= 1/4 in it (dataset statements: all), shuffled, distinct, <= 16 a statement, not SFT's."""
     sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
     examples = [text_example(tokenizer, r["prompt"], r["target"], r.get("weight", 1.0), args) for r in sft]
     found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
@@ -529,16 +515,14 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
     """max(#examples // batch_size, min_steps) steps on passes over the shuffled examples, from a fresh Adam state
     (official: a Levanter run per iteration), a linear warm-up capped at steps - 1, then lr_schedule."""
     optimizer.state.clear()
-    size, stream = min(args.batch_size, len(examples)), []
+    size = min(args.batch_size, len(examples))
     steps = max(len(examples) // size, min_steps)
     warmup = min(steps - 1, args.warmup_steps)  # Levanter's: it reaches the peak one step before lr_at's, so both +1
-    while len(stream) < steps * size:
-        stream += rng.sample(examples, len(examples))
+    stream = [e for _ in range(-(-steps * size // len(examples))) for e in rng.sample(examples, len(examples))]
     batches = [stream[i * size : (i + 1) * size] for i in range(steps)]
     stats = []
     for step, batch in enumerate(batches):
-        # weighted SFT's denominator: the batch's target tokens, each sequence's weighted by its weight
-        weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)
+        weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)  # weighted SFT's denominator
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
             logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])
@@ -568,13 +552,12 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
                   attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
     """The share of dataset statements proved so far against generations; this iteration's success rates; verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
-    tried = [c for c in conjectures if c.id in attempts]  # a conjecture proved in an earlier iteration is no target
+    rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]  # not those proved before
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
             "charts/generations": generations, "charts/targets": len(targets),
             "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
-            **({"conjecturer/solve_rate_mean": float(np.mean([solve_rate(attempts[c.id]) for c in tried]))}
-               if tried else {})}
+            **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
 
 
 def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], step: int, args: Args, dist: Dist
