@@ -12,26 +12,27 @@ iteration (Algorithm 1):
   2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
   4. the Conjecturer learns from R = R_guide * (1 - s), min-max normalised, on conjectures with 0 < s <= p70.
-The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations. Eq. 4's
-per-sequence mean loss is --sequence-mean-loss (default, official: the batch's token sum / its token count).
+The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations. Where the paper
+and the official code differ the official code is the default; Eq. 4's per-sequence mean loss is --sequence-mean-loss
+(official: the batch's token sum / its token count).
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
-Deliberate deviations from the official code (which, where the paper differs, is the default here):
-  1. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
+Deliberate deviations from the official code:
+  1. Engineering: generation and verification are not pipelined; transformers samples in calls seeded by position;
+     each distinct (problem, proof) pair is checked once by Lean.
+  2. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
      comments; the official code matches the substring "try" (also in `symmetry`, `geometry`).
-  2. Lean timeout 200 s (paper); the official default is 500 s.
-  3. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines (a conjecture
+  3. Lean timeout 200 s (paper); the official default is 500 s.
+  4. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines (a conjecture
      inherits its target's header) and needs `theorem` or `lemma`, a name and a conclusion first in the block; the
      official code keeps the block up to `:= by`. Deduplication ignores whitespace; the official code's does not.
-  4. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
+  5. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
      computes it from the top-10 log-probabilities.
-  5. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in the group's).
-  6. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
-  7. Engineering: one sampler serves the three roles (their weights are loaded in turn); generation and verification
-     are not pipelined; transformers samples in calls seeded by position; each distinct (problem, proof) pair is
-     checked once.
+  6. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in the group's).
+  7. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
+  8. One sampler serves the three roles (their weights are loaded in turn).
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Args:
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
     lean_timeout: float = 200.0
-    """Lean's wall-clock limit per proof, in seconds (§4.1; deviation 2)"""
+    """Lean's wall-clock limit per proof, in seconds (§4.1; deviation 3)"""
     conjecturer_model: str | None = None
     """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
     guide_model: str = "LukeBailey181Pub/dspv2_guide"
@@ -328,8 +329,7 @@ GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the names
 # Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
 # conjecture also keeps the target it was proposed for and its generation (the Conjecturer's training sequence).
 Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("seed_id", "sample"))
-# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status ("no_code": there was
-# no proof to check), verdict and seconds.
+# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status, verdict and seconds.
 Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
 # A training sequence: a Sample, its weight (reward or advantage) and, for CISPO, its group's tokens and index.
 Example = collections.namedtuple("Example", "sample weight group_tokens group", defaults=(0.0, -1))
@@ -385,7 +385,7 @@ def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float
 
 def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
     """The Solver's reward (§3.2, §4.1): 1 if Lean accepts the proof, but 0 if it uses the `try` tactic outside
-    comments (deviation 1); an overlong attempt's reward is replaced by the (negative) overlong penalty."""
+    comments (deviation 2); an overlong attempt's reward is replaced by the (negative) overlong penalty."""
     code = strip_comments(proof or "")[0]  # None when a comment is left open: Lean rejects such a proof anyway
     tries = args.penalize_try and re.search(r"(?<![\w.'])try(?![\w'])", proof if code is None else code)
     penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
@@ -424,7 +424,7 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, a
 def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem], iteration: int, args: Args,
                dist: Dist) -> tuple[list[Conjecture], dict[str, float]]:
     """Alg. 1, step 1: conjectures_per_target statements for each never-solved target (the seeds), parsed (deviation
-    3), deduplicated against the targets and each other; a conjecture inherits its target's header."""
+    4), deduplicated against the targets and each other; a conjecture inherits its target's header."""
     prompts = [chat_prompt(tokenizer, CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
                            CONJECTURER_PROMPT.format(statement=seed.statement)) for seed in seeds]
     outputs = sample(sampler, prompts, args.conjectures_per_target, f"{args.seed}/{iteration}/conjecture", dist,
@@ -494,7 +494,7 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
     """By objective: REINFORCE½ (§3.2): correct attempts at problems with 0 < s <= 1/2, weight = reward;
     CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups;
     expert iteration (App. G.4): stored target proofs found in the last ei_window iterations, weight = reward.
-    Left out: REINFORCE½/EI proofs using `try` (official), CISPO attempts of advantage 0 (deviation 5)."""
+    Left out: REINFORCE½/EI proofs using `try` (official), CISPO attempts of advantage 0 (deviation 6)."""
     rows = [(attempts[p.id], rates[p.id]) for p in problems]
     if args.solver_objective == "cispo":
         rewards = [[solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row] for row, _ in rows]
@@ -564,7 +564,7 @@ def update(policy, optimizer, examples: list[Example], lr: float, objective: str
 def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int,
                   generations: int = 0) -> dict[str, float]:
     """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever proved) against generations;
-    this iteration's pass@k over the targets attempted (Fig. 3), the Solver's entropy (Fig. 7, deviation 4), Lean's."""
+    this iteration's pass@k over the targets attempted (Fig. 3), the Solver's entropy (Fig. 7, deviation 5), Lean's."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
     rates = [solve_rate(row) for pid, row in attempts.items() if pid not in proofs]  # of the conjectures
     every = [a for row in attempts.values() for a in row]
@@ -592,7 +592,7 @@ def main(args: Args) -> None:
         print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
     targets = load_problems(args.dataset, args.num_problems)
 
-    # the Solver and the Conjecturer: two trained copies of the base model; the Guide: a frozen one (deviation 7)
+    # the Solver and the Conjecturer: two trained copies of the base model; the Guide: a frozen one (deviation 8)
     tokenizer = load_tokenizer(args.model)
     solver = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     conjecturer = load_model(args.conjecturer_model or args.model, dist, train_conjecturer,

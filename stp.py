@@ -15,27 +15,28 @@ whole Lean 4 proofs. Each iteration of self-play (the paper's word: round; Stage
      weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
+Where the paper is silent this file follows the official code.
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
-Deliberate deviations (where the paper is silent this file follows the official code):
-  1. No Stage 1 (SFT on kfdong/STP_Lean_SFT): pass its checkpoint as --model (DeepSeek-Prover-V1.5-SFT has never
+Deliberate deviations from the official code:
+  1. Engineering: generation and verification are not pipelined; transformers samples in calls seeded by position;
+     each distinct (problem, proof) pair is checked once by Lean.
+  2. Lean 4.15 and the upstream REPL (lean_verify), not Lean 4.9 and DeepSeek's fork.
+  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT): pass its checkpoint as --model (DeepSeek-Prover-V1.5-SFT has never
      seen the conjecturing format).
-  2. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), shown by name in the prompt;
+  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), shown by name in the prompt;
      STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table.
-  3. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
-  4. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
+  5. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
+  6. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
      invokes list in place, so a proof that drew it once offers it in every later round).
-  5. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
-  6. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
+  7. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
+  8. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
      target is the proof, the closing fence and EOS (official: the proof and EOS).
-  7. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  8. The statements: the train split of internlm/Lean-Workbook or any .jsonl, not STP's own (unreleased)
-     lean_workbook_dedup.json.
-  9. Engineering: Lean 4.15 and the upstream REPL, not Lean 4.9 and DeepSeek's fork; generation and verification
-     are not pipelined; transformers samples in calls seeded by position; each distinct (problem, proof) pair is
-     checked once.
+  9. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
+  10. The statements: the train split of internlm/Lean-Workbook or any .jsonl, not STP's own (unreleased)
+      lean_workbook_dedup.json.
 """
 
 from __future__ import annotations
@@ -259,7 +260,7 @@ def prover_prompt(tokenizer, problem: Problem, args: Args) -> str:
 
 
 def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, args: Args) -> str:
-    """A shared lemma, by name (deviation 2) or the trivial theorem for none, and a proved statement with its proof."""
+    """A shared lemma, by name (deviation 4) or the trivial theorem for none, and a proved statement with its proof."""
     lemma = f"theorem {lemma}" if lemma else EMPTY_LEMMA
     return truncate_left(tokenizer, CONJECTURER_PROMPT.format(header=header, lemma=lemma, seed=easy_theorem),
                          args.max_prompt_tokens)
@@ -269,8 +270,7 @@ def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, ar
 # Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
 # conjecture also keeps its prompt's <easy theorem> and lemma ('' for none).
 Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("easy_theorem", "lemma"))
-# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status ("no_code": there was
-# no proof to check), verdict and seconds.
+# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status, verdict and seconds.
 Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
 # A training sequence: a Sample (prompt and target tokens) and its weight.
 Example = collections.namedtuple("Example", "sample weight")
@@ -311,7 +311,7 @@ def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: ra
     """Each unproved statement Q[q], in random order, gives N/M to its nearest conjecture P[j] below `cap`."""
     n, m = len(P), len(Q)
     if n == 0 or m == 0:
-        return [1.0] * n  # deviation 5
+        return [1.0] * n  # deviation 7
     sim, weights, full, order = (P @ Q.T).float(), [0.0] * n, torch.zeros(n, dtype=torch.bool), list(range(m))
     (rng or random.Random(0)).shuffle(order)
     for q in order:
@@ -360,7 +360,7 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
     """max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, shuffled, deduplicated against the dataset and
     each other, at most #statements. A statement conjectured before keeps its id (official lemma_id)."""
     if not seeds:
-        return [], {"conjecturer/seeds": 0}
+        return [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0}
     multiplier = max(1, min(3 * len(statements) // len(seeds), args.max_conjecture_multiplier))
     prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
     outputs = sample(sampler, prompts, multiplier, f"{args.seed}/{iteration}/conjecture", dist,
@@ -621,7 +621,7 @@ def main(args: Args) -> None:
                                                 dist, rng)
                 problems.update({c.id: c for c in conjectures})
                 state["conjectures"].update({c.id: c._asdict() for c in conjectures})
-                state["generations"] += stats.get("conjecturer/outputs", 0)
+                state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
         # 3. Prove: 64 samples per target in iteration 0 (and in the baselines), 32 later

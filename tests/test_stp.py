@@ -107,7 +107,7 @@ def test_load_problems_and_benchmarks(tmp_path):
     minif2f = stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), split="test")
     proofnet = stp.load_problems(str(REPO / "data" / "proofnet.jsonl"), split="test")
     assert len(minif2f) == 244 and len(proofnet) == 186
-    assert all(p.statement.endswith(":= by") for p in proofnet)  # ':=' got ' by' (deviation 8)
+    assert all(p.statement.endswith(":= by") for p in proofnet)  # ':=' got ' by' (deviation 9)
     assert len({p.id for p in proofnet}) == 186  # repeated names get unique ids
     assert len(stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), limit=3, split="valid")) == 3
     rows = ['{"name": "a", "formal_statement": "theorem a : True := by sorry"}',  # a trailing sorry is dropped
@@ -298,7 +298,7 @@ def test_conjecture_deduplicates_shuffles_and_caps():
                              {"old": stp.Problem("old", "", c1)}, 3, args(), CPU, random.Random(0))
     ids = {c.statement: c.id for c in conj}
     assert ids[c1] == "old" and ids[c2] in ("r3_c0", "r3_c1")
-    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, args(), CPU, random.Random(0)) == ([], {"conjecturer/seeds": 0})
+    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, args(), CPU, random.Random(0)) == ([], {"conjecturer/seeds": 0, "conjecturer/outputs": 0})
 
 
 def test_select_targets_and_record():
