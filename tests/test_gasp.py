@@ -1029,8 +1029,9 @@ def proposal_text(key):
 
 
 class Scripted:
-    def __init__(self, inner):
+    def __init__(self, inner, policy):
         self.inner, self.tokenizer, self.llm, self.batch_size = inner, inner.tokenizer, inner.llm, inner.batch_size
+        self.policy = policy  # a vLLM sampler holds none; an HF one holds it (one rank) or a full copy (several)
 
     def canned(self, prompt):
         u = int(torch.randint(0, 4, (1,)))
@@ -1050,8 +1051,9 @@ class Scripted:
                 if text is not None:
                     ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
                     new = gasp.Sample(text, s.prompt_ids, ids, [0.0] * len(ids), "stop")
+                    model = self.inner.model if self.inner.model is not None else self.policy
                     with torch.no_grad():
-                        lp, _, _ = gasp.token_logprobs(self.inner.model, [new], temperature, top_p)
+                        lp, _, _ = gasp.token_logprobs(model, [new], temperature, top_p)
                     group[j] = new._replace(logprobs=lp[0, : len(ids)].tolist())
         return out
 
@@ -1059,11 +1061,12 @@ class Scripted:
         self.inner.sleep()
 
     def sync_weights(self, policy):
+        self.policy = policy
         self.inner.sync_weights(policy)
 
 
 RealSampler = gasp.Sampler
-gasp.Sampler = lambda *a, **k: Scripted(RealSampler(*a, **k))
+gasp.Sampler = lambda *a, **k: Scripted(RealSampler(*a, **k), a[1])  # Sampler(model name, policy, ...)
 gasp.main(tyro.cli(gasp.Args))
 '''
 
