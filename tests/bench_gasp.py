@@ -1,7 +1,7 @@
 """Benchmark of the embedded CPU default of gasp.py (run by hand; pytest does not collect it).
 
     python tests/bench_gasp.py                 # `python gasp.py` as a user runs it, in a temporary run directory
-    python tests/bench_gasp.py -- --total-iterations 3    # extra flags after `--` go to gasp.py
+    python tests/bench_gasp.py -- --iterations 3    # extra flags after `--` go to gasp.py
 
 It runs gasp.py in a subprocess and reads back the run's metrics.jsonl, then prints: the wall time (start-up
 included), each iteration's time split into generation, program execution, embedding (novelty filter), training

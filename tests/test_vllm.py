@@ -234,7 +234,7 @@ def test_gasp_iteration_end_to_end_on_vllm(tmp_path, vllm_model_dir):
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port())}
     cmd = [sys.executable, str(driver), "--model", vllm_model_dir, "--output-dir", str(tmp_path), "--run-name", "v",
            "--backend", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization", "0.3",
-           *test_gasp.SMALL, "--total-iterations", "1", "--exec-workers", "1"]
+           *test_gasp.SMALL, "--iterations", "1", "--exec-workers", "1"]
     start = time.perf_counter()
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
