@@ -193,8 +193,7 @@ class Args:
     """stop once this many generations were sampled (the paper's x-axis); default: run all iterations"""
 
 
-# An iteration on a CPU in about five minutes (SmolLM2-135M samples ~60 tokens/s in a batch of 8: 32 attempts of up
-# to 128 tokens take ~70 s; a training step on 8 x 384 tokens takes ~30 s).
+# An iteration on a CPU in about five minutes (SmolLM2-135M: 32 attempts of <= 128 tokens ~70 s, a training step ~30 s).
 CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", max_model_len=1536, micro_batch_size=4,
                     dataset="data/lean_smoke.jsonl", num_problems=8, iterations=2, proofs_per_problem=4, batch_size=8,
                     max_new_tokens=128, conjecturer_max_new_tokens=128, guide_max_new_tokens=128)
@@ -356,8 +355,7 @@ def solve_rate(attempts: list[Attempt]) -> float:
 
 
 def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
-    """Eq. 3 (official sub_scores_to_review): 0 if complexity is 3 or 4, else max(0, relevance + (2 - complexity) +
-    (1 - redundancy)); a failed parse gets the others' mean, or 0 (official LLMJudgeGuide.review: then weights 1)."""
+    """Eq. 3 (official sub_scores_to_review); a failed parse gets the others' mean, or 0 (official LLMJudgeGuide)."""
     values = [None if r is None else 0.0 if r["conclusion_complexity"] in (3, 4) else
               max(0.0, r["relevance"] + (2.0 - r["conclusion_complexity"]) + (1.0 - r["redundancy"])) for r in reviews]
     parsed = [v for v in values if v is not None]
@@ -384,8 +382,7 @@ def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float
 
 
 def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
-    """The Solver's reward (§3.2, §4.1): 1 if Lean accepts the proof, but 0 if it uses the `try` tactic outside
-    comments (deviation 2); an overlong attempt's reward is replaced by the (negative) overlong penalty."""
+    """§3.2, §4.1: 1 if Lean accepts the proof, 0 with `try` (deviation 2); if overlong, the overlong penalty."""
     code = strip_comments(proof or "")[0]  # None when a comment is left open: Lean rejects such a proof anyway
     tries = args.penalize_try and re.search(r"(?<![\w.'])try(?![\w'])", proof if code is None else code)
     penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
@@ -404,9 +401,7 @@ def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
     """As the official trainer (WeightedTrainer.compute_loss): -(1/N) sum_i w_i sum_t log pi(y_it), N = the whole
     optimizer batch's completion tokens, so every token weighs the same. sequence_mean: Eq. 4, -(1/B) sum_i w_i
     (1/|y_i|) sum_t log pi(y_it), N = B sequences. logp, mask: [B, T]; denominator: N or B of the batch (all ranks)."""
-    per_sequence = (logp * mask).sum(1)
-    if sequence_mean:
-        per_sequence = per_sequence / mask.sum(1).clamp(min=1)
+    per_sequence = (logp * mask).sum(1) / (mask.sum(1).clamp(min=1) if sequence_mean else 1)
     return -(weights * per_sequence).sum() / denominator
 
 
@@ -530,8 +525,7 @@ def conjecturer_examples(selected: list[Conjecture], rates: dict[str, float], r_
 
 def update(policy, optimizer, examples: list[Example], lr: float, objective: str, args: Args, dist: Dist
            ) -> dict[str, float]:
-    """One epoch, batch_size sequences a step (CISPO: whole groups, batch_size / k of them, as solver_examples orders
-    them), from a fresh Adam state (official code: a new trainer on each iteration's data)."""
+    """One epoch from a fresh Adam state (official: a new trainer an iteration); CISPO: batch_size / k whole groups."""
     optimizer.state.clear()
     cispo, size = objective == "cispo", max(1, args.batch_size // args.proofs_per_problem)
     batches = ([[e for e in examples if g <= e.group < g + size] for g in range(0, examples[-1].group + 1, size)]

@@ -380,9 +380,9 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
     conjectures = [Conjecture(ids.get(x, f"r{iteration}_c{i}"), seed.header, x, seed.statement + proof, lemma)
                    for i, ((seed, proof, lemma), x) in enumerate(new[: len(statements)])]
     n_out = sum(len(row) for row in outputs)
-    return conjectures, {"conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier,
-                         "conjecturer/outputs": n_out, "conjecturer/extraction_rate": len(found) / max(n_out, 1),
+    return conjectures, {"conjecturer/outputs": n_out, "conjecturer/extraction_rate": len(found) / max(n_out, 1),
                          "conjecturer/new_conjectures": len(conjectures),
+                         "conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier,
                          "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
 
 
