@@ -154,7 +154,7 @@ def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
 
 
 # ---- the phases ----
-class Verifier(SimpleNamespace):  # a stand-in for LeanVerifier: its verify_attempts on the given verify(jobs)
+class Verifier(SimpleNamespace):  # LeanVerifier.verify_attempts on the given verify(jobs)
     def __init__(self, verify):
         super().__init__(verify=verify)
 
