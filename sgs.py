@@ -69,8 +69,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof,
-                         load_problems, strip_comments, theorem_conclusion)
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof, load_problems,
+                         strip_comments, theorem_conclusion)
 
 
 @dataclass
@@ -572,6 +572,10 @@ def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempt
 
 
 # ---- main ----
+def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
+    return {name: (model, None) for name, (model, _) in models.items()}
+
+
 def main(args: Args) -> None:
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         sys.exit("sgs.py: expert iteration is the solver-only baseline of App. G.4; add --no-conjecturer")
@@ -598,7 +602,7 @@ def main(args: Args) -> None:
         models["conjecturer"] = (conjecturer, adamw(conjecturer.parameters(), args.conjecturer_learning_rate))
     # run state: the proofs stored for each target (solved = at least one) and the number of generations
     start, state = 0, {"proofs": {t.id: [] for t in targets}, "generations": 0}
-    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
+    if args.resume and (found := load_checkpoint(run_dir, weights_only(models), dist)) is not None:
         start, state = found
     sampler = Sampler(args.model, solver, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
@@ -657,7 +661,7 @@ def main(args: Args) -> None:
         logger.log(metrics, step=iteration + 1)
         done = args.max_generations is not None and state["generations"] >= args.max_generations
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or done:
-            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
+            save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
         if done:
             break
     verifier.close()
@@ -886,14 +890,13 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z) / temperature
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
             z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logz = z.logsumexp(-1)
-        logp = z.gather(-1, target[:, None])[:, 0] - logz
-        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
+        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
 
     def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
         h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm

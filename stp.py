@@ -72,8 +72,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof,
-                         invoked_lemmas, load_problems, read_rows)
+from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof, invoked_lemmas,
+                         load_problems, read_rows)
+
 
 # The miniF2F text STP was evaluated on (its own file, MIT, fetched at run time; its ProofNet is data/proofnet.jsonl's).
 STP_MINIF2F = ("https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
@@ -577,6 +578,10 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
 
 
 # ---- main ----
+def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
+    return {name: (model, None) for name, (model, _) in models.items()}
+
+
 def main(args: Args) -> None:
     if args.expert_iteration and args.pure_sampling:
         sys.exit("stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one")
@@ -601,7 +606,7 @@ def main(args: Args) -> None:
     # run state: each statement's (samples, correct) per iteration and distinct correct proofs, the conjectures (dicts:
     # state.pt loads without this file) and the number of generations
     start, state = 0, {"history": {}, "proofs": {}, "conjectures": {}, "generations": 0}
-    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
+    if args.resume and (found := load_checkpoint(run_dir, weights_only(models), dist)) is not None:
         start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
@@ -663,7 +668,7 @@ def main(args: Args) -> None:
         if iteration + 1 < args.iterations:  # the last iteration's line also holds Stage 3 and the final evaluation
             logger.log(metrics, step=iteration + 1)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
+            save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
 
     if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
         with logger.timer("final_retrain"):
@@ -674,7 +679,7 @@ def main(args: Args) -> None:
                                                       args, dist, rng)
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save_checkpoint(run_dir, args.iterations, models, tokenizer, state, dist)
+            save_checkpoint(run_dir, args.iterations, weights_only(models), tokenizer, state, dist)
     with logger.timer("eval"):
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
     logger.log(metrics, step=args.iterations)
@@ -904,14 +909,13 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z) / temperature
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
             z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logz = z.logsumexp(-1)
-        logp = z.gather(-1, target[:, None])[:, 0] - logz
-        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
+        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
 
     def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
         h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm

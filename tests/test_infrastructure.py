@@ -283,6 +283,16 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
         B.save_checkpoint(tmp_path, i, {"policy": (model, opt)}, tok, {}, ONE, keep=2)
     assert sorted(p.name for p in ckpts.glob("iter_*")) == ["iter_000004", "iter_000005"]
     assert B.load_checkpoint(tmp_path / "nothing", {"policy": (fresh, fresh_opt)}, ONE) is None
+    # a method that rebuilds its optimizer every update saves no moments (issue 18: ~56 GB of a 7B checkpoint)
+    B.save_checkpoint(tmp_path / "lean", 1, {"policy": (model, None)}, tok, {}, ONE)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = lambda d: list(FileSystemReader(str(d)).read_metadata().state_dict_metadata)  # noqa: E731
+    assert any(k.startswith("optim.state") for k in keys(ckpts / "iter_000005" / "policy.dcp"))
+    assert not any(k.startswith("optim") for k in keys(tmp_path / "lean" / "checkpoints" / "iter_000001" / "policy.dcp"))
+    lean = B.load_model(tiny_model_dir, ONE)
+    assert B.load_checkpoint(tmp_path / "lean", {"policy": (lean, None)}, ONE)[0] == 1
+    assert all(torch.equal(v, after[k]) for k, v in lean.state_dict().items())
     # strict: a checkpoint of another architecture does not load silently
     other = B.load_model(tiny_model_dir, ONE)
     other.lm_head = torch.nn.Linear(other.config.hidden_size, 7, bias=False)
