@@ -289,7 +289,7 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
 
     keys = lambda d: list(FileSystemReader(str(d)).read_metadata().state_dict_metadata)  # noqa: E731
     assert any(k.startswith("optim.state") for k in keys(ckpts / "iter_000005" / "policy.dcp"))
-    assert not any(k.startswith("optim") for k in keys(tmp_path / "lean" / "checkpoints" / "iter_000001" / "policy.dcp"))
+    assert not [k for k in keys(tmp_path / "lean" / "checkpoints" / "iter_000001" / "policy.dcp") if "optim" in k]
     lean = B.load_model(tiny_model_dir, ONE)
     assert B.load_checkpoint(tmp_path / "lean", {"policy": (lean, None)}, ONE)[0] == 1
     assert all(torch.equal(v, after[k]) for k, v in lean.state_dict().items())
