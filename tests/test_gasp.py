@@ -21,6 +21,7 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import gasp  # noqa: E402
+from test_code_exec import HE_ROW, MBPP_ROW, MBPP_ROW2  # noqa: E402
 
 CPU = gasp.Dist(0, 1, 1, torch.device("cpu"), True)
 
@@ -229,29 +230,8 @@ def test_read_good_proposal():
     assert task["message"].startswith("Return the k-th")
 
 
-@pytest.mark.parametrize("text,finish,reason", [
-    (GOOD, "length", "truncated"),
-    ("I think the answer is a function that sorts.", "stop", "no_code"),
-    (GOOD.replace("def f(nums, k):\n    return", "def f(nums, k)\n    return"), "stop", "syntax_error"),
-    (GOOD.replace("def f(", "def g("), "stop", "no_f"),
-    (GOOD.replace("[9], 0", "__import__('os').getcwd()"), "stop", "bad_input"),
-    (GOOD.replace("[9], 0", "nums=[9], k=0"), "stop", "bad_input"),
-    (GOOD.replace("[9], 0", "[3, 1, 2], 0"), "stop", "few_inputs"),  # a duplicate input counts once
-    (GOOD.replace("[9], 0", "[3,1,2],0"), "stop", "few_inputs"),  # ... also when written differently
-    (GOOD.split("```message")[0], "stop", "no_message"),
-    (GOOD.replace("```message\nReturn the k-th smallest number of the list (k counts from 0).\n```", "```message\n```"),
-     "stop", "no_message"),
-    ("```python\ndef f(x):\n    return x\n", "stop", "no_code"),  # unclosed block
-    ("", "stop", "no_code"),
-    (GOOD.replace("def f(nums, k):", "\x00\x01def f(nums, k):"), "stop", "syntax_error"),
-    (GOOD.replace("def f(nums, k):", "import time\ndef f(nums, k):"), "stop", "banned_import"),  # AZR's list
-    (GOOD.replace("[1, 3, 5, 7], 3", "[1], 3"), "stop", "exec_error"),  # index out of range
-    (GOOD.replace("return sorted(nums)[k]", "return [0] * 999"), "stop", "output_too_long"),  # > 400 characters
-])
-def test_malformed_proposals_become_failure_records(text, finish, reason):
-    task, got = read(text, finish)
-    assert got == reason
-    assert reason not in ("truncated", "no_code", "no_message", "few_inputs", "bad_input") or task is None
+def test_a_truncated_proposal_is_malformed():  # the reading itself: test_code_exec's test_read_triplet_reasons
+    assert read(GOOD, "length") == (None, "truncated")
 
 
 def test_read_proposal_uses_the_flags():
@@ -270,24 +250,19 @@ def test_grade_student():
     assert "f(2, 3) returns 6" in ind["prompt"] and "4, 4" not in ind["prompt"]
     ded = gasp.student_task(task, "deduction", random.Random(1), 2)
     abd = gasp.student_task(task, "abduction", random.Random(1), 2)
-    items = [
+    items = [  # the whole table of replies: test_code_exec's test_grade_answer
         (ind, "ok\n```python\ndef f(a, b):\n    return a * b\n```"),  # pass
         (ind, "```python\ndef f(a, b):\n    return a + b\n```"),  # wrong on the hidden pairs (2+2 != 16)
         (ind, "no code here"),  # format
-        (ind, "```python\n```"),  # an empty block: format
-        (ind, "```python\nimport os\ndef f(a, b):\n    while True: pass\n```"),  # timeout -> wrong
         (ded, f"```output\n{ded['output']}\n```"),
-        (ded, f"```output\n{ded['output']}.0\n```"),  # equal as values (AZR compares values)
         (ded, "```output\n12345\n```"),
-        (ded, "the output is 6"),
         (abd, "```input\n" + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]]
          + "\n```"),
         (abd, "```input\nnot python\n```"),
-        (abd, "```output\n1\n```"),
     ]
     jobs = [dict(problem=t, sample=sample(text), args=args) for t, text in items]
     assert gasp.code_exec.map_parallel(gasp.grade_student, jobs, workers=2) == [
-        "pass", "wrong", "format", "format", "wrong", "pass", "pass", "wrong", "format", "pass", "wrong", "format"]
+        "pass", "wrong", "format", "pass", "wrong", "pass", "wrong"]
 
 
 # ---------------------------------------------------------------- data
@@ -342,17 +317,6 @@ def test_builtin_rows_have_livecodebench_fields():
         assert isinstance(json.loads(row["public_test_cases"]), list)
 
 
-def test_lcb_private_tests_decode_compressed_form():
-    import base64
-    import pickle
-    import zlib
-
-    tests = [{"input": "1\n", "output": "2\n", "testtype": "stdin"}]
-    packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
-    assert gasp.decode_lcb_tests(packed) == tests
-    assert gasp.decode_lcb_tests(json.dumps(tests)) == tests
-
-
 def test_window_counts_are_checked_against_the_paper():
     # Sec. 3: "all queries before 2024.08 ... our training split, which consists of 601 questions"; "between 2024.10
     # and 2025.02 as our evaluation set (216 questions)"
@@ -371,60 +335,9 @@ def test_window_counts_are_checked_against_the_paper():
                      "humaneval evaluation set: 164 questions (a stand-in for the paper's 216 LiveCodeBench questions)"]
 
 
-# Hand-written rows in the schema of the hub's evalplus/humanevalplus and evalplus/mbppplus (Table 3's HumanEval+ and
-# MBPP+): HumanEval+ tests are a check(candidate); MBPP+ tests call the function by name in a loop.
-ASSERTION = """import numpy as np
-
-def assertion(out, exp, atol):
-    if isinstance(out, (list, tuple)) and isinstance(exp, (list, tuple)):
-        out, exp = set(out), set(exp)
-    if out != exp and atol == 0 and isinstance(exp, float):
-        assert np.allclose(out, exp, rtol=1e-07, atol=1e-6)
-    else:
-        assert out == exp
-"""
-HE_ROW = {"task_id": "HumanEval/53", "prompt": 'def add(x: float, y: float):\n    """Add two numbers x and y."""\n',
-          "canonical_solution": "    return x + y\n", "entry_point": "add",
-          "test": ASSERTION + "\n\ndef check(candidate):\n    inputs = [[1, 2], [0.1, 0.2], [-5, 5]]\n"
-                  "    results = [3, 0.30000000000000004, 0]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
-                  "        assertion(candidate(*inp), exp, 0)\n"}
-MBPP_ROW = {"task_id": 2, "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & "
-            "set(test_tup2))", "prompt": "Write a function to find the shared elements from the given two lists.",
-            "source_file": "Benchmark Questions Verification V2.ipynb", "test_imports": [],
-            "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))"],
-            "test": ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2, 3), (4, 5)]]\n"
-                    "results = [(4, 5), ()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
-                    "    assertion(similar_elements(*inp), exp, 0)\n"}
-MBPP_ROW2 = {**MBPP_ROW, "task_id": 3, "code": "import math\ndef is_not_prime(n):\n    return any(n % i == 0 for i "
-             "in range(2, int(math.sqrt(n)) + 1))", "prompt": "Write a python function to identify non-prime numbers.",
-             "test_imports": ["import math"], "test_list": ["assert is_not_prime(2) == False"],
-             "test": ASSERTION + "\n\ninputs = [[2], [10], [35], [37]]\nresults = [False, True, True, False]\n"
-                     "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(is_not_prime(*inp), exp, 0)\n"}
-
-
-def test_evalplus_rows_are_scored_like_evalplus():
-    he, mbpp, mbpp2 = gasp.evalplus_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])
-    assert (he.id, he.entry_point, mbpp.id, mbpp.entry_point, mbpp2.entry_point) == (
-        "HumanEval/53", "add", "Mbpp/2", "similar_elements", "is_not_prime")
-    # EvalPlus's MBPP+ prompt: the description and the first example assert in a docstring
-    assert mbpp.question == '"""\nWrite a function to find the shared elements from the given two lists.\n' \
-                            'assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"""\n'
-    args = gasp.Args(exec_timeout=10.0)
-    cases = [(he, HE_ROW["prompt"] + HE_ROW["canonical_solution"], True),
-             (he, HE_ROW["canonical_solution"], True),  # a bare body completes the prompt
-             (he, "def add(x, y):\n    return round(x + y, 1)", True),  # 0.3 vs 0.30000000000000004: within atol
-             (he, "def add(x, y):\n    return x - y", False),
-             (mbpp, MBPP_ROW["code"], True),
-             (mbpp, "def similar_elements(a, b):\n    return tuple(a)", False),  # the tests run at module level
-             (mbpp2, MBPP_ROW2["code"], True),  # its test_imports come with the tests
-             (mbpp2, "def is_not_prime(n):\n    return n > 2", False)]
-    jobs = [dict(problem=p, sample=fenced(code), args=args) for p, code, _ in cases]
-    assert gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2) == [ok for _, _, ok in cases]
-
-
 def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
     # App. C, Table 3: greedy pass@1 (temperature 0) on LCBv5, HumanEval+ and MBPP+
-    he, mbpp, mbpp2 = gasp.evalplus_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])
+    he, mbpp, mbpp2 = gasp.code_exec.code_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])  # test_code_exec's rows
     right = {gasp.code_prompt(he): HE_ROW["canonical_solution"], gasp.code_prompt(mbpp): MBPP_ROW["code"]}
 
     class Greedy:
