@@ -446,13 +446,12 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
     n top-level tactics labels the root gamma^n and, with per-state labels, is replayed, its i-th state labelled
     gamma^(n - i); a replay that does not end solved (a proof using a lemma it declares) labels the root only."""
     def run(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
-        roots, out, replays = verifier.start_proofs([(p.header, p.statement) for p, _ in mine]), [], []
-        for (p, row), root in zip(mine, roots):
-            out.append([] if root.status != "open" else [(root.pretty, 0.0) for a in row if not a.correct])
-            for tactics in [proof_tactics(a.proof, p.statement) for a in row if a.correct and root.status == "open"]:
-                out[-1].append((root.pretty, args.gamma ** len(tactics)))
-                if args.value_labels == "state" and len(tactics) > 1:
-                    replays.append((out[-1], root, tactics))
+        out, replays = [], []
+        for (p, row), root in zip(mine, verifier.start_proofs([(p.header, p.statement) for p, _ in mine])):
+            proofs = [proof_tactics(a.proof, p.statement) for a in row if a.correct] if root.status == "open" else []
+            out.append([(root.pretty, 0.0) for a in row if not a.correct and root.status == "open"] +
+                       [(root.pretty, args.gamma ** len(tactics)) for tactics in proofs])
+            replays += [(out[-1], root, t) for t in proofs if args.value_labels == "state" and len(t) > 1]
         for (labels, _, _), states in zip(replays, verifier.replay(*[[r[i] for r in replays] for i in (1, 2)])):
             if states and states[-1].status == "solved":
                 found = value_labels([], [[s.key for s in states[:-1]]], args.gamma)
@@ -462,39 +461,42 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
     return [label for part in map_sharded(run, list(zip(problems, attempts)), dist) for label in part]
 
 
-def load_value_model(name: str, dist: Dist, args: Args) -> torch.nn.Module:
+def load_value_model(name: str, dist: Dist, args: Args, train: bool = True) -> torch.nn.Module:
     """The value model (value_model.py): a causal LM, loaded and sharded as the prover, with `value_head` on its final
-    hidden state, so that FSDP2, checkpoints and the HF directory carry it; --freeze-value-backbone trains the head."""
-    model = load_model(name, dist, gradient_checkpointing=args.gradient_checkpointing)
-    model.requires_grad_(not args.freeze_value_backbone)
-    model.value_head = value_head(model.config.hidden_size, name).to(dist.device)
+    hidden state (so that FSDP2, checkpoints and the HF directory carry it): Linear(h, h/2) - GELU - Linear(h/2, 1) in
+    fp32, from seed 0 (the same on every rank and run), or the value_head.* tensors of a directory this file wrote."""
+    model = load_model(name, dist, train, gradient_checkpointing=args.gradient_checkpointing)
+    model.requires_grad_(train and not args.freeze_value_backbone)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        h = model.config.hidden_size
+        model.value_head = torch.nn.Sequential(torch.nn.Linear(h, h // 2), torch.nn.GELU(), torch.nn.Linear(h // 2, 1))
+    saved = {k.removeprefix("value_head."): v for f in pathlib.Path(resolve_model(name)).glob("*.safetensors")
+             for k, v in safetensors.torch.load_file(f).items() if k.startswith("value_head.")}
+    model.value_head.load_state_dict(saved, strict=bool(saved))  # nothing saved: the seed-0 head
+    model.value_head.to(dist.device)
     if dist.world_size > 1:
         fully_shard(model.value_head)  # fp32, outside the backbone's bf16 mixed precision
     return model
 
 
-def value_head(hidden: int, name: str) -> torch.nn.Module:
-    """Linear(h, h/2) - GELU - Linear(h/2, 1) in fp32, from seed 0 (the same on every rank and in every run), or
-    trained: from the value_head.* tensors of a directory this file wrote."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        head = torch.nn.Sequential(torch.nn.Linear(hidden, hidden // 2), torch.nn.GELU(),
-                                   torch.nn.Linear(hidden // 2, 1))
-    saved = {k.removeprefix("value_head."): v for f in pathlib.Path(resolve_model(name)).glob("*.safetensors")
-             for k, v in safetensors.torch.load_file(f).items() if k.startswith("value_head.")}
-    head.load_state_dict(saved, strict=bool(saved))  # nothing saved: the seed-0 head
-    return head
+def value_scorer(value_model, tokenizer, args: Args, dist: Dist):
+    """V for the search, `score(state texts) -> values` (no grad, eval mode, in micro-batches): the value model in one
+    process; under torchrun a full copy of its weights per rank (bf16 on GPUs), since each rank searches alone."""
+    model = value_model
+    if dist.world_size > 1:  # a collective
+        model = load_value_model(args.value_backbone, Dist(0, 1, 1, dist.device, True), args, train=False)
+        model.load_state_dict(dict(full_state_dict_items(value_model)))
 
+    @torch.no_grad()
+    def score(texts: list[str]) -> list[float]:
+        training, size = model.training, args.value_micro_batch_size
+        values = [v for i in range(0, len(texts), size)
+                  for v in value_forward(model.eval(), tokenizer, texts[i : i + size], args).tolist()]
+        model.train(training)
+        return values
 
-def value_scorer(value_model, name: str, dist: Dist):
-    """What scores states in search: the value model in one process; under torchrun a full copy of its weights per rank
-    (bf16 on GPUs), synced after each value update, since each rank searches alone. A collective."""
-    if dist.world_size == 1:
-        return value_model
-    copy = load_model(name, Dist(0, 1, 1, dist.device, True), train=False)  # this rank's own, unsharded
-    copy.value_head = value_head(copy.config.hidden_size, name).float().to(dist.device)
-    copy.load_state_dict(dict(full_state_dict_items(value_model)))
-    return copy
+    return score
 
 
 def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tensor:
@@ -506,15 +508,6 @@ def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tenso
     out = model(input_ids=enc["input_ids"], attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
                 output_hidden_states=True, use_cache=False, logits_to_keep=1)
     return torch.sigmoid(model.value_head(out.hidden_states[-1][:, -1].float())).squeeze(-1)
-
-
-@torch.no_grad()
-def value_scores(scorer, tokenizer, texts: list[str], args: Args) -> list[float]:
-    training, size = scorer.training, args.value_micro_batch_size
-    values = [v for i in range(0, len(texts), size)
-              for v in value_forward(scorer.eval(), tokenizer, texts[i : i + size], args).tolist()]
-    scorer.train(training)
-    return values
 
 
 def train_value(value_model, optimizer, tokenizer, labels: list[tuple[str, float]], args: Args, dist: Dist,
@@ -630,9 +623,7 @@ def main(args: Args) -> None:
         start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    scorer = value_scorer(value_model, args.value_backbone, dist) if args.value_model else None
-    # V for the search; it reads `scorer` when called, so a new scorer after each value update is the one used
-    score = (lambda texts: value_scores(scorer, value_tokenizer, texts, args)) if args.value_model else None
+    score = value_scorer(value_model, value_tokenizer, args, dist) if args.value_model else None  # V for the search
     if args.frontier_filter and state["frontier"] is None and start < args.iterations:  # data prep (filter_dataset.py)
         with logger.timer("frontier"):
             state["frontier"] = frontier_filter(sampler, verifier, problems, args, dist)
@@ -661,7 +652,7 @@ def main(args: Args) -> None:
                 sampler.sleep()
                 metrics |= train_value(*models["value"], value_tokenizer, state["labels"], args, dist,
                                        random.Random(f"{args.seed}/{iteration}/value"))
-                scorer = value_scorer(value_model, args.value_backbone, dist)
+                score = value_scorer(value_model, value_tokenizer, args, dist)
                 state["value_rounds"] += 1
 
         # 4. The prover: GRPO on whole proofs; their verified proofs are replayed for labels

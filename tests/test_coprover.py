@@ -291,7 +291,7 @@ def test_value_head_learns_a_labelled_set(tiny_model_dir):
     print(stats)
     assert stats["losses/value_loss"] < 0.2 * stats["losses/value_loss_first_epoch"] and stats["value/steps"] == 30
     assert any(not torch.equal(h, t) for h, t in zip(head, model.value_head.parameters()))
-    values = cp.value_scores(model, tok, goals, a)
+    values = cp.value_scorer(model, tok, a, CPU)(goals)
     assert model.training and np.corrcoef(values, [y for _, y in labels])[0, 1] > 0.8
     # positives are repeated positive_oversample times
     assert cp.train_value(model, optimizer, tok, labels[:2], args(value_epochs=1, value_batch_size=64), CPU,
@@ -301,7 +301,7 @@ def test_value_head_learns_a_labelled_set(tiny_model_dir):
 def test_value_model_directory_brings_its_head(tiny_model_dir, tmp_path):
     a = args(gradient_checkpointing=False)
     model = cp.load_value_model(tiny_model_dir, CPU, a)
-    assert torch.equal(model.value_head[0].weight, cp.value_head(model.config.hidden_size, tiny_model_dir)[0].weight)
+    assert torch.equal(model.value_head[0].weight, cp.load_value_model(tiny_model_dir, CPU, a).value_head[0].weight)
     with torch.no_grad():
         model.value_head[2].bias.fill_(0.123)
     model.save_pretrained(tmp_path / "value")
@@ -495,7 +495,7 @@ def test_two_iterations_end_to_end(e2e, tiny_model_dir):
     for name in ("prover", "value"):  # both models trained
         trained = weights(ckpt / name)
         assert any(not torch.equal(base[k], trained[k]) for k in base), name
-    head = cp.value_head(64, tiny_model_dir).state_dict()
+    head = cp.load_value_model(tiny_model_dir, CPU, cp.Args(gradient_checkpointing=False)).value_head.state_dict()
     assert any(not torch.equal(v, weights(ckpt / "value")["value_head." + k]) for k, v in head.items())
     state = torch.load(ckpt / "state.pt", weights_only=False)["state"]
     assert state["grpo_step"] == 2 and state["value_rounds"] == 2 and len(state["labels"]) == rows[2]["value/labels"]
