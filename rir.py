@@ -494,10 +494,10 @@ def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist,
 
 # ---- evaluation ----
 def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
-    """Search efficiency: the theorems proved (count, per expansion and per second of search), the expansions and nodes
-    per proof, the proofs' length, the share of failed edges; the talk's (method's own): pass@1 under the budget
-    (Tables 1-2), the planner, actor and environment seconds and the search time of the proved theorems (Figures 2-3;
-    mean and median as the official logs report them)."""
+    """Search efficiency: the theorems proved (count, share, per expansion and per second of search), the expansions and
+    nodes per proof, the proofs' length, the share of failed edges; the method's own (the talk's): pass@1 under the
+    budget (Tables 1-2), the planner, actor and environment seconds and the search time of the proved theorems
+    (Figures 2-3; mean and median as the official logs report them)."""
     proved = [r for r in results if r.proved]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
