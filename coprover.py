@@ -919,14 +919,13 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z) / temperature
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
             z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logz = z.logsumexp(-1)
-        logp = z.gather(-1, target[:, None])[:, 0] - logz
-        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
+        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
 
     def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
         h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
