@@ -12,42 +12,37 @@ the SOLVER learns from its own best and worst responses to them. Each round t (A
   2. estimate:         info(x) from the N rewards, a regret proxy (Table 2): A*_min = max r - min r (default),
                        A*_avg = max r - mean r, A*_dts = best - second best; ablations var, avg, 1/avg, 1/A*_min;
   3. sample subset:    25% of the prompts, without replacement, by min-max-normalised info (or greedily, stratified);
-  4. evolve:           each sampled prompt grows a chain of 4 EvolInstruct mutations (four in-depth rewrites, one
-                       in-breadth creation, drawn uniformly; each step mutates the last), by default written by the
-                       policy itself: X_t is the evolved set (25% x 4 = as many prompts as X_{t-1});
+  4. evolve:           each sampled prompt grows a chain of 4 EvolInstruct mutations (4 in-depth rewrites, 1 in-breadth
+                       creation, uniform; each mutates the last), by default by the policy: X_t (25% x 4 = |X_{t-1}|);
   5. solver step:      6 responses per evolved prompt, pairs (argmax r, argmin r); 20% of the old pairs and 80% of the
                        new ones; preference optimisation from the current policy with the current policy as reference.
-Reference log-probs are computed with the policy before its update, so no second copy of the policy is held. Metrics:
-creator/* (subset, evolutions, drops by reason), charts/*, losses/* (first and last step), eval/win_rate (the reward
-model's, of the new policy over the round's reference policy on held-out prompts; step 0: the initial eval/reward).
-Every evolution step, kept or dropped with its reason, goes to <run>/evolutions.jsonl.
+Reference log-probs come from the policy before its update (no second copy held). Metrics: creator/* (subset,
+evolutions, drops by reason), charts/*, losses/* (first and last step), eval/win_rate (the reward model's, of the new
+policy over the round's reference policy on held-out prompts; step 0: the initial eval/reward). Every evolution step,
+kept or dropped with its reason, goes to <run>/evolutions.jsonl.
 
-Run
-  python eva.py                              # no GPU: CPU_DEFAULTS below (the embedded SmolLM2-135M is policy,
-                                             # creator and judge; data/chat_prompts.jsonl; one round in minutes)
-  torchrun --nproc_per_node 8 eva.py         # 8xH200: gemma-2-9b-it, ArmoRM-8B, UltraFeedback (Snorkel split)
-  torchrun --nproc_per_node 8 eva.py --evolver-url https://api.openai.com/v1   # the paper's GPT-4 creator
-On the 8xH200 node the reward model is a frozen bf16 copy on every GPU (ArmoRM-8B: 16 GB of 141), resident all run,
-scoring each rank's share of responses; the policy is FSDP2-sharded for training and vLLM (gpu_memory_utilization
-0.5) sleeps while it trains. The creator is the policy's vLLM engine, or --evolver-url (an OpenAI-compatible chat
-endpoint, key from $OPENAI_API_KEY or --evolver-key-env).
-Experiment map (Tables 1, 3, 4, Fig. 5) and the paper's benchmarks (Arena-Hard v0.1, AlpacaEval 2.0, MT-Bench, run on
-a checkpoint's HF directory <run>/checkpoints/iter_XXXXXX/policy with their external judges): README.md.
+Run: `python eva.py` without a GPU (CPU_DEFAULTS: the embedded SmolLM2-135M is policy, creator and judge on
+data/chat_prompts.jsonl; a round in minutes); `torchrun --nproc_per_node 8 eva.py` on 8xH200 (gemma-2-9b-it, ArmoRM-8B,
+UltraFeedback's Snorkel split), with `--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator (key from
+$OPENAI_API_KEY or --evolver-key-env). There the reward model is a frozen bf16 copy on every GPU (ArmoRM-8B: 16 GB of
+141) scoring each rank's share; the policy is FSDP2-sharded and vLLM sleeps while it trains. Experiment map (Tables 1,
+3, 4, Fig. 5) and the paper's benchmarks (Arena-Hard v0.1, AlpacaEval 2.0, MT-Bench on a checkpoint's HF directory
+<run>/checkpoints/iter_XXXXXX/policy, with their external judges): README.md.
 
 Deliberate deviations (the paper's body was not readable here; where it is silent this file follows the official code)
   1. Evolutions that are empty, failed (endpoint or engine error), leak the template's markers, repeat their parent or
      duplicate a known prompt are dropped, with the reason, and the chain goes on from its last kept prompt; the
      official code keeps everything ("THERE SHOULD BE DEDUPLICATION BUT WE TEMPORARIALLY IGNORED"). Truncated ones stay.
   2. The creator is the policy itself unless --evolver-url (the official runs used gpt-4-0125-preview).
-  3. A prompt whose N rewards are all equal gives no pair (the official argmax/argmin pair has chosen = rejected);
-     the 20/80 mix is drawn over prompts before that.
-  4. The reward model scores one conversation per forward (the official code batches six padded conversations
-     without an attention mask) and reads ArmoRM's `score`; the CPU judge is a frozen copy of the policy's model
-     scoring by its probabilities of the digits 1-9.
+  3. A prompt whose N rewards are all equal gives no pair (the official argmax/argmin pair has chosen = rejected); the
+     20/80 mix is drawn over prompts before that.
+  4. The reward model scores one conversation per forward (the official code batches six padded conversations without
+     an attention mask) and reads ArmoRM's `score`; the CPU judge, a frozen copy of the policy's model, scores by its
+     probabilities of the digits 1-9.
   5. No `reward_loo` metric (identically 0 in the official code); 1/avg(r) and 1/A*_min are, as the official
-     reward_mean_inv, 1 - the min-max-normalised value (1/x is undefined for negative rewards); equal metric values
-     give uniform weights (the official normalisation divides by 0); weighted sampling fills up uniformly when fewer
-     prompts than needed have a weight above 0 (pandas raises).
+     reward_mean_inv, 1 - the min-max-normalised value (1/x is undefined for negative rewards); equal metric values give
+     uniform weights (the official normalisation divides by 0); weighted sampling fills up uniformly when fewer prompts
+     than needed have a weight above 0 (pandas raises).
   6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva round per split.
   7. RPO's NLL is the chosen response's mean token NLL (RPO paper; the official penalize_length_nll divides it by the
      micro-batch's token count again); SPPO's win probabilities are Bradley-Terry on the reward model's scores, each
@@ -177,9 +172,8 @@ class Args:
     max_prompt_length: int = 1024  # training: prompts are cut to their last this many tokens
 
 
-# Without CUDA the paper's sizes would take weeks; these run one eva round (8 prompts x 6 responses, 2 seeds x 4
-# evolutions, 6 more responses each, 4 DPO steps, 6 held-out prompts) in about 4 minutes of CPU time (21 min of wall
-# time while other jobs kept the 2 cores at a load of 10).
+# Without CUDA the paper's sizes would take weeks. One eva round (8 prompts x 6 responses, 2 seeds x 4 evolutions, 6
+# more responses each, 4 DPO steps, 6 held-out prompts): ~4 min of CPU time (21 min wall at a load of 10 on 2 cores).
 CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", reward_kind="judge",
                     dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, iterations=1,
                     baseline_round=False, max_new_tokens=40, evolve_max_new_tokens=64, max_model_len=1024,
@@ -187,9 +181,8 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", r
 
 
 # ---- prompts ----
-# The creator's mutations, in our words after the structure of distilabel's EvolInstruct templates (WizardLM): an
-# in-depth REWRITE wrapper with one method clause, and an in-breadth CREATE wrapper; the reply is the text after the
-# last "Prompt#:" marker. One user turn each (distilabel's format_input).
+# The creator's mutations, our words after distilabel's EvolInstruct templates (WizardLM): an in-depth REWRITE wrapper
+# with one method clause and an in-breadth CREATE one, one user turn each; the reply is the text after "Prompt#:".
 REWRITE_PROMPT = """You are rewriting a prompt for a chat assistant. Make the #Given Prompt# somewhat harder, so that \
 even strong AI assistants have to work for a good answer, while a person can still read it and reply sensibly.
 How to make it harder: <METHOD>
@@ -234,10 +227,10 @@ Rating (1-9):"""
 
 # ---- data ----
 def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
-    """(the training prompts in num_splits parts, the held-out prompts). UltraFeedback as the official
-    src/snippets/shuffle_ds.py makes it: Snorkel's train_iteration_{1,2,3} (and test_iteration_*) concatenated,
-    shuffled with seed 8964, cut into 6 parts; held out: the first heldout_size of test part 1. A .jsonl (the CPU
-    default data/chat_prompts.jsonl, written for this project) has rows {"prompt", "split": "train" | "heldout"}."""
+    """(the training prompts in num_splits parts, the held-out prompts). UltraFeedback as the official shuffle_ds.py
+    makes it: Snorkel's train_iteration_{1,2,3} (and test_iteration_*) concatenated, shuffled with seed 8964, cut in 6;
+    held out: the first heldout_size of test part 1. A .jsonl (data/chat_prompts.jsonl, written for this project):
+    rows {"prompt", "split": "train" | "heldout"}."""
     if args.dataset.endswith(".jsonl"):
         rows = [json.loads(line) for line in pathlib.Path(args.dataset).read_text().splitlines() if line.strip()]
         train, test = ([r["prompt"] for r in rows if r.get("split", "train") == s] for s in ("train", "heldout"))
@@ -258,19 +251,16 @@ def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
 def load_reward_model(args: Args, dist: Dist) -> tuple:
     """r(x, y), frozen: a full bf16 copy on every GPU (no FSDP, so ranks score their shares independently)."""
     name, dtype = resolve_model(args.reward_model), torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    if args.reward_kind == "classifier":
-        model = AutoModelForSequenceClassification.from_pretrained(name, dtype=dtype,
-                                                                   trust_remote_code=args.trust_remote_code)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    auto, extra = ((AutoModelForSequenceClassification, {"trust_remote_code": args.trust_remote_code})
+                   if args.reward_kind == "classifier" else (AutoModelForCausalLM, {}))
+    model = auto.from_pretrained(name, dtype=dtype, **extra)
     return model.to(dist.device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(name)
 
 
 @torch.no_grad()
 def score_responses(reward_model: tuple, prompt: str, responses: list[str], kind: str) -> list[float]:
-    """r(x, y) for each response, one conversation per forward (no padding: the official code batched six padded
-    conversations without an attention mask). A classifier's scalar (ArmoRM: `score`); a judge's expected rating
-    sum_d d p(d) / sum_d p(d) over its next-token probabilities of the digits 1-9."""
+    """r(x, y) for each response, one conversation per forward (deviation 4): a classifier's scalar (ArmoRM: `score`),
+    or a judge's expected rating sum_d d p(d) / sum_d p(d) over its next-token probabilities of the digits 1-9."""
     model, tokenizer = reward_model
     scores = []
     for response in responses:
@@ -312,10 +302,9 @@ def sampling_weights(values: list[float], metric: str) -> np.ndarray:
 
 def sample_informative(values: list[float], weights: np.ndarray, fraction: float, method: str,
                        rng: np.random.Generator, bins: int = 10) -> list[int]:
-    """Indices of the informative subset, int(fraction * #prompts) of them: `weighted` draws without replacement
-    with probabilities `weights` (pandas' df.sample); `greedy` takes the highest weights (Table 4's -greedy);
-    `stratified` draws round(fraction * size) by weight within each of `bins` quantile bins of the values
-    (pd.qcut, duplicate edges dropped)."""
+    """Indices of the informative subset, int(fraction * #prompts) of them: `weighted` draws without replacement with
+    probabilities `weights` (pandas' df.sample); `greedy` takes the highest weights (Table 4's -greedy); `stratified`
+    draws round(fraction * size) by weight in each of `bins` quantile bins of the values (pd.qcut, edges deduped)."""
     def draw(w: np.ndarray, k: int) -> list[int]:  # successive draws; uniform among zero weights once none is left
         positive, k = np.flatnonzero(w > 0), min(k, len(w))
         if k <= 0:
@@ -336,8 +325,7 @@ def sample_informative(values: list[float], weights: np.ndarray, fraction: float
 
 
 def win_probability(rewards: list[float], i: int) -> float:
-    """SPPO's P(y_i beats the policy): the mean over all N responses j (itself included, 1/2) of the Bradley-Terry
-    probability sigmoid(r_i - r_j) (official src/compute_prob.py)."""
+    """SPPO's P(y_i beats the policy): the mean over all N j (itself: 1/2) of sigmoid(r_i - r_j) (compute_prob.py)."""
     return float(np.mean([1.0 / (1.0 + math.exp(r - rewards[i])) for r in rewards]))
 
 
@@ -368,8 +356,7 @@ def rpo_loss(h: torch.Tensor, nll_chosen: torch.Tensor, beta: float, alpha: floa
     return dpo_loss(h, beta) + alpha * nll_chosen
 
 
-def sppo_loss(logratio_w: torch.Tensor, logratio_l: torch.Tensor, p_w: torch.Tensor, p_l: torch.Tensor,
-              beta: float) -> torch.Tensor:
+def sppo_loss(logratio_w: torch.Tensor, logratio_l: torch.Tensor, p_w: torch.Tensor, p_l: torch.Tensor, beta: float):
     """SPPO (eta = 1/beta): each response's log-ratio regressed on (P(win) - 1/2) / beta, averaged over the two."""
     return ((logratio_w - (p_w - 0.5) / beta) ** 2 + (logratio_l - (p_l - 0.5) / beta) ** 2) / 2
 
@@ -388,14 +375,12 @@ def orpo_loss(mean_w: torch.Tensor, mean_l: torch.Tensor, lam: float) -> torch.T
 
 
 def rloo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float) -> torch.Tensor:
-    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), the sequence ratio rho = pi / pi_old; at rho = 1 the
-    gradient is REINFORCE's, -A grad log pi(y)."""
+    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = pi / pi_old (sequence); at 1: REINFORCE."""
     rho = torch.exp(logp - old_logp)
     return -torch.min(rho * advantages, rho.clamp(1 - clip, 1 + clip) * advantages)
 
 
-def pair_losses(loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, p: torch.Tensor,
-                args: Args) -> torch.Tensor:
+def pair_losses(loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, p: torch.Tensor, args: Args):
     """The per-pair loss of `loss`; rows 0 and 1 of pi, ref, n, p are the chosen and the rejected responses."""
     h, mean = (pi[0] - ref[0]) - (pi[1] - ref[1]), pi / n
     return {"dpo": lambda: dpo_loss(h, args.beta),
@@ -413,16 +398,13 @@ Pair = collections.namedtuple("Pair", "samples rewards win_probs")  # (argmax, a
 Rollout = collections.namedtuple("Rollout", "sample reward group")
 
 
-def solve(prompts: list[str], n: int, key: str, sampler, tokenizer, reward_model, args: Args,
-          dist: Dist) -> list[Group]:
-    """Algorithm 1, 'self-generate responses' and 'annotate rewards': n responses per prompt (one user turn, the
-    chat template's generation prompt; official src/generate.py) scored by r(x, y) (src/reward_hf.py), each chunk
-    by the rank that sampled it."""
-    return sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, dist,
-                  lambda start, rows: [Group(p, ss, score_responses(reward_model, p, [s.text for s in ss],
-                                                                    args.reward_kind))
-                                       for p, ss in zip(prompts[start:], rows)],
-                  temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+def solve(prompts: list[str], n: int, key: str, sampler, tokenizer, reward_model, args: Args, dist: Dist) -> list:
+    """Algorithm 1, 'self-generate responses' and 'annotate rewards': n responses per prompt (one user turn; official
+    src/generate.py) scored by r(x, y) (src/reward_hf.py), each chunk by the rank that sampled it: Groups."""
+    return sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, dist, lambda start, rows: [
+        Group(p, ss, score_responses(reward_model, p, [s.text for s in ss], args.reward_kind))
+        for p, ss in zip(prompts[start:], rows)], temperature=args.temperature, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens)
 
 
 def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
@@ -430,7 +412,6 @@ def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
     body = json.dumps({"model": args.evolver_model, "messages": [{"role": "user", "content": prompt}],
                        "temperature": args.evolve_temperature, "max_tokens": args.evolve_max_new_tokens}).encode()
     headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get(args.evolver_key_env)}"}
-    error = ""
     for attempt in range(3):
         try:
             request = urllib.request.Request(args.evolver_url.rstrip("/") + "/chat/completions", body, headers)
@@ -462,25 +443,16 @@ def normalise(text: str) -> str:
 def read_evolution(text: str, finish_reason: str, parent: str, seen: set[str]) -> tuple[str | None, str]:
     """(the evolved prompt or None, the reason): distilabel keeps the text after the last "Prompt#:"; we drop an
     empty or failed reply, one that still holds the template's markers, repeats its parent or is already known."""
-    if finish_reason in ("abort", "error"):
-        return None, "failed"
     new = text.split("Prompt#:")[-1].strip().strip('"').strip()
-    if not new:
-        return None, "empty"
-    if any(m in new.lower() for m in MARKERS):
-        return None, "marker"
-    if normalise(new) == normalise(parent):
-        return None, "unchanged"
-    if normalise(new) in seen:
-        return None, "duplicate"
-    return new, "truncated" if finish_reason == "length" else ""
+    dropped = ("failed" if finish_reason in ("abort", "error") else "empty" if not new else
+               "marker" if any(m in new.lower() for m in MARKERS) else
+               "unchanged" if normalise(new) == normalise(parent) else "duplicate" if normalise(new) in seen else "")
+    return (None, dropped) if dropped else (new, "truncated" if finish_reason == "length" else "")
 
 
-def evolve(seeds: list[str], known: list[str], iteration: int, sampler, tokenizer, args: Args,
-           dist: Dist) -> tuple[list[str], list[dict]]:
-    """Creator step 'self-evolve prompts' (official src/evolve_prompt.py: distilabel's EvolInstruct, store_evolutions):
-    each seed grows a chain of num_evolutions mutations, each applied to the chain's last prompt, drawn uniformly
-    from MUTATIONS; every kept step is a new prompt. Returns (the new prompts, one record per step)."""
+def evolve(seeds: list[str], known: list[str], iteration: int, sampler, tokenizer, args: Args, dist: Dist) -> tuple:
+    """Creator step 'self-evolve prompts' (official evolve_prompt.py: distilabel's EvolInstruct, store_evolutions): a
+    chain of num_evolutions uniform MUTATIONS per seed, each of the last kept prompt. Returns (new prompts, records)."""
     rng = random.Random(f"{args.seed}/{iteration}/mutations")  # the same draws on every rank and after a resume
     chains, seen, evolved, records = list(seeds), {normalise(p) for p in known}, [], []
     for step in range(args.num_evolutions):
@@ -541,9 +513,8 @@ def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> 
 
 
 def item_losses(policy, items: list[tuple], args: Args, size: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """The loss of a micro-batch of (item, its reference log-probs) as its part of the mean over a batch of `size`
-    items (one forward over all its sequences: every chosen, then every rejected, as TRL's concatenated forward), and
-    its part of the batch means of: the implicit reward margin beta h, the accuracy h > 0, the log-probs."""
+    """A micro-batch of (item, its reference log-probs): its part of the loss's mean over `size` items (one forward,
+    every chosen then every rejected, as TRL's concatenated forward) and of the margin beta h, accuracy, log-probs."""
     k = len(sequences(items[0][0]))
     logp, mask, _ = token_logprobs(policy, [sequences(item)[j] for j in range(k) for item, _ in items])
     pi, n = (logp * mask).sum(1).view(k, -1), mask.sum(1).clamp(min=1).view(k, -1)
@@ -559,10 +530,9 @@ def item_losses(policy, items: list[tuple], args: Args, size: int) -> tuple[torc
 
 
 def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.Random) -> dict[str, float]:
-    """Solver step 'preference optimization' from the current policy, as one fresh trainer run (the official pipeline
-    starts TRL anew each round): the reference log-probs of every sequence under the policy as it starts, a fresh
-    optimizer state, `epochs` passes over the shuffled items in batches of batch_size, linear warm-up then
-    --lr-schedule's decay. Each rank runs its share of every batch."""
+    """Solver step 'preference optimization' as one fresh trainer run (the official pipeline starts TRL anew each
+    round): reference log-probs of every sequence under the policy as it starts, a fresh optimizer state, `epochs`
+    passes over the shuffled items in batches of batch_size, warm-up then --lr-schedule; each rank its share."""
     refs = iter(sequence_logprobs(policy, [s for item in items for s in sequences(item)], args, dist))
     items = [(item, [next(refs) for _ in sequences(item)]) for item in items]
     optimizer.state.clear()
@@ -585,10 +555,9 @@ def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.R
 
 # ---- evaluation ----
 def evaluate(sampler, tokenizer, reward_model, heldout: list[str], reference: list[float], key: str, args: Args,
-             dist: Dist) -> tuple[dict[str, float], list[float]]:
-    """The reward model's win rate of the policy over the round's reference policy (the policy before the update)
-    on held-out prompts, one response each at the solver's sampling settings. Returns (metrics, this policy's
-    rewards: the next round's reference)."""
+             dist: Dist) -> tuple[dict, list]:
+    """The reward model's win rate of the policy over the one before the update on held-out prompts, one response each
+    as the solver samples. Returns (metrics, this policy's rewards: the next round's reference)."""
     rewards = [g.rewards[0] for g in solve(heldout, 1, key, sampler, tokenizer, reward_model, args, dist)]
     return {"eval/win_rate": win_rate(rewards, reference), "eval/reward": float(np.mean(rewards)),
             "eval/reference_reward": float(np.mean(reference))}, rewards
