@@ -789,7 +789,7 @@ def main(args: Args) -> None:
 
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
 
-    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # an update now (App. D)
+    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # App. D: update per phase
         pending.extend(rollouts)
         if args.phase_updates or joint:
             with logger.timer("training"):
