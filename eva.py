@@ -94,82 +94,133 @@ class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
-    seed: int = 42  # seed of the run (each rank adds its rank) (official)
-    output_dir: str = "runs"  # where run directories go
-    run_name: str | None = None  # run directory name; default <exp_name>__<seed>
-    track: bool = False  # log to Weights & Biases
-    wandb_project_name: str = "selfplay"  # the wandb project
-    wandb_entity: str | None = None  # the wandb entity (team)
-    save_every: int = 1  # save a checkpoint every this many iterations (and after the last)
-    resume: bool = False  # continue from the latest checkpoint in the run directory
+    seed: int = 42
+    """seed of the run (each rank adds its rank) (official)"""
+    output_dir: str = "runs"
+    """where run directories go"""
+    run_name: str | None = None
+    """run directory name; default <exp_name>__<seed>"""
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project_name: str = "selfplay"
+    """the wandb project"""
+    wandb_entity: str | None = None
+    """the wandb entity (team)"""
+    save_every: int = 1
+    """save a checkpoint every this many iterations (and after the last)"""
+    resume: bool = False
+    """continue from the latest checkpoint in the run directory"""
 
     # model and backends
     model: str = "google/gemma-2-9b-it"
     """policy (solver and creator): a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
-    gpu_memory_utilization: float = 0.5  # vLLM's share of GPU memory (it sleeps while the policy trains)
-    vllm_sleep: bool = True  # put vLLM to sleep during training (level 2) and wake it with fresh weights
-    max_model_len: int = 4096  # longest prompt + completion, in tokens
-    gradient_checkpointing: bool = True  # activation checkpointing in training
-    reward_model: str = "RLHFlow/ArmoRM-Llama3-8B-v0.1"  # r(x, y): a HF classifier, or (--reward-kind judge) an LM
+    gpu_memory_utilization: float = 0.5
+    """vLLM's share of GPU memory (it sleeps while the policy trains)"""
+    vllm_sleep: bool = True
+    """put vLLM to sleep during training (level 2) and wake it with fresh weights"""
+    max_model_len: int = 4096
+    """longest prompt + completion, in tokens"""
+    gradient_checkpointing: bool = True
+    """activation checkpointing in training"""
+    reward_model: str = "RLHFlow/ArmoRM-Llama3-8B-v0.1"
+    """r(x, y): a HF classifier, or (--reward-kind judge) an LM"""
     reward_kind: Literal["classifier", "judge"] = "classifier"
     """classifier: the model's scalar score; judge: the expected 1-9 rating from the probabilities of the digits"""
-    trust_remote_code: bool = True  # let the reward model run its own modelling code (ArmoRM needs it)
+    trust_remote_code: bool = True
+    """let the reward model run its own modelling code (ArmoRM needs it)"""
 
     # data
     dataset: str = "snorkelai/Snorkel-Mistral-PairRM-DPO-Dataset"
     """UltraFeedback prompts (the official split: its 3 train iterations, shuffled with seed 8964), or a .jsonl"""
-    num_splits: int = 6  # the prompts are cut into this many parts, one per plain-DPO round (official: 6, ~10k each)
-    num_prompts: int | None = None  # use only the first N prompts of each part
-    heldout_size: int = 500  # held-out prompts for the win-rate evaluation (the test iterations, split the same way)
+    num_splits: int = 6
+    """the prompts are cut into this many parts, one per plain-DPO round (official: 6, ~10k each)"""
+    num_prompts: int | None = None
+    """use only the first N prompts of each part"""
+    heldout_size: int = 500
+    """held-out prompts for the win-rate evaluation (the test iterations, split the same way)"""
 
     # creator
-    evolve: bool = True  # evolve the informative subset (--no-evolve: train on the subset itself, Table 4's blue rows)
+    evolve: bool = True
+    """evolve the informative subset (--no-evolve: train on the subset itself, Table 4's blue rows)"""
     info_metric: Literal["a_min", "a_avg", "a_dts", "var", "avg", "inv_avg", "inv_a_min", "uniform"] = "a_min"
     """informativeness of a prompt from its rewards (Tables 2-3): A*_min = max - min is eva's default"""
     sampling: Literal["weighted", "greedy", "stratified"] = "weighted"
     """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted within quantile bins"""
-    evolve_fraction: float = 0.25  # share of the prompts sampled into the informative subset (official SAMPLE_FRAC)
-    stratified_bins: int = 10  # quantile bins of --sampling stratified
-    num_evolutions: int = 4  # length of each seed's mutation chain (official NUM_EVOLUTIONS)
-    evolve_temperature: float = 0.88  # creator sampling temperature (official EVOLVE_TEMPERATURE)
-    evolve_max_new_tokens: int = 666  # longest evolved prompt, in tokens (official MAX_PROMPT_LENGTH)
-    evolver_url: str | None = None  # evolve with an OpenAI-compatible endpoint (e.g. https://api.openai.com/v1)
-    evolver_model: str = "gpt-4-0125-preview"  # the endpoint's model (official GEN_MODEL_NAME)
-    evolver_key_env: str = "OPENAI_API_KEY"  # environment variable holding the endpoint's key
-    evolver_workers: int = 5  # concurrent endpoint requests per rank (official: 5 processes)
-    evolver_timeout: float = 120.0  # seconds per endpoint request (3 tries)
+    evolve_fraction: float = 0.25
+    """share of the prompts sampled into the informative subset (official SAMPLE_FRAC)"""
+    stratified_bins: int = 10
+    """quantile bins of --sampling stratified"""
+    num_evolutions: int = 4
+    """length of each seed's mutation chain (official NUM_EVOLUTIONS)"""
+    evolve_temperature: float = 0.88
+    """creator sampling temperature (official EVOLVE_TEMPERATURE)"""
+    evolve_max_new_tokens: int = 666
+    """longest evolved prompt, in tokens (official MAX_PROMPT_LENGTH)"""
+    evolver_url: str | None = None
+    """evolve with an OpenAI-compatible endpoint (e.g. https://api.openai.com/v1)"""
+    evolver_model: str = "gpt-4-0125-preview"
+    """the endpoint's model (official GEN_MODEL_NAME)"""
+    evolver_key_env: str = "OPENAI_API_KEY"
+    """environment variable holding the endpoint's key"""
+    evolver_workers: int = 5
+    """concurrent endpoint requests per rank (official: 5 processes)"""
+    evolver_timeout: float = 120.0
+    """seconds per endpoint request (3 tries)"""
 
     # solver
     iterations: int = 2
     """rounds to run: a plain-DPO round first (unless --no-baseline-round), then eva's; 0: evaluate the given model"""
-    baseline_round: bool = True  # round 1: the official plain iterative-DPO round on split 1 (iterate.sh, ITER=0)
-    new_human_prompts: bool = False  # baseline: plain rounds on new human splits (Table 1, '+ new human prompts')
-    n_samples: int = 6  # responses per prompt (official N_PAIRS)
-    temperature: float = 0.7  # solver sampling temperature
-    top_p: float = 0.9  # solver nucleus sampling
-    max_new_tokens: int = 2048  # longest response, in tokens
-    old_pair_ratio: float = 0.2  # share of the old prompts' pairs in the training mix (official RATIO_BASE)
-    new_pair_ratio: float = 0.8  # share of the evolved prompts' pairs (official RATIO_EVOL)
+    baseline_round: bool = True
+    """round 1: the official plain iterative-DPO round on split 1 (iterate.sh, ITER=0)"""
+    new_human_prompts: bool = False
+    """baseline: plain rounds on new human splits (Table 1, '+ new human prompts')"""
+    n_samples: int = 6
+    """responses per prompt (official N_PAIRS)"""
+    temperature: float = 0.7
+    """solver sampling temperature"""
+    top_p: float = 0.9
+    """solver nucleus sampling"""
+    max_new_tokens: int = 2048
+    """longest response, in tokens"""
+    old_pair_ratio: float = 0.2
+    """share of the old prompts' pairs in the training mix (official RATIO_BASE)"""
+    new_pair_ratio: float = 0.8
+    """share of the evolved prompts' pairs (official RATIO_EVOL)"""
     loss: Literal["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"] = "dpo"
     """preference loss (Table 1 and the official scripts), or the v3 online RLOO"""
-    beta: float = 0.05  # beta of the loss (official gemma-2-9b-it DPO: 0.05; SPPO 1/eta; SimPO beta; ORPO lambda)
-    rpo_alpha: float = 1.0  # RPO: weight of the chosen response's NLL
-    simpo_gamma_beta_ratio: float = 0.5  # SimPO: target margin gamma / beta
-    rloo_clip: float = 0.2  # RLOO: clip of the sequence-level probability ratio
-    batch_size: int = 64  # pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)
-    learning_rate: float = 5e-7  # peak learning rate
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # official (the SPPO scripts: linear)
+    beta: float = 0.05
+    """beta of the loss (official gemma-2-9b-it DPO: 0.05; SPPO 1/eta; SimPO beta; ORPO lambda)"""
+    rpo_alpha: float = 1.0
+    """RPO: weight of the chosen response's NLL"""
+    simpo_gamma_beta_ratio: float = 0.5
+    """SimPO: target margin gamma / beta"""
+    rloo_clip: float = 0.2
+    """RLOO: clip of the sequence-level probability ratio"""
+    batch_size: int = 64
+    """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
+    learning_rate: float = 5e-7
+    """peak learning rate"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    """official (the SPPO scripts: linear)"""
     """learning-rate schedule after the warm-up (lr_at)"""
-    warmup_steps: int | None = None  # linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)
-    warmup_ratio: float = 0.1  # share of the steps of linear warm-up
-    epochs: int = 2  # epochs over the round's pairs
-    optim: Literal["adamw", "rmsprop"] = "adamw"  # optimizer, fresh every round (official: adamw_torch; SPPO rmsprop)
-    micro_batch_size: int = 1  # pairs per forward/backward pass on each rank
-    max_grad_norm: float = 1.0  # gradient clipping
-    max_length: int = 2048  # training: longest prompt + response, in tokens
-    max_prompt_length: int = 1024  # training: prompts are cut to their last this many tokens
+    warmup_steps: int | None = None
+    """linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)"""
+    warmup_ratio: float = 0.1
+    """share of the steps of linear warm-up"""
+    epochs: int = 2
+    """epochs over the round's pairs"""
+    optim: Literal["adamw", "rmsprop"] = "adamw"
+    """optimizer, fresh every round (official: adamw_torch; SPPO rmsprop)"""
+    micro_batch_size: int = 1
+    """pairs per forward/backward pass on each rank"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    max_length: int = 2048
+    """training: longest prompt + response, in tokens"""
+    max_prompt_length: int = 1024
+    """training: prompts are cut to their last this many tokens"""
 
 
 # Without CUDA the paper's sizes would take weeks. One eva round (8 prompts x 6 responses, 2 seeds x 4 evolutions, 6
@@ -865,14 +916,13 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z) / temperature
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
             z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logz = z.logsumexp(-1)
-        logp = z.gather(-1, target[:, None])[:, 0] - logz
-        return (logp, logz - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
+        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
 
     def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
         h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
