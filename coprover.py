@@ -7,7 +7,8 @@ kimina-lean-server and ReProver whose pieces are not wired together; here the me
 Method. The PROVER (DeepSeek-Prover-V2-7B) writes whole proofs and, asked for one step, tactics; the VALUE MODEL
 (Llama-3.2-1B, a scalar head on the last token) estimates V(s) = gamma^d, d the steps from proof state s to QED. Each
 iteration (the README's round):
-  1. search: best-first over Lean's tactic mode, priority alpha * exp(mean token log-prob of the path) + (1 - alpha) V;
+  1. search: best-first over Lean's tactic mode, priority alpha * exp(mean token log-prob of the path) + (1 - alpha) V
+     (without a value model, ReProver's: the path's cumulative log-prob);
   2. labels: gamma^d on the states of each proof found (by search or a verified whole proof), 0 on expanded states off
      every proof path and on the roots of failed whole proofs;
   3. value: regression (MSE) on the labels of ALL iterations;
@@ -23,27 +24,39 @@ which follows the tactic table of data/lean_tactics.jsonl. Experiment map: READM
 Deliberate deviations:
   1. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals (joined by blank
      lines), merged by goals_key; a proof counts only if check_tactic_path accepts it whole (kernel, statement).
-     Whole proofs too, not kimina. Each rank searches search_batch theorems in lockstep (one generate, apply_tactics
-     and V call per step), a theorem's seconds on the batch's wall clock.
+     Whole proofs too, not kimina. Each rank searches search_batch theorems in lockstep (one generate and V call per
+     step, a theorem's tactics one per apply_tactics call); a theorem is charged the calls it waits for and its own
+     tactics' Lean time, and stops applying tactics once its budget is spent (ReProver checks it between expansions).
   2. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
      log-prob decides after a few steps; here exp(mean token log-prob of the path), in (0, 1] like V.
   3. The search runs (co_train.py passes its flags to trajectory_collector.py, which takes none; nothing calls
      ValueGuidedSearchProver); tactics are sampled (K distinct lines), not ReProver's beam; before any value model,
      the search goes by log-prob only.
   4. Labels per state (README; the official collector labels each whole-proof attempt's statement 0.95^lines or 0:
-     --value-labels root); d counts top-level tactics; failed whole proofs label their root.
-  5. Timeouts and server errors fail (lean_reward.py, trajectory_collector.py and evaluate.py count a kimina timeout as
-     valid; filter_dataset.py passes an EMPTY response). Frontier bounds 1..6 of 8 (its docstring; its code keeps 7).
-  6. V is value_model.py's scalar head trained by regression, continued across iterations (the official scripts
+     --value-labels root); d counts top-level tactics (a proof with none, term mode, one step: the collector's floor);
+     failed whole proofs label their root. They come from GRPO's rollouts (T 1.0, the frontier statements), not from
+     a collection of their own (trajectory_collector.py: 8 samples at T 0.8 on the promptset).
+  5. The reward is lean_verify's verdict (warnings allowed; no error or sorry, kernel, axioms, statement unchanged):
+     lean_reward.py gives 0 for any Lean message, warnings included, never checks the statement, and (as
+     trajectory_collector.py and evaluate.py do) gives 1 for a kimina timeout or server error.
+  6. The frontier counts proofs Lean accepts: filter_dataset.py counts a sample as passed only when kimina sends no
+     response (a timeout or server error), never a checked proof, valid or not. Bounds 1..6 of 8 (its docstring; its
+     code keeps 7).
+  7. V is value_model.py's scalar head trained by regression, continued across iterations (the official scripts
      fine-tune the LM to print the value as text; nothing trains the head).
-  7. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
+  8. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
      fixed save directory: as we read slime, later rounds find the rollouts done); pi_old is the sampler's log-probs
      (slime recomputes them: equal up to numerics).
-  8. Search theorems are the training statements (the official collector reads LeanDojo Benchmark 4, which has no
+  9. Search theorems are the training statements (the official collector reads LeanDojo Benchmark 4, which has no
      formal_statement), prompted by the whole-proof prompt with its answer block prefilled (tactics so far, goals in a
      comment), not ReProver's "[GOAL] ... [PROOFSTEP]".
-  9. value_reward.py's bonus (0.1 V(statement) for failed proofs) is left out: constant within a GRPO group, it
-     cancels. A code block without the theorem's declaration is read as its tactic body.
+ 10. value_reward.py (1 for a proof, else 0.1 V(statement) if the answer has a code block: a format bonus) is left out,
+     as in train_step_grpo.sh, which rewards with lean_reward.compute_reward. A code block without the theorem's
+     declaration is read as its tactic body.
+ 11. Evaluation: 32 samples (the README's evaluate.py command; co_train.py's loop passes 8) under Lean's 60 s limit
+     (evaluate.py: 120 s); no PutnamBench (co_training.yaml lists it; --eval-dataset takes any benchmark).
+ 12. --no-co-training trains the value model in the first iteration only (the prover trains on alone); the README's
+     "independent training" (both models trained every round, without interaction) is not offered.
 """
 
 from __future__ import annotations
@@ -261,8 +274,10 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2",
 # completion, no chat template); the answer is a new ```lean4 block with the whole theorem.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```\n"
 # Search asks the same prover for one step: its answer block is prefilled with the statement, the tactics so far and
-# the current goals in a comment (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line.
-TACTIC_PROMPT = PROVER_PROMPT + "```lean4\n{header}{proof}\n  /- tactic state:\n{goals}\n  -/\n  "
+# the current goals in a comment (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line, stripped.
+# The prompt ends at the newline and the model writes the indentation: DeepSeek's tokenizer splits newlines off, so this
+# ends on a token boundary of its training text; one ending in "\n  " ends on an indentation token it rarely saw there.
+TACTIC_PROMPT = PROVER_PROMPT + "```lean4\n{header}{proof}\n  /- tactic state:\n{goals}\n  -/\n"
 # The value model reads a proof state in this frame; its head reads the hidden state of the last token.
 VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a finished proof?"
 
@@ -341,16 +356,20 @@ class Node:  # a proof state of the search (states with the same goals are one n
 
 def best_first_search(sampler, verifier, problems: list[Problem], score, key: str, args: Args) -> list[SearchResult]:
     """Step 1 on `problems` in lockstep (ReProver's loop, value_guided_search.py's priority): each step pops every live
-    theorem's best node, samples K tactics for each (one generate call), applies the distinct ones (one apply_tactics
-    call), scores the new states with V (`score`; None: log-prob only) and pushes them; known goals merge. A sample
-    that is not one finished line, a tactic Lean rejects and a solved path the kernel rejects are failed edges."""
-    start, tie, alpha = time.monotonic(), itertools.count(1), args.alpha if score else 1.0
+    theorem's best node, samples K tactics for each (one generate call), applies the distinct ones in turn (the i-th
+    of every theorem in one apply_tactics call) until the theorem is proved or its budget spent, scores the new states
+    with V (`score`; None: ReProver's cumulative log-prob) and pushes them; known goals merge. A theorem's seconds are
+    its own: the generate and V calls it waits for, its tactics and kernel checks (the budget is checked before each
+    tactic). A sample that is not one finished line, a tactic Lean rejects and a solved path the kernel rejects are
+    failed edges."""
+    tie = itertools.count(1)
     trees = [dict(problem=p, nodes={r.key: Node(r)}, queue=[(0.0, 0, r.key)] if r.status == "open" else [],
-                  expanded=[], proof=None, counts=collections.Counter(), seconds=0.0)
+                  expanded=[], proof=None, counts=collections.Counter(), seconds=0.0, tactics=[])
              for p, r in zip(problems, verifier.start_proofs([(p.header, p.statement) for p in problems]))]
-    while live := [t for t in trees if t["queue"] and t["proof"] is None and time.monotonic() - start <
-                   args.search_timeout and (args.max_expansions is None or len(t["expanded"]) < args.max_expansions)]:
-        prompts = []
+    going = lambda t: t["proof"] is None and t["seconds"] < args.search_timeout  # noqa: E731
+    while live := [t for t in trees if t["queue"] and going(t) and (args.max_expansions is None or
+                                                                       len(t["expanded"]) < args.max_expansions)]:
+        prompts, clock = [], time.monotonic()
         for t in live:
             t["expanded"].append(heapq.heappop(t["queue"])[2])
             p, state = t["problem"], t["nodes"][t["expanded"][-1]].state
@@ -358,37 +377,44 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, key: st
             prompts.append(TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals,
                                                 proof=proof_from_tactics(p.statement, state.tactics).rstrip()))
         # a key per prompt: a node's tactics are the same whichever theorems share its lockstep batch and rank
-        keys, edges = [f"{key}/{t['problem'].id}/{len(t['expanded'])}" for t in live], []
-        for t, row in zip(live, sample(sampler, prompts, args.num_sampled_tactics, keys, stop=["\n"],
-                                       temperature=args.search_temperature, max_new_tokens=args.tactic_max_new_tokens)):
-            distinct = {}
+        rows = sample(sampler, prompts, args.num_sampled_tactics, [f"{key}/{t['problem'].id}/{len(t['expanded'])}"
+                      for t in live], stop=["\n"], temperature=args.search_temperature,
+                      max_new_tokens=args.tactic_max_new_tokens)
+        elapsed = time.monotonic() - clock  # every theorem of the call waited for it
+        for t, row in zip(live, rows):
+            distinct, t["seconds"] = {}, t["seconds"] + elapsed
             for s in row:  # truncated, aborted and empty samples are failed edges
                 if s.finish_reason != "stop" or not s.text.strip():
                     t["counts"].update(edges=1, failed_edges=1)
                 else:
                     distinct.setdefault(s.text.strip(), (float(sum(s.logprobs)), len(s.token_ids)))
-            edges += [(t, t["expanded"][-1], tactic, lp, n) for tactic, (lp, n) in distinct.items()]
+            t["tactics"] = list(distinct.items())
         new = []
-        for (t, k, tactic, lp, n), child in zip(edges, verifier.apply_tactics(
-                [(t["nodes"][k].state, tactic) for t, k, tactic, _, _ in edges])):
-            if t["proof"] is not None:
-                continue  # proved by an earlier edge of this step
-            t["counts"]["edges"] += 1
-            if child.status == "solved" and verifier.check_tactic_path(child).valid:
-                t["proof"] = (child.tactics, k)
-            elif child.status != "open":
-                t["counts"]["failed_edges"] += 1
-            elif child.key in t["nodes"]:
-                t["counts"]["merged"] += 1
-            else:
-                parent = t["nodes"][k]
-                new.append((t, Node(child, k, parent.logprob + lp, parent.tokens + n)))
-                t["nodes"][child.key] = new[-1][1]
+        for i in itertools.count():  # the i-th tactic of every theorem not yet proved and within its budget
+            if not (todo := [t for t in live if i < len(t["tactics"]) and going(t)]):
+                break
+            for t, child in zip(todo, verifier.apply_tactics([(t["nodes"][t["expanded"][-1]].state, t["tactics"][i][0])
+                                                              for t in todo])):
+                clock, k, (lp, n) = time.monotonic(), t["expanded"][-1], t["tactics"][i][1]
+                t["counts"]["edges"] += 1
+                if child.status == "solved" and verifier.check_tactic_path(child).valid:
+                    t["proof"] = (child.tactics, k)
+                elif child.status != "open":
+                    t["counts"]["failed_edges"] += 1
+                elif child.key in t["nodes"]:
+                    t["counts"]["merged"] += 1
+                else:
+                    parent = t["nodes"][k]
+                    new.append((t, Node(child, k, parent.logprob + lp, parent.tokens + n)))
+                    t["nodes"][child.key] = new[-1][1]
+                t["seconds"] += child.time + time.monotonic() - clock  # the tactic and its kernel check
+        clock = time.monotonic()
         values = score([node.state.pretty for _, node in new]) if score and new else [0.0] * len(new)
+        for t in {id(t): t for t, _ in new}.values():  # the V call, for the theorems it scored
+            t["seconds"] += time.monotonic() - clock
         for (t, node), v in zip(new, values):
-            heapq.heappush(t["queue"], (-priority(node.logprob, node.tokens, v, alpha), next(tie), node.state.key))
-        for t in live:
-            t["seconds"] = time.monotonic() - start
+            rank = priority(node.logprob, node.tokens, v, args.alpha) if score else node.logprob
+            heapq.heappush(t["queue"], (-rank, next(tie), node.state.key))
     results = []
     for t in trees:  # step 2 for the search: the states of the proof path, root first, and every expanded state
         nodes, path, k = t["nodes"], [], t["proof"][1] if t["proof"] else None
@@ -433,7 +459,7 @@ def attempt_proofs(sampler, verifier, problems: list[Problem], n: int, temperatu
 
 def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist: Dist) -> list[str]:
     """Data prep (filter_dataset.py): the ids of the statements with frontier_min..frontier_max of frontier_samples
-    whole proofs proved (deviation 5)."""
+    whole proofs proved (deviation 6)."""
     attempts = attempt_proofs(sampler, verifier, problems, args.frontier_samples, args.frontier_temperature,
                               f"{args.seed}/frontier", args, dist)
     return [p.id for p, row in zip(problems, attempts)
@@ -443,14 +469,15 @@ def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist
 def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[Attempt]], args: Args, dist: Dist
                        ) -> list[tuple[str, float]]:
     """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (the official collector's rule); a proof of
-    n top-level tactics labels the root gamma^n and, with per-state labels, is replayed, its i-th state labelled
-    gamma^(n - i); a replay that does not end solved (a proof using a lemma it declares) labels the root only."""
+    n top-level tactics labels the root gamma^n (a term-mode proof: n = 1, the collector's floor) and, with per-state
+    labels, is replayed, its i-th state labelled gamma^(n - i); a replay that does not end solved (a proof using a lemma
+    it declares) labels the root only."""
     def run(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
         out, replays = [], []
         for (p, row), root in zip(mine, verifier.start_proofs([(p.header, p.statement) for p, _ in mine])):
             proofs = [proof_tactics(a.proof, p.statement) for a in row if a.correct] if root.status == "open" else []
             out.append([(root.pretty, 0.0) for a in row if not a.correct and root.status == "open"] +
-                       [(root.pretty, args.gamma ** len(tactics)) for tactics in proofs])
+                       [(root.pretty, args.gamma ** max(len(tactics), 1)) for tactics in proofs])
             replays += [(out[-1], root, t) for t in proofs if args.value_labels == "state" and len(t) > 1]
         for (labels, _, _), states in zip(replays, verifier.replay(*[[r[i] for r in replays] for i in (1, 2)])):
             if states and states[-1].status == "solved":
@@ -474,6 +501,7 @@ def load_value_model(name: str, dist: Dist, args: Args, train: bool = True) -> t
     saved = {k.removeprefix("value_head."): v for f in pathlib.Path(resolve_model(name)).glob("*.safetensors")
              for k, v in safetensors.torch.load_file(f).items() if k.startswith("value_head.")}
     model.value_head.load_state_dict(saved, strict=bool(saved))  # nothing saved: the seed-0 head
+    model.value_head.trained = bool(saved)
     model.value_head.to(dist.device)
     if dist.world_size > 1:
         fully_shard(model.value_head)  # fp32, outside the backbone's bf16 mixed precision
@@ -482,11 +510,13 @@ def load_value_model(name: str, dist: Dist, args: Args, train: bool = True) -> t
 
 def value_scorer(value_model, tokenizer, args: Args, dist: Dist):
     """V for the search, `score(state texts) -> values` (no grad, eval mode, in micro-batches): the value model in one
-    process; under torchrun a full copy of its weights per rank (bf16 on GPUs), since each rank searches alone."""
+    process; under torchrun a full copy of its weights per rank (bf16 on GPUs, the head fp32), since each rank searches
+    alone, filled a gathered tensor at a time (never the whole fp32 model at once)."""
     model = value_model
     if dist.world_size > 1:  # a collective
         model = load_value_model(args.value_backbone, Dist(0, 1, 1, dist.device, True), args, train=False)
-        model.load_state_dict(dict(full_state_dict_items(value_model)))
+        own = model.state_dict()
+        [own[name].copy_(tensor) for name, tensor in full_state_dict_items(value_model)]  # fp32, each into its dtype
 
     @torch.no_grad()
     def score(texts: list[str]) -> list[float]:
@@ -520,7 +550,7 @@ def train_value(value_model, optimizer, tokenizer, labels: list[tuple[str, float
     for step in range(total):
         if step % per_epoch == 0:
             order = rng.sample(data, len(data))
-        batch = order[(step % per_epoch) * args.value_batch_size :][: args.value_batch_size]
+        batch = order[(step % per_epoch) * args.value_batch_size : (step % per_epoch + 1) * args.value_batch_size]
 
         def loss_fn(micro: list[tuple[str, float]]) -> tuple[torch.Tensor, dict]:  # the batch's mean squared error
             values = value_forward(value_model, tokenizer, [text for text, _ in micro], args)
@@ -560,12 +590,13 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
 
 
 # ---- evaluation ----
-def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
-    """Search efficiency: the theorems proved (count, share, per expansion and per second of search), the expansions and
-    nodes per proof, the proofs' length, the share of failed edges; the method's own: merged states."""
+def search_metrics(results: list[SearchResult], prefix: str, seconds: float, budget: float) -> dict[str, float]:
+    """Search efficiency: the theorems proved (count, share, per expansion and per second of the phase's wall time,
+    `seconds`), the expansions and nodes per proof, the proofs' length, the share of failed edges, the most a search ran
+    past its `budget` (its last tactic and kernel check); the method's own: merged states."""
     proved = [r for r in results if r.proof is not None]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
-    expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
+    expansions = sum(r.expansions for r in results)
     return {f"{prefix}/theorems": float(len(results)), f"{prefix}/proved": float(len(proved)),
             f"{prefix}/proved_share": len(proved) / max(len(results), 1),
             f"{prefix}/proofs_per_expansion": len(proved) / max(expansions, 1),
@@ -575,6 +606,7 @@ def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]
             f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
             f"{prefix}/expansions": float(expansions),
             f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
+            f"{prefix}/overshoot_seconds": max([r.seconds - budget for r in results] + [0.0]),
             f"{prefix}/merged_states": float(sum(r.merged for r in results))}
 
 
@@ -587,12 +619,18 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
                for k in args.eval_budgets if k <= args.eval_samples}
     subset = problems[: args.eval_search_limit] if args.eval_search_limit is not None else problems
     for name, fn in [("value", score), ("logprob", None)][0 if score else 1 :] if subset else []:
-        metrics |= search_metrics(search(sampler, verifier, subset, fn, f"{key}/{name}", args, dist),
-                                  f"eval/search_{name}")
+        clock = time.monotonic()
+        results = search(sampler, verifier, subset, fn, f"{key}/{name}", args, dist)
+        metrics |= search_metrics(results, f"eval/search_{name}", time.monotonic() - clock, args.search_timeout)
     return metrics
 
 
 # ---- main ----
+class Tokenizers(dict):  # save_checkpoint writes a tokenizer into every model's directory: here each model's own
+    def save_pretrained(self, path) -> None:
+        self[pathlib.Path(path).name].save_pretrained(path)
+
+
 def main(args: Args) -> None:
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     try:  # stop at once, before any model is loaded, when there is no Lean REPL (the search needs its tactic mode)
@@ -641,7 +679,8 @@ def main(args: Args) -> None:
             theorems = rng.sample(train_set, min(args.search_theorems_per_round, len(train_set)))
             results = search(sampler, verifier, theorems, score if guided else None, f"{args.seed}/{iteration}/search",
                              args, dist)
-            metrics |= search_metrics(results, "search") | {"search/value_guided": float(guided)}
+        metrics |= search_metrics(results, "search", logger.times["time/search"], args.search_timeout) | {
+            "search/value_guided": float(guided)}  # proofs per second of the phase's wall time
 
         # 2. Labels: gamma^d on every state of a found proof, 0 off them (the whole proofs' labels come with step 4)
         state["labels"] += (new_labels := [label for r in results for label in r.labels])
@@ -688,10 +727,13 @@ def main(args: Args) -> None:
                                     f"{args.seed}/{iteration}/eval", args, dist)
         logger.log(metrics, step=iteration + 1)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
-            if dist.is_main and args.value_model:  # the block saves the prover's tokenizer with every model
-                value_tokenizer.save_pretrained(run_dir / "checkpoints" / f"iter_{iteration + 1:06d}" / "value")
+            save_checkpoint(run_dir, iteration + 1, models, Tokenizers(prover=tokenizer, value=value_tokenizer), state,
+                            dist)
     if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
+        if score and not state["value_rounds"] and not value_model.value_head.trained:  # a seed-0 head guides nothing
+            score = None
+            print(f"coprover.py: {args.value_backbone} has no trained value head (a coprover checkpoint's value/ has): "
+                  "the evaluation searches by log-prob only") if dist.is_main else None
         logger.log(evaluate(sampler, verifier, benchmark, score, f"{args.seed}/eval", args, dist), step=args.iterations)
     verifier.close()
 

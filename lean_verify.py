@@ -1054,16 +1054,25 @@ def extract_last_block(completion: str, statement: str) -> str | None:
 
 
 def proof_tactics(code: str, statement: str) -> list:
-    """The top-level tactics of a whole proof of `statement`, to replay it: the lines after its ':= by', comments
-    blanked; a line indented deeper than the block (a `·` body, a `calc` step) or starting with `|` or `<;>` continues
-    the tactic above it, which is then a block (apply_tactic sends it as one parenthesised sequence)."""
+    """The top-level tactics of a whole proof of `statement`, to replay it: the lines after the ':= by' (or ':=\n  by')
+    of its declaration, comments blanked, up to a line indented less than the block or, for a block at column 0, one
+    starting a command (`#check t`, another theorem); [] for a term-mode proof. A line indented deeper than the block
+    (a `·` body, a `calc` step) or starting with `|` or `<;>` continues the tactic above it, which is then a block
+    (apply_tactic sends it as one parenthesised sequence)."""
     code = strip_comments(code)[0] or code
     decl = _declaration(code, statement)
-    start = code.find(":= by", decl.start() if decl else 0)
-    first, *rest = code[start + len(":= by") :].split("\n") if start >= 0 else [""]
+    i, depth = decl.start() if decl else 0, 0
+    while i < len(code) and not (depth == 0 and code.startswith(":=", i)):  # the declaration's ':=', not a binder's
+        depth, i = depth + (code[i] in "([{⦃") - (code[i] in ")]}⦄"), i + 1
+    by = re.match(r":=\s*by(?![\w'!?])", code[i:])
+    first, *rest = code[i + by.end() :].split("\n") if by else [""]
     tactics, rest = [first.strip()] if first.strip() else [], [line for line in rest if line.strip()]
-    indent = min((len(line) - len(line.lstrip()) for line in rest), default=0)
+    indent = len(rest[0]) - len(rest[0].lstrip()) if rest else 0
+    command = re.compile(r"(#|@\[|(theorem|lemma|def|example|abbrev|instance|namespace|section|end|noncomputable|"
+                         r"variable|attribute|structure|inductive|class|axiom|private|protected)(?![\w'!?.]))")
     for line in rest:
+        if len(line) - len(line.lstrip()) < indent or indent == 0 and command.match(line):
+            break
         if tactics and (len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))):
             tactics[-1] += "\n" + line[indent:].rstrip()
         else:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -172,6 +173,24 @@ def test_cpu_defaults_keep_given_flags(tmp_path, monkeypatch, capsys):
 
 
 # ---- the search on the stand-in REPL's tactic table ----
+def test_tactic_prompt_ends_at_the_newline(tiny_model_dir, verifier):
+    """Issue 19.8: the tactic prompt ends at the line break, so its last token holds no indentation (it was the
+    embedded tokenizer's '\\n  ', a token natural text never has before a tactic: '\\n ' then ' exact'); the model
+    writes the indentation and the search strips it."""
+    tok, p = cp.load_tokenizer(tiny_model_dir), PROBLEMS["search_and_le"]
+    goals = "\n".join("  " + line for line in ROWS[0]["goal"].split("\n"))
+    prompt = cp.TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals, proof=p.statement)
+    ids = cp.encode_prompt(tok, prompt)
+    assert tok.decode(ids[-1:]) == "\n" and tok.decode(ids[-2:]).endswith("/\n") and prompt.endswith("  -/\n")
+    tactic = tok("  exact h₀.le", add_special_tokens=False).input_ids
+    assert tok.decode(ids + tactic) == tok.decode(ids) + "  exact h₀.le"
+    table = {"⊢ 0 < b ∧ a ≤ b": "constructor", "⊢ 0 < b": "exact Nat.lt_trans h₁ h₀",
+             "⊢ a ≤ b": "exact Nat.le_of_lt h₀"}
+    sampler = Scripted(lambda goal: [("  " + table["⊢ " + goal.split("⊢ ")[-1]], -1.0, "stop")])
+    [tree] = cp.best_first_search(sampler, verifier, [p], None, "k", args())
+    assert tree.proof == list(table.values())  # the indentation the model wrote is stripped
+
+
 def test_search_order_merging_and_labels(verifier):
     """search_and_le: `constructor` and `refine ⟨?_, ?_⟩` reach the same goals (only the case tags differ): merged.
     From the split state, `exact h₀.le`... the scripted values decide which state is expanded next."""
@@ -231,16 +250,67 @@ def test_malformed_tactics_become_failed_edges(verifier):
     assert (tree.proof, tree.expansions, tree.labels) == (None, 0, [])
 
 
-def test_search_budget_and_sharding(verifier):
-    p = PROBLEMS["search_imp_chain"]
+def test_search_budget_and_sharding(verifier, monkeypatch):
+    """Each theorem runs its max_expansions (search_imp_chain: `intro hp` opens a state, then `exfalso` another) or
+    until its queue is empty (search_odd_ne_zero: both tactics fail at the root); with no time, nothing is expanded.
+    Rank 1 of 2 searches only its share (the odd positions) and the gather puts every result in its place."""
+    p, odd, both = PROBLEMS["search_imp_chain"], PROBLEMS["search_odd_ne_zero"], PROBLEMS["search_and_le"]
     sampler = Scripted(lambda goal: [("exfalso", -1.0, "stop"), ("intro hp", -1.0, "stop")])
-    trees = cp.search(sampler, verifier, [p, PROBLEMS["search_odd_ne_zero"]], None, "k",
-                      args(max_expansions=2, search_batch=2), CPU)
-    assert [t.id for t in trees] == [p.id, "search_odd_ne_zero"] and all(t.expansions <= 2 for t in trees)
-    metrics = cp.search_metrics(trees, "search")
-    assert metrics["search/theorems"] == 2 and 0 <= metrics["search/failed_edge_share"] <= 1
+    trees = cp.search(sampler, verifier, [p, odd], None, "k", args(max_expansions=2, search_batch=2), CPU)
+    assert [(t.id, t.expansions, t.nodes, t.edges, t.failed_edges) for t in trees] == [
+        (p.id, 2, 3, 4, 2), (odd.id, 1, 1, 2, 2)]
+    assert len(sampler.asked) == 3 and all(t.seconds > 0 for t in trees)
     [tree] = cp.search(sampler, verifier, [p], None, "k", args(search_timeout=0.0), CPU)
     assert tree.expansions == 0  # no time at all
+    gathered = []
+    monkeypatch.setattr(cp, "all_gather_objects", lambda obj, dist: gathered.append(obj) or [["r0", "r0'"], obj])
+    sampler = Scripted(lambda goal: [("exfalso", -1.0, "stop")])
+    out = cp.search(sampler, verifier, [p, odd, both], None, "k", args(max_expansions=1),
+                    cp.Dist(1, 2, 2, torch.device("cpu"), False))
+    assert out[0] == "r0" and out[2] == "r0'" and out[1].id == odd.id and [[r.id for r in part] for part in gathered] \
+        == [[odd.id]] and sampler.asked == [ROWS[1]["goal"]]
+
+
+def test_search_budget_is_a_cap_and_each_theorem_pays_its_own_time(verifier):
+    """Issue 18.4: a theorem stops applying its tactics once its budget is spent, within a step too (the overshoot is
+    its last tactic), and is charged its own tactics' time, not the lockstep batch's wall clock."""
+    slow, quick = PROBLEMS["search_imp_chain"], PROBLEMS["search_odd_ne_zero"]
+
+    def propose(goal):  # five failing tactics of 0.4 s each for one theorem, two instant ones for the other
+        return [(f"t{i} fake_slow 0.4", -1.0, "stop") for i in range(5)] if "⊢ p → s" in goal else \
+            [("exfalso", -1.0, "stop"), ("norm_num", -1.0, "stop")]
+
+    a = args(num_sampled_tactics=5, search_timeout=1.0, max_expansions=1)
+    t0 = time.monotonic()
+    trees = cp.best_first_search(Scripted(propose), verifier, [slow, quick], None, "k", a)
+    wall = time.monotonic() - t0
+    assert trees[0].edges == trees[0].failed_edges == 3  # 0.4, 0.8, 1.2 s: spent; two tactics never run
+    assert 1.2 <= trees[0].seconds < 1.6 and trees[1].edges == 2 and trees[1].seconds < 0.25 < wall
+    metrics = cp.search_metrics(trees, "search", wall, a.search_timeout)
+    assert metrics["search/overshoot_seconds"] == pytest.approx(trees[0].seconds - 1.0) and trees[0].seconds > 1.0
+
+
+def test_search_metrics_by_hand():
+    """Proofs per second divide by the phase's wall time (not the theorems' summed seconds); the overshoot is the most
+    a search ran past its budget."""
+    r = lambda proof, seconds, exp: cp.SearchResult("t", proof, seconds, exp, 5, 10, 4, 1, [])  # noqa: E731
+    metrics = cp.search_metrics([r(["a", "b"], 3.0, 2), r(None, 7.5, 6), r(["c"], 2.0, 1)], "search", 4.0, 5.0)
+    assert metrics == pytest.approx({
+        "search/theorems": 3, "search/proved": 2, "search/proved_share": 2 / 3, "search/proofs_per_expansion": 2 / 9,
+        "search/proofs_per_second": 0.5, "search/expansions_per_proof": 1.5, "search/nodes_per_proof": 5,
+        "search/proof_length": 1.5, "search/expansions": 9, "search/failed_edge_share": 0.4,
+        "search/overshoot_seconds": 2.5, "search/merged_states": 3})
+
+
+def test_logprob_only_search_is_reprovers(verifier):
+    """Without a value model the priority is ReProver's cumulative log-prob (issue 19.10), not exp(mean token log-prob):
+    after the root (`intro hp` at -0.1 a token, `intro h` at -0.5) and `intro hp`'s state (`apply hrs` at -0.6 a
+    token), `intro h`'s state (-1.5 in all, -0.5 a token) goes before `apply hrs`'s (-2.1 in all, -0.35 a token)."""
+    table = {"⊢ p → s": [("intro hp", -0.1, "stop"), ("intro h", -0.5, "stop")],
+             "⊢ s": [("apply hrs", -0.6, "stop")], "⊢ r": [("apply hqr", -0.6, "stop")]}
+    sampler = Scripted(lambda goal: table.get("⊢ " + goal.split("⊢ ")[-1], []))
+    [tree] = cp.best_first_search(sampler, verifier, [PROBLEMS["search_imp_chain"]], None, "k", args(max_expansions=3))
+    assert tree.expansions == 3 and sampler.asked[2].endswith("\nh : p\n⊢ s")  # normalised: "hp : p\n⊢ r"
 
 
 # ---- whole proofs: replay for labels, the frontier filter ----
@@ -260,9 +330,21 @@ def test_whole_proof_labels(verifier):
     assert [v for _, v in root_only] == pytest.approx([0.0, 0.95**3, 0.95**3])
 
 
+def test_whole_proof_labels_count_at_least_one_step(verifier):
+    """Issue 19.9: a term-mode proof labels its root gamma^1 (the collector's floor), not gamma^0 = 1; a proof whose
+    'by' is on the next line is replayed; a #check after the proof is not a step."""
+    p = PROBLEMS["search_and_le"]
+    term = p.statement.removesuffix(" by") + " ⟨Nat.lt_trans h₁ h₀, Nat.le_of_lt h₀⟩"
+    split = p.statement.removesuffix(" by") + ("\n  by\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n"
+                                               "  · exact Nat.le_of_lt h₀\n\n#check search_and_le")
+    row = [cp.Attempt(None, term, "valid", True), cp.Attempt(None, split, "valid", True)]
+    labels = cp.whole_proof_labels(verifier, [p], [row], args(), CPU)
+    assert [v for _, v in labels] == pytest.approx([0.95, 0.95**3, 0.95**2, 0.95])
+
+
 def test_frontier_filter_keeps_one_to_six_of_eight():
-    """filter_dataset.py's frontier with its check fixed: a pass is a proof Lean accepts (the official code counts an
-    EMPTY kimina response, i.e. a failure, as a pass)."""
+    """filter_dataset.py's frontier with its check fixed: a pass is a proof Lean accepts (the official code counts a
+    sample as passed only when kimina sends no response: a timeout or server error)."""
     problems = [cp.Problem(f"p{c}", "", f"theorem p{c} : True := by") for c in range(9)]  # p<c>: c of 8 proofs pass
     sampler = SimpleNamespace(llm=None, generate=lambda prompts, n, **kw: [
         [cp.Sample(f"```lean4\nok{j}\n```" if j < int(prompt.split("theorem p")[1][0]) else "```lean4\nno\n```", [], [],
@@ -298,6 +380,71 @@ def test_value_head_learns_a_labelled_set(tiny_model_dir):
                           cp.random.Random(0))["value/examples"] == 4
 
 
+def test_value_batches_are_slices_of_the_epoch(monkeypatch):
+    """Issue 19.11: each step takes its batch as one slice of the epoch's order (never the rest of the epoch copied),
+    every label once an epoch."""
+    taken, batches = [], []
+
+    class Order(list):  # records the length of every slice taken
+        def __getitem__(self, i):
+            taken.append(len(range(*i.indices(len(self)))) if isinstance(i, slice) else 1)
+            return super().__getitem__(i)
+
+    class Rng(cp.random.Random):
+        def sample(self, population, k):
+            return Order(super().sample(population, k))
+
+    monkeypatch.setattr(cp, "train_step", lambda m, o, batch, *a, **k: batches.append(batch) or dict(loss=0.0,
+                                                                                                 grad_norm=0.0))
+    labels = [(str(i), 0.0) for i in range(10)]
+    stats = cp.train_value(None, None, None, labels, args(value_epochs=2, value_batch_size=4), CPU, Rng(0))
+    assert [len(b) for b in batches] == [4, 4, 2, 4, 4, 2] and stats["value/steps"] == 6 and max(taken) == 4
+    assert sorted(x for b in batches[:3] for x in b) == sorted(labels) == sorted(x for b in batches[3:] for x in b)
+
+
+def test_value_scorer_copy_is_filled_a_tensor_at_a_time(tiny_model_dir, monkeypatch):
+    """Issue 18.7: under torchrun each rank's scoring copy of the value model is filled one gathered tensor at a time
+    (never the whole model gathered at once), and scores as the model does. One process poses as rank 0 of 2: the
+    copy path, with full_state_dict_items handing out fresh tensors as a gather does."""
+    a = args(gradient_checkpointing=False, value_backbone=tiny_model_dir)
+    tok = cp.load_tokenizer(tiny_model_dir)
+    model = cp.load_value_model(tiny_model_dir, CPU, a)
+    with torch.no_grad():  # weights the directory does not have
+        model.value_head[2].bias.fill_(0.3)
+        model.model.layers[0].mlp.up_proj.weight.mul_(3.0)
+    alive, peaks = weakref.WeakSet(), []
+
+    def gathered(policy, dtype=None):
+        for name, tensor in policy.state_dict().items():
+            alive.add(tensor := tensor.detach().clone())
+            peaks.append(len(alive))
+            yield name, tensor
+
+    monkeypatch.setattr(cp, "full_state_dict_items", gathered)
+    goals = sorted({t["goal"] for r in ROWS for t in r["transitions"]})[:4]
+    copied = cp.value_scorer(model, tok, a, cp.Dist(0, 2, 2, torch.device("cpu"), True))(goals)
+    assert len(peaks) == len(model.state_dict()) > 10 and max(peaks) <= 2
+    assert copied == pytest.approx(cp.value_scorer(model, tok, a, CPU)(goals), abs=1e-6)
+
+
+def test_checkpoint_directories_hold_each_models_tokenizer(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 19.11: value/ holds the value model's tokenizer before the checkpoint's atomic rename (the block writes
+    one tokenizer into every model's directory; writing the right one after the rename left a window)."""
+    tok, value_tok = cp.load_tokenizer(tiny_model_dir), cp.load_tokenizer(tiny_model_dir)
+    value_tok.add_tokens(["<only-the-value-model-has-it>"])
+    models = {name: (cp.load_model(tiny_model_dir, CPU, train=False), None) for name in ("prover", "value")}
+    replace, renamed = os.replace, []
+
+    def spy(src, dst):  # the checkpoint's rename into place
+        if pathlib.Path(src).name.startswith(".tmp_iter_"):
+            renamed.append({name: len(cp.load_tokenizer(str(pathlib.Path(src) / name))) for name in models})
+        replace(src, dst)
+
+    monkeypatch.setattr(cp.os, "replace", spy)
+    cp.save_checkpoint(tmp_path, 1, models, cp.Tokenizers(prover=tok, value=value_tok), {}, CPU)
+    assert renamed == [{"prover": len(tok), "value": len(tok) + 1}]
+
+
 def test_value_model_directory_brings_its_head(tiny_model_dir, tmp_path):
     a = args(gradient_checkpointing=False)
     model = cp.load_value_model(tiny_model_dir, CPU, a)
@@ -307,6 +454,7 @@ def test_value_model_directory_brings_its_head(tiny_model_dir, tmp_path):
     model.save_pretrained(tmp_path / "value")
     loaded = cp.load_value_model(str(tmp_path / "value"), CPU, a)
     assert loaded.value_head[2].bias.item() == pytest.approx(0.123)
+    assert loaded.value_head.trained and not model.value_head.trained  # main warns before a seed-0 head would guide
     frozen = cp.load_value_model(tiny_model_dir, CPU, args(freeze_value_backbone=True))
     assert [n for n, p in frozen.named_parameters() if p.requires_grad] == [
         "value_head.0.weight", "value_head.0.bias", "value_head.2.weight", "value_head.2.bias"]
@@ -459,7 +607,7 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
 
 
 def deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/") and "per_second" not in k}
+    return {k: v for k, v in row.items() if not k.startswith("time/") and "second" not in k}
 
 
 def weights(path) -> dict:
@@ -532,6 +680,9 @@ def test_two_ranks_reproduce_one(e2e, tiny_model_dir, tmp_path):
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000002" / "value.dcp").is_dir()
     for step in (1, 2):  # the same searches, labels, rewards and (up to float sums in another order) losses
         assert deterministic(two[step]) == pytest.approx(deterministic(one[step]), rel=1e-3, abs=1e-6)
+    for name in ("prover", "value"):  # and the same weights (up to float sums in another order)
+        a, b = (weights(d / "checkpoints" / "iter_000002" / name) for d in (tmp_path / "ddp", full_dir))
+        assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a), name
 
 
 @pytest.mark.slow
@@ -552,10 +703,24 @@ def test_ablations_run(tiny_model_dir, tmp_path, flag):
 def test_evaluation_only_from_a_checkpoint(e2e, tmp_path):
     """--iterations 0 with a checkpoint's prover and value directories (the value head comes with its directory)."""
     ckpt = e2e[0] / "checkpoints" / "iter_000002"
-    run_driver(tmp_path, "eval", str(ckpt / "prover"), "--iterations", "0", "--value-backbone", str(ckpt / "value"))
+    done = run_driver(tmp_path, "eval", str(ckpt / "prover"), "--iterations", "0", "--value-backbone",
+                      str(ckpt / "value"))
     [row] = metrics_of(tmp_path / "eval").values()
     assert row["step"] == 0 and "eval/pass@2" in row and "eval/search_value/proved_share" in row
-    assert "search/theorems" not in row  # no training iteration
+    assert "search/theorems" not in row and "no trained value head" not in done.stdout  # no training iteration
+    saved = weights(ckpt / "value")  # the head the evaluation loads is the trained one, not the seed-0 head
+    head = cp.load_value_model(str(ckpt / "value"), CPU, cp.Args(gradient_checkpointing=False)).value_head
+    assert head.trained and all(torch.equal(v, saved["value_head." + k]) for k, v in head.state_dict().items())
+
+
+@pytest.mark.slow
+def test_evaluation_only_without_a_trained_value_head(tiny_model_dir, tmp_path):
+    """--iterations 0 with a value backbone that has no value head: the evaluation says so and searches by log-prob
+    only (a seed-0 head would guide the search at random)."""
+    done = run_driver(tmp_path, "base", tiny_model_dir, "--iterations", "0")
+    [row] = metrics_of(tmp_path / "base").values()
+    assert "no trained value head" in done.stdout and "eval/search_logprob/proved_share" in row
+    assert not any(k.startswith("eval/search_value/") for k in row)
 
 
 @pytest.mark.slow

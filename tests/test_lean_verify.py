@@ -1515,6 +1515,21 @@ def test_proof_tactics():
     assert lv.proof_tactics("lemma helper : True := trivial\n" + st + "\n  omega", st) == ["omega"]
 
 
+def test_proof_tactics_end_with_the_proof():
+    """Issue 19.9: commands after the proof are not tactics; ':=' then 'by' on the next line is a tactic proof; a
+    term-mode proof has no tactics (coprover floors its label at one step); a binder's ':=' is not the proof's."""
+    st = LEAN_TACTICS["search_and_le"].statement
+    body = "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
+    tactics = ["constructor", "· exact Nat.lt_trans h₁ h₀", "· exact Nat.le_of_lt h₀"]
+    after = "\n\n#check search_and_le\n@[simp] theorem two : True := by\n  trivial\nexample : True := by trivial"
+    assert lv.proof_tactics(st + body + after, st) == tactics
+    assert lv.proof_tactics(st.removesuffix(" by") + "\n  by" + body, st) == tactics
+    assert lv.proof_tactics(st.removesuffix(" by") + " ⟨Nat.lt_trans h₁ h₀, Nat.le_of_lt h₀⟩", st) == []
+    assert lv.proof_tactics(st.removesuffix(" by") + "\n  have h : 0 < b := by omega\n  ⟨h, h₀.le⟩", st) == []
+    column0 = "theorem t (x : ℕ := 3) : x = x := by\nrfl\n#check t\ntheorem u : True := by\ntrivial"
+    assert lv.proof_tactics(column0, "theorem t (x : ℕ := 3) : x = x := by") == ["rfl"]
+
+
 # RiR's data: LeanDojo's traced tactics
 def test_format_state_and_load_triples(tmp_path):
     assert lv.format_state("2 goals\ncase a\n⊢ p\n\ncase b\n⊢ q") == "case a\n⊢ p\n\ncase b\n⊢ q"
