@@ -1092,14 +1092,21 @@ def format_state(text: str) -> str:
 
 def load_triples(source: str, limit: int | None = None) -> list:
     """Traced tactics as Triples (format_state'd) from LeanDojo's theorem rows (traced_tactics: tactic, state_before,
-    state_after, as in LeanDojo Benchmark 4's train.json) or from rows that are triples themselves (read_rows)."""
+    state_after, as in LeanDojo Benchmark 4's train.json) or from rows that are triples themselves (read_rows). The
+    tactic as RiR's and ReProver's data modules write it (common.format_tactic; keep_marks, normalize_tactics): from
+    annotated_tactic when given, each premise `<a>name</a>` as `<a>full name</a>`, whitespace runs as one space."""
     triples = []
     for row in read_rows(source):
         for t in row.get("traced_tactics") or [row]:
             if not {"tactic", "state_before", "state_after"} <= set(t):
                 raise ValueError(f"{source}: a row with neither traced_tactics nor tactic, state_before, state_after: "
                                  f"{sorted(t)}")
-            triples.append(Triple(format_state(t["state_before"]), t["tactic"].strip(), format_state(t["state_after"])))
+            text, premises = t.get("annotated_tactic") or (t["tactic"], [])
+            parts = re.split(r"<a>.+?</a>", " ".join(text.split()))
+            if premises and len(parts) == len(premises) + 1:  # the marks name the premises in order
+                text = "".join(f"{part}<a>{p['full_name']}</a>" for part, p in zip(parts, premises)) + parts[-1]
+            triples.append(Triple(format_state(t["state_before"]), " ".join(text.split()),
+                                  format_state(t["state_after"])))
     return triples[:limit] if limit else triples
 
 

@@ -8,17 +8,19 @@ ReProver, read at fd6d99c); this file copies none of it.
 Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR splits the step in two policies: the
 PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
 the ACTOR pi_l(y | s, s*) a tactic that reaches it, both in the official text formats ([CURRENT GOAL] / [TARGET GOAL] /
-[PROOFSTEP]). Each iteration:
+[PROOFSTEP]; tactics name premises as <a>full name</a>, marks removed from what is sampled). Each iteration:
   1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples D_t with
      L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)], the loss on the output tokens only;
   2. search: best-first (official) or MCTS (ours) over Lean's tactic mode; an expansion pops the best open node, the
-     planner proposes target states, the actor tactics for each, Lean runs them; a new node's priority is its
-     parent's + log p(y | s, s*) + log p(s* | s); a search stops at the first proof or at its budget;
+     planner proposes target states, then for each target in turn the actor samples tactics and Lean runs them one at
+     a time, until the first proof; a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s); a
+     search stops at the first proof or at its budget;
   3. self-play (ours, expert iteration): proofs found on the self-play theorems are replayed through Lean into new
      (s, y, s') triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
-Metrics (metrics.jsonl, step = iterations done): eval/pass@1 under the budget (Tables 1-2), eval/{planner,actor,env}_
-time_proved (Figure 2), eval/search_time_proved and <run>/search_time_cdf.csv (Figure 3), selfplay/*, losses/*,
-time/*; every search goes to <run>/searches.jsonl.
+Metrics (metrics.jsonl, step = iterations done): eval/pass@1 under the budget (Tables 1-2); Figure 2's split of the
+proved searches, eval/{planner,actor,env}_time_proved: the planner's sampling, the actor's (only the targets the search
+reached), Lean's tactic runs (not the kernel re-check); eval/search_time_proved and <run>/search_time_cdf.csv (Figure
+3), selfplay/*, losses/*, time/*; every search goes to <run>/searches.jsonl.
 
 Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
 --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
@@ -26,33 +28,40 @@ Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS 
 which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
 `--iterations 1` is the official offline run (co-train, evaluate). Data: --dataset is LeanDojo Benchmark 4's random
 split (the RiR authors' Hugging Face upload, or train.json of zenodo.org/records/10929138, as the official
-utils/download_data.py fetches it); the theorems are miniF2F (valid for self-play, test for the evaluation).
+utils/download_data.py fetches it); the theorems are miniF2F (valid for self-play, test for the evaluation). The CPU
+default trains on data/rir_*.jsonl (5 theorems, their proofs) and evaluates miniF2F-test's first 5: held out.
 
 Deliberate deviations:
   1. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals (joined by blank
      lines), merged by goals_key; a proof counts only if check_tactic_path accepts it whole (kernel, statement).
-     A tactic proposed under two targets runs once; the tactics of one target run as one batch, and the expansion
-     stops after the first batch that proves (official: one tactic at a time); a per-tactic limit of lean_timeout
-     seconds. One theorem at a time per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N
-     expansions (ReProver's allows N + 1).
+     A tactic proposed under two targets runs once; a per-tactic limit of lean_timeout seconds. One theorem at a time
+     per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N expansions (ReProver's allows N + 1).
   2. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
      generator); each step sums both roles' losses; Qwen2.5-0.5B at lr 2e-5 (ByT5: 8e-4, 7e-4); 32 triples per step
-     (official: 64 planner, 32 actor sequences); the cosine runs over the steps run (official: over 500k, stopped ~40k).
+     (official: 64 planner, 32 actor sequences); the cosine runs over each iteration's steps (official: over 500k,
+     stopped ~40k), later iterations warming up for the first's share of their steps.
   3. Sampling at temperature 1, deduplicated, ranked by the sampled tokens' summed log-probs, instead of beam search
      with length_penalty 0 (as ReProver's vLLM generator does).
   4. The flat baseline's prompt is `[CURRENT GOAL]\\n{s}\\n[PROOFSTEP]\\n` (official: the bare state, an encoder input);
      states are cut to their first max_state_tokens tokens (official: the first 2300 bytes).
-  5. Equal budgets for RiR and the flat baseline: 600 s (the scripts' and ReProver's default) and the same expansion
-     cap; the official logged comparison gave RiR 3200 s and ReProver 600 s.
+  5. Equal budgets for RiR and the flat baseline: 600 s (the scripts' and ReProver's default) of sampling and Lean
+     together, read before each sampling call and tactic (official: after each expansion, and Dojo's hard timeout of
+     budget + 60 s inside one): a search overshoots by one tactic or one draw's sampling (planner and an actor call)
+     at most, logged as overshoot; the official logged comparison gave RiR 3200 s and ReProver 600 s.
+     --max-expansions is no equal budget: an RiR expansion makes up to num_sampled_goals actor calls, a flat one 1.
   6. LeanDojo Benchmark 4's test theorems need their source files (LeanDojo's Dojo), so its test column is not
      reproduced: its train split is the co-training data, theorems are statements (miniF2F).
   7. MCTS is ours (no code was released): PUCT with the planner x actor probability of the edges that found a child as
      its prior, no value network and no rollouts: an open leaf backs up leaf_value, a dead end 0 (and is never selected
      again), a proof ends the search; visits and values live on states (the first parent to find a state owns it);
      one simulation = one expansion, so the budgets are the BFS ones.
-  8. Self-play iterations are ours (expert iteration); each continues from the current weights and optimizer.
+  8. Self-play iterations are ours (expert iteration); each continues from the current weights and optimizer; the
+     replayed tactics carry no premise marks.
   9. The default loss is each role's token mean over the batch (official: each T5's loss is the mean over its output
      tokens); --loss-reduction sequence is L_co as written.
+  10. --joint-format samples s* and y as the two prefixes of the joint sequence, so the actor sees s*; the official
+      joint search samples the tactic from [CURRENT GOAL] s alone (its own target text dropped), s* only in the
+      priority.
 """
 
 from __future__ import annotations
@@ -187,7 +196,7 @@ class Args:
     """peak learning rate"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # official common.py, over each co-training
     """learning-rate schedule after the warm-up (lr_at)"""
-    warmup_steps: int = 4000
+    warmup_steps: int = 4000  # of the first iteration; each later one warms up for the same share of its steps
     """linear warm-up steps from 0"""
     micro_batch_size: int = 8
     """triples per forward/backward on each rank"""
@@ -212,13 +221,14 @@ class Args:
 
 
 # Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes (SmolLM2-135M samples
-# ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s).
+# ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s). The
+# benchmark stays miniF2F-test (its first 5): the built-in theorems are the training data (D_0 holds their proofs).
 CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/rir_triples.jsonl", selfplay_split="builtin",
-                    selfplay_dataset="data/rir_theorems.jsonl", eval_dataset="data/rir_theorems.jsonl",
-                    eval_split="builtin", num_sampled_goals=2, num_sampled_tactics=8, max_expansions=4,
-                    search_timeout=300.0, lean_timeout=10.0, train_steps=8, selfplay_train_steps=2, warmup_steps=0,
-                    learning_rate=3e-4, batch_size=8, micro_batch_size=4, max_state_tokens=128, goal_max_new_tokens=64,
-                    tactic_max_new_tokens=24, max_model_len=1024, gradient_checkpointing=False)
+                    selfplay_dataset="data/rir_theorems.jsonl", eval_limit=5, num_sampled_goals=2,
+                    num_sampled_tactics=8, max_expansions=4, search_timeout=300.0, lean_timeout=10.0, train_steps=8,
+                    selfplay_train_steps=2, warmup_steps=0, learning_rate=3e-4, batch_size=8, micro_batch_size=4,
+                    max_state_tokens=128, goal_max_new_tokens=64, tactic_max_new_tokens=24, max_model_len=1024,
+                    gradient_checkpointing=False)
 
 
 # ---- prompts ----
@@ -239,9 +249,10 @@ NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof
 # fields). A traced tactic (s, y*, s*) is lean_verify's Triple(state, tactic, target), as load_triples reads them
 # from LeanDojo's rows (official datamodule._load_data, common.format_state).
 def clip(tokenizer, text: str, max_tokens: int) -> str:
-    """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at their end)."""
-    ids = tokenizer(text, add_special_tokens=False).input_ids
-    return text if len(ids) <= max_tokens else tokenizer.decode(ids[:max_tokens])
+    """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at their end), at the start
+    of the first token it drops: a prefix of the text, and a character split over two tokens goes whole."""
+    tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    return text if len(tokens.input_ids) <= max_tokens else text[: tokens.offset_mapping[max_tokens][0]]
 
 
 # ---- rewards ----
@@ -285,10 +296,11 @@ def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor
 
 # ---- phases ----
 # A search's record: the fields every search of the family has (coprover.py, rir.py), then the method's own fields:
-# whether the proof came within the budget, the official "Search Statistics" (seconds per role). A proposal: target
-# state s* (None without the planner), tactic y (None for a malformed sample: a failed edge), their log-probabilities.
+# whether the proof came within the budget, the official "Search Statistics" (seconds per role), the seconds past the
+# budget. A proposal: target state s* (None without the planner), tactic y (None for a malformed sample: a failed
+# edge), their log-probabilities.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
-                                                      "proved planner_seconds actor_seconds env_seconds")
+                                                      "proved planner_seconds actor_seconds env_seconds overshoot")
 Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
 
 
@@ -305,74 +317,78 @@ class Node:  # a proof state of the search (states with the same goals are one n
 
 
 def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
-    """Distinct non-empty completions, highest log-prob first (sampling stands in for the official beam search, whose
-    scores are summed log-probs), and how many were malformed (empty, or a failed vLLM request)."""
+    """Distinct non-empty completions without premise marks (official remove_marks), highest log-prob first (sampling
+    stands in for the official beam search, whose scores are summed log-probs), and how many were malformed (empty, or
+    a failed vLLM request)."""
     best, malformed = {}, 0
     for s in samples:
-        if s.finish_reason not in ("stop", "length") or not s.text.strip():
+        text = s.text.replace("<a>", "").replace("</a>", "").strip()
+        if s.finish_reason not in ("stop", "length") or not text:
             malformed += 1
         else:
-            best[s.text.strip()] = max(best.get(s.text.strip(), -math.inf), float(sum(s.logprobs)))
+            best[text] = max(best.get(text, -math.inf), float(sum(s.logprobs)))
     return sorted(best.items(), key=lambda kv: -kv[1]), malformed
 
 
-def propose(sampler, tokenizer, state: str, key: str, args: Args) -> tuple[list[Edge], float, float]:
-    """Plan, then act, for one node (official _generate_target_goals, _generate_tactics): targets s* ~ pi_h(. | s),
-    then tactics y ~ pi_l(. | s, s*) for each (flat: y ~ pi(. | s)). Returns the edges in the official order (by
-    log-prob; malformed samples last, as failed edges), the planner's and the actor's seconds."""
-    state, planner_seconds = clip(tokenizer, state, args.max_state_tokens), 0.0
-    targets, failed_plans = [(None, 0.0)], []
+def propose(sampler, tokenizer, state: str, key: str, args: Args, seconds: collections.Counter, clock=time.monotonic):
+    """Plan, then act, for one node in the official order (_step): targets s* ~ pi_h(. | s), then the tactics
+    y ~ pi_l(. | s, s*) of one target at a time (flat: y ~ pi(. | s)), sampled only when the search asks for that
+    target's first edge (it stops at the first proof or at the budget). Yields edges, each target's by log-prob and its
+    malformed samples last (failed edges), the planner's malformed ones at the end; adds the seconds of each sampling
+    call to seconds["planner"] or seconds["actor"]."""
+    state, targets, failed_plans = clip(tokenizer, state, args.max_state_tokens), [(None, 0.0)], 0
+    params = dict(temperature=args.temperature, top_p=args.top_p)
     if args.planner:
-        start = time.monotonic()
+        start = clock()
         [goals] = sample(sampler, [PLANNER_PROMPT.format(state=state)], args.num_sampled_goals, f"{key}/planner",
-                         temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.goal_max_new_tokens,
-                         stop=[GOAL_STOP], desc="plan")
-        targets, malformed = ranked(goals)
-        failed_plans, planner_seconds = [Edge(None, None, 0.0, 0.0)] * malformed, time.monotonic() - start
-    planned, edges = time.monotonic(), []
-    prompts = [ACTOR_PROMPT.format(state=state, target=clip(tokenizer, g, args.max_state_tokens)) if args.planner
-               else FLAT_PROMPT.format(state=state) for g, _ in targets]
-    for (target, logp_goal), samples in zip(targets, sample(
-            sampler, prompts, args.num_sampled_tactics, f"{key}/actor", temperature=args.temperature, top_p=args.top_p,
-            max_new_tokens=args.tactic_max_new_tokens, desc="act")):
+                         max_new_tokens=args.goal_max_new_tokens, stop=[GOAL_STOP], desc="plan", **params)
+        targets, failed_plans = ranked(goals)
+        seconds["planner"] += clock() - start
+    for i, (target, logp_goal) in enumerate(targets):
+        start = clock()
+        prompt = (ACTOR_PROMPT.format(state=state, target=clip(tokenizer, target, args.max_state_tokens))
+                  if args.planner else FLAT_PROMPT.format(state=state))
+        [samples] = sample(sampler, [prompt], args.num_sampled_tactics, f"{key}/actor/{i}",
+                           max_new_tokens=args.tactic_max_new_tokens, desc="act", **params)
         tactics, malformed = ranked(samples)
-        edges += [Edge(target, y, logp_goal, logp) for y, logp in tactics]
-        edges += [Edge(target, None, logp_goal, 0.0)] * malformed
-    return edges + failed_plans, planner_seconds, time.monotonic() - planned
+        seconds["actor"] += clock() - start
+        yield from [Edge(target, y, logp_goal, logp) for y, logp in tactics]
+        yield from [Edge(target, None, logp_goal, 0.0)] * malformed
+    yield from [Edge(None, None, 0.0, 0.0)] * failed_plans
 
 
-def expand(node: Node, edges: list[Edge], verifier, nodes: dict) -> tuple[object, collections.Counter]:
-    """One expansion (official _step): the tactics run on the node's state, one batch per target in the planner's
-    order, until a batch proves the theorem; a new open state becomes a child (child_priority), a known one merges;
-    errors, timeouts and malformed proposals are failed edges. Returns (the proof or None, env seconds, edge counts)."""
-    tried, counts, mass = {}, collections.Counter(), {}
-    for _, group in itertools.groupby(edges, key=lambda e: e.target):
-        group, start = list(group), time.monotonic()
-        todo = list(dict.fromkeys(e.tactic for e in group if e.tactic and e.tactic not in tried))
-        tried.update(zip(todo, verifier.apply_tactics([(node.state, t) for t in todo])))
-        counts["env"] += time.monotonic() - start
-        for e in group:
-            child = tried.get(e.tactic)
-            counts["edges"] += 1
-            if child is not None and child.solved:
-                start = time.monotonic()
-                valid = verifier.check_tactic_path(child).valid
-                counts["env"] += time.monotonic() - start
-                if valid:
-                    node.expanded = True
-                    return child, counts
-            if child is None or child.status != "open":
-                counts["failed_edges"] += 1
-            elif child.key in mass:  # another edge to a child of this expansion: its prior mass grows
-                mass[child.key] = np.logaddexp(mass[child.key], e.logp_goal + e.logp_tactic)
-            elif child.key not in nodes:
-                nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
-                node.children.append(nodes[child.key])
-                mass[child.key] = e.logp_goal + e.logp_tactic
+def expand(node: Node, edges, verifier, nodes: dict, counts: collections.Counter, deadline: float = math.inf,
+           clock=time.monotonic):
+    """One expansion (official _step): the edges' tactics run on the node's state one at a time, in their order, until
+    one proves the theorem or the deadline passes (read before an edge is drawn, which may sample, and before its
+    tactic runs); a new open state becomes a child (child_priority), a known one merges; errors, timeouts and malformed
+    proposals are failed edges. `nodes` gets every distinct outcome (official: error and finished nodes count too);
+    `counts` the edges, failed edges and Lean's seconds (tactics only). Returns the proof or None."""
+    tried, mass, edges = {}, {}, iter(edges)
+    while clock() <= deadline and (e := next(edges, None)) is not None and clock() <= deadline:
+        if e.tactic and e.tactic not in tried:  # a tactic proposed under two targets runs once
+            start = clock()
+            tried[e.tactic] = verifier.apply_tactic(node.state, e.tactic)
+            counts["env"] += clock() - start
+        child = tried.get(e.tactic)
+        counts["edges"] += 1
+        if child is not None and child.status != "open":  # LeanDojo's ErrorNode / ProofFinishedNode of a response
+            nodes.setdefault((child.status, child.error or tuple(child.tactics)), None)
+        if child is not None and child.solved and verifier.check_tactic_path(child).valid:
+            node.expanded = True
+            return child
+        if child is None or child.status != "open":
+            counts["failed_edges"] += 1
+        elif child.key in mass:  # another edge to a child of this expansion: its prior mass grows
+            mass[child.key] = np.logaddexp(mass[child.key], e.logp_goal + e.logp_tactic)
+        elif child.key not in nodes:
+            nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
+            node.children.append(nodes[child.key])
+            mass[child.key] = e.logp_goal + e.logp_tactic
     for child, prior in zip(node.children, edge_priors([mass[c.state.key] for c in node.children])):
         child.prior = prior
     node.expanded, node.dead = True, not node.children
-    return None, counts
+    return None
 
 
 def select(root: Node, c_puct: float) -> list[Node]:
@@ -395,8 +411,9 @@ def backup(path: list[Node], value: float) -> None:
 
 def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
     """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree or the
-    budget; as officially, the clock is checked after each expansion and a proof past the timeout does not count.
-    `plan_and_act(state_text, expansion)` -> (edges, planner seconds, actor seconds)."""
+    budget: search_timeout seconds of sampling and Lean alike, with or without planner, checked before each expansion,
+    sampling call and tactic (deviation 5); as officially, a proof past the budget does not count.
+    `plan_and_act(state_text, expansion, seconds)` yields the node's edges (adding its sampling time to seconds)."""
     root = Node(verifier.start_proof(problem.header, problem.statement))
     nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
     proof, expansions, start = None, 0, clock()
@@ -405,9 +422,8 @@ def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monot
         if args.search == "bfs" and not frontier or args.search == "mcts" and root.dead:
             break
         path = [heapq.heappop(frontier)[2]] if args.search == "bfs" else select(root, args.c_puct)
-        edges, planner_seconds, actor_seconds = plan_and_act(path[-1].state.pretty, expansions)
-        proof, stats = expand(path[-1], edges, verifier, nodes)
-        counts.update(stats, planner=planner_seconds, actor=actor_seconds)
+        proof = expand(path[-1], plan_and_act(path[-1].state.pretty, expansions, counts), verifier, nodes, counts,
+                       start + args.search_timeout, clock)
         expansions += 1
         if args.search == "bfs":
             for child in path[-1].children:
@@ -417,14 +433,14 @@ def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monot
     seconds = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
     return SearchResult(problem.id, proof and proof.tactics, seconds, expansions, len(nodes), counts["edges"],
                         counts["failed_edges"], proof is not None and seconds <= args.search_timeout,
-                        counts["planner"], counts["actor"], counts["env"])
+                        counts["planner"], counts["actor"], counts["env"], max(0.0, seconds - args.search_timeout))
 
 
 def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dist: Dist) -> list[SearchResult]:
     """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 1)."""
     def run(mine: list[Problem]) -> list[SearchResult]:
-        return [prove(p, lambda state, k, p=p: propose(sampler, sampler.tokenizer, state, f"{key}/{p.id}/{k}", args),
-                      verifier, args) for p in mine]
+        return [prove(p, lambda state, k, seconds, p=p: propose(sampler, sampler.tokenizer, state, f"{key}/{p.id}/{k}",
+                                                                args, seconds), verifier, args) for p in mine]
 
     return map_sharded(run, problems, dist)
 
@@ -466,8 +482,10 @@ def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tu
 def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist, rng: random.Random) -> dict:
     """Offline goal-driven co-training (official generator/main.py fit, one model here): `steps` AdamW steps on
     batch_size triples drawn epoch by epoch, each minimising L_co over its batch; the learning rate of Lightning +
-    get_cosine_schedule_with_warmup (interval "step", lr_at) over the `steps`. Each rank runs its share of a batch."""
+    get_cosine_schedule_with_warmup (interval "step", lr_at) over the `steps`: every co-training warms up, then decays
+    (a later iteration for the first's share of its steps, ours). Each rank runs its share of a batch."""
     stream, history, size = [], [], min(args.batch_size, len(items))
+    warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
     for step in range(steps):
         while len(stream) < size:
             stream += rng.sample(items, len(items))
@@ -482,14 +500,14 @@ def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist,
             return co_training_loss(logp, mask, roles, denominators), {
                 "goal": nll[roles == 0].sum().item(), "tactic": nll[roles == 1].sum().item()}
 
+        lr = lr_at(step, steps, args.learning_rate, warmup, args.lr_schedule)
         stats = train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
-                           length=lambda item: sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item),
-                           lr=lr_at(step, steps, args.learning_rate, args.warmup_steps, args.lr_schedule))
+                           length=lambda item: sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item), lr=lr)
         history.append({"loss": stats["loss"], "goal_nll": stats["goal"] / max(tokens[0], 1),
                         "tactic_nll": stats["tactic"] / max(tokens[1], 1), "grad_norm": stats["grad_norm"]})
     return {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]} | {
         "losses/loss_first": history[0]["loss"], "losses/loss_last": history[-1]["loss"],
-        "losses/steps": float(steps), "losses/learning_rate": args.learning_rate}
+        "losses/steps": float(steps), "losses/learning_rate_last": lr}
 
 
 # ---- evaluation ----
@@ -497,7 +515,7 @@ def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]
     """Search efficiency: the theorems proved (count, share, per expansion and per second of search), the expansions and
     nodes per proof, the proofs' length, the share of failed edges; the method's own (the talk's): pass@1 under the
     budget (Tables 1-2), the planner, actor and environment seconds and the search time of the proved theorems
-    (Figures 2-3; mean and median as the official logs report them)."""
+    (Figures 2-3; mean and median as the official logs report them), the seconds searches ran past the budget."""
     proved = [r for r in results if r.proved]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
@@ -515,7 +533,9 @@ def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]
             **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_seconds") for r in proved])
                for k in ("planner", "actor", "env")},
             **{f"{prefix}/{k}_seconds": float(sum(getattr(r, f"{k}_seconds") for r in results))
-               for k in ("planner", "actor", "env")}}
+               for k in ("planner", "actor", "env")},
+            f"{prefix}/overshoot_max": max((r.overshoot for r in results), default=0.0),
+            f"{prefix}/overshoot_mean": mean([r.overshoot for r in results])}
 
 
 def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: str, step: int, dist: Dist) -> None:

@@ -1546,3 +1546,19 @@ def test_format_state_and_load_triples(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"state": "⊢ p"}))
     with pytest.raises(ValueError, match="traced_tactics"):
         lv.load_triples(str(tmp_path / "bad.jsonl"))
+
+
+def test_load_triples_writes_tactics_as_the_official_data_module(tmp_path):
+    """RiR's and ReProver's configs (keep_marks, normalize_tactics): premises marked with their full names (from
+    annotated_tactic), whitespace runs as one space; the built-in data's premises keep their marks."""
+    row = {"state_before": "⊢ a + b = b + a", "state_after": "no goals", "tactic": "rw [add_comm]",
+           "annotated_tactic": ["rw  [<a>add_comm</a>,\n   <a>mul_one</a>]", [{"full_name": "Nat.add_comm"},
+                                                                             {"full_name": "mul_one"}]]}
+    plain = {"state_before": "⊢ p", "state_after": "no goals", "tactic": "constructor <;>\n  simp"}
+    unmatched = dict(row, annotated_tactic=["exact <a>foo</a>", []])  # no provenance: the text as it is
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (row, plain, unmatched)))
+    assert [t.tactic for t in lv.load_triples(str(path))] == [
+        "rw [<a>Nat.add_comm</a>, <a>mul_one</a>]", "constructor <;> simp", "exact <a>foo</a>"]
+    built_in = lv.load_triples(str(ROOT / "data" / "rir_triples.jsonl"))
+    assert built_in[1].tactic == "exact <a>Nat.lt_trans</a> h₁ h₀"
