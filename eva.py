@@ -16,24 +16,33 @@ the SOLVER learns from its own best and worst responses to them. Each round t (A
                        creation, uniform; each mutates the last), by default by the policy: X_t (25% x 4 = |X_{t-1}|);
   5. solver step:      6 responses per evolved prompt, pairs (argmax r, argmin r); 20% of the old pairs and 80% of the
                        new ones; preference optimisation from the current policy with the current policy as reference.
-Reference log-probs come from the policy before its update (no second copy held). Metrics: creator/* (subset,
-evolutions, drops by reason), charts/*, losses/* (first and last step), eval/win_rate (the reward model's, of the new
-policy over the round's reference policy on held-out prompts; step 0: the initial eval/reward). Every evolution step,
-kept or dropped with its reason, goes to <run>/evolutions.jsonl.
+Reference log-probs come from the policy before its update (no second copy held). Metrics: creator/*, charts/*,
+losses/* (first and last step), eval/win_rate (the reward model's, of the new policy over the round's reference policy
+on held-out prompts; step 0: the initial eval/reward); every evolution, kept or dropped, in <run>/evolutions.jsonl.
 
 Run: `python eva.py` without a GPU (CPU_DEFAULTS: the embedded SmolLM2-135M is policy, creator and judge on
 data/chat_prompts.jsonl; a round in minutes); `torchrun --nproc_per_node 8 eva.py` on 8xH200 (gemma-2-9b-it, ArmoRM-8B,
 UltraFeedback's Snorkel split), with `--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator (key from
 $OPENAI_API_KEY or --evolver-key-env). There the reward model is a frozen bf16 copy on every GPU (ArmoRM-8B: 16 GB of
-141) scoring each rank's share; the policy is FSDP2-sharded and vLLM sleeps while it trains. Experiment map (Tables 1,
-3, 4, Fig. 5) and the paper's benchmarks (Arena-Hard v0.1, AlpacaEval 2.0, MT-Bench on a checkpoint's HF directory
-<run>/checkpoints/iter_XXXXXX/policy, with their external judges): README.md.
+141) scoring each rank's share; the policy is FSDP2-sharded and vLLM sleeps while it trains. Experiment map and the
+paper's benchmarks (run on a checkpoint's HF directory <run>/checkpoints/iter_XXXXXX/policy): README.md.
+
+Each loss's flags left unset take its official run's values (resolve; eva released no SimPO, ORPO or RLOO run):
+  loss   beta   lr    epochs optim   schedule max_length prompt source
+  dpo    0.05   5e-7  2      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-dpo, recipes/iterative-dpo
+  ipo    0.6    5e-7  1      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-ipo
+  rpo    0.1    5e-7  2      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-rpo-split-by-6
+  sppo   0.001  5e-7  9      rmsprop linear   1024       512    scripts/gemma-9b, recipes/default
+  simpo  10     8e-7  1      adamw   cosine   2048       1800   SimPO's gemma-2-9b-it recipe (princeton-nlp/SimPO)
+  orpo   0.1    5e-7  2      adamw   cosine   2048       1024   ORPO's lambda (ORPO paper, TRL); the rest as dpo
+  rloo   -      1e-6  1      adamw   cosine   2048       1024   [RECON] TRL RLOOConfig's lr, one on-policy pass
 
 Deliberate deviations (the paper's body was not readable here; where it is silent this file follows the official code)
   1. Evolutions that are empty, failed (endpoint or engine error), leak the template's markers, repeat their parent or
      duplicate a known prompt are dropped, with the reason, and the chain goes on from its last kept prompt; the
      official code keeps everything ("THERE SHOULD BE DEDUPLICATION BUT WE TEMPORARIALLY IGNORED"). Truncated ones stay.
-  2. The creator is the policy itself unless --evolver-url (the official runs used gpt-4-0125-preview).
+  2. The creator is the policy itself unless --evolver-url (the official runs used gpt-4-0125-preview); its five
+     templates are distilabel's EvolInstruct ones (WizardLM's) in our words: two wrappers, five methods, #...# markers.
   3. A prompt whose N rewards are all equal gives no pair (the official argmax/argmin pair has chosen = rejected); the
      20/80 mix is drawn over prompts before that.
   4. The reward model scores one conversation per forward (the official code batches six padded conversations without
@@ -44,13 +53,11 @@ Deliberate deviations (the paper's body was not readable here; where it is silen
      uniform weights (the official normalisation divides by 0); weighted sampling fills up uniformly when fewer prompts
      than needed have a weight above 0 (pandas raises).
   6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva round per split.
-  7. RPO's NLL is the chosen response's mean token NLL (RPO paper; the official penalize_length_nll divides it by the
-     micro-batch's token count again); SPPO's win probabilities are Bradley-Terry on the reward model's scores, each
-     response against all N (official compute_prob.py on PairRM scores).
+  7. SPPO's pair and win probabilities come from the reward model's scores (Bradley-Terry against all N, as
+     compute_prob.py); the official SPPO scripts take both from PairRM (llm-blender's ranker, not a transformers model).
   8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines over the N responses, a clipped
-     sequence-level ratio against the round's start policy, no KL term.
-  9. Sequences are cut as TRL does (prompt to its last 1024 tokens, prompt + response to 2048); sampling is seeded per
-     chunk of prompts, so runs agree on any number of ranks and after a resume.
+     sequence-level ratio against the round's start policy under the sampling T and top-p (TRL's RLOO: T), no KL term.
+  9. Sampling is seeded per chunk of prompts, so runs agree on any number of ranks and after a resume.
  10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are in README.md.
 """
 
@@ -190,37 +197,38 @@ class Args:
     """share of the evolved prompts' pairs (official RATIO_EVOL)"""
     loss: Literal["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"] = "dpo"
     """preference loss (Table 1 and the official scripts), or the v3 online RLOO"""
-    beta: float = 0.05
-    """beta of the loss (official gemma-2-9b-it DPO: 0.05; SPPO 1/eta; SimPO beta; ORPO lambda)"""
+    beta: float | None = None
+    """beta of the loss (SPPO: 1/eta; ORPO: lambda); default the loss's official value (eva.py's docstring table)"""
     rpo_alpha: float = 1.0
     """RPO: weight of the chosen response's NLL"""
+    rpo_penalize_length_nll: bool = True
+    """RPO: the chosen mean token NLL divided again by its token count (official); --no-...: the RPO paper's"""
     simpo_gamma_beta_ratio: float = 0.5
     """SimPO: target margin gamma / beta"""
     rloo_clip: float = 0.2
     """RLOO: clip of the sequence-level probability ratio"""
     batch_size: int = 64
     """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
-    learning_rate: float = 5e-7
-    """peak learning rate"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
-    """official (the SPPO scripts: linear)"""
-    """learning-rate schedule after the warm-up (lr_at)"""
+    learning_rate: float | None = None
+    """peak learning rate; default the loss's official value"""
+    lr_schedule: Literal["constant", "linear", "cosine"] | None = None
+    """learning-rate schedule after the warm-up (lr_at); default the loss's official one"""
     warmup_steps: int | None = None
     """linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)"""
     warmup_ratio: float = 0.1
     """share of the steps of linear warm-up"""
-    epochs: int = 2
-    """epochs over the round's pairs"""
-    optim: Literal["adamw", "rmsprop"] = "adamw"
-    """optimizer, fresh every round (official: adamw_torch; SPPO rmsprop)"""
+    epochs: int | None = None
+    """epochs over the round's pairs; default the loss's official number"""
+    optim: Literal["adamw", "rmsprop"] | None = None
+    """optimizer, fresh every round; default the loss's official one (adamw_torch; SPPO: rmsprop)"""
     micro_batch_size: int = 1
     """pairs per forward/backward pass on each rank"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
-    max_length: int = 2048
-    """training: longest prompt + response, in tokens"""
-    max_prompt_length: int = 1024
-    """training: prompts are cut to their last this many tokens"""
+    max_length: int | None = None
+    """training: longest prompt + response, in tokens; default the loss's official value"""
+    max_prompt_length: int | None = None
+    """training: an over-long pair's prompt is cut to its last this many tokens; default the loss's official value"""
 
 
 # Without CUDA the paper's sizes would take weeks. One eva round (8 prompts x 6 responses, 2 seeds x 4 evolutions, 6
@@ -230,10 +238,24 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", r
                     baseline_round=False, max_new_tokens=40, evolve_max_new_tokens=64, max_model_len=1024,
                     learning_rate=1e-5, batch_size=4, micro_batch_size=2, max_length=384, max_prompt_length=256)
 
+# The official runs' values (docstring table) for the flags a loss leaves unset (None): DPO's, then each loss's own.
+OFFICIAL = {
+    "dpo": dict(beta=0.05, learning_rate=5e-7, epochs=2, optim="adamw", lr_schedule="cosine", max_length=2048,
+                max_prompt_length=1024),
+    "ipo": dict(beta=0.6, epochs=1), "rpo": dict(beta=0.1), "orpo": dict(beta=0.1),
+    "sppo": dict(beta=1e-3, epochs=9, optim="rmsprop", lr_schedule="linear", max_length=1024, max_prompt_length=512),
+    "simpo": dict(beta=10.0, learning_rate=8e-7, epochs=1, max_prompt_length=1800),
+    "rloo": dict(beta=None, learning_rate=1e-6, epochs=1)}
+
+
+def resolve(args: Args) -> Args:  # each flag of OFFICIAL left unset (None) takes its official value for --loss
+    vars(args).update({k: v for k, v in (OFFICIAL["dpo"] | OFFICIAL[args.loss]).items() if getattr(args, k) is None})
+    return args
+
 
 # ---- prompts ----
-# The creator's mutations, our words after distilabel's EvolInstruct templates (WizardLM): an in-depth REWRITE wrapper
-# with one method clause and an in-breadth CREATE one, one user turn each; the reply is the text after "Prompt#:".
+# The creator's mutations, our words after distilabel's EvolInstruct templates (WizardLM; deviation 2): an in-depth
+# REWRITE wrapper with one method clause and an in-breadth CREATE one, one user turn each; the reply follows "Prompt#:".
 REWRITE_PROMPT = """You are rewriting a prompt for a chat assistant. Make the #Given Prompt# somewhat harder, so that \
 even strong AI assistants have to work for a good answer, while a person can still read it and reply sensibly.
 How to make it harder: <METHOD>
@@ -260,7 +282,7 @@ MUTATIONS = {  # four in-depth rewrites and one in-breadth creation, drawn unifo
         "<METHOD>", "if a few simple thoughts would answer it, make it ask explicitly for reasoning in several steps."),
     "breadth": CREATE_PROMPT,
 }
-MARKERS = ("given prompt", "rewritten prompt", "new prompt")  # an evolution that still holds them failed its format
+MARKERS = ("#given prompt#", "#rewritten prompt#", "#new prompt#")  # the templates' own: a reply holding one failed
 
 # The LLM judge (--reward-kind judge, the CPU default): the reward is the expected digit under its next-token
 # probabilities of "1".."9", not a parsed reply.
@@ -403,7 +425,7 @@ def ipo_loss(h_mean: torch.Tensor, beta: float) -> torch.Tensor:
 
 
 def rpo_loss(h: torch.Tensor, nll_chosen: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
-    """RPO: DPO plus alpha times the chosen response's mean token NLL."""
+    """RPO: DPO plus alpha times the chosen response's NLL (its mean token NLL; officially divided by its length)."""
     return dpo_loss(h, beta) + alpha * nll_chosen
 
 
@@ -436,7 +458,8 @@ def pair_losses(loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor,
     h, mean = (pi[0] - ref[0]) - (pi[1] - ref[1]), pi / n
     return {"dpo": lambda: dpo_loss(h, args.beta),
             "ipo": lambda: ipo_loss((pi[0] - ref[0]) / n[0] - (pi[1] - ref[1]) / n[1], args.beta),
-            "rpo": lambda: rpo_loss(h, -mean[0], args.beta, args.rpo_alpha),
+            "rpo": lambda: rpo_loss(h, -mean[0] / (n[0] if args.rpo_penalize_length_nll else 1), args.beta,
+                                    args.rpo_alpha),
             "sppo": lambda: sppo_loss(pi[0] - ref[0], pi[1] - ref[1], p[0], p[1], args.beta),
             "simpo": lambda: simpo_loss(mean[0], mean[1], args.beta, args.simpo_gamma_beta_ratio),
             "orpo": lambda: orpo_loss(mean[0], mean[1], args.beta)}[loss]()
@@ -455,7 +478,7 @@ def solve(prompts: list[str], n: int, key: str, sampler, tokenizer, reward_model
     return sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, dist, lambda start, rows: [
         Group(p, ss, score_responses(reward_model, p, [s.text for s in ss], args.reward_kind))
         for p, ss in zip(prompts[start:], rows)], temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens)
+        max_new_tokens=args.max_new_tokens, logprobs=False)  # the losses take their own log-probs
 
 
 def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
@@ -483,7 +506,7 @@ def ask_creator(prompts: list[str], key: str, sampler, tokenizer, args: Args, di
                 return list(pool.map(lambda p: ask_endpoint(p, args), mine))
         return map_sharded(call, prompts, dist)
     out = sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], 1, key, dist,
-                 temperature=args.evolve_temperature, max_new_tokens=args.evolve_max_new_tokens)
+                 temperature=args.evolve_temperature, max_new_tokens=args.evolve_max_new_tokens, logprobs=False)
     return [(s[0].text, s[0].finish_reason) for s in out]
 
 
@@ -531,18 +554,22 @@ def mix(old: list, new: list, args: Args, rng: random.Random) -> list:
 
 def training_items(groups: list[Group], args: Args) -> list[Pair | Rollout]:
     """Pairs (argmax, argmin of the rewards; official reward_hf.py) or, for RLOO, every response as a Rollout; a
-    group whose rewards all agree teaches nothing and is skipped. Sequences are cut as TRL does."""
-    def fit(s: Sample) -> Sample:
-        prompt = s.prompt_ids[-args.max_prompt_length :]
-        return s._replace(prompt_ids=prompt, token_ids=s.token_ids[: args.max_length - len(prompt)], logprobs=[])
+    group whose rewards all agree teaches nothing and is skipped. Cut as the official tokenize_row: only when the
+    prompt + the longer response exceed max_length, the prompt to its last max_prompt_length tokens, then, if still
+    too long, the responses to max_length - max_prompt_length (a rollout: alone)."""
+    def fit(samples: list[Sample]) -> list[Sample]:
+        prompt, longest = samples[0].prompt_ids, max(len(s.token_ids) for s in samples)
+        prompt = prompt[-args.max_prompt_length :] if len(prompt) + longest > args.max_length else prompt
+        cut = args.max_length - args.max_prompt_length if len(prompt) + longest > args.max_length else None
+        return [s._replace(prompt_ids=prompt, token_ids=s.token_ids[:cut], logprobs=[]) for s in samples]
 
     items = []
     for g in [g for g in groups if max(g.rewards) > min(g.rewards)]:
         if args.loss == "rloo":
-            items += [Rollout(fit(s), r, g) for s, r in zip(g.samples, g.rewards)]
+            items += [Rollout(fit([s])[0], r, g) for s, r in zip(g.samples, g.rewards)]
         else:
             w, l = int(np.argmax(g.rewards)), int(np.argmin(g.rewards))
-            items.append(Pair([fit(g.samples[w]), fit(g.samples[l])], [g.rewards[w], g.rewards[l]],
+            items.append(Pair(fit([g.samples[w], g.samples[l]]), [g.rewards[w], g.rewards[l]],
                               [win_probability(g.rewards, w), win_probability(g.rewards, l)]))
     return items
 
@@ -551,13 +578,17 @@ def sequences(item: Pair | Rollout) -> list[Sample]:  # a pair's chosen and reje
     return item.samples if isinstance(item, Pair) else [item.sample]
 
 
+def distribution(args: Args) -> tuple:  # (T, top-p) of log pi: RLOO's ratio the sampler's; the pair losses at T = 1
+    return (args.temperature, args.top_p) if args.loss == "rloo" else (1.0, 1.0)
+
+
 @torch.no_grad()
 def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> list[float]:
-    """log pi(y | x) of each sample, summed over its tokens at temperature 1; as many micro-batches on every rank."""
+    """log pi(y | x) of each sample, summed over its tokens (under distribution()); as many micro-batches a rank."""
     mine = []
     for batch, real in micro_batches(list(enumerate(samples)), 2 * args.micro_batch_size, dist,
                                      length=lambda x: len(x[1].prompt_ids) + len(x[1].token_ids)):
-        logp, mask, _ = token_logprobs(policy, [s for _, s in batch])
+        logp, mask, _ = token_logprobs(policy, [s for _, s in batch], *distribution(args))
         mine += [(i, v) for (i, _), v in zip(batch, (logp * mask).sum(1).tolist())] if real else []
     found = dict(kv for part in all_gather_objects(mine, dist) for kv in part)
     return [found[i] for i in range(len(samples))]
@@ -567,7 +598,8 @@ def item_losses(policy, items: list[tuple], args: Args, size: int) -> tuple[torc
     """A micro-batch of (item, its reference log-probs): its part of the loss's mean over `size` items (one forward,
     every chosen then every rejected, as TRL's concatenated forward) and of the margin beta h, accuracy, log-probs."""
     k = len(sequences(items[0][0]))
-    logp, mask, _ = token_logprobs(policy, [sequences(item)[j] for j in range(k) for item, _ in items])
+    logp, mask, _ = token_logprobs(policy, [sequences(item)[j] for j in range(k) for item, _ in items],
+                                   *distribution(args))
     pi, n = (logp * mask).sum(1).view(k, -1), mask.sum(1).clamp(min=1).view(k, -1)
     ref = pi.new_tensor([r for _, r in items]).T
     if args.loss == "rloo":
@@ -615,7 +647,12 @@ def evaluate(sampler, tokenizer, reward_model, heldout: list[str], reference: li
 
 
 # ---- main ----
+def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
+    return {name: (model, None) for name, (model, _) in models.items()}
+
+
 def main(args: Args) -> None:
+    resolve(args)  # the loss's official values, before the CPU scaling (which a flag overrides)
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
     splits, heldout = load_prompts(args)
 
@@ -624,10 +661,11 @@ def main(args: Args) -> None:
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = (torch.optim.AdamW if args.optim == "adamw" else torch.optim.RMSprop)(
         policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    models = {"policy": (policy, optimizer)}
     reward_model = load_reward_model(args, dist)  # before vLLM, which sizes its cache from the memory left
     # run state: the round's prompts X_{t-1} (X_0: the first split), the reference policy's held-out rewards
     start, state = 0, {"prompts": splits[0], "reference_rewards": None}
-    if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
+    if args.resume and (found := load_checkpoint(run_dir, weights_only(models), dist)) is not None:
         start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
@@ -690,7 +728,7 @@ def main(args: Args) -> None:
             "charts/response_tokens": float(np.mean([len(s.token_ids) for g in groups for s in g.samples]))}
         logger.log(metrics, step=iteration + 1)
         if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save_checkpoint(run_dir, iteration + 1, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+            save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
 
 
 # ---- infrastructure (identical in every algorithm file) ----

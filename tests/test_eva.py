@@ -3,6 +3,7 @@ and its filter on scripted replies; malformed creator output (policy or endpoint
 the run directory; a learning test of the update; and (marked slow) end-to-end runs with the tiny model: two rounds,
 exact resume after a kill, two ranks under torchrun against one, the ablation flags, and the embedded model once."""
 
+import collections
 import http.server
 import json
 import math
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -29,8 +31,8 @@ CPU = eva.Dist(0, 1, 1, torch.device("cpu"), True)
 SIG1 = math.log1p(math.exp(-1.0))  # -log sigmoid(1) = 0.313262
 
 
-def args(**kw):
-    return eva.Args(**kw)
+def args(**kw):  # as main() sees them: the loss's official values for the flags left unset
+    return eva.resolve(eva.Args(**kw))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -146,7 +148,10 @@ def test_pair_losses_dispatch():
     h = torch.tensor([2.0, 0.0])  # (-2 + 3) - (-6 + 5), 0
     a = args(beta=0.5)
     assert torch.allclose(eva.pair_losses("dpo", pi, ref, n, p, a), eva.dpo_loss(h, 0.5))
-    assert torch.allclose(eva.pair_losses("rpo", pi, ref, n, p, a), eva.dpo_loss(h, 0.5) + torch.tensor([1.0, 1.0]))
+    # RPO's NLL: the chosen mean token NLL (-pi / n = 1, 1), officially divided again by its length (2, 4)
+    assert torch.allclose(eva.pair_losses("rpo", pi, ref, n, p, a), eva.dpo_loss(h, 0.5) + torch.tensor([0.5, 0.25]))
+    assert torch.allclose(eva.pair_losses("rpo", pi, ref, n, p, args(beta=0.5, rpo_penalize_length_nll=False)),
+                          eva.dpo_loss(h, 0.5) + torch.tensor([1.0, 1.0]))
     assert torch.allclose(eva.pair_losses("ipo", pi, ref, n, p, a), eva.ipo_loss(torch.tensor([0.5 + 1 / 3, 0.0]), 0.5))
     assert torch.allclose(eva.pair_losses("sppo", pi, ref, n, p, a),
                           eva.sppo_loss(torch.tensor([1.0, 0.0]), torch.tensor([-1.0, 0.0]), p[0], p[1], 0.5))
@@ -181,7 +186,11 @@ def test_read_evolution():
     assert eva.read_evolution("x", "error", "p", seen) == (None, "failed")
     assert eva.read_evolution("x", "abort", "p", seen) == (None, "failed")
     assert eva.read_evolution("#New Prompt#:   ", "stop", "p", seen) == (None, "empty")
-    assert eva.read_evolution("Here is the rewritten prompt: do X", "stop", "p", seen) == (None, "marker")
+    assert eva.read_evolution("Rewrite the #Given Prompt# as X", "stop", "p", seen) == (None, "marker")
+    assert eva.read_evolution("#New Prompt#: a #REWRITTEN PROMPT# leak", "stop", "p", seen) == (None, "marker")
+    # only the templates' markers: a prompt may speak of a new or a given prompt in its own words
+    for text in ("Write a new prompt for a story generator.", "Critique the given prompt: 'list three birds'."):
+        assert eva.read_evolution(text, "stop", "p", seen) == (text, "")
     assert eva.read_evolution("Explain  TIDES.", "stop", "Explain tides.", seen) == (None, "unchanged")
     assert eva.read_evolution("An old\nprompt", "stop", "p", seen) == (None, "duplicate")
 
@@ -192,10 +201,10 @@ class ScriptedSampler:
     batch_size, llm = 8, None  # sample() chunks prompts as for transformers
 
     def __init__(self, reply):
-        self.reply, self.calls = reply, 0
+        self.reply, self.calls, self.params = reply, 0, []
 
     def generate(self, prompts, n=1, **kw):
-        out = []
+        out, _ = [], self.params.append(kw)
         for p in prompts:
             parent = p.split("#Given Prompt#:\n")[-1].split("\n#")[0]
             text, finish = self.reply(parent, self.calls)
@@ -232,11 +241,21 @@ def test_evolve_chains_mutations_and_drops_bad_steps(tmp_path):
 
 
 def test_evolve_with_only_malformed_replies_keeps_nothing():
-    replies = iter([("", "stop"), ("junk", "abort"), ("Here is the given prompt, harder", "stop"), ("Q", "stop")])
+    replies = iter([("", "stop"), ("junk", "abort"), ("The #Given Prompt#, harder", "stop"), ("Q", "stop")])
     evolved, records = eva.evolve(["P", "Q"], ["P", "Q"], 0, ScriptedSampler(lambda p, c: next(replies)), PLAIN,
                                   args(num_evolutions=2), CPU)
     assert evolved == [] and not any(r["kept"] for r in records)
     assert [r["reason"] for r in records] == ["empty", "failed", "marker", "unchanged"]
+
+
+def test_solver_and_creator_ask_the_sampler_for_no_logprobs(monkeypatch):
+    """Nothing reads the sampled responses' or evolutions' log-probs (the losses take their own): none are asked for."""
+    monkeypatch.setattr(eva, "score_responses", lambda model, prompt, responses, kind: [0.0] * len(responses))
+    sampler = ScriptedSampler(lambda parent, call: (f"#Rewritten Prompt#: {parent} {call}", "stop"))
+    groups = eva.solve(["a", "b", "c"], 2, "1/0/solve", sampler, PLAIN, None, args(), CPU)
+    assert [len(g.samples) for g in groups] == [2, 2, 2]
+    eva.evolve(["a"], ["a"], 0, sampler, PLAIN, args(num_evolutions=2), CPU)
+    assert len(sampler.params) == 3 and all(kw.get("logprobs", True) is False for kw in sampler.params)
 
 
 class Endpoint:
@@ -319,6 +338,34 @@ def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
     assert "  max_new_tokens: 2048 -> 40" in changes
 
 
+# the official runs (ZIYU-DEEP/eva at d605e6f: scripts/*/iterate.sh and evolve-1.sh over recipes/*/config_full.yaml;
+# SimPO: princeton-nlp/SimPO's training_configs/gemma-2-9b-it-simpo.yaml): beta, learning rate, epochs, optimizer,
+# schedule, max_length, max_prompt_length
+OFFICIAL_RUNS = {"dpo": (0.05, 5e-7, 2, "adamw", "cosine", 2048, 1024),  # gemma-2-9b-it-dpo, iterative-dpo
+                 "ipo": (0.6, 5e-7, 1, "adamw", "cosine", 2048, 1024),  # gemma-2-9b-it-ipo: BETA=0.6, N_EPOCHS=1
+                 "rpo": (0.1, 5e-7, 2, "adamw", "cosine", 2048, 1024),  # rpo-split-by-6: BETA="0.1", N_EPOCHS=2
+                 "sppo": (0.001, 5e-7, 9, "rmsprop", "linear", 1024, 512),  # gemma-9b: N_EPOCHS=9; recipes/default
+                 "simpo": (10.0, 8e-7, 1, "adamw", "cosine", 2048, 1800),  # SimPO's recipe
+                 "orpo": (0.1, 5e-7, 2, "adamw", "cosine", 2048, 1024),  # ORPO's lambda; the rest DPO's
+                 "rloo": (None, 1e-6, 1, "adamw", "cosine", 2048, 1024)}  # TRL's RLOO learning rate, one pass
+RESOLVED = ("beta", "learning_rate", "epochs", "optim", "lr_schedule", "max_length", "max_prompt_length")
+
+
+@pytest.mark.parametrize("loss", list(OFFICIAL_RUNS))
+def test_each_loss_resolves_to_its_official_run(loss, tmp_path):
+    official = dict(zip(RESOLVED, OFFICIAL_RUNS[loss]))
+    a = eva.resolve(tyro.cli(eva.Args, args=["--loss", loss, "--output-dir", str(tmp_path)]))
+    assert {k: getattr(a, k) for k in RESOLVED} == official
+    given = eva.resolve(tyro.cli(eva.Args, args=["--loss", loss, "--beta", "0.3", "--epochs", "5", "--optim", "adamw"]))
+    assert (given.beta, given.epochs, given.optim) == (0.3, 5, "adamw")  # a passed flag keeps its value
+    row = next(line.split() for line in eva.__doc__.splitlines() if line.split()[:1] == [loss])  # the docstring table
+    assert [None if row[1] == "-" else float(row[1]), float(row[2]), int(row[3]), *row[4:6], int(row[6]),
+            int(row[7])] == list(OFFICIAL_RUNS[loss])
+    eva.start_run(a, eva.CPU_DEFAULTS, ["--loss", loss])  # main(): resolved first, then scaled down for a CPU
+    assert a.learning_rate == eva.CPU_DEFAULTS["learning_rate"] and a.max_length == eva.CPU_DEFAULTS["max_length"]
+    assert {k: getattr(a, k) for k in ("beta", "epochs", "optim", "lr_schedule")}.items() <= official.items()
+
+
 # ---- the solver: pairs, reference log-probs, the update ----
 def sample(prompt_ids, token_ids):
     return eva.Sample("", list(prompt_ids), list(token_ids), [], "stop")
@@ -339,6 +386,20 @@ def test_training_items_pairs_ties_rloo_and_truncation():
     assert [r.sample.token_ids for r in rollouts] == [[0], [1, 1], [2, 2, 2], [3, 3, 3, 3]]
 
 
+@pytest.mark.parametrize("prompt, chosen, rejected, kept, alone", [
+    (100, 2048, 1, [(100, 1024), (100, 1)], [(100, 1024), (100, 1)]),  # the responses to 2048 - 1024, the prompt kept
+    (1500, 300, 1, [(1500, 300), (1500, 1)], [(1500, 300), (1500, 1)]),  # 1801 tokens fit: nothing is cut
+    (1500, 300, 600, [(1024, 300), (1024, 600)], [(1500, 300), (1024, 600)]),  # the pair's longer response decides
+    (1500, 1500, 10, [(1024, 1024), (1024, 10)], [(1024, 1024), (1500, 10)])])  # both cuts
+def test_training_items_cut_as_the_official_tokenize_row(prompt, chosen, rejected, kept, alone):
+    g = eva.Group("x", [sample(range(prompt), [1] * chosen), sample(range(prompt), [2] * rejected)], [1.0, 0.0])
+    [pair] = eva.training_items([g], args())  # max_length 2048, max_prompt_length 1024
+    assert [(len(s.prompt_ids), len(s.token_ids)) for s in pair.samples] == kept
+    assert pair.samples[0].prompt_ids == list(range(prompt))[-kept[0][0] :]  # the prompt's end
+    rollouts = eva.training_items([g], args(loss="rloo"))  # a rollout is cut alone, by its own length
+    assert [(len(r.sample.prompt_ids), len(r.sample.token_ids)) for r in rollouts] == alone
+
+
 def test_mix_takes_the_official_shares():
     mixed = eva.mix(list(range(10)), list(range(100, 105)), args(), random.Random(0))
     assert len(mixed) == 2 + 4 and sum(x >= 100 for x in mixed) == 4  # int(0.2 * 10) old, int(0.8 * 5) new
@@ -357,6 +418,73 @@ def test_sequence_logprobs_match_token_logprobs(tiny_model_dir):
         with torch.no_grad():
             logp, mask, _ = eva.token_logprobs(policy, [s])
         assert value == pytest.approx(float((logp * mask).sum()), abs=1e-4)
+
+
+def test_rloo_logprobs_follow_the_sampling_distribution(tiny_model_dir):
+    """RLOO's ratio pi / pi_old is of the distribution the solver sampled from (T 0.7, top-p 0.9), in the reference
+    and in the update alike; the preference losses keep T = 1 (TRL's DPO)."""
+    tok, policy = eva.load_tokenizer(tiny_model_dir), eva.load_model(tiny_model_dir, CPU)
+    samples = [encode_reply(tok, "Say hi.", r) for r in (" hi there", " hello", " hey you")]
+    with torch.no_grad():
+        policy.get_output_embeddings().weight.mul_(20.0)  # a peaked next-token distribution, as a trained model's
+        sampled = [float((lp * m).sum()) for lp, m in zip(*eva.token_logprobs(policy, samples, 0.7, 0.9)[:2])]
+        plain = [float((lp * m).sum()) for lp, m in zip(*eva.token_logprobs(policy, samples)[:2])]
+    assert all(abs(a - b) > 0.1 for a, b in zip(sampled, plain))  # the two distributions differ here
+    rloo = args(loss="rloo", micro_batch_size=1)
+    assert (rloo.temperature, rloo.top_p) == (0.7, 0.9)
+    assert eva.sequence_logprobs(policy, samples, rloo, CPU) == pytest.approx(sampled, abs=1e-4)
+    assert eva.sequence_logprobs(policy, samples, args(), CPU) == pytest.approx(plain, abs=1e-4)
+    items = eva.training_items([eva.Group("Say hi.", samples, [1.0, 0.0, 2.0])], rloo)
+    refs = eva.sequence_logprobs(policy, [item.sample for item in items], rloo, CPU)
+    loss, stats = eva.item_losses(policy, [(item, [r]) for item, r in zip(items, refs)], rloo, len(items))
+    assert stats["ratio"] == pytest.approx(1.0, abs=1e-4)  # on-policy at the round's start: rho = 1
+    advantages = [eva.rloo_advantage(item.reward, item.group.rewards) for item in items]
+    assert loss.item() == pytest.approx(-sum(advantages) / 3, abs=1e-4)
+
+
+def test_armorm_score_head(tiny_model_dir, tmp_path):
+    """A classifier with ArmoRM's interface, loaded as ArmoRM is (its own modelling code, trust_remote_code): the reward
+    is its `score` (the gated sum of its objectives), not its first logit."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    config = LlamaConfig.from_pretrained(tiny_model_dir, num_labels=3)
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    eva.load_tokenizer(tiny_model_dir).save_pretrained(tmp_path)
+    (tmp_path / "modeling_tiny_armo.py").write_text(ARMO_MODELING)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    saved["auto_map"] = {"AutoModelForSequenceClassification": "modeling_tiny_armo.TinyArmoRM"}
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    rm = eva.load_reward_model(args(reward_model=str(tmp_path)), CPU)
+    assert type(rm[0]).__name__ == "TinyArmoRM"
+    scores = eva.score_responses(rm, "What is 2 + 2?", ["4", "five"], "classifier")
+    for response, score in zip(["4", "five"], scores):
+        chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": response}]
+        ids = rm[1].apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            objectives = LlamaForSequenceClassification.forward(rm[0], input_ids=ids).logits[0]
+        assert score == pytest.approx(float(objectives @ torch.tensor([0.2, 0.3, 0.5])), abs=1e-5)
+        assert abs(score - float(objectives[0])) > 1e-3  # the first logit would be another reward
+
+
+ARMO_MODELING = """import dataclasses
+
+import torch
+from transformers import LlamaForSequenceClassification
+from transformers.utils import ModelOutput
+
+
+@dataclasses.dataclass
+class ArmoOutput(ModelOutput):
+    logits: torch.Tensor = None
+    score: torch.Tensor = None
+
+
+class TinyArmoRM(LlamaForSequenceClassification):  # ArmoRM's outputs: per-objective rewards and their gated score
+    def forward(self, input_ids=None, **kwargs):
+        rewards = super().forward(input_ids=input_ids, **kwargs).logits
+        return ArmoOutput(logits=rewards, score=rewards @ torch.tensor([[0.2], [0.3], [0.5]]))
+"""
 
 
 def test_judge_and_classifier_scores(tiny_model_dir, tmp_path):
@@ -462,6 +590,23 @@ def subprocess_cmd(model_dir, out, name, *flags, ranks=0):
     return head + ["eva.py", "--output-dir", str(out), "--run-name", name, *tiny_flags(model_dir), *flags]
 
 
+def test_checkpoint_keeps_no_optimizer_state(monkeypatch, tiny_model_dir, tmp_path):
+    """Every round starts from a fresh optimizer, so a checkpoint holds the policy's weights and no moments; a resume
+    loads it into a fresh optimizer's run."""
+    flags = ["--model", tiny_model_dir, "--reward-model", tiny_model_dir, "--num-prompts", "4", "--n-samples", "2",
+             "--max-new-tokens", "4", "--evolve-max-new-tokens", "4", "--num-evolutions", "1", "--heldout-size", "1",
+             "--iterations", "1", "--no-baseline-round"]
+    run_dir = run_in_process(monkeypatch, tmp_path, "ckpt", *flags)
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = list(FileSystemReader(str(run_dir / "checkpoints" / "iter_000001" / "policy.dcp")).read_metadata()
+                .state_dict_metadata)
+    assert any(k.startswith("model.") for k in keys) and not [k for k in keys if "optim" in k]
+    policy = eva.load_model(tiny_model_dir, CPU)
+    optimizer = torch.optim.AdamW(policy.parameters())
+    assert eva.load_checkpoint(run_dir, eva.weights_only({"policy": (policy, optimizer)}), CPU)[0] == 1
+
+
 TWO_ROUNDS = ["--iterations", "2", "--baseline-round"]  # the plain-DPO round, then an eva round
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
@@ -543,7 +688,7 @@ def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_malformed_endpoint_output_is_dropped_with_a_reason(monkeypatch, tiny_model_dir, tmp_path):
     monkeypatch.setattr(eva.time, "sleep", lambda s: None)
-    replies = [chat(""), (500, "busy"), (500, "busy"), (500, "busy"), chat("I rewrote the given prompt: oops"),
+    replies = [chat(""), (500, "busy"), (500, "busy"), (500, "busy"), chat("I rewrote the #Given Prompt#, oops"),
                (200, "not json"), (200, "not json"), (200, "not json"), chat("#Rewritten Prompt#: Tell me more.")]
     endpoint = Endpoint(replies)
     try:
@@ -557,21 +702,72 @@ def test_malformed_endpoint_output_is_dropped_with_a_reason(monkeypatch, tiny_mo
     assert any(r["kept"] for r in records) and metrics_of(run_dir)[1]["creator/failed"] == 2
 
 
+ABLATIONS = {"no_evolve_greedy": ["--no-evolve", "--sampling", "greedy"],
+             "stratified_a_dts_sppo": ["--sampling", "stratified", "--stratified-bins", "2", "--info-metric", "a_dts",
+                                       "--loss", "sppo", "--beta", "0.01", "--batch-size", "64"],
+             "rloo": ["--loss", "rloo", "--batch-size", "64"],
+             "new_human_prompts_orpo_rmsprop": ["--new-human-prompts", "--loss", "orpo", "--optim", "rmsprop"]}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("flags", [["--no-evolve", "--sampling", "greedy"],
-                                   ["--sampling", "stratified", "--info-metric", "a_dts", "--loss", "sppo", "--beta",
-                                    "0.5"], ["--loss", "rloo"],
-                                   ["--new-human-prompts", "--loss", "orpo", "--optim", "rmsprop"]],
-                         ids=lambda f: "_".join(f))
-def test_ablations_run(monkeypatch, tiny_model_dir, tmp_path, flags):
+@pytest.mark.parametrize("case", list(ABLATIONS))
+def test_ablations_change_what_they_name(monkeypatch, tiny_model_dir, tmp_path, case):
+    """Each flag's effect in a round of main(): the subset it samples (by the info metric it names), the loss it
+    trains (its value at the first step, where the policy is its reference), the optimizer, the prompts."""
+    seen = {"groups": {}, "items": [], "optimizers": [], "losses": collections.Counter()}
+    solve, training_items, update = eva.solve, eva.training_items, eva.update
+
+    def spy_solve(prompts, n, key, *rest):  # the rounds' Groups by key: reference, 0/solve, 0/solve_evolved, 0/eval
+        seen["groups"][key.split("/", 1)[1]] = solve(prompts, n, key, *rest)
+        return seen["groups"][key.split("/", 1)[1]]
+
+    def spy_update(policy, optimizer, *rest):
+        seen["optimizers"].append(type(optimizer).__name__)
+        return update(policy, optimizer, *rest)
+
+    monkeypatch.setattr(eva, "solve", spy_solve)
+    monkeypatch.setattr(eva, "training_items", lambda groups, a: seen["items"].append((groups, training_items(
+        groups, a))) or seen["items"][-1][1])
+    monkeypatch.setattr(eva, "update", spy_update)
+    for name in ("dpo_loss", "sppo_loss", "orpo_loss", "rloo_loss"):  # count the calls, return the loss
+        monkeypatch.setattr(eva, name, lambda *x, f=getattr(eva, name), n=name: seen["losses"].update([n]) or f(*x))
     run_dir = run_in_process(monkeypatch, tmp_path, "ablation", *tiny_flags(tiny_model_dir), "--iterations", "1",
-                             "--no-baseline-round", "--n-samples", "3", *flags)
-    row = metrics_of(run_dir)[1]
-    assert row["charts/train_items"] > 0 and "losses/loss" in row
-    if "--no-evolve" in flags:
-        assert row["creator/evolved"] == 0 and row["charts/train_groups"] == 2  # the subset itself
-    if "--new-human-prompts" in flags:
-        assert row["charts/eva_round"] == 0 and "creator/subset" not in row
+                             "--no-baseline-round", "--n-samples", "3", *ABLATIONS[case])
+    row, groups = metrics_of(run_dir)[1], seen["groups"]["0/solve"]
+    [(train_groups, items)] = seen["items"]
+    seeds = [json.loads(line)["parent"] for line in (run_dir / "evolutions.jsonl").read_text().splitlines()
+             if json.loads(line)["step"] == 0] if (run_dir / "evolutions.jsonl").exists() else []
+    a_min = [max(g.rewards) - min(g.rewards) for g in groups]
+    assert row["charts/train_items"] == len(items) > 0
+    if case == "no_evolve_greedy":  # the 2 prompts of highest A*_min, trained on as they are
+        top = sorted(sorted(range(8), key=lambda i: -a_min[i])[:2])
+        assert [g.prompt for g in train_groups] == [groups[i].prompt for i in top] and not seeds
+        assert row["creator/evolved"] == 0 and "0/solve_evolved" not in seen["groups"]
+        assert seen["losses"]["dpo_loss"] > 0 and seen["optimizers"] == ["AdamW"]
+    if case == "stratified_a_dts_sppo":
+        a_dts = [sorted(g.rewards)[-1] - sorted(g.rewards)[-2] for g in groups]
+        assert row["creator/info_mean"] == pytest.approx(np.mean(a_dts)) != pytest.approx(np.mean(a_min))
+        median = np.median(a_dts)  # two quantile bins of A*_dts, round(0.25 * 4) = 1 seed from each
+        assert sorted(a_dts[[g.prompt for g in groups].index(p)] > median for p in seeds) == [False, True]
+        rng = np.random.default_rng(zlib.crc32(b"42/0"))  # main()'s draw for round 0, seed 42
+        drawn = eva.sample_informative(a_dts, eva.sampling_weights(a_dts, "a_dts"), 0.25, "stratified", rng, 2)
+        assert seeds == [groups[i].prompt for i in drawn]
+        # SPPO at the first step (policy = reference; one batch of every pair): the mean of ((P_w - 1/2)^2 +
+        # (P_l - 1/2)^2) / (2 beta^2), beta 0.01 (the tiny judge's rewards lie close: P ~ 1/2)
+        expected = np.mean([((w - 0.5) ** 2 + (l - 0.5) ** 2) / (2 * 1e-4) for w, l in (i.win_probs for i in items)])
+        assert row["losses/loss_first"] == pytest.approx(expected, rel=1e-3) and expected > 1e-3
+        assert seen["losses"]["sppo_loss"] > 0 and not seen["losses"]["dpo_loss"]
+    if case == "rloo":  # every response of every group with a reward gap, each against its group's other N - 1
+        assert all(isinstance(i, eva.Rollout) for i in items) and len(items) == 3 * sum(
+            max(g.rewards) > min(g.rewards) for g in train_groups)
+        advantages = [eva.rloo_advantage(i.reward, i.group.rewards) for i in items]
+        assert row["losses/loss_first"] == pytest.approx(-np.mean(advantages), abs=1e-4)  # rho = 1 at the first step
+        assert "losses/ratio" in row and "losses/margin" not in row
+        assert seen["losses"]["rloo_loss"] > 0 and not seen["losses"]["dpo_loss"]
+    if case == "new_human_prompts_orpo_rmsprop":  # a plain round on the human split: no creator at all
+        assert row["charts/eva_round"] == 0 and "creator/subset" not in row and not seeds
+        assert set(seen["groups"]) == {"reference", "0/solve", "0/eval"} and train_groups == groups
+        assert seen["losses"]["orpo_loss"] > 0 and not seen["losses"]["dpo_loss"] and seen["optimizers"] == ["RMSprop"]
 
 
 @pytest.mark.slow
