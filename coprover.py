@@ -154,7 +154,7 @@ class Args:
     max_expansions: int | None = 128
     """expansions per theorem (None: only the clock limits a search)"""
     search_timeout: float = 300.0
-    """wall-clock seconds per theorem"""
+    """seconds per theorem: the calls it waits for and its own tactics (checked before each tactic; co_train.py)"""
     search_temperature: float = 0.8
     """tactic sampling temperature (the official collector's)"""
     tactic_max_new_tokens: int = 256  # lean_generate.py
@@ -592,8 +592,8 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
 # ---- evaluation ----
 def search_metrics(results: list[SearchResult], prefix: str, seconds: float, budget: float) -> dict[str, float]:
     """Search efficiency: the theorems proved (count, share, per expansion and per second of the phase's wall time,
-    `seconds`), the expansions and nodes per proof, the proofs' length, the share of failed edges, the most a search ran
-    past its `budget` (its last tactic and kernel check); the method's own: merged states."""
+    `seconds`), the expansions and nodes per proof, the proofs' length, the share of failed edges, how far searches ran
+    past the `budget` (the most and the mean: a last tactic and kernel check); the method's own: merged states."""
     proved = [r for r in results if r.proof is not None]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions = sum(r.expansions for r in results)
@@ -606,7 +606,8 @@ def search_metrics(results: list[SearchResult], prefix: str, seconds: float, bud
             f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
             f"{prefix}/expansions": float(expansions),
             f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
-            f"{prefix}/overshoot_seconds": max([r.seconds - budget for r in results] + [0.0]),
+            f"{prefix}/overshoot_max": max([r.seconds - budget for r in results] + [0.0]),
+            f"{prefix}/overshoot_mean": mean([max(r.seconds - budget, 0.0) for r in results]),
             f"{prefix}/merged_states": float(sum(r.merged for r in results))}
 
 

@@ -287,19 +287,20 @@ def test_search_budget_is_a_cap_and_each_theorem_pays_its_own_time(verifier):
     assert trees[0].edges == trees[0].failed_edges == 3  # 0.4, 0.8, 1.2 s: spent; two tactics never run
     assert 1.2 <= trees[0].seconds < 1.6 and trees[1].edges == 2 and trees[1].seconds < 0.25 < wall
     metrics = cp.search_metrics(trees, "search", wall, a.search_timeout)
-    assert metrics["search/overshoot_seconds"] == pytest.approx(trees[0].seconds - 1.0) and trees[0].seconds > 1.0
+    assert metrics["search/overshoot_max"] == pytest.approx(trees[0].seconds - 1.0) and trees[0].seconds > 1.0
+    assert metrics["search/overshoot_mean"] == pytest.approx((trees[0].seconds - 1.0) / 2)
 
 
 def test_search_metrics_by_hand():
-    """Proofs per second divide by the phase's wall time (not the theorems' summed seconds); the overshoot is the most
-    a search ran past its budget."""
+    """Proofs per second divide by the phase's wall time (not the theorems' summed seconds); the overshoot is how far
+    searches ran past their budget (the most, and the mean over all searches)."""
     r = lambda proof, seconds, exp: cp.SearchResult("t", proof, seconds, exp, 5, 10, 4, 1, [])  # noqa: E731
     metrics = cp.search_metrics([r(["a", "b"], 3.0, 2), r(None, 7.5, 6), r(["c"], 2.0, 1)], "search", 4.0, 5.0)
     assert metrics == pytest.approx({
         "search/theorems": 3, "search/proved": 2, "search/proved_share": 2 / 3, "search/proofs_per_expansion": 2 / 9,
         "search/proofs_per_second": 0.5, "search/expansions_per_proof": 1.5, "search/nodes_per_proof": 5,
         "search/proof_length": 1.5, "search/expansions": 9, "search/failed_edge_share": 0.4,
-        "search/overshoot_seconds": 2.5, "search/merged_states": 3})
+        "search/overshoot_max": 2.5, "search/overshoot_mean": 2.5 / 3, "search/merged_states": 3})
 
 
 def test_logprob_only_search_is_reprovers(verifier):
@@ -607,7 +608,7 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
 
 
 def deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/") and "second" not in k}
+    return {k: v for k, v in row.items() if not k.startswith("time/") and "second" not in k and "overshoot" not in k}
 
 
 def weights(path) -> dict:
@@ -680,9 +681,11 @@ def test_two_ranks_reproduce_one(e2e, tiny_model_dir, tmp_path):
     assert (tmp_path / "ddp" / "checkpoints" / "iter_000002" / "value.dcp").is_dir()
     for step in (1, 2):  # the same searches, labels, rewards and (up to float sums in another order) losses
         assert deterministic(two[step]) == pytest.approx(deterministic(one[step]), rel=1e-3, abs=1e-6)
-    for name in ("prover", "value"):  # and the same weights (up to float sums in another order)
-        a, b = (weights(d / "checkpoints" / "iter_000002" / name) for d in (tmp_path / "ddp", full_dir))
-        assert sorted(a) == sorted(b) and all(torch.allclose(a[k], b[k], rtol=1e-3, atol=1e-5) for k in a), name
+    for name in ("prover", "value"):  # and the same weights (up to float sums in another order; two ranks also
+        # export the tied lm_head.weight, which one rank's save_pretrained leaves out)
+        two_w, one_w = (weights(d / "checkpoints" / "iter_000002" / name) for d in (tmp_path / "ddp", full_dir))
+        assert set(one_w) <= set(two_w) and len(one_w) > 10, name
+        assert all(torch.allclose(two_w[k], one_w[k], rtol=1e-3, atol=1e-5) for k in one_w), name
 
 
 @pytest.mark.slow
