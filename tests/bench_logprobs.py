@@ -2,12 +2,12 @@
 fused LM head (what a GRPO user would otherwise run), at two shapes, side by side in one run.
 
     python tests/bench_logprobs.py                 # every variant at both shapes, then the table
-    python tests/bench_logprobs.py --shapes 1024x256
+    python tests/bench_logprobs.py --shapes 1024x256 --repeat 1
 
 A 2-layer Llama with a 151,936-token vocabulary (Qwen2.5's, hidden 256, tied head), batch 4 x (prompt + completion)
 tokens, fp32 on the CPU; one forward + backward of the completion tokens' summed log-probs. Each variant runs in its
 own process, so that its peak memory (resident set size above the level before the step, sampled every 2 ms) is its
-own. Variants:
+own; each process takes one untimed step first (thread pool, allocator). Variants:
   naive            logits for every prompt and completion position, one fp32 log-softmax (what the block did once)
   token_logprobs   the block: the head inside the forward, a chunk of completion positions at a time, again in backward
   trl              TRL's GRPOTrainer path (trl.trainer.utils.add_fused_lm_head, trl/kernels/chunked_logprob.py: tiles of
@@ -80,6 +80,8 @@ def run(variant: str, prompt: int, completion: int, out: str) -> None:
             trl_utils._use_triton = lambda device: True
         trl_utils.add_fused_lm_head(policy, temperature=1.0, outputs=("log_probs",))
     fn = {"naive": naive, "token_logprobs": block, "trl": trl, "trl_completion": trl}[variant]
+    fn(policy, ids, prompt).sum().backward()  # a first step warms the thread pool and the allocator: not timed
+    policy.zero_grad(set_to_none=True)
     proc, peak, running = psutil.Process(), [0], [True]
 
     def sample_rss():
@@ -109,21 +111,29 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", nargs="+", default=["1024x256", "256x1024"], help="prompt x completion")
     parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    parser.add_argument("--repeat", type=int, default=3, help="runs of each variant, alternating; the median is shown")
     args = parser.parse_args()
     has_trl = os.path.exists(args.trl_python) and subprocess.run(
         [args.trl_python, "-c", "import trl"], capture_output=True).returncode == 0
     tmp = tempfile.mkdtemp()
     print(f"2-layer Llama, vocabulary {VOCAB}, hidden {HIDDEN}, tied head, fp32, CPU ({os.cpu_count()} cores), "
           f"forward + backward; batch {BATCH} x (prompt + completion)" + ("" if has_trl else "; no TRL (see --help)"))
-    print(f"{'shape':>12} {'variant':16}{'seconds':>9}{'peak GiB':>10}{'max |dlogp|':>13}{'max |dgrad|':>13}")
+    print(f"{'shape':>12} {'variant':16}{'seconds':>9}{'peak GiB':>10}{'max |dlogp|':>13}{'max |dgrad|':>13}"
+          "  (median seconds and largest peak of the runs)")
     for shape in args.shapes:
         prompt, completion = map(int, shape.split("x"))
-        results = {}
-        for variant in ["naive", "token_logprobs"] + (["trl", "trl_completion"] if has_trl else []):
-            out = os.path.join(tmp, f"{variant}-{shape}")
-            python = args.trl_python if variant.startswith("trl") else sys.executable
-            subprocess.run([python, __file__, "--run", variant, str(prompt), str(completion), out], check=True)
-            results[variant] = {**json.load(open(out)), **torch.load(out + ".pt")}
+        results, variants = {}, ["naive", "token_logprobs"] + (["trl", "trl_completion"] if has_trl else [])
+        for round_ in range(args.repeat):  # alternating, so that a busy spell of the machine hits every variant
+            for variant in variants:
+                out = os.path.join(tmp, f"{variant}-{shape}")
+                python = args.trl_python if variant.startswith("trl") else sys.executable
+                subprocess.run([python, __file__, "--run", variant, str(prompt), str(completion), out], check=True)
+                run_ = {**json.load(open(out)), **torch.load(out + ".pt")}
+                runs = results.setdefault(variant, {**run_, "all_seconds": [], "all_peaks": []})
+                runs["all_seconds"].append(run_["seconds"])
+                runs["all_peaks"].append(run_["peak_gib"])
+        for r in results.values():
+            r["seconds"], r["peak_gib"] = sorted(r["all_seconds"])[len(r["all_seconds"]) // 2], max(r["all_peaks"])
         ref = results["naive"]
         for variant, r in results.items():
             dlogp = (r["logp"] - ref["logp"]).abs().max().item()
