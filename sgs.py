@@ -571,6 +571,17 @@ def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempt
             **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
 
 
+def unrewarded(outcomes: collections.Counter, args: Args) -> str:
+    """A run's last line when the Solver had no training example (the CPU default on the embedded model): why."""
+    n, accepted = sum(outcomes.values()), outcomes["valid"]
+    why = (f"{accepted} of {n} attempts accepted, none a {args.solver_objective} example (solve rates out of its "
+           "range, or `try`)" if accepted else f"no proof accepted in {n} attempts")
+    return (f"{os.path.basename(__file__)}: no Solver update in this run: {why}: "
+            + ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common()) + " (no_code: not one closed ```lean4 "
+            f"block with the theorem; cut_off: at --max-new-tokens {args.max_new_tokens}). tests/test_sgs.py's loop "
+            "learning test shows the loop learning where proofs are accepted.")
+
+
 # ---- main ----
 def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
     return {name: (model, None) for name, (model, _) in models.items()}
@@ -606,7 +617,7 @@ def main(args: Args) -> None:
         start, state = found
     sampler = Sampler(args.model, solver, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    proofs = state["proofs"]
+    proofs, outcomes, trained = state["proofs"], collections.Counter(), 0  # this run's verdicts, Solver examples
 
     for iteration in range(start, args.iterations):
         metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
@@ -634,6 +645,9 @@ def main(args: Args) -> None:
 
         # 3-4. The Solver's training set (REINFORCE½, CISPO or EI); the Conjecturer's: 0 < s <= p70, R = R_guide (1 - s)
         solver_set, conjecturer_set = solver_examples(problems, attempts, rates, proofs, iteration, args, rng), []
+        outcomes.update("cut_off" if a.status == "no_code" and a.sample.finish_reason == "length" else a.status
+                        for row in attempts.values() for a in row)
+        trained += len(solver_set)
         if train_conjecturer and conjectures:
             with logger.timer("guide"):
                 p70 = percentile_cut([rates[c.id] for c in conjectures], args.conjecture_percentile)
@@ -664,6 +678,8 @@ def main(args: Args) -> None:
             save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
         if done:
             break
+    if dist.is_main and outcomes and not trained:
+        print(unrewarded(outcomes, args))
     verifier.close()
 
 

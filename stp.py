@@ -577,6 +577,17 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
     return metrics
 
 
+def unrewarded(outcomes: collections.Counter, args: Args) -> str:
+    """A run's last line when the prover had no training example (the CPU default on the embedded model): why."""
+    n, accepted = sum(outcomes.values()), outcomes["valid"]
+    why = (f"{accepted} of {n} attempts accepted, none at a statement proved at a rate in (0, {args.solve_rate_max}]"
+           if accepted else f"no proof accepted in {n} attempts")
+    return (f"{os.path.basename(__file__)}: no prover update in this run: {why}: "
+            + ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common()) + " (no_code: an empty proof; error: "
+            f"Lean rejected it, or it was cut off at --max-new-tokens {args.max_new_tokens}). tests/test_stp.py's loop "
+            "learning test shows the loop learning where proofs are accepted.")
+
+
 # ---- main ----
 def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
     return {name: (model, None) for name, (model, _) in models.items()}
@@ -613,7 +624,7 @@ def main(args: Args) -> None:
     history, proofs, originals = state["history"], state["proofs"], {s.id for s in statements}
     problems = {s.id: s for s in statements} | {k: Conjecture(**v) for k, v in state["conjectures"].items()}
 
-    metrics = {}
+    metrics, outcomes, trained = {}, collections.Counter(), 0  # this run's verdicts and prover examples
     for iteration in range(start, args.iterations):
         metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
@@ -637,11 +648,13 @@ def main(args: Args) -> None:
                                       args, dist)
             state["generations"] += len(targets) * n
             record_proofs(history, proofs, attempts, iteration)
+            outcomes.update(a.status for row in attempts.values() for a in row)
 
         if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every iteration
             with logger.timer("update"):
                 models, policy = {}, None
                 examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
+                trained += len(examples)
                 models, policy, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args, dist,
                                                           rng)
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
@@ -652,6 +665,7 @@ def main(args: Args) -> None:
                 conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, iteration,
                                                               policy, tokenizer, args, dist, rng)
                 prover_set = prover_examples(problems, history, proofs, iteration, args, tokenizer)
+                trained += len(prover_set)
                 metrics.update({**stats, "data/prover_examples": len(prover_set),
                                 "data/conjecturer_examples": len(conjecturer_set)})
             with logger.timer("update"):
@@ -683,6 +697,8 @@ def main(args: Args) -> None:
     with logger.timer("eval"):
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
     logger.log(metrics, step=args.iterations)
+    if dist.is_main and outcomes and not trained and not args.pure_sampling:
+        print(unrewarded(outcomes, args))
     verifier.close()
 
 

