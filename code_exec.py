@@ -170,6 +170,7 @@ import tempfile
 import time
 import traceback
 import types
+import warnings
 import _thread
 from typing import Any, Callable, Iterable, Sequence
 
@@ -1165,6 +1166,9 @@ class _Client:
         if not self.info.get("ready"):
             self.kill()
             raise RuntimeError("sandbox server did not start")
+        if not self.info["layers"].get("fs_read_confined"):
+            warnings.warn("code_exec: nothing confines what jobs read on this machine (no Landlock, no mount "
+                          "namespace, and file permissions cannot; see 'Not protected' in code_exec's docstring)")
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -63,6 +63,18 @@ _JOB_BOOT = (
     "os._exit(m._harness(spec, code, data, m._std_streams(), m._lcb_builtins() if spec.get('lcb') else None))\n"
 )
 
+def _keep_dac_read_search():
+    # A job that holds CAP_DAC_READ_SEARCH (its interpreter sits where only root can read, e.g. under /root) keeps
+    # it across the exec as an ambient capability; otherwise the fresh interpreter cannot read its standard library.
+    with open("/proc/self/status") as f:
+        eff = int(next(line for line in f if line.startswith("CapEff")).split()[1], 16)
+    if eff & (1 << m.CAP_DAC_READ_SEARCH):
+        libc = m.ctypes.CDLL(None, use_errno=True)
+        caps = (m._CapData * 2)()
+        caps[0].effective = caps[0].permitted = caps[0].inheritable = 1 << m.CAP_DAC_READ_SEARCH
+        libc.capset(m.ctypes.byref(m._CapHeader(0x20080522, 0)), caps)
+        libc.prctl(m.PR_CAP_AMBIENT, 2, m.CAP_DAC_READ_SEARCH, 0, 0)   # PR_CAP_AMBIENT_RAISE
+
 def _exec_harness(spec, code, data, streams, lcb_builtins):
     net_guard = any(name == "socket" for _, name, _, _ in m._GUARD)
     head = _json.dumps(dict(spec, sys_path=[p for p in sys.path if p], code_len=len(code), net_guard=net_guard))
@@ -72,6 +84,7 @@ def _exec_harness(spec, code, data, streams, lcb_builtins):
         _os.close(fd)
     _os.set_inheritable(4, True)
     _os.set_inheritable(m._REPORT_FD, True)
+    _keep_dac_read_search()
     _execve(sys.executable, [sys.executable, "-S", "-s", "-c", _JOB_BOOT, _code_exec_path], dict(_os.environ))
 
 m._harness = _exec_harness

@@ -791,7 +791,20 @@ def _machine_lacks(layer: str) -> str | None:
         if pid == 0:                 # CLONE_NEWNS, or CLONE_NEWUSER | CLONE_NEWNS for a user
             os._exit(0 if libc.unshare(0x20000) == 0 or libc.unshare(0x10000000 | 0x20000) == 0 else 1)
         return None if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 else "no mount namespaces here"
-    return None if os.geteuid() == 0 else "jobs get a uid of their own only when the caller is root"
+    if os.geteuid() != 0:
+        return "jobs get a uid of their own only when the caller is root"
+    hidden = [p for p in (sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)) if not _others_reach(p)]
+    return (f"the interpreter sits where only root can read ({hidden[0]}), so its jobs keep CAP_DAC_READ_SEARCH "
+            "and file permissions confine no read (code_exec's docstring, 'Not protected')") if hidden else None
+
+
+def _others_reach(path: str) -> bool:
+    """Whether a uid that owns nothing can reach `path` (every directory above it searchable by others)."""
+    while path != "/":
+        path = os.path.dirname(path)
+        if not os.stat(path).st_mode & 0o001:
+            return False
+    return True
 
 
 @pytest.fixture(params=list(READ_LAYERS))
@@ -806,6 +819,20 @@ def read_layer(request):
 
 def _assert_layer(layer: str) -> None:
     assert str(ce.isolation().get("fs_read_confined")).startswith(layer), ce.isolation()
+
+
+def test_a_caller_is_warned_when_nothing_confines_reads(tmp_path):
+    """A read path only root can reach, with neither Landlock nor a view: the job keeps CAP_DAC_READ_SEARCH, reads
+    are not confined, and the caller hears it (the same as an interpreter installed under /root)."""
+    if os.geteuid() != 0:
+        pytest.skip("jobs get a uid of their own only when the caller is root")
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "data.txt").write_text("x")
+    with _own_pool(CODE_EXEC_NO_LANDLOCK="1", CODE_EXEC_NO_MOUNTNS="1"):
+        with pytest.warns(UserWarning, match="nothing confines what jobs read"):
+            layers = ce.isolation(read_paths=[str(private / "data.txt")])
+        assert layers["fs_read_confined"] is False and layers["job_capabilities"] == ["CAP_DAC_READ_SEARCH"]
 
 
 @pytest.fixture
