@@ -260,13 +260,15 @@ class Args:
 
 
 # Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes (SmolLM2-135M samples
-# ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s).
+# ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s). The value model trains its head only
+# (value_model.py's default): a trained backbone's gradients and AdamW moments (1.6 GB in fp32) would take the run
+# past a laptop's 4 GB.
 CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2", dataset="data/lean_tactics.jsonl",
                     iterations=2, search_theorems_per_round=5, num_sampled_tactics=4, max_expansions=3,
-                    tactic_max_new_tokens=24, value_epochs=1, value_batch_size=16, value_micro_batch_size=8,
-                    value_max_length=256, grpo_steps_per_round=1, prompts_per_step=4, samples_per_prompt=4,
-                    max_new_tokens=64, learning_rate=1e-5, frontier_filter=False, max_model_len=1024, eval_limit=2,
-                    eval_samples=4, eval_budgets=(1, 2, 4), eval_search_limit=2)
+                    tactic_max_new_tokens=24, freeze_value_backbone=True, value_epochs=1, value_batch_size=16,
+                    value_micro_batch_size=8, value_max_length=256, grpo_steps_per_round=1, prompts_per_step=4,
+                    samples_per_prompt=4, max_new_tokens=64, learning_rate=1e-5, frontier_filter=False,
+                    max_model_len=1024, eval_limit=2, eval_samples=4, eval_budgets=(1, 2, 4), eval_search_limit=2)
 
 
 # ---- prompts ----
@@ -626,6 +628,15 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
     return metrics
 
 
+def zero_reward_note(statuses: collections.Counter, model: str) -> str:
+    """The line ending a run whose GRPO rollouts were never rewarded: why (Lean's verdicts); where the loop learns."""
+    why = {"no_code": "no closed ```lean4 block", "error": "Lean error", "sorry": "sorry", "timeout": "Lean timeout"}
+    verdicts = ", ".join(f"{count}/{sum(statuses.values())} {why.get(s, s)}" for s, count in statuses.most_common())
+    return (f"coprover.py: every GRPO reward was 0 ({verdicts}): {model} wrote no proof Lean accepts, so no group's "
+            "rewards differed and the prover was never updated; tests/test_coprover.py::"
+            "test_loop_learns_what_the_stand_in_rewards shows this loop learning, on a model primed to write proofs")
+
+
 # ---- main ----
 class Tokenizers(dict):  # save_checkpoint writes a tokenizer into every model's directory: here each model's own
     def save_pretrained(self, path) -> None:
@@ -671,6 +682,7 @@ def main(args: Args) -> None:
         sys.exit(f"coprover.py: no training statement left (frontier: {args.frontier_min}..{args.frontier_max} of "
                  f"{args.frontier_samples} proved); --no-frontier-filter trains on all of them")
 
+    rollouts, rewarded = collections.Counter(), 0  # this run's GRPO rollouts by Lean's verdict, and those rewarded
     for iteration in range(start, args.iterations):
         metrics, rng = {"charts/train_statements": float(len(train_set))}, random.Random(f"{args.seed}/{iteration}")
 
@@ -712,6 +724,7 @@ def main(args: Args) -> None:
                 sampler.sync_weights(policy)
                 state["grpo_step"], attempts = state["grpo_step"] + 1, attempts + [a for row in groups for a in row]
             statuses = [a.status for a in attempts]
+            rollouts, rewarded = rollouts + collections.Counter(statuses), rewarded + sum(a.correct for a in attempts)
             metrics |= {k: float(np.mean([s[k] for s in stats if k in s])) for k in set().union(*stats)} | {
                 "charts/reward_mean": float(np.mean([a.correct for a in attempts] or [0.0])),
                 "charts/grpo_steps": float(len(stats)),
@@ -736,6 +749,8 @@ def main(args: Args) -> None:
             print(f"coprover.py: {args.value_backbone} has no trained value head (a coprover checkpoint's value/ has): "
                   "the evaluation searches by log-prob only") if dist.is_main else None
         logger.log(evaluate(sampler, verifier, benchmark, score, f"{args.seed}/eval", args, dist), step=args.iterations)
+    if dist.is_main and rollouts and not rewarded:  # what a run that never rewarded a proof shows (issue 21.5)
+        print(zero_reward_note(rollouts, args.model))
     verifier.close()
 
 
@@ -951,7 +966,7 @@ def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist
 
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=256):
+                   chunk=512):
     """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
     The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
@@ -962,7 +977,7 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p

@@ -615,8 +615,10 @@ def grade_student(problem: dict, sample: Sample, args: Args) -> str:  # "pass" |
 
 
 def ask_student(tasks: list[dict], n: int, key: str, args: Args, sampler, logger, dist, keep: bool = False) -> list:
+    """(Log-probs only for samples kept for training: a pass rate's need none, nor the memory of their scores.)"""
     return ask([t["prompt"] for t in tasks], tasks, grade_student, n, key, args, sampler, logger, dist, keep,
-               temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens)
+               logprobs=keep, temperature=args.temperature, top_p=args.top_p,
+               max_new_tokens=args.student_max_new_tokens)
 
 
 def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
@@ -864,6 +866,7 @@ def main(args: Args) -> None:
                             greedy if args.iterations == 0 else None), step=0)
 
     pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
+    fates = collections.Counter()  # this run's proposals: accepted, or why not
 
     def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # App. D: update per phase
         pending.extend(rollouts)
@@ -899,6 +902,7 @@ def main(args: Args) -> None:
             rollouts, stats = solve(tasks, iteration, args, sampler, logger, dist)  # SOLVE: every accepted task
             learn(rollouts, losses)
             metrics |= stats | teacher_metrics(records, earlier) | {"charts/buffer_size": float(len(buffer))}
+            fates.update(r["reason"] or "accepted" for r in records)
             if dist.is_main:  # every proposal with its fate (a failed parse keeps the start of the raw text)
                 with open(run_dir / "proposals.jsonl", "a") as f:
                     f.writelines(json.dumps({"iteration": iteration, **{k: v for k, v in r.items() if "emb" not in k}})
@@ -916,6 +920,9 @@ def main(args: Args) -> None:
         logger.log(metrics | mean_losses(losses) | {"time/iteration": time.perf_counter() - t0}, step=step)
         if step % args.save_every == 0 or step == args.iterations:
             save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+    if dist.is_main and fates and not fates["accepted"]:  # what such a run shows (the CPU default on SmolLM2-135M)
+        print(f"No proposal accepted in {fates.total()} ({', '.join(f'{k} {n}' for k, n in fates.most_common())}): "
+              "no task reached the student; tests/test_gasp.py's loop learning test shows the loop learning")
 
 
 # ---- infrastructure (identical in every algorithm file) ----
@@ -1130,7 +1137,7 @@ def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist
 
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=256):
+                   chunk=512):
     """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
     The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
@@ -1141,7 +1148,7 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p

@@ -341,7 +341,8 @@ def propose(sampler, tokenizer, state: str, key: str, args: Args, seconds: colle
     if args.planner:
         start = clock()
         [goals] = sample(sampler, [PLANNER_PROMPT.format(state=state)], args.num_sampled_goals, f"{key}/planner",
-                         max_new_tokens=args.goal_max_new_tokens, stop=[GOAL_STOP], desc="plan", **params)
+                         max_new_tokens=args.goal_max_new_tokens, stop=[GOAL_STOP] if args.joint_format else None,
+                         desc="plan", **params)  # s* alone ends at end-of-sequence (HF's stop strings: ~1 s a call)
         targets, failed_plans = ranked(goals)
         seconds["planner"] += clock() - start
     for i, (target, logp_goal) in enumerate(targets):
@@ -545,6 +546,19 @@ def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: st
             f.writelines(json.dumps({"step": step, "phase": phase, **r._asdict()}) + "\n" for r in results)
 
 
+def proved_nothing(run_dir: pathlib.Path) -> str | None:
+    """The line a run ends with when none of its searches (searches.jsonl) proved a theorem, with what its tactics did
+    (issue 21.5: a CPU run of the embedded model may prove nothing; the loop learning test shows the loop learn)."""
+    path = run_dir / "searches.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not rows or any(r["proved"] for r in rows):
+        return None
+    edges, failed, expansions = (sum(r[k] for r in rows) for k in ("edges", "failed_edges", "expansions"))
+    return (f"No theorem proved in the run's {len(rows)} searches ({expansions} expansions): of the {edges} tactics "
+            f"tried, {failed} failed in Lean or were malformed, {edges - failed} left goals open. The loop ran; "
+            "tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts shows it learn.")
+
+
 def evaluate(sampler, verifier, problems: list[Problem], key: str, run_dir: pathlib.Path, step: int, args: Args,
              dist: Dist) -> dict[str, float]:
     """Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget; every search to searches.jsonl,
@@ -620,6 +634,8 @@ def main(args: Args) -> None:
     if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
         logger.log(evaluate(sampler, verifier, benchmark, f"{args.seed}/eval", run_dir, args.iterations, args, dist),
                    step=args.iterations)
+    if dist.is_main and (line := proved_nothing(run_dir)):
+        print(line)
     verifier.close()
 
 
@@ -835,7 +851,7 @@ def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist
 
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=256):
+                   chunk=512):
     """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
     The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
@@ -846,7 +862,7 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p

@@ -914,7 +914,7 @@ def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist
 
 
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=256):
+                   chunk=512):
     """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
     The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
     P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
@@ -925,7 +925,7 @@ def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, wi
 
     def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
         z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature)
+        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
         if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p

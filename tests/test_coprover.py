@@ -4,6 +4,7 @@ failed edges); whole proofs replayed for labels; learning tests of the value hea
 (marked slow) end-to-end runs in a subprocess with the tiny model and the stand-in REPL: both models' weights change,
 a checkpoint is written, a killed run resumes exactly, two ranks reproduce one, and the embedded model runs."""
 
+import collections
 import json
 import math
 import os
@@ -72,7 +73,8 @@ def test_value_labels_on_a_hand_written_tree():
     assert labels == pytest.approx({"r": 0.95**3, "a": 0.95**2, "b": 0.95, "c": 0.0, "d": 0.0})
     assert labels["r"] == pytest.approx(0.857375) and "e" not in labels
     # the README's 4-step trace: gamma^4 = 0.81 ... gamma = 0.95
-    assert [round(v, 2) for v in cp.value_labels([], [["s0", "s1", "s2", "s3"]], 0.95).values()] == [0.81, 0.86, 0.9, 0.95]
+    trace = cp.value_labels([], [["s0", "s1", "s2", "s3"]], 0.95)
+    assert [round(v, 2) for v in trace.values()] == [0.81, 0.86, 0.9, 0.95]
     # a state on two proof paths takes the nearer QED; nothing proved: every expanded state is 0
     assert cp.value_labels(["r", "x"], [["r", "x", "y"], ["r", "x"]], 0.5) == {"r": 0.25, "x": 0.5, "y": 0.5}
     assert cp.value_labels(["r", "x"], [], 0.95) == {"r": 0.0, "x": 0.0}
@@ -500,6 +502,14 @@ def test_grpo_update_learns_what_the_reward_favours(tiny_model_dir):
     assert cp.grpo_update(policy, optimizer, [flat], a, CPU) == {}
 
 
+def test_zero_reward_note():
+    """Issue 21.5: the line ending a run whose rollouts were never rewarded counts Lean's verdicts and names the test
+    that shows the loop learning."""
+    note = cp.zero_reward_note(collections.Counter(["no_code"] * 7 + ["error"]), "embedded:smollm2")
+    assert "\n" not in note and "(7/8 no closed ```lean4 block, 1/8 Lean error)" in note
+    assert "embedded:smollm2" in note and "test_loop_learns_what_the_stand_in_rewards" in note
+
+
 def test_stops_at_once_without_lean(tmp_path):
     import lean_verify
 
@@ -635,7 +645,7 @@ def test_two_iterations_end_to_end(e2e, tiny_model_dir):
                 "eval/pass@2", "eval/search_value/proofs_per_expansion", "eval/search_logprob/proofs_per_expansion",
                 "time/search", "time/value", "time/grpo", "time/eval"):
         assert all(key in r for r in rows.values()), key
-    assert rows[1]["search/value_guided"] == 0.0 and rows[2]["search/value_guided"] == 1.0  # no value model in iteration 1
+    assert rows[1]["search/value_guided"] == 0.0 and rows[2]["search/value_guided"] == 1.0  # none in iteration 1
     assert rows[1]["search/proved_share"] > 0 and rows[1]["value/new_positive_share"] > 0  # the table's proofs
     assert 0 < rows[1]["charts/reward_mean"] < 1 and rows[2]["value/labels"] > rows[1]["value/labels"]
     ckpt = run_dir / "checkpoints" / "iter_000002"
@@ -742,3 +752,144 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     assert "No CUDA" in done.stdout and "smollm2" in done.stdout
     [row] = metrics_of(tmp_path / "embedded").values()
     assert row["search/theorems"] == 2 and "losses/value_loss" in row and "eval/pass@2" in row
+    # issue 21.5: a run whose rollouts were never rewarded says so once, at the end, with Lean's verdicts
+    note = [line for line in done.stdout.splitlines() if "every GRPO reward was 0" in line]
+    assert len(note) == (row["charts/reward_mean"] == 0) and (not note or "/4 " in note[0]), done.stdout[-2000:]
+    print(*note)
+
+
+# ---- the loop learns (slow): main() on a primed model, rewarded by a stand-in rule on its own samples ----
+# DESIGN.md's loop learning test. A random model never writes a ```lean4 block, so every GRPO reward would be 0: the
+# primed model (a 2-layer Llama, a 400-token BPE vocabulary trained on coprover's prompts, fitted for 150 steps) answers
+# the whole-proof prompt with a block holding one of PRIMED_TACTICS and the tactic prompt with one of them, noisily.
+# The stand-in accepts a proof iff its first tactic is one the model samples most in iteration 0's rollouts
+# (--accept tactic:^(a|b)\b, chosen from those very samples, a 25-60% base rate). The loop's logged GRPO reward
+# (charts/reward_mean, the iteration's rollouts) must rise by LOOP_MARGIN from iteration 0 (the untrained prover: one
+# rollout batch an iteration) to the mean of the last two; with the rule inverted (not:tactic:...) the loop rewards
+# their absence, and their share (the stand-in's rejections, lean/error_share) must not rise.
+PRIMED_TACTICS = ["norm_num", "simp", "linarith", "omega", "decide", "positivity"]
+LOOP_ITERATIONS, LOOP_MARGIN, LOOP_PROMPTS, LOOP_SAMPLES, LOOP_TOKENS = 8, 0.25, 5, 8, 16
+LOOP = ["--dataset", "data/lean_tactics.jsonl", "--eval-dataset", "data/lean_tactics.jsonl", "--eval-split", "tactics",
+        "--iterations", str(LOOP_ITERATIONS), "--search-theorems-per-round", "2", "--num-sampled-tactics", "2",
+        "--max-expansions", "1", "--tactic-max-new-tokens", "8", "--value-batch-size", "64",
+        "--value-micro-batch-size", "32", "--value-max-length", "128", "--value-epochs", "1",
+        "--value-warmup-steps", "0", "--grpo-steps-per-round", "1", "--prompts-per-step", str(LOOP_PROMPTS),
+        "--samples-per-prompt", str(LOOP_SAMPLES), "--max-new-tokens", str(LOOP_TOKENS), "--learning-rate", "1e-3",
+        "--micro-batch-size", "20", "--max-model-len", "512", "--no-frontier-filter", "--eval-every", "0",
+        "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-search-limit", "0",
+        "--save-every", "100", "--no-gradient-checkpointing", "--backend", "hf", "--lean-workers", "1"]
+
+
+def build_primed_model(out: pathlib.Path, steps: int = 150) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    pairs = []
+    for p, row in zip(PROBLEMS.values(), ROWS):
+        goals = "\n".join("  " + line for line in row["goal"].split("\n"))
+        tactic_prompt = cp.TACTIC_PROMPT.format(header=p.header, statement=p.statement, goals=goals, proof=p.statement)
+        pairs += [(cp.PROVER_PROMPT.format(header=p.header, statement=p.statement), f"```lean4\n{t}\n```")
+                  for t in PRIMED_TACTICS] + [(tactic_prompt, f"  {t}\n") for t in PRIMED_TACTICS]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([p + t for p, t in pairs] + [cp.VALUE_PROMPT] + PRIMED_TACTICS * 5, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<pad>")
+    tok.add_tokens(["```lean4"])
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    data, rng = [(ids(p), ids(t) + [tok.eos_token_id]) for p, t in pairs], cp.random.Random(0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=None,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(steps):  # the loss on the answers' tokens only, right-padded
+        batch = rng.sample(data, 16)
+        width = max(len(p) + len(y) for p, y in batch)
+        labels = torch.tensor([[-100] * len(p) + y + [-100] * (width - len(p) - len(y)) for p, y in batch])
+        inputs = torch.tensor([p + y + [tok.pad_token_id] * (width - len(p) - len(y)) for p, y in batch])
+        mask = (torch.arange(width) < torch.tensor([len(p) + len(y) for p, y in batch])[:, None]).long()
+        loss = model(input_ids=inputs, attention_mask=mask, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+
+
+@pytest.fixture(scope="module")
+def primed_model_dir(tmp_path_factory) -> str:
+    out, threads = tmp_path_factory.mktemp("coprover_primed") / "model", torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on two shared cores are slower here
+    try:
+        build_primed_model(out)
+    finally:
+        torch.set_num_threads(threads)
+    return str(out)
+
+
+def first_tactics_of_iteration0(model_dir: str) -> list[str]:
+    """The first tactic of every rollout of iteration 0's GRPO batch, as the loop samples it: the same statements,
+    keys, sizes and (untrained) weights, so the same samples; '<no code>' where no block was extracted."""
+    a = cp.Args(prompts_per_step=LOOP_PROMPTS, samples_per_prompt=LOOP_SAMPLES, max_new_tokens=LOOP_TOKENS)
+    tok = cp.load_tokenizer(model_dir)
+    sampler = cp.Sampler(model_dir, cp.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 512)
+    batch = cp.rollout_prompts(list(PROBLEMS.values()), 0, a.prompts_per_step, a.seed)
+    rows = cp.sample(sampler, [cp.PROVER_PROMPT.format(header=p.header, statement=p.statement) for p in batch],
+                     a.samples_per_prompt, [f"{a.seed}/grpo0/{p.id}" for p in batch], temperature=a.temperature,
+                     max_new_tokens=a.max_new_tokens)
+    heads = []
+    for p, row in zip(batch, rows):
+        for s in row:
+            code = cp.extract_last_block(s.text, p.statement)
+            tactics = cp.proof_tactics(code, p.statement) if code else []
+            heads.append(tactics[0].split()[0] if tactics and tactics[0].split() else "<no code>")
+    return heads
+
+
+def first_tactic_rule(heads: list[str], floor: float = 0.25) -> tuple[str, float, collections.Counter]:
+    """The stand-in rule accepting the most frequent primed first tactics, as few as reach `floor` together."""
+    tally, chosen, share = collections.Counter(heads), [], 0.0
+    for word, count in tally.most_common():
+        if share < floor and word in PRIMED_TACTICS:
+            chosen.append(word)
+            share += count / len(heads)
+    return "tactic:^(" + "|".join(chosen) + r")\b", share, tally
+
+
+@pytest.mark.slow
+def test_loop_learns_what_the_stand_in_rewards(primed_model_dir, tmp_path):
+    started = time.time()
+    rule, share, tally = first_tactic_rule(first_tactics_of_iteration0(primed_model_dir))
+    print(f"\niteration 0's first tactics ({sum(tally.values())} rollouts): {dict(tally.most_common())}\n"
+          f"rule: --accept '{rule}' ({share:.0%} of them)")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    runs = {}
+    for name, accept in (("rule", rule), ("inverted", "not:" + rule)):  # in parallel, a core each
+        cmd = [sys.executable, "coprover.py", "--model", primed_model_dir, "--value-backbone", primed_model_dir,
+               "--output-dir", str(tmp_path), "--run-name", name, *LOOP]
+        runs[name] = subprocess.Popen(cmd, cwd=REPO, env={**env, "LEAN_REPL_CMD": f"{STAND_IN} --accept '{accept}'"},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, out[-2000:] + err[-4000:]
+        runs[name] = [metrics_of(tmp_path / name)[step] for step in range(1, LOOP_ITERATIONS + 1)]
+    rewards = [r["charts/reward_mean"] for r in runs["rule"]]
+    favoured = [r.get("lean/error_share", 0.0) for r in runs["inverted"]]  # the inverted rule rejects those tactics
+    print("charts/reward_mean, rule:  ", " ".join(f"{v:.3f}" for v in rewards))
+    print("lean/error_share, inverted:", " ".join(f"{v:.3f}" for v in favoured),
+          "(its own reward_mean:", " ".join(f"{r['charts/reward_mean']:.3f}" for r in runs["inverted"]) + ")")
+    print("search/proved_share, rule: ", " ".join(f"{r['search/proved_share']:.2f}" for r in runs["rule"]))
+    assert rewards[0] == pytest.approx(share)  # the loop rewarded the samples the rule was chosen from
+    assert 0.2 <= share <= 0.6 and favoured[0] == pytest.approx(share)
+    first, last = rewards[0], sum(rewards[-2:]) / 2
+    first_inv, last_inv = favoured[0], sum(favoured[-2:]) / 2
+    assert last >= first + LOOP_MARGIN, (first, last)
+    assert last_inv <= first_inv + LOOP_MARGIN / 4, (first_inv, last_inv)  # rewarding their absence: no rise
+    assert all(r["losses/grpo_steps"] == 1 for r in runs["rule"])  # every rollout batch updated the prover
+    print(f"loop learning test: {time.time() - started:.0f} s")

@@ -782,3 +782,127 @@ def test_cpu_default_on_the_embedded_model(tmp_path):
     assert "No CUDA" in done.stdout and "reward_kind: classifier -> judge" in done.stdout
     row = metrics_of(tmp_path / "embedded")[1]
     assert row["charts/eva_round"] == 1 and row["creator/subset"] == 1 and "eval/win_rate" in row
+    assert "within two standard errors of chance" in done.stdout.splitlines()[-1]  # 2 prompts: any win rate is
+
+
+# ---- the loop learns (slow): main() on a primed tiny model, rewarded by a stand-in reward model ----
+# DESIGN.md's loop learning test. A fixture primes the tiny model (50 supervised steps) to answer any prompt, the
+# creator's too, with a few words of LOOP_WORDS; the reward model is a stand-in classifier (its own modelling code, as
+# ArmoRM's) that scores 1 a reply holding the marker word, 0 one without: the word of LOOP_WORDS the primed model's
+# iteration-0 replies hold nearest 40% of the time (printed). eva's own main() runs LOOP_ITERATIONS eva rounds; the
+# share of its replies that hold the marker, its logged charts/reward_mean, must rise by LOOP_MARGIN from iteration 0
+# (the untrained policy) to the mean of the last two; with the preference inverted (1 without the marker) the marker's
+# share (1 - charts/reward_mean) must not rise.
+LOOP_WORDS = ("red", "blue", "green", "gold", "sun", "moon", "tree", "rock")
+LOOP_ITERATIONS, LOOP_MARGIN = 5, 0.25
+LOOP = ["--reward-kind", "classifier", "--num-prompts", "8", "--n-samples", "4", "--max-new-tokens", "8",
+        "--evolve-max-new-tokens", "8", "--heldout-size", "8", "--learning-rate", "3e-3", "--micro-batch-size", "8",
+        "--no-gradient-checkpointing", "--iterations", str(LOOP_ITERATIONS), "--save-every", "100"]
+MARKER_MODELING = """import torch
+from transformers import LlamaForSequenceClassification
+from transformers.modeling_outputs import SequenceClassifierOutputWithPast
+
+
+class MarkerRM(LlamaForSequenceClassification):  # 1 for a reply (after the last <|im_start|>) with a marker token
+    def forward(self, input_ids=None, **kwargs):
+        ids = input_ids[0].tolist()
+        held = any(t in self.config.marker_ids for t in ids[len(ids) - ids[::-1].index(self.config.turn_id) :])
+        return SequenceClassifierOutputWithPast(logits=torch.tensor([[float(held == self.config.prefer_marker)]]))
+"""
+
+
+def prime(model_dir: str, out: pathlib.Path, steps: int = 50, lr: float = 1e-2) -> str:
+    """The model taught by supervised steps to answer a chat prompt, or a mutation prompt, with 2-6 words of
+    LOOP_WORDS (uniformly drawn) and EOS; saved to `out`."""
+    tok, rng = eva.load_tokenizer(model_dir), random.Random(0)
+    prompts = eva.load_prompts(eva.Args(dataset="data/chat_prompts.jsonl", num_splits=1))[0][0]
+    torch.manual_seed(0)
+    policy = eva.load_model(model_dir, CPU, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
+    for _ in range(steps):
+        asked = [rng.choice(prompts) for _ in range(16)]
+        asked = [rng.choice(list(eva.MUTATIONS.values())).replace("<PROMPT>", p) if rng.random() < 0.3 else p
+                 for p in asked]
+        replies = ["".join(" " + rng.choice(LOOP_WORDS) for _ in range(rng.randint(2, 6))) for _ in asked]
+        logp, mask, _ = eva.token_logprobs(policy, [encode_reply(tok, p, r) for p, r in zip(asked, replies)])
+        (-(logp * mask).sum() / mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    policy.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def marker_reward_model(model_dir: str, out: pathlib.Path, word: str, prefer_marker: bool) -> str:
+    """The stand-in reward model of MARKER_MODELING: the marker is `word`'s token with and without a leading space."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    tok = eva.load_tokenizer(model_dir)
+    marker_ids = sorted({tok(w, add_special_tokens=False).input_ids[-1] for w in (word, " " + word)})
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=tok.pad_token_id,
+                         marker_ids=marker_ids, turn_id=tok.convert_tokens_to_ids("<|im_start|>"),
+                         prefer_marker=prefer_marker, auto_map={
+                             "AutoModelForSequenceClassification": "modeling_marker_rm.MarkerRM"})
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "modeling_marker_rm.py").write_text(MARKER_MODELING)
+    return str(out)
+
+
+def replies_at_iteration_0(model_dir: str) -> tuple[list[str], list[list[str]]]:
+    """The loop's first solve, as main() samples it: the first split's prompts, n = 4, key "42/0/solve", the solver's
+    T and top-p, the HF sampler's chunks. Returns (the prompts, each one's replies)."""
+    tok, a = eva.load_tokenizer(model_dir), tyro.cli(eva.Args, args=["--dataset", "data/chat_prompts.jsonl", *LOOP])
+    sampler = eva.Sampler(model_dir, eva.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 1024)
+    prompts = eva.load_prompts(a)[0][0]
+    rows = eva.sample(sampler, [eva.chat_prompt(tok, p) for p in prompts], a.n_samples, "42/0/solve",
+                      temperature=a.temperature, top_p=a.top_p, max_new_tokens=a.max_new_tokens, logprobs=False)
+    return prompts, [[s.text for s in row] for row in rows]
+
+
+@pytest.fixture(scope="module")
+def primed_model_dir(tiny_model_dir, tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return prime(tiny_model_dir, tmp_path_factory.mktemp("eva_primed"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_the_loop_learns_what_the_reward_model_prefers(primed_model_dir, tmp_path):
+    started = time.time()
+    prompts, replies = replies_at_iteration_0(primed_model_dir)
+    texts = [t for row in replies for t in row]
+    shares = {w: sum(w in t.split() for t in texts) / len(texts) for w in LOOP_WORDS}
+    marker = min(LOOP_WORDS, key=lambda w: abs(shares[w] - 0.4))
+    rm = {prefer: marker_reward_model(primed_model_dir, tmp_path / f"rm_{prefer}", marker, prefer)
+          for prefer in (True, False)}
+    judge = eva.load_reward_model(args(reward_model=rm[True]), CPU)
+    base = np.mean([r for p, row in zip(prompts, replies) for r in eva.score_responses(judge, p, row, "classifier")])
+    print(f"\niteration 0's replies (e.g. {texts[:4]}): the share holding each word {shares}; marker {marker!r}, "
+          f"the stand-in pays {base:.3f} of them")
+    assert 0.2 <= base <= 0.6, shares  # a moderate base rate
+    runs = {name: subprocess.Popen([sys.executable, "eva.py", "--output-dir", str(tmp_path), "--run-name", name,
+                                    "--model", primed_model_dir, "--reward-model", rm[prefer], *LOOP], cwd=REPO,
+                                   env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for name, prefer in (("normal", True), ("inverted", False))}  # in parallel, a core each
+    curves = {}
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:] + err[-5000:]
+        rows = metrics_of(tmp_path / name)
+        assert sorted(rows) == list(range(LOOP_ITERATIONS + 1))
+        rewards = [rows[step]["charts/reward_mean"] for step in range(1, LOOP_ITERATIONS + 1)]
+        curves[name] = rewards if name == "normal" else [1.0 - r for r in rewards]  # the marker's share
+        print(f"{name}: charts/reward_mean {[round(r, 2) for r in rewards]}; eval/reward "
+              f"{[round(rows[s]['eval/reward'], 2) for s in sorted(rows)]}; eval/win_rate "
+              f"{[round(rows[s]['eval/win_rate'], 2) for s in range(1, LOOP_ITERATIONS + 1)]}")
+    print(f"loop learning test: {time.time() - started:.0f} s")
+    (normal, inverted) = curves["normal"], curves["inverted"]
+    assert normal[0] == inverted[0] == pytest.approx(base)  # iteration 0 is the untrained policy's solve
+    assert np.mean(normal[-2:]) >= normal[0] + LOOP_MARGIN, normal  # the marker's share rises where it is paid
+    assert np.mean(inverted[-2:]) <= inverted[0], inverted  # and does not where its absence is

@@ -4,6 +4,7 @@ student phase with scripted samplers; a learning test of the update; whole itera
 every Table 2 ablation; and (slow) end-to-end runs with a tiny model: two iterations, resume after a kill, and two
 ranks under torchrun."""
 
+import collections
 import json
 import math
 import os
@@ -881,6 +882,21 @@ def test_min_programs_counts_generated_programs(monkeypatch, tiny_model_dir, tmp
     assert metrics["charts/lemma_proposals"] > 4 and len(records) > 7
 
 
+def test_a_run_that_accepts_nothing_says_why_at_the_end(monkeypatch, tiny_model_dir, tmp_path, capsys, one_thread):
+    # issue 21.5: the CPU default on SmolLM2-135M accepts no proposal; the run says so once, at the end, with why
+    class Mute(CycleSampler):  # the teacher writes no program, the student no answer
+        def generate(self, prompts, n=1, **kw):
+            return [[sample("I am not sure.", token_ids=[3, 4], logprobs=[-1.0, -1.0]) for _ in range(n)]
+                    for p in prompts]
+
+    run_main(monkeypatch, tmp_path, tiny_model_dir, Mute(""))
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("No proposal accepted")]
+    assert said == ["No proposal accepted in 6 (no_code 6): no task reached the student; tests/test_gasp.py's loop "
+                    "learning test shows the loop learning"]  # 3 goalposts, 2 attempts each
+    run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), run_name="accepts")
+    assert "No proposal accepted" not in capsys.readouterr().out
+
+
 def test_no_guidance_is_goal_agnostic_self_play(monkeypatch, tiny_model_dir, tmp_path, one_thread):
     # Table 2's AZR row: unguided self-play. The teacher sees buffer tasks (at first AZR's identity seed), never a
     # goalpost; AZR Eq. 4 rewards 1 - p (0 at p in {0, 1}); every valid task is kept, in one attempt; no lifts
@@ -1127,3 +1143,176 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     row = metrics_of(tmp_path / "embedded")[1]
     assert row["charts/lemma_proposals"] >= 2 and "eval/pass@2" in row and row["eval/goalposts_checked"] == 1
     assert (tmp_path / "embedded" / "checkpoints" / "iter_000001" / "policy" / "config.json").exists()
+
+
+# ---------------------------------------------------------------- the loop learns (slow)
+# DESIGN's loop learning test: gasp's own main(), the whole loop, on a task the tiny model can learn. The random tiny
+# model never closes a fenced block, so a fixture first primes it (a hundred supervised steps) to answer a deduction
+# task with ```output\nV\n```, V drawn from PRIME_ANSWERS: each V at about 1/3, what the test then measures and
+# prints. The teacher is scripted (every proposal is the constant function f(x) = V), the student phase asks
+# deduction tasks only, so the solver's reward is 1 when the policy's own sample says V (AZR's -0.5 for another
+# value, -1 without an answer block); its logged charts/solver_accuracy_deduction must rise over the iterations, and
+# must not when the rule is inverted (pass and wrong swap rewards: every value but V is paid).
+PRIME_ANSWERS = ("1", "2", "3")
+
+
+def deduction_prompt(tokenizer, rng: random.Random) -> str:
+    """A deduction task's prompt as the student sees it, for a random small program: a constant (as the loop's tasks
+    are), a product or a sum."""
+    body = rng.choice([str(rng.randint(0, 9)), f"x * {rng.randint(2, 9)}", f"x + {rng.randint(1, 9)}"])
+    task = {"program": f"def f(x):\n    return {body}", "inputs": [str(rng.randint(0, 99))], "outputs": ["0"]}
+    return gasp.chat_prompt(tokenizer, gasp.student_task(task, "deduction", rng, 2)["prompt"])
+
+
+def constant_task(v: str) -> dict:
+    """The loop's task: the scripted teacher's proposal f(x) = v (LOOP_DRIVER's PROPOSAL), as read_triplet reads it."""
+    return {"program": f"def f(x):\n    return {v}", "inputs": [str(x) for x in range(5)], "outputs": [v] * 5,
+            "message": f"Return {v}."}
+
+
+def prime(model_dir: str, out: pathlib.Path, steps: int = 100, lr: float = 1e-2) -> str:
+    """The model taught, by supervised steps on every answer in equal shares, to reply ```output\\nV\\n``` (then EOS)
+    to a deduction prompt, V in PRIME_ANSWERS; saved to `out`."""
+    torch.manual_seed(0)
+    tok, rng = gasp.load_tokenizer(model_dir), random.Random(0)
+    policy = gasp.load_model(model_dir, CPU, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
+    replies = [tok(f"```output\n{v}\n```", add_special_tokens=False).input_ids + [tok.eos_token_id]
+               for v in PRIME_ANSWERS]
+    for _ in range(steps):
+        batch = [gasp.Sample("", gasp.encode_prompt(tok, deduction_prompt(tok, rng)), ids, [], "stop")
+                 for ids in replies * 4]
+        logp, mask, _ = gasp.token_logprobs(policy, batch)
+        (-(logp * mask).sum() / mask.sum()).backward()
+        torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+    policy.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def answers_at_iteration_0(model_dir: str, n: int = 48) -> dict:
+    """For each V in PRIME_ANSWERS, the share of replies that answer V to the loop's deduction tasks of f(x) = V (n
+    replies, sampled as the loop samples: gasp's HF sampler, temperature 1); "format": the share without an answer."""
+    tok, shares, rng = gasp.load_tokenizer(model_dir), {}, random.Random(0)
+    sampler = gasp.Sampler(model_dir, gasp.load_model(model_dir, CPU, train=False), tok, CPU, backend="hf")
+    for v in PRIME_ANSWERS:
+        prompts = [gasp.chat_prompt(tok, gasp.student_task(constant_task(v), "deduction", rng, 2)["prompt"])
+                   for _ in range(n // 8)]
+        rows = gasp.sample(sampler, prompts, 8, f"iteration 0/{v}", temperature=1.0, max_new_tokens=12)
+        answers = [gasp.code_exec.last_block(s.text, "output") for row in rows for s in row]
+        shares[v], shares["format"] = answers.count(v) / n, shares.get("format", 0) + answers.count(None) / n / 3
+    return shares
+
+
+LOOP_DRIVER = r'''
+import os, sys
+import torch, tyro
+sys.path.insert(0, REPO)
+import gasp
+
+V, INVERT = os.environ["LOOP_ANSWER"], os.environ.get("LOOP_INVERT") == "1"
+PROPOSAL = ("```python\ndef f(x):\n    return " + V + "\n```\n" + "".join(f"```input\n{x}\n```\n" for x in range(5))
+            + "```message\nReturn " + V + ".\n```")
+gasp.STUDENT_KINDS = ("deduction",)  # the task family: deduction tasks only
+if INVERT:  # the rule inverted: a wrong value is paid, the right one is not
+    gasp.SOLVER_REWARDS = {"pass": -0.5, "wrong": 1.0, "format": -1.0}
+
+
+class Teacher:
+    """The real sampler for the student; the teacher's replies are PROPOSAL, with their log-probs under the policy."""
+
+    def __init__(self, inner, policy):
+        self.inner, self.tokenizer, self.llm, self.batch_size = inner, inner.tokenizer, inner.llm, inner.batch_size
+        self.policy = policy
+
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, **kw):
+        if not any("You write practice problems" in p for p in prompts):
+            return self.inner.generate(prompts, n=n, temperature=temperature, top_p=top_p, **kw)
+        assert all("You write practice problems" in p for p in prompts)
+        ids = self.tokenizer(PROPOSAL, add_special_tokens=False)["input_ids"] + [self.tokenizer.eos_token_id]
+        out = [[gasp.Sample(PROPOSAL, gasp.encode_prompt(self.tokenizer, p)[-self.inner.max_model_len + 1 :], ids,
+                            [], "stop") for _ in range(n)] for p in prompts]
+        with torch.no_grad():
+            lp, _, _ = gasp.token_logprobs(self.policy, [s for g in out for s in g], temperature, top_p)
+        return [[s._replace(logprobs=lp[i * n + j, : len(ids)].tolist()) for j, s in enumerate(g)]
+                for i, g in enumerate(out)]
+
+    def sleep(self):
+        self.inner.sleep()
+
+    def sync_weights(self, policy):
+        self.policy = policy
+        self.inner.sync_weights(policy)
+
+
+RealSampler = gasp.Sampler
+gasp.Sampler = lambda *a, **k: Teacher(RealSampler(*a, **k), a[1])  # Sampler(model name, policy, ...)
+gasp.main(tyro.cli(gasp.Args))
+'''
+
+# every lemma and lift accepted (the primed model never writes f, so p = 0 in the pass-rate check: the bands are
+# [0, 1], reward 0 for all, and the teacher's updates are skipped); 8 tasks an iteration, 8 answers each
+LOOP = ["--iterations", "8", "--batch-size", "4", "--max-rounds", "1", "--min-programs", "1", "--n-pass-rate", "1",
+        "--no-rejection-sampling", "--lemma-band", "0", "1", "--lift-band", "0", "1", "--solver-samples", "8",
+        "--student-max-new-tokens", "12", "--learning-rate", "2e-3", "--micro-batch-size", "32", "--ent-coef", "0",
+        "--no-gradient-checkpointing", "--max-model-len", "1024", "--eval-every", "0", "--eval-limit", "1",
+        "--eval-samples", "1", "--eval-budgets", "1", "--eval-max-new-tokens", "8", "--goalpost-eval-samples", "0",
+        "--greedy-benchmarks", "--save-every", "100", "--exec-workers", "1"]
+
+
+def write_loop_driver(path: pathlib.Path) -> pathlib.Path:
+    path.write_text(LOOP_DRIVER.replace("REPO", repr(str(REPO))))
+    return path
+
+
+def loop_trend(run_dir: pathlib.Path) -> tuple[list[float], float, float]:
+    """The logged deduction accuracy per iteration, the mean of the first two and of the last two."""
+    metrics = metrics_of(run_dir)
+    curve = [metrics[step]["charts/solver_accuracy_deduction"] for step in sorted(metrics)]
+    return curve, sum(curve[:2]) / 2, sum(curve[-2:]) / 2
+
+
+def choose_answer(shares: dict) -> str:
+    """The answer the primed model gives at a moderate rate (20-60%), nearest 40%."""
+    v = min(PRIME_ANSWERS, key=lambda a: abs(shares[a] - 0.4))
+    assert 0.2 <= shares[v] <= 0.6, shares
+    return v
+
+
+@pytest.fixture(scope="module")
+def primed_model_dir(tiny_model_dir, tmp_path_factory):
+    with_one_thread = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return prime(tiny_model_dir, tmp_path_factory.mktemp("primed"))
+    finally:
+        torch.set_num_threads(with_one_thread)
+
+
+@pytest.mark.slow
+def test_the_loop_learns_what_the_rule_pays(primed_model_dir, tmp_path, one_thread):
+    start = time.perf_counter()
+    shares = answers_at_iteration_0(primed_model_dir)
+    answer = choose_answer(shares)
+    print(f"iteration 0, the primed model's answers: {shares}; the rule pays {answer!r}")
+    driver = write_loop_driver(tmp_path / "loop_driver.py")
+    runs = {}
+    for name, invert in (("normal", "0"), ("inverted", "1")):  # in parallel, a core each
+        cmd = [sys.executable, str(driver), "--model", primed_model_dir, "--output-dir", str(tmp_path), "--run-name",
+               name, *LOOP]
+        runs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**ONE_THREAD, "LOOP_ANSWER": answer, "LOOP_INVERT": invert})
+    trends = {}
+    for name, proc in runs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, out[-3000:] + err[-5000:]
+        trends[name] = loop_trend(tmp_path / name)
+        curve, first, last = trends[name]
+        print(f"{name}: solver_accuracy_deduction {[round(x, 2) for x in curve]}, first two {first:.2f} -> last two "
+              f"{last:.2f}")
+    print(f"{time.perf_counter() - start:.0f} s")
+    (_, first, last), (_, first_inv, last_inv) = trends["normal"], trends["inverted"]
+    assert last >= first + 0.3  # paid for V: the policy's own answers say V far more often
+    assert last_inv <= first_inv  # paid for anything else: they do not

@@ -491,8 +491,12 @@ def test_malformed_planner_and_actor_output_are_failed_edges(tiny_model_dir):
     assert edges == [rir.Edge("⊢ B", "omega", goal, -0.5), rir.Edge("⊢ B", "simp", goal, -1.0),
                      rir.Edge("⊢ B", "t\n  cont", goal, -2.0)] + \
         [rir.Edge("⊢ B", None, goal, 0.0)] * 2 + [rir.Edge(None, None, 0.0, 0.0)] * 2
-    assert sampler.calls[0][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n"] and sampler.calls[0][2] == [rir.GOAL_STOP]
+    assert sampler.calls[0][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n"] and sampler.calls[0][2] is None  # s*: EOS
     assert sampler.calls[1][0] == ["[CURRENT GOAL]\n⊢ A\n[TARGET GOAL]\n⊢ B\n[PROOFSTEP]\n"]
+    joint = ScriptedSampler(planner, actor)  # the joint sequence goes on after s*: its planner stops at [PROOFSTEP]
+    list(rir.propose(joint, tok, "⊢ A", "k", args(num_sampled_goals=4, num_sampled_tactics=6, joint_format=True),
+                     seconds))
+    assert joint.calls[0][2] == [rir.GOAL_STOP] and joint.calls[1][2] is None
     flat = list(rir.propose(ScriptedSampler([], actor), tok, "⊢ A", "k", args(planner=False, num_sampled_tactics=6),
                             seconds))
     assert [e.tactic for e in flat] == ["omega", "simp", "t\n  cont", None, None] and flat[0].target is None
@@ -536,6 +540,21 @@ def test_search_metrics():
     assert (m["eval/expansions_per_proof"], m["eval/nodes_per_proof"]) == (2.0, 3.0)
     assert m["eval/failed_edge_share"] == 0.5 and m["eval/actor_seconds"] == 306.0
     assert rir.search_metrics([], "eval")["eval/pass@1"] == 0.0
+
+
+def test_a_run_that_proved_nothing_says_so(tmp_path):
+    """Issue 21.5: one line at the end when no search of the run proved a theorem, with what the tactics did."""
+    assert rir.proved_nothing(tmp_path) is None  # no search at all
+    rows = [dict(proved=False, edges=8, failed_edges=8, expansions=1), dict(proved=False, edges=4, failed_edges=3,
+                                                                             expansions=2)]
+    (tmp_path / "searches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert rir.proved_nothing(tmp_path) == (
+        "No theorem proved in the run's 2 searches (3 expansions): of the 12 tactics tried, 11 failed in Lean or were "
+        "malformed, 1 left goals open. The loop ran; tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts "
+        "shows it learn.")
+    with open(tmp_path / "searches.jsonl", "a") as f:
+        f.write(json.dumps(dict(proved=True, edges=1, failed_edges=0, expansions=1)) + "\n")
+    assert rir.proved_nothing(tmp_path) is None
 
 
 # ---- learning ----
@@ -727,6 +746,7 @@ def test_random_output_with_known_tactics_only(tiny_model_dir, tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     [row] = metrics_of(run_dir)
     assert row["eval/pass@1"] == 0.0 and row["eval/failed_edge_share"] == 1.0
+    assert done.stdout.count("No theorem proved in the run's") == 1  # issue 21.5: the run says so, once, at the end
 
 
 def test_stops_at_once_without_lean(tmp_path):
@@ -750,3 +770,92 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     assert "No CUDA" in done.stdout and "smollm2" in done.stdout
     [row] = metrics_of(run_dir)
     assert row["losses/steps"] == 1 and row["eval/expansions"] == 1
+
+
+# ---- the loop learns (slow) ----
+# rir's own main() as pure expert iteration (an empty D_0, so each co-training is on self-play proofs alone) from a
+# small primed model, one planner target and one tactic a search, so a search proves iff the one tactic it samples
+# passes the stand-in's rule, and selfplay/pass@1 is the share of theorems whose sampled tactic does.
+LOOP_FLAGS = ["--selfplay-dataset", "data/minif2f.jsonl", "--selfplay-split", "valid", "--num-problems", "48",
+              "--iterations", "4", "--num-sampled-goals", "1", "--num-sampled-tactics", "1", "--max-expansions", "1",
+              "--goal-max-new-tokens", "4", "--tactic-max-new-tokens", "6", "--max-state-tokens", "32",
+              "--selfplay-train-steps", "8", "--learning-rate", "3e-3", "--batch-size", "8", "--micro-batch-size", "8",
+              "--warmup-steps", "0", "--lr-schedule", "constant", "--eval-limit", "1"]
+PRIMER_TACTICS = ["omega"] * 3 + ["simp"] * 3 + ["linarith"] * 2 + ["norm_num"] * 2
+
+
+@pytest.fixture(scope="module")
+def primed_model(tiny_model_dir, tmp_path_factory):
+    """The tiny model after an offline co-training (rir.co_train, 100 steps) on one-step proofs of 48 other miniF2F
+    theorems (valid 48-95; the loop searches 0-47): the planner's target "no goals", the actor's tactic one of omega,
+    simp, linarith, norm_num (3:3:2:2). It samples tactics at moderate rates, as a prover does after D_0."""
+    a = rir.Args(max_state_tokens=32, goal_max_new_tokens=4, tactic_max_new_tokens=6, batch_size=8, micro_batch_size=8,
+                 learning_rate=1e-2, warmup_steps=0, lr_schedule="constant", train_steps=100)
+    with stand_in() as v:
+        others = load_problems(str(REPO / "data" / "minif2f.jsonl"), 96, split="valid")[48:]
+        states = v.start_proofs([(p.header, p.statement) for p in others])
+    triples = [rir.Triple(s.pretty, t, rir.NO_GOALS) for s, t in zip(states, PRIMER_TACTICS * 5)]
+    tok, threads = rir.load_tokenizer(tiny_model_dir), torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    policy = rir.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
+    optimizer = torch.optim.AdamW(policy.parameters(), a.learning_rate, weight_decay=0.0)
+    stats = rir.co_train(policy, optimizer, rir.training_items(triples, tok, a), a.train_steps, a, CPU,
+                         random.Random(0))
+    torch.set_num_threads(threads)
+    print(f"primed: co-training loss {stats['losses/loss_first']:.2f} -> {stats['losses/loss_last']:.2f}")
+    out = tmp_path_factory.mktemp("rir_primed")
+    policy.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out)
+
+
+def first_search_tactics(model_dir: str, a) -> collections.Counter:
+    """The tactic each theorem's first self-play search samples (None: a malformed planner target or tactic): rir.search
+    with main's sampling keys and sizes, on a stand-in that accepts every well-formed tactic (--accept all), so each
+    search's proof is the one tactic it sampled."""
+    tok, threads = rir.load_tokenizer(model_dir), torch.get_num_threads()
+    torch.set_num_threads(1)
+    policy = rir.load_model(model_dir, CPU, train=False)
+    sampler = rir.Sampler(model_dir, policy, tok, CPU, "hf", a.max_model_len)
+    problems = load_problems(str(REPO / a.selfplay_dataset), a.num_problems, split=a.selfplay_split)
+    with stand_in("--accept", "all") as v:
+        results = rir.search(sampler, v, problems, f"{a.seed}/0/selfplay", a, CPU)
+    torch.set_num_threads(threads)
+    return collections.Counter(r.proof[0] if r.proved else None for r in results)
+
+
+@pytest.mark.slow
+def test_the_loop_learns_what_the_rule_accepts(primed_model, tmp_path):
+    """Issue 21.1: main() end to end (search, replay into triples, co-training, the sampler's next search) raises the
+    share of theorems the rule accepts, and not when the rule is inverted. The rule is chosen from what the model
+    samples at iteration 0 (printed): a tactic it samples at a moderate rate, accepted alone (--accept tactic:^t$);
+    the inverted rule (not:tactic:^t$) accepts every other well-formed tactic. Under it a search proves iff its tactic
+    is well-formed and not t, so 1 - its pass@1 bounds t's share from above: that bound must fall."""
+    import concurrent.futures
+    import re
+
+    import tyro
+
+    (tmp_path / "empty.jsonl").write_text("")  # no traced triples: every co-training learns the self-play proofs
+    flags = ["--model", primed_model, "--dataset", str(tmp_path / "empty.jsonl"), *LOOP_FLAGS]
+    a = tyro.cli(rir.Args, args=flags)
+    emitted = first_search_tactics(primed_model, a)
+    n = sum(emitted.values())
+    print(f"iteration 0 samples ({n} theorems):", ", ".join(f"{t!r} {c / n:.2f}" for t, c in emitted.most_common()))
+    tactic = next(t for t, c in emitted.most_common() if t and 0.2 <= c / n <= 0.6)  # a moderate base rate
+    rule, base = f"tactic:^{re.escape(tactic)}$", emitted[tactic] / n
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two runs side by side: a core each
+        done = dict(zip(("normal", "inverted"), pool.map(lambda r: run_rir(tmp_path / r[0], *flags, accept=r[1]), [
+            ("normal", rule), ("inverted", f"not:{rule}")])))
+    curves = {}
+    for name, proc in done.items():
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        curves[name] = [r["selfplay/pass@1"] for r in metrics_of(tmp_path / name) if "selfplay/pass@1" in r]
+    normal, inverted = curves["normal"], curves["inverted"]
+    print(f"rule {rule} (base rate {base:.2f}); selfplay/pass@1 by iteration: normal {normal}, inverted {inverted} "
+          f"(so {tactic!r}'s share at most {[round(1 - p, 3) for p in inverted]})")
+    assert len(normal) == len(inverted) == 3
+    assert normal[0] == pytest.approx(base)  # the rule sees what was printed: the same samples at iteration 0
+    assert normal[-1] >= normal[0] + 0.3  # learned: the accepted tactic's share rises by 0.3 or more
+    assert 1 - inverted[-1] <= base - 0.15  # inverted: its share falls (an upper bound on it falls below the base)

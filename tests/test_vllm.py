@@ -255,3 +255,30 @@ def test_gasp_iteration_end_to_end_on_vllm(tmp_path, vllm_model_dir):
     assert set(after) <= set(before) and after
     changed = [k for k in after if not torch.equal(before[k], after[k])]
     assert changed, "no weight changed"
+
+
+def test_gasp_loop_learns_on_vllm(tmp_path, vllm_model_dir):
+    """test_gasp's loop learning test, its normal run, with --backend vllm (bf16 engine): the vLLM-sampled answers are
+    what the loop rewards and trains on, so the logged deduction accuracy rises only if every update's sync_weights
+    reaches the engine's generations (a stale engine keeps sampling the primed model's 1/3)."""
+    import test_gasp
+
+    primed = test_gasp.prime(vllm_model_dir, tmp_path / "primed", steps=200)  # (2 heads of 32 learn slower than 4 of 16)
+    shares = test_gasp.answers_at_iteration_0(primed)  # transformers' samples of the same weights
+    answer = test_gasp.choose_answer(shares)
+    print(f"iteration 0, the primed model's answers: {shares}; the rule pays {answer!r}")
+    driver = test_gasp.write_loop_driver(tmp_path / "loop_driver.py")
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1", "MASTER_PORT": str(free_port()),
+           "LOOP_ANSWER": answer}
+    cmd = [sys.executable, str(driver), "--model", primed, "--output-dir", str(tmp_path), "--run-name", "loop",
+           *test_gasp.LOOP, "--backend", "vllm", "--max-model-len", str(MAX_MODEL_LEN), "--gpu-memory-utilization",
+           "0.3"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    log = done.stdout + done.stderr
+    assert "Initializing a V1 LLM engine (v0.25.1)" in log and "device_config=cpu" in log  # the real engine sampled
+    curve, first, last = test_gasp.loop_trend(tmp_path / "loop")
+    print(f"gasp.py --backend vllm, {len(curve)} iterations in {time.perf_counter() - start:.0f} s: "
+          f"solver_accuracy_deduction {[round(x, 2) for x in curve]}, first two {first:.2f} -> last two {last:.2f}")
+    assert last >= first + 0.3
