@@ -50,10 +50,12 @@ def run(name: str) -> dict:
         peak = tree_peak(proc)
     wall = time.perf_counter() - start
     rows = [json.loads(line) for path in out.glob("*/metrics.jsonl") for line in path.read_text().splitlines()]
-    tail = (out / "log.txt").read_text()[-2000:]
+    text = (out / "log.txt").read_text()
+    tail, said = text[-2000:], [line for line in text.splitlines() if line.strip() and "it/s" not in line][-1:]
     shutil.rmtree(out, ignore_errors=True)
     return {"name": name, "returncode": proc.returncode, "wall_s": wall, "peak_gib": peak, "steps": len(rows),
-            "last": rows[-1] if rows else {}, "tail": tail if proc.returncode else ""}
+            "last": rows[-1] if rows else {}, "said": said[0] if said else "",
+            "tail": tail if proc.returncode else ""}
 
 
 def main() -> None:
@@ -63,6 +65,8 @@ def main() -> None:
     for r in results:
         minutes, seconds = divmod(round(r["wall_s"]), 60)
         print(f"{r['name']:10}{r['returncode']:>5}{minutes:>6}:{seconds:02d}{r['peak_gib']:10.2f}  {r['steps']}")
+    for r in results:  # what each run logged last, and the last line it printed
+        print(f"\n{r['name']}: {json.dumps(r['last'])}\n  {r['said']}")
     for r in results:
         if r["tail"]:
             print(f"\n--- {r['name']} failed:\n{r['tail']}")

@@ -164,16 +164,6 @@ def test_rollout_prompts_cover_each_epoch():
     assert [p.id for p in cp.rollout_prompts(problems, 3, 2, 1)] == ids[6:8]
 
 
-def test_cpu_defaults_keep_given_flags(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(cp.torch.cuda, "is_available", lambda: False)
-    a = args(iterations=3, output_dir=str(tmp_path))
-    cp.start_run(a, cp.CPU_DEFAULTS, ["--iterations", "3", "--no-frontier-filter", "--eval-limit=7"])
-    changes = capsys.readouterr().out.splitlines()
-    assert a.iterations == 3 and a.eval_limit is None and a.model == cp.EMBEDDED_MODEL == a.value_backbone
-    assert a.frontier_filter and a.num_sampled_tactics == cp.CPU_DEFAULTS["num_sampled_tactics"]
-    assert "  max_new_tokens: 4096 -> 64" in changes and not any(c.strip().startswith("iterations") for c in changes)
-
-
 # ---- the search on the stand-in REPL's tactic table ----
 def test_tactic_prompt_ends_at_the_newline(tiny_model_dir, verifier):
     """Issue 19.8: the tactic prompt ends at the line break, so its last token holds no indentation (it was the
@@ -508,18 +498,6 @@ def test_zero_reward_note():
     note = cp.zero_reward_note(collections.Counter(["no_code"] * 7 + ["error"]), "embedded:smollm2")
     assert "\n" not in note and "(7/8 no closed ```lean4 block, 1/8 Lean error)" in note
     assert "embedded:smollm2" in note and "test_loop_learns_what_the_stand_in_rewards" in note
-
-
-def test_stops_at_once_without_lean(tmp_path):
-    import lean_verify
-
-    if lean_verify.lean_available():
-        pytest.skip("a Lean toolchain is configured here")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
-    done = subprocess.run([sys.executable, "coprover.py", "--output-dir", str(tmp_path)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "setup.sh --lean" in done.stderr and "LEAN_REPL_CMD" in done.stderr
-    assert "Loading weights" not in done.stderr
 
 
 # ---- end to end (slow): the tiny model behind a driver that answers some prompts from the tactic table ----

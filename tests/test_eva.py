@@ -329,15 +329,6 @@ def test_builtin_prompts_and_splits():
     assert [len(p) for p in small] == [3] * 6 and small[0] == parts[0][:3] and len(held) == 2
 
 
-def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
-    a = args(iterations=5, baseline_round=True, output_dir=str(tmp_path))
-    eva.start_run(a, eva.CPU_DEFAULTS, ["--iterations", "5", "--no-baseline-round", "--num-prompts=3"])
-    changes = capsys.readouterr().out.splitlines()
-    assert a.iterations == 5 and a.baseline_round and a.num_prompts is None
-    assert a.model == eva.EMBEDDED_MODEL and a.reward_kind == "judge" and a.n_samples == 6
-    assert "  max_new_tokens: 2048 -> 40" in changes
-
-
 # the official runs (ZIYU-DEEP/eva at d605e6f: scripts/*/iterate.sh and evolve-1.sh over recipes/*/config_full.yaml;
 # SimPO: princeton-nlp/SimPO's training_configs/gemma-2-9b-it-simpo.yaml): beta, learning rate, epochs, optimizer,
 # schedule, max_length, max_prompt_length

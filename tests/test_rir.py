@@ -185,16 +185,6 @@ def test_the_cpu_default_benchmark_is_held_out(tmp_path, monkeypatch):
         p.statement for p in problems}
 
 
-def test_cpu_defaults_keep_given_flags(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(rir.torch.cuda, "is_available", lambda: False)
-    a = args(num_sampled_goals=3, planner=False, output_dir=str(tmp_path))
-    rir.start_run(a, rir.CPU_DEFAULTS, ["--num-sampled-goals", "3", "--no-planner", "--max-expansions=7"])
-    changes = capsys.readouterr().out.splitlines()
-    assert a.num_sampled_goals == 3 and a.max_expansions is None and a.model == rir.EMBEDDED_MODEL
-    assert a.dataset == "data/rir_triples.jsonl" and a.num_sampled_tactics == 8
-    assert not any(c.strip().startswith(("num_sampled_goals", "max_expansions")) for c in changes)
-
-
 # ---- the search on scripted trees ----
 class ScriptedLean:
     """A verifier double: `table` maps (goal, tactic) to the new goals or an error string; `invalid` lists tactic
@@ -747,16 +737,6 @@ def test_random_output_with_known_tactics_only(tiny_model_dir, tmp_path):
     [row] = metrics_of(run_dir)
     assert row["eval/pass@1"] == 0.0 and row["eval/failed_edge_share"] == 1.0
     assert done.stdout.count("No theorem proved in the run's") == 1  # issue 21.5: the run says so, once, at the end
-
-
-def test_stops_at_once_without_lean(tmp_path):
-    import lean_verify
-
-    if lean_verify.lean_available():
-        pytest.skip("a Lean toolchain is configured here")
-    done = run_rir(tmp_path / "nolean", lean=False, timeout=120)
-    assert done.returncode != 0 and "setup.sh --lean" in done.stderr
-    assert "Loading weights" not in done.stderr
 
 
 @pytest.mark.slow

@@ -355,15 +355,6 @@ def test_each_official_script_resolves_to_its_configuration(script):
     assert (a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (2e-6, 2e-6, 16)
 
 
-def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
-    a = args(proofs_per_problem=8, output_dir=str(tmp_path))
-    sgs.start_run(a, sgs.CPU_DEFAULTS, ["--proofs-per-problem", "8", "--iterations=5"])
-    changes = capsys.readouterr().out.splitlines()
-    assert a.proofs_per_problem == 8 and a.iterations == 500 and a.model == "embedded:smollm2" and a.num_problems == 8
-    assert any(c.strip().startswith("model:") for c in changes)
-    assert not any(c.strip().startswith(("iterations", "proofs_per_problem")) for c in changes)
-
-
 # ---- phases, with a scripted sampler and verifier ----
 class ScriptedSampler:
     """Answers the i-th prompt it is asked with replies[i] (a list of n texts); records the prompts."""
@@ -862,17 +853,6 @@ def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
         assert set(a) == set(b)
         for key in a:  # a different sample or verdict would move these far more than float32 rounding does
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-9), key
-
-
-def test_stops_at_once_without_lean(tmp_path):
-    import lean_verify
-
-    if lean_verify.lean_available():
-        pytest.skip("a Lean toolchain is configured here")
-    done = run_algorithm("sgs.py", tmp_path / "nolean", lean=False, timeout=120)
-    assert done.returncode != 0
-    assert "setup.sh --lean" in done.stderr
-    assert "Loading weights" not in done.stderr  # it stopped before loading any model
 
 
 @pytest.mark.slow

@@ -149,16 +149,6 @@ def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypat
     assert stp.prover_prompt(tok, test[0], a) == official
 
 
-def test_cpu_defaults_keep_given_flags(tmp_path, capsys):
-    a = args(iterations=5, output_dir=str(tmp_path))
-    stp.start_run(a, stp.CPU_DEFAULTS, ["--iterations", "5", "--eval-limit=2"])
-    changes = capsys.readouterr().out.splitlines()
-    assert a.iterations == 5 and a.eval_limit is None and a.model == "embedded:smollm2"
-    assert a.samples_per_round == stp.CPU_DEFAULTS["samples_per_round"]
-    assert not any(c.strip().startswith(("iterations", "eval_limit")) for c in changes)
-    assert "  max_new_tokens: 1024 -> 96" in changes
-
-
 # ---- the phases ----
 class Verifier(SimpleNamespace):  # LeanVerifier.verify_attempts on the given verify(jobs)
     def __init__(self, verify):
@@ -723,17 +713,6 @@ def test_two_ranks_reproduce_one_rank(primed_model_dir, tmp_path):
         # sampling is seeded per call and verification is deterministic; FSDP2's reductions differ in the last bits
         differ = {k: (a[k], b[k]) for k in a if a[k] != pytest.approx(b[k], rel=1e-3, abs=1e-4)}
         assert not differ, (a["step"], differ)
-
-
-def test_stops_at_once_without_lean(tmp_path):
-    import lean_verify
-
-    if lean_verify.lean_available():
-        pytest.skip("a Lean toolchain is configured here")
-    done = run_algorithm("stp.py", tmp_path / "nolean", lean=False, timeout=120)
-    assert done.returncode != 0
-    assert "setup.sh --lean" in done.stderr
-    assert "Loading weights" not in done.stderr
 
 
 @pytest.mark.slow
