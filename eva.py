@@ -93,7 +93,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
                                                      set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          TemperatureLogitsWarper, TopPLogitsWarper)
 
 
 @dataclass
@@ -867,8 +868,7 @@ class Sampler:
 
     def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.llm.sleep(level=2)
-            self.asleep = True
+            self.asleep = self.llm.sleep(level=2) or True
 
     def sync_weights(self, policy):
         if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
@@ -876,8 +876,7 @@ class Sampler:
                 torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
                 self.llm.wake_up(tags=["weights"])
             model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            for name, tensor in full_state_dict_items(policy, self.dtype):
-                model.load_weights([(name, tensor)])
+            [model.load_weights([item]) for item in full_state_dict_items(policy, self.dtype)]  # a tensor at a time
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
@@ -905,15 +904,19 @@ class Sampler:
         stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
         for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
             batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width = batch.input_ids.shape[1]
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=temperature or None, top_k=0,
-                                        top_p=top_p if temperature > 0 else None, stop_strings=stop or None,
-                                        tokenizer=tok, max_new_tokens=max(1, min(max_new_tokens, self.max_model_len
-                                        - width)), pad_token_id=tok.pad_token_id, eos_token_id=stops,
-                                        output_scores=logprobs, return_dict_in_generate=True)
-            logp = (model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True).tolist()
-                    if logprobs else [[]] * len(out.sequences))  # the processed scores (after temperature, top-p)
-            for row, tokens in enumerate(out.sequences[:, width:].tolist()):
+            width, held, steps = batch.input_ids.shape[1], [], []  # held: the last step's processed log-probs
+
+            def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
+                steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
+                return held.append(scores.log_softmax(-1)) or scores
+            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # as HF, in
+            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # its order, but keep comes last
+            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
+                                        stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
+                                        max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
+                                        eos_token_id=stops, logits_processor=warp + [keep] * logprobs)
+            logp = torch.cat(steps + [held.pop().gather(1, out[:, -1:])], 1).tolist() if logprobs else [[]] * len(out)
+            for row, tokens in enumerate(out[:, width:].tolist()):
                 while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
                     tokens.pop()
                 end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
@@ -1053,8 +1056,7 @@ def load_checkpoint(run_dir, models: dict, dist: Dist):
         set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
     saved = torch.load(path / "state.pt", weights_only=False)
     rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    if dist.is_main:
-        print(f"resuming {run_dir} after iteration {saved['iteration']}")
+    print(f"resuming {run_dir} after iteration {saved['iteration']}") if dist.is_main else None
     return saved["iteration"], saved["state"]
 
 

@@ -185,14 +185,14 @@ class StopModel(torch.nn.Module):
         self.generation_config = type("GenerationConfig", (), {"eos_token_id": eos_ids})()
         self.asked, self.device = {}, torch.device("cpu")
 
-    def generate(self, input_ids, attention_mask, **kwargs):
+    def generate(self, input_ids, attention_mask, logits_processor=(), **kwargs):
         self.asked = kwargs
         sequences = torch.cat([input_ids, torch.tensor(self.rows)], 1)
-        scores = [torch.full((len(self.rows), 300), -5.0) for _ in self.rows[0]]
-        return type("Out", (), {"sequences": sequences, "scores": scores})()
-
-    def compute_transition_scores(self, sequences, scores, normalize_logits=True):
-        return torch.full((len(self.rows), len(self.rows[0])), -1.0)
+        for step in range(len(self.rows[0])):  # each step's scores through the processors, as HF's sampling loop
+            scores = torch.full((len(self.rows), 300), -5.0)
+            for processor in logits_processor:
+                scores = processor(sequences[:, : input_ids.shape[1] + step], scores)
+        return sequences
 
 
 def test_generation_stops_at_the_models_stop_ids_and_drops_padding(tiny_model_dir):
@@ -203,6 +203,7 @@ def test_generation_stops_at_the_models_stop_ids_and_drops_padding(tiny_model_di
     sampler = B.Sampler(tiny_model_dir, StopModel(rows, [eos, eot]), tok, ONE, backend="hf", batch_size=4)
     out = [row[0] for row in sampler.generate(["a", "b", "c", "d"], max_new_tokens=5, stop=["zzz"])]
     assert set(sampler.model.asked["eos_token_id"]) == {eos, eot}  # HF stops on both too
+    assert not sampler.model.asked.get("output_scores")  # one step's scores held at a time, not [steps, batch, vocab]
     assert [s.token_ids for s in out] == [[100, 200, eot], rows[1], [105, 106, eos], [107, 108]]
     assert [len(s.logprobs) for s in out] == [3, 5, 3, 2]  # as many log-probs as tokens: no log p(<pad>)
     assert [s.finish_reason for s in out] == ["stop", "length", "stop", "length"]
