@@ -570,7 +570,7 @@ SMALL = ["--dataset", "data/lean_tactics.jsonl", "--eval-dataset", "data/lean_ta
          "1", "--prompts-per-step", "4", "--samples-per-prompt", "4", "--max-new-tokens", "12", "--learning-rate",
          "1e-3", "--micro-batch-size", "8", "--max-model-len", "1024", "--no-frontier-filter", "--eval-limit", "2",
          "--eval-samples", "2", "--eval-budgets", "1", "2", "--eval-search-limit", "1", "--no-gradient-checkpointing",
-         "--backend", "hf", "--lean-workers", "1"]
+         "--backend", "hf", "--lean-workers", "1", "--no-freeze-value-backbone"]  # the paper's value training whole
 
 
 def run_driver(tmp: pathlib.Path, name: str, model: str, *flags, torchrun=0, wait=True):
