@@ -127,7 +127,7 @@ def test_method_first_block_last(path):
 MAX_LINES = {"gasp.py": 1200}
 DIFF_PAIRS = [("sgs.py", "stp.py"), ("coprover.py", "rir.py")]
 REACHED_LINES = {"sgs.py": 1040, "stp.py": 1059, "gasp.py": 1283, "eva.py": 1093, "coprover.py": 1111, "rir.py": 995}
-REACHED_DIFFS = {"sgs.py stp.py": 1077, "coprover.py rir.py": 1135}
+REACHED_DIFFS = {"sgs.py stp.py": 1077, "coprover.py rir.py": 1134}
 
 
 def diff_lines(a: pathlib.Path, b: pathlib.Path) -> int:
