@@ -811,8 +811,8 @@ class Sampler:
             def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
                 steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
                 return held.append(scores.log_softmax(-1)) or scores
-            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # as HF, in
-            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # its order, but keep comes last
+            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # HF's own
+            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # warpers, given so keep runs last
             out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
                                         stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
                                         max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
