@@ -22,41 +22,18 @@ Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS 
 which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
 
 Deliberate deviations:
-  1. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals (joined by blank
-     lines), merged by goals_key; a proof counts only if check_tactic_path accepts it whole (kernel, statement).
-     Whole proofs too, not kimina. Each rank searches search_batch theorems in lockstep (one generate and V call per
-     step, a theorem's tactics one per apply_tactics call); a theorem is charged the calls it waits for and its own
-     tactics' Lean time, and stops applying tactics once its budget is spent (ReProver checks it between expansions).
-  2. Priority: value_guided_search.py adds the cumulative log-prob (unbounded, negative) to V in [0, 1], so the
-     log-prob decides after a few steps; here exp(mean token log-prob of the path), in (0, 1] like V.
-  3. The search runs (co_train.py passes its flags to trajectory_collector.py, which takes none; nothing calls
-     ValueGuidedSearchProver); tactics are sampled (K distinct lines), not ReProver's beam; before any value model,
-     the search goes by log-prob only.
-  4. Labels per state (README; the official collector labels each whole-proof attempt's statement 0.95^lines or 0:
-     --value-labels root); d counts top-level tactics (a proof with none, term mode, one step: the collector's floor);
-     failed whole proofs label their root. They come from GRPO's rollouts (T 1.0, the frontier statements), not from
-     a collection of their own (trajectory_collector.py: 8 samples at T 0.8 on the promptset).
-  5. The reward is lean_verify's verdict (warnings allowed; no error or sorry, kernel, axioms, statement unchanged):
-     lean_reward.py gives 0 for any Lean message, warnings included, never checks the statement, and (as
-     trajectory_collector.py and evaluate.py do) gives 1 for a kimina timeout or server error.
-  6. The frontier counts proofs Lean accepts: filter_dataset.py counts a sample as passed only when kimina sends no
-     response (a timeout or server error), never a checked proof, valid or not. Bounds 1..6 of 8 (its docstring; its
-     code keeps 7).
-  7. V is value_model.py's scalar head trained by regression, continued across iterations (the official scripts
-     fine-tune the LM to print the value as text; nothing trains the head).
-  8. 100 GRPO steps per iteration: slime's num_rollout 500 over 5 rounds (co_train.py reruns train_step_grpo.sh on its
-     fixed save directory: as we read slime, later rounds find the rollouts done); pi_old is the sampler's log-probs
-     (slime recomputes them: equal up to numerics).
-  9. Search theorems are the training statements (the official collector reads LeanDojo Benchmark 4, which has no
-     formal_statement), prompted by the whole-proof prompt with its answer block prefilled (tactics so far, goals in a
-     comment), not ReProver's "[GOAL] ... [PROOFSTEP]".
- 10. value_reward.py (1 for a proof, else 0.1 V(statement) if the answer has a code block: a format bonus) is left out,
-     as in train_step_grpo.sh, which rewards with lean_reward.compute_reward. A code block without the theorem's
-     declaration is read as its tactic body.
- 11. Evaluation: 32 samples (the README's evaluate.py command; co_train.py's loop passes 8) under Lean's 60 s limit
-     (evaluate.py: 120 s); no PutnamBench (co_training.yaml lists it; --eval-dataset takes any benchmark).
- 12. --no-co-training trains the value model in the first iteration only (the prover trains on alone); the README's
-     "independent training" (both models trained every round, without interaction) is not offered.
+  1. Lean through lean_verify's REPL tactic mode, not LeanDojo: states merge by goals, a found proof is checked whole.
+  2. Priority exp(mean token log-prob of the path), in (0, 1] like V, not value_guided_search.py's cumulative log-prob.
+  3. The search runs (no official script calls it); K distinct sampled tactics, not beam; log-prob only before any V.
+  4. Labels per state, from search and GRPO's rollouts (official: own samples' roots, 0.95^lines or 0; --value-labels).
+  5. The reward is lean_verify's verdict, not kimina's (warnings allowed): lean_reward.py fails warnings, pays timeouts.
+  6. The frontier counts proofs Lean accepts (filter_dataset.py: kimina non-responses); bounds 1..6 of 8 (its code: 7).
+  7. V is value_model.py's scalar head trained by regression (the official scripts fine-tune the LM to print V as text).
+  8. 100 GRPO steps per iteration (num_rollout 500 / 5 rounds); pi_old: the sampler's log-probs (slime recomputes them).
+  9. Search theorems are the training statements, in the whole-proof prompt (official: LeanDojo's, "[GOAL] ...").
+ 10. No value_reward.py format bonus, as train_step_grpo.sh (lean_reward.compute_reward).
+ 11. Evaluation: 32 samples (co_train.py: 8) under Lean's 60 s (evaluate.py: 120 s); no PutnamBench (--eval-dataset).
+ 12. --no-co-training trains V in the first iteration only; the README's "independent training" is not offered.
 """
 
 from __future__ import annotations
@@ -153,8 +130,8 @@ class Args:
     """K: tactics sampled per expansion (official num_sampled_tactics; duplicates run once)"""
     max_expansions: int | None = 128
     """expansions per theorem (None: only the clock limits a search)"""
-    search_timeout: float = 300.0
-    """seconds per theorem: the calls it waits for and its own tactics (checked before each tactic; co_train.py)"""
+    search_timeout: float = 300.0  # co_train.py
+    """seconds per theorem (the search's budget, read before each tactic)"""
     search_temperature: float = 0.8
     """tactic sampling temperature (the official collector's)"""
     tactic_max_new_tokens: int = 256  # lean_generate.py
@@ -260,9 +237,8 @@ class Args:
 
 
 # Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes (SmolLM2-135M samples
-# ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s). The value model trains its head only
-# (value_model.py's default): a trained backbone's gradients and AdamW moments (1.6 GB in fp32) would take the run
-# past a laptop's 4 GB.
+# ~60 tokens/s in a batch of 8; a training step on 8 x 384 tokens takes ~30 s). The value model trains its head only:
+# a trained backbone's gradients and AdamW moments (1.6 GB in fp32) would take the run past a laptop's 4 GB.
 CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2", dataset="data/lean_tactics.jsonl",
                     iterations=2, search_theorems_per_round=5, num_sampled_tactics=4, max_expansions=3,
                     tactic_max_new_tokens=24, freeze_value_backbone=True, value_epochs=1, value_batch_size=16,
@@ -275,10 +251,9 @@ CPU_DEFAULTS = dict(model="embedded:smollm2", value_backbone="embedded:smollm2",
 # The prover's whole-proof prompt: DeepSeek-Prover-V2's non-CoT format as the official data prep writes it (a raw
 # completion, no chat template); the answer is a new ```lean4 block with the whole theorem.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```\n"
-# Search asks the same prover for one step: its answer block is prefilled with the statement, the tactics so far and
-# the current goals in a comment (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line, stripped.
-# The prompt ends at the newline and the model writes the indentation: DeepSeek's tokenizer splits newlines off, so this
-# ends on a token boundary of its training text; one ending in "\n  " ends on an indentation token it rarely saw there.
+# Search asks the same prover for one step: its answer block prefilled with the tactics so far and the goals in a
+# comment (DeepSeek-Prover-V1.5's tactic-state comments); the tactic is the next line. The prompt ends at the newline,
+# on a token boundary of DeepSeek's training text (one ending in "\n  " ends on an indentation token it rarely saw).
 TACTIC_PROMPT = PROVER_PROMPT + "```lean4\n{header}{proof}\n  /- tactic state:\n{goals}\n  -/\n"
 # The value model reads a proof state in this frame; its head reads the hidden state of the last token.
 VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a finished proof?"
@@ -357,13 +332,12 @@ class Node:  # a proof state of the search (states with the same goals are one n
 
 
 def best_first_search(sampler, verifier, problems: list[Problem], score, key: str, args: Args) -> list[SearchResult]:
-    """Step 1 on `problems` in lockstep (ReProver's loop, value_guided_search.py's priority): each step pops every live
-    theorem's best node, samples K tactics for each (one generate call), applies the distinct ones in turn (the i-th
-    of every theorem in one apply_tactics call) until the theorem is proved or its budget spent, scores the new states
-    with V (`score`; None: ReProver's cumulative log-prob) and pushes them; known goals merge. A theorem's seconds are
-    its own: the generate and V calls it waits for, its tactics and kernel checks (the budget is checked before each
-    tactic). A sample that is not one finished line, a tactic Lean rejects and a solved path the kernel rejects are
-    failed edges."""
+    """Step 1 on `problems` in lockstep (ReProver's loop): each step pops every live theorem's best node, samples K
+    tactics for each (one generate call), applies the distinct ones in turn (the i-th of every theorem in one
+    apply_tactics call) until the theorem is proved or its budget spent, scores the new states with V (`score`; None:
+    ReProver's cumulative log-prob) and pushes them; known goals merge. A theorem is charged the calls it waits for,
+    its tactics and kernel checks (budget read before each tactic; ReProver's: between expansions). A sample that is
+    not one finished line, a tactic Lean rejects and a solved path the kernel rejects are failed edges."""
     tie = itertools.count(1)
     trees = [dict(problem=p, nodes={r.key: Node(r)}, queue=[(0.0, 0, r.key)] if r.status == "open" else [],
                   expanded=[], proof=None, counts=collections.Counter(), seconds=0.0, tactics=[])
@@ -371,7 +345,7 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, key: st
     going = lambda t: t["proof"] is None and t["seconds"] < args.search_timeout  # noqa: E731
     while live := [t for t in trees if t["queue"] and going(t) and (args.max_expansions is None or
                                                                        len(t["expanded"]) < args.max_expansions)]:
-        prompts, clock = [], time.monotonic()
+        prompts, start = [], time.monotonic()
         for t in live:
             t["expanded"].append(heapq.heappop(t["queue"])[2])
             p, state = t["problem"], t["nodes"][t["expanded"][-1]].state
@@ -382,7 +356,7 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, key: st
         rows = sample(sampler, prompts, args.num_sampled_tactics, [f"{key}/{t['problem'].id}/{len(t['expanded'])}"
                       for t in live], stop=["\n"], temperature=args.search_temperature,
                       max_new_tokens=args.tactic_max_new_tokens)
-        elapsed = time.monotonic() - clock  # every theorem of the call waited for it
+        elapsed = time.monotonic() - start  # every theorem of the call waited for it
         for t, row in zip(live, rows):
             distinct, t["seconds"] = {}, t["seconds"] + elapsed
             for s in row:  # truncated, aborted and empty samples are failed edges
@@ -397,7 +371,7 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, key: st
                 break
             for t, child in zip(todo, verifier.apply_tactics([(t["nodes"][t["expanded"][-1]].state, t["tactics"][i][0])
                                                               for t in todo])):
-                clock, k, (lp, n) = time.monotonic(), t["expanded"][-1], t["tactics"][i][1]
+                start, k, (lp, n) = time.monotonic(), t["expanded"][-1], t["tactics"][i][1]
                 t["counts"]["edges"] += 1
                 if child.status == "solved" and verifier.check_tactic_path(child).valid:
                     t["proof"] = (child.tactics, k)
@@ -409,11 +383,11 @@ def best_first_search(sampler, verifier, problems: list[Problem], score, key: st
                     parent = t["nodes"][k]
                     new.append((t, Node(child, k, parent.logprob + lp, parent.tokens + n)))
                     t["nodes"][child.key] = new[-1][1]
-                t["seconds"] += child.time + time.monotonic() - clock  # the tactic and its kernel check
-        clock = time.monotonic()
+                t["seconds"] += child.time + time.monotonic() - start  # the tactic and its kernel check
+        start = time.monotonic()
         values = score([node.state.pretty for _, node in new]) if score and new else [0.0] * len(new)
         for t in {id(t): t for t, _ in new}.values():  # the V call, for the theorems it scored
-            t["seconds"] += time.monotonic() - clock
+            t["seconds"] += time.monotonic() - start
         for (t, node), v in zip(new, values):
             rank = priority(node.logprob, node.tokens, v, args.alpha) if score else node.logprob
             heapq.heappush(t["queue"], (-rank, next(tie), node.state.key))
@@ -471,9 +445,8 @@ def frontier_filter(sampler, verifier, problems: list[Problem], args: Args, dist
 def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[Attempt]], args: Args, dist: Dist
                        ) -> list[tuple[str, float]]:
     """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (the official collector's rule); a proof of
-    n top-level tactics labels the root gamma^n (a term-mode proof: n = 1, the collector's floor) and, with per-state
-    labels, is replayed, its i-th state labelled gamma^(n - i); a replay that does not end solved (a proof using a lemma
-    it declares) labels the root only."""
+    n top-level tactics labels the root gamma^n (term mode: n = 1, the collector's floor) and, with per-state labels, is
+    replayed, its i-th state labelled gamma^(n - i) (a replay that does not end solved, a declared lemma's: none)."""
     def run(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
         out, replays = [], []
         for (p, row), root in zip(mine, verifier.start_proofs([(p.header, p.statement) for p, _ in mine])):
@@ -511,9 +484,8 @@ def load_value_model(name: str, dist: Dist, args: Args, train: bool = True) -> t
 
 
 def value_scorer(value_model, tokenizer, args: Args, dist: Dist):
-    """V for the search, `score(state texts) -> values` (no grad, eval mode, in micro-batches): the value model in one
-    process; under torchrun a full copy of its weights per rank (bf16 on GPUs, the head fp32), since each rank searches
-    alone, filled a gathered tensor at a time (never the whole fp32 model at once)."""
+    """V for the search, `score(state texts) -> values` (no grad, eval mode, in micro-batches); under torchrun a full
+    copy per rank, since each rank searches alone, filled a gathered tensor at a time (never the whole fp32 model)."""
     model = value_model
     if dist.world_size > 1:  # a collective
         model = load_value_model(args.value_backbone, Dist(0, 1, 1, dist.device, True), args, train=False)
@@ -593,9 +565,9 @@ def grpo_update(policy, optimizer, groups: list[list[Attempt]], args: Args, dist
 
 # ---- evaluation ----
 def search_metrics(results: list[SearchResult], prefix: str, seconds: float, budget: float) -> dict[str, float]:
-    """Search efficiency: the theorems proved (count, share, per expansion and per second of the phase's wall time,
-    `seconds`), the expansions and nodes per proof, the proofs' length, the share of failed edges, how far searches ran
-    past the `budget` (the most and the mean: a last tactic and kernel check); the method's own: merged states."""
+    """Search efficiency: the theorems proved (count, share, per expansion and per second of search), the expansions and
+    nodes per proof, the proofs' length, the share of failed edges, the seconds searches ran past the budget; the
+    method's own: merged states. `seconds`: the phase's wall time (lockstep searches overlap); `budget`: the limit."""
     proved = [r for r in results if r.proof is not None]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions = sum(r.expansions for r in results)
@@ -622,9 +594,9 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
                for k in args.eval_budgets if k <= args.eval_samples}
     subset = problems[: args.eval_search_limit] if args.eval_search_limit is not None else problems
     for name, fn in [("value", score), ("logprob", None)][0 if score else 1 :] if subset else []:
-        clock = time.monotonic()
+        start = time.monotonic()
         results = search(sampler, verifier, subset, fn, f"{key}/{name}", args, dist)
-        metrics |= search_metrics(results, f"eval/search_{name}", time.monotonic() - clock, args.search_timeout)
+        metrics |= search_metrics(results, f"eval/search_{name}", time.monotonic() - start, args.search_timeout)
     return metrics
 
 

@@ -9,59 +9,34 @@ Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR sp
 PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
 the ACTOR pi_l(y | s, s*) a tactic that reaches it, both in the official text formats ([CURRENT GOAL] / [TARGET GOAL] /
 [PROOFSTEP]; tactics name premises as <a>full name</a>, marks removed from what is sampled). Each iteration:
-  1. co-train (offline SFT) on traced (state_before, tactic, state_after) triples D_t with
-     L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)], the loss on the output tokens only;
+  1. co-train (offline SFT) on traced (s, y*, s*) triples D_t: L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)];
   2. search: best-first (official) or MCTS (ours) over Lean's tactic mode; an expansion pops the best open node, the
-     planner proposes target states, then for each target in turn the actor samples tactics and Lean runs them one at
-     a time, until the first proof; a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s); a
-     search stops at the first proof or at its budget;
+     planner proposes targets, for each in turn the actor samples tactics and Lean runs them, until the first proof;
+     a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s);
   3. self-play (ours, expert iteration): proofs found on the self-play theorems are replayed through Lean into new
-     (s, y, s') triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
+     triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
 Metrics (metrics.jsonl, step = iterations done): eval/pass@1 under the budget (Tables 1-2); Figure 2's split of the
-proved searches, eval/{planner,actor,env}_time_proved: the planner's sampling, the actor's (only the targets the search
-reached), Lean's tactic runs (not the kernel re-check); eval/search_time_proved and <run>/search_time_cdf.csv (Figure
-3), selfplay/*, losses/*, time/*; every search goes to <run>/searches.jsonl.
+proved searches' time, eval/{planner,actor,env}_time_proved (each role's sampling, Lean's tactic runs); Figure 3's
+eval/search_time_proved and <run>/search_time_cdf.csv; selfplay/*, losses/*, time/*; searches to <run>/searches.jsonl.
 
 Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
 --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
 `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
 which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
-`--iterations 1` is the official offline run (co-train, evaluate). Data: --dataset is LeanDojo Benchmark 4's random
-split (the RiR authors' Hugging Face upload, or train.json of zenodo.org/records/10929138, as the official
-utils/download_data.py fetches it); the theorems are miniF2F (valid for self-play, test for the evaluation). The CPU
-default trains on data/rir_*.jsonl (5 theorems, their proofs) and evaluates miniF2F-test's first 5: held out.
+Data: LeanDojo Benchmark 4's random split (the authors' Hugging Face upload, or train.json of zenodo.org/records/
+10929138 as utils/download_data.py fetches it); the theorems are miniF2F's (valid for self-play, test for evaluation).
 
 Deliberate deviations:
-  1. Lean through the REPL's tactic mode (lean_verify), not LeanDojo: states are the REPL's goals (joined by blank
-     lines), merged by goals_key; a proof counts only if check_tactic_path accepts it whole (kernel, statement).
-     A tactic proposed under two targets runs once; a per-tactic limit of lean_timeout seconds. One theorem at a time
-     per rank (official: 3-4 Ray provers per GPU); --max-expansions N allows N expansions (ReProver's allows N + 1).
-  2. One decoder LM for both roles (the official code trains two ByT5-small models, the planner from ReProver's
-     generator); each step sums both roles' losses; Qwen2.5-0.5B at lr 2e-5 (ByT5: 8e-4, 7e-4); 32 triples per step
-     (official: 64 planner, 32 actor sequences); the cosine runs over each iteration's steps (official: over 500k,
-     stopped ~40k), later iterations warming up for the first's share of their steps.
-  3. Sampling at temperature 1, deduplicated, ranked by the sampled tokens' summed log-probs, instead of beam search
-     with length_penalty 0 (as ReProver's vLLM generator does).
-  4. The flat baseline's prompt is `[CURRENT GOAL]\\n{s}\\n[PROOFSTEP]\\n` (official: the bare state, an encoder input);
-     states are cut to their first max_state_tokens tokens (official: the first 2300 bytes).
-  5. Equal budgets for RiR and the flat baseline: 600 s (the scripts' and ReProver's default) of sampling and Lean
-     together, read before each sampling call and tactic (official: after each expansion, and Dojo's hard timeout of
-     budget + 60 s inside one): a search overshoots by one tactic or one draw's sampling (planner and an actor call)
-     at most, logged as overshoot; the official logged comparison gave RiR 3200 s and ReProver 600 s.
-     --max-expansions is no equal budget: an RiR expansion makes up to num_sampled_goals actor calls, a flat one 1.
-  6. LeanDojo Benchmark 4's test theorems need their source files (LeanDojo's Dojo), so its test column is not
-     reproduced: its train split is the co-training data, theorems are statements (miniF2F).
-  7. MCTS is ours (no code was released): PUCT with the planner x actor probability of the edges that found a child as
-     its prior, no value network and no rollouts: an open leaf backs up leaf_value, a dead end 0 (and is never selected
-     again), a proof ends the search; visits and values live on states (the first parent to find a state owns it);
-     one simulation = one expansion, so the budgets are the BFS ones.
-  8. Self-play iterations are ours (expert iteration); each continues from the current weights and optimizer; the
-     replayed tactics carry no premise marks.
-  9. The default loss is each role's token mean over the batch (official: each T5's loss is the mean over its output
-     tokens); --loss-reduction sequence is L_co as written.
-  10. --joint-format samples s* and y as the two prefixes of the joint sequence, so the actor sees s*; the official
-      joint search samples the tactic from [CURRENT GOAL] s alone (its own target text dropped), s* only in the
-      priority.
+  1. Lean through lean_verify's REPL tactic mode, not LeanDojo: states merge by goals, a found proof is checked whole.
+  2. One decoder LM for both roles, Qwen2.5-0.5B at lr 2e-5 (official: two ByT5-small models, at lr 8e-4 and 7e-4).
+  3. Sampling at temperature 1, deduplicated, ranked by summed log-probs, not beam search (length_penalty 0).
+  4. The flat baseline's prompt marks where the tactic starts (official: the bare state, an encoder's input).
+  5. Equal budgets for RiR and the flat baseline, read before each sampling call and tactic (official: each expansion).
+  6. LeanDojo Benchmark 4's test theorems need LeanDojo's Dojo: it is the co-training data, miniF2F the theorems.
+  7. MCTS is ours (no code was released): PUCT, prior from the planner x actor probability, no value network.
+  8. Self-play iterations are ours (expert iteration), continuing the weights and optimizer.
+  9. The default loss is each role's token mean over the batch (official: per T5); --loss-reduction sequence: L_co.
+ 10. --joint-format: the actor sees s*; the official joint search samples y from [CURRENT GOAL] s alone.
 """
 
 from __future__ import annotations
@@ -164,10 +139,10 @@ class Args:
     """target states the planner proposes per expansion (official num_sampled_goals)"""
     num_sampled_tactics: int = 64
     """tactics the actor proposes per target state, or per expansion without planner (official num_sampled_tactics)"""
-    max_expansions: int | None = None  # as the official RiR
+    max_expansions: int | None = None  # official RiR's; ReProver's N allows N + 1; an RiR expansion samples more
     """expansions per theorem (None: only the clock limits a search)"""
-    search_timeout: float = 600.0  # official --timeout, the same for RiR and the flat baseline
-    """wall-clock seconds per theorem"""
+    search_timeout: float = 600.0  # official --timeout (its logged comparison gave RiR 3200 s, ReProver 600 s)
+    """seconds per theorem (the search's budget, read before each tactic)"""
     temperature: float = 1.0
     """sampling temperature of planner and actor"""
     top_p: float = 1.0
@@ -186,7 +161,7 @@ class Args:
     """MCTS: value an open leaf backs up (no value network; a dead end backs up 0)"""
 
     # co-training (L_co; official goal_driven_tactic_8gpu.yaml)
-    batch_size: int = 32
+    batch_size: int = 32  # official: 64 planner, 32 actor sequences
     """triples per optimizer step (each gives a planner and an actor sequence)"""
     loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
     """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
@@ -295,9 +270,8 @@ def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor
 
 # ---- phases ----
 # A search's record: the fields every search of the family has (coprover.py, rir.py), then the method's own fields:
-# whether the proof came within the budget, the official "Search Statistics" (seconds per role), the seconds past the
-# budget. A proposal: target state s* (None without the planner), tactic y (None for a malformed sample: a failed
-# edge), their log-probabilities.
+# whether the proof came within the budget, the official "Search Statistics" (seconds per role), the overshoot.
+# A proposal: target s* (None without the planner), tactic y (None if malformed: a failed edge), their log-probs.
 SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
                                                       "proved planner_seconds actor_seconds env_seconds overshoot")
 Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
@@ -316,9 +290,8 @@ class Node:  # a proof state of the search (states with the same goals are one n
 
 
 def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
-    """Distinct non-empty completions without premise marks (official remove_marks), highest log-prob first (sampling
-    stands in for the official beam search, whose scores are summed log-probs), and how many were malformed (empty, or
-    a failed vLLM request)."""
+    """Distinct non-empty completions without premise marks (official remove_marks), highest summed log-prob first (as
+    the official beam search scores them), and how many were malformed (empty, or a failed vLLM request)."""
     best, malformed = {}, 0
     for s in samples:
         text = s.text.replace("<a>", "").replace("</a>", "").strip()
@@ -332,9 +305,8 @@ def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
 def propose(sampler, tokenizer, state: str, key: str, args: Args, seconds: collections.Counter, clock=time.monotonic):
     """Plan, then act, for one node in the official order (_step): targets s* ~ pi_h(. | s), then the tactics
     y ~ pi_l(. | s, s*) of one target at a time (flat: y ~ pi(. | s)), sampled only when the search asks for that
-    target's first edge (it stops at the first proof or at the budget). Yields edges, each target's by log-prob and its
-    malformed samples last (failed edges), the planner's malformed ones at the end; adds the seconds of each sampling
-    call to seconds["planner"] or seconds["actor"]."""
+    target's first edge. Yields edges, each target's by log-prob and its malformed samples last (failed edges), the
+    planner's malformed ones at the end; adds each sampling call's seconds to seconds["planner"] or seconds["actor"]."""
     state, targets, failed_plans = clip(tokenizer, state, args.max_state_tokens), [(None, 0.0)], 0
     params = dict(temperature=args.temperature, top_p=args.top_p)
     if args.planner:
@@ -381,7 +353,7 @@ def expand(node: Node, edges, verifier, nodes: dict, counts: collections.Counter
             counts["failed_edges"] += 1
         elif child.key in mass:  # another edge to a child of this expansion: its prior mass grows
             mass[child.key] = np.logaddexp(mass[child.key], e.logp_goal + e.logp_tactic)
-        elif child.key not in nodes:
+        elif child.key not in nodes:  # MCTS: the first parent to find a state owns its visits and value
             nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
             node.children.append(nodes[child.key])
             mass[child.key] = e.logp_goal + e.logp_tactic
@@ -410,9 +382,10 @@ def backup(path: list[Node], value: float) -> None:
 
 
 def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
-    """Search one theorem (official BestFirstSearchProver.search; MCTS ours) until a proof, an exhausted tree or the
-    budget: search_timeout seconds of sampling and Lean alike, with or without planner, checked before each expansion,
-    sampling call and tactic (deviation 5); as officially, a proof past the budget does not count.
+    """Search one theorem (official BestFirstSearchProver.search; MCTS ours, a simulation an expansion) until a proof,
+    an exhausted tree or the budget: search_timeout seconds of sampling and Lean alike, with or without planner, read
+    before each expansion, sampling call and tactic (deviation 5; official: Dojo's hard timeout at budget + 60 s), so a
+    search overshoots by one tactic or one draw's sampling at most; as officially, a proof past the budget fails.
     `plan_and_act(state_text, expansion, seconds)` yields the node's edges (adding its sampling time to seconds)."""
     root = Node(verifier.start_proof(problem.header, problem.statement))
     nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
@@ -437,7 +410,7 @@ def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monot
 
 
 def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dist: Dist) -> list[SearchResult]:
-    """One search per theorem (pass@1) on every rank's share of `problems`, one theorem at a time (deviation 1)."""
+    """Step 2 on every rank's share of `problems`, one theorem at a time (official: 3-4 Ray provers per GPU), pass@1."""
     def run(mine: list[Problem]) -> list[SearchResult]:
         return [prove(p, lambda state, k, seconds, p=p: propose(sampler, sampler.tokenizer, state, f"{key}/{p.id}/{k}",
                                                                 args, seconds), verifier, args) for p in mine]
@@ -447,7 +420,7 @@ def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dis
 
 def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult], dist: Dist) -> list[Triple]:
     """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
-    become (s, y, s') triples (s' = 'no goals' for the last), as LeanDojo traces a human proof."""
+    become (s, y, s') triples (s' = 'no goals' for the last, no premise marks), as LeanDojo traces a human proof."""
     def run(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:  # a path that no longer replays: nothing
         roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])
         return [[Triple(s.pretty, after.tactics[-1], after.pretty or NO_GOALS) for s, after in zip(states, states[1:])]
@@ -481,9 +454,9 @@ def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tu
 
 def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist, rng: random.Random) -> dict:
     """Offline goal-driven co-training (official generator/main.py fit, one model here): `steps` AdamW steps on
-    batch_size triples drawn epoch by epoch, each minimising L_co over its batch; the learning rate of Lightning +
-    get_cosine_schedule_with_warmup (interval "step", lr_at) over the `steps`: every co-training warms up, then decays
-    (a later iteration for the first's share of its steps, ours). Each rank runs its share of a batch."""
+    batch_size triples drawn epoch by epoch, each minimising L_co over its batch (each rank its share); the learning
+    rate of get_cosine_schedule_with_warmup over the `steps` (official: over 500k, stopped at ~40k): every co-training
+    warms up, then decays (a later iteration for the first's share of its steps, ours)."""
     stream, history, size = [], [], min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
     for step in range(steps):
@@ -513,9 +486,9 @@ def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist,
 # ---- evaluation ----
 def search_metrics(results: list[SearchResult], prefix: str) -> dict[str, float]:
     """Search efficiency: the theorems proved (count, share, per expansion and per second of search), the expansions and
-    nodes per proof, the proofs' length, the share of failed edges; the method's own (the talk's): pass@1 under the
-    budget (Tables 1-2), the planner, actor and environment seconds and the search time of the proved theorems
-    (Figures 2-3; mean and median as the official logs report them), the seconds searches ran past the budget."""
+    nodes per proof, the proofs' length, the share of failed edges, the seconds searches ran past the budget; the
+    method's own (the talk's): pass@1 under the budget (Tables 1-2), the planner, actor and environment seconds and the
+    search time of the proved theorems (Figures 2-3; mean and median as the official logs report them)."""
     proved = [r for r in results if r.proved]
     mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions, seconds = sum(r.expansions for r in results), sum(r.seconds for r in results)
