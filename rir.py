@@ -33,10 +33,10 @@ Deliberate deviations:
   4. The flat baseline's prompt marks where the tactic starts (official: the bare state, an encoder's input).
   5. Equal budgets for RiR and the flat baseline, read before each sampling call and tactic (official: each expansion).
   6. LeanDojo Benchmark 4's test theorems need LeanDojo's Dojo: it is the co-training data, miniF2F the theorems.
-  7. MCTS is ours (no code was released): PUCT, prior from the planner x actor probability, no value network.
+  7. MCTS is ours (no code was released): PUCT, prior from the planner x actor probability; no value net, no rollouts.
   8. Self-play iterations are ours (expert iteration), continuing the weights and optimizer.
   9. The default loss is each role's token mean over the batch (official: per T5); --loss-reduction sequence: L_co.
- 10. --joint-format: the actor sees s*; the official joint search samples y from [CURRENT GOAL] s alone.
+ 10. --joint-format: the actor sees s*; the official joint search samples y from s alone (s* only in the priority).
 """
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
     """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
-    seed: int = 3407
-    """seed of the run (each rank adds its rank) (official)"""
+    seed: int = 3407  # official
+    """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
     """where run directories go"""
     run_name: str | None = None
