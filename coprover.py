@@ -446,7 +446,7 @@ def whole_proof_labels(verifier, problems: list[Problem], attempts: list[list[At
                        ) -> list[tuple[str, float]]:
     """Step 2 for whole proofs: a failed attempt labels its theorem's root 0 (the official collector's rule); a proof of
     n top-level tactics labels the root gamma^n (term mode: n = 1, the collector's floor) and, with per-state labels, is
-    replayed, its i-th state labelled gamma^(n - i) (a replay that does not end solved, a declared lemma's: none)."""
+    replayed, its i-th state labelled gamma^(n - i); a replay not ending solved (it uses its own lemma): root only."""
     def run(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
         out, replays = [], []
         for (p, row), root in zip(mine, verifier.start_proofs([(p.header, p.statement) for p, _ in mine])):

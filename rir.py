@@ -139,7 +139,7 @@ class Args:
     """target states the planner proposes per expansion (official num_sampled_goals)"""
     num_sampled_tactics: int = 64
     """tactics the actor proposes per target state, or per expansion without planner (official num_sampled_tactics)"""
-    max_expansions: int | None = None  # official RiR's; ReProver's N allows N + 1; an RiR expansion samples more
+    max_expansions: int | None = None  # official RiR's (ReProver's N allows N + 1); an RiR expansion samples more
     """expansions per theorem (None: only the clock limits a search)"""
     search_timeout: float = 600.0  # official --timeout (its logged comparison gave RiR 3200 s, ReProver 600 s)
     """seconds per theorem (the search's budget, read before each tactic)"""
