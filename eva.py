@@ -38,7 +38,7 @@ Each loss's flags left unset take its official run's values (resolve; eva releas
 Deviations (where the paper is silent this file follows the official code):
   1. Empty, failed, marker-leaking, unchanged or duplicate evolutions are dropped (the official code keeps them all).
   2. The creator is the policy unless --evolver-url (official: gpt-4-0125-preview); EvolInstruct's templates reworded.
-  3. A prompt whose N rewards all agree gives no pair (official: chosen = rejected); the 20/80 mix is drawn before.
+  3. A prompt whose N rewards all agree gives no pair (official: chosen = rejected); the 20/80 mix counts it still.
   4. The reward model scores one conversation per forward (official: six padded ones, no attention mask).
   5. No reward_loo metric (always 0 officially); inv_* weights are 1 - normalised; equal values weigh uniformly.
   6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva round per split.
@@ -167,6 +167,16 @@ class Args:
     # solver
     iterations: int = 2
     """rounds to run: a plain-DPO round first (unless --no-baseline-round), then eva's; 0: evaluate the given model"""
+    batch_size: int = 64
+    """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
+    learning_rate: float | None = None
+    """peak learning rate; default the loss's official value"""
+    lr_schedule: Literal["constant", "linear", "cosine"] | None = None
+    """learning-rate schedule after the warm-up (lr_at); default the loss's official one"""
+    warmup_steps: int | None = None
+    """linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)"""
+    warmup_ratio: float = 0.1
+    """share of the steps of linear warm-up"""
     baseline_round: bool = True
     """round 1: the official plain iterative-DPO round on split 1 (iterate.sh, ITER=0)"""
     new_human_prompts: bool = False
@@ -195,16 +205,6 @@ class Args:
     """SimPO: target margin gamma / beta"""
     rloo_clip: float = 0.2
     """RLOO: clip of the sequence-level probability ratio"""
-    batch_size: int = 64
-    """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
-    learning_rate: float | None = None
-    """peak learning rate; default the loss's official value"""
-    lr_schedule: Literal["constant", "linear", "cosine"] | None = None
-    """learning-rate schedule after the warm-up (lr_at); default the loss's official one"""
-    warmup_steps: int | None = None
-    """linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)"""
-    warmup_ratio: float = 0.1
-    """share of the steps of linear warm-up"""
     epochs: int | None = None
     """epochs over the round's pairs; default the loss's official number"""
     optim: Literal["adamw", "rmsprop"] | None = None
@@ -506,7 +506,7 @@ def normalise(text: str) -> str:
 
 def read_evolution(text: str, finish_reason: str, parent: str, seen: set[str]) -> tuple[str | None, str]:
     """(the evolved prompt or None, the reason): distilabel keeps the text after the last "Prompt#:"; we drop an
-    empty or failed reply, one that still holds the template's markers, repeats its parent or is already known."""
+    empty or failed reply, one holding the template's markers, repeating its parent or known (truncated ones stay)."""
     new = text.split("Prompt#:")[-1].strip().strip('"').strip()
     dropped = ("failed" if finish_reason in ("abort", "error") else "empty" if not new else
                "marker" if any(m in new.lower() for m in MARKERS) else

@@ -338,9 +338,7 @@ Your problem is an induction task: the student sees your description and, for yo
 the outputs of your hidden Python function f; the student writes f and is graded on your other {num_hidden} inputs, \
 which stay hidden.
 
-{rules}
-
-{format}"""
+""" + TASK_RULES + "\n\n" + PROPOSAL_FORMAT
 GOALPOST = """Here is a hard competition problem the student cannot solve yet:
 <problem>
 {goalpost}
@@ -579,9 +577,8 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
         goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
         request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(goalpost=goalpost[:6000])
     hint = AXIS_HINTS.get((axis, {"lemma": "easier", "lift": "harder", "azr": None}.get(stage, "related")), "")
-    rules, fmt = TASK_RULES.format(banned=", ".join(args.banned_imports)), PROPOSAL_FORMAT.format(num_io=args.num_io)
-    return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public,
-                                 num_hidden=args.num_io - args.num_public, rules=rules, format=fmt)
+    return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public, num_io=args.num_io,
+                                 num_hidden=args.num_io - args.num_public, banned=", ".join(args.banned_imports))
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
