@@ -22,10 +22,8 @@ on held-out prompts; step 0: the initial eval/reward); every evolution, kept or 
 
 Run: `python eva.py` without a GPU (CPU_DEFAULTS: the embedded SmolLM2-135M is policy, creator and judge on
 data/chat_prompts.jsonl; a round in minutes); `torchrun --nproc_per_node 8 eva.py` on 8xH200 (gemma-2-9b-it, ArmoRM-8B,
-UltraFeedback's Snorkel split), with `--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator (key from
-$OPENAI_API_KEY or --evolver-key-env). There the reward model is a frozen bf16 copy on every GPU (ArmoRM-8B: 16 GB of
-141) scoring each rank's share; the policy is FSDP2-sharded and vLLM sleeps while it trains. Experiment map and the
-paper's benchmarks (run on a checkpoint's HF directory <run>/checkpoints/iter_XXXXXX/policy): README.md.
+UltraFeedback's Snorkel split; `--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator, its key in
+$OPENAI_API_KEY). Experiment map and the paper's benchmarks (on <run>/checkpoints/iter_XXXXXX/policy): README.md.
 
 Each loss's flags left unset take its official run's values (resolve; eva released no SimPO, ORPO or RLOO run):
   loss   beta   lr    epochs optim   schedule max_length prompt source
@@ -37,26 +35,15 @@ Each loss's flags left unset take its official run's values (resolve; eva releas
   orpo   0.1    5e-7  2      adamw   cosine   2048       1024   ORPO's lambda (ORPO paper, TRL); the rest as dpo
   rloo   -      1e-6  1      adamw   cosine   2048       1024   [RECON] TRL RLOOConfig's lr, one on-policy pass
 
-Deliberate deviations (the paper's body was not readable here; where it is silent this file follows the official code)
-  1. Evolutions that are empty, failed (endpoint or engine error), leak the template's markers, repeat their parent or
-     duplicate a known prompt are dropped, with the reason, and the chain goes on from its last kept prompt; the
-     official code keeps everything ("THERE SHOULD BE DEDUPLICATION BUT WE TEMPORARIALLY IGNORED"). Truncated ones stay.
-  2. The creator is the policy itself unless --evolver-url (the official runs used gpt-4-0125-preview); its five
-     templates are distilabel's EvolInstruct ones (WizardLM's) in our words: two wrappers, five methods, #...# markers.
-  3. A prompt whose N rewards are all equal gives no pair (the official argmax/argmin pair has chosen = rejected); the
-     20/80 mix is drawn over prompts before that.
-  4. The reward model scores one conversation per forward (the official code batches six padded conversations without
-     an attention mask) and reads ArmoRM's `score`; the CPU judge, a frozen copy of the policy's model, scores by its
-     probabilities of the digits 1-9.
-  5. No `reward_loo` metric (identically 0 in the official code); 1/avg(r) and 1/A*_min are, as the official
-     reward_mean_inv, 1 - the min-max-normalised value (1/x is undefined for negative rewards); equal metric values give
-     uniform weights (the official normalisation divides by 0); weighted sampling fills up uniformly when fewer prompts
-     than needed have a weight above 0 (pandas raises).
+Deviations (where the paper is silent this file follows the official code):
+  1. Empty, failed, marker-leaking, unchanged or duplicate evolutions are dropped (the official code keeps them all).
+  2. The creator is the policy unless --evolver-url (official: gpt-4-0125-preview); EvolInstruct's templates reworded.
+  3. A prompt whose N rewards all agree gives no pair (official: chosen = rejected); the 20/80 mix counts it still.
+  4. The reward model scores one conversation per forward (official: six padded ones, no attention mask).
+  5. No reward_loo metric (always 0 officially); inv_* weights are 1 - normalised; equal values weigh uniformly.
   6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva round per split.
-  7. SPPO's pair and win probabilities come from the reward model's scores (Bradley-Terry against all N, as
-     compute_prob.py); the official SPPO scripts take both from PairRM (llm-blender's ranker, not a transformers model).
-  8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines over the N responses, a clipped
-     sequence-level ratio against the round's start policy under the sampling T and top-p (TRL's RLOO: T), no KL term.
+  7. SPPO's win probabilities come from the reward model's scores (Bradley-Terry), not from PairRM (official SPPO).
+  8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines, a clipped sequence ratio, no KL.
   9. Sampling is seeded per chunk of prompts, so runs agree on any number of ranks and after a resume.
  10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are in README.md.
 """
@@ -180,6 +167,16 @@ class Args:
     # solver
     iterations: int = 2
     """rounds to run: a plain-DPO round first (unless --no-baseline-round), then eva's; 0: evaluate the given model"""
+    batch_size: int = 64
+    """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
+    learning_rate: float | None = None
+    """peak learning rate; default the loss's official value"""
+    lr_schedule: Literal["constant", "linear", "cosine"] | None = None
+    """learning-rate schedule after the warm-up (lr_at); default the loss's official one"""
+    warmup_steps: int | None = None
+    """linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)"""
+    warmup_ratio: float = 0.1
+    """share of the steps of linear warm-up"""
     baseline_round: bool = True
     """round 1: the official plain iterative-DPO round on split 1 (iterate.sh, ITER=0)"""
     new_human_prompts: bool = False
@@ -208,16 +205,6 @@ class Args:
     """SimPO: target margin gamma / beta"""
     rloo_clip: float = 0.2
     """RLOO: clip of the sequence-level probability ratio"""
-    batch_size: int = 64
-    """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
-    learning_rate: float | None = None
-    """peak learning rate; default the loss's official value"""
-    lr_schedule: Literal["constant", "linear", "cosine"] | None = None
-    """learning-rate schedule after the warm-up (lr_at); default the loss's official one"""
-    warmup_steps: int | None = None
-    """linear warm-up steps from 0 (default: --warmup-ratio's share of the steps)"""
-    warmup_ratio: float = 0.1
-    """share of the steps of linear warm-up"""
     epochs: int | None = None
     """epochs over the round's pairs; default the loss's official number"""
     optim: Literal["adamw", "rmsprop"] | None = None
@@ -323,7 +310,8 @@ def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
 
 # ---- rewards ----
 def load_reward_model(args: Args, dist: Dist) -> tuple:
-    """r(x, y), frozen: a full bf16 copy on every GPU (no FSDP, so ranks score their shares independently)."""
+    """r(x, y), frozen: a full bf16 copy on every GPU (ArmoRM-8B: 16 GB of an H200's 141; no FSDP, so ranks score
+    their shares independently)."""
     name, dtype = resolve_model(args.reward_model), torch.bfloat16 if dist.device.type == "cuda" else torch.float32
     auto, extra = ((AutoModelForSequenceClassification, {"trust_remote_code": args.trust_remote_code})
                    if args.reward_kind == "classifier" else (AutoModelForCausalLM, {}))
@@ -365,7 +353,8 @@ def informativeness(rewards: list[float], metric: str) -> float:
 
 def sampling_weights(values: list[float], metric: str) -> np.ndarray:
     """Official adaptive_sample: min-max normalise over the prompt set and divide by the sum (the least informative
-    prompt gets weight 0); inverted as 1 - normalised for inv_* (reward_mean_inv); uniform when all values agree."""
+    prompt gets weight 0); inv_*: 1 - normalised (reward_mean_inv; 1/x fails on negative rewards); uniform when all
+    values agree (the official normalisation divides by 0)."""
     v = np.asarray(values, dtype=float)
     if metric == "uniform" or v.max() == v.min():
         return np.full(len(v), 1.0 / len(v))
@@ -379,7 +368,7 @@ def sample_informative(values: list[float], weights: np.ndarray, fraction: float
     """Indices of the informative subset, int(fraction * #prompts) of them: `weighted` draws without replacement with
     probabilities `weights` (pandas' df.sample); `greedy` takes the highest weights (Table 4's -greedy); `stratified`
     draws round(fraction * size) by weight in each of `bins` quantile bins of the values (pd.qcut, edges deduped)."""
-    def draw(w: np.ndarray, k: int) -> list[int]:  # successive draws; uniform among zero weights once none is left
+    def draw(w: np.ndarray, k: int) -> list[int]:  # successive draws; then uniform among zero weights (pandas raises)
         positive, k = np.flatnonzero(w > 0), min(k, len(w))
         if k <= 0:
             return []
@@ -517,7 +506,7 @@ def normalise(text: str) -> str:
 
 def read_evolution(text: str, finish_reason: str, parent: str, seen: set[str]) -> tuple[str | None, str]:
     """(the evolved prompt or None, the reason): distilabel keeps the text after the last "Prompt#:"; we drop an
-    empty or failed reply, one that still holds the template's markers, repeats its parent or is already known."""
+    empty or failed reply, one holding the template's markers, repeating its parent or known (truncated ones stay)."""
     new = text.split("Prompt#:")[-1].strip().strip('"').strip()
     dropped = ("failed" if finish_reason in ("abort", "error") else "empty" if not new else
                "marker" if any(m in new.lower() for m in MARKERS) else
@@ -579,7 +568,7 @@ def sequences(item: Pair | Rollout) -> list[Sample]:  # a pair's chosen and reje
     return item.samples if isinstance(item, Pair) else [item.sample]
 
 
-def distribution(args: Args) -> tuple:  # (T, top-p) of log pi: RLOO's ratio the sampler's; the pair losses at T = 1
+def distribution(args: Args) -> tuple:  # log pi's (T, top-p): the sampler's for RLOO (TRL: T alone), T = 1 for pairs
     return (args.temperature, args.top_p) if args.loss == "rloo" else (1.0, 1.0)
 
 
@@ -662,11 +651,11 @@ def main(args: Args) -> None:
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = (torch.optim.AdamW if args.optim == "adamw" else torch.optim.RMSprop)(
         policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    models = {"policy": (policy, optimizer)}
+    models = weights_only({"policy": (policy, optimizer)})
     reward_model = load_reward_model(args, dist)  # before vLLM, which sizes its cache from the memory left
     # run state: the round's prompts X_{t-1} (X_0: the first split), the reference policy's held-out rewards
     start, state = 0, {"prompts": splits[0], "reference_rewards": None}
-    if args.resume and (found := load_checkpoint(run_dir, weights_only(models), dist)) is not None:
+    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
         start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
@@ -727,9 +716,10 @@ def main(args: Args) -> None:
             "charts/rm_margin": float(np.mean([p.rewards[0] - p.rewards[1] for p in pairs] or [0.0])),
             "charts/generated_tokens": float(sum(len(s.token_ids) for g in groups for s in g.samples)),
             "charts/response_tokens": float(np.mean([len(s.token_ids) for g in groups for s in g.samples]))}
-        logger.log(metrics, step=iteration + 1)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
+        step = iteration + 1
+        logger.log(metrics, step=step)
+        if step % args.save_every == 0 or step == args.iterations:
+            save_checkpoint(run_dir, step, models, tokenizer, state, dist)
     if dist.is_main and start < args.iterations and abs(stats["eval/win_rate"] - 0.5) <= len(heldout) ** -0.5:
         print(f"eva.py: the last win rate, {stats['eval/win_rate']:.2f} on {len(heldout)} held-out prompts, is within "
               "two standard errors of chance (0.5): too few prompts (one response each, the reference's drawn with "

@@ -23,23 +23,16 @@ gasp.py [--resume]` on 8xH200 (the paper's defaults: Qwen2.5-Coder-7B, LiveCodeB
 the 601 training-window questions unsolved at pass@100 to <run dir>/goalpost_ids.txt; --goalpost-ids PATH (or the
 paper's 146) skips the filter. Experiment map (Tables 2-4, the AZR rows): README.md.
 
-Deviations and reconstructions. The formulas and most numbers of Sec. 3.3 and App. C-D were lost from the text we
-could read; [RECON] marks values from third-party notes or our own choice, in Args and the comments:
-  - [RECON] the bands [0.3, 0.7] (lemma) and [0.1, 0.5] (lift), kappa = 10 and Eq. 6's form (it reproduces the
-    reported Eq. 4 and 5 exactly), lift peak 0.1, the 0.95 similarity threshold, -0.5 outside a band or too similar,
-    -1 on a format error (AZR's), n = 8, lr 1e-6, max_attempts, min_programs, App. B's buffer dissimilarity.
-  - [RECON] one-step ablations: App. C.3 gives both "the same reward band" (value lost); by default medium takes the
-    lemma band and hard the lift band (--one-step-band LO HI: one band for both); their prompt names no difficulty.
-  - [RECON] novelty: the question text embedded is the description with the public examples; a lift is not compared
-    with its own lemma; the embedder is all-MiniLM-L6-v2 reading 256 tokens (the paper names none).
-  - Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and extra RL runs.
-  - --no-guidance proposes induction tasks only (AZR proposes all three types) in the GASP loop.
-  - TRR++ takes one sequence-level baseline per group (AZR's code whitens token-weighted); a step whose advantages
-    are all 0 (and no entropy bonus) is skipped, so AdamW's moments do not advance.
-  - Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at 4096 tokens (not
-    in the paper); a failed sample (vLLM abort or error) counts as an empty reply.
-  - Without CUDA: built-in goalposts (data/gasp_goalposts.jsonl, 14 questions, unfiltered) and HumanEval replace
-    LiveCodeBench's 601 / 216 questions (the window counts are checked against the paper's on LiveCodeBench only).
+Deviations. Most formulas and numbers of Sec. 3.3 and App. C-D were lost from the text we could read; [RECON] marks
+values from third-party notes or our own choice (in Args and the comments):
+  1. [RECON] Eq. 6's form, kappa, the lift peak, both bands, penalties, thresholds, n, lr, max_attempts, min_programs.
+  2. [RECON] one-step ablations (App. C.3): medium takes the lemma band, hard the lift band; the prompt sets no level.
+  3. [RECON] novelty embeds the description with the public examples (all-MiniLM-L6-v2); a lift skips its own lemma.
+  4. Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and extra RL runs.
+  5. --no-guidance proposes induction tasks only (AZR proposes all three types).
+  6. TRR++: one sequence-level baseline per group (AZR's code whitens token-weighted); a zero-gradient step is skipped.
+  7. Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at 4096 tokens.
+  8. Without CUDA: 14 built-in goalposts (unfiltered) and HumanEval replace LiveCodeBench's 601 / 216 questions.
 """
 
 from __future__ import annotations
@@ -147,11 +140,9 @@ class Args:
     """goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)"""
     learning_rate: float = 1e-6
     """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """per iteration: its updates share one rate"""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # per iteration: its updates share one rate
     """learning-rate schedule after the warm-up (lr_at)"""
-    warmup_steps: int = 0
-    """iterations"""
+    warmup_steps: int = 0  # iterations
     """linear warm-up steps from 0"""
     n_pass_rate: int = 8
     """student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)"""
@@ -347,9 +338,7 @@ Your problem is an induction task: the student sees your description and, for yo
 the outputs of your hidden Python function f; the student writes f and is graded on your other {num_hidden} inputs, \
 which stay hidden.
 
-{rules}
-
-{format}"""
+""" + TASK_RULES + "\n\n" + PROPOSAL_FORMAT
 GOALPOST = """Here is a hard competition problem the student cannot solve yet:
 <problem>
 {goalpost}
@@ -556,7 +545,9 @@ def load_embedder(name: str, device: torch.device, max_length: int = 256):
 def ask(prompts: list[str], items: list, check, n: int, key: str, args: Args, sampler, logger, dist, keep=False,
         **params) -> list:
     """n replies to each prompt, checked by check(item, sample, args) in code_exec's sandboxes as each chunk arrives:
-    per item (its verdicts, the tokens generated, its samples if `keep`). Between two chunks' checks: generation."""
+    per item (its verdicts, the tokens generated, its samples if `keep`: only these need log-probs), sampled as the
+    student trains unless `params` say otherwise. Between two chunks' checks: generation."""
+    params = params or dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens)
     clock = [time.perf_counter()]
 
     def then(start: int, rows: list[list[Sample]]) -> list[tuple]:
@@ -566,7 +557,8 @@ def ask(prompts: list[str], items: list, check, n: int, key: str, args: Args, sa
             verdicts = iter(code_exec.map_parallel(check, jobs, args.exec_workers) if jobs else [])
         clock[0] = time.perf_counter()
         return [([next(verdicts) for _ in ss], sum(len(s.token_ids) for s in ss), ss if keep else None) for ss in rows]
-    return sample(sampler, [chat_prompt(sampler.tokenizer, p) for p in prompts], n, key, dist, then, **params)
+    return sample(sampler, [chat_prompt(sampler.tokenizer, p) for p in prompts], n, key, dist, then, logprobs=keep,
+                  **params)
 
 
 def render_examples(inputs: list[str], outputs: list[str]) -> str:
@@ -585,9 +577,8 @@ def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
         goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
         request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(goalpost=goalpost[:6000])
     hint = AXIS_HINTS.get((axis, {"lemma": "easier", "lift": "harder", "azr": None}.get(stage, "related")), "")
-    rules, fmt = TASK_RULES.format(banned=", ".join(args.banned_imports)), PROPOSAL_FORMAT.format(num_io=args.num_io)
-    return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public,
-                                 num_hidden=args.num_io - args.num_public, rules=rules, format=fmt)
+    return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public, num_io=args.num_io,
+                                 num_hidden=args.num_io - args.num_public, banned=", ".join(args.banned_imports))
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
@@ -613,13 +604,6 @@ def student_task(task: dict, kind: str, rng: random.Random | None, num_public: i
 def grade_student(problem: dict, sample: Sample, args: Args) -> str:  # "pass" | "wrong" | "format" (AZR Eq. 6)
     return code_exec.grade_answer(sample.text, problem["kind"], problem.get("program"), problem.get("output"),
                                   problem.get("hidden", ()), args.exec_timeout)
-
-
-def ask_student(tasks: list[dict], n: int, key: str, args: Args, sampler, logger, dist, keep: bool = False) -> list:
-    """(Log-probs only for samples kept for training: a pass rate's need none, nor the memory of their scores.)"""
-    return ask([t["prompt"] for t in tasks], tasks, grade_student, n, key, args, sampler, logger, dist, keep,
-               logprobs=keep, temperature=args.temperature, top_p=args.top_p,
-               max_new_tokens=args.student_max_new_tokens)
 
 
 def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
@@ -664,8 +648,9 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
                 r["max_similarity"], r["reason"] = sim, "similar" if sim > args.similarity_threshold else ""
         # the pass rate p: the share of n student attempts that solve the task in its induction form (App. D)
         survivors = [r for r in valid if not r["reason"]]
-        rows = ask_student([student_task(r, "induction", None, args.num_public) for r in survivors], args.n_pass_rate,
-                           f"{key}/p", args, sampler, logger, dist)
+        inductions = [student_task(r, "induction", None, args.num_public) for r in survivors]
+        rows = ask([t["prompt"] for t in inductions], inductions, grade_student, args.n_pass_rate, f"{key}/p", args,
+                   sampler, logger, dist)
         for r, (verdicts, tokens, _) in zip(survivors, rows):
             r["pass_rate"], r["tokens"] = verdicts.count("pass") / args.n_pass_rate, r["tokens"] + tokens
         new = []  # decisions in slot order, the same on every rank: the band, then novelty within this step
@@ -695,8 +680,8 @@ def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) 
     """The student phase (Sec. 3.3.2): each accepted task as a uniform task type, answered solver_samples times."""
     rng = random.Random(f"gasp|{args.seed}|{iteration}|solve")  # the same on every rank and after --resume
     student_tasks = [student_task(t, rng.choice(STUDENT_KINDS), rng, args.num_public) for t in tasks]
-    rows = ask_student(student_tasks, args.solver_samples, f"{args.seed}/{iteration}/solve", args, sampler, logger,
-                       dist, keep=True)
+    rows = ask([t["prompt"] for t in student_tasks], student_tasks, grade_student, args.solver_samples,
+               f"{args.seed}/{iteration}/solve", args, sampler, logger, dist, keep=True)
     rollouts = [Rollout(s, SOLVER_REWARDS[v], (t["kind"], "solve"))
                 for t, (verdicts, _, samples) in zip(student_tasks, rows) for s, v in zip(samples, verdicts)]
     metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(sum(n for _, n, _ in rows))}
@@ -722,11 +707,10 @@ def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, 
                      temperature: float | None = None, training: bool = False) -> list:
     """n solutions of each real problem, tested: (verdicts, tokens, samples if training) each; training samples as
     the student does, evaluations at `temperature` (default eval_temperature)."""
-    kw = (dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens) if training
-          else dict(temperature=args.eval_temperature if temperature is None else temperature,
-                    max_new_tokens=args.eval_max_new_tokens))
+    kw = {} if training else dict(temperature=args.eval_temperature if temperature is None else temperature,
+                                  max_new_tokens=args.eval_max_new_tokens)
     return ask([code_prompt(p) for p in problems], problems, passes_tests, n, key, args, sampler, logger, dist,
-               training, logprobs=training, **kw)
+               training, **kw)
 
 
 def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger, dist) -> tuple[list, dict]:
@@ -837,10 +821,11 @@ def main(args: Args) -> None:
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    models = {"policy": (policy, optimizer)}
     embedder = load_embedder(args.embedding_model, dist.device, args.embedding_max_tokens) if args.self_play else None
     # run state: the accepted tasks (the buffer), the goalposts ever solved, the goalposts' ids (None: every candidate)
     start, state = 0, {"buffer": [], "solved": set(), "goalposts": None}
-    if args.resume and (found := load_checkpoint(run_dir, {"policy": (policy, optimizer)}, dist)) is not None:
+    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
         start, state = found
     sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
                       args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
@@ -920,7 +905,7 @@ def main(args: Args) -> None:
                                 greedy if step == args.iterations else None)
         logger.log(metrics | mean_losses(losses) | {"time/iteration": time.perf_counter() - t0}, step=step)
         if step % args.save_every == 0 or step == args.iterations:
-            save_checkpoint(run_dir, step, {"policy": (policy, optimizer)}, tokenizer, state, dist)
+            save_checkpoint(run_dir, step, models, tokenizer, state, dist)
     if dist.is_main and fates and not fates["accepted"]:  # what such a run shows (the CPU default on SmolLM2-135M)
         print(f"No proposal accepted in {fates.total()} ({', '.join(f'{k} {n}' for k, n in fates.most_common())}): "
               "no task reached the student; tests/test_gasp.py's loop learning test shows the loop learning")
