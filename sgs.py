@@ -1,35 +1,28 @@
 """SGS: Self-Guided Self-Play for Lean 4 theorem proving.
 
 Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance", arXiv 2604.20209 (2026).
-Official code: github.com/LukeBailey181/sgs (read at commit 64d2de4; this file copies none of it).
+Official code: github.com/LukeBailey181/sgs (read at 64d2de4; this file copies none of it).
 
-Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (§3): the Solver writes whole Lean 4 proofs; the
+Method. One base model (DeepSeek-Prover-V2-7B) plays three roles (§3): the Solver writes whole Lean 4 proofs; the
 Conjecturer (trained, with its own weights) writes a simpler related statement for each target it never solved; the
-Guide, a frozen copy fine-tuned to grade conjectures (LukeBailey181Pub/dspv2_guide), scores a conjecture's relevance
-to its target, redundant premises and tangled conclusion (Eq. 3). Targets D: ~3.3k hard Lean 4 problems (D_3k). Each
-iteration (Algorithm 1):
+Guide, a frozen copy fine-tuned to grade conjectures, scores a conjecture's relevance to its target, redundant premises
+and tangled conclusion (Eq. 3). The targets D: ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
   1. conjecture: one conjecture per never-solved target;
   2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
   4. the Conjecturer learns from R = R_guide * (1 - s), min-max normalised, on conjectures with 0 < s <= p70.
-The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations. Where the paper
-and the official code differ the official code is the default; Eq. 4's per-sequence mean loss is --sequence-mean-loss
-(official: the batch's token sum / its token count).
+The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations.
+Where the paper is silent or differs, this file follows the official code (the paper's choice is then a flag).
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
-  1. Engineering: generation and verification are not pipelined; transformers samples in calls seeded by position;
-     each distinct (problem, proof) pair is checked once by Lean.
-  2. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
-     comments; the official code matches the substring "try" (also in `symmetry`, `geometry`).
+  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem, proof) is checked once.
+  2. The try penalty (§4.1) looks for the `try` tactic outside comments; the official code for the substring "try".
   3. Lean timeout 200 s (paper); the official default is 500 s.
-  4. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines (a conjecture
-     inherits its target's header) and needs `theorem` or `lemma`, a name and a conclusion first in the block; the
-     official code keeps the block up to `:= by`. Deduplication ignores whitespace; the official code's does not.
-  5. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
-     computes it from the top-10 log-probabilities.
+  4. A conjecture is the theorem alone (lean_verify.extract_conjecture), deduplicated up to whitespace.
+  5. solver/entropy is -mean log pi(y_t) over the sampled tokens; the paper's is from the top-10 log-probabilities.
   6. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in the group's).
   7. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
   8. One sampler serves the three roles (their weights are loaded in turn).

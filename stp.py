@@ -3,9 +3,9 @@
 Paper: Dong, Ma, "Beyond Limited Data: Self-play LLM Theorem Provers with Iterative Conjecturing and Proving",
 arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5fe8b; this file copies none of it).
 
-Method. One model (DeepSeek-Prover-V1.5-SFT) plays two roles: the conjecturer reads a proved statement, its proof
-and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a harder one (<hard theorem>); the prover writes
-whole Lean 4 proofs. Each iteration of self-play (the paper's word: round; Stage 2):
+Method. One base model (DeepSeek-Prover-V1.5-SFT) plays two roles: the prover writes whole Lean 4 proofs; the
+conjecturer reads a proved statement, its proof and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a
+harder one (<hard theorem>). The statements: LeanWorkbook. Each iteration (the paper's word: round; Stage 2):
   1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
   2. conjecture: new statements from the seeds, deduplicated;
   3. prove: 64 samples (iteration 0) or 32 for every unproved statement, every conjecture and a few proved ones;
@@ -15,28 +15,23 @@ whole Lean 4 proofs. Each iteration of self-play (the paper's word: round; Stage
      weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
-Where the paper is silent this file follows the official code.
+The metric: pass@k on miniF2F and ProofNet, up to 3200 samples per problem.
+Where the paper is silent or differs, this file follows the official code (the paper's choice is then a flag).
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
-  1. Engineering: generation and verification are not pipelined; transformers samples in calls seeded by position;
-     each distinct (problem, proof) pair is checked once by Lean.
+  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem, proof) is checked once.
   2. Lean 4.15 and the upstream REPL (lean_verify), not Lean 4.9 and DeepSeek's fork.
-  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT): pass its checkpoint as --model (DeepSeek-Prover-V1.5-SFT has never
-     seen the conjecturing format).
-  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), shown by name in the prompt;
-     STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table.
+  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT, which teaches the conjecturing format): pass its checkpoint as --model.
+  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), not from DeepSeek's REPL fork.
   5. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
-  6. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
-     invokes list in place, so a proof that drew it once offers it in every later round).
+  6. A seed proof draws the empty lemma afresh each round (official: once drawn, in every later round).
   7. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
-  8. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
-     target is the proof, the closing fence and EOS (official: the proof and EOS).
+  8. A batch is min(batch_size, #examples) sequences; the prover's target ends with a fence, then EOS (official: EOS).
   9. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  10. The statements: the train split of internlm/Lean-Workbook or any .jsonl, not STP's own (unreleased)
-      lean_workbook_dedup.json.
+  10. The statements: internlm/Lean-Workbook's train split or any .jsonl, not STP's unreleased lean_workbook_dedup.json.
 """
 
 from __future__ import annotations
