@@ -342,7 +342,7 @@ def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: A
     rng.shuffle(candidates)  # official: then sorted by conjecture level, 0 for every dataset statement
     uses, pairs, seeds = collections.Counter(), set(), []
     for statement, proof in candidates:
-        empty = [""] if rng.random() < args.empty_lemma_prob else []
+        empty = [""] if rng.random() < args.empty_lemma_prob else []  # drawn afresh each round (deviation 6)
         for lemma in invoked_lemmas(proof, statement.statement) + empty:
             if uses[lemma] < args.lemma_use_cap * len(statements) and (statement.id, lemma) not in pairs:
                 pairs.add((statement.id, lemma))
@@ -398,9 +398,8 @@ def select_targets(statements: list[Problem], conjectures: list[Conjecture], pro
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
                    ) -> dict[str, list[Attempt]]:
-    """n whole proofs per problem (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each
-    distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
-    statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
+    """n whole proofs per problem (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each distinct
+    (problem, proof) pair is checked once by Lean, on the rank that sampled it, against the original statement."""
     prompts = [prover_prompt(tokenizer, p, args) for p in problems]
 
     def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
