@@ -12,7 +12,7 @@ and tangled conclusion (Eq. 3). The targets D: ~3.3k hard Lean 4 problems (D_3k)
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
   4. the Conjecturer learns from R = R_guide * (1 - s), min-max normalised, on conjectures with 0 < s <= p70.
 The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations.
-Where the paper is silent or differs, this file follows the official code (the paper's choice is then a flag).
+Where the paper is silent or differs, this file follows the official code, but for the deviations below.
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.

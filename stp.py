@@ -9,14 +9,14 @@ harder one (<hard theorem>). The statements: LeanWorkbook. Each iteration (the p
   1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
   2. conjecture: new statements from the seeds, deduplicated;
   3. prove: 64 samples (iteration 0) or 32 for every unproved statement, every conjecture and a few proved ones;
-  4. the conjecturer learns from barely provable conjectures (0 < success < 1/4) minus the least elegant of each
-     lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
-  5. the prover learns from the correct proofs of the last 3 iterations of statements with success <= 1/2,
+  4. the conjecturer learns from barely provable conjectures (solve rate 0 < s < 1/4) minus the least elegant of
+     each lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
+  5. the prover learns from the correct proofs of the last 3 iterations of statements with s <= 1/2,
      weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
   6. one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
 The metric: pass@k on miniF2F and ProofNet, up to 3200 samples per problem.
-Where the paper is silent or differs, this file follows the official code (the paper's choice is then a flag).
+Where the paper is silent or differs, this file follows the official code, but for the deviations below.
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
@@ -140,11 +140,11 @@ class Args:
     max_prompt_tokens: int = 1024
     """prompts are cut to their last this many tokens"""
     solve_rate_max: float = 0.5
-    """the prover learns from proofs of statements with success rate <= this over the replay buffer"""
+    """the prover learns from proofs of statements with solve rate <= this over the replay buffer"""
     conjecture_band: float = 0.25
-    """the conjecturer learns from conjectures with success rate in (0, this)"""
+    """the conjecturer learns from conjectures with solve rate in (0, this)"""
     seed_threshold: float = 0.35
-    """seeds: dataset statements proved with a success rate above this in some iteration"""
+    """seeds: dataset statements proved with a solve rate above this in some iteration"""
     empty_lemma_prob: float = 0.5
     """probability that a seed proof is also paired with the empty lemma (no shared lemma)"""
     lemma_use_cap: float = 0.1
@@ -152,7 +152,7 @@ class Args:
     max_conjecture_multiplier: int = 8
     """conjectures per seed: max(1, min(3 #statements / #seeds, this))"""
     proved_keep_prob: float = 0.05
-    """a proved statement is re-proved with this probability (or while its success rate is below seed_threshold)"""
+    """a proved statement is re-proved with this probability (or while its solve rate is below seed_threshold)"""
     replay_rounds: int = 3
     """iterations of proofs in the replay buffer"""
     length_penalty: float = 0.001
@@ -196,7 +196,7 @@ class Args:
     final_learning_rate: float = 1e-4
     """Stage 3 learning rate (run_RL_train.sh)"""
     final_solve_rate_max: float = 0.25
-    """Stage 3 keeps the proofs of a round whose statement's success rate in it is <= this (dataset statements: all)"""
+    """Stage 3 keeps the proofs of a round whose statement's solve rate in it is <= this (dataset statements: all)"""
     final_max_proofs: int = 16
     """Stage 3 and expert iteration: distinct proofs kept per statement"""
     final_min_train_steps: int = 10
@@ -287,7 +287,7 @@ def solve_rate(attempts: list[Attempt]) -> float:
 
 
 def best_rate(history: dict, pid: str) -> float:
-    """A statement's success rate in its best iteration (official succ_rates)."""
+    """A statement's solve rate in its best iteration (official succ_rates)."""
     return max((c / n for n, c in history.get(pid, {}).values() if n), default=0.0)
 
 
@@ -319,12 +319,6 @@ def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: ra
     return weights
 
 
-def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
-    """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
-    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(correct.shape[1] // k)]
-    return (float(np.mean(solved)) if solved else float("nan")), (float(np.std(solved)) if len(solved) >= 4 else None)
-
-
 # ---- losses ----
 def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, weighted_tokens: float
                       ) -> torch.Tensor:
@@ -335,7 +329,7 @@ def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Ten
 # ---- phases ----
 def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
                  ) -> list[tuple[Problem, str, str]]:
-    """Official Sampler_base.select: the proofs of statements with a best success rate above 0.35, shuffled, each with
+    """Official Sampler_base.select: the proofs of statements with a best solve rate above 0.35, shuffled, each with
     its invoked lemmas and (p = 1/2) the empty one; a lemma in at most 10% of #statements seeds; #statements at most."""
     candidates = [(s, p["proof"]) for s in statements if best_rate(history, s.id) > args.seed_threshold
                   for p in proofs.get(s.id, [])]
@@ -384,7 +378,7 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
 
 def select_targets(statements: list[Problem], conjectures: list[Conjecture], proofs: dict, history: dict,
                    seeded: bool, args: Args, rng: random.Random) -> list[Problem]:
-    """Official Sampler_base.select: unproved statements and conjectures, proved statements with a best success rate
+    """Official Sampler_base.select: unproved statements and conjectures, proved statements with a best solve rate
     below 0.35 or drawn (p = 0.05); all statements when there is no seed; the baselines' (Sampler_naive): unproved."""
     unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
@@ -427,7 +421,7 @@ def record_proofs(history: dict, proofs: dict, attempts: dict[str, list[Attempt]
 def prover_examples(problems: dict, history: dict, proofs: dict, iteration: int, args: Args, tokenizer
                     ) -> list[Example]:
     """The prover's data (official RL_step2_train): the correct proofs of the last 3 iterations of statements with
-    success in (0, 1/2] over them; one example a proof (its newest Lean time), #correct counting each iteration's."""
+    solve rate in (0, 1/2] over them; one example a proof (its newest Lean time), #correct counting each iteration's."""
     examples = []
     for pid, rounds in history.items():
         window = [v for r, v in rounds.items() if iteration - args.replay_rounds < r <= iteration]  # (samples, correct)
@@ -464,7 +458,7 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
 def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: dict, unproved: list[Problem],
                          iteration: int, policy, tokenizer, args: Args, dist: Dist, rng: random.Random
                          ) -> tuple[list[Example], dict]:
-    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4, with
+    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < s < 1/4, with
     their lemma if a proof of this iteration invokes it, but the least elegant (elegance_filter), matching_weights."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts.get(c.id, [])) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
@@ -488,7 +482,7 @@ def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: 
 def final_examples(problems: dict, history: dict, proofs: dict, originals: set, sft: list[dict], args: Args,
                    tokenizer, rng: random.Random) -> list[Example]:
     """Official RL_step3_final_model: the SFT rows but LeanWorkbook's (mathlib.json), then each iteration's proofs of
-    statements with success <= 1/4 in it (dataset statements: all), shuffled, distinct, <= 16 a statement, not SFT's."""
+    statements with s <= 1/4 in it (dataset statements: all), shuffled, distinct, <= 16 a statement, not SFT's."""
     sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
     examples = [text_example(tokenizer, r["prompt"], r["target"], r.get("weight", 1.0), args) for r in sft]
     found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
@@ -545,7 +539,7 @@ def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, ar
 # ---- evaluation ----
 def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Conjecture],
                   attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
-    """The share of dataset statements proved so far against generations; this iteration's success rates; verdicts."""
+    """The share of dataset statements proved so far against generations; this iteration's solve rates; verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
     rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]  # not those proved before
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
@@ -553,6 +547,12 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
             "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
             **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
+
+
+def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
+    """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
+    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(correct.shape[1] // k)]
+    return (float(np.mean(solved)) if solved else float("nan")), (float(np.std(solved)) if len(solved) >= 4 else None)
 
 
 def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], step: int, args: Args, dist: Dist
