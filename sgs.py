@@ -460,7 +460,7 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
                     proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
     """REINFORCE½ (§3.2): correct attempts at problems with 0 < s <= 1/2, weight = reward, none using `try` (official);
     CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups, none
-    of advantage 0 (deviation 6); expert iteration (App. G.4): as REINFORCE½ on the proofs of the last ei_window."""
+    of advantage 0 (deviation 6); expert iteration (App. G.4): stored target proofs of the last ei_window iterations."""
     rows = [(attempts[p.id], rates[p.id]) for p in problems]
     if args.solver_objective == "cispo":
         rewards = [[solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row] for row, _ in rows]
