@@ -11,9 +11,8 @@ harder one (<hard theorem>). The statements: LeanWorkbook. Each iteration (the p
   3. prove: 64 samples (iteration 0) or 32 for every unproved statement, every conjecture and a few proved ones;
   4. the conjecturer learns from barely provable conjectures (solve rate 0 < s < 1/4) minus the least elegant of
      each lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
-  5. the prover learns from the correct proofs of the last 3 iterations of statements with s <= 1/2,
-     weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
-  6. one weighted-SFT epoch on both sets.
+  5. the prover learns from the last 3 iterations' correct proofs of statements with s <= 1/2, weighted by
+     exp(-0.001 length - 0.01 verification seconds) / #correct proofs; one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
 The metric: pass@k on miniF2F and ProofNet, up to 3200 samples per problem.
 Where the paper is silent or differs, this file follows the official code, but for the deviations below.
@@ -29,7 +28,7 @@ Deliberate deviations from the official code:
   5. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
   6. A seed proof draws the empty lemma afresh each round (official: once drawn, in every later round).
   7. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
-  8. A batch is min(batch_size, #examples) sequences; the prover's target ends with a fence, then EOS (official: EOS).
+  8. A batch is min(batch_size, #examples) sequences; the prover's target is proof, fence, EOS (official: proof, EOS).
   9. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
   10. The statements: internlm/Lean-Workbook's train split or any .jsonl, not STP's unreleased lean_workbook_dedup.json.
 """
@@ -504,7 +503,7 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
     """max(#examples // batch_size, min_steps) steps on passes over the shuffled examples, from a fresh Adam state
     (official: a Levanter run per iteration), a linear warm-up capped at steps - 1, then lr_schedule."""
     optimizer.state.clear()
-    size = min(args.batch_size, len(examples))
+    size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step (deviation 8)
     steps = max(len(examples) // size, min_steps)
     warmup = min(steps - 1, args.warmup_steps)  # Levanter's: it reaches the peak one step before lr_at's, so both +1
     stream = [e for _ in range(-(-steps * size // len(examples))) for e in rng.sample(examples, len(examples))]
@@ -644,7 +643,7 @@ def main(args: Args) -> None:
             record_proofs(history, proofs, attempts, iteration)
             outcomes.update(a.status for row in attempts.values() for a in row)
 
-        if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every iteration
+        if args.expert_iteration:  # 4-5 of the baseline: re-train the base model on the proofs of every iteration
             with logger.timer("update"):
                 models, policy = {}, None
                 examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
@@ -652,7 +651,7 @@ def main(args: Args) -> None:
                 models, policy, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args, dist,
                                                           rng)
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
-        elif not args.pure_sampling:  # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data
+        elif not args.pure_sampling:  # 4-5. Train: one weighted-SFT pass on the prover's and the conjecturer's data
             with logger.timer("data"):
                 sampler.sleep()
                 unproved = [s for s in statements if not proofs.get(s.id)]
