@@ -1,35 +1,28 @@
 """SGS: Self-Guided Self-Play for Lean 4 theorem proving.
 
 Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance", arXiv 2604.20209 (2026).
-Official code: github.com/LukeBailey181/sgs (read at commit 64d2de4; this file copies none of it).
+Official code: github.com/LukeBailey181/sgs (read at 64d2de4; this file copies none of it).
 
-Method. One base model, DeepSeek-Prover-V2-7B, plays three roles (§3): the Solver writes whole Lean 4 proofs; the
+Method. One base model (DeepSeek-Prover-V2-7B) plays three roles (§3): the Solver writes whole Lean 4 proofs; the
 Conjecturer (trained, with its own weights) writes a simpler related statement for each target it never solved; the
-Guide, a frozen copy fine-tuned to grade conjectures (LukeBailey181Pub/dspv2_guide), scores a conjecture's relevance
-to its target, redundant premises and tangled conclusion (Eq. 3). Targets D: ~3.3k hard Lean 4 problems (D_3k). Each
-iteration (Algorithm 1):
+Guide, a frozen copy fine-tuned to grade conjectures, scores a conjecture's relevance to its target, redundant premises
+and tangled conclusion (Eq. 3). The targets D: ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
   1. conjecture: one conjecture per never-solved target;
   2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
   3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
   4. the Conjecturer learns from R = R_guide * (1 - s), min-max normalised, on conjectures with 0 < s <= p70.
-The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations. Where the paper
-and the official code differ the official code is the default; Eq. 4's per-sequence mean loss is --sequence-mean-loss
-(official: the batch's token sum / its token count).
+The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations.
+Where the paper is silent or differs, this file follows the official code, but for the deviations below.
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
-  1. Engineering: generation and verification are not pipelined; transformers samples in calls seeded by position;
-     each distinct (problem, proof) pair is checked once by Lean.
-  2. Try penalty (§4.1: "0 reward to any Solver proof with the try tactic"): the word `try` as a tactic outside
-     comments; the official code matches the substring "try" (also in `symmetry`, `geometry`).
+  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem, proof) is checked once.
+  2. The try penalty (§4.1) looks for the `try` tactic outside comments; the official code for the substring "try".
   3. Lean timeout 200 s (paper); the official default is 500 s.
-  4. Conjecture extraction (lean_verify.extract_conjecture) drops `import`/`open`/`set_option` lines (a conjecture
-     inherits its target's header) and needs `theorem` or `lemma`, a name and a conclusion first in the block; the
-     official code keeps the block up to `:= by`. Deduplication ignores whitespace; the official code's does not.
-  5. solver/entropy is -mean log pi(y_t) over the sampled tokens (the entropy in expectation at T = 1); the paper
-     computes it from the top-10 log-probabilities.
+  4. A conjecture is the theorem alone (lean_verify.extract_conjecture), deduplicated up to whitespace.
+  5. solver/entropy is -mean log pi(y_t) over the sampled tokens; the paper's is from the top-10 log-probabilities.
   6. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in the group's).
   7. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
   8. One sampler serves the three roles (their weights are loaded in turn).
@@ -111,7 +104,7 @@ class Args:
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
     lean_timeout: float = 200.0
-    """Lean's wall-clock limit per proof, in seconds (§4.1; deviation 3)"""
+    """Lean's wall-clock limit per proof, in seconds"""
     conjecturer_model: str | None = None
     """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
     guide_model: str = "LukeBailey181Pub/dspv2_guide"
@@ -233,9 +226,8 @@ combinatorics, geometry, calculus or logic. The theorem should be interesting an
 merely a very easy identity or a restatement of a definition.
 Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last thing \
 you write should be this statement WITHOUT a proof: just put `sorry` for the proof."""
-# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App. E.3, prompts.get_guide_prompt);
-# ours keeps its structure: the seed and the lemma in lean4 blocks, the three rubrics in the same order and scales, the
-# empty score tags, the official example statements with placeholders in the output (scores there would be copied).
+# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App. E.3, get_guide_prompt); ours
+# keeps its lean4 blocks, rubrics (order, scales), empty score tags and example (placeholder scores: they'd be copied).
 GUIDE_PROMPT = """You are an expert in mathematics. Here is a seed Lean 4 problem statement:
 
 ```lean4
@@ -398,9 +390,8 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
 # ---- losses ----
 def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, denominator: float,
                    sequence_mean: bool = False) -> torch.Tensor:
-    """As the official trainer (WeightedTrainer.compute_loss): -(1/N) sum_i w_i sum_t log pi(y_it), N = the whole
-    optimizer batch's completion tokens, so every token weighs the same. sequence_mean: Eq. 4, -(1/B) sum_i w_i
-    (1/|y_i|) sum_t log pi(y_it), N = B sequences. logp, mask: [B, T]; denominator: N or B of the batch (all ranks)."""
+    """As official WeightedTrainer.compute_loss: -(1/N) sum_i w_i sum_t log pi(y_it), N the optimizer batch's completion
+    tokens on all ranks; sequence_mean (Eq. 4): -(1/B) sum_i w_i mean_t log pi(y_it), B its sequences. [B, T] inputs."""
     per_sequence = (logp * mask).sum(1) / (mask.sum(1).clamp(min=1) if sequence_mean else 1)
     return -(weights * per_sequence).sum() / denominator
 
@@ -408,9 +399,8 @@ def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
 def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
                group_tokens: torch.Tensor, n_groups: int, clip_low: float = 0.0, clip_high: float = 4.0
                ) -> torch.Tensor:
-    """Eq. 5 (CISPO): -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), r_it = pi(y_it)
-    / pi_old(y_it) against the sampler's log-probabilities, clipped and not differentiated. group_tokens[i]: sample i's
-    group's tokens; n_groups: G = batch_size / k, also for a last, smaller batch (official groups_per_batch)."""
+    """Eq. 5: -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), r_it = pi / pi_old (the
+    sampler's); group_tokens[i]: sample i's group's; G = batch_size / k, also in a last, smaller batch (official)."""
     ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
     return -((ratio * logp * mask).sum(1) * advantages / group_tokens).sum() / n_groups
 
@@ -418,15 +408,15 @@ def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, a
 # ---- phases ----
 def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem], iteration: int, args: Args,
                dist: Dist) -> tuple[list[Conjecture], dict[str, float]]:
-    """Alg. 1, step 1: conjectures_per_target statements for each never-solved target (the seeds), parsed (deviation
-    4), deduplicated against the targets and each other; a conjecture inherits its target's header."""
+    """Alg. 1, step 1: conjectures_per_target statements per never-solved target (the seeds), parsed (deviation 4: no
+    header lines, a conjecture inherits its target's), deduplicated against the targets and each other."""
     prompts = [chat_prompt(tokenizer, CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
                            CONJECTURER_PROMPT.format(statement=seed.statement)) for seed in seeds]
     outputs = sample(sampler, prompts, args.conjectures_per_target, f"{args.seed}/{iteration}/conjecture", dist,
                      lambda _, rows: [[(compact(s), extract_conjecture(s.text)) for s in row] for row in rows],
                      temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.conjecturer_max_new_tokens)
     found = [(seed, s, x) for seed, row in zip(seeds, outputs) for s, x in row if x is not None]
-    seen, conjectures = {" ".join(t.statement.split()) for t in targets}, []
+    seen, conjectures = {" ".join(t.statement.split()) for t in targets}, []  # up to whitespace (deviation 4)
     for seed, s, x in found:
         if (key := " ".join(x.split())) not in seen:
             seen.add(key)
@@ -441,9 +431,8 @@ def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem],
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
                    ) -> dict[str, list[Attempt]]:
-    """n whole proofs per problem, each attempt with its Sample (Alg. 1, step 2: the Solver trains on it). Each
-    distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
-    statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
+    """n whole proofs per problem, each with its Sample (Alg. 1, step 2: the Solver trains on it). Each distinct
+    (problem, proof) pair is checked once by Lean, on the rank that sampled it, against the original statement."""
     prompts = [chat_prompt(tokenizer, SOLVER_PROMPT.format(header=p.header, statement=p.statement)) for p in problems]
 
     def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
@@ -458,23 +447,6 @@ def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int
     return {p.id: row for p, row in zip(problems, rows)}
 
 
-def review(sampler, tokenizer, conjectures: list[Conjecture], targets: list[Problem], iteration: int, args: Args,
-           dist: Dist) -> tuple[list[float], dict[str, float]]:
-    """The Guide scores each conjecture (at least one) against its target (§3.1, Eq. 3): R_guide, one review each."""
-    seed = {t.id: t.statement for t in targets}
-    prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed_theorem=seed[c.seed_id], conjecture=c.statement))
-               for c in conjectures]
-    reviews = sample(sampler, prompts, 1, f"{args.seed}/{iteration}/guide", dist,
-                     lambda _, rows: [parse_guide_scores(row[0].text) for row in rows], temperature=args.temperature,
-                     top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens)
-    r_guide, parsed = guide_rewards(reviews), [r for r in reviews if r is not None]
-    quartiles = zip(("q25", "median", "q75"), np.percentile(r_guide, [25, 50, 75]).tolist())
-    return r_guide, {"guide/parse_failure_rate": 1 - len(parsed) / len(reviews), "guide/r_guide_mean": np.mean(r_guide),
-                     "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
-                     **{f"guide/r_guide_{name}": q for name, q in quartiles},
-                     **{f"guide/{name}_mean": np.mean([r[name] for r in parsed]) for name in GUIDE_SCORES if parsed}}
-
-
 def record_proofs(proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int):
     """Up to `cap` distinct verified proofs per target (official; a target with one is solved), none of a conjecture."""
     for pid in [pid for pid in attempts if pid in proofs]:
@@ -486,10 +458,9 @@ def record_proofs(proofs: dict[str, list[dict]], attempts: dict[str, list[Attemp
 
 def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], rates: dict[str, float],
                     proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
-    """By objective: REINFORCE½ (§3.2): correct attempts at problems with 0 < s <= 1/2, weight = reward;
-    CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups;
-    expert iteration (App. G.4): stored target proofs found in the last ei_window iterations, weight = reward.
-    Left out: REINFORCE½/EI proofs using `try` (official), CISPO attempts of advantage 0 (deviation 6)."""
+    """REINFORCE½ (§3.2): correct attempts at problems with 0 < s <= 1/2, weight = reward, none using `try` (official);
+    CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups, none
+    of advantage 0 (deviation 6); expert iteration (App. G.4): stored target proofs of the last ei_window iterations."""
     rows = [(attempts[p.id], rates[p.id]) for p in problems]
     if args.solver_objective == "cispo":
         rewards = [[solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row] for row, _ in rows]
@@ -509,6 +480,23 @@ def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]],
                 if solver_reward(True, proof, 0, args)]
     rng.shuffle(examples)
     return examples
+
+
+def review(sampler, tokenizer, conjectures: list[Conjecture], targets: list[Problem], iteration: int, args: Args,
+           dist: Dist) -> tuple[list[float], dict[str, float]]:
+    """The Guide scores each conjecture (at least one) against its target (§3.1, Eq. 3): R_guide, one review each."""
+    seed = {t.id: t.statement for t in targets}
+    prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed_theorem=seed[c.seed_id], conjecture=c.statement))
+               for c in conjectures]
+    reviews = sample(sampler, prompts, 1, f"{args.seed}/{iteration}/guide", dist,
+                     lambda _, rows: [parse_guide_scores(row[0].text) for row in rows], temperature=args.temperature,
+                     top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens)
+    r_guide, parsed = guide_rewards(reviews), [r for r in reviews if r is not None]
+    quartiles = zip(("q25", "median", "q75"), np.percentile(r_guide, [25, 50, 75]).tolist())
+    return r_guide, {"guide/parse_failure_rate": 1 - len(parsed) / len(reviews), "guide/r_guide_mean": np.mean(r_guide),
+                     "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
+                     **{f"guide/r_guide_{name}": q for name, q in quartiles},
+                     **{f"guide/{name}_mean": np.mean([r[name] for r in parsed]) for name in GUIDE_SCORES if parsed}}
 
 
 def conjecturer_examples(selected: list[Conjecture], rates: dict[str, float], r_guide: list[float], args: Args,

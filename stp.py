@@ -3,40 +3,34 @@
 Paper: Dong, Ma, "Beyond Limited Data: Self-play LLM Theorem Provers with Iterative Conjecturing and Proving",
 arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5fe8b; this file copies none of it).
 
-Method. One model (DeepSeek-Prover-V1.5-SFT) plays two roles: the conjecturer reads a proved statement, its proof
-and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a harder one (<hard theorem>); the prover writes
-whole Lean 4 proofs. Each iteration of self-play (the paper's word: round; Stage 2):
+Method. One base model (DeepSeek-Prover-V1.5-SFT) plays two roles: the prover writes whole Lean 4 proofs; the
+conjecturer reads a proved statement, its proof and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a
+harder one (<hard theorem>). The statements: LeanWorkbook. Each iteration (the paper's word: round; Stage 2):
   1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
   2. conjecture: new statements from the seeds, deduplicated;
   3. prove: 64 samples (iteration 0) or 32 for every unproved statement, every conjecture and a few proved ones;
-  4. the conjecturer learns from barely provable conjectures (0 < success < 1/4) minus the least elegant of each
-     lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
-  5. the prover learns from the correct proofs of the last 3 iterations of statements with success <= 1/2,
-     weighted by exp(-0.001 length - 0.01 verification seconds) / #correct proofs;
-  6. one weighted-SFT epoch on both sets.
+  4. the conjecturer learns from barely provable conjectures (solve rate 0 < s < 1/4) minus the least elegant of
+     each lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
+  5. the prover learns from the last 3 iterations' correct proofs of statements with s <= 1/2, weighted by
+     exp(-0.001 length - 0.01 verification seconds) / #correct proofs; one weighted-SFT epoch on both sets.
 Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
-Where the paper is silent this file follows the official code.
+The metric: pass@k on miniF2F and ProofNet, up to 3200 samples per problem.
+Where the paper is silent or differs, this file follows the official code, but for the deviations below.
 
 Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
 data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
-  1. Engineering: generation and verification are not pipelined; transformers samples in calls seeded by position;
-     each distinct (problem, proof) pair is checked once by Lean.
+  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem, proof) is checked once.
   2. Lean 4.15 and the upstream REPL (lean_verify), not Lean 4.9 and DeepSeek's fork.
-  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT): pass its checkpoint as --model (DeepSeek-Prover-V1.5-SFT has never
-     seen the conjecturing format).
-  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), shown by name in the prompt;
-     STP reads them from the AST of DeepSeek's REPL fork and a LeanDojo table.
+  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT, which teaches the conjecturing format): pass its checkpoint as --model.
+  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), not from DeepSeek's REPL fork.
   5. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
-  6. A seed proof draws the empty lemma afresh each round (the official select appends '' to the stored proof's
-     invokes list in place, so a proof that drew it once offers it in every later round).
+  6. A seed proof draws the empty lemma afresh each round (official: once drawn, in every later round).
   7. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
-  8. A batch is min(batch_size, #examples) sequences (a small set is not repeated inside a step); the prover's
-     target is the proof, the closing fence and EOS (official: the proof and EOS).
+  8. A batch is min(batch_size, #examples) sequences; the prover's target is proof, fence, EOS (official: proof, EOS).
   9. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  10. The statements: the train split of internlm/Lean-Workbook or any .jsonl, not STP's own (unreleased)
-      lean_workbook_dedup.json.
+  10. The statements: internlm/Lean-Workbook's train split or any .jsonl, not STP's unreleased lean_workbook_dedup.json.
 """
 
 from __future__ import annotations
@@ -145,11 +139,11 @@ class Args:
     max_prompt_tokens: int = 1024
     """prompts are cut to their last this many tokens"""
     solve_rate_max: float = 0.5
-    """the prover learns from proofs of statements with success rate <= this over the replay buffer"""
+    """the prover learns from proofs of statements with solve rate <= this over the replay buffer"""
     conjecture_band: float = 0.25
-    """the conjecturer learns from conjectures with success rate in (0, this)"""
+    """the conjecturer learns from conjectures with solve rate in (0, this)"""
     seed_threshold: float = 0.35
-    """seeds: dataset statements proved with a success rate above this in some iteration"""
+    """seeds: dataset statements proved with a solve rate above this in some iteration"""
     empty_lemma_prob: float = 0.5
     """probability that a seed proof is also paired with the empty lemma (no shared lemma)"""
     lemma_use_cap: float = 0.1
@@ -157,7 +151,7 @@ class Args:
     max_conjecture_multiplier: int = 8
     """conjectures per seed: max(1, min(3 #statements / #seeds, this))"""
     proved_keep_prob: float = 0.05
-    """a proved statement is re-proved with this probability (or while its success rate is below seed_threshold)"""
+    """a proved statement is re-proved with this probability (or while its solve rate is below seed_threshold)"""
     replay_rounds: int = 3
     """iterations of proofs in the replay buffer"""
     length_penalty: float = 0.001
@@ -201,7 +195,7 @@ class Args:
     final_learning_rate: float = 1e-4
     """Stage 3 learning rate (run_RL_train.sh)"""
     final_solve_rate_max: float = 0.25
-    """Stage 3 keeps the proofs of a round whose statement's success rate in it is <= this (dataset statements: all)"""
+    """Stage 3 keeps the proofs of a round whose statement's solve rate in it is <= this (dataset statements: all)"""
     final_max_proofs: int = 16
     """Stage 3 and expert iteration: distinct proofs kept per statement"""
     final_min_train_steps: int = 10
@@ -292,7 +286,7 @@ def solve_rate(attempts: list[Attempt]) -> float:
 
 
 def best_rate(history: dict, pid: str) -> float:
-    """A statement's success rate in its best iteration (official succ_rates)."""
+    """A statement's solve rate in its best iteration (official succ_rates)."""
     return max((c / n for n, c in history.get(pid, {}).values() if n), default=0.0)
 
 
@@ -324,12 +318,6 @@ def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: ra
     return weights
 
 
-def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
-    """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
-    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(correct.shape[1] // k)]
-    return (float(np.mean(solved)) if solved else float("nan")), (float(np.std(solved)) if len(solved) >= 4 else None)
-
-
 # ---- losses ----
 def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, weighted_tokens: float
                       ) -> torch.Tensor:
@@ -340,14 +328,14 @@ def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Ten
 # ---- phases ----
 def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
                  ) -> list[tuple[Problem, str, str]]:
-    """Official Sampler_base.select: the proofs of statements with a best success rate above 0.35, shuffled, each with
+    """Official Sampler_base.select: the proofs of statements with a best solve rate above 0.35, shuffled, each with
     its invoked lemmas and (p = 1/2) the empty one; a lemma in at most 10% of #statements seeds; #statements at most."""
     candidates = [(s, p["proof"]) for s in statements if best_rate(history, s.id) > args.seed_threshold
                   for p in proofs.get(s.id, [])]
     rng.shuffle(candidates)  # official: then sorted by conjecture level, 0 for every dataset statement
     uses, pairs, seeds = collections.Counter(), set(), []
     for statement, proof in candidates:
-        empty = [""] if rng.random() < args.empty_lemma_prob else []
+        empty = [""] if rng.random() < args.empty_lemma_prob else []  # drawn afresh each round (deviation 6)
         for lemma in invoked_lemmas(proof, statement.statement) + empty:
             if uses[lemma] < args.lemma_use_cap * len(statements) and (statement.id, lemma) not in pairs:
                 pairs.add((statement.id, lemma))
@@ -389,7 +377,7 @@ def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statem
 
 def select_targets(statements: list[Problem], conjectures: list[Conjecture], proofs: dict, history: dict,
                    seeded: bool, args: Args, rng: random.Random) -> list[Problem]:
-    """Official Sampler_base.select: unproved statements and conjectures, proved statements with a best success rate
+    """Official Sampler_base.select: unproved statements and conjectures, proved statements with a best solve rate
     below 0.35 or drawn (p = 0.05); all statements when there is no seed; the baselines' (Sampler_naive): unproved."""
     unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
@@ -403,9 +391,8 @@ def select_targets(statements: list[Problem], conjectures: list[Conjecture], pro
 
 def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
                    ) -> dict[str, list[Attempt]]:
-    """n whole proofs per problem (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each
-    distinct (problem, proof) pair is checked once by Lean, on the rank that sampled it: header + the original
-    statement + the proof extracted (a restated theorem is discarded: the statement cannot change)."""
+    """n whole proofs per problem (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each distinct
+    (problem, proof) pair is checked once by Lean, on the rank that sampled it, against the original statement."""
     prompts = [prover_prompt(tokenizer, p, args) for p in problems]
 
     def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
@@ -433,7 +420,7 @@ def record_proofs(history: dict, proofs: dict, attempts: dict[str, list[Attempt]
 def prover_examples(problems: dict, history: dict, proofs: dict, iteration: int, args: Args, tokenizer
                     ) -> list[Example]:
     """The prover's data (official RL_step2_train): the correct proofs of the last 3 iterations of statements with
-    success in (0, 1/2] over them; one example a proof (its newest Lean time), #correct counting each iteration's."""
+    solve rate in (0, 1/2] over them; one example a proof (its newest Lean time), #correct counting each iteration's."""
     examples = []
     for pid, rounds in history.items():
         window = [v for r, v in rounds.items() if iteration - args.replay_rounds < r <= iteration]  # (samples, correct)
@@ -470,7 +457,7 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
 def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: dict, unproved: list[Problem],
                          iteration: int, policy, tokenizer, args: Args, dist: Dist, rng: random.Random
                          ) -> tuple[list[Example], dict]:
-    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < success < 1/4, with
+    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < s < 1/4, with
     their lemma if a proof of this iteration invokes it, but the least elegant (elegance_filter), matching_weights."""
     band = [c for c in conjectures if 0.0 < solve_rate(attempts.get(c.id, [])) < args.conjecture_band]
     invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
@@ -494,7 +481,7 @@ def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: 
 def final_examples(problems: dict, history: dict, proofs: dict, originals: set, sft: list[dict], args: Args,
                    tokenizer, rng: random.Random) -> list[Example]:
     """Official RL_step3_final_model: the SFT rows but LeanWorkbook's (mathlib.json), then each iteration's proofs of
-    statements with success <= 1/4 in it (dataset statements: all), shuffled, distinct, <= 16 a statement, not SFT's."""
+    statements with s <= 1/4 in it (dataset statements: all), shuffled, distinct, <= 16 a statement, not SFT's."""
     sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
     examples = [text_example(tokenizer, r["prompt"], r["target"], r.get("weight", 1.0), args) for r in sft]
     found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
@@ -516,7 +503,7 @@ def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int
     """max(#examples // batch_size, min_steps) steps on passes over the shuffled examples, from a fresh Adam state
     (official: a Levanter run per iteration), a linear warm-up capped at steps - 1, then lr_schedule."""
     optimizer.state.clear()
-    size = min(args.batch_size, len(examples))
+    size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step (deviation 8)
     steps = max(len(examples) // size, min_steps)
     warmup = min(steps - 1, args.warmup_steps)  # Levanter's: it reaches the peak one step before lr_at's, so both +1
     stream = [e for _ in range(-(-steps * size // len(examples))) for e in rng.sample(examples, len(examples))]
@@ -551,7 +538,7 @@ def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, ar
 # ---- evaluation ----
 def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Conjecture],
                   attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
-    """The share of dataset statements proved so far against generations; this iteration's success rates; verdicts."""
+    """The share of dataset statements proved so far against generations; this iteration's solve rates; verdicts."""
     proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
     rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]  # not those proved before
     return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
@@ -559,6 +546,12 @@ def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures
             "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
             **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
             **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
+
+
+def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
+    """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
+    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(correct.shape[1] // k)]
+    return (float(np.mean(solved)) if solved else float("nan")), (float(np.std(solved)) if len(solved) >= 4 else None)
 
 
 def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], step: int, args: Args, dist: Dist
@@ -650,7 +643,7 @@ def main(args: Args) -> None:
             record_proofs(history, proofs, attempts, iteration)
             outcomes.update(a.status for row in attempts.values() for a in row)
 
-        if args.expert_iteration:  # 4-6 of the baseline: re-train the base model on the proofs of every iteration
+        if args.expert_iteration:  # 4-5 of the baseline: re-train the base model on the proofs of every iteration
             with logger.timer("update"):
                 models, policy = {}, None
                 examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
@@ -658,7 +651,7 @@ def main(args: Args) -> None:
                 models, policy, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args, dist,
                                                           rng)
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
-        elif not args.pure_sampling:  # 4-6. Train: one weighted-SFT pass on the prover's and the conjecturer's data
+        elif not args.pure_sampling:  # 4-5. Train: one weighted-SFT pass on the prover's and the conjecturer's data
             with logger.timer("data"):
                 sampler.sleep()
                 unproved = [s for s in statements if not proofs.get(s.id)]
