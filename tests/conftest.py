@@ -1,9 +1,13 @@
-"""Shared pytest fixtures: the repo root and a tiny random-weight model with the embedded tokenizer."""
+"""Shared pytest fixtures: the repo root, a tiny random-weight model with the embedded tokenizer, and one uninterrupted
+reference run per algorithm file, shared by its own test module and by test_family's two-rank and resume checks."""
 
+import dataclasses
 import importlib.util
 import os
 import pathlib
 import shutil
+import subprocess
+from typing import Callable
 
 import pytest
 
@@ -93,3 +97,109 @@ def tiny_model_dir(tmp_path_factory) -> str:
     tok.save_pretrained(out)
     yield str(out)
     shutil.rmtree(out, ignore_errors=True)
+
+
+# ---- reference runs: one uninterrupted end-to-end run per algorithm file (slow tests only; each is built once) ----
+# Its own module checks what the run wrote; test_family reruns its command line on two ranks, and killed then resumed.
+@dataclasses.dataclass
+class Run:
+    command: Callable[..., tuple[list, dict]]  # (run_dir, *flags, ranks=0) -> (argv, env): this run's configuration
+    run_dir: pathlib.Path  # where the reference run wrote
+    done: subprocess.CompletedProcess  # its exit code and output
+
+
+def reference_run(command: Callable[..., tuple[list, dict]], run_dir: pathlib.Path) -> Run:
+    cmd, env = command(run_dir)
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    return Run(command, run_dir, done)
+
+
+@pytest.fixture(scope="session")
+def sgs_primed_model_dir(tmp_path_factory) -> str:
+    import fcntl
+
+    from test_sgs import build_primed_model
+
+    root = tmp_path_factory.getbasetemp()
+    out = root / "primed_model"
+    with open(root / "primed_model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            build_primed_model(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def stp_primed_model_dir(tmp_path_factory) -> str:
+    from test_stp import build_primed_model
+
+    out = tmp_path_factory.mktemp("stp_primed_model")
+    build_primed_model(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def sgs_reference(sgs_primed_model_dir, tmp_path_factory) -> Run:
+    """Two iterations on 6 problems with the primed model and the stand-in REPL's hash rule."""
+    from test_sgs import SGS_SMALL, algorithm_command
+
+    flags = ["--model", sgs_primed_model_dir, "--guide-model", sgs_primed_model_dir, *SGS_SMALL, "--num-problems", "6",
+             "--iterations", "2"]
+    return reference_run(lambda run_dir, *more, ranks=0: algorithm_command("sgs.py", run_dir, *flags, *more,
+                                                                           torchrun=ranks),
+                         tmp_path_factory.mktemp("sgs") / "reference")
+
+
+@pytest.fixture(scope="session")
+def stp_reference(stp_primed_model_dir, tmp_path_factory) -> Run:
+    """Two iterations on 6 statements with the primed model, 2 REPLs per node (2 for one rank, 1 for each of two)."""
+    from test_stp import STP_SMALL, algorithm_command
+
+    flags = ["--model", stp_primed_model_dir, *STP_SMALL, "--num-problems", "6", "--iterations", "2",
+             "--eval-datasets", "data/minif2f.jsonl", "--lean-workers", "2"]
+    return reference_run(lambda run_dir, *more, ranks=0: algorithm_command("stp.py", run_dir, *flags, *more,
+                                                                           accept="hash:0.5", torchrun=ranks),
+                         tmp_path_factory.mktemp("stp") / "reference")
+
+
+@pytest.fixture(scope="session")
+def gasp_reference(tiny_model_dir, tmp_path_factory) -> Run:
+    """Two iterations with the tiny model behind test_gasp's driver (canned proposals and answers)."""
+    from test_gasp import driver_command, write_driver
+
+    tmp = tmp_path_factory.mktemp("gasp_e2e")
+    driver = write_driver(tmp / "driver.py")
+    return reference_run(lambda run_dir, *more, ranks=0: driver_command(driver, run_dir, tiny_model_dir, *more,
+                                                                        ranks=ranks), tmp / "full")
+
+
+@pytest.fixture(scope="session")
+def eva_reference(tiny_model_dir, tmp_path_factory) -> Run:
+    """Step 1: the plain-DPO baseline round; step 2: an eva round."""
+    from test_eva import ENV, TWO_ROUNDS, subprocess_cmd
+
+    def command(run_dir, *more, ranks=0):
+        return subprocess_cmd(tiny_model_dir, run_dir.parent, run_dir.name, *TWO_ROUNDS, *more, ranks=ranks), ENV
+
+    return reference_run(command, tmp_path_factory.mktemp("eva_e2e") / "full")
+
+
+@pytest.fixture(scope="session")
+def coprover_reference(tiny_model_dir, tmp_path_factory) -> Run:
+    """Two iterations with the tiny model behind test_coprover's driver (tactics and proofs from the table)."""
+    from test_coprover import driver_command
+
+    return reference_run(lambda run_dir, *more, ranks=0: driver_command(run_dir, tiny_model_dir, "--iterations", "2",
+                                                                        *more, torchrun=ranks),
+                         tmp_path_factory.mktemp("coprover_e2e") / "full")
+
+
+@pytest.fixture(scope="session")
+def rir_reference(tiny_model_dir, tmp_path_factory) -> Run:
+    """The CPU default (two iterations: self-play in the first, the evaluation after the second), tiny model."""
+    from test_rir import SMALL, rir_command
+
+    return reference_run(lambda run_dir, *more, ranks=0: rir_command(run_dir, "--model", tiny_model_dir, *SMALL, *more,
+                                                                     torchrun=ranks),
+                         tmp_path_factory.mktemp("rir") / "reference")

@@ -1,7 +1,8 @@
 """Tests of eva.py: every informativeness metric, sampler and loss against values worked out by hand; the mutation chain
 and its filter on scripted replies; malformed creator output (policy or endpoint) as dropped prompts with a reason in
 the run directory; a learning test of the update; and (marked slow) end-to-end runs with the tiny model: two rounds,
-exact resume after a kill, two ranks under torchrun against one, the ablation flags, and the embedded model once."""
+the ablation flags, and the embedded model once. Two ranks against one and resume after a kill are test_family's, on
+the same reference run (conftest.py)."""
 
 import collections
 import http.server
@@ -10,7 +11,6 @@ import math
 import os
 import pathlib
 import random
-import signal
 import subprocess
 import sys
 import threading
@@ -571,10 +571,6 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
     return {row["step"]: row for row in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
-def deterministic(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
-
-
 def subprocess_cmd(model_dir, out, name, *flags, ranks=0):
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks else [
         sys.executable]
@@ -598,22 +594,13 @@ def test_checkpoint_keeps_no_optimizer_state(monkeypatch, tiny_model_dir, tmp_pa
     assert eva.load_checkpoint(run_dir, eva.weights_only({"policy": (policy, optimizer)}), CPU)[0] == 1
 
 
-TWO_ROUNDS = ["--iterations", "2", "--baseline-round"]  # the plain-DPO round, then an eva round
+TWO_ROUNDS = ["--iterations", "2", "--baseline-round"]  # the plain-DPO round, then an eva round (eva_reference)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-@pytest.fixture(scope="module")
-def two_rounds(tiny_model_dir, tmp_path_factory):
-    """Step 1: the plain-DPO baseline round; step 2: an eva round. One process, uninterrupted."""
-    out = tmp_path_factory.mktemp("eva_e2e")
-    done = subprocess.run(subprocess_cmd(tiny_model_dir, out, "full", *TWO_ROUNDS), cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return out / "full"
-
-
 @pytest.mark.slow
-def test_two_rounds_end_to_end(two_rounds, tiny_model_dir):
+def test_two_rounds_end_to_end(eva_reference, tiny_model_dir):  # conftest.py: the two rounds below, uninterrupted
+    two_rounds = eva_reference.run_dir
     rows = metrics_of(two_rounds)
     assert sorted(rows) == [0, 1, 2] and rows[1]["charts/eva_round"] == 0 and rows[2]["charts/eva_round"] == 1
     assert set(rows[0]) == {"step", "eval/reward"}  # the initial policy's held-out reward, the first reference
@@ -632,48 +619,6 @@ def test_two_rounds_end_to_end(two_rounds, tiny_model_dir):
     before = load_file(pathlib.Path(tiny_model_dir) / "model.safetensors")
     after = load_file(two_rounds / "checkpoints" / "iter_000002" / "policy" / "model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
-
-
-@pytest.mark.slow
-def test_resume_after_kill_continues_exactly(two_rounds, tiny_model_dir, tmp_path):
-    cmd = subprocess_cmd(tiny_model_dir, tmp_path, "r", *TWO_ROUNDS)
-    proc = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    first = tmp_path / "r" / "checkpoints" / "iter_000001" / "state.pt"
-    try:
-        deadline = time.time() + 600
-        while time.time() < deadline and proc.poll() is None and not first.exists():
-            time.sleep(0.05)
-        assert first.exists(), "no checkpoint was written"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started
-        proc.wait()
-    if (tmp_path / "r" / "checkpoints" / "iter_000002").exists():
-        pytest.skip("the first run finished before it could be killed")
-    done = subprocess.run(cmd + ["--resume"], cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "resuming" in done.stdout
-    resumed, full = metrics_of(tmp_path / "r"), metrics_of(two_rounds)
-    assert deterministic(resumed[2]) == deterministic(full[2])
-
-
-@pytest.mark.slow
-def test_two_ranks_reproduce_one_rank(two_rounds, tiny_model_dir, tmp_path):
-    done = subprocess.run(subprocess_cmd(tiny_model_dir, tmp_path, "ddp", *TWO_ROUNDS, ranks=2), cwd=REPO,
-                          env=ENV, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    two, one = metrics_of(tmp_path / "ddp"), metrics_of(two_rounds)
-    assert sorted(two) == [0, 1, 2]
-    for step in (0, 1, 2):
-        a, b = deterministic(two[step]), deterministic(one[step])
-        assert a.keys() == b.keys()
-        # sampling, scoring and evolving are identical; FSDP2's reductions differ in the last bits, which decide the
-        # sign of h = 0 at the first step, so the accuracy (h > 0) is left out
-        differ = {k: (a[k], b[k]) for k in a
-                  if k != "losses/accuracy" and a[k] != pytest.approx(b[k], rel=1e-3, abs=1e-4)}
-        assert not differ, (step, differ)
-    assert (tmp_path / "ddp" / "checkpoints" / "iter_000002" / "policy.dcp").is_dir()
 
 
 @pytest.mark.slow

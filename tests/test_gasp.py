@@ -1,8 +1,8 @@
 """Tests of gasp.py: rewards, bands, advantages and the loss against hand-worked values; teacher replies and student
 answers read and graded through code_exec; the built-in goalposts; the teacher's rejection-sampling step and the
 student phase with scripted samplers; a learning test of the update; whole iterations of main() in process under
-every Table 2 ablation; and (slow) end-to-end runs with a tiny model: two iterations, resume after a kill, and two
-ranks under torchrun."""
+every Table 2 ablation; and (slow) end-to-end runs with a tiny model. Two ranks against one and resume after a kill
+are test_family's, on the same reference run (conftest.py)."""
 
 import json
 import math
@@ -10,7 +10,6 @@ import os
 import pathlib
 import random
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -1013,25 +1012,18 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_thread
 
 
-def deterministic_part(row: dict) -> dict:
-    return {k: v for k, v in row.items() if not k.startswith("time/")}
-
-
-@pytest.fixture(scope="module")
-def e2e_run(tiny_model_dir, tmp_path_factory):
-    """Two iterations with the tiny model, uninterrupted."""
-    tmp = tmp_path_factory.mktemp("gasp_e2e")
-    driver = write_driver(tmp / "driver.py")
-    cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp), "--run-name", "full",
-           *SMALL]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    return tmp / "full", driver, done
+def driver_command(driver: pathlib.Path, run_dir: pathlib.Path, model: str, *flags, ranks=0) -> tuple[list, dict]:
+    """SMALL through the driver into run_dir, on `ranks` ranks under torchrun (0: one process, no launcher)."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks else [
+        sys.executable]
+    per_rank = ["--exec-workers", "1"] if ranks else []  # the node's 2 sandboxes, 1 a rank
+    return head + [str(driver), "--model", model, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name,
+                   *SMALL, *per_rank, *flags], ONE_THREAD
 
 
 @pytest.mark.slow
-def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
-    run_dir, _, done = e2e_run
+def test_two_iterations_end_to_end(gasp_reference, tiny_model_dir):  # conftest.py: two iterations, uninterrupted
+    run_dir, done = gasp_reference.run_dir, gasp_reference.done
     assert "No CUDA" in done.stdout and "batch_size: 64 -> 2" in done.stdout
     metrics = metrics_of(run_dir)
     assert sorted(metrics) == [1, 2]
@@ -1059,62 +1051,6 @@ def test_two_iterations_end_to_end(e2e_run, tiny_model_dir):
     after = load_file(next((ckpt / "policy").glob("*.safetensors")))
     changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
     assert changed, "no weight changed"
-
-
-@pytest.mark.slow
-def test_resume_after_kill_continues_exactly(e2e_run, tiny_model_dir, tmp_path):
-    full_dir, driver, _ = e2e_run
-    cmd = [sys.executable, str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "r",
-           *SMALL]
-    run_dir = tmp_path / "r"
-    first = run_dir / "checkpoints" / "iter_000001"  # renamed into place when whole
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env=ONE_THREAD)
-    try:
-        deadline = time.time() + 900
-        while time.time() < deadline and proc.poll() is None:
-            if first.exists():
-                break
-            time.sleep(0.05)
-        assert first.exists(), "no checkpoint was written"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (its sandbox servers included)
-        proc.wait()
-    done = subprocess.run(cmd + ["--resume"], cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    if "after iteration 1" not in done.stdout:  # load_checkpoint's "resuming <run dir> after iteration 1"
-        pytest.skip("the first run finished before it could be killed")
-    resumed, full = metrics_of(run_dir), metrics_of(full_dir)
-    assert sorted(resumed) == [1, 2]
-    # iteration 2 after the restart is the uninterrupted run's iteration 2 (RNG, buffer, optimizer restored)
-    assert deterministic_part(resumed[2]) == deterministic_part(full[2])
-
-
-@pytest.mark.slow
-def test_two_ranks_reproduce_one_rank(e2e_run, tiny_model_dir, tmp_path):
-    """The same seed under torchrun with 2 ranks logs what the one-rank run logged: the samplers' chunks are seeded by
-    their position (not by the rank), so the samples, tasks and rewards are the same; FSDP2's reductions differ from
-    one process's sums in the last bits only."""
-    full_dir, driver, _ = e2e_run
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29533",
-           str(driver), "--model", tiny_model_dir, "--output-dir", str(tmp_path), "--run-name", "ddp",
-           *SMALL, "--exec-workers", "1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, env=ONE_THREAD)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    two, one = metrics_of(tmp_path / "ddp"), metrics_of(full_dir)
-    assert sorted(two) == sorted(one) == [1, 2]
-    for step in (1, 2):
-        a, b = deterministic_part(two[step]), deterministic_part(one[step])
-        assert a.keys() == b.keys(), (step, set(a) ^ set(b))
-        differ = {k: (a[k], b[k]) for k in a if a[k] != pytest.approx(b[k], rel=1e-3, abs=1e-4)}
-        assert not differ, (step, differ)
-    assert one[1]["charts/lemma_proposals"] >= 2  # both ranks' proposals were gathered
-    assert (tmp_path / "ddp" / "checkpoints" / "iter_000002" / "state.pt").exists()
-    proposals = [[json.loads(l) for l in (d / "proposals.jsonl").read_text().splitlines()] for d in (tmp_path / "ddp",
-                                                                                                   full_dir)]
-    similarity = [[p.pop("max_similarity", -2.0) for p in ps] for ps in proposals]  # embedded in other batches
-    assert proposals[0] == proposals[1] and similarity[0] == pytest.approx(similarity[1], abs=1e-5)
 
 
 @pytest.mark.slow

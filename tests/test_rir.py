@@ -3,8 +3,8 @@ node merging and the stop at the first proof on a scripted tree; the official or
 time); the budget as a cap inside an expansion, counted alike for RiR and the flat baseline; MCTS selection and backup
 on a hand-made tree; malformed planner/actor output as failed edges; the built-in data against the stand-in REPL and a
 held-out CPU benchmark; a learning test of co-training; and (marked slow) end-to-end runs in a subprocess with a tiny
-model and the stand-in REPL (weights change, checkpoint, exact resume after a kill, two ranks reproduce one), once with
-the embedded model."""
+model and the stand-in REPL (weights change, checkpoint), once with the embedded model. Two ranks against one and
+resume after a kill are test_family's, on the same reference run (conftest.py)."""
 
 import ast
 import collections
@@ -14,7 +14,6 @@ import os
 import pathlib
 import random
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -591,18 +590,21 @@ def test_co_training_learns_the_proofs_search_found(tiny_model_dir):
 
 
 # ---- end to end (slow): subprocess runs with the stand-in REPL ----
-def run_rir(run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0, timeout=600, wait=True):
-    """Run rir.py in a subprocess against the stand-in REPL (Popen if not `wait`)."""
+def rir_command(run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0) -> tuple[list, dict]:
+    """The command line and environment that run rir.py against the stand-in REPL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     if lean:
         env["LEAN_REPL_CMD"] = f"{FAKE_REPL} --accept {accept}"
     head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun \
         else [sys.executable]
-    cmd = head + ["rir.py", "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf",
-                  "--lean-workers", "1", *flags]
-    if not wait:
-        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return head + ["rir.py", "--output-dir", str(run_dir.parent), "--run-name", run_dir.name, "--backend", "hf",
+                   "--lean-workers", "1", *flags], env
+
+
+def run_rir(run_dir: pathlib.Path, *flags, timeout=600, **kw):
+    """Run rir.py in a subprocess against the stand-in REPL; returns the CompletedProcess."""
+    cmd, env = rir_command(run_dir, *flags, **kw)
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -625,18 +627,9 @@ SMALL = ["--num-problems", "3", "--eval-limit", "3", "--max-expansions", "2", "-
          "--selfplay-train-steps", "2", "--learning-rate", "1e-3"]
 
 
-@pytest.fixture(scope="module")
-def reference_run(tiny_model_dir, tmp_path_factory):
-    """One uninterrupted run of the CPU default (two iterations: self-play in the first, the evaluation after the
-    second) with the tiny model."""
-    run_dir = tmp_path_factory.mktemp("rir") / "reference"
-    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return run_dir
-
-
 @pytest.mark.slow
-def test_end_to_end(reference_run, tiny_model_dir):
+def test_end_to_end(rir_reference, tiny_model_dir):  # conftest.py: the CPU default with SMALL, uninterrupted
+    reference_run = rir_reference.run_dir
     rows = metrics_of(reference_run)
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["losses/steps"] == 3 and rows[1]["losses/steps"] == 2
@@ -660,43 +653,6 @@ def test_end_to_end(reference_run, tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_exact_resume_after_a_kill(reference_run, tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "killed"
-    proc = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, wait=False)
-    first, last = run_dir / "checkpoints" / "iter_000001", run_dir / "checkpoints" / "iter_000002"
-    deadline = time.time() + 600
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert first.exists() and not last.exists(), "killed too late: iteration 2 had finished"
-    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--resume")
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "resuming" in done.stdout
-    assert searches_of(run_dir) == searches_of(reference_run)
-    resumed, reference = metrics_of(run_dir)[-1], metrics_of(reference_run)[-1]
-    assert {k: v for k, v in resumed.items() if not k.startswith(("time/", "eval/", "selfplay/"))} == \
-        {k: v for k, v in reference.items() if not k.startswith(("time/", "eval/", "selfplay/"))}
-    assert resumed["eval/pass@1"] == reference["eval/pass@1"]
-    a, b = weights_of(last / "policy"), weights_of(reference_run / "checkpoints" / "iter_000002" / "policy")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.slow
-def test_two_ranks_reproduce_one(reference_run, tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "ddp"
-    done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, torchrun=2)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-4000:])
-    assert searches_of(run_dir) == searches_of(reference_run)  # each search is seeded by its theorem, not its rank
-    two, one = metrics_of(run_dir), metrics_of(reference_run)
-    for r2, r1 in zip(two, one):
-        assert r2["losses/loss"] == pytest.approx(r1["losses/loss"], rel=1e-4)
-    a, b = (weights_of(d / "checkpoints" / "iter_000002" / "policy") for d in (run_dir, reference_run))
-    # one rank's export drops the tied lm_head (shared storage); two ranks' gathered copies save it too
-    assert set(b) <= set(a) and all(torch.allclose(a[k], b[k], atol=1e-5) for k in b)
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("flags", [
     ["--no-planner"],
     ["--search", "mcts", "--joint-format", "--loss-reduction", "sequence"]])
@@ -716,10 +672,10 @@ def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
 
 
 @pytest.mark.slow
-def test_evaluation_only_from_a_checkpoint(reference_run, tmp_path):
+def test_evaluation_only_from_a_checkpoint(rir_reference, tmp_path):
     """--iterations 0: the given model (a checkpoint's policy directory) is evaluated, nothing is trained."""
     run_dir = tmp_path / "eval"
-    done = run_rir(run_dir, "--model", str(reference_run / "checkpoints" / "iter_000002" / "policy"), *SMALL,
+    done = run_rir(run_dir, "--model", str(rir_reference.run_dir / "checkpoints" / "iter_000002" / "policy"), *SMALL,
                    "--iterations", "0")
     assert done.returncode == 0, done.stderr[-4000:]
     assert "lean_verify: 1 REPL(s) on each of the node's 1 rank(s)" in done.stdout
