@@ -126,8 +126,9 @@ def test_method_first_block_last(path):
 # code. Until then the test holds the numbers reached, so that no change makes a file longer or a diff noisier.
 MAX_LINES = {"gasp.py": 1200}
 DIFF_PAIRS = [("sgs.py", "stp.py"), ("coprover.py", "rir.py")]
-REACHED_LINES = {"sgs.py": 1040, "stp.py": 1059, "gasp.py": 1283, "eva.py": 1093, "coprover.py": 1111, "rir.py": 995}
-REACHED_DIFFS = {"sgs.py stp.py": 1077, "coprover.py rir.py": 1134}
+REACHED_LINES = {"sgs.py": 1028, "stp.py": 1052, "gasp.py": 1268, "eva.py": 1083, "coprover.py": 1083,
+                 "rir.py": 968}
+REACHED_DIFFS = {"sgs.py stp.py": 1059, "coprover.py rir.py": 1077}
 
 
 def diff_lines(a: pathlib.Path, b: pathlib.Path) -> int:
