@@ -12,6 +12,7 @@ from typing import Callable
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+ALGORITHMS = ("sgs", "stp", "gasp", "eva", "coprover", "rir")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -29,6 +30,12 @@ def pytest_collection_modifyitems(config, items):
     except Exception:
         has_gpu = False
     for item in items:
+        # `pytest -n 2` (the README's test command): an algorithm's slow tests share its reference run and primed
+        # models, which each worker would build anew, so they go to one worker (pytest.ini: --dist loadgroup)
+        module = item.module.__name__.removeprefix("test_")
+        algorithm = item.callspec.params.get("name") if module == "family" and hasattr(item, "callspec") else module
+        if "slow" in item.keywords and algorithm in ALGORITHMS:
+            item.add_marker(pytest.mark.xdist_group(algorithm))
         if "lean" in item.keywords and not has_lean:
             item.add_marker(pytest.mark.skip(reason="no Lean toolchain configured (bash setup.sh --lean)"))
         if "gpu" in item.keywords and not has_gpu:
