@@ -257,4 +257,4 @@ if [ "$PYTHON" = "$PWD/.venv/bin/python" ]; then
   echo "  source .venv/bin/activate # once per shell: python is then the project's"
 fi
 echo "  python gasp.py            # the embedded CPU default, end to end"
-echo "  python -m pytest          # the test suite"
+echo "  python -m pytest -n 2     # the test suite, on two workers"

@@ -136,6 +136,38 @@ def diff_lines(a: pathlib.Path, b: pathlib.Path) -> int:
     return len(done.stdout.splitlines())
 
 
+def sections(path: pathlib.Path) -> list[str]:
+    """Each line's section: the last `# ---- name ----` marker above it ('header' before the first: the docstring,
+    imports, Args and CPU defaults)."""
+    names, name = [], "header"
+    for line in path.read_text().splitlines():
+        if m := re.match(r"# ---- (\w+)", line):
+            name = m.group(1)
+        names.append(name)
+    return names
+
+
+def one_sided_by_section(a: pathlib.Path, b: pathlib.Path) -> dict[str, tuple[int, int]]:
+    """The lines only `a` has and only `b` has in `diff a b`, counted by the section they lie in."""
+    out = subprocess.run(["diff", str(a), str(b)], capture_output=True, text=True).stdout
+    counts = {}
+    for m in re.finditer(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$", out, re.M):
+        a1, a2, op, b1, b2 = m.groups()
+        for side, (lo, hi, names) in enumerate([(a1, a2, sections(a)), (b1, b2, sections(b))]):
+            if (op, side) not in (("a", 0), ("d", 1)):  # 'a' adds only b's lines, 'd' deletes only a's
+                for line in range(int(lo), int(hi or lo) + 1):
+                    pair = counts.setdefault(names[line - 1], [0, 0])
+                    pair[side] += 1
+    return {name: tuple(pair) for name, pair in counts.items()}
+
+
+def test_one_sided_count_by_section(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("x = 1\n# ---- prompts ----\nP = 1\nQ = 2\n# ---- main ----\nmain()\n")
+    b.write_text("y = 1\n# ---- prompts ----\nP = 1\n# ---- main ----\nmain()\nend()\n")
+    assert one_sided_by_section(a, b) == {"header": (1, 1), "prompts": (1, 0), "main": (0, 1)}
+
+
 def test_file_sizes_and_diff_sizes():
     if len(present()) < len(ALGORITHMS):
         pytest.skip("not all algorithm files yet")
@@ -143,6 +175,8 @@ def test_file_sizes_and_diff_sizes():
     diffs = {f"{a} {b}": diff_lines(REPO / a, REPO / b) for a, b in DIFF_PAIRS + [("gasp.py", "eva.py")]}
     starts = {p.name: method_start(p) for p in present()}
     print("lines:", sizes, "\ndiff | wc -l:", diffs, "\nmethod code starts at line:", starts)
+    for a, b in DIFF_PAIRS:
+        print(f"lines only in {a} / only in {b}, by section:", one_sided_by_section(REPO / a, REPO / b))
     missed = {k: n for k, n in sizes.items() if n > MAX_LINES.get(k, 1000)} | {
         pair: diffs[pair] for pair in REACHED_DIFFS if diffs[pair] > 800}
     print("issue 17's targets missed:", missed or "none")
