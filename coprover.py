@@ -600,12 +600,12 @@ def evaluate(sampler, verifier, problems: list[Problem], score, key: str, args: 
     return metrics
 
 
-def zero_reward_note(statuses: collections.Counter, model: str) -> str:
-    """The line ending a run whose GRPO rollouts were never rewarded: why (Lean's verdicts); where the loop learns."""
+def nothing_learned(outcomes: collections.Counter, args: Args) -> str:
+    """A run's last line when no GRPO rollout was rewarded (the CPU default on the embedded model): why."""
     why = {"no_code": "no closed ```lean4 block", "error": "Lean error", "sorry": "sorry", "timeout": "Lean timeout"}
-    verdicts = ", ".join(f"{count}/{sum(statuses.values())} {why.get(s, s)}" for s, count in statuses.most_common())
-    return (f"coprover.py: every GRPO reward was 0 ({verdicts}): {model} wrote no proof Lean accepts, so no group's "
-            "rewards differed and the prover was never updated; tests/test_coprover.py::"
+    verdicts = ", ".join(f"{count}/{sum(outcomes.values())} {why.get(s, s)}" for s, count in outcomes.most_common())
+    return (f"coprover.py: every GRPO reward was 0 ({verdicts}): {args.model} wrote no proof Lean accepts, so no "
+            "group's rewards differed and the prover was never updated; tests/test_coprover.py::"
             "test_loop_learns_what_the_stand_in_rewards shows this loop learning, on a model primed to write proofs")
 
 
@@ -654,7 +654,7 @@ def main(args: Args) -> None:
         sys.exit(f"coprover.py: no training statement left (frontier: {args.frontier_min}..{args.frontier_max} of "
                  f"{args.frontier_samples} proved); --no-frontier-filter trains on all of them")
 
-    rollouts, rewarded = collections.Counter(), 0  # this run's GRPO rollouts by Lean's verdict, and those rewarded
+    outcomes, rewarded = collections.Counter(), 0  # this run's GRPO rollouts by Lean's verdict, and those rewarded
     for iteration in range(start, args.iterations):
         metrics, rng = {"charts/train_statements": float(len(train_set))}, random.Random(f"{args.seed}/{iteration}")
 
@@ -696,7 +696,7 @@ def main(args: Args) -> None:
                 sampler.sync_weights(policy)
                 state["grpo_step"], attempts = state["grpo_step"] + 1, attempts + [a for row in groups for a in row]
             statuses = [a.status for a in attempts]
-            rollouts, rewarded = rollouts + collections.Counter(statuses), rewarded + sum(a.correct for a in attempts)
+            outcomes, rewarded = outcomes + collections.Counter(statuses), rewarded + sum(a.correct for a in attempts)
             metrics |= {k: float(np.mean([s[k] for s in stats if k in s])) for k in set().union(*stats)} | {
                 "charts/reward_mean": float(np.mean([a.correct for a in attempts] or [0.0])),
                 "charts/grpo_steps": float(len(stats)),
@@ -721,8 +721,8 @@ def main(args: Args) -> None:
             print(f"coprover.py: {args.value_backbone} has no trained value head (a coprover checkpoint's value/ has): "
                   "the evaluation searches by log-prob only") if dist.is_main else None
         logger.log(evaluate(sampler, verifier, benchmark, score, f"{args.seed}/eval", args, dist), step=args.iterations)
-    if dist.is_main and rollouts and not rewarded:  # what a run that never rewarded a proof shows (issue 21.5)
-        print(zero_reward_note(rollouts, args.model))
+    if dist.is_main and outcomes and not rewarded:  # what a run that never rewarded a proof shows (issue 21.5)
+        print(nothing_learned(outcomes, args))
     verifier.close()
 
 

@@ -518,9 +518,9 @@ def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: st
             f.writelines(json.dumps({"step": step, "phase": phase, **r._asdict()}) + "\n" for r in results)
 
 
-def proved_nothing(run_dir: pathlib.Path) -> str | None:
-    """The line a run ends with when none of its searches (searches.jsonl) proved a theorem, with what its tactics did
-    (issue 21.5: a CPU run of the embedded model may prove nothing; the loop learning test shows the loop learn)."""
+def nothing_learned(run_dir: pathlib.Path) -> str | None:
+    """A run's last line when none of its searches (searches.jsonl) proved a theorem (the CPU default on the embedded
+    model): what its tactics did; None when one did."""
     path = run_dir / "searches.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if not rows or any(r["proved"] for r in rows):
@@ -606,7 +606,7 @@ def main(args: Args) -> None:
     if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
         logger.log(evaluate(sampler, verifier, benchmark, f"{args.seed}/eval", run_dir, args.iterations, args, dist),
                    step=args.iterations)
-    if dist.is_main and (line := proved_nothing(run_dir)):
+    if dist.is_main and (line := nothing_learned(run_dir)):
         print(line)
     verifier.close()
 

@@ -559,7 +559,7 @@ def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempt
             **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
 
 
-def unrewarded(outcomes: collections.Counter, args: Args) -> str:
+def nothing_learned(outcomes: collections.Counter, args: Args) -> str:
     """A run's last line when the Solver had no training example (the CPU default on the embedded model): why."""
     n, accepted = sum(outcomes.values()), outcomes["valid"]
     why = (f"{accepted} of {n} attempts accepted, none a {args.solver_objective} example (solve rates out of its "
@@ -667,7 +667,7 @@ def main(args: Args) -> None:
         if done:
             break
     if dist.is_main and outcomes and not trained:
-        print(unrewarded(outcomes, args))
+        print(nothing_learned(outcomes, args))
     verifier.close()
 
 

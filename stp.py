@@ -570,7 +570,7 @@ def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]],
     return metrics
 
 
-def unrewarded(outcomes: collections.Counter, args: Args) -> str:
+def nothing_learned(outcomes: collections.Counter, args: Args) -> str:
     """A run's last line when the prover had no training example (the CPU default on the embedded model): why."""
     n, accepted = sum(outcomes.values()), outcomes["valid"]
     why = (f"{accepted} of {n} attempts accepted, none at a statement proved at a rate in (0, {args.solve_rate_max}]"
@@ -691,7 +691,7 @@ def main(args: Args) -> None:
         metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
     logger.log(metrics, step=args.iterations)
     if dist.is_main and outcomes and not trained and not args.pure_sampling:
-        print(unrewarded(outcomes, args))
+        print(nothing_learned(outcomes, args))
     verifier.close()
 
 

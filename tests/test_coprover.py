@@ -492,10 +492,10 @@ def test_grpo_update_learns_what_the_reward_favours(tiny_model_dir):
     assert cp.grpo_update(policy, optimizer, [flat], a, CPU) == {}
 
 
-def test_zero_reward_note():
+def test_nothing_learned():
     """Issue 21.5: the line ending a run whose rollouts were never rewarded counts Lean's verdicts and names the test
     that shows the loop learning."""
-    note = cp.zero_reward_note(collections.Counter(["no_code"] * 7 + ["error"]), "embedded:smollm2")
+    note = cp.nothing_learned(collections.Counter(["no_code"] * 7 + ["error"]), cp.Args(model="embedded:smollm2"))
     assert "\n" not in note and "(7/8 no closed ```lean4 block, 1/8 Lean error)" in note
     assert "embedded:smollm2" in note and "test_loop_learns_what_the_stand_in_rewards" in note
 

@@ -531,19 +531,19 @@ def test_search_metrics():
     assert rir.search_metrics([], "eval")["eval/pass@1"] == 0.0
 
 
-def test_a_run_that_proved_nothing_says_so(tmp_path):
+def test_nothing_learned_says_what_the_tactics_did(tmp_path):
     """Issue 21.5: one line at the end when no search of the run proved a theorem, with what the tactics did."""
-    assert rir.proved_nothing(tmp_path) is None  # no search at all
+    assert rir.nothing_learned(tmp_path) is None  # no search at all
     rows = [dict(proved=False, edges=8, failed_edges=8, expansions=1), dict(proved=False, edges=4, failed_edges=3,
                                                                              expansions=2)]
     (tmp_path / "searches.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert rir.proved_nothing(tmp_path) == (
+    assert rir.nothing_learned(tmp_path) == (
         "No theorem proved in the run's 2 searches (3 expansions): of the 12 tactics tried, 11 failed in Lean or were "
         "malformed, 1 left goals open. The loop ran; tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts "
         "shows it learn.")
     with open(tmp_path / "searches.jsonl", "a") as f:
         f.write(json.dumps(dict(proved=True, edges=1, failed_edges=0, expansions=1)) + "\n")
-    assert rir.proved_nothing(tmp_path) is None
+    assert rir.nothing_learned(tmp_path) is None
 
 
 # ---- learning ----

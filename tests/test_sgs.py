@@ -533,13 +533,13 @@ def test_solve_metrics():
     assert m["lean/valid_share"] == 0.5 and m["lean/error_share"] == 0.5 and m["conjecturer/solve_rate_mean"] == 1.0
 
 
-def test_unrewarded_says_why():
+def test_nothing_learned_says_why():
     # the CPU default's last line when the Solver trained on nothing: the attempts' verdicts, as shares
-    line = sgs.unrewarded(collections.Counter(no_code=6, cut_off=3, error=1), args(max_new_tokens=128))
+    line = sgs.nothing_learned(collections.Counter(no_code=6, cut_off=3, error=1), args(max_new_tokens=128))
     assert line.startswith("sgs.py: no Solver update in this run: no proof accepted in 10 attempts: no_code 60%, "
                            "cut_off 30%, error 10% (no_code: not one closed ```lean4 block with the theorem; "
                            "cut_off: at --max-new-tokens 128)")
-    line = sgs.unrewarded(collections.Counter(valid=1, error=3), args())
+    line = sgs.nothing_learned(collections.Counter(valid=1, error=3), args())
     assert "1 of 4 attempts accepted, none a reinforce_half example" in line and "error 75%, valid 25%" in line
 
 

@@ -486,13 +486,13 @@ def test_update_respects_min_steps_and_batches(tiny_model_dir):
     assert all(s["step"] == 4 for s in optimizer.state.values())  # a fresh Adam state: 4 steps, not 3 + 4
 
 
-def test_unrewarded_says_why():
+def test_nothing_learned_says_why():
     # the CPU default's last line when the prover trained on nothing: the attempts' verdicts, as shares
-    line = stp.unrewarded(collections.Counter(error=3, no_code=1), args(max_new_tokens=96))
+    line = stp.nothing_learned(collections.Counter(error=3, no_code=1), args(max_new_tokens=96))
     assert line.startswith("stp.py: no prover update in this run: no proof accepted in 4 attempts: error 75%, "
                            "no_code 25% (no_code: an empty proof; error: Lean rejected it, or it was cut off at "
                            "--max-new-tokens 96)")
-    assert "2 of 8 attempts accepted, none at a statement proved at a rate in (0, 0.5]" in stp.unrewarded(
+    assert "2 of 8 attempts accepted, none at a statement proved at a rate in (0, 0.5]" in stp.nothing_learned(
         collections.Counter(valid=2, error=6), args())
 
 
