@@ -518,19 +518,6 @@ def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: st
             f.writelines(json.dumps({"step": step, "phase": phase, **r._asdict()}) + "\n" for r in results)
 
 
-def nothing_learned(run_dir: pathlib.Path) -> str | None:
-    """A run's last line when none of its searches (searches.jsonl) proved a theorem (the CPU default on the embedded
-    model): what its tactics did; None when one did."""
-    path = run_dir / "searches.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    if not rows or any(r["proved"] for r in rows):
-        return None
-    edges, failed, expansions = (sum(r[k] for r in rows) for k in ("edges", "failed_edges", "expansions"))
-    return (f"No theorem proved in the run's {len(rows)} searches ({expansions} expansions): of the {edges} tactics "
-            f"tried, {failed} failed in Lean or were malformed, {edges - failed} left goals open. The loop ran; "
-            "tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts shows it learn.")
-
-
 def evaluate(sampler, verifier, problems: list[Problem], key: str, run_dir: pathlib.Path, step: int, args: Args,
              dist: Dist) -> dict[str, float]:
     """Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget; every search to searches.jsonl,
@@ -542,6 +529,19 @@ def evaluate(sampler, verifier, problems: list[Problem], key: str, run_dir: path
             csv.writer(f).writerows([("seconds", "proved", "share")] + search_time_cdf(
                 [r.seconds for r in results if r.proved], len(results)))
     return search_metrics(results, "eval")
+
+
+def nothing_learned(run_dir: pathlib.Path) -> str | None:
+    """A run's last line when none of its searches (searches.jsonl) proved a theorem (the CPU default on the embedded
+    model): what its tactics did; None when one did."""
+    path = run_dir / "searches.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if not rows or any(r["proved"] for r in rows):
+        return None
+    edges, failed, expansions = (sum(r[k] for r in rows) for k in ("edges", "failed_edges", "expansions"))
+    return (f"No theorem proved in the run's {len(rows)} searches ({expansions} expansions): of the {edges} tactics "
+            f"tried, {failed} failed in Lean or were malformed, {edges - failed} left goals open. The loop ran; "
+            "tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts shows it learn.")
 
 
 # ---- main ----
