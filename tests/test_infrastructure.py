@@ -603,7 +603,8 @@ def test_results_gathered_after_long_per_rank_work_do_not_time_out(tmp_path):
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["results"] == [10, 20, 30] and result["waited"] >= 25 and result["sum"] == 3.0
+    # rank 0 waited past the default group's 15 s timeout (not the full 25 s: rank 1 may start its clock first)
+    assert result["results"] == [10, 20, 30] and result["waited"] > 15 and result["sum"] == 3.0
 
 
 @pytest.mark.slow
