@@ -131,9 +131,12 @@ REACHED_LINES = {"sgs.py": 1028, "stp.py": 1052, "gasp.py": 1268, "eva.py": 1083
 REACHED_DIFFS = {"sgs.py stp.py": 1059, "coprover.py rir.py": 1077}
 
 
+def diff_output(a: pathlib.Path, b: pathlib.Path) -> str:
+    return subprocess.run(["diff", str(a), str(b)], capture_output=True, text=True).stdout
+
+
 def diff_lines(a: pathlib.Path, b: pathlib.Path) -> int:
-    done = subprocess.run(["diff", str(a), str(b)], capture_output=True, text=True)
-    return len(done.stdout.splitlines())
+    return len(diff_output(a, b).splitlines())
 
 
 def sections(path: pathlib.Path) -> list[str]:
@@ -149,11 +152,10 @@ def sections(path: pathlib.Path) -> list[str]:
 
 def one_sided_by_section(a: pathlib.Path, b: pathlib.Path) -> dict[str, tuple[int, int]]:
     """The lines only `a` has and only `b` has in `diff a b`, counted by the section they lie in."""
-    out = subprocess.run(["diff", str(a), str(b)], capture_output=True, text=True).stdout
-    counts = {}
-    for m in re.finditer(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$", out, re.M):
+    counts, names_a, names_b = {}, sections(a), sections(b)
+    for m in re.finditer(r"^(\d+)(?:,(\d+))?([acd])(\d+)(?:,(\d+))?$", diff_output(a, b), re.M):
         a1, a2, op, b1, b2 = m.groups()
-        for side, (lo, hi, names) in enumerate([(a1, a2, sections(a)), (b1, b2, sections(b))]):
+        for side, (lo, hi, names) in enumerate([(a1, a2, names_a), (b1, b2, names_b)]):
             if (op, side) not in (("a", 0), ("d", 1)):  # 'a' adds only b's lines, 'd' deletes only a's
                 for line in range(int(lo), int(hi or lo) + 1):
                     pair = counts.setdefault(names[line - 1], [0, 0])
