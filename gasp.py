@@ -678,7 +678,7 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
 
 def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) -> tuple[list[Rollout], dict]:
     """The student phase (Sec. 3.3.2): each accepted task as a uniform task type, answered solver_samples times."""
-    rng = random.Random(f"gasp|{args.seed}|{iteration}|solve")  # the same on every rank and after --resume
+    rng = random.Random(f"{args.seed}/{iteration}/solve")  # the same on every rank and after a resume
     student_tasks = [student_task(t, rng.choice(STUDENT_KINDS), rng, args.num_public) for t in tasks]
     rows = ask([t["prompt"] for t in student_tasks], student_tasks, grade_student, args.solver_samples,
                f"{args.seed}/{iteration}/solve", args, sampler, logger, dist, keep=True)
@@ -715,7 +715,7 @@ def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, 
 
 def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger, dist) -> tuple[list, dict]:
     """Real-data RL (Sec. 3.4): GRPO on training-split questions, reward 1 when all tests pass (Sec. 3.1)."""
-    rng = random.Random(f"gasp|{args.seed}|{iteration}|real")  # the same on every rank and after --resume
+    rng = random.Random(f"{args.seed}/{iteration}/real")  # the same on every rank and after a resume
     chosen = rng.sample(problems, min(args.real_batch_size, len(problems)))
     rows = attempt_problems(chosen, args.real_group_size, f"{args.seed}/{iteration}/real", args, sampler, logger,
                             dist, training=True)
@@ -857,7 +857,7 @@ def main(args: Args) -> None:
     def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # App. D: update per phase
         pending.extend(rollouts)
         if args.phase_updates or joint:
-            with logger.timer("training"):
+            with logger.timer("update"):
                 losses.append(update(pending, policy, optimizer, sampler, args, dist, lr))
             pending.clear()
 
@@ -871,7 +871,7 @@ def main(args: Args) -> None:
             tasks, records = [], []
             for rnd in range(args.max_rounds):  # lemma+lift steps until the teacher wrote min_programs programs
                 # LEMMA (or a one-step ablation): per slot a goalpost h ~ U(H), an axis ~ U({io, f}), on every rank
-                rng, tag = random.Random(f"gasp|{args.seed}|{iteration}|lemma|{rnd}"), f"{iteration}.{rnd}"
+                rng, tag = random.Random(f"{args.seed}/{iteration}/lemma/{rnd}"), f"{iteration}.{rnd}"
                 draws = [(rng.choice(goalposts), rng.choice(axes)) if first != "azr" else  # AZR: K references
                          (rng.sample(buffer or [AZR_SEED], min(args.azr_references, len(buffer) or 1)), "f")
                          for _ in range(args.batch_size)]

@@ -1030,7 +1030,7 @@ def test_two_iterations_end_to_end(gasp_reference, tiny_model_dir):  # conftest.
     both = {**metrics[1], **metrics[2]}
     for key in ("charts/lemma_proposals", "charts/lemma_accepted", "charts/solver_tasks", "losses/policy_loss",
                 "losses/grad_norm", "eval/pass@1", "eval/pass@2", "eval/goalposts_solved", "time/generation",
-                "time/execution", "time/embedding", "time/training", "time/iteration", "tokens/teacher",
+                "time/execution", "time/embedding", "time/update", "time/iteration", "tokens/teacher",
                 "tokens/eval"):
         assert key in both, key
     # the canned proposals get lemmas (and usually lifts) accepted and solved: the whole loop ran

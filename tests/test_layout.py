@@ -127,8 +127,8 @@ def test_method_first_block_last(path):
 MAX_LINES = {"gasp.py": 1200}
 DIFF_PAIRS = [("sgs.py", "stp.py"), ("coprover.py", "rir.py")]
 REACHED_LINES = {"sgs.py": 1028, "stp.py": 1052, "gasp.py": 1268, "eva.py": 1083, "coprover.py": 1083,
-                 "rir.py": 968}
-REACHED_DIFFS = {"sgs.py stp.py": 1059, "coprover.py rir.py": 1077}
+                 "rir.py": 969}
+REACHED_DIFFS = {"sgs.py stp.py": 1059, "coprover.py rir.py": 1076}
 
 
 def diff_output(a: pathlib.Path, b: pathlib.Path) -> str:

@@ -344,7 +344,7 @@ def test_the_budget_is_a_cap_inside_an_expansion():
     result = rir.prove(THEOREM, scripted(proposals), lean, args(search_timeout=25.0), clock=lambda: now[0])
     assert lean.ran == ["t0", "t1", "t2"] and result.expansions == 1  # at 0, 10 and 20 s; not at 30 s
     assert (result.seconds, result.overshoot, result.env_seconds) == (30.0, 5.0, 30.0)
-    assert rir.search_metrics([result], "eval")["eval/overshoot_max"] == 5.0
+    assert rir.search_metrics([result], "eval", 30.0)["eval/overshoot_max"] == 5.0
     now = [0.0]
     lean = ScriptedLean({("⊢ A", "win"): []}, clock=now, cost=30.0)
     result = rir.prove(THEOREM, scripted({"⊢ A": [rir.Edge("no goals", "win", 0.0, 0.0)]}), lean,
@@ -518,17 +518,20 @@ def test_garbage_tactics_through_lean_are_failed_edges():
 
 
 def test_search_metrics():
+    """By hand; proofs per second divide by the phase's wall time (10 s here), not the searches' summed 612 s, as
+    coprover's: ranks search at once."""
     def res(name, proved, t, exp, over=0.0):
         return rir.SearchResult(name, ["x"] if proved else None, t, exp, exp + 1, 10, 5, proved, t / 4, t / 2, t / 4,
                                 over)
-    m = rir.search_metrics([res("a", True, 4.0, 1), res("b", True, 8.0, 3), res("c", False, 600.0, 9, 3.0)], "eval")
-    assert (m["eval/overshoot_max"], m["eval/overshoot_mean"]) == (3.0, 1.0)
+    m = rir.search_metrics([res("a", True, 4.0, 1), res("b", True, 8.0, 3), res("c", False, 600.0, 9, 3.0)], "eval",
+                           10.0)
+    assert (m["eval/overshoot_max"], m["eval/overshoot_mean"]) == (3.0, 1.0) and m["eval/proofs_per_second"] == 0.2
     assert m["eval/pass@1"] == pytest.approx(2 / 3) and m["eval/proved"] == 2
     assert (m["eval/search_time_proved"], m["eval/search_time_proved_median"]) == (6.0, 6.0)
     assert (m["eval/planner_time_proved"], m["eval/actor_time_proved"], m["eval/env_time_proved"]) == (1.5, 3.0, 1.5)
     assert (m["eval/expansions_per_proof"], m["eval/nodes_per_proof"]) == (2.0, 3.0)
     assert m["eval/failed_edge_share"] == 0.5 and m["eval/actor_seconds"] == 306.0
-    assert rir.search_metrics([], "eval")["eval/pass@1"] == 0.0
+    assert rir.search_metrics([], "eval", 0.0)["eval/pass@1"] == 0.0
 
 
 def test_nothing_learned_says_what_the_tactics_did(tmp_path):
