@@ -136,8 +136,8 @@ class Args:
     # algorithm
     iterations: int = 50
     """iterations to run (App. D: ~50 with rejection sampling); 0: no training, evaluate the model"""
-    batch_size: int = 64
-    """goalposts drawn per lemma rejection-sampling step (App. D: batch size 64)"""
+    prompts_per_step: int = 64
+    """teacher prompts per lemma rejection-sampling step, a goalpost each (App. D: batch size 64)"""
     learning_rate: float = 1e-6
     """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # per iteration: its updates share one rate
@@ -224,7 +224,7 @@ class Args:
     """the lemma/lift/solver phases; --no-self-play --real-data-rl: the Real-data RL baseline"""
     real_data_rl: bool = False
     """after each GASP iteration, RLVR (GRPO) on training-split questions (Sec. 3.4)"""
-    real_batch_size: int = 64
+    real_prompts_per_step: int = 64
     """real questions per RLVR update"""
     real_group_size: int = 8
     """GRPO samples per real question (App. D; the value was lost in extraction)"""
@@ -260,10 +260,10 @@ class Args:
 
 # Without CUDA the paper's sizes would take days. An iteration in ~5 min (SmolLM2-135M samples ~60 tokens/s in a batch
 # of 8, trains on 8 x 384 tokens in ~30 s): built-in goalposts, one step of 2, pass@1 and pass@4 on 6 HumanEval tasks.
-CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", iterations=2, batch_size=2,
-                    max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1, teacher_max_new_tokens=320,
-                    student_max_new_tokens=192, real_batch_size=2, real_group_size=4, eval_samples=4,
-                    eval_budgets=(1, 4), eval_max_new_tokens=256, eval_limit=6, goalpost_eval_samples=2,
+CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", iterations=2,
+                    prompts_per_step=2, max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1,
+                    teacher_max_new_tokens=320, student_max_new_tokens=192, real_prompts_per_step=2, real_group_size=4,
+                    eval_samples=4, eval_budgets=(1, 4), eval_max_new_tokens=256, eval_limit=6, goalpost_eval_samples=2,
                     max_goalpost_evals=4, eval_at_start=False, max_model_len=2048, exec_timeout=5.0,
                     goalpost_filter=False, greedy_benchmarks=["humaneval"])
 
@@ -716,7 +716,7 @@ def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, 
 def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger, dist) -> tuple[list, dict]:
     """Real-data RL (Sec. 3.4): GRPO on training-split questions, reward 1 when all tests pass (Sec. 3.1)."""
     rng = random.Random(f"{args.seed}/{iteration}/real")  # the same on every rank and after a resume
-    chosen = rng.sample(problems, min(args.real_batch_size, len(problems)))
+    chosen = rng.sample(problems, min(args.real_prompts_per_step, len(problems)))
     rows = attempt_problems(chosen, args.real_group_size, f"{args.seed}/{iteration}/real", args, sampler, logger,
                             dist, training=True)
     rollouts = [Rollout(s, float(ok), ("real", p.id)) for p, (oks, _, ss) in zip(chosen, rows)
@@ -874,7 +874,7 @@ def main(args: Args) -> None:
                 rng, tag = random.Random(f"{args.seed}/{iteration}/lemma/{rnd}"), f"{iteration}.{rnd}"
                 draws = [(rng.choice(goalposts), rng.choice(axes)) if first != "azr" else  # AZR: K references
                          (rng.sample(buffer or [AZR_SEED], min(args.azr_references, len(buffer) or 1)), "f")
-                         for _ in range(args.batch_size)]
+                         for _ in range(args.prompts_per_step)]
                 lemmas, rollouts, recs = propose(first, draws, buffer, tag, args, sampler, embedder, logger, dist)
                 learn(rollouts, losses)
                 tasks, records = tasks + lemmas, records + recs

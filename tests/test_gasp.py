@@ -638,7 +638,7 @@ print([r.group[0] for r in rollouts])
 
 
 def test_real_data_rl_step(plain_prompts, tmp_path):
-    args = gasp.Args(real_batch_size=3, real_group_size=4, exec_timeout=10.0)
+    args = gasp.Args(real_prompts_per_step=3, real_group_size=4, exec_timeout=10.0)
     problems = gasp.load_problems("builtin", args, args.train_window)[:3]
     reference = reference_solutions()
     by_prompt = {gasp.code_prompt(p): reference[p.id] for p in problems}
@@ -775,7 +775,7 @@ def run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags):
     args = gasp.Args(**{**dict(
         model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", iterations=1, goalposts="builtin",
         benchmark="humaneval", eval_limit=1, eval_samples=1, eval_budgets=[1], goalpost_eval_samples=1,
-        max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0, n_pass_rate=4, max_attempts=2, batch_size=3,
+        max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0, n_pass_rate=4, max_attempts=2, prompts_per_step=3,
         max_rounds=1, micro_batch_size=8, ent_coef=0.0, learning_rate=1e-3, gradient_checkpointing=False,
         exec_workers=2, goalpost_filter=False, greedy_benchmarks=[]), **flags})
     gasp.main(args)
@@ -918,7 +918,7 @@ def test_real_data_rl_baseline(monkeypatch, tiny_model_dir, tmp_path, one_thread
                             token_ids=[3, 4], logprobs=[-1.0, -1.0]) for j in range(n)] for p in prompts]
 
     metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, Half(""), self_play=False,
-                                         real_data_rl=True, real_batch_size=2, real_group_size=2)
+                                         real_data_rl=True, real_prompts_per_step=2, real_group_size=2)
     assert records == [] and "charts/lemma_proposals" not in metrics
     assert metrics["charts/real_accuracy"] == 0.5 and metrics["losses/real_updates"] == 1
     assert metrics["losses/real_sequences"] == 4 and weights_changed(tiny_model_dir, run_dir)
@@ -990,7 +990,7 @@ gasp.main(tyro.cli(gasp.Args))
 
 # a lemma batch of 4 (CPU default: 2): with 2 goalposts a step, the canned proposals' pass rates (4 attempts, half
 # right on average) missed the lemma band in both iterations for some seeds; 4 makes accepted lemmas and lifts likely
-SMALL = ["--iterations", "2", "--batch-size", "4", "--eval-every", "1", "--teacher-max-new-tokens", "40",
+SMALL = ["--iterations", "2", "--prompts-per-step", "4", "--eval-every", "1", "--teacher-max-new-tokens", "40",
          "--student-max-new-tokens", "24", "--eval-max-new-tokens", "24", "--eval-limit", "2", "--eval-samples", "2",
          "--eval-budgets", "1", "2", "--goalpost-eval-samples", "1", "--max-goalpost-evals", "2", "--exec-workers", "2"]
 
@@ -1024,7 +1024,7 @@ def driver_command(driver: pathlib.Path, run_dir: pathlib.Path, model: str, *fla
 @pytest.mark.slow
 def test_two_iterations_end_to_end(gasp_reference, tiny_model_dir):  # conftest.py: two iterations, uninterrupted
     run_dir, done = gasp_reference.run_dir, gasp_reference.done
-    assert "No CUDA" in done.stdout and "batch_size: 64 -> 2" in done.stdout
+    assert "No CUDA" in done.stdout and "prompts_per_step: 64 -> 2" in done.stdout
     metrics = metrics_of(run_dir)
     assert sorted(metrics) == [1, 2]
     both = {**metrics[1], **metrics[2]}
@@ -1180,12 +1180,13 @@ gasp.main(tyro.cli(gasp.Args))
 
 # every lemma and lift accepted (the primed model never writes f, so p = 0 in the pass-rate check: the bands are
 # [0, 1], reward 0 for all, and the teacher's updates are skipped); 8 tasks an iteration, 8 answers each
-LOOP = ["--iterations", "8", "--batch-size", "4", "--max-rounds", "1", "--min-programs", "1", "--n-pass-rate", "1",
-        "--no-rejection-sampling", "--lemma-band", "0", "1", "--lift-band", "0", "1", "--solver-samples", "8",
-        "--student-max-new-tokens", "12", "--learning-rate", "2e-3", "--micro-batch-size", "32", "--ent-coef", "0",
-        "--no-gradient-checkpointing", "--max-model-len", "1024", "--eval-every", "0", "--eval-limit", "1",
-        "--eval-samples", "1", "--eval-budgets", "1", "--eval-max-new-tokens", "8", "--goalpost-eval-samples", "0",
-        "--greedy-benchmarks", "--save-every", "100", "--exec-workers", "1"]
+LOOP = ["--iterations", "8", "--prompts-per-step", "4", "--max-rounds", "1", "--min-programs", "1",
+        "--n-pass-rate", "1", "--no-rejection-sampling", "--lemma-band", "0", "1", "--lift-band", "0", "1",
+        "--solver-samples", "8", "--student-max-new-tokens", "12", "--learning-rate", "2e-3",
+        "--micro-batch-size", "32", "--ent-coef", "0", "--no-gradient-checkpointing", "--max-model-len", "1024",
+        "--eval-every", "0", "--eval-limit", "1", "--eval-samples", "1", "--eval-budgets", "1",
+        "--eval-max-new-tokens", "8", "--goalpost-eval-samples", "0", "--greedy-benchmarks", "--save-every", "100",
+        "--exec-workers", "1"]
 
 
 def write_loop_driver(path: pathlib.Path) -> pathlib.Path:
