@@ -20,7 +20,7 @@ import torch
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 import gasp  # noqa: E402
-from test_code_exec import HE_ROW, MBPP_ROW, MBPP_ROW2  # noqa: E402
+from test_code_exec import HE_ROW, MBPP_ROW, MBPP_ROW2, PROPOSAL as GOOD  # noqa: E402
 
 CPU = gasp.Dist(0, 1, 1, torch.device("cpu"), True)
 
@@ -191,31 +191,6 @@ def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
 
 
 # ---------------------------------------------------------------- reading teacher replies, grading student answers
-GOOD = """Here is my problem.
-```python
-def f(nums, k):
-    return sorted(nums)[k]
-```
-```input
-[3, 1, 2], 0
-```
-```input
-[5, 4], 1
-```
-```input
-[9], 0
-```
-```input
-[2, 2, 7], 2
-```
-```input
-[1, 3, 5, 7], 3
-```
-```message
-Return the k-th smallest number of the list (k counts from 0).
-```"""
-
-
 def read(text, finish="stop", **overrides):
     return gasp.read_proposal(0, sample(text, finish=finish), gasp.Args(**{"exec_timeout": 5.0, **overrides}))
 
