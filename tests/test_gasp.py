@@ -963,7 +963,7 @@ gasp.Sampler = lambda *a, **k: Scripted(RealSampler(*a, **k), a[1])  # Sampler(m
 gasp.main(tyro.cli(gasp.Args))
 '''
 
-# a lemma batch of 4 (CPU default: 2): with 2 goalposts a step, the canned proposals' pass rates (4 attempts, half
+# 4 prompts a lemma step (CPU default: 2): with 2 goalposts a step, the canned proposals' pass rates (4 attempts, half
 # right on average) missed the lemma band in both iterations for some seeds; 4 makes accepted lemmas and lifts likely
 SMALL = ["--iterations", "2", "--prompts-per-step", "4", "--eval-every", "1", "--teacher-max-new-tokens", "40",
          "--student-max-new-tokens", "24", "--eval-max-new-tokens", "24", "--eval-limit", "2", "--eval-samples", "2",
