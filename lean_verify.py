@@ -18,15 +18,19 @@ proof is valid, and why not. Two backends, one interface:
   machine (cores and RAM divided by torchrun's ``LOCAL_WORLD_SIZE``; one REPL
   per core, less one, and per 8 GB), logged when the verifier is built.
 * ``backend="kimina"``: a client for a Kimina Lean Server (``POST /api/check``),
-  for verifying on a cluster of CPU machines. The server fails a whole POST
-  (up to ``kimina_batch_size`` snippets) for one snippet: HTTP 500 when any REPL
-  writes to stderr, 429 when no REPL frees up in time. Busy or unreachable
-  servers are retried with exponential backoff, a failing batch is split until
-  the bad snippet is alone, so it alone is "server_error". Timeouts and server
-  errors are failures ("timeout", "server_error"), never successes. Every
-  snippet starts with its header's imports (``import Init`` if it has none):
-  Kimina runs a snippet's leading import lines as a separate header command, and
-  with none it runs later snippets in the first one's environment.
+  for verifying on a cluster of CPU machines, in batches of ``kimina_batch_size``
+  snippets. Written against PyPI's kimina-ast-server 2.1.3 (the tests run it,
+  with the stand-in REPL behind it) and the server's GitHub main (fb2393d); what
+  each does is in "Kimina Lean Server" below. Every snippet starts with its
+  header's imports (``import Init`` if it has none): Kimina runs a snippet's
+  leading import lines as a separate header command, and with none it runs
+  later snippets in the first one's environment. A busy server (no free REPL)
+  and an unreachable one are retried with exponential backoff; a POST that
+  fails as a whole is split until the bad snippet is alone, so it alone is
+  "server_error". Timeouts and server errors are failures ("timeout",
+  "server_error"), never successes, and "timeout" means the server ran the
+  proof past ``timeout``: a proof that did not run (no answer in time, a header
+  import that timed out) is "server_error".
 
 ``LeanResult.time`` is what the proof itself cost: the seconds of its own REPL
 requests (the proof and its ``#check``/``#print axioms``; on Kimina the server's
@@ -99,6 +103,54 @@ as a task ending in ``:= by``), ``theorem_conclusion``, ``extract_proof``, ``ext
 ``proof_tactics`` (a whole proof's top-level tactics, to replay it), ``invoked_lemmas`` (the lemma names a proof's
 text uses, a static scan), ``load_triples`` and ``format_state`` (LeanDojo's traced tactics).
 
+Kimina Lean Server
+------------------
+What the client relies on, in PyPI's 2.1.3 and on GitHub main (fb2393d):
+
+* Both split a snippet with ``str.splitlines()`` and join the lines with "\\n",
+  while Lean breaks lines at "\\n" only ("\\r\\n" counts as one; a lone "\\r" and
+  the other breaks are errors outside comments: Lean 4.35 in the tests,
+  test_lean_reads_only_newlines_as_line_breaks). A proof with such a break
+  would have more lines on the server than here, and a bad tactic's error could
+  be taken for one of the check block's. So "\\r\\n" becomes "\\n", and any other
+  break ``str.splitlines()`` knows (``LINE_BREAKS``) outside a comment fails
+  the text rule ``lex``, through both backends.
+* Message lines: 2.1.3 reports them relative to the body (the header's import
+  lines not counted), main in the snippet's numbering (it adds them back). The
+  check block's messages are told apart either way (``_kimina_code``); without
+  the Lean-side checks a snippet is the proof alone, so every message is its.
+* Neither reads a REPL's stderr (the pipe is opened and never read). A REPL that
+  dies fails its snippet in 2.1.3 ("Snippet execution failed"), the whole POST
+  with HTTP 500 on main.
+* No free REPL: 2.1.3 waits ``LEAN_SERVER_MAX_WAIT`` (default 3600 s), then
+  answers that snippet "No available REPLs" with HTTP 200 ("Failed to get REPL"
+  and the like when it cannot start one); main waits 60 s, then fails the whole
+  POST with HTTP 429. Both are sent again with the same backoff and limit
+  (``kimina_retries``), and counted in ``stats()``.
+* 2.1.3 answers HTTP 504 when a POST runs past its own limit, ``timeout`` x
+  snippets + 10 s (its REPLs work through a batch in turn); main has no limit.
+  The client's HTTP deadline (``http_timeout``, by default sized per POST) is
+  above both, so the server answers first; a batch answered 504 is split.
+* A fresh REPL imports the header under the request's ``timeout``: a header that
+  takes longer fails every proof sent to that REPL with "Lean REPL header
+  command timed out" ("server_error" here). Mathlib takes tens of seconds to
+  import, so a server for a run needs a ``timeout`` above the import time, and
+  REPLs pre-warmed for the run's header, one per REPL::
+
+      LEAN_SERVER_MAX_REPLS=31 LEAN_SERVER_INIT_REPLS='{"import Mathlib\\nimport Aesop": 31}' \\
+      LEAN_SERVER_REPL_PATH=.lean/repl/.lake/build/bin/repl LEAN_SERVER_PROJECT_DIR=.lean/mathlib4 \\
+      LEAN_SERVER_SKIP_VALIDATION=1 kimina-ast-server
+
+  The key is the header as the server splits it: the import lines, with every
+  ``import Mathlib...`` as one ``import Mathlib`` first. Pre-warming imports
+  with a limit of 3600 s (main: 60 s), but a REPL that replaces one (killed
+  after a timeout, ``LEAN_SERVER_MAX_REPL_USES`` or the memory limit; in 2.1.3
+  also when a reused REPL does not answer ``#eval 1`` within min(5, timeout/4)
+  seconds) imports under the proof's ``timeout`` again.
+* ``LEAN_SERVER_MAX_REPL_MEM``: 8G by default in 2.1.3, 12G in main's
+  settings.py. ``LEAN_SERVER_API_KEY``: the server then answers 401 to a POST
+  without ``Authorization: Bearer <key>``.
+
 Configuration (arguments win over the environment, the environment over ``.env``):
 
 * ``LEAN_REPL_CMD``: a full command line that starts a REPL process; used instead
@@ -149,7 +201,8 @@ code in. String literals are scanned too (``"sorry"`` is rejected: fail closed).
 ===================== ======== ===================================================
 rule                  status   rejects (example)
 ===================== ======== ===================================================
-lex                   error    unterminated comment or string (``/- ...``)
+lex                   error    unterminated comment or string (``/- ...``), a
+                               line break other than "\\n" outside comments
 sorry                 sorry    ``sorry``, ``admit``, ``stop``, ``sorryAx``
 axiom                 cheat    ``axiom cheat : 1 = 2``, ``constant c : ℕ``
 hash_command          cheat    ``#exit``, ``#eval``, ``#print`` ... (any ``#cmd``)
@@ -234,12 +287,20 @@ ALLOWED_AXIOMS = frozenset({"propext", "Classical.choice", "Quot.sound"})
 STATUSES = ("valid", "error", "sorry", "cheat", "timeout", "crash", "server_error")
 # options a proof may set: resource limits and diagnostics only (exact name, or a prefix ending in ".")
 ALLOWED_OPTIONS = (
-    "maxHeartbeats", "maxRecDepth", "synthInstance.", "maxSynthPendingDepth",
-    "linter.", "trace.", "profiler", "diagnostics", "exponentiation.threshold",
+    "maxHeartbeats",
+    "maxRecDepth",
+    "synthInstance.",
+    "maxSynthPendingDepth",
+    "linter.",
+    "trace.",
+    "profiler",
+    "diagnostics",
+    "exponentiation.threshold",
     "push_neg.use_distrib",
 )
-DEFAULT_MEMORY_LIMIT_MB = 12288   # kimina-lean-server's default per REPL (MAX_REPL_MEM=12G)
-DEFAULT_MAX_USES = 500            # REPL memory grows with every stored env; recycle it
+# per REPL: kimina-lean-server's MAX_REPL_MEM on GitHub main (settings.py: 12G; PyPI's 2.1.3 has 8G)
+DEFAULT_MEMORY_LIMIT_MB = 12288
+DEFAULT_MAX_USES = 500  # REPL memory grows with every stored env; recycle it
 # The REPL keeps every proof state it ever made (REPL/Main.lean: State.proofStates only grows; v4.15.0 has no
 # command that deletes one), so a REPL is restarted after this many; live states are then replayed.
 DEFAULT_MAX_PROOF_STATES = 10000
@@ -248,6 +309,7 @@ EXAMPLE_NAME = "lean_verify_example_"
 
 # --------------------------------------------------------------------------- records
 
+
 @dataclass
 class ProofJob:
     """One proof to check.
@@ -255,6 +317,7 @@ class ProofJob:
     statement: the ORIGINAL formal statement, ending in ":= by" (no header).
     proof: the full Lean code the model submitted (statement + tactics, no imports).
     """
+
     header: str
     statement: str
     proof: str
@@ -268,12 +331,13 @@ class LeanResult:
     header, elaborating the original statement or waiting for a free REPL (STP weighs proofs by
     exp(-0.01 time)). ``used_constants``: with ``verify(..., used_constants=True)`` on the local REPL, the
     constants Lean resolved the proof's identifiers to (see ``verify``); None otherwise."""
+
     valid: bool
-    status: str                      # one of STATUSES
-    errors: list = field(default_factory=list)     # Lean error messages, "line:col: text"
-    reason: str = ""                 # "<rule>: <detail>" for failures, "" when valid
-    time: float = 0.0                # seconds of the proof's own REPL round trips (see above)
-    messages: list = field(default_factory=list)   # raw Lean messages of the proof
+    status: str  # one of STATUSES
+    errors: list = field(default_factory=list)  # Lean error messages, "line:col: text"
+    reason: str = ""  # "<rule>: <detail>" for failures, "" when valid
+    time: float = 0.0  # seconds of the proof's own REPL round trips (see above)
+    messages: list = field(default_factory=list)  # raw Lean messages of the proof
     used_constants: list | None = None
 
 
@@ -291,6 +355,7 @@ class TacticState:
     has ``state_id=None`` and ``error`` set. ``tactics`` is the path from the root (to re-check it, and to
     replay the state on a fresh REPL when its process was restarted). ``key`` identifies the goal list
     (merge search nodes on it). ``time``: seconds of this step's REPL round trip."""
+
     state_id: int | None
     goals: list
     error: str | None = None
@@ -344,6 +409,7 @@ class LeanNotInstalled(RuntimeError):
 
 # --------------------------------------------------------------------------- configuration
 
+
 def _read_dotenv(path: Path | None = None) -> dict:
     path = Path(path) if path is not None else DOTENV_PATH
     out = {}
@@ -356,7 +422,7 @@ def _read_dotenv(path: Path | None = None) -> dict:
         if not line or line.startswith("#") or "=" not in line:
             continue
         if line.startswith("export "):
-            line = line[len("export "):]
+            line = line[len("export ") :]
         key, _, value = line.partition("=")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
@@ -387,7 +453,12 @@ def _command_argv(cmd: str) -> list:
     if argv and argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     for i, a in enumerate(argv[1:], 1):
-        if a.endswith(".py") and not os.path.isabs(a) and not os.path.exists(a) and (REPO_ROOT / a).exists():
+        if (
+            a.endswith(".py")
+            and not os.path.isabs(a)
+            and not os.path.exists(a)
+            and (REPO_ROOT / a).exists()
+        ):
             argv[i] = str(REPO_ROOT / a)
     return argv
 
@@ -455,7 +526,9 @@ def lean_available(real: bool = False) -> bool:
         try:
             return _resolve_repl_config(
                 repl_path=_setting("LEAN_REPL_PATH", "SGS_REPL_PATH", dotenv=_read_dotenv()),
-                mathlib_path=_setting("LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH", dotenv=_read_dotenv()),
+                mathlib_path=_setting(
+                    "LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH", dotenv=_read_dotenv()
+                ),
             ).real
         except LeanNotInstalled:
             return False
@@ -538,10 +611,10 @@ def strip_comments(text: str) -> tuple:
                 k += 2 if text[k] == "\\" else 1
             if k >= n:
                 return None, "unterminated string literal"
-            out.append(text[i:k + 1])
+            out.append(text[i : k + 1])
             i = k + 1
         elif tok[0] == "r":
-            if prev_ident:            # the end of an identifier, then a string
+            if prev_ident:  # the end of an identifier, then a string
                 out.append("r")
                 i += 1
                 continue
@@ -549,11 +622,11 @@ def strip_comments(text: str) -> tuple:
             k = text.find(end, m.end())
             if k < 0:
                 return None, "unterminated raw string literal"
-            out.append(text[i:k + len(end)])
+            out.append(text[i : k + len(end)])
             i = k + len(end)
         elif tok == "'":
             c = None if prev_ident else _CHAR_LIT.match(text, i)
-            if c is None:             # a prime in an identifier (h')
+            if c is None:  # a prime in an identifier (h')
                 out.append("'")
                 i += 1
             else:
@@ -563,13 +636,34 @@ def strip_comments(text: str) -> tuple:
             k = text.find("»", i)
             if k < 0:
                 return None, "unterminated «name»"
-            out.append(text[i:k + 1])
+            out.append(text[i : k + 1])
             i = k + 1
     return "".join(out), None
 
 
 _NORM_BRACKETS = re.compile(r"\s*([()\[\]{}⟨⟩⦃⦄,])\s*")
 _NORM_COLON = re.compile(r"\s*(?<!:):(?![=:])\s*")
+
+
+# Every line break str.splitlines() knows but "\n" ("\r\n" is made "\n" first). Lean reads none of them as a line
+# break (a lone "\r" is an error, the others are not whitespace), a Kimina server splits snippets at all of them:
+# see "Kimina Lean Server" in the module docstring.
+LINE_BREAKS = ("\r", "\x0b", "\x0c", "\x1c", "\x1d", "\x1e", "\x85", "\u2028", "\u2029")
+_LINE_BREAK_RX = re.compile("[" + "".join(LINE_BREAKS) + "]")
+
+
+def _unify_line_breaks(text: str) -> str:
+    """The text with each "\\r\\n" made "\\n": the one line break besides "\\n" that Lean reads as such."""
+    return text.replace("\r\n", "\n")
+
+
+def _odd_line_break(text: str) -> str | None:
+    """Where `text` has a line break of LINE_BREAKS ("U+2028 on line 3"), or None."""
+    found = _LINE_BREAK_RX.search(text)
+    if found is None:
+        return None
+    line = text.count("\n", 0, found.start()) + 1
+    return f"U+{ord(found.group(0)):04X} on line {line}"
 
 
 def normalize_lean(code: str) -> str:
@@ -587,54 +681,171 @@ def _tok(*words: str) -> str:
 
 
 _HASH_COMMANDS = (
-    "exit", "eval", "print", "check", "check_failure", "reduce", "synth", "help", "lint",
-    "guard", "guard_expr", "guard_msgs", "guard_target", "where", "find", "simp", "norm_num",
-    "conv", "time", "explode", "html", "widget", "version", "info_trees", "test", "sample",
-    "count_heartbeats", "leansearch", "loogle", "moogle", "unfold?", "kerodon", "stacks",
+    "exit",
+    "eval",
+    "print",
+    "check",
+    "check_failure",
+    "reduce",
+    "synth",
+    "help",
+    "lint",
+    "guard",
+    "guard_expr",
+    "guard_msgs",
+    "guard_target",
+    "where",
+    "find",
+    "simp",
+    "norm_num",
+    "conv",
+    "time",
+    "explode",
+    "html",
+    "widget",
+    "version",
+    "info_trees",
+    "test",
+    "sample",
+    "count_heartbeats",
+    "leansearch",
+    "loogle",
+    "moogle",
+    "unfold?",
+    "kerodon",
+    "stacks",
 )
 
 # (rule, status, regex, what it catches) -- scanned over comment-free text
 _TOKEN_RULES = [
-    ("sorry", "sorry", re.compile(_tok("sorry", "admit", "stop") + r"|sorryAx"),
-     "`sorry`/`admit`/`stop` leave the goal unproved"),
-    ("axiom", "cheat", re.compile(_tok("axiom", "axioms", "constant")), "declares a new axiom or constant"),
-    ("hash_command", "cheat",
-     re.compile(r"(?<![\w'.#])#(?:" + "|".join(re.escape(w) for w in _HASH_COMMANDS)
-                + r")(?![\w'!?])|(?m:^[ \t]*#[A-Za-z_])"),
-     "`#` commands (`#exit`, `#eval`, `#print`, ...) are not allowed in a proof"),
-    ("meta_code", "cheat",
-     re.compile(_tok("run_cmd", "run_tac", "run_elab", "run_meta", "by_elab", "elab", "elab_rules",
-                     "initialize", "builtin_initialize", "simproc", "dsimproc", "simproc_decl",
-                     "unif_hint")),
-     "runs user meta code during elaboration"),
-    ("syntax_extension", "cheat",
-     re.compile(_tok("macro", "macro_rules", "syntax", "notation", "notation3", "infix", "infixl",
-                     "infixr", "prefix", "postfix", "declare_syntax_cat", "binder_predicate",
-                     "delab", "app_unexpander")),
-     "changes the syntax (can redefine tactics or notation)"),
-    ("unsafe", "cheat", re.compile(_tok("unsafe", "implemented_by", "extern", "csimp")),
-     "unsafe code or code replaced by an implementation the kernel does not check"),
-    ("native", "cheat",
-     re.compile(_tok("native_decide", "ofReduceBool", "ofReduceNat", "trustCompiler", "reduceBool",
-                     "reduceNat") + r"|\+\s*native\b|\bnative\s*:=\s*true"),
-     "trusts the compiler (axiom Lean.ofReduceBool)"),
-    ("attribute", "cheat", re.compile(_tok("attribute")),
-     "`attribute [...]` can add or remove instances and simp lemmas"),
-    ("instance", "cheat", re.compile(_tok("instance", "default_instance")),
-     "declares an instance (can change what the statement means)"),
-    ("namespace", "cheat", re.compile(_tok("namespace", "export")),
-     "`namespace`/`export` change name resolution"),
+    (
+        "sorry",
+        "sorry",
+        re.compile(_tok("sorry", "admit", "stop") + r"|sorryAx"),
+        "`sorry`/`admit`/`stop` leave the goal unproved",
+    ),
+    (
+        "axiom",
+        "cheat",
+        re.compile(_tok("axiom", "axioms", "constant")),
+        "declares a new axiom or constant",
+    ),
+    (
+        "hash_command",
+        "cheat",
+        re.compile(
+            r"(?<![\w'.#])#(?:"
+            + "|".join(re.escape(w) for w in _HASH_COMMANDS)
+            + r")(?![\w'!?])|(?m:^[ \t]*#[A-Za-z_])"
+        ),
+        "`#` commands (`#exit`, `#eval`, `#print`, ...) are not allowed in a proof",
+    ),
+    (
+        "meta_code",
+        "cheat",
+        re.compile(
+            _tok(
+                "run_cmd",
+                "run_tac",
+                "run_elab",
+                "run_meta",
+                "by_elab",
+                "elab",
+                "elab_rules",
+                "initialize",
+                "builtin_initialize",
+                "simproc",
+                "dsimproc",
+                "simproc_decl",
+                "unif_hint",
+            )
+        ),
+        "runs user meta code during elaboration",
+    ),
+    (
+        "syntax_extension",
+        "cheat",
+        re.compile(
+            _tok(
+                "macro",
+                "macro_rules",
+                "syntax",
+                "notation",
+                "notation3",
+                "infix",
+                "infixl",
+                "infixr",
+                "prefix",
+                "postfix",
+                "declare_syntax_cat",
+                "binder_predicate",
+                "delab",
+                "app_unexpander",
+            )
+        ),
+        "changes the syntax (can redefine tactics or notation)",
+    ),
+    (
+        "unsafe",
+        "cheat",
+        re.compile(_tok("unsafe", "implemented_by", "extern", "csimp")),
+        "unsafe code or code replaced by an implementation the kernel does not check",
+    ),
+    (
+        "native",
+        "cheat",
+        re.compile(
+            _tok(
+                "native_decide",
+                "ofReduceBool",
+                "ofReduceNat",
+                "trustCompiler",
+                "reduceBool",
+                "reduceNat",
+            )
+            + r"|\+\s*native\b|\bnative\s*:=\s*true"
+        ),
+        "trusts the compiler (axiom Lean.ofReduceBool)",
+    ),
+    (
+        "attribute",
+        "cheat",
+        re.compile(_tok("attribute")),
+        "`attribute [...]` can add or remove instances and simp lemmas",
+    ),
+    (
+        "instance",
+        "cheat",
+        re.compile(_tok("instance", "default_instance")),
+        "declares an instance (can change what the statement means)",
+    ),
+    (
+        "namespace",
+        "cheat",
+        re.compile(_tok("namespace", "export")),
+        "`namespace`/`export` change name resolution",
+    ),
 ]
 _SET_OPTION = re.compile(_tok("set_option") + r"(\s+([^\s]+))?")
 _IMPORT = re.compile(r"(?m)^[ \t]*import[ \t]+([^\s]+)[ \t]*$")
 _DECL = re.compile(
     r"(?<![\w'.])(theorem|lemma|def|abbrev|instance|structure|inductive|class|opaque|axiom|constant|example)"
-    r"(?![\w'!?])\s*(«[^»]*»|[^\s(\[{:⦃⟨»]+)?")
-_MODIFIERS = {"private", "protected", "noncomputable", "unsafe", "partial", "nonrec", "scoped", "local"}
+    r"(?![\w'!?])\s*(«[^»]*»|[^\s(\[{:⦃⟨»]+)?"
+)
+_MODIFIERS = {
+    "private",
+    "protected",
+    "noncomputable",
+    "unsafe",
+    "partial",
+    "nonrec",
+    "scoped",
+    "local",
+}
 _IDENT = re.compile(r"«[^»]*»|[^\W\d][\w'!?]*(?:\.[^\W\d][\w'!?]*)*")
 
 CHEAT_RULES = {
-    "lex": "an unterminated comment or string literal",
+    "lex": 'an unterminated comment or string literal, or a line break other than "\\n" outside comments',
     "sorry": "`sorry`, `admit`, `stop` or `sorryAx` outside comments (also a sorry reported by Lean)",
     "axiom": "a new `axiom` or `constant`",
     "hash_command": "a `#` command: `#exit`, `#eval`, `#print`, `#check`, ...",
@@ -661,52 +872,138 @@ _CHEAT_TARGET = "theorem cheat_target (x : ℕ) (h₀ : x = 2) : x + x = 4 := by
 # `--accept all` and is rejected here by the named rule. The tests run all of them.
 CHEAT_EXAMPLES = [
     ("lex", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega /- unterminated"),
+    ("lex", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega\u2028  exact bogus"),
     ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  sorry"),
     ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  admit"),
     ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  exact sorryAx _ false"),
-    ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + "\n  simp [show \"sorry\" = \"sorry\" from rfl]"),
-    ("axiom", _CHEAT_TARGET, "axiom cheat : ∀ x : ℕ, x + x = 4\n" + _CHEAT_TARGET + "\n  exact cheat x"),
+    ("sorry", _CHEAT_TARGET, _CHEAT_TARGET + '\n  simp [show "sorry" = "sorry" from rfl]'),
+    (
+        "axiom",
+        _CHEAT_TARGET,
+        "axiom cheat : ∀ x : ℕ, x + x = 4\n" + _CHEAT_TARGET + "\n  exact cheat x",
+    ),
     ("hash_command", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega\n#exit"),
-    ("hash_command", _CHEAT_TARGET, "#eval IO.println \"hi\"\n" + _CHEAT_TARGET + "\n  omega"),
-    ("meta_code", _CHEAT_TARGET, _CHEAT_TARGET + "\n  run_tac Lean.Elab.Tactic.evalTactic (← `(tactic| omega))"),
-    ("meta_code", _CHEAT_TARGET, "elab \"cheat\" : tactic => pure ()\n" + _CHEAT_TARGET + "\n  cheat"),
-    ("syntax_extension", _CHEAT_TARGET, "macro \"omega\" : tactic => `(tactic| simp)\n" + _CHEAT_TARGET + "\n  omega"),
-    ("syntax_extension", _CHEAT_TARGET, "local notation \"four\" => (4 : ℕ)\n" + _CHEAT_TARGET + "\n  omega"),
-    ("syntax_extension", _CHEAT_TARGET, "infixl:65 \" +' \" => HAdd.hAdd\n" + _CHEAT_TARGET + "\n  omega"),
+    ("hash_command", _CHEAT_TARGET, '#eval IO.println "hi"\n' + _CHEAT_TARGET + "\n  omega"),
+    (
+        "meta_code",
+        _CHEAT_TARGET,
+        _CHEAT_TARGET + "\n  run_tac Lean.Elab.Tactic.evalTactic (← `(tactic| omega))",
+    ),
+    (
+        "meta_code",
+        _CHEAT_TARGET,
+        'elab "cheat" : tactic => pure ()\n' + _CHEAT_TARGET + "\n  cheat",
+    ),
+    (
+        "syntax_extension",
+        _CHEAT_TARGET,
+        'macro "omega" : tactic => `(tactic| simp)\n' + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "syntax_extension",
+        _CHEAT_TARGET,
+        'local notation "four" => (4 : ℕ)\n' + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "syntax_extension",
+        _CHEAT_TARGET,
+        'infixl:65 " +\' " => HAdd.hAdd\n' + _CHEAT_TARGET + "\n  omega",
+    ),
     ("unsafe", _CHEAT_TARGET, "unsafe def f : ℕ := 4\n" + _CHEAT_TARGET + "\n  omega"),
-    ("unsafe", _CHEAT_TARGET, "@[implemented_by id] def g (n : ℕ) : ℕ := n\n" + _CHEAT_TARGET + "\n  omega"),
-    ("unsafe", _CHEAT_TARGET,
-     "@[extern \"lean_nat_add\"] def h (a b : ℕ) : ℕ := a + b\n" + _CHEAT_TARGET + "\n  omega"),
+    (
+        "unsafe",
+        _CHEAT_TARGET,
+        "@[implemented_by id] def g (n : ℕ) : ℕ := n\n" + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "unsafe",
+        _CHEAT_TARGET,
+        '@[extern "lean_nat_add"] def h (a b : ℕ) : ℕ := a + b\n' + _CHEAT_TARGET + "\n  omega",
+    ),
     ("native", _CHEAT_TARGET, _CHEAT_TARGET + "\n  subst h₀\n  native_decide"),
     ("native", _CHEAT_TARGET, _CHEAT_TARGET + "\n  subst h₀\n  decide +native"),
-    ("set_option", _CHEAT_TARGET, "set_option debug.skipKernelTC true in\n" + _CHEAT_TARGET + "\n  omega"),
-    ("set_option", _CHEAT_TARGET, _CHEAT_TARGET + "\n  set_option debug.skipKernelTC true in omega"),
+    (
+        "set_option",
+        _CHEAT_TARGET,
+        "set_option debug.skipKernelTC true in\n" + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "set_option",
+        _CHEAT_TARGET,
+        _CHEAT_TARGET + "\n  set_option debug.skipKernelTC true in omega",
+    ),
     ("set_option", _CHEAT_TARGET, "set_option autoImplicit true\n" + _CHEAT_TARGET + "\n  omega"),
     ("instance", _CHEAT_TARGET, "instance : Add ℕ := ⟨fun _ _ => 4⟩\n" + _CHEAT_TARGET + "\n  rfl"),
-    ("instance", _CHEAT_TARGET, "local instance weird : OfNat ℕ 4 := ⟨0⟩\n" + _CHEAT_TARGET + "\n  omega"),
-    ("attribute", _CHEAT_TARGET, "attribute [local instance] Classical.propDecidable\n" + _CHEAT_TARGET + "\n  omega"),
+    (
+        "instance",
+        _CHEAT_TARGET,
+        "local instance weird : OfNat ℕ 4 := ⟨0⟩\n" + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "attribute",
+        _CHEAT_TARGET,
+        "attribute [local instance] Classical.propDecidable\n" + _CHEAT_TARGET + "\n  omega",
+    ),
     ("namespace", _CHEAT_TARGET, "namespace Foo\n" + _CHEAT_TARGET + "\n  omega\nend Foo"),
-    ("scoping", _CHEAT_TARGET, "variable (hf : False)\ninclude hf\n" + _CHEAT_TARGET + "\n  exact hf.elim"),
+    (
+        "scoping",
+        _CHEAT_TARGET,
+        "variable (hf : False)\ninclude hf\n" + _CHEAT_TARGET + "\n  exact hf.elim",
+    ),
     ("scoping", _CHEAT_TARGET, "open Finset\n" + _CHEAT_TARGET + "\n  omega"),
     ("scoping", _CHEAT_TARGET, "open Finset in\n" + _CHEAT_TARGET + "\n  omega"),
     ("modifier", _CHEAT_TARGET, "private " + _CHEAT_TARGET + "\n  omega"),
     ("modifier", _CHEAT_TARGET, "@[simp] " + _CHEAT_TARGET + "\n  omega"),
-    ("statement", _CHEAT_TARGET, "theorem cheat_target (x : ℕ) (h₀ : x = 2) : x + x = 4 ∨ True := by\n  simp"),
-    ("statement", _CHEAT_TARGET, "theorem cheat_target (x : ℕ) (h₀ : x = 2) (h₁ : False) : x + x = 4 := by\n  omega"),
-    ("statement", _CHEAT_TARGET, "theorem other_name (x : ℕ) (h₀ : x = 2) : x + x = 4 := by\n  omega"),
-    ("duplicate_name", _CHEAT_TARGET, "theorem cheat_target : True := trivial\n" + _CHEAT_TARGET + "\n  omega"),
-    ("duplicate_name", _CHEAT_TARGET, "theorem Foo.cheat_target : True := trivial\n" + _CHEAT_TARGET + "\n  omega"),
-    ("duplicate_name", _CHEAT_TARGET, _CHEAT_TARGET + "\n  omega\ntheorem _root_.cheat_target : True := trivial"),
-    ("shadowing", "theorem cheat_sqrt : sqrt 4 = 2 := by",
-     "def sqrt (x : ℝ) : ℝ := 2\ntheorem cheat_sqrt : sqrt 4 = 2 := by\n  rfl"),
-    ("import", _CHEAT_TARGET, "import Mathlib.Tactic.Linarith.Frontend\nimport Cheats\n" + _CHEAT_TARGET + "\n  omega"),
+    (
+        "statement",
+        _CHEAT_TARGET,
+        "theorem cheat_target (x : ℕ) (h₀ : x = 2) : x + x = 4 ∨ True := by\n  simp",
+    ),
+    (
+        "statement",
+        _CHEAT_TARGET,
+        "theorem cheat_target (x : ℕ) (h₀ : x = 2) (h₁ : False) : x + x = 4 := by\n  omega",
+    ),
+    (
+        "statement",
+        _CHEAT_TARGET,
+        "theorem other_name (x : ℕ) (h₀ : x = 2) : x + x = 4 := by\n  omega",
+    ),
+    (
+        "duplicate_name",
+        _CHEAT_TARGET,
+        "theorem cheat_target : True := trivial\n" + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "duplicate_name",
+        _CHEAT_TARGET,
+        "theorem Foo.cheat_target : True := trivial\n" + _CHEAT_TARGET + "\n  omega",
+    ),
+    (
+        "duplicate_name",
+        _CHEAT_TARGET,
+        _CHEAT_TARGET + "\n  omega\ntheorem _root_.cheat_target : True := trivial",
+    ),
+    (
+        "shadowing",
+        "theorem cheat_sqrt : sqrt 4 = 2 := by",
+        "def sqrt (x : ℝ) : ℝ := 2\ntheorem cheat_sqrt : sqrt 4 = 2 := by\n  rfl",
+    ),
+    (
+        "import",
+        _CHEAT_TARGET,
+        "import Mathlib.Tactic.Linarith.Frontend\nimport Cheats\n" + _CHEAT_TARGET + "\n  omega",
+    ),
 ]
 
 
 def _allowed_option(name: str) -> bool:
-    return any(name == p or (p.endswith(".") and name.startswith(p)) or
-               (not p.endswith(".") and name.startswith(p + ".")) for p in ALLOWED_OPTIONS) \
-        or name in ("profiler", "diagnostics")
+    return any(
+        name == p
+        or (p.endswith(".") and name.startswith(p))
+        or (not p.endswith(".") and name.startswith(p + "."))
+        for p in ALLOWED_OPTIONS
+    ) or name in ("profiler", "diagnostics")
 
 
 def _scan_tokens(code: str) -> tuple | None:
@@ -718,14 +1015,18 @@ def _scan_tokens(code: str) -> tuple | None:
     for m in _SET_OPTION.finditer(code):
         opt = m.group(2)
         if not opt or not _allowed_option(opt):
-            return "cheat", "set_option", f"option {opt!r} is not allowed (allowed: {', '.join(ALLOWED_OPTIONS)})"
+            return (
+                "cheat",
+                "set_option",
+                f"option {opt!r} is not allowed (allowed: {', '.join(ALLOWED_OPTIONS)})",
+            )
     return None
 
 
 def _last_component(name: str) -> str:
     name = name.replace("«", "").replace("»", "")
     if name.startswith("_root_."):
-        name = name[len("_root_."):]
+        name = name[len("_root_.") :]
     return name.rsplit(".", 1)[-1]
 
 
@@ -747,10 +1048,10 @@ def _open_names(clause: str) -> list:
 
 @dataclass
 class _Prepared:
-    name: str            # theorem name used for #check / #print axioms
-    core: str            # normalised statement up to (excluding) the final ':='
+    name: str  # theorem name used for #check / #print axioms
+    core: str  # normalised statement up to (excluding) the final ':='
     lean_statement: str  # statement text for Lean (comments blanked, example renamed)
-    lean_proof: str      # proof text for Lean (comments blanked, imports dropped, example renamed)
+    lean_proof: str  # proof text for Lean (comments blanked, imports dropped, example renamed)
 
 
 class _Reject(Exception):
@@ -761,32 +1062,39 @@ class _Reject(Exception):
 
 def _prepare_statement(statement: str) -> tuple:
     """Check an original statement; returns (name, core, lean_statement, normalised)."""
-    code, err = strip_comments(statement or "")
+    code, err = strip_comments(_unify_line_breaks(statement or ""))
     if err:
         raise _Reject("error", "lex", f"statement: {err}")
+    odd = _odd_line_break(code)
+    if odd is not None:
+        raise _Reject("error", "lex", f"statement: a line break other than \\n ({odd})")
     hit = _scan_tokens(code)
     if hit:
         raise _Reject(hit[0], hit[1], "statement: " + hit[2])
     norm = normalize_lean(code)
     m = re.match(r"(theorem|lemma|example)(?![\w'!?])", norm)
     if not m:
-        raise _Reject("error", "statement", "the statement must start with `theorem`, `lemma` or `example`")
+        raise _Reject(
+            "error", "statement", "the statement must start with `theorem`, `lemma` or `example`"
+        )
     decls = _DECL.findall(code)
     if len(decls) != 1:
         raise _Reject("error", "statement", "the statement must declare exactly one theorem")
     mb = re.search(r":=\s*by$", norm)
     if not mb:
         raise _Reject("error", "statement", "the statement must end in ':= by'")
-    core = norm[:mb.start()].rstrip()
+    core = norm[: mb.start()].rstrip()
     lean_statement = code.rstrip()
     if m.group(1) == "example":
         name = EXAMPLE_NAME
-        core = "theorem " + name + core[len("example"):]
+        core = "theorem " + name + core[len("example") :]
         pos = re.search(_tok("example"), lean_statement).start()
-        lean_statement = lean_statement[:pos] + "theorem " + name + lean_statement[pos + len("example"):]
+        lean_statement = (
+            lean_statement[:pos] + "theorem " + name + lean_statement[pos + len("example") :]
+        )
     else:
         if m.group(1) == "lemma":
-            core = "theorem" + core[len("lemma"):]
+            core = "theorem" + core[len("lemma") :]
         mn = re.match(r"theorem\s*(«[^»]*»|[^\s(\[{:⦃⟨]+)", core)
         if not mn:
             raise _Reject("error", "statement", "cannot read the theorem name")
@@ -797,14 +1105,31 @@ def _prepare_statement(statement: str) -> tuple:
 def _statement_identifiers(core: str) -> set:
     """Identifiers the statement mentions that are not bound by its explicit binders."""
     head = re.match(r"theorem\s*(«[^»]*»|[^\s(\[{:⦃⟨]+)", core)
-    body = core[head.end():] if head else core
+    body = core[head.end() :] if head else core
     bound = set()
     for grp in re.finditer(r"[(\[{⦃]([^()\[\]{}⦃⦄]*?):", body):
         bound.update(grp.group(1).split())
     for q in re.finditer(r"(?:∀|∃|∃!|fun|λ)\s*([^,:=>]*)", body):
         bound.update(re.findall(r"[^\W\d][\w'!?]*", q.group(1)))
-    keywords = {"theorem", "by", "fun", "Type", "Sort", "Prop", "if", "then", "else", "let", "have",
-                "show", "from", "in", "at", "with", "match"}
+    keywords = {
+        "theorem",
+        "by",
+        "fun",
+        "Type",
+        "Sort",
+        "Prop",
+        "if",
+        "then",
+        "else",
+        "let",
+        "have",
+        "show",
+        "from",
+        "in",
+        "at",
+        "with",
+        "match",
+    }
     idents = set()
     for ident in _IDENT.findall(body):
         if ident in bound or ident in keywords:
@@ -816,12 +1141,21 @@ def _statement_identifiers(core: str) -> set:
 
 def prepare(job: ProofJob) -> _Prepared:
     """Run every text rule on a job; raises _Reject. Returns what Lean must check."""
+    # The header goes to Lean (and to a Kimina server) as it is, comments included.
+    header = _unify_line_breaks(job.header or "")
+    odd = _odd_line_break(header)
+    if odd is not None:
+        raise _Reject("error", "lex", f"header: a line break other than \\n ({odd})")
     name, core, lean_statement = _prepare_statement(job.statement)
-    code, err = strip_comments(job.proof or "")
+    code, err = strip_comments(_unify_line_breaks(job.proof or ""))
     if err:
         raise _Reject("error", "lex", err)
+    # Comments are blanked by now, so a break left here is one Lean would read (and a Kimina server split at).
+    odd = _odd_line_break(code)
+    if odd is not None:
+        raise _Reject("error", "lex", f"a line break other than \\n outside comments ({odd})")
     # imports: allowed only when the header already has them (then dropped)
-    h_imports, h_opens = _header_info(job.header)
+    h_imports, h_opens = _header_info(header)
     for m in list(_IMPORT.finditer(code)):
         if m.group(1) not in h_imports:
             raise _Reject("error", "import", f"`import {m.group(1)}` is not in the header")
@@ -829,13 +1163,18 @@ def prepare(job: ProofJob) -> _Prepared:
     hit = _scan_tokens(code)
     if hit:
         raise _Reject(*hit)
-    if name == EXAMPLE_NAME:   # find the `example` that carries the statement and name it
-        orig_core = "example" + core[len("theorem " + EXAMPLE_NAME):]
-        spots = [m.start() for m in re.finditer(_tok("example"), code)
-                 if _starts_with_core(normalize_lean(code[m.start():]), orig_core)]
+    if name == EXAMPLE_NAME:  # find the `example` that carries the statement and name it
+        orig_core = "example" + core[len("theorem " + EXAMPLE_NAME) :]
+        spots = [
+            m.start()
+            for m in re.finditer(_tok("example"), code)
+            if _starts_with_core(normalize_lean(code[m.start() :]), orig_core)
+        ]
         if len(spots) != 1:
-            raise _Reject("cheat", "statement", "the original `example` statement is missing or repeated")
-        code = code[:spots[0]] + "theorem " + EXAMPLE_NAME + code[spots[0] + len("example"):]
+            raise _Reject(
+                "cheat", "statement", "the original `example` statement is missing or repeated"
+            )
+        code = code[: spots[0]] + "theorem " + EXAMPLE_NAME + code[spots[0] + len("example") :]
     decls = [(m.group(1), m.group(2) or "", m.start()) for m in _DECL.finditer(code)]
     target_last = _last_component(name)
     same = [d for d in decls if d[1] and _last_component(d[1]) == target_last]
@@ -846,10 +1185,13 @@ def prepare(job: ProofJob) -> _Prepared:
     kind, dname, pos = same[0]
     rest = normalize_lean(code[pos:])
     if kind == "lemma":
-        rest = "theorem" + rest[len("lemma"):]
+        rest = "theorem" + rest[len("lemma") :]
     if kind not in ("theorem", "lemma") or not _starts_with_core(rest, core):
-        raise _Reject("cheat", "statement",
-                      "the statement was altered (it must match the original up to whitespace)")
+        raise _Reject(
+            "cheat",
+            "statement",
+            "the statement was altered (it must match the original up to whitespace)",
+        )
     _check_prefix(code[:pos], h_opens)
     idents = _statement_identifiers(core)
     for k, dn, p in decls:
@@ -862,21 +1204,26 @@ def prepare(job: ProofJob) -> _Prepared:
 
 
 def _starts_with_core(rest: str, core: str) -> bool:
-    return rest.startswith(core) and rest[len(core):].lstrip().startswith(":=")
+    return rest.startswith(core) and rest[len(core) :].lstrip().startswith(":=")
 
 
 def _check_prefix(prefix: str, header_opens: set) -> None:
     m = re.search(_tok("variable", "include", "omit"), prefix)
     if m:
-        raise _Reject("cheat", "scoping", f"`{m.group(0)}` before the statement can add hypotheses to it")
+        raise _Reject(
+            "cheat", "scoping", f"`{m.group(0)}` before the statement can add hypotheses to it"
+        )
     for m in re.finditer(_tok("open") + r"([^\n]*)", prefix):
         clause = m.group(1)
         if re.search(_tok("in"), clause):
             continue
         extra = [w for w in _open_names(clause) if w not in header_opens]
         if extra:
-            raise _Reject("cheat", "scoping",
-                          f"`open {' '.join(extra)}` before the statement changes what it means")
+            raise _Reject(
+                "cheat",
+                "scoping",
+                f"`open {' '.join(extra)}` before the statement changes what it means",
+            )
     tail = prefix.rstrip()
     while tail:
         if re.search(r"@\[[^\]]*\]$", tail):
@@ -908,7 +1255,9 @@ def check_text(job: ProofJob) -> LeanResult | None:
 
 def proof_from_tactics(statement: str, tactics: list) -> str:
     """Assemble a whole proof from a statement ending in ':= by' and a tactic path."""
-    lines = [textwrap.indent(textwrap.dedent(t).strip("\n"), "  ") for t in tactics if t and t.strip()]
+    lines = [
+        textwrap.indent(textwrap.dedent(t).strip("\n"), "  ") for t in tactics if t and t.strip()
+    ]
     return statement.rstrip() + "\n" + "\n".join(lines)
 
 
@@ -934,21 +1283,32 @@ _NAME = re.compile(r"(?:«[^»\n]+»|[^\W\d][\w'!?]*)(?:\.(?:«[^»\n]+»|[^\W\d
 
 
 def _is_name(name: str) -> bool:
-    return bool(_NAME.fullmatch(name.removeprefix("_root_."))) and name.removeprefix("_root_.") != ""
+    return (
+        bool(_NAME.fullmatch(name.removeprefix("_root_."))) and name.removeprefix("_root_.") != ""
+    )
 
 
 def _used_constants(tactics: list, proof: str, mode) -> list:
     """The `usedConstants` of allTactics' tactics, deduplicated in order; unless mode == "all", only those
     the proof text names: the identifier itself, a suffix after a dot (`add_comm` for `Nat.add_comm` under
     `open Nat`), or the field of a dot-notation access (`h.le` for `LT.lt.le`)."""
-    seen = list(dict.fromkeys(str(c) for t in tactics if isinstance(t, dict)
-                              for c in (t.get("usedConstants") or [])))
+    seen = list(
+        dict.fromkeys(
+            str(c) for t in tactics if isinstance(t, dict) for c in (t.get("usedConstants") or [])
+        )
+    )
     if mode == "all":
         return seen
     idents = set(_IDENT.findall(proof))
     fields = {i.rsplit(".", 1)[1] for i in idents if "." in i}
-    return [c for c in seen if c in idents or any(c.endswith("." + i) for i in idents)
-            or c.rsplit(".", 1)[-1] in fields and "." in c]
+    return [
+        c
+        for c in seen
+        if c in idents
+        or any(c.endswith("." + i) for i in idents)
+        or c.rsplit(".", 1)[-1] in fields
+        and "." in c
+    ]
 
 
 # --------------------------------------------------------------------------- task formats (the algorithms' parsing)
@@ -969,7 +1329,11 @@ def read_rows(source: str, split: str = "train") -> list:
         source = str(path)
     if source.endswith((".json", ".jsonl")):
         with open(source) as f:
-            return json.load(f) if source.endswith(".json") else [json.loads(line) for line in f if line.strip()]
+            return (
+                json.load(f)
+                if source.endswith(".json")
+                else [json.loads(line) for line in f if line.strip()]
+            )
     import datasets
 
     return list(datasets.load_dataset(source, split=split))
@@ -986,14 +1350,24 @@ def load_problems(source: str, limit: int | None = None, split: str | None = Non
         text = (row.get("theorem") or row.get("formal_statement") or "").strip()
         decl = re.search(r"^(?:theorem|lemma)\s", text, re.M)
         statement = clean_statement(text[decl.start() :] if decl else text)
-        if statement is None or (split is not None and "split" in row and split not in str(row["split"]).split()):
+        if statement is None or (
+            split is not None and "split" in row and split not in str(row["split"]).split()
+        ):
             continue
-        name, pid = re.match(r"(?:theorem|lemma)\s+(\S+)", statement), row.get("id", row.get("name"))
+        name, pid = (
+            re.match(r"(?:theorem|lemma)\s+(\S+)", statement),
+            row.get("id", row.get("name")),
+        )
         pid = str(pid if pid not in (None, "") else name.group(1) if name else i)
         pid = f"{pid}#{i}" if pid in seen else pid
         seen.add(pid)
-        problems.append(Problem(pid, row.get("header") or (text[: decl.start()] if decl else "") or DEFAULT_HEADER,
-                                statement))
+        problems.append(
+            Problem(
+                pid,
+                row.get("header") or (text[: decl.start()] if decl else "") or DEFAULT_HEADER,
+                statement,
+            )
+        )
     return problems[:limit] if limit else problems
 
 
@@ -1029,7 +1403,10 @@ def extract_proof(completion: str, whole_block: bool = False) -> str | None:
     if not (text.startswith("```lean4") and text.endswith("```") and text.count("```") == 2):
         return None
     block = text[len("```lean4") : -len("```")]
-    if sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1 or ":= by" not in block:
+    if (
+        sum(block.count(word) for word in ("theorem ", "lemma ", "def ")) != 1
+        or ":= by" not in block
+    ):
         return None
     proof = block[block.find(":= by") + len(":= by") :].rstrip()
     return proof if proof.strip() else None
@@ -1046,11 +1423,16 @@ def extract_last_block(completion: str, statement: str) -> str | None:
     block (CoProver's lean_reward.py rule) without import lines (the header has them), or None if empty; a block
     without the declaration of `statement` is its tactic body, put under the statement."""
     blocks = re.findall(r"```lean4?[ \t]*\n(.*?)```", completion, re.S)
-    code = "\n".join(line for line in (blocks or [""])[-1].rstrip().split("\n") if not line.startswith("import "))
+    code = "\n".join(
+        line for line in (blocks or [""])[-1].rstrip().split("\n") if not line.startswith("import ")
+    )
     if not code.strip():
         return None
-    return code if _declaration(code, statement) else statement + "\n" + textwrap.indent(
-        textwrap.dedent(code).strip("\n"), "  ")
+    return (
+        code
+        if _declaration(code, statement)
+        else statement + "\n" + textwrap.indent(textwrap.dedent(code).strip("\n"), "  ")
+    )
 
 
 def proof_tactics(code: str, statement: str) -> list:
@@ -1062,18 +1444,27 @@ def proof_tactics(code: str, statement: str) -> list:
     code = strip_comments(code)[0] or code
     decl = _declaration(code, statement)
     i, depth = decl.start() if decl else 0, 0
-    while i < len(code) and not (depth == 0 and code.startswith(":=", i)):  # the declaration's ':=', not a binder's
+    while i < len(code) and not (
+        depth == 0 and code.startswith(":=", i)
+    ):  # the declaration's ':=', not a binder's
         depth, i = depth + (code[i] in "([{⦃") - (code[i] in ")]}⦄"), i + 1
     by = re.match(r":=\s*by(?![\w'!?])", code[i:])
     first, *rest = code[i + by.end() :].split("\n") if by else [""]
-    tactics, rest = [first.strip()] if first.strip() else [], [line for line in rest if line.strip()]
+    tactics, rest = (
+        [first.strip()] if first.strip() else [],
+        [line for line in rest if line.strip()],
+    )
     indent = len(rest[0]) - len(rest[0].lstrip()) if rest else 0
-    command = re.compile(r"(#|@\[|(theorem|lemma|def|example|abbrev|instance|namespace|section|end|noncomputable|"
-                         r"variable|attribute|structure|inductive|class|axiom|private|protected)(?![\w'!?.]))")
+    command = re.compile(
+        r"(#|@\[|(theorem|lemma|def|example|abbrev|instance|namespace|section|end|noncomputable|"
+        r"variable|attribute|structure|inductive|class|axiom|private|protected)(?![\w'!?.]))"
+    )
     for line in rest:
         if len(line) - len(line.lstrip()) < indent or indent == 0 and command.match(line):
             break
-        if tactics and (len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))):
+        if tactics and (
+            len(line) - len(line.lstrip()) > indent or line.lstrip().startswith(("|", "<;>"))
+        ):
             tactics[-1] += "\n" + line[indent:].rstrip()
         else:
             tactics.append(line.strip())
@@ -1099,19 +1490,30 @@ def load_triples(source: str, limit: int | None = None) -> list:
     for row in read_rows(source):
         for t in row.get("traced_tactics") or [row]:
             if not {"tactic", "state_before", "state_after"} <= set(t):
-                raise ValueError(f"{source}: a row with neither traced_tactics nor tactic, state_before, state_after: "
-                                 f"{sorted(t)}")
+                raise ValueError(
+                    f"{source}: a row with neither traced_tactics nor tactic, state_before, state_after: "
+                    f"{sorted(t)}"
+                )
             text, premises = t.get("annotated_tactic") or (t["tactic"], [])
             parts = re.split(r"<a>.+?</a>", " ".join(text.split()))
             if premises and len(parts) == len(premises) + 1:  # the marks name the premises in order
-                text = "".join(f"{part}<a>{p['full_name']}</a>" for part, p in zip(parts, premises)) + parts[-1]
-            triples.append(Triple(format_state(t["state_before"]), " ".join(text.split()),
-                                  format_state(t["state_after"])))
+                text = (
+                    "".join(f"{part}<a>{p['full_name']}</a>" for part, p in zip(parts, premises))
+                    + parts[-1]
+                )
+            triples.append(
+                Triple(
+                    format_state(t["state_before"]),
+                    " ".join(text.split()),
+                    format_state(t["state_after"]),
+                )
+            )
     return triples[:limit] if limit else triples
 
 
-def extract_conjecture(completion: str, end_marker: str | None = None, finish_reason: str = "stop",
-                       banned: tuple = ()) -> str | None:
+def extract_conjecture(
+    completion: str, end_marker: str | None = None, finish_reason: str = "stop", banned: tuple = ()
+) -> str | None:
     """A model's new statement, ending with ':= by', or None.
 
     end_marker None: the last ```lean4 block, closed by a fence, with exactly one ':= by' and at most one
@@ -1126,26 +1528,40 @@ def extract_conjecture(completion: str, end_marker: str | None = None, finish_re
         if start < 0 or end <= start:
             return None  # no block, or a truncated one
         block = completion[start + len("```lean4") : end].strip()
-        if block.count(":= by") != 1 or block.count("sorry") > 1 or not block.endswith(("sorry", ":= by")):
+        if (
+            block.count(":= by") != 1
+            or block.count("sorry") > 1
+            or not block.endswith(("sorry", ":= by"))
+        ):
             return None
-        block = re.sub(r"\A(\s*((import|open|set_option)\b.*)?\n)*", "", block)  # blank and header lines
+        block = re.sub(
+            r"\A(\s*((import|open|set_option)\b.*)?\n)*", "", block
+        )  # blank and header lines
         if ":= by" not in block or not re.match(r"(theorem|lemma)\s+\S", block):
             return None
         statement = block[: block.index(":= by") + len(":= by")]
         return statement if theorem_conclusion(statement) else None
-    if finish_reason not in ("stop", "length") or (finish_reason == "length" and end_marker not in completion):
+    if finish_reason not in ("stop", "length") or (
+        finish_reason == "length" and end_marker not in completion
+    ):
         return None
     text = re.sub(r"^(lemma |theorem |)", "theorem ", completion.split(end_marker, 1)[0].strip())
     statement = text.split(":=", 1)[0].rstrip() + " := by"
     if any(bad in statement for bad in ("sorry", "```", *banned)):
         return None
-    return statement if re.match(r"theorem\s+[^\s:(\[{]+", statement) and theorem_conclusion(statement) else None
+    return (
+        statement
+        if re.match(r"theorem\s+[^\s:(\[{]+", statement) and theorem_conclusion(statement)
+        else None
+    )
 
 
 _LEMMA_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_'.!?₀-₉]*")
-_BINDERS = re.compile(r"\b(?:have|haveI|let|set|obtain|intro|intros|rintro|rcases|cases'|induction'|by_cases"
-                      r"|by_contra|by_contra!|generalize|with|fun|λ|at)\b([^:=\n]*)")
-TACTIC_NAMES = frozenset(   # snake_case tactics, which invoked_lemmas would otherwise take for lemmas
+_BINDERS = re.compile(
+    r"\b(?:have|haveI|let|set|obtain|intro|intros|rintro|rcases|cases'|induction'|by_cases"
+    r"|by_contra|by_contra!|generalize|with|fun|λ|at)\b([^:=\n]*)"
+)
+TACTIC_NAMES = frozenset(  # snake_case tactics, which invoked_lemmas would otherwise take for lemmas
     "norm_num simp_all field_simp ring_nf push_cast exact_mod_cast norm_cast linear_combination simp_arith split_ifs "
     "by_contra by_cases push_neg interval_cases fin_cases apply_fun rw_mod_cast simp_rw nth_rewrite nth_rw "
     "induction' cases' conv_lhs conv_rhs norm_num1 all_goals any_goals on_goal pick_goal rotate_left rotate_right "
@@ -1162,11 +1578,17 @@ def invoked_lemmas(proof: str, statement: str = "") -> list:
     sq_nonneg, Nat.succ_le_iff), minus TACTIC_NAMES, names the proof binds (have h_pos ..., obtain ⟨x, hx_1⟩ ...)
     and names of the statement. In order of first use."""
     bound = set(_LEMMA_IDENT.findall(statement)).union(
-        *(_LEMMA_IDENT.findall(m.group(1)) for m in _BINDERS.finditer(proof)))
+        *(_LEMMA_IDENT.findall(m.group(1)) for m in _BINDERS.finditer(proof))
+    )
     found = []
     for name in (name.rstrip(".") for name in _LEMMA_IDENT.findall(proof)):
         last = name.split(".")[-1]
-        if "_" in last.strip("_") and name not in found and name not in TACTIC_NAMES and not {name, last} & bound:
+        if (
+            "_" in last.strip("_")
+            and name not in found
+            and name not in TACTIC_NAMES
+            and not {name, last} & bound
+        ):
             found.append(name)
     return found
 
@@ -1195,7 +1617,9 @@ def _check_block(name: str) -> str:
     return f"set_option pp.all true in\n#check @{_root(name)}\n\n#print axioms {_root(name)}\n"
 
 
-_AXIOMS_MSG = re.compile(r"'(.+?)' (?:depends on axioms:\s*\[(.*?)\]|(does not depend on any axioms))", re.S)
+_AXIOMS_MSG = re.compile(
+    r"'(.+?)' (?:depends on axioms:\s*\[(.*?)\]|(does not depend on any axioms))", re.S
+)
 
 
 def _bare(name: str) -> str:
@@ -1214,21 +1638,37 @@ def _parse_checks(msgs: list, name: str) -> tuple:
         am = _AXIOMS_MSG.search(d)
         if am:
             if _bare(am.group(1)) == _bare(name):
-                axioms = set() if am.group(3) else {a.strip() for a in am.group(2).split(",") if a.strip()}
+                axioms = (
+                    set()
+                    if am.group(3)
+                    else {a.strip() for a in am.group(2).split(",") if a.strip()}
+                )
         elif ctype is None and m.get("severity") == "info":
             ctype = " ".join(d.split())
-            if " : " in ctype:   # drop the "@name" part: only the type is compared
+            if " : " in ctype:  # drop the "@name" part: only the type is compared
                 ctype = ctype.split(" : ", 1)[1]
     return ctype, axioms
 
 
-def _judge(messages: list, sorries: list, check_msgs: list | None, orig_type: str | None,
-           name: str, lean_checks: bool) -> tuple:
+def _judge(
+    messages: list,
+    sorries: list,
+    check_msgs: list | None,
+    orig_type: str | None,
+    name: str,
+    lean_checks: bool,
+) -> tuple:
     """Verdict from Lean's output: (status, reason, errors)."""
     errors = [_fmt(m) for m in messages if m.get("severity") == "error"]
     if errors:
-        return "error", "lean: " + str(messages[[m.get("severity") for m in messages].index("error")]
-                                       .get("data", ""))[:300], errors
+        return (
+            "error",
+            "lean: "
+            + str(messages[[m.get("severity") for m in messages].index("error")].get("data", ""))[
+                :300
+            ],
+            errors,
+        )
     warnings = [str(m.get("data", "")) for m in messages if m.get("severity") == "warning"]
     if sorries or any(_SORRY_WARNING.search(w) for w in warnings):
         return "sorry", "sorry: Lean reports that the proof uses sorry", []
@@ -1250,11 +1690,16 @@ def _judge(messages: list, sorries: list, check_msgs: list | None, orig_type: st
     if extra:
         return "cheat", f"axioms: the proof uses axioms {', '.join(extra)}", []
     if orig_type is not None and ctype != orig_type:
-        return "cheat", "elaborated_statement: the proved theorem's type differs from the original statement", []
+        return (
+            "cheat",
+            "elaborated_statement: the proved theorem's type differs from the original statement",
+            [],
+        )
     return "valid", "", []
 
 
 # --------------------------------------------------------------------------- REPL processes
+
 
 class _Timeout(Exception):
     pass
@@ -1276,7 +1721,7 @@ class _HeaderFailed(Exception):
     pass
 
 
-_LIVE_PROCS: "weakref.WeakSet[_ReplProcess]" = weakref.WeakSet()
+_LIVE_PROCS: weakref.WeakSet[_ReplProcess] = weakref.WeakSet()
 
 
 @atexit.register
@@ -1288,13 +1733,19 @@ def _kill_all_processes():  # no orphan REPLs when the program ends
 class _ReplProcess:
     """One REPL subprocess speaking JSON over stdin/stdout, in its own process group."""
 
-    POLL = 0.25   # seconds between memory checks while waiting
+    POLL = 0.25  # seconds between memory checks while waiting
 
     def __init__(self, argv: list, cwd: str | None):
         self.stderr = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
-            argv, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr,
-            start_new_session=True, bufsize=0)
+            argv,
+            cwd=cwd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            start_new_session=True,
+            bufsize=0,
+        )
         self.fd = self.proc.stdout.fileno()
         self.in_fd = self.proc.stdin.fileno()
         os.set_blocking(self.in_fd, False)
@@ -1308,7 +1759,7 @@ class _ReplProcess:
     def alive(self) -> bool:
         return not self.dead and self.proc.poll() is None
 
-    TREE_REFRESH = 5.0   # seconds; `lake env` starts the real REPL as its child
+    TREE_REFRESH = 5.0  # seconds; `lake env` starts the real REPL as its child
 
     def rss_mb(self) -> float:
         """Resident memory of the process tree (the process and its children), in MiB.
@@ -1365,7 +1816,7 @@ class _ReplProcess:
             try:
                 _, w, _ = select.select([], [self.in_fd], [], min(left, self.POLL))
             except (OSError, ValueError) as e:
-                raise _Crash(f"REPL pipe closed: {e}")
+                raise _Crash(f"REPL pipe closed: {e}") from e
             if not w:
                 if not self.alive():
                     raise _Crash(self._died())
@@ -1376,7 +1827,7 @@ class _ReplProcess:
             except BlockingIOError:
                 continue
             except (BrokenPipeError, OSError) as e:
-                raise _Crash(f"REPL pipe closed: {e}; {self._died()}")
+                raise _Crash(f"REPL pipe closed: {e}; {self._died()}") from e
             view = view[k:]
 
     def _died(self) -> str:
@@ -1392,7 +1843,7 @@ class _ReplProcess:
             k = self.buf.find(b"\n\n")
             if k < 0:
                 return None
-            chunk, self.buf = self.buf[:k], self.buf[k + 2:]
+            chunk, self.buf = self.buf[:k], self.buf[k + 2 :]
             text = chunk.decode("utf-8", "replace")
             if not text.strip():
                 continue
@@ -1428,7 +1879,7 @@ class _ReplProcess:
             try:
                 r, _, _ = select.select([self.fd], [], [], min(left, self.POLL))
             except (OSError, ValueError) as e:
-                raise _Crash(f"REPL pipe closed: {e}")
+                raise _Crash(f"REPL pipe closed: {e}") from e
             if r:
                 data = os.read(self.fd, 1 << 16)
                 if not data:
@@ -1473,14 +1924,14 @@ class _Worker:
         self.busy = False
         self.retired = False
         self.last_used = 0.0
-        self.last_start = 0.0     # when the last request was sent
-        self.last_time = 0.0      # how long it took
-        self.last_states = 0      # proof states the last proof check made
+        self.last_start = 0.0  # when the last request was sent
+        self.last_time = 0.0  # how long it took
+        self.last_states = 0  # proof states the last proof check made
 
     def live(self) -> bool:
         return self.proc is not None and self.proc.alive() and self.env is not None
 
-    def ensure(self, pool: "_ReplPool") -> None:
+    def ensure(self, pool: _ReplPool) -> None:
         if self.live():
             return
         self.stop()
@@ -1495,23 +1946,25 @@ class _Worker:
             raise _HeaderFailed("; ".join(errs) or str(resp.get("message", resp))[:500])
         self.env = resp["env"]
 
-    def request(self, pool: "_ReplPool", obj: dict, timeout: float) -> dict:
+    def request(self, pool: _ReplPool, obj: dict, timeout: float) -> dict:
         self.last_start = time.monotonic()
         try:
             return self.proc.request(obj, timeout, pool.memory_limit_mb)
         finally:
             self.last_time = time.monotonic() - self.last_start
 
-    def note_use(self, pool: "_ReplPool", uses: int = 1, states: int = 0) -> None:
+    def note_use(self, pool: _ReplPool, uses: int = 1, states: int = 0) -> None:
         """Count commands (each stores an environment) and proof states; recycle the REPL after
         max_uses commands, max_proof_states states, or above the memory limit."""
         self.uses += uses
         self.states += states
         if self.proc is None:
             return
-        if (pool.max_uses and self.uses >= pool.max_uses) or \
-                (pool.max_proof_states and self.states >= pool.max_proof_states) or \
-                (pool.memory_limit_mb and self.proc.rss_mb() > pool.memory_limit_mb):
+        if (
+            (pool.max_uses and self.uses >= pool.max_uses)
+            or (pool.max_proof_states and self.states >= pool.max_proof_states)
+            or (pool.memory_limit_mb and self.proc.rss_mb() > pool.memory_limit_mb)
+        ):
             pool.recycles += 1
             self.stop()
 
@@ -1528,8 +1981,15 @@ class _ReplPool:
     """At most `size` workers; a job takes an idle worker with its header, else a new
     one, else replaces the least recently used idle worker of another header."""
 
-    def __init__(self, config: _ReplConfig, size: int, memory_limit_mb, max_uses, header_timeout,
-                 max_proof_states=None):
+    def __init__(
+        self,
+        config: _ReplConfig,
+        size: int,
+        memory_limit_mb,
+        max_uses,
+        header_timeout,
+        max_proof_states=None,
+    ):
         self.config = config
         self.size = max(1, int(size))
         self.memory_limit_mb = memory_limit_mb
@@ -1538,10 +1998,12 @@ class _ReplPool:
         self.header_timeout = header_timeout
         self.workers: list[_Worker] = []
         self.cond = threading.Condition()
-        self.starts = 0      # REPL processes started (stats)
-        self.recycles = 0    # restarts for max_uses / memory
+        self.starts = 0  # REPL processes started (stats)
+        self.recycles = 0  # restarts for max_uses / memory
 
-    def acquire(self, header: str, worker: _Worker | None = None, prefer=None, wait: bool = True) -> _Worker | None:
+    def acquire(
+        self, header: str, worker: _Worker | None = None, prefer=None, wait: bool = True
+    ) -> _Worker | None:
         """A worker for `header` (or `worker` itself), marked busy; None if `worker` was retired, or if
         wait=False and one would have to wait. `prefer(w)` ranks idle workers of the header."""
         victim = None
@@ -1598,17 +2060,31 @@ class _ReplPool:
 
 # --------------------------------------------------------------------------- the verifier
 
+
 class LeanVerifier:
     """Checks Lean 4 proofs; see the module docstring. Use as a context manager."""
 
-    def __init__(self, backend: str = "repl", repl_path: str | None = None, mathlib_path: str | None = None,
-                 workers: int | None = None, timeout: float = 60.0,
-                 memory_limit_mb: float | None = DEFAULT_MEMORY_LIMIT_MB, max_uses: int | None = DEFAULT_MAX_USES,
-                 kimina_url: str | None = None, repl_cmd: str | None = None, *,
-                 header_timeout: float | None = None, lean_checks: bool = True,
-                 kimina_batch_size: int = 8, kimina_api_key: str | None = None,
-                 http_timeout: float | None = None, max_proof_states: int | None = DEFAULT_MAX_PROOF_STATES,
-                 kimina_retries: int = 3, kimina_retry_delay: float = 1.0):
+    def __init__(
+        self,
+        backend: str = "repl",
+        repl_path: str | None = None,
+        mathlib_path: str | None = None,
+        workers: int | None = None,
+        timeout: float = 60.0,
+        memory_limit_mb: float | None = DEFAULT_MEMORY_LIMIT_MB,
+        max_uses: int | None = DEFAULT_MAX_USES,
+        kimina_url: str | None = None,
+        repl_cmd: str | None = None,
+        *,
+        header_timeout: float | None = None,
+        lean_checks: bool = True,
+        kimina_batch_size: int = 8,
+        kimina_api_key: str | None = None,
+        http_timeout: float | None = None,
+        max_proof_states: int | None = DEFAULT_MAX_PROOF_STATES,
+        kimina_retries: int = 3,
+        kimina_retry_delay: float = 1.0,
+    ):
         self.timeout = float(timeout)
         self.memory_limit_mb = memory_limit_mb
         self.max_uses = max_uses
@@ -1631,11 +2107,22 @@ class LeanVerifier:
         if backend == "repl":
             self.config = _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
             self.workers = int(workers) if workers else _default_workers()
-            self._pool = _ReplPool(self.config, self.workers, memory_limit_mb, max_uses, self.header_timeout,
-                                   max_proof_states)
-            logger.info("lean_verify: a pool of %d REPL worker(s)%s (%d cores, %.0f GB, LOCAL_WORLD_SIZE=%d)",
-                        self.workers, "" if workers else " by default", os.cpu_count() or 1, _memory_gb(),
-                        _local_world_size())
+            self._pool = _ReplPool(
+                self.config,
+                self.workers,
+                memory_limit_mb,
+                max_uses,
+                self.header_timeout,
+                max_proof_states,
+            )
+            logger.info(
+                "lean_verify: a pool of %d REPL worker(s)%s (%d cores, %.0f GB, LOCAL_WORLD_SIZE=%d)",
+                self.workers,
+                "" if workers else " by default",
+                os.cpu_count() or 1,
+                _memory_gb(),
+                _local_world_size(),
+            )
         elif backend == "kimina":
             url = _kimina_url(kimina_url)
             if not url:
@@ -1643,11 +2130,15 @@ class LeanVerifier:
             self.kimina_url = url.rstrip("/")
             self.workers = int(workers) if workers else 4
             self.kimina_batch_size = max(1, int(kimina_batch_size))
-            self.kimina_api_key = kimina_api_key or _setting("LEAN_SERVER_API_KEY", "KIMINA_API_KEY",
-                                                             dotenv=_read_dotenv())
-            self.http_timeout = float(http_timeout) if http_timeout else 2 * self.timeout + 60.0
+            self.kimina_api_key = kimina_api_key or _setting(
+                "LEAN_SERVER_API_KEY", "KIMINA_API_KEY", dotenv=_read_dotenv()
+            )
+            # None: a deadline per POST, from its size (_kimina_deadline)
+            self.http_timeout = float(http_timeout) if http_timeout else None
             self.kimina_retries = max(0, int(kimina_retries))
             self.kimina_retry_delay = float(kimina_retry_delay)
+            self._kimina_counts = dict.fromkeys(KIMINA_COUNTS, 0)
+            self._kimina_counts_lock = threading.Lock()
         else:
             raise ValueError(f"backend must be 'repl', 'kimina' or 'auto', not {backend!r}")
 
@@ -1658,12 +2149,18 @@ class LeanVerifier:
         or None where the attempt has no proof. Each distinct (problem, proof) is checked once. A proof is the text
         after the original statement (the model cannot change the statement), or with whole=True its whole code,
         which must then keep the statement (the statement rule checks it)."""
-        jobs = {(p.id, x): ProofJob(p.header, p.statement, x if whole else p.statement + x, p.id)
-                for p, row in zip(problems, proofs) for x in row if x is not None}
+        jobs = {
+            (p.id, x): ProofJob(p.header, p.statement, x if whole else p.statement + x, p.id)
+            for p, row in zip(problems, proofs)
+            for x in row
+            if x is not None
+        }
         verdicts = dict(zip(jobs, self.verify(list(jobs.values())) if jobs else []))
         return [[verdicts.get((p.id, x)) for x in row] for p, row in zip(problems, proofs)]
 
-    def verify(self, jobs: list, progress: bool = False, used_constants: bool | str = False) -> list:
+    def verify(
+        self, jobs: list, progress: bool = False, used_constants: bool | str = False
+    ) -> list:
         """One LeanResult per job, in order. Never raises on model output.
 
         ``used_constants=True`` (local REPL only; None on Kimina, which has no allTactics) sends each proof
@@ -1686,7 +2183,9 @@ class LeanVerifier:
             bar.step(res)
             return res
 
-        results = self._in_parallel([(i, lambda i=i: one(i)) for i in order], len(jobs), self.workers)
+        results = self._in_parallel(
+            [(i, lambda i=i: one(i)) for i in order], len(jobs), self.workers
+        )
         bar.close()
         return [r if r is not None else _fail("crash", "internal: no result") for r in results]
 
@@ -1702,8 +2201,10 @@ class LeanVerifier:
         good = list(dict.fromkeys(n for n in names if _is_name(n)))
         if not good:
             return out
-        header = str(header or "")
+        header = _unify_line_breaks(str(header or ""))
         if self.backend == "kimina":
+            if _odd_line_break(header) is not None:  # the server would count its lines differently
+                return out
             code, first, spacing, _ = self._kimina_code(header, "", checks=good)
             resp = (self._kimina_run([("c0", code)]).get("c0") or {}).get("response")
             msgs = (resp.get("messages") or []) if isinstance(resp, dict) else []
@@ -1719,7 +2220,14 @@ class LeanVerifier:
                     w.note_use(self._pool)
                     msgs = resp.get("messages") or []
                     break
-                except (_Timeout, _HeaderTimeout, _HeaderFailed, _Crash, _Garbled, _MemoryExceeded) as e:
+                except (
+                    _Timeout,
+                    _HeaderTimeout,
+                    _HeaderFailed,
+                    _Crash,
+                    _Garbled,
+                    _MemoryExceeded,
+                ) as e:
                     w.stop()
                     if not isinstance(e, (_Crash, _Garbled, _MemoryExceeded)):
                         break
@@ -1749,12 +2257,20 @@ class LeanVerifier:
             pass
 
     def stats(self) -> dict:
-        """REPL processes started and recycled so far, workers alive, pool size (local backend)."""
+        """Local backend: REPL processes started and recycled so far, workers alive, pool size. Kimina: the
+        counts of KIMINA_COUNTS so far."""
+        if self.backend == "kimina":
+            with self._kimina_counts_lock:
+                return dict(self._kimina_counts)
         if self._pool is None:
             return {}
-        return {"starts": self._pool.starts, "recycles": self._pool.recycles,
-                "workers": len(self._pool.workers), "size": self._pool.size,
-                "proof_states": sum(w.states for w in self._pool.workers)}
+        return {
+            "starts": self._pool.starts,
+            "recycles": self._pool.recycles,
+            "workers": len(self._pool.workers),
+            "size": self._pool.size,
+            "proof_states": sum(w.states for w in self._pool.workers),
+        }
 
     @staticmethod
     def _in_parallel(tasks: list, n: int, width: int) -> list:
@@ -1801,11 +2317,16 @@ class LeanVerifier:
                     return res
                 except _Timeout as e:
                     w.stop()
-                    return _fail("timeout", f"timeout: {e} after {self.timeout:g} s",
-                                 t=time.monotonic() - w.last_start)
+                    return _fail(
+                        "timeout",
+                        f"timeout: {e} after {self.timeout:g} s",
+                        t=time.monotonic() - w.last_start,
+                    )
                 except _HeaderFailed as e:
                     w.stop()
-                    res = _fail("error", f"header: the header does not elaborate: {e}", errors=[str(e)])
+                    res = _fail(
+                        "error", f"header: the header does not elaborate: {e}", errors=[str(e)]
+                    )
                     self._header_failures[job.header] = res
                     return dataclasses.replace(res)
                 except _HeaderTimeout as e:
@@ -1827,9 +2348,11 @@ class LeanVerifier:
         try:
             w.ensure(self._pool)
         except _Timeout as e:
-            raise _HeaderTimeout(str(e))
+            raise _HeaderTimeout(str(e)) from e
 
-    def _check_on_worker(self, w: _Worker, job: ProofJob, prep: _Prepared, used_constants=False) -> LeanResult:
+    def _check_on_worker(
+        self, w: _Worker, job: ProofJob, prep: _Prepared, used_constants=False
+    ) -> LeanResult:
         self._ensure(w)
         w.last_states = 0
         orig_type = None
@@ -1844,36 +2367,53 @@ class LeanVerifier:
                         self._orig_cache[key] = cached
             orig_type, orig_err = cached
             if orig_type is None:
-                return _fail("error", f"statement: the original statement does not elaborate: {orig_err}")
+                return _fail(
+                    "error", f"statement: the original statement does not elaborate: {orig_err}"
+                )
         request = {"cmd": prep.lean_proof, "env": w.env}
         if used_constants:
             request["allTactics"] = True
         resp = w.request(self._pool, request, self.timeout)
         spent = w.last_time
         if "message" in resp and "env" not in resp:
-            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])], t=spent)
+            return _fail(
+                "error",
+                f"lean: {str(resp['message'])[:300]}",
+                errors=[str(resp["message"])],
+                t=spent,
+            )
         messages = list(resp.get("messages") or [])
         sorries = list(resp.get("sorries") or [])
         tactics = list(resp.get("tactics") or [])
         w.last_states = len(sorries) + len(tactics)
         check_msgs = None
-        if self.lean_checks and not any(m.get("severity") == "error" for m in messages) and not sorries:
+        if (
+            self.lean_checks
+            and not any(m.get("severity") == "error" for m in messages)
+            and not sorries
+        ):
             check_msgs = self._run_checks(w, resp.get("env"), prep.name)
             spent += w.last_time
-        status, reason, errors = _judge(messages, sorries, check_msgs, orig_type, prep.name, self.lean_checks)
+        status, reason, errors = _judge(
+            messages, sorries, check_msgs, orig_type, prep.name, self.lean_checks
+        )
         used = _used_constants(tactics, prep.lean_proof, used_constants) if used_constants else None
         return LeanResult(status == "valid", status, errors, reason, spent, messages, used)
 
     def _run_checks(self, w: _Worker, env, name: str) -> list:
         """Messages of `_check_block(name)` run in `env`."""
-        chk = w.request(self._pool, {"cmd": _check_block(name), "env": env}, min(self.timeout, 60.0) + 5.0)
+        chk = w.request(
+            self._pool, {"cmd": _check_block(name), "env": env}, min(self.timeout, 60.0) + 5.0
+        )
         if "message" in chk and "env" not in chk:
             return [{"severity": "error", "data": str(chk["message"])}]
         return list(chk.get("messages") or [])
 
     def _original_on_worker(self, w: _Worker, prep: _Prepared) -> tuple:
         """pp.all type of the original statement in the clean header environment."""
-        resp = w.request(self._pool, {"cmd": prep.lean_statement + " sorry", "env": w.env}, self.timeout)
+        resp = w.request(
+            self._pool, {"cmd": prep.lean_statement + " sorry", "env": w.env}, self.timeout
+        )
         errs = [_fmt(m) for m in resp.get("messages") or [] if m.get("severity") == "error"]
         if "message" in resp and "env" not in resp:
             errs.append(str(resp["message"]))
@@ -1888,14 +2428,24 @@ class LeanVerifier:
 
     def _require_repl(self):
         if self.backend != "repl":
-            raise NotImplementedError("tactic mode needs the local REPL backend (Kimina has no tactic endpoint)")
+            raise NotImplementedError(
+                "tactic mode needs the local REPL backend (Kimina has no tactic endpoint)"
+            )
         if self._closed:
             raise RuntimeError("LeanVerifier is closed")
 
     @staticmethod
     def _tstate(header, statement, tactics, error, status="error", **kw) -> TacticState:
-        return TacticState(state_id=None, goals=[], error=error, header=header, statement=statement,
-                           tactics=list(tactics), status=status, **kw)
+        return TacticState(
+            state_id=None,
+            goals=[],
+            error=error,
+            header=header,
+            statement=statement,
+            tactics=list(tactics),
+            status=status,
+            **kw,
+        )
 
     def start_proof(self, header: str, statement: str) -> TacticState:
         """Root proof state of `statement` (which ends in ':= by') under `header`: the REPL's proof state at
@@ -1914,7 +2464,9 @@ class LeanVerifier:
             w = held or self._pool.acquire(header)
             try:
                 self._ensure(w)
-                resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout)
+                resp = w.request(
+                    self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout
+                )
                 root = self._root_state(resp, header, statement, w)
                 w.note_use(self._pool, states=len(resp.get("sorries") or []))
                 return root
@@ -1951,13 +2503,17 @@ class LeanVerifier:
                 held.append(w)
             try:
                 if held:
-                    shares = [(w, idx[j::len(held)]) for j, w in enumerate(held)]
-                    tasks = [(k, lambda w=w, share=share: [self._start(*items[i], w) for i in share])
-                             for k, (w, share) in enumerate(shares)]
-                    for (w, share), roots in zip(shares, self._in_parallel(tasks, len(tasks), len(tasks))):
+                    shares = [(w, idx[j :: len(held)]) for j, w in enumerate(held)]
+                    tasks = [
+                        (k, lambda w=w, share=share: [self._start(*items[i], w) for i in share])
+                        for k, (w, share) in enumerate(shares)
+                    ]
+                    for (_worker, share), roots in zip(
+                        shares, self._in_parallel(tasks, len(tasks), len(tasks))
+                    ):
                         for i, root in zip(share, roots):
                             results[i] = root
-                else:   # every REPL is busy: one at a time, as they free up
+                else:  # every REPL is busy: one at a time, as they free up
                     for i in idx:
                         results[i] = self.start_proof(*items[i])
             finally:
@@ -1976,9 +2532,16 @@ class LeanVerifier:
         if not sorries:
             return self._tstate(header, statement, [], "lean: no proof state for the statement")
         s = sorries[0]
-        return TacticState(state_id=s["proofState"], goals=[str(s.get("goal", "")).strip()], header=header,
-                           statement=statement, tactics=[], time=w.last_time, _worker=w,
-                           _generation=w.generation)
+        return TacticState(
+            state_id=s["proofState"],
+            goals=[str(s.get("goal", "")).strip()],
+            header=header,
+            statement=statement,
+            tactics=[],
+            time=w.last_time,
+            _worker=w,
+            _generation=w.generation,
+        )
 
     def _hold(self, state: TacticState) -> _Worker | None:
         """The live REPL that holds `state`, acquired; None when it was restarted or retired."""
@@ -2006,38 +2569,64 @@ class LeanVerifier:
                 k -= 1
             if k < 0:
                 _, _, lean_statement = _prepare_statement(state.statement)
-                resp = w.request(self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, timeout)
+                resp = w.request(
+                    self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, timeout
+                )
                 w.note_use(self._pool, states=len(resp.get("sorries") or []))
                 root = self._root_state(resp, state.header, state.statement, w)
                 if root.error or not w.live():
-                    return self._tstate(state.header, state.statement, path, root.error or "replay failed",
-                                        "crash"), None
+                    return self._tstate(
+                        state.header, state.statement, path, root.error or "replay failed", "crash"
+                    ), None
                 sid, k = root.state_id, 0
                 w.paths[(state.statement, ())] = sid
             else:
                 sid = w.paths[(state.statement, tuple(path[:k]))]
             for i in range(k, len(path)):
-                r = w.request(self._pool, {"tactic": one_tactic(_strip_or_raw(path[i])), "proofState": sid}, timeout)
+                r = w.request(
+                    self._pool,
+                    {"tactic": one_tactic(_strip_or_raw(path[i])), "proofState": sid},
+                    timeout,
+                )
                 if not isinstance(r.get("proofState"), int) or any(
-                        m.get("severity") == "error" for m in r.get("messages") or []):
-                    return self._tstate(state.header, state.statement, path, f"replay failed at {path[i]!r}",
-                                        "crash"), None
+                    m.get("severity") == "error" for m in r.get("messages") or []
+                ):
+                    return self._tstate(
+                        state.header,
+                        state.statement,
+                        path,
+                        f"replay failed at {path[i]!r}",
+                        "crash",
+                    ), None
                 sid = r["proofState"]
-                w.paths[(state.statement, tuple(path[:i + 1]))] = sid
+                w.paths[(state.statement, tuple(path[: i + 1]))] = sid
                 w.note_use(self._pool, uses=0, states=1 + len(r.get("sorries") or []))
                 if not w.live():
-                    return self._tstate(state.header, state.statement, path, "replay failed: REPL recycled",
-                                        "crash"), None
+                    return self._tstate(
+                        state.header, state.statement, path, "replay failed: REPL recycled", "crash"
+                    ), None
             ok = True
             return dataclasses.replace(state, state_id=sid, _worker=w, _generation=w.generation), w
-        except (_Timeout, _HeaderTimeout, _HeaderFailed, _Crash, _Garbled, _MemoryExceeded, _Reject) as e:
+        except (
+            _Timeout,
+            _HeaderTimeout,
+            _HeaderFailed,
+            _Crash,
+            _Garbled,
+            _MemoryExceeded,
+            _Reject,
+        ) as e:
             w.stop()
-            return self._tstate(state.header, state.statement, state.tactics, f"replay failed: {e}", "crash"), None
+            return self._tstate(
+                state.header, state.statement, state.tactics, f"replay failed: {e}", "crash"
+            ), None
         finally:
             if not ok:
                 self._pool.release(w)
 
-    def apply_tactic(self, state: TacticState, tactic: str, timeout: float | None = None) -> TacticState:
+    def apply_tactic(
+        self, state: TacticState, tactic: str, timeout: float | None = None
+    ) -> TacticState:
         """Run a tactic on `state`: the new state, or a failed one (`error` set, `state_id` None). The text
         may be a block of several tactics (lines, `;`): the REPL takes exactly one tactic per request, so it
         is sent as one parenthesised sequence (`one_tactic`), which runs like the same lines in a `by` block.
@@ -2052,9 +2641,14 @@ class LeanVerifier:
             return self._tstate(header, statement, path, "cannot apply a tactic to a failed state")
         if state.solved or not state.goals:
             return self._tstate(header, statement, path, "no goals left")
-        code, err = strip_comments(tactic)
+        code, err = strip_comments(_unify_line_breaks(tactic))
         if err:
             return self._tstate(header, statement, path, f"error: lex: {err}")
+        odd = _odd_line_break(code)
+        if odd is not None:
+            return self._tstate(
+                header, statement, path, f"error: lex: a line break other than \\n ({odd})"
+            )
         hit = _scan_tokens(code)
         if hit:
             return self._tstate(header, statement, path, f"{hit[0]}: {hit[1]}: {hit[2]}")
@@ -2067,20 +2661,35 @@ class LeanVerifier:
                 if w is None:
                     state, w = self._replay(state, timeout)
                     if w is None:
-                        return self._tstate(header, statement, path, state.error or "replay failed", "crash")
+                        return self._tstate(
+                            header, statement, path, state.error or "replay failed", "crash"
+                        )
             except Exception as e:  # pragma: no cover - defensive
                 return self._tstate(header, statement, path, f"crash: internal: {e}", "crash")
             try:
-                resp = w.request(self._pool, {"tactic": one_tactic(code), "proofState": state.state_id}, timeout)
+                resp = w.request(
+                    self._pool, {"tactic": one_tactic(code), "proofState": state.state_id}, timeout
+                )
                 gen = w.generation
                 new = self._step_state(resp, state, path, w, gen)
-                w.note_use(self._pool, uses=0, states=1 + len(resp.get("sorries") or [])
-                           if isinstance(resp.get("proofState"), int) else 0)
+                w.note_use(
+                    self._pool,
+                    uses=0,
+                    states=1 + len(resp.get("sorries") or [])
+                    if isinstance(resp.get("proofState"), int)
+                    else 0,
+                )
                 return new
             except _Timeout as e:
                 w.stop()
-                return self._tstate(header, statement, path, f"timeout: {e} after {timeout:g} s", "timeout",
-                                    time=time.monotonic() - w.last_start)
+                return self._tstate(
+                    header,
+                    statement,
+                    path,
+                    f"timeout: {e} after {timeout:g} s",
+                    "timeout",
+                    time=time.monotonic() - w.last_start,
+                )
             except (_Crash, _Garbled, _MemoryExceeded) as e:
                 w.stop()
                 last = e
@@ -2096,7 +2705,7 @@ class LeanVerifier:
         self._require_repl()
         steps = list(steps)
         groups: dict = {}
-        for i, (state, tactic) in enumerate(steps):
+        for i, (state, _tactic) in enumerate(steps):
             w = getattr(state, "_worker", None)
             key = id(w) if isinstance(w, _Worker) else ("header", getattr(state, "header", ""))
             groups.setdefault(key, []).append(i)
@@ -2111,8 +2720,11 @@ class LeanVerifier:
                     results[i] = self.apply_tactic(state, tactic, timeout)
             return True
 
-        self._in_parallel([(k, lambda idx=idx: run(idx)) for k, idx in enumerate(groups.values())],
-                          len(groups), max(self._pool.size, 1))
+        self._in_parallel(
+            [(k, lambda idx=idx: run(idx)) for k, idx in enumerate(groups.values())],
+            len(groups),
+            max(self._pool.size, 1),
+        )
         return results
 
     def replay(self, roots: list, paths: list) -> list:
@@ -2121,11 +2733,19 @@ class LeanVerifier:
         fails, or follows a solved state)."""
         states = [[root] for root in roots]
         for depth in range(max(map(len, paths), default=0)):
-            todo = [(s, p[depth]) for s, p in zip(states, paths) if depth < len(p) and s[-1].status == "open"]
-            for (s, _), child in zip(todo, self.apply_tactics([(s[-1], tactic) for s, tactic in todo])):
+            todo = [
+                (s, p[depth])
+                for s, p in zip(states, paths)
+                if depth < len(p) and s[-1].status == "open"
+            ]
+            for (s, _), child in zip(
+                todo, self.apply_tactics([(s[-1], tactic) for s, tactic in todo])
+            ):
                 s.append(child)
-        return [s if len(s) == len(p) + 1 and s[-1].status in ("open", "solved") else None
-                for s, p in zip(states, paths)]
+        return [
+            s if len(s) == len(p) + 1 and s[-1].status in ("open", "solved") else None
+            for s, p in zip(states, paths)
+        ]
 
     def expand(self, state: TacticState, tactics: list, timeout: float | None = None) -> list:
         """The children of `state`: apply_tactics([(state, t) for t in tactics])."""
@@ -2141,8 +2761,15 @@ class LeanVerifier:
         if states is None:
             targets = [w for w in list(self._pool.workers) if w.live() and w.states > 0]
         else:
-            targets = list({id(s._worker): s._worker for s in states if isinstance(getattr(s, "_worker", None), _Worker)
-                            and s._worker.generation == s._generation and s._worker.live()}.values())
+            targets = list(
+                {
+                    id(s._worker): s._worker
+                    for s in states
+                    if isinstance(getattr(s, "_worker", None), _Worker)
+                    and s._worker.generation == s._generation
+                    and s._worker.live()
+                }.values()
+            )
         n = 0
         for w in targets:
             if self._pool.acquire(w.header, worker=w) is None:
@@ -2155,27 +2782,52 @@ class LeanVerifier:
                 self._pool.release(w)
         return n
 
-    def _step_state(self, resp: dict, parent: TacticState, path: list, w: _Worker, gen: int) -> TacticState:
+    def _step_state(
+        self, resp: dict, parent: TacticState, path: list, w: _Worker, gen: int
+    ) -> TacticState:
         t = w.last_time
         if not isinstance(resp.get("proofState"), int):
-            return self._tstate(parent.header, parent.statement, path, f"lean: {resp.get('message', resp)}", time=t)
+            return self._tstate(
+                parent.header, parent.statement, path, f"lean: {resp.get('message', resp)}", time=t
+            )
         msgs = list(resp.get("messages") or [])
         errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
         goals = [str(g) for g in resp.get("goals") or []]
-        status = resp.get("proofStatus")   # REPLs newer than v4.15.0 only
+        status = resp.get("proofStatus")  # REPLs newer than v4.15.0 only
         kw = dict(messages=msgs, proof_status=status, time=t)
-        if errs:   # an elaboration error closes goals with sorry: goals [] proves nothing
-            return self._tstate(parent.header, parent.statement, path, "lean: " + "; ".join(errs), **kw)
+        if errs:  # an elaboration error closes goals with sorry: goals [] proves nothing
+            return self._tstate(
+                parent.header, parent.statement, path, "lean: " + "; ".join(errs), **kw
+            )
         if resp.get("sorries"):
-            return self._tstate(parent.header, parent.statement, path, "sorry: the tactic introduced sorry", **kw)
+            return self._tstate(
+                parent.header, parent.statement, path, "sorry: the tactic introduced sorry", **kw
+            )
         if not goals and status is not None and status != "Completed":
-            return self._tstate(parent.header, parent.statement, path, f"lean: proof status {status!r}", **kw)
-        return TacticState(state_id=resp["proofState"], goals=goals, error=None, solved=not goals,
-                           tactics=path, header=parent.header, statement=parent.statement,
-                           status="open" if goals else "solved", _worker=w, _generation=gen, **kw)
+            return self._tstate(
+                parent.header, parent.statement, path, f"lean: proof status {status!r}", **kw
+            )
+        return TacticState(
+            state_id=resp["proofState"],
+            goals=goals,
+            error=None,
+            solved=not goals,
+            tactics=path,
+            header=parent.header,
+            statement=parent.statement,
+            status="open" if goals else "solved",
+            _worker=w,
+            _generation=gen,
+            **kw,
+        )
 
-    def check_tactic_path(self, state_or_header, statement: str | None = None, tactics: list | None = None,
-                          name: str = "") -> LeanResult:
+    def check_tactic_path(
+        self,
+        state_or_header,
+        statement: str | None = None,
+        tactics: list | None = None,
+        name: str = "",
+    ) -> LeanResult:
         """Re-check an assembled tactic path as one whole proof (command mode: errors, sorry, kernel,
         axioms, the statement). Call with a TacticState, or with (header, statement, tactics)."""
         if isinstance(state_or_header, TacticState):
@@ -2188,86 +2840,177 @@ class LeanVerifier:
 
     # ---------------------------------------------------------------- Kimina backend
 
-    def _kimina_code(self, header: str, body: str, name: str = "", checks: list | None = None) -> tuple:
+    def _kimina_code(
+        self,
+        header: str,
+        body: str,
+        name: str = "",
+        checks: list | None = None,
+        check_block: bool = True,
+    ) -> tuple:
         """A snippet: the header's imports first (Kimina runs a snippet's leading import/blank lines as its
         header command; with none it would run later snippets in the first one's environment, so a header
         without imports gets `import Init`), the rest of the header, the body, then the check block of
-        `name` (or `#check` lines for `checks`) after a gap. Current Kimina servers report message lines in
-        the snippet's numbering (server/routers/check.py adds the header's line count back), older ones
-        relative to the body, H lines less. With a gap and spacing larger than H, the check messages are
-        told apart either way. Returns (code, first check line, spacing, H)."""
+        `name` (or `#check` lines for `checks`) after a gap. Message lines come back in the snippet's
+        numbering (GitHub main adds the header's H lines back) or relative to the body, H lines less (PyPI's
+        2.1.3). With a gap and spacing larger than H, the check messages are told apart either way. Lines are
+        counted at "\\n" only, as the server counts them once no other line break is left (LINE_BREAKS).
+        Returns (code, first check line, spacing, H). With check_block=False the snippet ends with the body
+        and the first check line is infinite: every message is the body's, even one that Lean puts at the end
+        of its command (where a check block would follow)."""
         head = header if header.endswith("\n") or not header else header + "\n"
         lines = (strip_comments(head)[0] or "").split("\n")
         kinds = [bool(_IMPORT.match(ln)) for ln in lines if ln.strip()]
         if not any(kinds):
             head = "import Init\n" + head
-        elif not all(kinds[:kinds.count(True)]):   # an import after other lines: move the imports up
-            head = "\n".join([ln.strip() for ln in lines if _IMPORT.match(ln)]
-                             + [ln for ln in lines if not _IMPORT.match(ln)])
+        elif not all(
+            kinds[: kinds.count(True)]
+        ):  # an import after other lines: move the imports up
+            head = "\n".join(
+                [ln.strip() for ln in lines if _IMPORT.match(ln)]
+                + [ln for ln in lines if not _IMPORT.match(ln)]
+            )
         pre = head + body.rstrip() + "\n"
         pre_lines = pre.split("\n")
         h = 0
-        while h < len(pre_lines) and (not pre_lines[h].strip() or pre_lines[h].strip().startswith("import ")):
+        while h < len(pre_lines) and (
+            not pre_lines[h].strip() or pre_lines[h].strip().startswith("import ")
+        ):
             h += 1
         spacing = h + 2
+        if not check_block:
+            return pre, math.inf, spacing, h
         first = pre.count("\n") + spacing + 1
-        tail = _check_block(name) if checks is None else "".join(
-            f"#check {_root(n)}" + "\n" * spacing for n in checks)
+        tail = (
+            _check_block(name)
+            if checks is None
+            else "".join(f"#check {_root(n)}" + "\n" * spacing for n in checks)
+        )
         return pre + "\n" * spacing + tail, first, spacing, h
 
+    def _kimina_deadline(self, n_snippets: int) -> float:
+        """Seconds to wait for the answer to a POST of `n_snippets`: past the server's own limits, so that it
+        answers first. PyPI's 2.1.3 gives up on a POST after timeout x snippets + 10 s (HTTP 504): its REPLs
+        work through a batch in turn, so a batch may wait that long although each proof has `timeout`. GitHub
+        main waits up to 60 s for a free REPL (then HTTP 429), then runs the header and the body under
+        `timeout` each. `http_timeout`, when given, is used as it is."""
+        if self.http_timeout is not None:
+            return self.http_timeout
+        sent_timeout = math.ceil(self.timeout)
+        limit_2_1_3 = sent_timeout * n_snippets + 10.0
+        limit_main = 60.0 + 2 * sent_timeout
+        return max(limit_2_1_3, limit_main) + 30.0
+
     def _kimina_post(self, snippets: list) -> dict:
-        """POST one batch; returns {id: result dict} or raises _Timeout / _ServerError."""
-        payload = {"snippets": [{"id": sid, "code": code} for sid, code in snippets],
-                   "timeout": int(math.ceil(self.timeout)), "debug": False, "reuse": True}
+        """POST one batch; returns {id: result dict} or raises _Timeout (no answer within the deadline) or
+        _ServerError."""
+        payload = {
+            "snippets": [{"id": sid, "code": code} for sid, code in snippets],
+            "timeout": int(math.ceil(self.timeout)),
+            "debug": False,
+            "reuse": True,
+        }
         data = json.dumps(payload, ensure_ascii=False).encode("utf-8", "replace")
         headers = {"Content-Type": "application/json"}
         if self.kimina_api_key:
             headers["Authorization"] = f"Bearer {self.kimina_api_key}"
-        req = urllib.request.Request(self.kimina_url + "/api/check", data=data, headers=headers, method="POST")
+        req = urllib.request.Request(
+            self.kimina_url + "/api/check", data=data, headers=headers, method="POST"
+        )
+        deadline = self._kimina_deadline(len(snippets))
+        self._count("posts")
         try:
-            with urllib.request.urlopen(req, timeout=self.http_timeout) as r:
+            with urllib.request.urlopen(req, timeout=deadline) as r:
                 body = json.loads(r.read().decode("utf-8"))
         except urllib.error.HTTPError as e:
-            raise _ServerError(f"HTTP {e.code} from the Kimina server", e.code)
+            raise _ServerError(f"HTTP {e.code} from the Kimina server", e.code) from e
         except (TimeoutError, OSError) as e:
             if isinstance(e, TimeoutError) or "timed out" in str(e):
-                raise _Timeout(f"no answer from the Kimina server within {self.http_timeout:g} s")
-            raise _ServerError(f"cannot reach the Kimina server: {e}", 0)
+                raise _Timeout(f"no answer from the Kimina server within {deadline:g} s") from e
+            raise _ServerError(f"cannot reach the Kimina server: {e}", 0) from e
         except ValueError as e:
-            raise _ServerError(f"malformed response from the Kimina server: {e}", 0)
+            raise _ServerError(f"malformed response from the Kimina server: {e}", 0) from e
         results = body.get("results") if isinstance(body, dict) else None
         if not isinstance(results, list):
             raise _ServerError("malformed response from the Kimina server", 0)
         return {str(x.get("id")): x for x in results if isinstance(x, dict)}
 
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._kimina_counts_lock:
+            self._kimina_counts[what] += n
+
     def _kimina_run(self, batch: list) -> dict:
-        """POST a batch [(id, code)] -> {id: answer}. The server fails a whole POST for one snippet: 500
-        when any REPL writes to stderr, 429 when no REPL frees up within its wait. So: 429 and unreachable
-        servers are retried with exponential backoff; a 5xx is retried once; a batch that still fails is
-        split in halves, so a bad snippet costs only itself. A timeout fails the batch (no retry)."""
-        last = None
+        """POST a batch [(id, code)] -> {id: answer}. Answers of snippets that did not run because the server
+        was busy (HTTP 429 for the POST on GitHub main; in 2.1.3 an error per snippet, _kimina_busy) are sent
+        again, alone, with exponential backoff, up to `kimina_retries` times; so are POSTs to an unreachable
+        server. A POST that fails as a whole with another status (a 5xx: on main a REPL that died; 504: past
+        2.1.3's limit) is split in halves, so a bad snippet costs only itself; a single snippet is tried once
+        more (after a 504, like a busy server). No answer within the deadline fails the batch: the proofs
+        may not have run, so it is "server_error", not "timeout", and not retried."""
+        answers = {}
+        pending = list(batch)
+        failure = None  # the last POST's _ServerError; None after an answer
+        busy_error = ""  # the last per-snippet busy error
         for attempt in range(self.kimina_retries + 1):
             if attempt:
-                time.sleep(self.kimina_retry_delay * 2 ** (attempt - 1) * random.uniform(1.0, 1.25))
+                self._count("retries")
+                delay = self.kimina_retry_delay * 2 ** (attempt - 1)
+                time.sleep(delay * random.uniform(1.0, 1.25))
             try:
-                return self._kimina_post(batch)
+                got = self._kimina_post(pending)
             except _Timeout as e:
-                return {sid: {"_status": "timeout", "_reason": f"timeout: {e}"} for sid, _ in batch}
+                self._count("no_answer")
+                for sid, _ in pending:
+                    answers[sid] = {"_status": "server_error", "_reason": f"server_error: {e}"}
+                return answers
             except _ServerError as e:
-                last = e
-            if not last.retryable or (last.splittable and (len(batch) > 1 or attempt >= 1)):
-                break
-        if len(batch) > 1 and last.splittable:
-            half = len(batch) // 2
-            return {**self._kimina_run(batch[:half]), **self._kimina_run(batch[half:])}
-        return {sid: {"_status": "server_error", "_reason": f"server_error: {last}"} for sid, _ in batch}
+                failure = e
+                if e.busy:
+                    self._count("busy", len(pending))
+                if not e.retryable:
+                    break
+                if e.splittable and len(pending) > 1:
+                    break
+                if e.splittable and not e.busy and attempt >= 1:
+                    break
+                continue
+            failure = None
+            still_busy = []
+            for sid, code in pending:
+                answer = got.get(sid)
+                if answer is None:  # left out of the answer: "returned no result"
+                    continue
+                if _kimina_busy(answer):
+                    still_busy.append((sid, code))
+                    busy_error = str(answer.get("error"))
+                    continue
+                answers[sid] = answer
+            if not still_busy:
+                return answers
+            self._count("busy", len(still_busy))
+            pending = still_busy
+        if failure is None:
+            tries = self.kimina_retries + 1
+            reason = f"server_error: the Kimina server stayed busy ({busy_error[:200]}) for {tries} tries"
+            for sid, _ in pending:
+                answers[sid] = {"_status": "server_error", "_reason": reason}
+            return answers
+        if len(pending) > 1 and failure.splittable:
+            self._count("splits")
+            half = len(pending) // 2
+            answers.update(self._kimina_run(pending[:half]))
+            answers.update(self._kimina_run(pending[half:]))
+            return answers
+        for sid, _ in pending:
+            answers[sid] = {"_status": "server_error", "_reason": f"server_error: {failure}"}
+        return answers
 
     def _verify_kimina(self, jobs: list, progress: bool) -> list:
         results: list = [None] * len(jobs)
         preps = {}
-        snippets = []        # (sid, code, first line of the check block's messages)
-        orig_sids = {}       # (header, lean_statement) -> sid
-        orig_names = {}      # sid -> theorem name
+        snippets = []  # (sid, code, first line of the check block's messages)
+        orig_sids = {}  # (header, lean_statement) -> sid
+        orig_names = {}  # sid -> theorem name
         for i, job in enumerate(jobs):
             try:
                 job = _as_job(job)
@@ -2280,25 +3023,37 @@ class LeanVerifier:
                 results[i] = _fail("crash", f"internal: {type(e).__name__}: {e}")
                 continue
             preps[i] = prep
-            code, first, _, h = self._kimina_code(job.header, prep.lean_proof, prep.name)
+            # Without the Lean-side checks the snippet is the proof alone, so that no message of it can be
+            # taken for one of the check block's and dropped.
+            code, first, _, h = self._kimina_code(
+                job.header, prep.lean_proof, prep.name, check_block=self.lean_checks
+            )
             snippets.append((f"p{i}", code, first - h))
             key = (job.header, prep.lean_statement)
             if self.lean_checks and key not in self._orig_cache and key not in orig_sids:
                 sid = f"s{len(orig_sids)}"
                 orig_sids[key] = sid
                 orig_names[sid] = prep.name
-                code, first, _, h = self._kimina_code(job.header, prep.lean_statement + " sorry", prep.name)
+                code, first, _, h = self._kimina_code(
+                    job.header, prep.lean_statement + " sorry", prep.name
+                )
                 snippets.append((sid, code, first - h))
         answers: dict = {}
         thresholds = {sid: thr for sid, _, thr in snippets}
-        batches = [snippets[k:k + self.kimina_batch_size] for k in range(0, len(snippets), self.kimina_batch_size)]
+        batches = [
+            snippets[k : k + self.kimina_batch_size]
+            for k in range(0, len(snippets), self.kimina_batch_size)
+        ]
         bar = _Progress(len(batches), progress)
 
         def run(batch):
             try:
                 got = self._kimina_run([(sid, code) for sid, code, _ in batch])
             except Exception as e:  # pragma: no cover
-                got = {sid: {"_status": "server_error", "_reason": f"server_error: {e}"} for sid, _, _ in batch}
+                got = {
+                    sid: {"_status": "server_error", "_reason": f"server_error: {e}"}
+                    for sid, _, _ in batch
+                }
             bar.step()
             return got
 
@@ -2309,13 +3064,20 @@ class LeanVerifier:
         bar.close()
         for key, sid in orig_sids.items():
             ans = answers.get(sid)
-            if ans is None or "_status" in ans or "error" in ans or not isinstance(ans.get("response"), dict):
-                continue   # not cached: the proofs below report why
+            if (
+                ans is None
+                or "_status" in ans
+                or "error" in ans
+                or not isinstance(ans.get("response"), dict)
+            ):
+                continue  # not cached: the proofs below report why
             msgs = ans["response"].get("messages") or []
             thr = thresholds[sid]
             stmt_errs = [_fmt(m) for m in msgs if m.get("severity") == "error" and _line(m) < thr]
             ctype, _ = _parse_checks([m for m in msgs if _line(m) >= thr], orig_names[sid])
-            self._orig_cache[key] = (None, "; ".join(stmt_errs)[:500]) if stmt_errs else (ctype, None)
+            self._orig_cache[key] = (
+                (None, "; ".join(stmt_errs)[:500]) if stmt_errs else (ctype, None)
+            )
         for i, prep in preps.items():
             job = jobs[i]
             sid = f"p{i}"
@@ -2325,16 +3087,28 @@ class LeanVerifier:
                 cached = self._orig_cache.get(key)
                 if cached is None:
                     ans = answers.get(orig_sids.get(key, ""), {})
-                    status = "timeout" if ans.get("_status") == "timeout" or "timed out" in str(
-                        ans.get("error", "")) else "server_error"
-                    res = _fail(status, f"{status}: could not elaborate the original statement on the server",
-                                t=res.time)
+                    status = "server_error"
+                    if _kimina_error_status(str(ans.get("error", ""))) == "timeout":
+                        status = "timeout"
+                    res = _fail(
+                        status,
+                        f"{status}: could not elaborate the original statement on the server",
+                        t=res.time,
+                    )
                 elif cached[0] is None:
-                    res = _fail("error", f"statement: the original statement does not elaborate: {cached[1]}",
-                                t=res.time)
+                    res = _fail(
+                        "error",
+                        f"statement: the original statement does not elaborate: {cached[1]}",
+                        t=res.time,
+                    )
                 elif ctype != cached[0]:
-                    res = _fail("cheat", "elaborated_statement: the proved theorem's type differs from "
-                                         "the original statement", messages=res.messages, t=res.time)
+                    res = _fail(
+                        "cheat",
+                        "elaborated_statement: the proved theorem's type differs from "
+                        "the original statement",
+                        messages=res.messages,
+                        t=res.time,
+                    )
             results[i] = res
         return [r if r is not None else _fail("crash", "internal: no result") for r in results]
 
@@ -2342,7 +3116,9 @@ class LeanVerifier:
         """(LeanResult, pp.all type from the check block or None) for one snippet answer; the time is the
         server's for the snippet (its body command, without the header import)."""
         if ans is None:
-            return _fail("server_error", "server_error: the Kimina server returned no result for this proof"), None
+            return _fail(
+                "server_error", "server_error: the Kimina server returned no result for this proof"
+            ), None
         if "_status" in ans:
             return _fail(ans["_status"], ans["_reason"]), None
         try:
@@ -2351,21 +3127,72 @@ class LeanVerifier:
             t = 0.0
         if ans.get("error"):
             err = str(ans["error"])
-            if "timed out" in err.lower() or "timeout" in err.lower():
+            status = _kimina_error_status(err)
+            if status == "timeout":
                 return _fail("timeout", f"timeout: {err[:300]}", t=t), None
+            if _KIMINA_HEADER_TIMEOUT in err:
+                reason = (
+                    f"server_error: the proof did not run: {err[:200]} (the server imports the header "
+                    "under the proof's timeout: give it a timeout above the import time and REPLs "
+                    "pre-warmed with LEAN_SERVER_INIT_REPLS)"
+                )
+                return _fail("server_error", reason), None
             return _fail("server_error", f"server_error: {err[:300]}", t=t), None
         resp = ans.get("response")
         if not isinstance(resp, dict):
-            return _fail("server_error", "server_error: result has neither `response` nor `error`", t=t), None
+            return _fail(
+                "server_error", "server_error: result has neither `response` nor `error`", t=t
+            ), None
         if "message" in resp and "env" not in resp and "messages" not in resp:
-            return _fail("error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])], t=t), None
+            return _fail(
+                "error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])], t=t
+            ), None
         msgs = list(resp.get("messages") or [])
         proof_msgs = [m for m in msgs if _line(m) < thr]
         check_msgs = [m for m in msgs if _line(m) >= thr]
         sorries = [s for s in resp.get("sorries") or [] if _line(s) < thr]
-        status, reason, errors = _judge(proof_msgs, sorries, check_msgs, None, prep.name, self.lean_checks)
+        status, reason, errors = _judge(
+            proof_msgs, sorries, check_msgs, None, prep.name, self.lean_checks
+        )
         ctype, _ = _parse_checks(check_msgs, prep.name)
         return LeanResult(status == "valid", status, errors, reason, t, proof_msgs), ctype
+
+
+# What stats() counts on the Kimina backend: POSTs sent, POSTs sent again (after a busy or unreachable server,
+# or a failed POST), snippets the server was too busy to run (HTTP 429 or 504 for their POST, or a busy error
+# of their own), batches split after a failed POST, POSTs with no answer within the deadline.
+KIMINA_COUNTS = ("posts", "retries", "busy", "splits", "no_answer")
+# Per-snippet errors of kimina-lean-server 2.1.3 (server/routers/check.py) for a snippet that did not run
+# because no REPL was free in LEAN_SERVER_MAX_WAIT or a REPL could not be started or replaced.
+_KIMINA_BUSY_ERRORS = (
+    "No available REPLs",
+    "Failed to get REPL",
+    "Failed to get replacement REPL",
+    "REPL prep failed",
+)
+_KIMINA_HEADER_TIMEOUT = "header command timed out"
+
+
+def _kimina_busy(answer: dict) -> bool:
+    """Whether a snippet's answer says that the server did not run it for want of a REPL."""
+    error = answer.get("error")
+    if not isinstance(error, str):
+        return False
+    for sign in _KIMINA_BUSY_ERRORS:
+        if error.startswith(sign):
+            return True
+    return False
+
+
+def _kimina_error_status(error: str) -> str:
+    """ "timeout" for a snippet whose proof ran past the timeout; "server_error" for any other error, among
+    them a header import that timed out (the proof never ran)."""
+    if _KIMINA_HEADER_TIMEOUT in error:
+        return "server_error"
+    lowered = error.lower()
+    if "timed out" in lowered or "timeout" in lowered:
+        return "timeout"
+    return "server_error"
 
 
 class _HeaderTimeout(Exception):
@@ -2378,8 +3205,15 @@ class _ServerError(Exception):
     def __init__(self, message: str, code: int = 0):
         super().__init__(message)
         self.code = code
-        self.retryable = code in (0, 429) or code >= 500          # busy, unreachable, server trouble
-        self.splittable = code >= 400 and code not in (401, 403, 404, 429)   # maybe one snippet's fault
+        self.retryable = code in (0, 429) or code >= 500  # busy, unreachable, server trouble
+        self.splittable = code >= 400 and code not in (
+            401,
+            403,
+            404,
+            429,
+        )  # maybe one snippet's fault
+        # no REPL was free (GitHub main), or the POST ran past the server's limit (PyPI's 2.1.3)
+        self.busy = code in (429, 504)
 
 
 def _line(m: dict) -> int:
@@ -2395,13 +3229,20 @@ def _strip_or_raw(t: str) -> str:
 
 
 def _as_job(job) -> ProofJob:
+    """A ProofJob of strings, with "\\r\\n" line breaks made "\\n" (see LINE_BREAKS)."""
     if isinstance(job, ProofJob):
-        return ProofJob(str(job.header or ""), str(job.statement or ""), str(job.proof or ""), str(job.name or ""))
-    if isinstance(job, dict):
-        return ProofJob(str(job.get("header") or ""),
-                        str(job.get("statement") or job.get("formal_statement") or ""),
-                        str(job.get("proof") or ""), str(job.get("name") or ""))
-    raise TypeError(f"expected a ProofJob, got {type(job).__name__}")
+        header, statement, proof, name = job.header, job.statement, job.proof, job.name
+    elif isinstance(job, dict):
+        header = job.get("header")
+        statement = job.get("statement") or job.get("formal_statement")
+        proof = job.get("proof")
+        name = job.get("name")
+    else:
+        raise TypeError(f"expected a ProofJob, got {type(job).__name__}")
+    header = _unify_line_breaks(str(header or ""))
+    statement = _unify_line_breaks(str(statement or ""))
+    proof = _unify_line_breaks(str(proof or ""))
+    return ProofJob(header, statement, proof, str(name or ""))
 
 
 class _Progress:
@@ -2411,6 +3252,7 @@ class _Progress:
         if enabled:
             try:
                 from tqdm import tqdm
+
                 self.bar = tqdm(total=total, desc="lean", leave=False)
             except ImportError:  # pragma: no cover
                 self.bar = None
@@ -2428,20 +3270,30 @@ class _Progress:
 
 # --------------------------------------------------------------------------- CLI
 
+
 def _cli(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Check Lean 4 proofs from a jsonl file (fields: header, "
-                                 "formal_statement or statement, proof = full proof or tactics after ':= by').")
+    ap = argparse.ArgumentParser(
+        description="Check Lean 4 proofs from a jsonl file (fields: header, "
+        "formal_statement or statement, proof = full proof or tactics after ':= by')."
+    )
     ap.add_argument("file", nargs="?", default=str(REPO_ROOT / "data" / "lean_smoke.jsonl"))
     ap.add_argument("--backend", default="auto", choices=["auto", "repl", "kimina"])
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--timeout", type=float, default=60.0)
-    ap.add_argument("--repl-cmd", default=None, help="command line of a REPL (overrides LEAN_REPL_CMD)")
+    ap.add_argument(
+        "--repl-cmd", default=None, help="command line of a REPL (overrides LEAN_REPL_CMD)"
+    )
     ap.add_argument("--kimina-url", default=None)
     ap.add_argument("--out", default=None, help="write one JSON result per line here")
     a = ap.parse_args(argv)
     try:
-        v = LeanVerifier(backend=a.backend, workers=a.workers, timeout=a.timeout, repl_cmd=a.repl_cmd,
-                         kimina_url=a.kimina_url)
+        v = LeanVerifier(
+            backend=a.backend,
+            workers=a.workers,
+            timeout=a.timeout,
+            repl_cmd=a.repl_cmd,
+            kimina_url=a.kimina_url,
+        )
     except LeanNotInstalled as e:
         print(f"LeanNotInstalled: {e}", file=sys.stderr)
         return 2
@@ -2455,7 +3307,7 @@ def _cli(argv=None) -> int:
         stmt = r.get("formal_statement") or r.get("statement") or ""
         proof = r.get("proof") or ""
         code = strip_comments(proof)[0] or ""
-        if not re.search(_tok("theorem", "lemma", "example"), code):   # tactics only
+        if not re.search(_tok("theorem", "lemma", "example"), code):  # tactics only
             proof = proof_from_tactics(stmt, [proof])
         jobs.append(ProofJob(r.get("header") or DEFAULT_HEADER, stmt, proof, r.get("name", "")))
     with v:
@@ -2466,11 +3318,17 @@ def _cli(argv=None) -> int:
     for r, job in zip(res, jobs):
         counts[r.status] = counts.get(r.status, 0) + 1
         print(f"{r.status:12s} {job.name or '?':40s} {r.time:7.2f}s {r.reason[:100]}")
-    print(f"{len(res)} proofs in {dt:.1f} s: " + ", ".join(f"{k} {n}" for k, n in sorted(counts.items())))
+    print(
+        f"{len(res)} proofs in {dt:.1f} s: "
+        + ", ".join(f"{k} {n}" for k, n in sorted(counts.items()))
+    )
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:
             for r, job in zip(res, jobs):
-                f.write(json.dumps({"name": job.name, **dataclasses.asdict(r)}, ensure_ascii=False) + "\n")
+                f.write(
+                    json.dumps({"name": job.name, **dataclasses.asdict(r)}, ensure_ascii=False)
+                    + "\n"
+                )
     return 0
 
 

