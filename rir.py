@@ -1,42 +1,76 @@
-"""RiR: Reasoning in Reasoning, a goal planner and a goal-driven actor for hierarchical proof search in Lean 4.
+"""RiR: Reasoning in Reasoning, a goal planner and a goal-driven actor for hierarchical proof
+search in Lean 4.
 
-Paper: Ziyu Ye et al., "Reasoning in Reasoning" (its text was not readable here: the method, its loss, Algorithm 1,
-Tables 1-2 and Figures 2-3 as Z. Ye's talk "Learning to Reason and Align via Self-Play", Dec 2024, presents them).
-Official code: github.com/ZIYU-DEEP/Reasoning-in-Reasoning (read at c5976f2), built on ReProver (github.com/lean-dojo/
-ReProver, read at fd6d99c); this file copies none of it.
+Paper: Ziyu Ye et al., "Reasoning in Reasoning" (its text was not readable here: the method, its
+loss, Algorithm 1, Tables 1-2 and Figures 2-3 as Z. Ye's talk "Learning to Reason and Align via
+Self-Play", Dec 2024, presents them). Official code: github.com/ZIYU-DEEP/Reasoning-in-Reasoning
+(read at c5976f2), built on ReProver (github.com/lean-dojo/ReProver, read at fd6d99c), the
+tactic generator of LeanDojo (a toolkit that traces Lean proofs and drives Lean interactively),
+a ByT5 model, i.e. a byte-level T5 encoder-decoder; this file copies none of it.
 
-Method. Flat provers sample a tactic y ~ pi(. | s) for the proof state s. RiR splits the step in two policies: the
-PLANNER pi_h(s* | s) proposes the next proof state s* (the state after the tactic, "no goals" when it closes the proof),
-the ACTOR pi_l(y | s, s*) a tactic that reaches it, both in the official text formats ([CURRENT GOAL] / [TARGET GOAL] /
-[PROOFSTEP]; tactics name premises as <a>full name</a>, marks removed from what is sampled). Each iteration:
-  1. co-train (offline SFT) on traced (s, y*, s*) triples D_t: L_co = -1/N sum [log p(s* | s) + log p(y* | s, s*)];
-  2. search: best-first (official) or MCTS (ours) over Lean's tactic mode; an expansion pops the best open node, the
-     planner proposes targets, for each in turn the actor samples tactics and Lean runs them, until the first proof;
-     a new node's priority is its parent's + log p(y | s, s*) + log p(s* | s);
-  3. self-play (ours, expert iteration): proofs found on the self-play theorems are replayed through Lean into new
-     triples, D_{t+1} = D_t + these; not in the last iteration, after which the benchmark is searched.
-Metrics (metrics.jsonl, step = iterations done): eval/pass@1 under the budget (Tables 1-2); Figure 2's split of the
-proved searches' time, eval/{planner,actor,env}_time_proved (each role's sampling, Lean's tactic runs); Figure 3's
-eval/search_time_proved and <run>/search_time_cdf.csv; selfplay/*, losses/*, time/*; searches to <run>/searches.jsonl.
+Method. A flat prover such as ReProver (the flat baseline here, --no-planner) samples a tactic
+y ~ pi(. | s) for the proof state s (the goals Lean shows). RiR splits the step in two policies,
+here one LM prompted for each role:
+  - the PLANNER pi_h(s* | s) proposes s*, the goal of the step: the proof state after the tactic
+    ("no goals" when the tactic closes the proof);
+  - the ACTOR pi_l(y | s, s*) writes a tactic that reaches s*.
+Both use the official text formats ([CURRENT GOAL] / [TARGET GOAL] / [PROOFSTEP]; tactics name
+premises as <a>full name</a>, marks removed from what is sampled). They learn from triples
+(s, y*, s*): a traced proof step, the state, the human tactic and the state it led to. D_t is the
+set of triples of iteration t; D_0 is LeanDojo Benchmark 4's traced tactics.
 
-Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it scaled; `torchrun
---nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates the given model. Both need Lean:
-`bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL, LEAN_REPL_CMD="python tests/fake_lean_repl.py",
-which follows the tactic table of data/lean_tactics.jsonl. Experiment map: README.md.
-Data: LeanDojo Benchmark 4's random split (the authors' Hugging Face upload, or train.json of zenodo.org/records/
-10929138 as utils/download_data.py fetches it); the theorems are miniF2F's (valid for self-play, test for evaluation).
+Algorithm (one iteration of main, whose banners carry these numbers):
+  1. Co-train planner and actor on D_t (co_train; offline supervised fine-tuning): L_co, the
+     planner's plus the actor's negative log-likelihood of each triple (co_training_loss).
+  2. Self-play search (ours; not in the last iteration): one search of each self-play theorem
+     (search, prove) over Lean's tactic mode, best-first (BFS, official) or Monte Carlo tree
+     search (MCTS, ours). An expansion takes an open node (BFS: the one of highest
+     child_priority; MCTS: the leaf that select reaches by PUCT, AlphaZero's predictor + upper
+     confidence bound, puct_score), the planner proposes targets s*, and for one target at a
+     time the actor samples tactics that Lean runs (plan_and_act, expand), until the first proof.
+  3. Replay (ours, expert iteration: training on the model's own verified proofs): each proof
+     found is replayed through Lean into triples (replay_proofs); D_{t+1} = D_t + the new ones.
+  4. Evaluate (evaluate; after the last iteration by default): one search of each benchmark
+     theorem under the budget; pass@1 is the share of the theorems proved within it.
+Metrics (metrics.jsonl, step = iterations done): eval/pass@1 (Tables 1-2); Figure 2's split of the
+proved searches' time, eval/{planner,actor,env}_time_proved (each role's sampling, Lean's tactic
+runs); Figure 3's eval/search_time_proved and <run>/search_time_cdf.csv; selfplay/*, losses/*,
+time/*; every search to <run>/searches.jsonl.
+Records: lean_verify's Problem(id, header, statement), a theorem; Triple(state, tactic, target),
+a triple (s, y*, s*); TacticState, a proof state (goals, status, the tactics from the root; key:
+its goals). The infrastructure block at the end defines Sample(text, prompt_ids, token_ids,
+logprobs, finish_reason), one completion as the sampler drew it, and Dist(rank, world_size,
+local_world_size, device, is_main, objects), where this process stands among torchrun's.
+
+Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it
+scaled; `torchrun --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates
+the given model. Both need Lean: `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL,
+LEAN_REPL_CMD="python tests/fake_lean_repl.py", which follows the tactic table of
+data/lean_tactics.jsonl. Experiment map: README.md.
+Data: LeanDojo Benchmark 4's random split (the authors' Hugging Face upload, or train.json of
+zenodo.org/records/10929138 as utils/download_data.py fetches it); the theorems are miniF2F's
+(valid for self-play, test for evaluation).
 
 Deliberate deviations:
-  1. Lean through lean_verify's REPL tactic mode, not LeanDojo: states merge by goals, a found proof is checked whole.
-  2. One decoder LM for both roles, Qwen2.5-0.5B at lr 2e-5 (official: two ByT5-small models, at lr 8e-4 and 7e-4).
-  3. Sampling at temperature 1, deduplicated, ranked by summed log-probs, not beam search (length_penalty 0).
-  4. The flat baseline's prompt marks where the tactic starts (official: the bare state, an encoder's input).
-  5. Equal budgets for RiR and the flat baseline, read before each sampling call and tactic (official: each expansion).
-  6. LeanDojo Benchmark 4's test theorems need LeanDojo's Dojo: it is the co-training data, miniF2F the theorems.
-  7. MCTS is ours (no code was released): PUCT, prior from the planner x actor probability; no value net, no rollouts.
+  1. Lean through lean_verify's REPL tactic mode, not LeanDojo: states merge by goals, a found
+     proof is checked whole.
+  2. One decoder LM for both roles, Qwen2.5-0.5B at lr 2e-5 (official: two ByT5-small models, at
+     lr 8e-4 and 7e-4).
+  3. Sampling at temperature 1, deduplicated, ranked by summed log-probs, not beam search
+     (length_penalty 0).
+  4. The flat baseline's prompt marks where the tactic starts (official: the bare state, an
+     encoder's input).
+  5. Equal budgets for RiR and the flat baseline, read before each sampling call and tactic
+     (official: each expansion).
+  6. LeanDojo Benchmark 4's test theorems need LeanDojo's Dojo (its interactive Lean
+     environment): it is the co-training data, miniF2F the theorems.
+  7. MCTS is ours (no code was released): PUCT, prior from the planner x actor probability; no
+     value net, no rollouts.
   8. Self-play iterations are ours (expert iteration), continuing the weights and optimizer.
-  9. The default loss is each role's token mean over the batch (official: per T5); --loss-reduction sequence: L_co.
- 10. --joint-format: the actor sees s*; the official joint search samples y from s alone (s* only in the priority).
+  9. The default loss is each role's token mean over the batch (official: per T5);
+     --loss-reduction sequence: L_co.
+ 10. --joint-format: the actor sees s*; the official joint search samples y from s alone (s* only
+     in the priority).
 """
 
 from __future__ import annotations
@@ -59,7 +93,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -67,20 +101,39 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import tyro
 import wandb
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from lean_verify import LeanNotInstalled, LeanVerifier, Problem, Triple, load_problems, load_triples
+from lean_verify import (
+    LeanNotInstalled,
+    LeanVerifier,
+    Problem,
+    TacticState,
+    Triple,
+    load_problems,
+    load_triples,
+)
 
 
 @dataclass
 class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless
+    --run-name)"""
     seed: int = 3407  # official
     """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
@@ -100,7 +153,8 @@ class Args:
 
     # model and backends
     model: str = "Qwen/Qwen2.5-0.5B"
-    """planner and actor, one LM: a Hugging Face id, a local path, or embedded:smollm2 (the CPU default)"""
+    """planner and actor, one LM: a Hugging Face id, a local path, or embedded:smollm2 (the CPU
+    default)"""
     backend: Literal["auto", "vllm", "hf"] = "auto"
     """sampler: vLLM when CUDA and vllm are present (auto), else transformers"""
     gpu_memory_utilization: float = 0.5
@@ -114,19 +168,23 @@ class Args:
 
     # data
     dataset: str = "cat-searcher/leandojo-benchmark-4-random"
-    """traced tactics: LeanDojo Benchmark 4 (random split) on the Hugging Face hub, its train.json, or a .jsonl"""
+    """traced tactics: LeanDojo Benchmark 4 (random split) on the Hugging Face hub, its
+    train.json, or a .jsonl"""
     num_triples: int | None = None
     """use only the first N triples"""
     selfplay_dataset: str = "data/minif2f.jsonl"
-    """the problems searched in self-play: a Hugging Face dataset, a .jsonl or a .json (lean_verify.load_problems)"""
+    """the problems searched in self-play: a Hugging Face dataset, a .jsonl or a .json
+    (lean_verify.load_problems)"""
     selfplay_split: str | None = "valid"
     """which split of --selfplay-dataset (None: all rows)"""
     num_problems: int | None = None
     """use only the first N problems of --selfplay-dataset (default all)"""
 
     # algorithm
-    iterations: int = 2  # 2 (ours): one self-play iteration, then co-training again and the evaluation
-    """iterations to run (the paper's word: rounds); 1: the official offline run; 0: evaluate the given model"""
+    # 2 (ours): one self-play iteration, then co-training again and the evaluation
+    iterations: int = 2
+    """iterations to run (the paper's word: rounds); 1: the official offline run; 0: evaluate the
+    given model"""
     train_steps: int = 40000
     """co-training steps of the first iteration (the released actor checkpoint: step 40000)"""
     selfplay_train_steps: int = 4000
@@ -134,14 +192,17 @@ class Args:
 
     # search
     search: Literal["bfs", "mcts"] = "bfs"
-    """best-first search (official) or MCTS (the talk's Table 2; ours)"""
+    """best-first search (official) or MCTS (the talk's Table 2; ours): prove runs both"""
     num_sampled_goals: int = 5
     """target states the planner proposes per expansion (official num_sampled_goals)"""
     num_sampled_tactics: int = 64
-    """tactics the actor proposes per target state, or per expansion without planner (official num_sampled_tactics)"""
-    max_expansions: int | None = None  # official RiR's (ReProver's N allows N + 1); an RiR expansion samples more
+    """tactics the actor proposes per target state, or per expansion without planner (official
+    num_sampled_tactics)"""
+    # official RiR's (ReProver's N allows N + 1); an RiR expansion samples more
+    max_expansions: int | None = None
     """expansions per theorem (None: only the clock limits a search)"""
-    search_timeout: float = 600.0  # official --timeout (its logged comparison gave RiR 3200 s, ReProver 600 s)
+    # official --timeout (its logged comparison gave RiR 3200 s, ReProver 600 s)
+    search_timeout: float = 600.0
     """seconds per theorem (the search's budget, read before each tactic)"""
     temperature: float = 1.0
     """sampling temperature of planner and actor"""
@@ -154,24 +215,28 @@ class Args:
     lean_timeout: float = 60.0
     """Lean's wall-clock limit per tactic, in seconds (a timeout is a failed edge)"""
     lean_workers: int | None = None
-    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
+    the machine)"""
     c_puct: float = 1.0
-    """MCTS: exploration constant of PUCT"""
+    """MCTS: exploration constant of PUCT (puct_score)"""
     leaf_value: float = 0.5
-    """MCTS: value an open leaf backs up (no value network; a dead end backs up 0)"""
+    """MCTS: value an open leaf backs up (simulation_value; no value network)"""
 
     # co-training (L_co; official goal_driven_tactic_8gpu.yaml)
     batch_size: int = 32  # official: 64 planner, 32 actor sequences
     """triples per optimizer step (each gives a planner and an actor sequence)"""
     loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
-    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as written"""
+    """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as
+    written (co_training_denominators)"""
     max_state_tokens: int = 768
     """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
     learning_rate: float = 2e-5  # AdamW, no weight decay
     """peak learning rate"""
-    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # official common.py, over each co-training
+    # official common.py, over each co-training
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     """learning-rate schedule after the warm-up (lr_at)"""
-    warmup_steps: int = 4000  # of the first iteration; each later one warms up for the same share of its steps
+    # of the first iteration; each later one warms up for the same share of its steps
+    warmup_steps: int = 4000
     """linear warm-up steps from 0"""
     micro_batch_size: int = 8
     """triples per forward/backward on each rank"""
@@ -180,9 +245,11 @@ class Args:
 
     # ablations
     planner: bool = True
-    """the goal planner (--no-planner: the flat ReProver baseline, the same LM as a plain tactic generator)"""
+    """the goal planner (--no-planner: the flat ReProver baseline, the same LM as a plain tactic
+    generator)"""
     joint_format: bool = False
-    """one sequence per triple, [CURRENT GOAL] s -> [TARGET GOAL] s* [PROOFSTEP] y (official gen_type joint)"""
+    """one sequence per triple, [CURRENT GOAL] s -> [TARGET GOAL] s* [PROOFSTEP] y (official
+    gen_type joint)"""
 
     # evaluation
     eval_dataset: str = "data/minif2f.jsonl"
@@ -195,93 +262,203 @@ class Args:
     """evaluate every this many iterations and after the last (0: only after the last)"""
 
 
-# Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes (SmolLM2-135M samples
-# ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics takes ~10 s, a co-training step ~10 s). The
-# benchmark stays miniF2F-test (its first 5): the built-in theorems are the training data (D_0 holds their proofs).
-CPU_DEFAULTS = dict(model="embedded:smollm2", dataset="data/rir_triples.jsonl", selfplay_split="builtin",
-                    selfplay_dataset="data/rir_theorems.jsonl", eval_limit=5, num_sampled_goals=2,
-                    num_sampled_tactics=8, max_expansions=4, search_timeout=300.0, lean_timeout=10.0, train_steps=8,
-                    selfplay_train_steps=2, warmup_steps=0, learning_rate=3e-4, batch_size=8, micro_batch_size=4,
-                    max_state_tokens=128, goal_max_new_tokens=64, tactic_max_new_tokens=24, max_model_len=1024)
+# Without CUDA the full sizes would take weeks; these run an iteration on 2 cores in minutes
+# (SmolLM2-135M samples ~60 tokens/s in a batch of 8; an expansion with 2 targets x 4 tactics
+# takes ~10 s, a co-training step ~10 s). The benchmark stays miniF2F-test (its first 5): the
+# built-in theorems are the training data (D_0 holds their proofs).
+CPU_DEFAULTS = dict(
+    model="embedded:smollm2",
+    dataset="data/rir_triples.jsonl",
+    selfplay_split="builtin",
+    selfplay_dataset="data/rir_theorems.jsonl",
+    eval_limit=5,
+    num_sampled_goals=2,
+    num_sampled_tactics=8,
+    max_expansions=4,
+    search_timeout=300.0,
+    lean_timeout=10.0,
+    train_steps=8,
+    selfplay_train_steps=2,
+    warmup_steps=0,
+    learning_rate=3e-4,
+    batch_size=8,
+    micro_batch_size=4,
+    max_state_tokens=128,
+    goal_max_new_tokens=64,
+    tactic_max_new_tokens=24,
+    max_model_len=1024,
+)
 
 
 # ---- prompts ----
-# The official text formats (common.format_input, generator/datamodule.collate), raw completion prompts. The planner
-# continues PLANNER_PROMPT with s*; the actor continues ACTOR_PROMPT with y; the joint format trains one sequence
-# JOINT_PROMPT -> JOINT_TARGET, whose prefixes are the two prompts at search time.
+# The official text formats (common.format_input, generator/datamodule.collate), raw completion
+# prompts. The planner continues PLANNER_PROMPT with s*; the actor continues ACTOR_PROMPT with y;
+# the joint format trains one sequence JOINT_PROMPT -> JOINT_TARGET, whose prefixes are the two
+# prompts at search time.
 PLANNER_PROMPT = "[CURRENT GOAL]\n{state}\n[TARGET GOAL]\n"
 ACTOR_PROMPT = "[CURRENT GOAL]\n{state}\n[TARGET GOAL]\n{target}\n[PROOFSTEP]\n"
 JOINT_PROMPT = "[CURRENT GOAL]\n{state}\n"
 JOINT_TARGET = "[TARGET GOAL]\n{target}\n[PROOFSTEP]\n{tactic}\n"
-FLAT_PROMPT = "[CURRENT GOAL]\n{state}\n[PROOFSTEP]\n"  # deviation 4: a decoder needs a marker where the tactic starts
+# deviation 4: a decoder needs a marker where the tactic starts
+FLAT_PROMPT = "[CURRENT GOAL]\n{state}\n[PROOFSTEP]\n"
 GOAL_STOP = "\n[PROOFSTEP]"  # where a target state ends in the joint format
-NO_GOALS = "no goals"  # LeanDojo's state after the tactic that closes the proof: the planner's target for it
+# LeanDojo's state after the tactic that closes the proof: the planner's target for it
+NO_GOALS = "no goals"
 
 
 # ---- data ----
-# A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a dataset (miniF2F's
-# fields). A traced tactic (s, y*, s*) is lean_verify's Triple(state, tactic, target), as load_triples reads them
-# from LeanDojo's rows (official datamodule._load_data, common.format_state).
-def clip(tokenizer, text: str, max_tokens: int) -> str:
-    """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at their end), at the start
-    of the first token it drops: a prefix of the text, and a character split over two tokens goes whole."""
+# A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a
+# dataset (miniF2F's fields). A traced tactic (s, y*, s*) is lean_verify's Triple(state, tactic,
+# target), as load_triples reads them from LeanDojo's rows (official datamodule._load_data,
+# common.format_state).
+def truncate_right(tokenizer, text: str, max_tokens: int) -> str:
+    """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at
+    their end), at the start of the first token it drops: a prefix of the text, and a character
+    split over two tokens goes whole."""
     tokens = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    return text if len(tokens.input_ids) <= max_tokens else text[: tokens.offset_mapping[max_tokens][0]]
+    if len(tokens.input_ids) <= max_tokens:
+        return text
+    first_dropped = tokens.offset_mapping[max_tokens][0]  # (start, end) in characters
+    return text[:first_dropped]
 
 
-# ---- rewards ----
-# RiR has no reward model: the policy's own log-probabilities rank the search; these are its arithmetic.
+# ---- search rules ----
+# RiR has no reward model: the policy's own log-probabilities rank the search. Each rule of the
+# search is one function here.
 def child_priority(parent_priority: float, logp_goal: float, logp_tactic: float) -> float:
-    """Best-first priority of a new node (official prover_rir _run_tactic): the parent's cumulative log-probability
-    plus log p(y | s, s*) + log p(s* | s); the flat baseline has log p(s* | s) = 0 (ReProver)."""
+    """BFS priority of a new node (official prover_rir _run_tactic), the path's cumulative
+    log-probability:
+
+        priority(child) = priority(parent) + log p(y | s, s*) + log p(s* | s)
+
+    The flat baseline has log p(s* | s) = 0 (ReProver's priority)."""
     return parent_priority + logp_tactic + logp_goal
 
 
-def puct_score(value: float, visits: int, prior: float, parent_value: float, parent_visits: int, c_puct: float
-               ) -> float:
-    """MCTS selection (ours): Q + c_puct P sqrt(N_parent) / (1 + N), Q of an unvisited child its parent's mean value."""
-    q = value / visits if visits else parent_value / max(parent_visits, 1)
-    return q + c_puct * prior * math.sqrt(parent_visits) / (1 + visits)
-
-
 def edge_priors(log_masses: list[float]) -> list[float]:
-    """MCTS priors of a node's children: the softmax of the log probability mass of the edges that reached each child
-    (log p(s* | s) + log p(y | s, s*), summed over the edges to the same child)."""
-    top = max(log_masses, default=0.0)
-    weights = [math.exp(m - top) for m in log_masses]
-    return [w / sum(weights) for w in weights]
+    """MCTS priors P of a node's children (ours): the softmax of the log probability mass of the
+    edges that reached each child, log p(s* | s) + log p(y | s, s*), summed over the edges to the
+    same child."""
+    top = max(log_masses, default=0.0)  # subtracted: no underflow for long sequences
+    weights = [math.exp(mass - top) for mass in log_masses]
+    total = sum(weights)
+    return [weight / total for weight in weights]
+
+
+def puct_score(
+    value: float,
+    visits: int,
+    prior: float,
+    parent_value: float,
+    parent_visits: int,
+    c_puct: float,
+) -> float:
+    """MCTS selection score of a child (PUCT, ours):
+
+        Q + c_puct P sqrt(N_parent) / (1 + N)
+
+    N its visits, P its prior (edge_priors), Q = W / N its mean backed-up value W (visits 0: its
+    parent's mean value W_parent / N_parent)."""
+    if visits:
+        q = value / visits
+    else:
+        q = parent_value / max(parent_visits, 1)
+    exploration = c_puct * prior * math.sqrt(parent_visits) / (1 + visits)
+    return q + exploration
+
+
+def simulation_value(leaf: Node, leaf_value: float) -> float:
+    """MCTS value of a simulation (ours; no value network, no rollouts): 0 when the leaf it
+    expanded is a dead end, else --leaf-value."""
+    if leaf.dead:
+        return 0.0
+    return leaf_value
 
 
 def search_time_cdf(times: list[float], total: int) -> list[tuple[float, int, float]]:
-    """Figure 3: each proved theorem's search time t (sorted), the theorems proved within t, their share of `total`."""
-    return [(t, k, k / total) for k, t in enumerate(sorted(times), 1)]
+    """Figure 3: each proved theorem's search time t (sorted), the theorems proved within t, and
+    their share of `total`."""
+    rows = []
+    for proved, seconds in enumerate(sorted(times), 1):
+        rows.append((seconds, proved, proved / total))
+    return rows
 
 
 # ---- losses ----
-def co_training_loss(logp: torch.Tensor, mask: torch.Tensor, roles: torch.Tensor, denominators: list[float]
-                     ) -> torch.Tensor:
-    """L_co = -[log p(s* | s) + log p(y* | s, s*)]: logp, mask [B, T] are the output tokens' log-probs of B sequences,
-    roles [B] says which term each is (0: the planner's s*, or a joint sequence; 1: the actor's y*). Each term is its
-    sequences' summed token log-probs divided by its denominator: the role's token count over the whole batch (the
-    official T5 token mean) or the number of triples N (L_co as written). Micro-batches add up to the batch's loss."""
-    seq = (logp * mask).sum(1)
-    return -sum(seq[roles == r].sum() / d for r, d in enumerate(denominators) if d > 0)
+def co_training_loss(
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    roles: torch.Tensor,
+    denominators: list[float],
+) -> torch.Tensor:
+    """L_co, the co-training loss of planner and actor over a batch of N triples (s, y*, s*):
+
+        L_co = -(1/N) sum_triples [log p(s* | s) + log p(y* | s, s*)]
+
+    here with a denominator per term: denominators[0] divides the planner's summed log-probs
+    (its s* sequences, or the joint sequences of --joint-format), denominators[1] the actor's
+    (its y* sequences); co_training_denominators chooses them. A term with denominator 0 (the flat
+    baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
+    logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
+    roles: [B], each sequence's term (0: planner or joint, 1: actor)."""
+    per_sequence = (logp * mask).sum(1)  # [B]
+    total = 0
+    for role, denominator in enumerate(denominators):
+        if denominator > 0:
+            role_sum = per_sequence[roles == role].sum()
+            total = total + role_sum / denominator
+    return -total
+
+
+def co_training_denominators(role_tokens: list[int], triples: int, loss_reduction: str) -> list:
+    """co_training_loss's denominators for a batch (deviation 9). token_mean (the default, the
+    official T5 loss): each term's tokens in the whole batch, role_tokens, so that each role's
+    loss is its token mean; sequence: the batch's N triples for both terms, L_co as written."""
+    if loss_reduction == "token_mean":
+        return role_tokens
+    if loss_reduction == "sequence":
+        return [triples, triples]
+    raise ValueError(
+        f"--loss-reduction {loss_reduction}: co_training_denominators knows token_mean and "
+        "sequence; add its denominators there"
+    )
 
 
 # ---- phases ----
-# A search's record: the fields every search of the family has (coprover.py, rir.py), then the method's own fields:
-# whether the proof came within the budget, the official "Search Statistics" (seconds per role), the overshoot.
-# A proposal: target s* (None without the planner), tactic y (None if malformed: a failed edge), their log-probs.
-SearchResult = collections.namedtuple("SearchResult", "id proof seconds expansions nodes edges failed_edges "
-                                                      "proved planner_seconds actor_seconds env_seconds overshoot")
-Edge = collections.namedtuple("Edge", "target tactic logp_goal logp_tactic")
+class SearchResult(NamedTuple):
+    """One search of one theorem: the fields every search of the family has (coprover.py,
+    rir.py), then the method's own."""
+
+    id: str  # the theorem's
+    proof: list[str] | None  # the tactics of the proof found, else None
+    seconds: float  # the search's wall clock
+    expansions: int
+    nodes: int  # distinct states and Lean responses (official: error and finished nodes too)
+    edges: int  # tactics proposed
+    failed_edges: int  # errors, timeouts and malformed proposals
+    proved: bool  # a proof found within the budget
+    planner_seconds: float  # the official "Search Statistics": the planner's sampling,
+    actor_seconds: float  # the actor's sampling,
+    env_seconds: float  # Lean's tactic runs
+    overshoot: float  # seconds past the budget
+
+
+class Edge(NamedTuple):
+    """A proposal of plan_and_act for a node: a target and a tactic, with their log-probs."""
+
+    target: str | None  # s* (None without the planner)
+    tactic: str | None  # y (None if malformed: a failed edge)
+    logp_goal: float  # log p(s* | s)
+    logp_tactic: float  # log p(y | s, s*)
 
 
 @dataclass(eq=False)
-class Node:  # a proof state of the search (states with the same goals are one node)
-    state: object  # lean_verify.TacticState
-    priority: float = 0.0  # BFS: the path's summed log p(y | s, s*) + log p(s* | s)
-    prior: float = 1.0  # MCTS: P of the edge from the parent that found this state
+class Node:
+    """A proof state of the search (states with the same goals are one node)."""
+
+    state: TacticState
+    priority: float = 0.0  # BFS: child_priority
+    prior: float = 1.0  # MCTS: P, from edge_priors
     visits: int = 0  # MCTS: N, simulations through this node
     value: float = 0.0  # MCTS: W, the sum of their backed-up values
     children: list = field(default_factory=list)  # the new states its expansion found
@@ -290,662 +467,1315 @@ class Node:  # a proof state of the search (states with the same goals are one n
 
 
 def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
-    """Distinct non-empty completions without premise marks (official remove_marks), highest summed log-prob first (as
-    the official beam search scores them), and how many were malformed (empty, or a failed vLLM request)."""
-    best, malformed = {}, 0
-    for s in samples:
-        text = s.text.replace("<a>", "").replace("</a>", "").strip()
-        if s.finish_reason not in ("stop", "length") or not text:
+    """Distinct non-empty completions without premise marks (official remove_marks), highest
+    summed log-prob first (as the official beam search scores them), and how many were malformed
+    (empty, or a failed vLLM request)."""
+    best = {}  # text: its best summed log-prob
+    malformed = 0
+    for completion in samples:
+        text = completion.text.replace("<a>", "").replace("</a>", "").strip()
+        if completion.finish_reason not in ("stop", "length") or not text:
             malformed += 1
-        else:
-            best[text] = max(best.get(text, -math.inf), float(sum(s.logprobs)))
-    return sorted(best.items(), key=lambda kv: -kv[1]), malformed
+            continue
+        logp = float(sum(completion.logprobs))
+        best[text] = max(best.get(text, -math.inf), logp)
+    ordered = sorted(best.items(), key=lambda text_logp: -text_logp[1])
+    return ordered, malformed
 
 
-def propose(sampler, tokenizer, state: str, key: str, args: Args, seconds: collections.Counter, clock=time.monotonic):
-    """Plan, then act, for one node in the official order (_step): targets s* ~ pi_h(. | s), then the tactics
-    y ~ pi_l(. | s, s*) of one target at a time (flat: y ~ pi(. | s)), sampled only when the search asks for that
-    target's first edge. Yields edges, each target's by log-prob and its malformed samples last (failed edges), the
-    planner's malformed ones at the end; adds each sampling call's seconds to seconds["planner"] or seconds["actor"]."""
-    state, targets, failed_plans = clip(tokenizer, state, args.max_state_tokens), [(None, 0.0)], 0
-    params = dict(temperature=args.temperature, top_p=args.top_p)
+def plan_and_act(
+    sampler,
+    tokenizer,
+    state: str,
+    key: str,
+    args: Args,
+    seconds: collections.Counter,
+    clock=time.monotonic,
+):
+    """Plan, then act, for one node in the official order (_step): targets s* ~ pi_h(. | s), then
+    the tactics y ~ pi_l(. | s, s*) of one target at a time (flat: y ~ pi(. | s)), sampled only
+    when the search asks for that target's first edge. Yields Edges: each target's by log-prob
+    and its malformed samples last (failed edges), the planner's malformed ones at the end. Adds
+    each sampling call's seconds to seconds["planner"] or seconds["actor"]. The rank searching
+    the theorem draws every sample itself (sample without dist)."""
+    state = truncate_right(tokenizer, state, args.max_state_tokens)
+    targets = [(None, 0.0)]  # flat: one actor call, no target
+    failed_plans = 0
     if args.planner:
         start = clock()
-        [goals] = sample(sampler, [PLANNER_PROMPT.format(state=state)], args.num_sampled_goals, f"{key}/planner",
-                         max_new_tokens=args.goal_max_new_tokens, stop=[GOAL_STOP] if args.joint_format else None,
-                         desc="plan", **params)  # s* alone ends at end-of-sequence (HF's stop strings: ~1 s a call)
+        # s* alone ends at end-of-sequence (HF's stop strings: ~1 s a call); the joint sequence
+        # goes on after s*
+        stop = [GOAL_STOP] if args.joint_format else None
+        [goals] = sample(
+            sampler,
+            prompts=[PLANNER_PROMPT.format(state=state)],
+            n=args.num_sampled_goals,
+            key=f"{key}/planner",
+            max_new_tokens=args.goal_max_new_tokens,
+            stop=stop,
+            desc="plan",
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
         targets, failed_plans = ranked(goals)
         seconds["planner"] += clock() - start
     for i, (target, logp_goal) in enumerate(targets):
         start = clock()
-        prompt = (ACTOR_PROMPT.format(state=state, target=clip(tokenizer, target, args.max_state_tokens))
-                  if args.planner else FLAT_PROMPT.format(state=state))
-        [samples] = sample(sampler, [prompt], args.num_sampled_tactics, f"{key}/actor/{i}",
-                           max_new_tokens=args.tactic_max_new_tokens, desc="act", **params)
-        tactics, malformed = ranked(samples)
+        if args.planner:
+            target_text = truncate_right(tokenizer, target, args.max_state_tokens)
+            prompt = ACTOR_PROMPT.format(state=state, target=target_text)
+        else:
+            prompt = FLAT_PROMPT.format(state=state)
+        [tactics] = sample(
+            sampler,
+            prompts=[prompt],
+            n=args.num_sampled_tactics,
+            key=f"{key}/actor/{i}",
+            max_new_tokens=args.tactic_max_new_tokens,
+            desc="act",
+            temperature=args.temperature,
+            top_p=args.top_p,
+        )
+        ranked_tactics, malformed = ranked(tactics)
         seconds["actor"] += clock() - start
-        yield from [Edge(target, y, logp_goal, logp) for y, logp in tactics]
-        yield from [Edge(target, None, logp_goal, 0.0)] * malformed
-    yield from [Edge(None, None, 0.0, 0.0)] * failed_plans
+        for tactic, logp_tactic in ranked_tactics:
+            yield Edge(target, tactic, logp_goal, logp_tactic)
+        for _ in range(malformed):
+            yield Edge(target, None, logp_goal, 0.0)
+    for _ in range(failed_plans):
+        yield Edge(None, None, 0.0, 0.0)
 
 
-def expand(node: Node, edges, verifier, nodes: dict, counts: collections.Counter, deadline: float = math.inf,
-           clock=time.monotonic):
-    """One expansion (official _step): the edges' tactics run on the node's state one at a time, in their order, until
-    one proves the theorem or the deadline passes (read before an edge is drawn, which may sample, and before its
-    tactic runs); a new open state becomes a child (child_priority), a known one merges; errors, timeouts and malformed
-    proposals are failed edges. `nodes` gets every distinct outcome (official: error and finished nodes count too);
-    `counts` the edges, failed edges and Lean's seconds (tactics only). Returns the proof or None."""
-    tried, mass, edges = {}, {}, iter(edges)
-    while clock() <= deadline and (e := next(edges, None)) is not None and clock() <= deadline:
-        if e.tactic and e.tactic not in tried:  # a tactic proposed under two targets runs once
+def expand(
+    node: Node,
+    edges,
+    verifier,
+    nodes: dict,
+    counts: collections.Counter,
+    deadline: float = math.inf,
+    clock=time.monotonic,
+):
+    """One expansion (official _step): the edges' tactics run on the node's state one at a time,
+    in their order, until one proves the theorem or the deadline passes (read before an edge is
+    drawn, which may sample, and before its tactic runs). A new open state becomes a child
+    (child_priority), a known one merges; errors, timeouts and malformed proposals are failed
+    edges. `nodes` gets every distinct outcome (official: error and finished nodes count too);
+    `counts` the edges, failed edges and Lean's seconds (tactics only, as "env"). The children's
+    priors come from edge_priors. Returns the proof's final state, or None."""
+    tried = {}  # tactic: the state it led to (a tactic proposed under two targets runs once)
+    mass = {}  # a child's key: the log probability mass of the edges to it
+    edges = iter(edges)
+    while clock() <= deadline:
+        edge = next(edges, None)
+        if edge is None or clock() > deadline:
+            break
+        if edge.tactic and edge.tactic not in tried:
             start = clock()
-            tried[e.tactic] = verifier.apply_tactic(node.state, e.tactic)
+            tried[edge.tactic] = verifier.apply_tactic(node.state, edge.tactic)
             counts["env"] += clock() - start
-        child = tried.get(e.tactic)
+        child = tried.get(edge.tactic)  # None for a malformed proposal
         counts["edges"] += 1
-        if child is not None and child.status != "open":  # LeanDojo's ErrorNode / ProofFinishedNode of a response
-            nodes.setdefault((child.status, child.error or tuple(child.tactics)), None)
+        if child is not None and child.status != "open":
+            # LeanDojo's ErrorNode / ProofFinishedNode: each distinct response is a node
+            response = (child.status, child.error or tuple(child.tactics))
+            nodes.setdefault(response, None)
         if child is not None and child.solved and verifier.check_tactic_path(child).valid:
             node.expanded = True
             return child
+        edge_mass = edge.logp_goal + edge.logp_tactic
         if child is None or child.status != "open":
             counts["failed_edges"] += 1
-        elif child.key in mass:  # another edge to a child of this expansion: its prior mass grows
-            mass[child.key] = np.logaddexp(mass[child.key], e.logp_goal + e.logp_tactic)
-        elif child.key not in nodes:  # MCTS: the first parent to find a state owns its visits and value
-            nodes[child.key] = Node(child, child_priority(node.priority, e.logp_goal, e.logp_tactic))
+        elif child.key in mass:
+            # another edge to a child of this expansion: its prior mass grows
+            mass[child.key] = np.logaddexp(mass[child.key], edge_mass)
+        elif child.key not in nodes:
+            # MCTS: the first parent to find a state owns its visits and value
+            priority = child_priority(node.priority, edge.logp_goal, edge.logp_tactic)
+            nodes[child.key] = Node(child, priority)
             node.children.append(nodes[child.key])
-            mass[child.key] = e.logp_goal + e.logp_tactic
-    for child, prior in zip(node.children, edge_priors([mass[c.state.key] for c in node.children])):
+            mass[child.key] = edge_mass
+    log_masses = [mass[child.state.key] for child in node.children]
+    for child, prior in zip(node.children, edge_priors(log_masses)):
         child.prior = prior
-    node.expanded, node.dead = True, not node.children
+    node.expanded = True
+    node.dead = not node.children
     return None
 
 
 def select(root: Node, c_puct: float) -> list[Node]:
-    """MCTS selection (ours): the path from the root by the live child of best PUCT score, down to a leaf."""
+    """MCTS selection (ours): the path from the root by the live child of best puct_score, down
+    to a leaf."""
     path = [root]
     while path[-1].expanded:
         parent = path[-1]
-        path.append(max((c for c in parent.children if not c.dead), key=lambda c: puct_score(
-            c.value, c.visits, c.prior, parent.value, parent.visits, c_puct)))
+        live = [child for child in parent.children if not child.dead]
+        scores = []
+        for child in live:
+            score = puct_score(
+                value=child.value,
+                visits=child.visits,
+                prior=child.prior,
+                parent_value=parent.value,
+                parent_visits=parent.visits,
+                c_puct=c_puct,
+            )
+            scores.append(score)
+        best = scores.index(max(scores))  # the first of equal scores
+        path.append(live[best])
     return path
 
 
 def backup(path: list[Node], value: float) -> None:
-    """MCTS backup (ours): the path's nodes count the visit and add the leaf's value; all children dead: dead."""
+    """MCTS backup (ours): each node of the path counts the visit and adds the simulation's value
+    (N += 1, W += value); a node whose children are all dead is dead."""
     for node in path:
-        node.visits, node.value = node.visits + 1, node.value + value
+        node.visits += 1
+        node.value += value
     for node in reversed(path[:-1]):
-        node.dead = all(c.dead for c in node.children)
+        node.dead = all(child.dead for child in node.children)
 
 
-def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic) -> SearchResult:
-    """Search one theorem (official BestFirstSearchProver.search; MCTS ours, a simulation an expansion) until a proof,
-    an exhausted tree or the budget: search_timeout seconds of sampling and Lean alike, with or without planner, read
-    before each expansion, sampling call and tactic (deviation 5; official: Dojo's hard timeout at budget + 60 s), so a
-    search overshoots by one tactic or one draw's sampling at most; as officially, a proof past the budget fails.
-    `plan_and_act(state_text, expansion, seconds)` yields the node's edges (adding its sampling time to seconds)."""
+def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic):
+    """Search one theorem (official BestFirstSearchProver.search; MCTS ours, a simulation an
+    expansion) until a proof, an exhausted tree or the budget: search_timeout seconds of sampling
+    and Lean alike, with or without planner, read before each expansion, sampling call and tactic
+    (deviation 5; official: Dojo's hard timeout at budget + 60 s), so a search overshoots by one
+    tactic or one draw's sampling at most; as officially, a proof past the budget fails.
+    `plan_and_act(state_text, expansion, seconds)` yields the node's Edges (adding its sampling
+    time to seconds). Returns a SearchResult."""
     root = Node(verifier.start_proof(problem.header, problem.statement))
-    nodes, frontier, tie, counts = {root.state.key: root}, [(0.0, 0, root)], itertools.count(1), collections.Counter()
-    proof, expansions, start = None, 0, clock()
-    while (root.state.status == "open" and proof is None and clock() - start <= args.search_timeout
-           and (args.max_expansions is None or expansions < args.max_expansions)):
-        if args.search == "bfs" and not frontier or args.search == "mcts" and root.dead:
+    nodes = {root.state.key: root}  # every distinct state and Lean response reached
+    frontier = [(0.0, 0, root)]  # BFS: a heap of (-priority, order found, node)
+    order_found = itertools.count(1)
+    counts = collections.Counter()  # expand's edges, failed edges and seconds per role
+    proof = None
+    expansions = 0
+    start = clock()
+    deadline = start + args.search_timeout
+    while root.state.status == "open" and proof is None:
+        if clock() - start > args.search_timeout:
             break
-        path = [heapq.heappop(frontier)[2]] if args.search == "bfs" else select(root, args.c_puct)
-        proof = expand(path[-1], plan_and_act(path[-1].state.pretty, expansions, counts), verifier, nodes, counts,
-                       start + args.search_timeout, clock)
-        expansions += 1
+        if args.max_expansions is not None and expansions >= args.max_expansions:
+            break
+        # the node to expand
         if args.search == "bfs":
-            for child in path[-1].children:
-                heapq.heappush(frontier, (-child.priority, next(tie), child))
+            if not frontier:  # no open node left
+                break
+            path = [heapq.heappop(frontier)[2]]
+        elif args.search == "mcts":
+            if root.dead:
+                break
+            path = select(root, args.c_puct)
         else:
-            backup(path, 0.0 if path[-1].dead else args.leaf_value)
-    seconds = clock() - start  # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
-    return SearchResult(problem.id, proof and proof.tactics, seconds, expansions, len(nodes), counts["edges"],
-                        counts["failed_edges"], proof is not None and seconds <= args.search_timeout,
-                        counts["planner"], counts["actor"], counts["env"], max(0.0, seconds - args.search_timeout))
+            raise ValueError(unknown_search(args.search))
+        leaf = path[-1]
+        edges = plan_and_act(leaf.state.pretty, expansions, counts)
+        proof = expand(
+            leaf,
+            edges,
+            verifier=verifier,
+            nodes=nodes,
+            counts=counts,
+            deadline=deadline,
+            clock=clock,
+        )
+        expansions += 1
+        # what the expansion found goes into the search
+        if args.search == "bfs":
+            for child in leaf.children:
+                heapq.heappush(frontier, (-child.priority, next(order_found), child))
+        else:
+            backup(path, simulation_value(leaf, args.leaf_value))
+    # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
+    seconds = clock() - start
+    return SearchResult(
+        id=problem.id,
+        proof=proof.tactics if proof is not None else None,
+        seconds=seconds,
+        expansions=expansions,
+        nodes=len(nodes),
+        edges=counts["edges"],
+        failed_edges=counts["failed_edges"],
+        proved=proof is not None and seconds <= args.search_timeout,
+        planner_seconds=counts["planner"],
+        actor_seconds=counts["actor"],
+        env_seconds=counts["env"],
+        overshoot=max(0.0, seconds - args.search_timeout),
+    )
 
 
-def search(sampler, verifier, problems: list[Problem], key: str, args: Args, dist: Dist) -> list[SearchResult]:
-    """Step 2 on every rank's share of `problems`, one theorem at a time (official: 3-4 Ray provers per GPU), pass@1."""
-    def run(mine: list[Problem]) -> list[SearchResult]:
-        return [prove(p, lambda state, k, seconds, p=p: propose(sampler, sampler.tokenizer, state, f"{key}/{p.id}/{k}",
-                                                                args, seconds), verifier, args) for p in mine]
+def unknown_search(search: str) -> str:
+    """What a fork that adds a --search value must add."""
+    return (
+        f"--search {search}: prove runs bfs and mcts; add how yours picks the node to expand and "
+        "what it does with the expansion's children there, and its name to check_choices"
+    )
 
-    return map_sharded(run, problems, dist)
+
+def search(
+    sampler,
+    verifier,
+    problems: list[Problem],
+    key: str,
+    args: Args,
+    dist: Dist,
+) -> list[SearchResult]:
+    """The search of steps 2 and 4: one search (prove) of each theorem, each rank its share one
+    at a time (official: 3-4 Ray provers per GPU); every rank gets all results, in order."""
+
+    def search_share(mine: list[Problem]) -> list[SearchResult]:
+        results = []
+        for problem in mine:
+
+            def this_plan_and_act(state: str, expansion: int, seconds: collections.Counter):
+                return plan_and_act(
+                    sampler,
+                    sampler.tokenizer,
+                    state,
+                    key=f"{key}/{problem.id}/{expansion}",
+                    args=args,
+                    seconds=seconds,
+                )
+
+            results.append(prove(problem, this_plan_and_act, verifier, args))
+        return results
+
+    return map_sharded(search_share, problems, dist)
 
 
-def replay_proofs(verifier, problems: list[Problem], results: list[SearchResult], dist: Dist) -> list[Triple]:
-    """Self-play (ours, expert iteration): each proof found is replayed tactic by tactic through Lean, and its steps
-    become (s, y, s') triples (s' = 'no goals' for the last, no premise marks), as LeanDojo traces a human proof."""
-    def run(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:  # a path that no longer replays: nothing
-        roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])
-        return [[Triple(s.pretty, after.tactics[-1], after.pretty or NO_GOALS) for s, after in zip(states, states[1:])]
-                if states else [] for states in verifier.replay(roots, [proof for _, proof in mine])]
+def replay_proofs(
+    verifier,
+    problems: list[Problem],
+    results: list[SearchResult],
+    dist: Dist,
+) -> list[Triple]:
+    """Step 3 (ours, expert iteration): each proof found is replayed tactic by tactic through
+    Lean, and its steps become (s, y, s') triples (s' = "no goals" for the last, no premise
+    marks), as LeanDojo traces a human proof. A path that no longer replays gives nothing."""
 
-    proved = [(p, r.proof) for p, r in zip(problems, results) if r.proved]
-    return [triple for steps in map_sharded(run, proved, dist) for triple in steps]
+    def replay_share(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:
+        roots = verifier.start_proofs([(problem.header, problem.statement) for problem, _ in mine])
+        proofs = [proof for _, proof in mine]
+        steps_of_each = []
+        for states in verifier.replay(roots, proofs):  # the states each proof passes, root first
+            steps = []
+            if states is not None:
+                for before, after in zip(states, states[1:]):
+                    target = after.pretty or NO_GOALS
+                    steps.append(Triple(before.pretty, after.tactics[-1], target))
+            steps_of_each.append(steps)
+        return steps_of_each
+
+    proved = []
+    for problem, result in zip(problems, results):
+        if result.proved:
+            proved.append((problem, result.proof))
+    triples = []
+    for steps in map_sharded(replay_share, proved, dist):
+        triples.extend(steps)
+    return triples
 
 
 def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tuple[Sample, int]]]:
-    """Each triple (s, y*, s*) as the sequences of L_co, (Sample, role) pairs ending in end-of-sequence: PLANNER_PROMPT
-    -> s* (role 0) and ACTOR_PROMPT -> y* (role 1) (official collate: gen_type goal, goal_driven_tactic); one JOINT
-    sequence (role 0) with --joint-format; FLAT_PROMPT -> y* (role 1) without planner."""
-    def sequence(prompt: str, target: str, limit: int, role: int) -> tuple[Sample, int]:
-        ids = tokenizer(target, add_special_tokens=False).input_ids[:limit] + [tokenizer.eos_token_id]
-        return Sample(target, encode_prompt(tokenizer, prompt), ids, [], "stop"), role
+    """Each triple (s, y*, s*) as the sequences of L_co, (Sample, role) pairs ending in
+    end-of-sequence: PLANNER_PROMPT -> s* (role 0) and ACTOR_PROMPT -> y* (role 1) (official
+    collate: gen_type goal, goal_driven_tactic); one JOINT sequence (role 0) with --joint-format;
+    FLAT_PROMPT -> y* (role 1) without planner."""
 
+    def sequence(prompt: str, target: str, limit: int, role: int) -> tuple[Sample, int]:
+        ids = tokenizer(target, add_special_tokens=False).input_ids[:limit]
+        ids = ids + [tokenizer.eos_token_id]
+        prompt_ids = encode_prompt(tokenizer, prompt)
+        return Sample(target, prompt_ids, ids, [], "stop"), role
+
+    goal_limit = args.goal_max_new_tokens
+    tactic_limit = args.tactic_max_new_tokens
     items = []
-    for s, y, g in triples:
-        s, g = clip(tokenizer, s, args.max_state_tokens), clip(tokenizer, g, args.max_state_tokens)
+    for state, tactic, target in triples:
+        state = truncate_right(tokenizer, state, args.max_state_tokens)
+        target = truncate_right(tokenizer, target, args.max_state_tokens)
         if not args.planner:
-            items.append([sequence(FLAT_PROMPT.format(state=s), y, args.tactic_max_new_tokens, 1)])
+            flat = FLAT_PROMPT.format(state=state)
+            items.append([sequence(flat, tactic, tactic_limit, 1)])
         elif args.joint_format:
-            items.append([sequence(JOINT_PROMPT.format(state=s), JOINT_TARGET.format(target=g, tactic=y),
-                                   args.goal_max_new_tokens + args.tactic_max_new_tokens, 0)])
+            joint = JOINT_PROMPT.format(state=state)
+            joint_target = JOINT_TARGET.format(target=target, tactic=tactic)
+            items.append([sequence(joint, joint_target, goal_limit + tactic_limit, 0)])
         else:
-            items.append([sequence(PLANNER_PROMPT.format(state=s), g, args.goal_max_new_tokens, 0),
-                          sequence(ACTOR_PROMPT.format(state=s, target=g), y, args.tactic_max_new_tokens, 1)])
+            planner = PLANNER_PROMPT.format(state=state)
+            actor = ACTOR_PROMPT.format(state=state, target=target)
+            planner_sequence = sequence(planner, target, goal_limit, 0)
+            actor_sequence = sequence(actor, tactic, tactic_limit, 1)
+            items.append([planner_sequence, actor_sequence])
     return items
 
 
-def co_train(policy, optimizer, items: list, steps: int, args: Args, dist: Dist, rng: random.Random) -> dict:
-    """Offline goal-driven co-training (official generator/main.py fit, one model here): `steps` AdamW steps on
-    batch_size triples drawn epoch by epoch, each minimising L_co over its batch (each rank its share); the learning
-    rate of get_cosine_schedule_with_warmup over the `steps` (official: over 500k, stopped at ~40k): every co-training
-    warms up, then decays (a later iteration for the first's share of its steps, ours)."""
-    stream, history, size = [], [], min(args.batch_size, len(items))
+def co_train(
+    policy,
+    optimizer,
+    items: list,
+    steps: int,
+    args: Args,
+    dist: Dist,
+    rng: random.Random,
+) -> dict:
+    """Step 1, offline goal-driven co-training (official generator/main.py fit, one model here):
+    `steps` AdamW steps on batch_size triples drawn epoch by epoch, each minimising
+    co_training_loss over its batch (each rank its share). The learning rate follows lr_at, as
+    get_cosine_schedule_with_warmup, over the `steps` (official: over 500k, stopped at ~40k):
+    every co-training warms up, then decays (a later iteration warms up for the first's share of
+    its steps, ours). Returns losses/* stats."""
+    size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
+
+    def item_length(item: list[tuple[Sample, int]]) -> int:  # micro_batches sorts by it
+        return sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item)
+
+    stream = []  # the epochs' shuffled items, not yet drawn
+    history = []
     for step in range(steps):
         while len(stream) < size:
             stream += rng.sample(items, len(items))
-        batch, stream = stream[:size], stream[size:]
-        tokens = [sum(len(s.token_ids) for item in batch for s, r in item if r == role) for role in (0, 1)]
-        denominators = tokens if args.loss_reduction == "token_mean" else [len(batch)] * 2
+        batch = stream[:size]
+        stream = stream[size:]
+        role_tokens = [0, 0]  # the planner's and the actor's output tokens in the batch
+        for item in batch:
+            for sequence, role in item:
+                role_tokens[role] += len(sequence.token_ids)
+        denominators = co_training_denominators(role_tokens, len(batch), args.loss_reduction)
 
-        def loss_fn(micro: list) -> tuple[torch.Tensor, dict]:  # the batch's L_co; the roles' summed NLL to log
-            pairs = [x for item in micro for x in item]
-            logp, mask, _ = token_logprobs(policy, [s for s, _ in pairs])
-            roles, nll = torch.tensor([r for _, r in pairs], device=logp.device), -(logp.detach() * mask).sum(1)
-            return co_training_loss(logp, mask, roles, denominators), {
-                "goal": nll[roles == 0].sum().item(), "tactic": nll[roles == 1].sum().item()}
+        def loss_fn(micro: list) -> tuple[torch.Tensor, dict]:
+            """The micro-batch's part of the batch's L_co, and the roles' summed NLL to log."""
+            pairs = []
+            for item in micro:
+                pairs.extend(item)
+            logp, mask, _ = token_logprobs(policy, [sequence for sequence, _ in pairs])
+            roles = torch.tensor([role for _, role in pairs], device=logp.device)  # [B]
+            nll = -(logp.detach() * mask).sum(1)  # [B]
+            loss = co_training_loss(logp, mask, roles, denominators)
+            nll_sums = {
+                "goal": nll[roles == 0].sum().item(),
+                "tactic": nll[roles == 1].sum().item(),
+            }
+            return loss, nll_sums
 
-        lr = lr_at(step, steps, args.learning_rate, warmup, args.lr_schedule)
-        stats = train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
-                           length=lambda item: sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item), lr=lr)
-        history.append({"loss": stats["loss"], "goal_nll": stats["goal"] / max(tokens[0], 1),
-                        "tactic_nll": stats["tactic"] / max(tokens[1], 1), "grad_norm": stats["grad_norm"]})
-    return {f"losses/{k}": float(np.mean([h[k] for h in history])) for k in history[0]} | {
-        "losses/loss_first": history[0]["loss"], "losses/loss_last": history[-1]["loss"],
-        "losses/steps": float(steps), "losses/learning_rate_last": lr}
+        lr = lr_at(step, steps, args.learning_rate, warmup=warmup, schedule=args.lr_schedule)
+        step_stats = train_step(
+            policy,
+            optimizer,
+            batch,
+            loss_fn=loss_fn,
+            micro_batch_size=args.micro_batch_size,
+            max_grad_norm=args.max_grad_norm,
+            dist=dist,
+            length=item_length,
+            lr=lr,
+        )
+        history.append(
+            {
+                "loss": step_stats["loss"],
+                "goal_nll": step_stats["goal"] / max(role_tokens[0], 1),
+                "tactic_nll": step_stats["tactic"] / max(role_tokens[1], 1),
+                "grad_norm": step_stats["grad_norm"],
+            }
+        )
+    stats = {}
+    for name in history[0]:
+        stats[f"losses/{name}"] = float(np.mean([h[name] for h in history]))
+    stats["losses/loss_first"] = history[0]["loss"]
+    stats["losses/loss_last"] = history[-1]["loss"]
+    stats["losses/steps"] = float(steps)
+    stats["losses/learning_rate_last"] = lr
+    return stats
 
 
 # ---- evaluation ----
+def mean_or_zero(values: list[float]) -> float:
+    if not values:
+        return 0.0
+    return float(np.mean(values))
+
+
 def search_metrics(results: list[SearchResult], prefix: str, seconds: float) -> dict[str, float]:
-    """Search efficiency: the theorems proved (count, share, per expansion and per second of the phase's wall time
-    `seconds`), the expansions and nodes per proof, the proofs' length, the share of failed edges, the seconds searches
-    ran past the budget; the method's own (the talk's): pass@1 under the budget (Tables 1-2), the planner, actor and
-    environment seconds and the search time of the proved theorems (Figures 2-3; mean and median as official logs)."""
+    """Search efficiency: the theorems proved (count, share, per expansion and per second of the
+    phase's wall time `seconds`), the expansions and nodes per proof, the proofs' length, the
+    share of failed edges, the seconds searches ran past the budget; the method's own (the
+    talk's): pass@1 under the budget (Tables 1-2), the planner, actor and environment seconds and
+    the search time of the proved theorems (Figures 2-3; mean and median as official logs)."""
     proved = [r for r in results if r.proved]
-    mean = lambda xs: float(np.mean(xs)) if xs else 0.0  # noqa: E731
     expansions = sum(r.expansions for r in results)
-    return {f"{prefix}/theorems": float(len(results)), f"{prefix}/proved": float(len(proved)),
-            f"{prefix}/pass@1": len(proved) / max(len(results), 1),
-            f"{prefix}/proofs_per_expansion": len(proved) / max(expansions, 1),
-            f"{prefix}/proofs_per_second": len(proved) / seconds if seconds else 0.0,
-            f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
-            f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
-            f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
-            f"{prefix}/expansions": float(expansions),
-            f"{prefix}/failed_edge_share": sum(r.failed_edges for r in results) / max(sum(r.edges for r in results), 1),
-            f"{prefix}/search_time_proved": mean([r.seconds for r in proved]),
-            f"{prefix}/search_time_proved_median": float(np.median([r.seconds for r in proved])) if proved else 0.0,
-            **{f"{prefix}/{k}_time_proved": mean([getattr(r, f"{k}_seconds") for r in proved])
-               for k in ("planner", "actor", "env")},
-            **{f"{prefix}/{k}_seconds": float(sum(getattr(r, f"{k}_seconds") for r in results))
-               for k in ("planner", "actor", "env")},
-            f"{prefix}/overshoot_max": max((r.overshoot for r in results), default=0.0),
-            f"{prefix}/overshoot_mean": mean([r.overshoot for r in results])}
+    edges = sum(r.edges for r in results)
+    failed_edges = sum(r.failed_edges for r in results)
+    proved_seconds = [r.seconds for r in proved]
+    stats = {}
+    stats[f"{prefix}/theorems"] = float(len(results))
+    stats[f"{prefix}/proved"] = float(len(proved))
+    stats[f"{prefix}/pass@1"] = len(proved) / max(len(results), 1)
+    stats[f"{prefix}/proofs_per_expansion"] = len(proved) / max(expansions, 1)
+    stats[f"{prefix}/proofs_per_second"] = len(proved) / seconds if seconds else 0.0
+    stats[f"{prefix}/expansions_per_proof"] = mean_or_zero([r.expansions for r in proved])
+    stats[f"{prefix}/nodes_per_proof"] = mean_or_zero([r.nodes for r in proved])
+    stats[f"{prefix}/proof_length"] = mean_or_zero([len(r.proof) for r in proved])
+    stats[f"{prefix}/expansions"] = float(expansions)
+    stats[f"{prefix}/failed_edge_share"] = failed_edges / max(edges, 1)
+    stats[f"{prefix}/search_time_proved"] = mean_or_zero(proved_seconds)
+    median = float(np.median(proved_seconds)) if proved else 0.0
+    stats[f"{prefix}/search_time_proved_median"] = median
+    roles = ("planner", "actor", "env")
+    for role in roles:  # Figure 2: each role's share of a proved search's time
+        role_seconds = [getattr(r, f"{role}_seconds") for r in proved]
+        stats[f"{prefix}/{role}_time_proved"] = mean_or_zero(role_seconds)
+    for role in roles:
+        total = sum(getattr(r, f"{role}_seconds") for r in results)
+        stats[f"{prefix}/{role}_seconds"] = float(total)
+    stats[f"{prefix}/overshoot_max"] = max((r.overshoot for r in results), default=0.0)
+    stats[f"{prefix}/overshoot_mean"] = mean_or_zero([r.overshoot for r in results])
+    return stats
 
 
-def write_searches(run_dir: pathlib.Path, results: list[SearchResult], phase: str, step: int, dist: Dist) -> None:
-    """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are logged at."""
-    if dist.is_main:
-        with open(run_dir / "searches.jsonl", "a") as f:
-            f.writelines(json.dumps({"step": step, "phase": phase, **r._asdict()}) + "\n" for r in results)
+def record_searches(
+    run_dir: pathlib.Path,
+    results: list[SearchResult],
+    phase: str,
+    step: int,
+    outcomes: collections.Counter,
+    dist: Dist,
+) -> None:
+    """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are
+    logged at, and into `outcomes`, this run's count of searches, proved, expansions, edges and
+    failed_edges (nothing_learned reads it)."""
+    for result in results:
+        outcomes["searches"] += 1
+        outcomes["proved"] += int(result.proved)
+        outcomes["expansions"] += result.expansions
+        outcomes["edges"] += result.edges
+        outcomes["failed_edges"] += result.failed_edges
+    if not dist.is_main:
+        return
+    with open(run_dir / "searches.jsonl", "a") as f:
+        for result in results:
+            row = {"step": step, "phase": phase, **result._asdict()}
+            f.write(json.dumps(row) + "\n")
 
 
-def evaluate(sampler, verifier, problems: list[Problem], key: str, run_dir: pathlib.Path, step: int, args: Args,
-             dist: Dist) -> dict[str, float]:
-    """Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget; every search to searches.jsonl,
-    Figure 3's CDF to <run>/search_time_cdf.csv."""
+def evaluate(
+    sampler,
+    verifier,
+    problems: list[Problem],
+    key: str,
+    run_dir: pathlib.Path,
+    step: int,
+    outcomes: collections.Counter,
+    args: Args,
+    dist: Dist,
+) -> dict[str, float]:
+    """Step 4, Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget;
+    every search to searches.jsonl (record_searches), Figure 3's CDF (search_time_cdf) to
+    <run>/search_time_cdf.csv. Returns eval/* metrics (search_metrics)."""
     start = time.monotonic()
-    results = search(sampler, verifier, problems, key, args, dist)
-    write_searches(run_dir, results, "eval", step, dist)
+    results = search(sampler, verifier, problems, key=key, args=args, dist=dist)
+    record_searches(run_dir, results, "eval", step=step, outcomes=outcomes, dist=dist)
     if dist.is_main:
+        proved_seconds = [r.seconds for r in results if r.proved]
+        rows = [("seconds", "proved", "share")] + search_time_cdf(proved_seconds, len(results))
         with open(run_dir / "search_time_cdf.csv", "w", newline="") as f:
-            csv.writer(f).writerows([("seconds", "proved", "share")] + search_time_cdf(
-                [r.seconds for r in results if r.proved], len(results)))
+            csv.writer(f).writerows(rows)
     return search_metrics(results, "eval", time.monotonic() - start)
 
 
-def nothing_learned(run_dir: pathlib.Path) -> str | None:
-    """A run's last line when none of its searches (searches.jsonl) proved a theorem (the CPU default on the embedded
-    model): what its tactics did; None when one did."""
-    path = run_dir / "searches.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    if not rows or any(r["proved"] for r in rows):
+def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
+    """The run's last line when none of its searches proved a theorem, so that self-play had
+    nothing to learn (the CPU default on the embedded model): what its tactics did. None when
+    a search proved one, when nothing was searched, or when self-play triples were `trained`.
+    outcomes: this run's searches, as record_searches counts them; args: unused here (the
+    signature every file's nothing_learned has)."""
+    if outcomes["searches"] == 0 or outcomes["proved"] > 0 or trained > 0:
         return None
-    edges, failed, expansions = (sum(r[k] for r in rows) for k in ("edges", "failed_edges", "expansions"))
-    return (f"No theorem proved in the run's {len(rows)} searches ({expansions} expansions): of the {edges} tactics "
-            f"tried, {failed} failed in Lean or were malformed, {edges - failed} left goals open. The loop ran; "
-            "tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts shows it learn.")
+    searches = outcomes["searches"]
+    expansions = outcomes["expansions"]
+    edges = outcomes["edges"]
+    failed = outcomes["failed_edges"]
+    return (
+        f"No theorem proved in the run's {searches} searches ({expansions} expansions): of the "
+        f"{edges} tactics tried, {failed} failed in Lean or were malformed, {edges - failed} left "
+        "goals open. The loop ran; tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts "
+        "shows it learn."
+    )
 
 
 # ---- main ----
-def main(args: Args) -> None:
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
-    try:  # stop at once, before any model is loaded, when there is no Lean REPL (the search needs its tactic mode)
-        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None
+def check_choices(args: Args) -> None:
+    """Stop at start, not deep in the loop, on a --search or --loss-reduction value (a Literal a
+    fork extended) that this file has no code for."""
+    if args.search not in ("bfs", "mcts"):
+        raise ValueError(unknown_search(args.search))
+    co_training_denominators([1, 1], 1, args.loss_reduction)  # raises on an unknown one
+
+
+def start_lean(args: Args, dist: Dist) -> LeanVerifier:
+    """The Lean REPL pool of this rank; the run stops at once, before any model is loaded, when
+    there is no Lean REPL (the search needs its tactic mode)."""
+    workers = None
+    if args.lean_workers:
+        workers = max(1, args.lean_workers // dist.local_world_size)
+    try:
         verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout, workers=workers)
-    except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's tactic table
+    except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's table
         name = os.path.basename(__file__)
-        sys.exit(f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a CPU smoke run "
-                 f"without Lean, the stand-in REPL: LEAN_REPL_CMD='python tests/fake_lean_repl.py' python {name}")
+        sys.exit(
+            f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a "
+            "CPU smoke run without Lean, the stand-in REPL: "
+            f"LEAN_REPL_CMD='python tests/fake_lean_repl.py' python {name}"
+        )
     if dist.is_main:
-        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
+        ranks = dist.local_world_size
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {ranks} rank(s)")
+    return verifier
+
+
+def main(args: Args) -> None:
+    check_choices(args)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
+    verifier = start_lean(args, dist)
     problems = load_problems(args.selfplay_dataset, args.num_problems, split=args.selfplay_split)
     benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
     triples = load_triples(args.dataset, args.num_triples)  # D_0: the traced triples
 
-    # the model (method: one LM plays planner and actor by prompt; the official code trains two ByT5 models)
+    # one LM plays planner and actor by prompt (deviation 2: the official code trains two models)
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
-    models = {"policy": (policy, torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0))}
-    # run state: the triples self-play added to D_0 (plain tuples: state.pt loads without rir.py), the proofs found
-    start, state = 0, {"selfplay_triples": [], "proved": {}}
-    if args.resume and (found := load_checkpoint(run_dir, models, dist)) is not None:
-        start, state = found
-    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
-                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
+    optimizer = torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0)
+    models = {"policy": (policy, optimizer)}
+    # run state: the triples self-play added to D_0 (plain tuples: state.pt loads without
+    # rir.py), the proofs found
+    start = 0
+    state = {"selfplay_triples": [], "proved": {}}
+    if args.resume:
+        found = load_checkpoint(run_dir, models, dist)
+        if found is not None:
+            start, state = found
+    sampler = Sampler(
+        args.model,
+        policy,
+        tokenizer,
+        dist,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep=args.vllm_sleep,
+        seed=args.seed,
+    )
+    outcomes = collections.Counter()  # this run's searches (record_searches)
+    trained = 0  # the triples self-play added in this run
 
     for iteration in range(start, args.iterations):
+        step = iteration + 1
         data = triples + [Triple(*t) for t in state["selfplay_triples"]]  # D_t
-        metrics, rng = {"charts/triples": float(len(data))}, random.Random(f"{args.seed}/{iteration}")
+        metrics = {"charts/triples": float(len(data))}
+        rng = random.Random(f"{args.seed}/{iteration}")
 
-        # 1. Co-train the planner and the actor on D_t (L_co)
-        if (steps := args.train_steps if iteration == 0 else args.selfplay_train_steps) and data:
+        # 1. Co-train the planner and the actor on D_t (co_train, L_co)
+        steps = args.train_steps if iteration == 0 else args.selfplay_train_steps
+        if steps and data:
             with logger.timer("co_train"):
                 sampler.sleep()
-                metrics |= co_train(*models["policy"], training_items(data, tokenizer, args), steps, args, dist, rng)
+                items = training_items(data, tokenizer, args)
+                stats = co_train(policy, optimizer, items, steps, args=args, dist=dist, rng=rng)
+                metrics.update(stats)
                 sampler.sync_weights(policy)
 
-        # 2-3. Self-play (ours): search the problems, replay the proofs into D_{t+1}; not in the last iteration
-        if iteration + 1 < args.iterations:
+        if step < args.iterations:  # self-play in every iteration but the last
+            # 2. Self-play search (ours): one search of each self-play theorem
             with logger.timer("selfplay_search"):
-                results = search(sampler, verifier, problems, f"{args.seed}/{iteration}/selfplay", args, dist)
+                key = f"{args.seed}/{iteration}/selfplay"
+                results = search(sampler, verifier, problems, key=key, args=args, dist=dist)
+
+            # 3. Replay the proofs into triples: D_{t+1} = D_t + the new ones
             with logger.timer("replay"):
+                replayed = replay_proofs(verifier, problems, results, dist)
                 known = set(data)
-                new = list(dict.fromkeys(t for t in replay_proofs(verifier, problems, results, dist) if t not in known))
-                state["selfplay_triples"] += [tuple(t) for t in new]
-                state["proved"] |= {r.id: r.proof for r in results if r.proved}
-            metrics |= search_metrics(results, "selfplay", logger.times["time/selfplay_search"]) | {
-                "selfplay/new_triples": float(len(new)), "charts/proved_ever": float(len(state["proved"]))}
-            write_searches(run_dir, results, "selfplay", iteration + 1, dist)
+                fresh = [triple for triple in replayed if triple not in known]
+                new = list(dict.fromkeys(fresh))  # each once, in order
+                state["selfplay_triples"].extend(tuple(triple) for triple in new)
+                for result in results:
+                    if result.proved:
+                        state["proved"][result.id] = result.proof
+            trained += len(new)
+            search_seconds = logger.times["time/selfplay_search"]
+            metrics.update(search_metrics(results, "selfplay", search_seconds))
+            metrics["selfplay/new_triples"] = float(len(new))
+            metrics["charts/proved_ever"] = float(len(state["proved"]))
+            record_searches(run_dir, results, "selfplay", step, outcomes=outcomes, dist=dist)
 
         # 4. Evaluate: pass@1 under the budget (after the last iteration by default)
-        if args.eval_every and (iteration + 1) % args.eval_every == 0 or iteration + 1 == args.iterations:
+        if (args.eval_every and step % args.eval_every == 0) or step == args.iterations:
             with logger.timer("eval"):
-                metrics |= evaluate(sampler, verifier, benchmark, f"{args.seed}/{iteration}/eval", run_dir,
-                                    iteration + 1, args, dist)
-        logger.log(metrics, step=iteration + 1)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save_checkpoint(run_dir, iteration + 1, models, tokenizer, state, dist)
-    if start >= args.iterations:  # nothing to train (--iterations 0, or a finished run): evaluate the model as given
-        logger.log(evaluate(sampler, verifier, benchmark, f"{args.seed}/eval", run_dir, args.iterations, args, dist),
-                   step=args.iterations)
-    if dist.is_main and (line := nothing_learned(run_dir)):
+                stats = evaluate(
+                    sampler,
+                    verifier,
+                    benchmark,
+                    key=f"{args.seed}/{iteration}/eval",
+                    run_dir=run_dir,
+                    step=step,
+                    outcomes=outcomes,
+                    args=args,
+                    dist=dist,
+                )
+                metrics.update(stats)
+        logger.log(metrics, step=step)
+        if step % args.save_every == 0 or step == args.iterations:
+            save_checkpoint(run_dir, step, models, tokenizer=tokenizer, state=state, dist=dist)
+
+    if start >= args.iterations:
+        # 4. Evaluate the model as given: nothing to train (--iterations 0, or a finished run)
+        stats = evaluate(
+            sampler,
+            verifier,
+            benchmark,
+            key=f"{args.seed}/eval",
+            run_dir=run_dir,
+            step=args.iterations,
+            outcomes=outcomes,
+            args=args,
+            dist=dist,
+        )
+        logger.log(stats, step=args.iterations)
+    line = nothing_learned(outcomes, trained, args)
+    if dist.is_main and line:
         print(line)
     verifier.close()
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
-CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank world_size local_world_size device is_main objects", defaults=[None])
+# Plumbing every algorithm file does the same way: a reader learning a method can skip it.
+# CONTRIBUTING.md says how to change it (in all six files at once).
+
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts it into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache/selfplay"))
 
 
-def setup_distributed(seed: int, timeout_minutes: float = 60, objects_timeout_days: float = 7) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); objects gather on gloo (after hours of work: days)."""
-    names = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE".split()  # as torchrun sets them; else one process
-    rank, local_rank, world, local = (int(os.environ.get(k, "WORLD" in k)) for k in names)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    torch.cuda.set_device(device) if device.type == "cuda" else None
-    if world > 1 and not tdist.is_initialized():
-        tdist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=timeout_minutes))
-        atexit.register(tdist.destroy_process_group)
-    objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days)) if world > 1 else None
-    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, world, local, device, rank == 0, objects)
+class Dist(NamedTuple):
+    """Where this process stands among torchrun's processes (one process without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the processes on this node
+    device: torch.device
+    is_main: bool  # rank 0: it logs and writes checkpoints
+    objects: object = None  # the gloo group that gathers Python objects (None in one process)
+
+
+def setup_distributed(seed: int, timeout_minutes=60, objects_timeout_days=7) -> Dist:
+    """torchrun's processes: one per GPU (NCCL) or CPU share (gloo); without torchrun, one."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    objects = None
+    if world_size > 1:
+        if not tdist.is_initialized():
+            backend = "gloo" if device.type == "cpu" else "nccl"
+            tdist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+            atexit.register(tdist.destroy_process_group)
+        # objects are gathered after hours of per-rank work (search, Lean, generation): on gloo,
+        # with a timeout of days, so that the NCCL watchdog kills no rank that finished early
+        objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days))
+    random.seed(seed + rank)  # each rank draws differently
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    return Dist(rank, world_size, local_world_size, device, rank == 0, objects)
 
 
 def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes; without CUDA, cpu_defaults replace the sizes but for flags in argv (printed); a run's logger."""
+    """The processes, run directory and logger; without CUDA, cpu_defaults replace the sizes of the
+    flags not given in argv."""
     dist = setup_distributed(args.seed)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}  # --x, --x=v, --no-x
-    scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
-                                                    if {k, f"no_{k}"}.isdisjoint(given) and getattr(args, k) != v}
+    # the flags given: --x, --x=v and --no-x
+    given = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    scaled = {}
+    if not torch.cuda.is_available():
+        for name, value in cpu_defaults.items():
+            passed = name in given or f"no_{name}" in given
+            if not passed and getattr(args, name) != value:
+                scaled[name] = value
     if dist.is_main and scaled:
-        print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
-              *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
+        print("No CUDA: the default sizes are scaled for a CPU (a flag you pass keeps its value):")
+        for name, value in scaled.items():
+            print(f"  {name}: {getattr(args, name)} -> {value}")
     vars(args).update(scaled)
+    # an --lr-schedule lr_at does not know stops the run here (None: the file's resolve() sets it)
+    if args.lr_schedule is not None:
+        lr_at(step=0, total=1, peak=1.0, schedule=args.lr_schedule)
     run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    return dist, run_dir, Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+    project, entity = args.wandb_project_name, args.wandb_entity
+    logger = Logger(run_dir, vars(args), dist, args.track, project, entity)
+    return dist, run_dir, logger
 
 
-def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
-    out = [obj] * dist.world_size
-    tdist.all_gather_object(out, obj, group=dist.objects) if dist.world_size > 1 else None
-    return out
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's obj, in rank order (a collective: every rank calls it)."""
+    gathered = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(gathered, obj, group=dist.objects)
+    return gathered
 
 
-def map_sharded(fn, items: list, dist: Dist) -> list:  # fn on this rank's share, one result an item; all, in order
-    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
-    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """fn over this rank's share of items (one result an item); every rank's results, in order."""
+    indices = range(dist.rank, len(items), dist.world_size)
+    results = fn(items[dist.rank :: dist.world_size])
+    return gather_shard(dict(zip(indices, results)), dist)
+
+
+def gather_shard(shard: dict, dist: Dist | None = None) -> list:
+    """Every rank's {index: value} merged, as a list in index order (dist None: this one alone)."""
+    parts = [shard]
+    if dist is not None:
+        parts = all_gather_objects(shard, dist)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in sorted(merged)]
 
 
 def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, bool]]:
-    """This rank's share sorted by `length`, as (batch, real); as many on every rank (FSDP2 gathers in forwards)."""
-    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
-    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
-    return [(b, True) if b else (items[:1], False) for b in (mine[i * size : (i + 1) * size] for i in range(count))]
+    """This rank's share of items (sorted by `length`) in micro-batches, as (batch, real). Every
+    rank gets as many (FSDP2 gathers in each forward): padding is (items[:1], False), counted 0."""
+    mine = items[dist.rank :: dist.world_size]
+    if length is not None:
+        mine = sorted(mine, key=length)
+    count = math.ceil(math.ceil(len(items) / dist.world_size) / size)
+    batches = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        if batch:
+            batches.append((batch, True))
+        else:
+            batches.append((items[:1], False))
+    return batches
 
 
 def resolve_model(name: str) -> str:
-    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+    if name == EMBEDDED_MODEL:
+        return str(CACHE_DIR / "smollm2-135m-instruct")
+    return name
 
 
 def load_tokenizer(name: str):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if not tokenizer.pad_token:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Trained: fp32 weights, bf16 compute on GPUs; frozen: bf16 on GPUs. torchrun: only rank 0 reads, all shard."""
-    cuda, path = dist.device.type == "cuda", resolve_model(name)
+def load_model(name: str, dist: Dist, train=True, gradient_checkpointing=True) -> torch.nn.Module:
+    """A causal LM, trained in fp32 (bf16 compute on GPUs) or frozen (bf16 on GPUs). Under torchrun
+    rank 0 reads the weights, every rank shards the model (FSDP2) and gets rank 0's tensors."""
+    cuda = dist.device.type == "cuda"
+    path = resolve_model(name)
     dtype = torch.bfloat16 if cuda and not train else torch.float32
-    with torch.device("meta") if dist.rank else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype) if dist.rank else \
-            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.train(train).requires_grad_(train)
-    model.activation_checkpointing_enable({"use_reentrant": False}) if train and gradient_checkpointing else None
-    if dist.world_size > 1:
-        full = model.state_dict() if dist.rank == 0 else {}
-        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
-        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
-        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
-            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
-        model.to_empty(device=dist.device) if dist.rank else model.to(dist.device)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in model.buffers():  # not in the state dict (rotary frequencies): rank 0's, computed at load
-            tdist.broadcast(buffer, src=0)
+    if dist.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.train(train)
+    model.requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size == 1:
+        return model.to(dist.device)
+    full = model.state_dict() if dist.rank == 0 else {}
+    block_names = set(model._no_split_modules or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    assert blocks, f"{type(model).__name__}: no decoder blocks, FSDP2 would gather it all at once"
+    precision = MixedPrecisionPolicy()
+    if cuda and train:
+        precision = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    # the root too: a forward without backward must not leave it unsharded
+    for module in blocks + [model]:
+        fully_shard(module, mp_policy=precision, reshard_after_forward=True)
+    if dist.rank == 0:
+        model.to(dist.device)
+    else:
+        model.to_empty(device=dist.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    # buffers are not in the state dict (rotary frequencies): rank 0's, computed at load
+    for buffer in model.buffers():
+        tdist.broadcast(buffer, src=0)
     return model.to(dist.device)
 
 
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):  # one full tensor at a time; a collective
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, whole tensor) a state-dict entry at a time: a collective, every rank runs it all."""
     for name, tensor in policy.state_dict().items():
-        tensor = tensor.to(dtype) if dtype else tensor
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if dtype:
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
-def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
-    return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
+def chat_prompt(tokenizer, user: str) -> str:
+    """One user turn in the chat template, no system prompt."""
+    messages = [dict(role="user", content=user)]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tok, text: str) -> list[int]:  # BOS added unless the chat template put it there
-    return tok(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))).input_ids
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids, with a BOS unless the chat template put one in the text."""
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
 
 
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")  # logprobs: as drawn
+class Sample(NamedTuple):
+    """One completion of a prompt, as the sampler drew it."""
+
+    text: str  # the decoded completion; "" for a failed sample
+    prompt_ids: list[int]
+    token_ids: list[int]  # the completion's tokens, a final stop id included (as vLLM keeps it)
+    logprobs: list[float]  # each token's, in the distribution it was drawn from (after top-p)
+    finish_reason: str  # "stop", "length", or vLLM's "abort" or "error" (a failed sample)
+
+
+class DrawnLogprobs:
+    """A logits processor run after HF's warpers: it holds one step's log-probabilities until the
+    next step shows which token was drawn."""
+
+    def __init__(self):
+        self.held = None  # the last step's log-probabilities, [batch, vocabulary]
+        self.drawn = []  # the drawn tokens' log-probabilities, [batch, 1] a step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.held is not None:  # input_ids ends with the token drawn from the held step
+            self.drawn.append(self.held.gather(1, input_ids[:, -1:]))
+        self.held = scores.log_softmax(-1)
+        return scores
+
+    def finish(self, output_ids: torch.Tensor) -> list[list[float]]:
+        self.drawn.append(self.held.gather(1, output_ids[:, -1:]))
+        return torch.cat(self.drawn, 1).tolist()
 
 
 class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF. A
-    Sample's finish_reason is stop, length, or vLLM's abort or error: a failed sample, whose text is empty."""
+    """Samples with the weights last given to sync_weights: vLLM 0.25.1 (an engine a rank, asleep
+    in training) or transformers."""
 
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
-        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = None, None, False, getattr(torch, dtype)
+    def __init__(self, model_name, policy, tokenizer, dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0,
+                 dtype="bfloat16"):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.dist = dist
+        self.max_model_len = max_model_len
+        self.batch_size = batch_size  # sequences a transformers generate call
+        self.model = None  # transformers: the model that generates
+        self.llm = None  # vLLM: the engine
+        self.asleep = False
+        self.dtype = getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
-        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            self.vllm = importlib.import_module("vllm")
-            os.environ |= {**dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost",
-                                  MASTER_PORT="29500"), **os.environ}  # as torchrun sets them
-            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
-            rng = rng_state()
-            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
-                                distributed_executor_backend="external_launcher", dtype=dtype,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
-            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
-            self.sleep()
-        elif dist.world_size > 1:  # ranks generate apart: a whole copy each (bf16 on GPUs), synced tensor by tensor
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32 if
-                                                              dist.device.type == "cpu" else self.dtype)
+        use_vllm = backend == "vllm"
+        if backend == "auto" and torch.cuda.is_available():
+            use_vllm = importlib.util.find_spec("vllm") is not None
+        if use_vllm:
+            self.start_vllm(model_name, gpu_memory_utilization, seed, dtype)
+        elif dist.world_size > 1:
+            # the ranks generate apart: a whole copy each (bf16 on GPUs), synced from the shards
+            path = resolve_model(model_name)
+            copy_dtype = torch.float32 if dist.device.type == "cpu" else self.dtype
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=copy_dtype)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+    def start_vllm(self, model_name, gpu_memory_utilization, seed, dtype):
+        self.vllm = importlib.import_module("vllm")
+        # vLLM's external launcher reads torchrun's variables: without torchrun, set them
+        launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost")
+        launcher["MASTER_PORT"] = "29500"
+        for name, value in launcher.items():
+            os.environ.setdefault(name, value)
+        if not torch.cuda.is_available():
+            # CPU: no oneDNN repacking of the weights, so that load_weights works in place
+            custom_ops = importlib.import_module("vllm._custom_ops")  # not loaded by `import vllm`
+            custom_ops._supports_onednn = False
+        rng = rng_state()
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+        self.llm = self.vllm.LLM(
+            resolve_model(model_name),
+            seed=seed + self.dist.rank,
+            max_model_len=self.max_model_len,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature and top-p
+        )
+        rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+        self.sleep()
+
+    def sleep(self):
+        # free the GPU for training: level 2 drops the weights and the KV cache
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.asleep = self.llm.sleep(level=2) or True
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync_weights(self, policy):
-        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+        if self.llm:
             if self.asleep:
-                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
+                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free its cache
                 self.llm.wake_up(tags=["weights"])
-            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            [model.load_weights([item]) for item in full_state_dict_items(policy, self.dtype)]  # a tensor at a time
+            engine = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for item in full_state_dict_items(policy, self.dtype):  # one tensor at a time
+                engine.load_weights([item])
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-            self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()  # the cached prefixes were computed with the old weights
         elif self.dist.world_size > 1:
             own = self.model.to(self.dist.device).state_dict()
-            [own[name].copy_(tensor) for name, tensor in full_state_dict_items(policy, self.model.dtype)]
+            for name, tensor in full_state_dict_items(policy, self.model.dtype):
+                own[name].copy_(tensor)
         else:
             self.model = policy
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
-        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm and ids:
-            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text if str(c.finish_reason) in ("stop", "length") else "", p, list(c.token_ids),
-                            [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
-                     for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = model.generation_config.eos_token_id  # the model's stop ids too (Gemma-2: <eos> and <end_of_turn>)
-        stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width, held, steps = batch.input_ids.shape[1], [], []  # held: the last step's processed log-probs
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None,
+                 desc="", logprobs=True) -> list[list[Sample]]:  # fmt: skip
+        """n Samples for each prompt, a row a prompt (a prompt keeps its last max_model_len - 1)."""
+        ids = [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if not ids:
+            return []
+        params = (n, temperature, top_p, max_new_tokens, stop, logprobs)
+        if self.llm:
+            return self.generate_vllm(ids, *params)
+        return self.generate_hf(ids, *params, desc=desc)
 
-            def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
-                steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
-                return held.append(scores.log_softmax(-1)) or scores
-            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # HF's own
-            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # warpers, given so keep runs last
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
-                                        stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
-                                        max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
-                                        eos_token_id=stops, logits_processor=warp + [keep] * logprobs)
-            logp = torch.cat(steps + [held.pop().gather(1, out[:, -1:])], 1).tolist() if logprobs else [[]] * len(out)
-            for row, tokens in enumerate(out[:, width:].tolist()):
-                while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
-                    tokens.pop()
-                end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
-                text = tok.decode(tokens[:end], skip_special_tokens=True)
-                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or tokens and tokens[end - 1] in stops else "length"
-                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
-                                      logp[row][:end], reason))
-        model.train(training)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def generate_vllm(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs):
+        assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+        requests = []
+        params = []
+        for prompt_ids in ids:
+            requests.append({"prompt_token_ids": prompt_ids})
+            room = max(1, min(max_new_tokens, self.max_model_len - len(prompt_ids)))
+            drawn_logprob = 0 if logprobs else None  # 0: the drawn token's alone
+            sampling = dict(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=room)
+            params.append(self.vllm.SamplingParams(**sampling, logprobs=drawn_logprob))
+        outputs = self.llm.generate(requests, params, use_tqdm=self.dist.is_main)
+        rows = []
+        for prompt_ids, output in zip(ids, outputs):
+            row = []
+            for completion in output.outputs:
+                reason = str(completion.finish_reason)
+                text = completion.text
+                if reason not in ("stop", "length"):  # abort or error: a failed sample
+                    text = ""
+                steps = zip(completion.logprobs or [], completion.token_ids)
+                drawn = [step[token].logprob for step, token in steps]
+                row.append(Sample(text, prompt_ids, list(completion.token_ids), drawn, reason))
+            rows.append(row)
+        return rows
+
+    def generate_hf(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs, desc=""):
+        tokenizer = self.tokenizer
+        model = self.model
+        was_training = model.training
+        jobs = []
+        for prompt_ids in ids:
+            jobs.extend([prompt_ids] * n)
+        # the tokenizer's and the model's stop ids (Gemma-2 stops at <eos> and <end_of_turn>)
+        eos = model.generation_config.eos_token_id
+        if not isinstance(eos, list):
+            eos = [eos]
+        stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        # HF's own warpers, given here (generate's own turned off) so that DrawnLogprobs runs last
+        warpers = []
+        if temperature > 0 and temperature != 1:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+        settings = dict(do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0)
+        settings.update(stop_strings=stop or None, tokenizer=tokenizer, eos_token_id=stop_ids)
+        settings.update(pad_token_id=tokenizer.pad_token_id)
+        samples = []
+        starts = range(0, len(jobs), self.batch_size)
+        for start in tqdm(starts, desc=desc, leave=False, disable=not self.dist.is_main):
+            batch_ids = jobs[start : start + self.batch_size]
+            batch = tokenizer.pad({"input_ids": batch_ids}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            recorder = DrawnLogprobs()
+            processors = list(warpers)
+            if logprobs:
+                processors.append(recorder)
+            room = max(1, min(max_new_tokens, self.max_model_len - width))
+            model.eval()
+            output_ids = model.generate(
+                **batch, **settings, max_new_tokens=room, logits_processor=processors
+            )
+            batch_logprobs = [[]] * len(output_ids)
+            if logprobs:
+                batch_logprobs = recorder.finish(output_ids)
+            for row, tokens in enumerate(output_ids[:, width:].tolist()):
+                drawn = batch_logprobs[row]
+                samples.append(self.hf_sample(batch_ids[row], tokens, drawn, stop_ids, stop))
+        model.train(was_training)
+        return [samples[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    def hf_sample(self, prompt_ids, tokens, logprobs, stop_ids, stop) -> Sample:
+        """A row as vLLM returns it: no padding, up to a stop id (kept) or string (dropped)."""
+        # padding after a stop string: the batch ran on
+        while tokens and tokens[-1] == self.tokenizer.pad_token_id and tokens[-1] not in stop_ids:
+            tokens.pop()
+        end = len(tokens)
+        for position, token in enumerate(tokens):
+            if token in stop_ids:
+                end = position + 1
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        reason = "length"
+        if tokens and tokens[end - 1] in stop_ids:
+            reason = "stop"
+        found = [text.find(s) for s in stop or [] if s in text]
+        if found:
+            text = text[: min(found)]
+            reason = "stop"
+        return Sample(text, prompt_ids, tokens[:end], logprobs[:end], reason)
 
 
-def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
-           calls: int = 1, **params) -> list:
-    """n Samples a prompt by the rule that makes any number of ranks (and a resume) draw the same: transformers takes
-    chunks of its batch seeded by crc32(f"{key}/{start}") (key: the call's name and seed; a list: a seed per prompt),
-    vLLM a rank's share in `calls` calls. dist: shared over ranks; None: this rank. then(start, rows): what to keep."""
-    ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
-    size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
+def sample_shard(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> dict:
+    """This rank's {prompt index: n Samples}, the same on any number of ranks: transformers draws
+    chunks of its batch seeded by crc32(f"{key}/{start}") (a list: a key a prompt), vLLM a rank's
+    share in `calls` calls; the chunks go round the ranks (dist None: all here)."""
+    if dist is None:
+        dist = Dist(0, 1, 1, torch.device("cpu"), True)  # this process draws every chunk
+    one_key_a_prompt = isinstance(key, list)
+    if sampler.llm:
+        size = max(1, math.ceil(len(prompts) / (dist.world_size * calls)))
+    elif one_key_a_prompt:
+        size = 1
+    else:
+        size = max(1, sampler.batch_size // n)
+    shard = {}
+    for start in range(0, len(prompts), size)[dist.rank :: dist.world_size]:
+        seed_key = key[start] if one_key_a_prompt else f"{key}/{start}"
+        torch.manual_seed(zlib.crc32(seed_key.encode()))
+        rows = sampler.generate(prompts[start : start + size], n=n, **params)
+        for offset, row in enumerate(rows):
+            shard[start + offset] = row
+    return shard
 
-    def run(chunks: list[tuple[int, list[str]]]) -> list[list]:
-        out = []
-        for start, part in chunks:
-            torch.manual_seed(zlib.crc32((keys[start] if keys else f"{key}/{start}").encode()))
-            rows = sampler.generate(part, n=n, **params)
-            out.append(then(start, rows) if then else rows)
-        return out
 
-    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), max(size, 1))]
-    return [row for part in (map_sharded(run, chunks, dist) if dist else run(chunks)) for row in part]
+def sample(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> list:
+    """n Samples for each prompt, a row a prompt, every rank's share gathered (see sample_shard)."""
+    shard = sample_shard(sampler, prompts, n, key, dist=dist, calls=calls, **params)
+    return gather_shard(shard, dist)
 
 
-def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=512):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
-    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    ids = torch.stack([torch.nn.functional.pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T -
-                       len(s.token_ids)), value=-1) for s in samples]).to(next(policy.parameters()).device)
-    mask, ids, head = (ids >= 0).float(), ids.clamp(min=0), policy.get_output_embeddings()
-    cap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2's
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False,
+                   entropy_grad=False, chunk=512):  # fmt: skip
+    """(logp, mask, entropy), [B, T]: each completion token's log-prob at the sampling temperature
+    and top-p (0 at padding), and entropy (None unless with_entropy). The head runs in the forward
+    on completion positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
+    prompt_width = max(len(s.prompt_ids) for s in samples)  # P
+    width = max(max(len(s.token_ids) for s in samples), 1)  # T
+    rows = []
+    for s in samples:  # prompts padded on the left, completions on the right, with -1
+        padding = (prompt_width - len(s.prompt_ids), width - len(s.token_ids))
+        sequence = torch.tensor(s.prompt_ids + s.token_ids)
+        rows.append(torch.nn.functional.pad(sequence, padding, value=-1))
+    ids = torch.stack(rows).to(next(policy.parameters()).device)  # [B, P + T]
+    mask = (ids >= 0).float()
+    ids = ids.clamp(min=0)
+    head = policy.get_output_embeddings()
+    softcap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2
 
-    def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
-        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
-            sorted_z, order = z.sort(-1)
-            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
-        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+    def chunk_logprobs(hidden, target):
+        """A chunk of positions, in fp32: the target's log-prob, and the entropy (or logp again)."""
+        logits = head(hidden).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if softcap or temperature != 1:
+            logits.div_(temperature)
+        if top_p < 1:
+            # drop what HF's and vLLM's top-p drop (ascending cumsum <= 1 - p), never the target
+            sorted_logits, order = logits.sort(-1)
+            tail = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+            dropped = tail.scatter(-1, order, tail).scatter(-1, target[:, None], False)
+            logits = logits.masked_fill(dropped, -1e30)
+        # cross_entropy's backward is one fused kernel
+        logp = -torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        if not with_entropy:
+            return logp, logp
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+        return logp, entropy
 
-    def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
-        h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
-        parts = [torch.utils.checkpoint.checkpoint(logprob, x, t, use_reentrant=False)
-                 for x, t in zip(h.split(chunk), ids[:, P:].flatten().split(chunk))]
-        out.logits, out.hidden_states = torch.stack([torch.cat(x).view(len(samples), T) for x in zip(*parts)], -1), None
-        return out
+    def head_in_forward(module, hook_args, hook_kwargs, output):
+        """A forward hook, before FSDP2's post-forward hook reshards the head: output.logits becomes
+        [B, T, 2], each completion token's log-prob and entropy."""
+        # the hidden state before a completion token predicts it (the last one is after the norm)
+        hidden = output.hidden_states[-1][:, prompt_width - 1 : prompt_width + width - 1]
+        targets = ids[:, prompt_width:].flatten()
+        checkpoint = torch.utils.checkpoint.checkpoint
+        parts = []
+        for part, target in zip(hidden.flatten(0, 1).split(chunk), targets.split(chunk)):
+            parts.append(checkpoint(chunk_logprobs, part, target, use_reentrant=False))
+        logp = torch.cat([logp for logp, _ in parts]).view(len(samples), width)
+        entropy = torch.cat([entropy for _, entropy in parts]).view(len(samples), width)
+        output.logits = torch.stack([logp, entropy], -1)
+        output.hidden_states = None
+        return output
 
     hook = policy.register_forward_hook(head_in_forward, with_kwargs=True, prepend=True)
-    try:  # the model's own head gets no position
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                     use_cache=False, output_hidden_states=True, logits_to_keep=ids[0, :0]).logits
+    positions = (mask.cumsum(1) - 1).clamp(min=0).long()
+    no_position = ids[0, :0]  # the model's own head computes nothing
+    try:
+        output = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                        output_hidden_states=True, logits_to_keep=no_position)  # fmt: skip
     finally:
         hook.remove()
-    logp, ent, mask = out[..., 0], out[..., 1], mask[:, P:]
-    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+    logp = output.logits[..., 0]
+    entropy = output.logits[..., 1]
+    mask = mask[:, prompt_width:]
+    if not with_entropy:
+        return logp * mask, mask, None
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp * mask, mask, entropy * mask
 
 
-def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
-               length=None, lr: float | None = None) -> dict[str, float]:
-    """One optimizer step, each rank on its share. loss_fn(micro) -> (loss, stats): the loss over the whole batch's
-    denominator; FSDP2 averages over ranks, so backward scales it by the world size. Returns summed stats, grad_norm."""
-    for group in optimizer.param_groups if lr is not None else []:
-        group["lr"] = lr
+def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float,
+               dist: Dist, length=None, lr: float | None = None) -> dict[str, float]:  # fmt: skip
+    """One optimizer step, each rank on its micro_batches. loss_fn(micro) -> (loss, stats), the
+    loss over the whole batch's denominator; FSDP2 averages over ranks, so backward scales by the
+    world size. Returns the summed "loss" and stats, and "grad_norm"."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     sums = collections.Counter()
     for micro, real in micro_batches(batch, micro_batch_size, dist, length):
         loss, stats = loss_fn(micro)
-        (loss * (dist.world_size if real else 0.0)).backward()
-        sums.update({"loss": loss.item(), **stats} if real else {})  # update adds (negative sums too)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        scale = dist.world_size if real else 0.0  # padding runs for FSDP2's collectives only
+        (loss * scale).backward()
+        if real:
+            sums.update({"loss": loss.item(), **stats})  # update adds (negative sums too)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    parts, norm = all_gather_objects(dict(sums), dist), norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return {**{k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}, "grad_norm": float(norm)}
+    parts = all_gather_objects(dict(sums), dist)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    totals = {}
+    for name in sorted(set().union(*parts)):
+        totals[name] = sum(part.get(name, 0.0) for part in parts)
+    totals["grad_norm"] = float(norm)
+    return totals
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
-    """Step `step`'s lr in transformers' schedules (HF Trainer, TRL, Lightning): warm-up from 0, then constant/decay."""
+def lr_at(step: int, total: int, peak: float, warmup=0, schedule="constant") -> float:
+    """Step `step` of `total`'s learning rate in transformers' schedules (HF Trainer, TRL): linear
+    warm-up from 0 over `warmup` steps, then constant, or a linear or cosine decay to 0."""
     progress = (step - warmup) / max(1, total - warmup)
-    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
-    return peak * (step / warmup if step < warmup else max(0.0, decay))
+    if schedule == "constant":
+        decay = 1.0
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        known = "constant, linear, cosine"
+        raise ValueError(f"--lr-schedule {schedule}: lr_at knows {known}; add its decay there")
+    if step < warmup:
+        return peak * (step / warmup)
+    return peak * max(0.0, decay)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:  # unbiased, c of n correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+def rng_state(state: tuple | None = None) -> tuple:
+    """The RNG states of Python, NumPy, torch and CUDA (False without); set first if given."""
     if state is not None:
-        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        torch.cuda.set_rng_state_all(state[3]) if state[3] else None
-    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+        python_state, numpy_state, torch_state, cuda_state = state
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_state:
+            torch.cuda.set_rng_state_all(cuda_state)
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else False
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_state
 
 
-def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/ after XXXXXX iterations: DCP shards (an optimizer if given), HF copies (bf16 on GPUs), state.pt."""
-    root, export = pathlib.Path(run_dir) / "checkpoints", torch.bfloat16 if dist.device.type == "cuda" else None
-    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state, dist: Dist, keep=2):
+    """checkpoints/iter_XXXXXX/: per {name: (model, optimizer or None)} DCP shards and an HF
+    directory (bf16 on GPUs); state.pt: the run's state and every rank's RNGs."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    export_dtype = torch.bfloat16 if dist.device.type == "cuda" else None
+    final = root / f"iter_{iteration:06d}"
+    tmp = root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
     rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
-        state_dicts = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))  # None: rebuilt each time
-        dcp.save(state_dicts, checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy, export) if dist.is_main}
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / f"{name}.dcp")
+        weights = {}
+        for key, tensor in full_state_dict_items(policy, export_dtype):  # every rank gathers
+            if dist.is_main:
+                weights[key] = tensor.cpu()
         if dist.is_main:
-            policy.config.dtype = export or policy.config.dtype
+            policy.config.dtype = export_dtype or policy.config.dtype
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        [shutil.rmtree(old) for old in sorted(root.glob("iter_*"))[:-keep]]
-    all_gather_objects(None, dist)
+        os.replace(tmp, final)  # so that the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)  # a barrier: no rank goes on before the checkpoint is whole
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs: (iterations done, state)."""
-    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs; returns
+    (iterations done, state), or None without a checkpoint."""
+    newest = max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None)
+    path = all_gather_objects(newest, dist)[0]
     if path is None:
         return None
     for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        loaded = {"model": model_state, "optim": optim_state}
         dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])  # fmt: skip
     saved = torch.load(path / "state.pt", weights_only=False)
-    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    print(f"resuming {run_dir} after iteration {saved['iteration']}") if dist.is_main else None
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact with the same world size
+    if dist.is_main:
+        print(f"resuming {run_dir} after iteration {saved['iteration']}")
     return saved["iteration"], saved["state"]
 
 
 class Logger:
-    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+    """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+    def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir = pathlib.Path(run_dir)
+        self.main = dist.is_main
+        self.times = collections.Counter()  # seconds per phase since the last log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.main:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
-                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+        self.wandb = None
+        if track and self.main:  # the wandb run finishes at exit
+            names = dict(project=project, entity=entity, name=self.run_dir.name)
+            self.wandb = wandb.init(**names, config=config, dir=run_dir)
 
     @contextlib.contextmanager
     def timer(self, phase: str):
@@ -954,12 +1784,16 @@ class Logger:
         self.times[f"time/{phase}"] += time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, collections.Counter()
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
-            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            self.wandb and self.wandb.log(metrics, step=step)
+        metrics = {**metrics, **self.times}
+        self.times = collections.Counter()
+        if not self.main:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+        shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)]
+        tqdm.write(f"[{step}] " + " ".join(shown))
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
 
 
 # ---- end of infrastructure ----

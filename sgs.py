@@ -1,30 +1,65 @@
 """SGS: Self-Guided Self-Play for Lean 4 theorem proving.
 
-Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance", arXiv 2604.20209 (2026).
-Official code: github.com/LukeBailey181/sgs (read at 64d2de4; this file copies none of it).
+Paper: Bailey, Wen, Dong, Hashimoto, Ma, "Scaling Self-Play with Self-Guidance",
+arXiv 2604.20209 (2026). Official code: github.com/LukeBailey181/sgs (read at 64d2de4;
+this file copies none of it).
 
-Method. One base model (DeepSeek-Prover-V2-7B) plays three roles (§3): the Solver writes whole Lean 4 proofs; the
-Conjecturer (trained, with its own weights) writes a simpler related statement for each target it never solved; the
-Guide, a frozen copy fine-tuned to grade conjectures, scores a conjecture's relevance to its target, redundant premises
-and tangled conclusion (Eq. 3). The targets D: ~3.3k hard Lean 4 problems (D_3k). Each iteration (Algorithm 1):
-  1. conjecture: one conjecture per never-solved target;
-  2. solve: k = 8 Solver attempts at every target and every conjecture, each checked by Lean;
-  3. the Solver learns from its correct proofs of problems with solve rate 0 < s <= 1/2 (REINFORCE½);
-  4. the Conjecturer learns from R = R_guide * (1 - s), min-max normalised, on conjectures with 0 < s <= p70.
-The metric (Fig. 1): the cumulative share of targets ever solved, against the number of generations.
-Where the paper is silent or differs, this file follows the official code, but for the deviations below.
+Method. One base model (DeepSeek-Prover-V2-7B) plays three roles (§3):
+- the Solver writes whole Lean 4 proofs;
+- the Conjecturer (trained, with its own weights) writes a conjecture, a simpler related
+  statement, for each target the Solver never solved;
+- the Guide, a frozen copy fine-tuned to grade conjectures, scores a conjecture's relevance
+  to its target, its redundant premises and its tangled conclusion: R_guide (Eq. 3,
+  guide_rewards).
+Terms. The targets D: D_3k, about 3.3k hard Lean 4 problems (--dataset). k: the Solver's
+attempts at each problem (--proofs-per-problem, 8). s: a problem's solve rate, the share of
+its k attempts that Lean accepted (solve_rate). M: a role's longest completion, in tokens
+(--max-new-tokens for the Solver); a completion in the last 20% of M is penalised
+(overlong_penalty, §4.1, after DAPO, arXiv 2503.14476). p70: the 70th percentile of the
+conjectures' solve rates inside (0, 1) (select_conjectures).
 
-Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
-data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
+Each iteration (Algorithm 1), under the same numbers in main:
+  1. Conjecture (conjecture): one conjecture for each target never solved.
+  2. Solve (attempt_proofs): k Solver attempts at every target and every conjecture,
+     each checked by Lean.
+  3. The Solver's training set (solver_examples), by --solver-objective: REINFORCE½
+     (§3.2), REINFORCE on the correct proofs of problems with 0 < s <= 1/2
+     (reinforce_half_examples); CISPO (App. G.3, after MiniMax-M1), a policy gradient
+     with clipped, stopped importance weights on group-normalised advantages
+     (cispo_examples); or EI, expert iteration (App. G.4), training on the stored proofs
+     of the last iterations (expert_iteration_examples).
+  4. The Conjecturer's training set: the conjectures the Solver proved sometimes, but no
+     more often than p70 (select_conjectures); the Guide's R_guide of each (review); their
+     reward from R_guide and s (conjecturer_examples).
+  5. Update (update): one epoch for each role that trains; REINFORCE is a
+     weighted_nll_loss, CISPO its cispo_loss.
+The metric (Fig. 1, solve_metrics): the cumulative share of targets ever solved, against
+the number of generations.
+Records: Problem(id, header, statement), a Lean 4 task of lean_verify; this file's
+Conjecture, Attempt and Example (under "data"); the block's Sample(text, prompt_ids,
+token_ids, logprobs, finish_reason), one completion as the sampler drew it, and
+Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
+torchrun's. Where the paper is silent or differs, this file follows the official code, but
+for the deviations below.
+
+Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by
+CPU_DEFAULTS (SmolLM2-135M, data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on
+8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
-  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem, proof) is checked once.
-  2. The try penalty (§4.1) looks for the `try` tactic outside comments; the official code for the substring "try".
+  1. Generation and verification are not pipelined; sampling is seeded by position; a
+     (problem, proof) is checked once.
+  2. The try penalty (§4.1) looks for the `try` tactic outside comments (uses_try); the
+     official code for the substring "try".
   3. Lean timeout 200 s (paper); the official default is 500 s.
-  4. A conjecture is the theorem alone (lean_verify.extract_conjecture), deduplicated up to whitespace.
-  5. solver/entropy is -mean log pi(y_t) over the sampled tokens; the paper's is from the top-10 log-probabilities.
-  6. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in the group's).
-  7. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused with a Conjecturer.
+  4. A conjecture is the theorem alone (lean_verify.extract_conjecture), deduplicated
+     ignoring spaces and newlines (STP's rule; the official SGS code: the exact string).
+  5. solver/entropy is -mean log pi(y_t) over the sampled tokens; the paper's is from the
+     top-10 log-probabilities.
+  6. CISPO attempts of advantage 0 are left out of the batch (their tokens still count in
+     the group's).
+  7. The expert-iteration objective is the solver-only baseline of App. G.4 and is refused
+     with a Conjecturer.
   8. One sampler serves the three roles (their weights are loaded in turn).
 """
 
@@ -48,7 +83,7 @@ import zlib
 from array import array
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -56,21 +91,40 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import tyro
 import wandb
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof, load_problems,
-                         strip_comments, theorem_conclusion)
+from lean_verify import (
+    LeanNotInstalled,
+    LeanVerifier,
+    Problem,
+    extract_conjecture,
+    extract_proof,
+    load_problems,
+    strip_comments,
+    theorem_conclusion,
+)
 
 
 @dataclass
 class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless
+    --run-name)"""
     seed: int = 1
     """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
@@ -102,28 +156,34 @@ class Args:
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
     lean_workers: int | None = None
-    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's
+    share of the machine)"""
     lean_timeout: float = 200.0
     """Lean's wall-clock limit per proof, in seconds"""
     conjecturer_model: str | None = None
-    """the Conjecturer's initial weights, trained separately from the Solver's (§3); default: --model"""
+    """the Conjecturer's initial weights, trained separately from the Solver's (§3);
+    default: --model"""
     guide_model: str = "LukeBailey181Pub/dspv2_guide"
-    """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1); --model's architecture"""
+    """the frozen Guide: DeepSeek-Prover-V2-7B fine-tuned to write the score tags (§4.1);
+    --model's architecture"""
 
     # data
     dataset: str = "LukeBailey181Pub/D_3k"
-    """target set D: a Hugging Face dataset with rows (id, header, theorem), or a .jsonl file (miniF2F fields)"""
+    """target set D: a Hugging Face dataset with rows (id, header, theorem), or a .jsonl file
+    (miniF2F fields)"""
     num_problems: int | None = None
     """use only the first N problems of --dataset (default all)"""
 
     # algorithm
     iterations: int = 500
-    """self-play iterations to run (the official scripts stop at 500; the paper reports about 200)"""
+    """self-play iterations to run (the official scripts stop at 500; the paper reports
+    about 200)"""
     proofs_per_problem: int = 8
     """k: Solver attempts per target and per conjecture (§4.1)"""
     conjectures_per_target: int = 1
     """conjectures sampled per never-solved target (Table 1)"""
-    # App. C: temperature 1 and top-p 1 for every role, Adam betas (0.9, 0.95), gradient clipping 1.0, constant lr
+    # App. C: temperature 1 and top-p 1 for every role, Adam betas (0.9, 0.95), gradient
+    # clipping 1.0, constant lr
     temperature: float = 1.0
     """sampling temperature of every role"""
     top_p: float = 1.0
@@ -135,21 +195,23 @@ class Args:
     guide_max_new_tokens: int = 8192
     """longest Guide completion"""
     solve_rate_max: float = 0.5
-    """REINFORCE½ trains on problems with 0 < s <= this solve rate (§3.2)"""
+    """REINFORCE½ trains on problems with 0 < s <= this solve rate (reinforce_half_examples)"""
     conjecture_percentile: float = 0.7
-    """the Conjecturer is rewarded for conjectures with 0 < s <= this percentile of the solve rates in (0, 1) (§3.2)"""
+    """the percentile of p70, the Conjecturer's selection (select_conjectures)"""
     max_stored_proofs: int = 16
     """verified proofs kept per solved target"""
     overlong_buffer: float = 0.2
-    """the last fraction of M where a rollout's reward falls linearly from 0 to -1 (§4.1, after DAPO)"""
+    """the last fraction of M where a rollout's reward falls to -1 (overlong_penalty)"""
     penalize_try: bool = True
-    """reward 0 for Solver proofs that use the try tactic (§4.1)"""
+    """reward 0 for Solver proofs that use the try tactic (§4.1, uses_try)"""
     solver_objective: Literal["reinforce_half", "cispo", "expert_iteration"] = "reinforce_half"
-    """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration (App. G.4)"""
+    """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration
+    (App. G.4) (solver_examples)"""
     learning_rate: float | None = None
     """Solver learning rate; default as the official scripts: 3e-6, 1e-6 with CISPO"""
     batch_size: int | None = None
-    """sequences per optimizer step, both roles; default as the official scripts: 32, 64 with CISPO or EI"""
+    """sequences per optimizer step, both roles; default as the official scripts: 32, 64
+    with CISPO or EI"""
     micro_batch_size: int = 1
     """sequences per forward/backward pass on each rank"""
     warmup_steps: int = 0
@@ -161,19 +223,24 @@ class Args:
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """Adam betas"""
     conjecturer_learning_rate: float | None = None
-    """Conjecturer learning rate; default --learning-rate (the official scripts train both roles at one rate)"""
+    """Conjecturer learning rate; default --learning-rate (the official scripts train both
+    roles at one rate)"""
     sequence_mean_loss: bool = False
-    """REINFORCE loss of Eq. 4 (each sequence's mean); default, official: the batch's token sum / its token count"""
+    """REINFORCE loss of Eq. 4, each sequence's mean; default, official: the batch's token sum
+    over its token count (update)"""
     cispo_clip_low: float = 0.0
-    """CISPO: lower bound of the token importance weight, 1 - eps_low with eps_low = 1 (App. G.3)"""
+    """CISPO: lower bound of the token importance weight, 1 - eps_low with eps_low = 1
+    (App. G.3)"""
     cispo_clip_high: float = 4.0
-    """CISPO: upper bound of the token importance weight, 1 + eps_high with eps_high = 3 (App. G.3)"""
+    """CISPO: upper bound of the token importance weight, 1 + eps_high with eps_high = 3
+    (App. G.3)"""
     ei_window: int = 3
-    """expert iteration: train on stored proofs found in the last this many iterations (App. G.4)"""
+    """expert iteration: train on stored proofs found in the last this many iterations
+    (App. G.4)"""
 
     # ablations
     no_guide: bool = False
-    """drop the Guide: the Conjecturer's reward is R_solve = 1 - s alone (Table 1, No Guide)"""
+    """drop the Guide: R_guide = 1 in conjecturer_examples (Table 1, No Guide)"""
     no_conjecturer: bool = False
     """solver-only baseline: no conjectures (Table 1, REINFORCE½ / CISPO / EI)"""
     freeze_conjecturer: bool = False
@@ -183,78 +250,116 @@ class Args:
 
     # evaluation
     max_generations: int | None = None
-    """stop once this many generations were sampled (the paper's x-axis); default: run all iterations"""
+    """stop once this many generations were sampled (the paper's x-axis); default: run all
+    iterations"""
 
 
-# An iteration on a CPU in about five minutes (SmolLM2-135M: 32 attempts of <= 128 tokens ~70 s, a training step ~30 s).
-CPU_DEFAULTS = dict(model="embedded:smollm2", guide_model="embedded:smollm2", max_model_len=1536, micro_batch_size=4,
-                    dataset="data/lean_smoke.jsonl", num_problems=8, iterations=2, proofs_per_problem=4, batch_size=8,
-                    max_new_tokens=128, conjecturer_max_new_tokens=128, guide_max_new_tokens=128)
+# An iteration on a CPU in about five minutes (SmolLM2-135M: 32 attempts of <= 128 tokens
+# ~70 s, a training step ~30 s).
+CPU_DEFAULTS = dict(
+    model="embedded:smollm2",
+    guide_model="embedded:smollm2",
+    max_model_len=1536,
+    micro_batch_size=4,
+    dataset="data/lean_smoke.jsonl",
+    num_problems=8,
+    iterations=2,
+    proofs_per_problem=4,
+    batch_size=8,
+    max_new_tokens=128,
+    conjecturer_max_new_tokens=128,
+    guide_max_new_tokens=128,
+)
 
 
-def resolve(args: Args) -> tuple[bool, bool, bool]:
-    """The official script's values for the flags left unset; the roles in play: (conjecturer, trained, Guide)."""
+def resolve(args: Args) -> Args:
+    """Stops the run at start on flags that cannot run; fills the flags left unset (None)
+    with the official scripts' values; returns args."""
+    if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
+        baseline = "expert iteration is the solver-only baseline of App. G.4"
+        sys.exit(f"sgs.py: {baseline}; add --no-conjecturer")
+    # a --solver-objective that solver_examples does not know stops the run here
+    solver_examples([], {}, {}, proofs={}, iteration=0, args=args, rng=random.Random(0))
+    cispo = args.solver_objective == "cispo"
     if args.learning_rate is None:
-        args.learning_rate = 1e-6 if args.solver_objective == "cispo" else 3e-6
+        args.learning_rate = 1e-6 if cispo else 3e-6
     if args.conjecturer_learning_rate is None:
         args.conjecturer_learning_rate = args.learning_rate
     if args.batch_size is None:
-        args.batch_size = 64 if args.solver_objective in ("cispo", "expert_iteration") else 32
-    use_conjecturer, train_conjecturer = not args.no_conjecturer, not (args.no_conjecturer or args.freeze_conjecturer)
-    return use_conjecturer, train_conjecturer, train_conjecturer and not args.no_guide  # the Guide shapes R only
+        large = args.solver_objective in ("cispo", "expert_iteration")
+        args.batch_size = 64 if large else 32
+    return args
+
+
+def roles_in_play(args: Args) -> tuple[bool, bool, bool]:
+    """(use_conjecturer, train_conjecturer, use_guide): the Guide only shapes the
+    Conjecturer's reward, so it plays only when the Conjecturer trains."""
+    use_conjecturer = not args.no_conjecturer
+    train_conjecturer = use_conjecturer and not args.freeze_conjecturer
+    use_guide = train_conjecturer and not args.no_guide
+    return use_conjecturer, train_conjecturer, use_guide
 
 
 # ---- prompts ----
-# Single user turns in the chat template, no system prompt (official). The Solver's: DeepSeek-Prover-V2's non-CoT.
+# Single user turns in the chat template, no system prompt (official). The Solver's:
+# DeepSeek-Prover-V2's non-CoT.
 SOLVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```"
-# The Conjecturer's keep the official layout (prompts.py: the target in a lean4 block, then the request) in our words;
-# its starting extraction rate (51.5%, §4.1) was measured on that layout.
+# The Conjecturer's keep the official layout (prompts.py: the target in a lean4 block, then
+# the request) in our words; its starting extraction rate (51.5%, §4.1) was measured on that
+# layout.
 CONJECTURER_PROMPT = """Here is a Lean 4 problem statement:
 ```lean4
 {statement}
 ```
-Please write a Lean 4 theorem that is a lemma for the statement above, or a related theorem, and that helps to prove \
-it: a proof of the statement above should be able to use it. It should be simpler to prove than the target \
-statement. It must NOT be the target statement itself, and NOT the target made equivalent by renaming its \
-variables or premises.
-Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last \
-thing you write should be this statement WITHOUT a proof: put 'sorry' where the proof would go."""
-# Ablation "no problem conditioning" (Table 1, official get_deepseek_prover_v2_conjecturer_no_grounding_prompt).
-CONJECTURER_PROMPT_UNCONDITIONED = """Please write a Lean 4 theorem statement. The theorem should be non-trivial, \
-but not too hard to prove. Pick an area of mathematics at random for it, such as algebra, number theory, \
-combinatorics, geometry, calculus or logic. The theorem should be interesting and mathematically meaningful, not \
-merely a very easy identity or a restatement of a definition.
-Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` tags. The last thing \
-you write should be this statement WITHOUT a proof: just put `sorry` for the proof."""
-# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App. E.3, get_guide_prompt); ours
-# keeps its lean4 blocks, rubrics (order, scales), empty score tags and example (placeholder scores: they'd be copied).
+Please write a Lean 4 theorem that is a lemma for the statement above, or a related theorem, \
+and that helps to prove it: a proof of the statement above should be able to use it. It should \
+be simpler to prove than the target statement. It must NOT be the target statement itself, and \
+NOT the target made equivalent by renaming its variables or premises.
+Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` \
+tags. The last thing you write should be this statement WITHOUT a proof: put 'sorry' where the \
+proof would go."""
+# Ablation "no problem conditioning" (Table 1, official
+# get_deepseek_prover_v2_conjecturer_no_grounding_prompt).
+CONJECTURER_PROMPT_UNCONDITIONED = """Please write a Lean 4 theorem statement. The theorem \
+should be non-trivial, but not too hard to prove. Pick an area of mathematics at random for \
+it, such as algebra, number theory, combinatorics, geometry, calculus or logic. The theorem \
+should be interesting and mathematically meaningful, not merely a very easy identity or a \
+restatement of a definition.
+Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` \
+tags. The last thing you write should be this statement WITHOUT a proof: just put `sorry` for \
+the proof."""
+# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App. E.3,
+# get_guide_prompt); ours keeps its lean4 blocks, rubrics (order, scales), empty score tags
+# and example (placeholder scores: they'd be copied).
 GUIDE_PROMPT = """You are an expert in mathematics. Here is a seed Lean 4 problem statement:
 
 ```lean4
 {seed_theorem}
 ```
 
-Here is a lemma, or a related lemma, that is meant to be useful for proving the statement above. It can be useful \
-either as a lemma that directly helps to prove the statement above, or as a related lemma whose proof plausibly \
-needs similar techniques.
+Here is a lemma, or a related lemma, that is meant to be useful for proving the statement \
+above. It can be useful either as a lemma that directly helps to prove the statement above, or \
+as a related lemma whose proof plausibly needs similar techniques.
 
 ```lean4
 {conjecture}
 ```
 
-Please rate how relevant the lemma is to the seed problem on a scale from 0 to 5, where 0 means "not related at \
-all" and 5 means "very useful for proving the target statement". If the lemma is trivial, give it a low score.
+Please rate how relevant the lemma is to the seed problem on a scale from 0 to 5, where 0 \
+means "not related at all" and 5 means "very useful for proving the target statement". If the \
+lemma is trivial, give it a low score.
 
 Score the lemma with this rubric:
-- 0: The lemma is not related at all to the seed problem and is trivial to prove. OR the lemma is the seed problem \
-itself (also when it is equivalent up to renaming premises and variables).
+- 0: The lemma is not related at all to the seed problem and is trivial to prove. OR the lemma \
+is the seed problem itself (also when it is equivalent up to renaming premises and variables).
 - 1: The lemma is not related at all to the seed problem.
-- 2: The lemma is related to the seed problem only in being about a similar area of mathematics; it does not \
-directly help to prove the seed problem.
+- 2: The lemma is related to the seed problem only in being about a similar area of \
+mathematics; it does not directly help to prove the seed problem.
 - 3: The lemma is related to the seed problem and might help to prove it.
-- 4: The lemma directly helps to solve the seed problem: once the lemma is proved, the seed problem is easier.
-- 5: The lemma is very useful for solving the seed problem: solving the lemma removes most of the difficulty of the \
-seed problem.
+- 4: The lemma directly helps to solve the seed problem: once the lemma is proved, the seed \
+problem is easier.
+- 5: The lemma is very useful for solving the seed problem: solving the lemma removes most of \
+the difficulty of the seed problem.
 
 Next decide whether the premises are redundant. Rate this 0 or 1:
 
@@ -263,24 +368,29 @@ Next decide whether the premises are redundant. Rate this 0 or 1:
 
 Next decide whether the conclusion is too complex. Rate this from 0 to 4:
 
-- 0: The conclusion has minimal complexity: one atomic statement (for example an equality, an inequality or a \
-property), as clear as possible and easy to apply to other problems.
-- 1: The conclusion has low complexity: a few related parts (for example 2-3 conjunctions) that form one coherent \
-statement, each part tied to the others and to the premises, so it is still easy to apply.
-- 2: The conclusion has moderate complexity: disjunctions between closely related alternatives, or several \
-conjunctions (3-4) all on the same theme. Its structure is clear, but applying it takes some thought.
-- 3: The conclusion has high complexity: several unrelated disjunctive clauses (2-3 disjunctions), or deeply nested \
-logical operators that hide the main claim. Its parts concern somewhat different aspects, weakly connected to each \
-other or to the premises, so it is hard to see when and how to apply it.
-- 4: The conclusion has very high complexity: a disjunction of many (3 or more) mostly unrelated clauses, or a deeply \
-nested logical structure that is hard to read. Its parts concern entirely different mathematical objects or \
-properties, so it could hardly be applied meaningfully to other problems. It reads like several lemmas packed into one.
+- 0: The conclusion has minimal complexity: one atomic statement (for example an equality, an \
+inequality or a property), as clear as possible and easy to apply to other problems.
+- 1: The conclusion has low complexity: a few related parts (for example 2-3 conjunctions) \
+that form one coherent statement, each part tied to the others and to the premises, so it is \
+still easy to apply.
+- 2: The conclusion has moderate complexity: disjunctions between closely related \
+alternatives, or several conjunctions (3-4) all on the same theme. Its structure is clear, but \
+applying it takes some thought.
+- 3: The conclusion has high complexity: several unrelated disjunctive clauses (2-3 \
+disjunctions), or deeply nested logical operators that hide the main claim. Its parts concern \
+somewhat different aspects, weakly connected to each other or to the premises, so it is hard \
+to see when and how to apply it.
+- 4: The conclusion has very high complexity: a disjunction of many (3 or more) mostly \
+unrelated clauses, or a deeply nested logical structure that is hard to read. Its parts \
+concern entirely different mathematical objects or properties, so it could hardly be applied \
+meaningfully to other problems. It reads like several lemmas packed into one.
 
 When you have reasoned about all of this, write the scores between the tags:
 
 1) Relevance score: <begin_relevance_score> <end_relevance_score>
 2) Redundancy score: <begin_redundancy_score> <end_redundancy_score>
-3) Conclusion complexity score: <begin_conclusion_complexity_score> <end_conclusion_complexity_score>
+3) Conclusion complexity score: <begin_conclusion_complexity_score> \
+<end_conclusion_complexity_score>
 
 
 
@@ -313,698 +423,1492 @@ YOUR OUTPUT: <... your reasoning ...>
 <end_conclusion_complexity_score>
 ===========================================
 """
-GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the names in the score tags
+GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the score tags' names
 
 
 # ---- data ----
-# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
-# conjecture also keeps the target it was proposed for and its generation (the Conjecturer's training sequence).
+# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual
+# datasets' rows). A conjecture also keeps the target it was proposed for (seed_id) and its
+# generation (sample: the Conjecturer's training sequence).
 Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("seed_id", "sample"))
-# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status, verdict and seconds.
+# A whole-proof attempt: its Sample, the proof Lean accepted (the tactics after ':= by'; None
+# if Lean rejected it or there was none), Lean's status, its verdict and its seconds.
 Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
-# A training sequence: a Sample, its weight (reward or advantage) and, for CISPO, its group's tokens and index.
+# A training sequence: a Sample, its weight (a reward or an advantage) and, for CISPO, its
+# group's tokens and the group's index.
 Example = collections.namedtuple("Example", "sample weight group_tokens group", defaults=(0.0, -1))
 
 
-def compact(sample: Sample) -> Sample:  # 4 bytes a token, not ~36 in a list: D_3k gives ~26k attempts an iteration
-    return sample._replace(prompt_ids=array("i", sample.prompt_ids), token_ids=array("i", sample.token_ids),
-                           logprobs=array("f", sample.logprobs))
+def compact(sample: Sample) -> Sample:
+    """The sample with its lists as arrays: 4 bytes a token, not ~36 in a list (D_3k gives
+    ~26k attempts an iteration)."""
+    return sample._replace(
+        prompt_ids=array("i", sample.prompt_ids),
+        token_ids=array("i", sample.token_ids),
+        logprobs=array("f", sample.logprobs),
+    )
+
+
+def statement_key(statement: str) -> str:
+    """A statement ignoring spaces and newlines: two conjectures with one key are one
+    (STP's official rule; deviation 4)."""
+    return statement.replace(" ", "").replace("\n", "")
 
 
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
-    """As official extract_guide_*_score: each text between the last begin and end tags as a float (no range check)."""
-    try:
-        return {name: float(completion[completion.rindex(f"<begin_{name}_score>") + len(f"<begin_{name}_score>") :
-                                       completion.rindex(f"<end_{name}_score>")]) for name in GUIDE_SCORES}
-    except ValueError:  # a tag is missing, the text is not a number, or the last end tag is before the last begin tag
-        return None
+    """As official extract_guide_*_score: each score is the text between the last begin tag
+    and the last end tag, as a float (no range check); None if one is missing."""
+    scores = {}
+    for name in GUIDE_SCORES:
+        begin = f"<begin_{name}_score>"
+        end = f"<end_{name}_score>"
+        # ValueError: a tag is missing, the text is not a number, or the last end tag is
+        # before the last begin tag
+        try:
+            start = completion.rindex(begin) + len(begin)
+            scores[name] = float(completion[start : completion.rindex(end)])
+        except ValueError:
+            return None
+    return scores
 
 
 # ---- rewards ----
 def solve_rate(attempts: list[Attempt]) -> float:
     """A problem's solve rate s: the share of its attempts that Lean accepted."""
-    return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
+    if not attempts:
+        return 0.0
+    return sum(a.correct for a in attempts) / len(attempts)
 
 
 def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
-    """Eq. 3 (official sub_scores_to_review); a failed parse gets the others' mean, or 0 (official LLMJudgeGuide)."""
-    values = [None if r is None else 0.0 if r["conclusion_complexity"] in (3, 4) else
-              max(0.0, r["relevance"] + (2.0 - r["conclusion_complexity"]) + (1.0 - r["redundancy"])) for r in reviews]
+    """R_guide of each review (Eq. 3, official sub_scores_to_review): 0 if the conclusion's
+    complexity is 3 or 4, else max(0, relevance + (2 - complexity) + (1 - redundancy)).
+    A failed parse (None) gets the mean of the others, or 0 (official LLMJudgeGuide)."""
+    values = []
+    for r in reviews:
+        if r is None:
+            values.append(None)
+            continue
+        complexity = r["conclusion_complexity"]
+        if complexity in (3, 4):
+            values.append(0.0)
+            continue
+        score = r["relevance"] + (2.0 - complexity) + (1.0 - r["redundancy"])
+        values.append(max(0.0, score))
     parsed = [v for v in values if v is not None]
-    return [(sum(parsed) / len(parsed) if parsed else 0.0) if v is None else v for v in values]
-
-
-def percentile_cut(rates: list[float], q: float = 0.7) -> float:
-    """The official q-th percentile of the solve rates inside (0, 1): sorted(rates)[int(q n)]; 0 when there are none."""
-    inside = sorted(r for r in rates if 0.0 < r < 1.0)
-    return inside[int(q * len(inside))] if inside else 0.0
-
-
-def conjecturer_rewards(r_guide: list[float], rates: list[float]) -> list[float]:
-    """R = R_guide * (1 - s) (Alg. 1), min-max normalised over the selected conjectures (§3.2); ones if all equal."""
-    r = [g * (1.0 - s) for g, s in zip(r_guide, rates)]
-    lo, hi = min(r, default=0.0), max(r, default=0.0)
-    return [(v - lo) / (hi - lo) if hi > lo else 1.0 for v in r]
+    fill = sum(parsed) / len(parsed) if parsed else 0.0
+    return [fill if v is None else v for v in values]
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: float = 0.2) -> float:
-    """§4.1 (DAPO's soft overlong punishment): 0 up to (1 - buffer) M tokens, then linearly down to -1 at M."""
+    """§4.1 (DAPO's soft overlong punishment): 0 up to (1 - buffer) M tokens, then linearly
+    down to -1 at M = max_tokens."""
     start = max_tokens * (1.0 - buffer)
-    return 0.0 if length <= start else max(-1.0, -(length - start) / (max_tokens * buffer))
+    if length <= start:
+        return 0.0
+    return max(-1.0, -(length - start) / (max_tokens * buffer))
+
+
+def uses_try(proof: str | None) -> bool:
+    """Whether the proof calls the `try` tactic outside comments (§4.1; deviation 2: the
+    official code looks for the substring "try")."""
+    text = proof or ""
+    code, _ = strip_comments(text)
+    if code is None:  # a comment left open: Lean rejects such a proof anyway
+        code = text
+    return re.search(r"(?<![\w.'])try(?![\w'])", code) is not None
 
 
 def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
-    """§3.2, §4.1: 1 if Lean accepts the proof, 0 with `try` (deviation 2); if overlong, the overlong penalty."""
-    code = strip_comments(proof or "")[0]  # None when a comment is left open: Lean rejects such a proof anyway
-    tries = args.penalize_try and re.search(r"(?<![\w.'])try(?![\w'])", proof if code is None else code)
+    """The Solver's reward (§3.2, §4.1): 1 if Lean accepted the proof, 0 if not or if it
+    uses_try (--penalize-try); the overlong_penalty instead where it is below 0."""
     penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
-    return penalty if penalty < 0 else 1.0 if correct and not tries else 0.0
+    if penalty < 0:
+        return penalty
+    if correct and not (args.penalize_try and uses_try(proof)):
+        return 1.0
+    return 0.0
 
 
-def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
-    """CISPO's group-normalised advantage (App. G.3): (r - mean) / (population std + eps) over the k attempts."""
+def cispo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+    """CISPO's group-normalised advantage (App. G.3) of each of a problem's k attempts:
+    (r - mean) / (population std + eps)."""
     r = np.asarray(rewards, dtype=np.float64)
     return ((r - r.mean()) / (r.std() + eps)).tolist()
 
 
 # ---- losses ----
-def reinforce_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, denominator: float,
-                   sequence_mean: bool = False) -> torch.Tensor:
-    """As official WeightedTrainer.compute_loss: -(1/N) sum_i w_i sum_t log pi(y_it), N the optimizer batch's completion
-    tokens on all ranks; sequence_mean (Eq. 4): -(1/B) sum_i w_i mean_t log pi(y_it), B its sequences. [B, T] inputs."""
-    per_sequence = (logp * mask).sum(1) / (mask.sum(1).clamp(min=1) if sequence_mean else 1)
+def weighted_nll_loss(logp, mask, weights, denominator, sequence_mean=False):
+    """-(1/denominator) sum_i w_i sum_t log pi(y_it): the negative log-likelihood of each sequence,
+    weighted; with sequence_mean, each sequence's mean over its tokens instead of its sum.
+    logp, mask: [B, T]; weights: [B]; denominator: a number the caller chooses."""
+    per_sequence = (logp * mask).sum(1)  # [B]
+    if sequence_mean:
+        per_sequence = per_sequence / mask.sum(1).clamp(min=1)
     return -(weights * per_sequence).sum() / denominator
 
 
-def cispo_loss(logp: torch.Tensor, old_logp: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor,
-               group_tokens: torch.Tensor, n_groups: int, clip_low: float = 0.0, clip_high: float = 4.0
-               ) -> torch.Tensor:
-    """Eq. 5: -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it), r_it = pi / pi_old (the
-    sampler's); group_tokens[i]: sample i's group's; G = batch_size / k, also in a last, smaller batch (official)."""
-    ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)
-    return -((ratio * logp * mask).sum(1) * advantages / group_tokens).sum() / n_groups
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    mask: torch.Tensor,
+    advantages: torch.Tensor,
+    group_tokens: torch.Tensor,
+    n_groups: int,
+    clip_low: float = 0.0,
+    clip_high: float = 4.0,
+) -> torch.Tensor:
+    """Eq. 5: -(1/G) sum_groups (1/sum_j |y_j|) sum_i sum_t sg(clip(r_it)) A_i log pi(y_it),
+    with r_it = pi / pi_old (pi_old: the sampler's) and sg the stop-gradient.
+    logp, old_logp, mask: [B, T]; advantages A, group_tokens (sample i's group's sum_j |y_j|):
+    [B]; G = n_groups = batch_size / k, also in a last, smaller batch (official)."""
+    ratio = torch.exp(logp.detach() - old_logp).clamp(clip_low, clip_high)  # [B, T]
+    per_sequence = (ratio * logp * mask).sum(1)  # [B]
+    per_group_token = per_sequence * advantages / group_tokens  # [B]
+    return -per_group_token.sum() / n_groups
 
 
 # ---- phases ----
-def conjecture(sampler, tokenizer, seeds: list[Problem], targets: list[Problem], iteration: int, args: Args,
-               dist: Dist) -> tuple[list[Conjecture], dict[str, float]]:
-    """Alg. 1, step 1: conjectures_per_target statements per never-solved target (the seeds), parsed (deviation 4: no
-    header lines, a conjecture inherits its target's), deduplicated against the targets and each other."""
-    prompts = [chat_prompt(tokenizer, CONJECTURER_PROMPT_UNCONDITIONED if args.no_problem_conditioning else
-                           CONJECTURER_PROMPT.format(statement=seed.statement)) for seed in seeds]
-    outputs = sample(sampler, prompts, args.conjectures_per_target, f"{args.seed}/{iteration}/conjecture", dist,
-                     lambda _, rows: [[(compact(s), extract_conjecture(s.text)) for s in row] for row in rows],
-                     temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.conjecturer_max_new_tokens)
-    found = [(seed, s, x) for seed, row in zip(seeds, outputs) for s, x in row if x is not None]
-    seen, conjectures = {" ".join(t.statement.split()) for t in targets}, []  # up to whitespace (deviation 4)
-    for seed, s, x in found:
-        if (key := " ".join(x.split())) not in seen:
+def conjecture(
+    sampler,
+    tokenizer,
+    seeds: list[Problem],
+    targets: list[Problem],
+    iteration: int,
+    args: Args,
+    dist: Dist,
+) -> tuple[list[Conjecture], dict[str, float]]:
+    """Step 1: conjectures_per_target statements for each never-solved target (a seed),
+    parsed (deviation 4: no header lines, a conjecture inherits its target's), and kept
+    once by statement_key, none equal to a target."""
+    prompts = []
+    for seed in seeds:
+        if args.no_problem_conditioning:
+            text = CONJECTURER_PROMPT_UNCONDITIONED
+        else:
+            text = CONJECTURER_PROMPT.format(statement=seed.statement)
+        prompts.append(chat_prompt(tokenizer, text))
+    rows = sample(
+        sampler,
+        prompts,
+        n=args.conjectures_per_target,
+        key=f"{args.seed}/{iteration}/conjecture",
+        dist=dist,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.conjecturer_max_new_tokens,
+    )
+    seen = {statement_key(t.statement) for t in targets}
+    conjectures = []
+    outputs = 0
+    extracted = 0
+    for seed, row in zip(seeds, rows):
+        for s in row:  # Sample(text, prompt_ids, token_ids, logprobs, finish_reason)
+            outputs += 1
+            statement = extract_conjecture(s.text)
+            if statement is None:
+                continue
+            extracted += 1
+            key = statement_key(statement)
+            if key in seen:
+                continue
             seen.add(key)
-            conjectures.append(Conjecture(f"it{iteration}_c{len(conjectures)}", seed.header, x, seed.id, s))
-    conclusions = [theorem_conclusion(c.statement) for c in conjectures] or [""]  # disjunctions: Fig. 2's drift
-    n_out = sum(len(row) for row in outputs)
-    return conjectures, {"conjecturer/outputs": n_out, "conjecturer/extraction_rate": len(found) / max(n_out, 1),
-                         "conjecturer/new_conjectures": len(conjectures),
-                         "conjecturer/disjunctive_share": np.mean([("∨" in c or "\\/" in c) for c in conclusions]),
-                         "conjecturer/conclusion_chars": np.mean([len(c) for c in conclusions])}
+            new = Conjecture(
+                id=f"it{iteration}_c{len(conjectures)}",
+                header=seed.header,
+                statement=statement,
+                seed_id=seed.id,
+                sample=compact(s),
+            )
+            conjectures.append(new)
+    # Fig. 2's drift: conclusions grow into disjunctions
+    conclusions = [theorem_conclusion(c.statement) for c in conjectures]
+    if not conclusions:
+        conclusions = [""]
+    disjunctive = [("∨" in c or "\\/" in c) for c in conclusions]
+    stats = {
+        "conjecturer/outputs": outputs,
+        "conjecturer/extraction_rate": extracted / max(outputs, 1),
+        "conjecturer/new_conjectures": len(conjectures),
+        "conjecturer/disjunctive_share": np.mean(disjunctive),
+        "conjecturer/conclusion_chars": np.mean([len(c) for c in conclusions]),
+    }
+    return conjectures, stats
 
 
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
-                   ) -> dict[str, list[Attempt]]:
-    """n whole proofs per problem, each with its Sample (Alg. 1, step 2: the Solver trains on it). Each distinct
-    (problem, proof) pair is checked once by Lean, on the rank that sampled it, against the original statement."""
-    prompts = [chat_prompt(tokenizer, SOLVER_PROMPT.format(header=p.header, statement=p.statement)) for p in problems]
-
-    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
-        proofs = [[extract_proof(s.text, whole_block=True) if s.finish_reason in ("stop", "length") else None
-                   for s in row] for row in rows]
-        verdicts = verifier.verify_attempts(problems[start : start + len(rows)], proofs)
-        found = [[(v.status, v.valid, v.time) if v else ("no_code", False) for v in row] for row in verdicts]
-        return [[Attempt(compact(s), x, *v) for s, x, v in zip(*r)] for r in zip(rows, proofs, found)]
-
-    rows = sample(sampler, prompts, n, key, dist, check, temperature=args.temperature, top_p=args.top_p,
-                  max_new_tokens=args.max_new_tokens)
+def attempt_proofs(
+    sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
+) -> dict[str, list[Attempt]]:
+    """Step 2: n whole proofs of each problem, each with its Sample (the Solver trains on it),
+    {problem id: attempts}. Each rank checks its own samples with Lean, each distinct
+    (problem, proof) once, against the original statement; only the verdicts cross ranks."""
+    prompts = []
+    for p in problems:
+        text = SOLVER_PROMPT.format(header=p.header, statement=p.statement)
+        prompts.append(chat_prompt(tokenizer, text))
+    # sample: this rank's share of the prompts, {prompt index: its n Samples}
+    shard = sample_shard(
+        sampler,
+        prompts,
+        n=n,
+        key=key,
+        dist=dist,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+    )
+    indices = sorted(shard)
+    # verify: the proof in each sample's one ```lean4 block, None where there is none or
+    # the sample failed (vLLM's abort or error)
+    mine = [problems[i] for i in indices]
+    proofs = []
+    for i in indices:
+        row = []
+        for s in shard[i]:
+            proof = None
+            if s.finish_reason in ("stop", "length"):
+                proof = extract_proof(s.text, whole_block=True)
+            row.append(proof)
+        proofs.append(row)
+    verdicts = verifier.verify_attempts(mine, proofs)  # a LeanResult for each proof, or None
+    # an Attempt for each sample, {prompt index: its n Attempts}; then every rank's gathered
+    checked = {}
+    for i, row_proofs, row_verdicts in zip(indices, proofs, verdicts):
+        row = []
+        for s, proof, verdict in zip(shard[i], row_proofs, row_verdicts):
+            if verdict is None:
+                row.append(Attempt(compact(s), None, status="no_code", correct=False))
+                continue
+            attempt = Attempt(
+                sample=compact(s),
+                proof=proof if verdict.valid else None,
+                status=verdict.status,
+                correct=verdict.valid,
+                seconds=verdict.time,
+            )
+            row.append(attempt)
+        checked[i] = row
+    rows = gather_shard(checked, dist)
     return {p.id: row for p, row in zip(problems, rows)}
 
 
-def record_proofs(proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int):
-    """Up to `cap` distinct verified proofs per target (official; a target with one is solved), none of a conjecture."""
-    for pid in [pid for pid in attempts if pid in proofs]:
-        for a in attempts[pid]:
-            if a.correct and a.proof not in {p["proof"] for p in proofs[pid]} and len(proofs[pid]) < cap:
-                proofs[pid].append({"proof": a.proof, "iteration": iteration, "prompt_ids": a.sample.prompt_ids,
-                                    "token_ids": a.sample.token_ids, "text": a.sample.text})
+def record_proofs(
+    proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int
+) -> None:
+    """Stores up to `cap` distinct verified proofs of each target (official; a target with
+    one is solved); none of a conjecture (it has no entry in proofs)."""
+    for pid, row in attempts.items():
+        if pid not in proofs:
+            continue
+        stored = proofs[pid]
+        for a in row:
+            if not a.correct or len(stored) >= cap:
+                continue
+            if any(p["proof"] == a.proof for p in stored):
+                continue
+            stored.append(
+                {
+                    "proof": a.proof,
+                    "iteration": iteration,
+                    "prompt_ids": a.sample.prompt_ids,
+                    "token_ids": a.sample.token_ids,
+                    "text": a.sample.text,
+                }
+            )
 
 
-def solver_examples(problems: list[Problem], attempts: dict[str, list[Attempt]], rates: dict[str, float],
-                    proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random) -> list[Example]:
-    """REINFORCE½ (§3.2): correct attempts at problems with 0 < s <= 1/2, weight = reward, none using `try` (official);
-    CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weight = group-normalised advantage, whole groups, none
-    of advantage 0 (deviation 6); expert iteration (App. G.4): stored target proofs of the last ei_window iterations."""
-    rows = [(attempts[p.id], rates[p.id]) for p in problems]
-    if args.solver_objective == "cispo":
-        rewards = [[solver_reward(a.correct, a.proof, len(a.sample.token_ids), args) for a in row] for row, _ in rows]
-        # official: a group whose rewards are all 0 (its correct proofs used `try`) is skipped
-        groups = [(row, group_advantages(r), float(sum(len(a.sample.token_ids) for a in row)))
-                  for (row, s), r in zip(rows, rewards) if 0 < s < 1 and any(r)]
-        rng.shuffle(groups)
-        return [Example(a.sample, w, tokens, g) for g, (row, adv, tokens) in enumerate(groups)
-                for a, w in zip(row, adv) if w != 0]
-    if args.solver_objective == "expert_iteration":
-        found = [(Sample(p["text"], p["prompt_ids"], p["token_ids"], [], "stop"), p["proof"])
-                 for stored in proofs.values() for p in stored if p["iteration"] > iteration - args.ei_window]
-    else:  # incorrect attempts teach nothing in REINFORCE½ (official code)
-        found = [(a.sample, a.proof) for row, s in rows if 0 < s <= args.solve_rate_max for a in row if a.correct]
-    # weight 1 or the overlong penalty; a proof using `try` is dropped, overlong or not (official)
-    examples = [Example(s, solver_reward(True, proof, len(s.token_ids), args)) for s, proof in found
-                if solver_reward(True, proof, 0, args)]
+def record_outcomes(outcomes: collections.Counter, attempts: dict[str, list[Attempt]]) -> None:
+    """Counts each attempt's verdict: Lean's status, or cut_off for a completion that reached
+    --max-new-tokens before its ```lean4 block closed (for nothing_learned)."""
+    for row in attempts.values():
+        for a in row:
+            verdict = a.status
+            if a.status == "no_code" and a.sample.finish_reason == "length":
+                verdict = "cut_off"
+            outcomes[verdict] += 1
+
+
+def proof_examples(
+    found: list[tuple[Sample, str]], args: Args, rng: random.Random
+) -> list[Example]:
+    """REINFORCE½'s and EI's examples, shuffled: each (sample, proof) of a correct proof with
+    weight solver_reward (1, or the overlong penalty); a proof that uses_try is dropped,
+    overlong or not (official prepare_prover_train_data)."""
+    examples = []
+    for s, proof in found:
+        if args.penalize_try and uses_try(proof):
+            continue
+        weight = solver_reward(correct=True, proof=proof, n_tokens=len(s.token_ids), args=args)
+        examples.append(Example(sample=s, weight=weight))
     rng.shuffle(examples)
     return examples
 
 
-def review(sampler, tokenizer, conjectures: list[Conjecture], targets: list[Problem], iteration: int, args: Args,
-           dist: Dist) -> tuple[list[float], dict[str, float]]:
-    """The Guide scores each conjecture (at least one) against its target (§3.1, Eq. 3): R_guide, one review each."""
-    seed = {t.id: t.statement for t in targets}
-    prompts = [chat_prompt(tokenizer, GUIDE_PROMPT.format(seed_theorem=seed[c.seed_id], conjecture=c.statement))
-               for c in conjectures]
-    reviews = sample(sampler, prompts, 1, f"{args.seed}/{iteration}/guide", dist,
-                     lambda _, rows: [parse_guide_scores(row[0].text) for row in rows], temperature=args.temperature,
-                     top_p=args.top_p, max_new_tokens=args.guide_max_new_tokens)
-    r_guide, parsed = guide_rewards(reviews), [r for r in reviews if r is not None]
-    quartiles = zip(("q25", "median", "q75"), np.percentile(r_guide, [25, 50, 75]).tolist())
-    return r_guide, {"guide/parse_failure_rate": 1 - len(parsed) / len(reviews), "guide/r_guide_mean": np.mean(r_guide),
-                     "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
-                     **{f"guide/r_guide_{name}": q for name, q in quartiles},
-                     **{f"guide/{name}_mean": np.mean([r[name] for r in parsed]) for name in GUIDE_SCORES if parsed}}
+def reinforce_half_examples(
+    problems: list[Problem],
+    attempts: dict[str, list[Attempt]],
+    rates: dict[str, float],
+    args: Args,
+    rng: random.Random,
+) -> list[Example]:
+    """REINFORCE½ (§3.2): the correct attempts at problems with 0 < s <= 1/2
+    (--solve-rate-max), as proof_examples; incorrect attempts teach nothing (official)."""
+    found = []
+    for p in problems:
+        if not 0 < rates[p.id] <= args.solve_rate_max:
+            continue
+        for a in attempts[p.id]:
+            if a.correct:
+                found.append((a.sample, a.proof))
+    return proof_examples(found, args, rng)
 
 
-def conjecturer_examples(selected: list[Conjecture], rates: dict[str, float], r_guide: list[float], args: Args,
-                         rng: random.Random) -> list[Example]:
-    """Weight R_guide * (1 - s), min-max normalised (§3.2), or the overlong penalty. As official
-    prepare_conjecturer_train_data: the whole generation is the target; weight 0 stays (its tokens count)."""
-    penalties = [overlong_penalty(len(c.sample.token_ids), args.conjecturer_max_new_tokens, args.overlong_buffer)
-                 for c in selected]
-    rewards = conjecturer_rewards(r_guide, [rates[c.id] for c in selected])
-    examples = [Example(c.sample, p if p < 0 else w) for c, p, w in zip(selected, penalties, rewards)]
+def cispo_examples(
+    problems: list[Problem],
+    attempts: dict[str, list[Attempt]],
+    rates: dict[str, float],
+    args: Args,
+    rng: random.Random,
+) -> list[Example]:
+    """CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weighted by the
+    cispo_advantages of their solver_reward, in whole groups (one a problem) in a shuffled
+    order. A group whose rewards are all 0 (its correct proofs used `try`) is skipped
+    (official); an attempt of advantage 0 is left out, its tokens still count in its group's
+    (deviation 6)."""
+    groups = []
+    for p in problems:
+        row = attempts[p.id]
+        rewards = []
+        for a in row:
+            n_tokens = len(a.sample.token_ids)
+            reward = solver_reward(a.correct, a.proof, n_tokens=n_tokens, args=args)
+            rewards.append(reward)
+        if not (0 < rates[p.id] < 1 and any(rewards)):
+            continue
+        tokens = float(sum(len(a.sample.token_ids) for a in row))
+        groups.append((row, cispo_advantages(rewards), tokens))
+    rng.shuffle(groups)
+    examples = []
+    for group, (row, advantages, tokens) in enumerate(groups):
+        for a, advantage in zip(row, advantages):
+            if advantage != 0:
+                example = Example(a.sample, advantage, group_tokens=tokens, group=group)
+                examples.append(example)
+    return examples
+
+
+def expert_iteration_examples(
+    proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random
+) -> list[Example]:
+    """Expert iteration (App. G.4): the stored target proofs found in the last ei_window
+    iterations, as proof_examples."""
+    found = []
+    for stored in proofs.values():
+        for p in stored:
+            if p["iteration"] > iteration - args.ei_window:
+                s = Sample(
+                    text=p["text"],
+                    prompt_ids=p["prompt_ids"],
+                    token_ids=p["token_ids"],
+                    logprobs=[],
+                    finish_reason="stop",
+                )
+                found.append((s, p["proof"]))
+    return proof_examples(found, args, rng)
+
+
+def solver_examples(
+    problems: list[Problem],
+    attempts: dict[str, list[Attempt]],
+    rates: dict[str, float],
+    proofs: dict[str, list[dict]],
+    iteration: int,
+    args: Args,
+    rng: random.Random,
+) -> list[Example]:
+    """Step 3: the Solver's training set for --solver-objective. A new objective adds its
+    branch here (and its loss in update, unless it is a weighted_nll_loss)."""
+    objective = args.solver_objective
+    if objective == "reinforce_half":
+        return reinforce_half_examples(problems, attempts, rates, args=args, rng=rng)
+    if objective == "cispo":
+        return cispo_examples(problems, attempts, rates, args=args, rng=rng)
+    if objective == "expert_iteration":
+        return expert_iteration_examples(proofs, iteration, args=args, rng=rng)
+    raise ValueError(f"--solver-objective {objective}: add its branch to solver_examples")
+
+
+def review(
+    sampler,
+    tokenizer,
+    conjectures: list[Conjecture],
+    targets: list[Problem],
+    iteration: int,
+    args: Args,
+    dist: Dist,
+) -> tuple[list[float], dict[str, float]]:
+    """Step 4, the Guide: one review of each conjecture (at least one) against its target
+    (§3.1), scored as R_guide by guide_rewards."""
+    statement_of = {t.id: t.statement for t in targets}
+    prompts = []
+    for c in conjectures:
+        text = GUIDE_PROMPT.format(seed_theorem=statement_of[c.seed_id], conjecture=c.statement)
+        prompts.append(chat_prompt(tokenizer, text))
+    rows = sample(
+        sampler,
+        prompts,
+        n=1,
+        key=f"{args.seed}/{iteration}/guide",
+        dist=dist,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.guide_max_new_tokens,
+    )
+    reviews = [parse_guide_scores(row[0].text) for row in rows]
+    r_guide = guide_rewards(reviews)
+    parsed = [r for r in reviews if r is not None]
+    stats = {
+        "guide/parse_failure_rate": 1 - len(parsed) / len(reviews),
+        "guide/r_guide_mean": np.mean(r_guide),
+        "guide/r_guide_zero_share": r_guide.count(0) / len(r_guide),
+    }
+    quartiles = np.percentile(r_guide, [25, 50, 75]).tolist()
+    for name, value in zip(("q25", "median", "q75"), quartiles):
+        stats[f"guide/r_guide_{name}"] = value
+    if parsed:
+        for name in GUIDE_SCORES:
+            stats[f"guide/{name}_mean"] = np.mean([r[name] for r in parsed])
+    return r_guide, stats
+
+
+def select_conjectures(
+    conjectures: list[Conjecture], rates: dict[str, float], args: Args
+) -> tuple[list[Conjecture], dict[str, float]]:
+    """Step 4, the selection (§3.2): the conjectures with 0 < s <= p70 (ties at p70 kept),
+    p70 = sorted(inside)[int(q n)], inside the n solve rates in (0, 1), q =
+    --conjecture-percentile (official); p70 = 0 (none selected) when no rate is inside."""
+    inside = sorted(rates[c.id] for c in conjectures if 0.0 < rates[c.id] < 1.0)
+    p70 = 0.0
+    if inside:
+        p70 = inside[int(args.conjecture_percentile * len(inside))]
+    selected = [c for c in conjectures if 0 < rates[c.id] <= p70]
+    stats = {"conjecturer/p70": p70, "conjecturer/selected": len(selected)}
+    return selected, stats
+
+
+def conjecturer_examples(
+    selected: list[Conjecture],
+    rates: dict[str, float],
+    r_guide: list[float],
+    args: Args,
+    rng: random.Random,
+) -> list[Example]:
+    """Step 4, the reward (Alg. 1, §3.2), shuffled: conjecture i of the selected gets
+    R_i = R_guide,i (1 - s_i), min-max normalised over them, w_i = (R_i - min R) /
+    (max R - min R) (1 for all when max R = min R); an overlong one gets the
+    overlong_penalty (M = --conjecturer-max-new-tokens) instead (§4.1; official: DAPO's
+    length penalty, after the normalisation). As official prepare_conjecturer_train_data,
+    the whole generation is the target and weight 0 stays in (its tokens count)."""
+    rewards = []
+    for c, guide in zip(selected, r_guide):
+        rewards.append(guide * (1.0 - rates[c.id]))
+    low = min(rewards, default=0.0)
+    high = max(rewards, default=0.0)
+    examples = []
+    for c, reward in zip(selected, rewards):
+        weight = 1.0
+        if high > low:
+            weight = (reward - low) / (high - low)
+        n_tokens = len(c.sample.token_ids)
+        max_tokens = args.conjecturer_max_new_tokens
+        penalty = overlong_penalty(n_tokens, max_tokens, args.overlong_buffer)
+        if penalty < 0:
+            weight = penalty
+        examples.append(Example(c.sample, weight))
     rng.shuffle(examples)
     return examples
 
 
-def update(policy, optimizer, examples: list[Example], lr: float, objective: str, args: Args, dist: Dist
-           ) -> dict[str, float]:
-    """One epoch from a fresh Adam state (official: a new trainer an iteration); CISPO: batch_size / k whole groups."""
+def example_length(example: Example) -> int:
+    """An example's prompt and completion tokens (micro-batches group similar lengths)."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
+
+
+def update(
+    policy, optimizer, examples: list[Example], lr: float, objective: str, args: Args, dist: Dist
+) -> dict[str, float]:
+    """Step 5: one epoch over examples from a fresh Adam state (official: a new trainer each
+    iteration), in optimizer batches of batch_size sequences; CISPO: of batch_size / k whole
+    groups. Every objective but CISPO is REINFORCE (§3.2) with the examples' weights: a
+    weighted_nll_loss whose denominator is the batch's completion tokens (official
+    WeightedTrainer.compute_loss) or, with --sequence-mean-loss, its sequences (Eq. 4)."""
     optimizer.state.clear()
-    cispo, size = objective == "cispo", max(1, args.batch_size // args.proofs_per_problem)
-    batches = ([[e for e in examples if g <= e.group < g + size] for g in range(0, examples[-1].group + 1, size)]
-               if cispo else [examples[i : i + args.batch_size] for i in range(0, len(examples), args.batch_size)])
+    cispo = objective == "cispo"
+    groups_per_batch = max(1, args.batch_size // args.proofs_per_problem)
+    batches = []
+    if cispo:
+        last_group = examples[-1].group
+        for first in range(0, last_group + 1, groups_per_batch):
+            end = first + groups_per_batch
+            batches.append([e for e in examples if first <= e.group < end])
+    else:
+        for first in range(0, len(examples), args.batch_size):
+            batches.append(examples[first : first + args.batch_size])
     stats = []
-    for step, batch in enumerate(batches):
-        # REINFORCE's denominator: the batch's completion tokens (official) or sequences (Eq. 4, --sequence-mean-loss)
-        n = len(batch) if args.sequence_mean_loss else sum(len(e.sample.token_ids) for e in batch)
+    for i, batch in enumerate(batches):
+        if args.sequence_mean_loss:  # Eq. 4: the batch's sequences
+            denominator = len(batch)
+        else:  # official: the batch's completion tokens
+            denominator = sum(len(e.sample.token_ids) for e in batch)
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            # CISPO's importance ratio compares with the sampler's log-probs: renormalise over its top-p nucleus too
-            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro], args.temperature,
-                                           args.top_p if cispo else 1.0)
-            weights = logp.new_tensor([e.weight for e in micro])
-            if not cispo:
-                return reinforce_loss(logp, mask, weights, n, args.sequence_mean_loss), {}
-            old = torch.stack([torch.nn.functional.pad(logp.new_tensor(e.sample.logprobs),  # pi_old, padded as logp
-                                                       (0, logp.shape[1] - len(e.sample.logprobs))) for e in micro])
-            return cispo_loss(logp, old, mask, weights, logp.new_tensor([e.group_tokens for e in micro]), size,
-                              args.cispo_clip_low, args.cispo_clip_high), {}  # official: / groups_per_batch, fixed
+            samples = [e.sample for e in micro]
+            # CISPO's importance ratio compares with the sampler's log-probs: renormalise
+            # over its top-p nucleus too
+            top_p = args.top_p if cispo else 1.0
+            # logp, mask: [B, T]
+            logp, mask, _ = token_logprobs(
+                policy, samples, temperature=args.temperature, top_p=top_p
+            )
+            weights = logp.new_tensor([e.weight for e in micro])  # [B]
+            if not cispo:  # the batch's denominator, over every micro-batch and rank
+                loss = weighted_nll_loss(
+                    logp,
+                    mask,
+                    weights,
+                    denominator=denominator,
+                    sequence_mean=args.sequence_mean_loss,
+                )
+                return loss, {}
+            rows = []
+            for s in samples:  # pi_old, the sampler's log-probs, padded as logp
+                old = logp.new_tensor(s.logprobs)
+                padding = (0, logp.shape[1] - len(s.logprobs))
+                rows.append(torch.nn.functional.pad(old, padding))
+            old_logp = torch.stack(rows)  # [B, T]
+            group_tokens = logp.new_tensor([e.group_tokens for e in micro])  # [B]
+            # official: divided by groups_per_batch, also in a last, smaller batch
+            loss = cispo_loss(
+                logp,
+                old_logp,
+                mask,
+                advantages=weights,
+                group_tokens=group_tokens,
+                n_groups=groups_per_batch,
+                clip_low=args.cispo_clip_low,
+                clip_high=args.cispo_clip_high,
+            )
+            return loss, {}
 
-        stats.append(train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
-                                length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids),
-                                lr=lr_at(step, len(batches), lr, args.warmup_steps, args.lr_schedule)))
-    return {"loss": float(np.mean([s["loss"] for s in stats])), "steps": len(stats),
-            "grad_norm": float(np.mean([s["grad_norm"] for s in stats]))}
+        step_lr = lr_at(
+            step=i,
+            total=len(batches),
+            peak=lr,
+            warmup=args.warmup_steps,
+            schedule=args.lr_schedule,
+        )
+        step_stats = train_step(
+            policy,
+            optimizer,
+            batch,
+            loss_fn=loss_fn,
+            micro_batch_size=args.micro_batch_size,
+            max_grad_norm=args.max_grad_norm,
+            dist=dist,
+            length=example_length,
+            lr=step_lr,
+        )
+        stats.append(step_stats)
+    return {
+        "loss": float(np.mean([s["loss"] for s in stats])),
+        "steps": len(stats),
+        "grad_norm": float(np.mean([s["grad_norm"] for s in stats])),
+    }
 
 
 # ---- evaluation ----
-def solve_metrics(targets: list[Problem], proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], k: int,
-                  generations: int = 0) -> dict[str, float]:
-    """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever proved) against generations;
-    this iteration's pass@k over the targets attempted (Fig. 3), the Solver's entropy (Fig. 7, deviation 5), Lean's."""
+def solve_metrics(
+    targets: list[Problem],
+    proofs: dict[str, list[dict]],
+    attempts: dict[str, list[Attempt]],
+    generations: int,
+    k: int,
+) -> dict[str, float]:
+    """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever
+    proved) against generations; this iteration's pass@k over the targets attempted
+    (Fig. 3), the Solver's entropy (Fig. 7, deviation 5), Lean's verdicts."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
-    rates = [solve_rate(row) for pid, row in attempts.items() if pid not in proofs]  # of the conjectures
-    every = [a for row in attempts.values() for a in row]
-    logps, statuses = np.concatenate([a.sample.logprobs for a in every] or [np.zeros(0)]), [a.status for a in every]
-    return {"charts/cumulative_solve_rate": sum(bool(proofs[t.id]) for t in targets) / len(targets),
-            "charts/generations": generations,
-            f"charts/pass@{k}": float(np.mean([pass_at_k(k, sum(a.correct for a in row), k) for row in tried or [[]]])),
-            "charts/targets_attempted": len(tried), "solver/entropy": -float(logps.mean()) if logps.size else 0.0,
-            **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
-            **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
+    conjecture_rates = []
+    every = []
+    for pid, row in attempts.items():
+        if pid not in proofs:
+            conjecture_rates.append(solve_rate(row))
+        every.extend(row)
+    logprobs = [a.sample.logprobs for a in every]
+    if not logprobs:
+        logprobs = [np.zeros(0)]
+    logps = np.concatenate(logprobs)
+    statuses = [a.status for a in every]
+    entropy = 0.0
+    if logps.size:
+        entropy = -float(logps.mean())
+    solved = sum(bool(proofs[t.id]) for t in targets)
+    pass_rates = [0.0]  # no target attempted
+    if tried:
+        pass_rates = [pass_at_k(k, sum(a.correct for a in row), k) for row in tried]
+    metrics = {
+        "charts/cumulative_solve_rate": solved / len(targets),
+        "charts/generations": generations,
+        f"charts/pass@{k}": float(np.mean(pass_rates)),
+        "charts/targets_attempted": len(tried),
+        "solver/entropy": entropy,
+    }
+    for status in sorted(set(statuses)):
+        metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
+    if conjecture_rates:
+        metrics["conjecturer/solve_rate_mean"] = float(np.mean(conjecture_rates))
+    return metrics
 
 
-def nothing_learned(outcomes: collections.Counter, args: Args) -> str:
-    """A run's last line when the Solver had no training example (the CPU default on the embedded model): why."""
-    n, accepted = sum(outcomes.values()), outcomes["valid"]
-    why = (f"{accepted} of {n} attempts accepted, none a {args.solver_objective} example (solve rates out of its "
-           "range, or `try`)" if accepted else f"no proof accepted in {n} attempts")
-    return (f"{os.path.basename(__file__)}: no Solver update in this run: {why}: "
-            + ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common()) + " (no_code: not one closed ```lean4 "
-            f"block with the theorem; cut_off: at --max-new-tokens {args.max_new_tokens}). tests/test_sgs.py's loop "
-            "learning test shows the loop learning where proofs are accepted.")
+def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
+    """The run's last line when the Solver had no training example (the CPU default on the
+    embedded model): why; None when it trained (or attempted nothing)."""
+    if trained or not outcomes:
+        return None
+    n = sum(outcomes.values())
+    accepted = outcomes["valid"]
+    why = f"no proof accepted in {n} attempts"
+    if accepted:
+        why = (
+            f"{accepted} of {n} attempts accepted, none a {args.solver_objective} example "
+            "(solve rates out of its range, or `try`)"
+        )
+    shares = ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common())
+    return (
+        f"{os.path.basename(__file__)}: no Solver update in this run: {why}: {shares}"
+        " (no_code: not one closed ```lean4 block with the theorem; cut_off: at"
+        f" --max-new-tokens {args.max_new_tokens}). tests/test_sgs.py's loop learning test"
+        " shows the loop learning where proofs are accepted."
+    )
 
 
 # ---- main ----
-def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
+def weights_only(models: dict) -> dict:
+    """{name: (model, None)}: every update starts from a fresh Adam state, so checkpoints
+    keep no moments."""
     return {name: (model, None) for name, (model, _) in models.items()}
 
 
-def main(args: Args) -> None:
-    if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
-        sys.exit("sgs.py: expert iteration is the solver-only baseline of App. G.4; add --no-conjecturer")
-    use_conjecturer, train_conjecturer, use_guide = resolve(args)  # before the CPU scaling, which a flag overrides
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
-    try:  # stop at once, before any model is loaded, when there is no Lean
-        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None  # this rank's
+def start_lean(args: Args, dist: Dist) -> LeanVerifier:
+    """This rank's Lean REPLs (--lean-workers counts a node's); without Lean, the run stops
+    here, before any model is loaded."""
+    workers = None  # lean_verify's share of the machine
+    if args.lean_workers:
+        workers = max(1, args.lean_workers // dist.local_world_size)
+    try:
         verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
     except LeanNotInstalled as e:
-        sys.exit(f"{os.path.basename(__file__)} checks every proof with Lean 4 and Mathlib, and found none: {e}")
+        name = os.path.basename(__file__)
+        sys.exit(f"{name} checks every proof with Lean 4 and Mathlib, and found none: {e}")
     if dist.is_main:
-        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
-    targets = load_problems(args.dataset, args.num_problems)
+        ranks = dist.local_world_size
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {ranks} rank(s)")
+    return verifier
 
-    # the Solver and the Conjecturer: two trained copies of the base model; the Guide: a frozen one (deviation 8)
-    tokenizer = load_tokenizer(args.model)
-    solver = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
-    conjecturer = load_model(args.conjecturer_model or args.model, dist, train_conjecturer,
-                             args.gradient_checkpointing) if use_conjecturer else None
-    guide = load_model(args.guide_model, dist, train=False) if use_guide else None
+
+def load_roles(args: Args, dist: Dist) -> tuple[dict, tuple]:
+    """The roles' models (deviation 8): `models`, {role: (model, optimizer)} of the roles
+    that train (the Solver, and the Conjecturer unless frozen), and (Solver, Conjecturer,
+    Guide), None for a role not in play (roles_in_play; the Guide is frozen)."""
+    use_conjecturer, train_conjecturer, use_guide = roles_in_play(args)
+    checkpointing = args.gradient_checkpointing
+    solver = load_model(args.model, dist, gradient_checkpointing=checkpointing)
+    conjecturer = None
+    if use_conjecturer:
+        conjecturer = load_model(
+            args.conjecturer_model or args.model,
+            dist,
+            train=train_conjecturer,
+            gradient_checkpointing=checkpointing,
+        )
+    guide = None
+    if use_guide:
+        guide = load_model(args.guide_model, dist, train=False)
     adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=0.0)
     models = {"solver": (solver, adamw(solver.parameters(), args.learning_rate))}
     if train_conjecturer:
-        models["conjecturer"] = (conjecturer, adamw(conjecturer.parameters(), args.conjecturer_learning_rate))
-    # run state: the proofs stored for each target (solved = at least one) and the number of generations
-    start, state = 0, {"proofs": {t.id: [] for t in targets}, "generations": 0}
-    if args.resume and (found := load_checkpoint(run_dir, weights_only(models), dist)) is not None:
-        start, state = found
-    sampler = Sampler(args.model, solver, tokenizer, dist, args.backend, args.max_model_len,
-                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    proofs, outcomes, trained = state["proofs"], collections.Counter(), 0  # this run's verdicts, Solver examples
+        optimizer = adamw(conjecturer.parameters(), args.conjecturer_learning_rate)
+        models["conjecturer"] = (conjecturer, optimizer)
+    return models, (solver, conjecturer, guide)
+
+
+def start_sampler(solver, tokenizer, args: Args, dist: Dist) -> Sampler:
+    """The sampler of every role (deviation 8), with the Solver's weights for now."""
+    return Sampler(
+        args.model,
+        solver,
+        tokenizer,
+        dist=dist,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep=args.vllm_sleep,
+        seed=args.seed,
+    )
+
+
+def main(args: Args) -> None:
+    args = resolve(args)  # before the CPU scaling, which a flag given overrides
+    use_conjecturer, train_conjecturer, use_guide = roles_in_play(args)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
+    verifier = start_lean(args, dist)
+    targets = load_problems(args.dataset, args.num_problems)  # D
+    tokenizer = load_tokenizer(args.model)
+    models, (solver, conjecturer, guide) = load_roles(args, dist)
+    # the run's state: the proofs stored for each target (solved: at least one), generations
+    start = 0
+    state = {"proofs": {t.id: [] for t in targets}, "generations": 0}
+    if args.resume:
+        found = load_checkpoint(run_dir, weights_only(models), dist)
+        if found is not None:
+            start, state = found
+    sampler = start_sampler(solver, tokenizer, args=args, dist=dist)
+    proofs = state["proofs"]
+    k = args.proofs_per_problem
+    outcomes = collections.Counter()  # this run's verdicts
+    trained = 0  # this run's Solver examples
 
     for iteration in range(start, args.iterations):
-        metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
+        step = iteration + 1  # iterations done: the metrics' step, the checkpoint's number
+        metrics = {}
+        rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
-        # 1. Conjecture: one statement for each target that was never solved
+        # 1. Conjecture: statements for each target that was never solved
         conjectures = []
         if use_conjecturer:
             with logger.timer("conjecture"):
                 seeds = [t for t in targets if not proofs[t.id]]
                 sampler.sync_weights(conjecturer)
-                conjectures, stats = conjecture(sampler, tokenizer, seeds, targets, iteration, args, dist)
+                conjectures, stats = conjecture(
+                    sampler,
+                    tokenizer,
+                    seeds,
+                    targets=targets,
+                    iteration=iteration,
+                    args=args,
+                    dist=dist,
+                )
                 state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
-        # 2. Solve: k attempts at every target and every conjecture (EI: at targets with fewer than 16 proofs)
+        # 2. Solve: k attempts at every target and conjecture (EI: targets with < 16 proofs)
         with logger.timer("solve"):
-            problems = [t for t in targets if args.solver_objective != "expert_iteration"
-                        or len(proofs[t.id]) < args.max_stored_proofs] + conjectures
+            problems = list(targets)
+            if args.solver_objective == "expert_iteration":
+                problems = [t for t in targets if len(proofs[t.id]) < args.max_stored_proofs]
+            problems = problems + conjectures
             sampler.sync_weights(solver)
-            attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.proofs_per_problem,
-                                      f"{args.seed}/{iteration}/solve", args, dist)
-            state["generations"] += len(problems) * args.proofs_per_problem
-            record_proofs(proofs, attempts, iteration, args.max_stored_proofs)
+            key = f"{args.seed}/{iteration}/solve"
+            attempts = attempt_proofs(
+                sampler, verifier, tokenizer, problems=problems, n=k, key=key, args=args, dist=dist
+            )
+            state["generations"] += len(problems) * k
+            record_proofs(proofs, attempts, iteration, cap=args.max_stored_proofs)
             rates = {pid: solve_rate(row) for pid, row in attempts.items()}  # s
+        record_outcomes(outcomes, attempts)
 
-        # 3-4. The Solver's training set (REINFORCE½, CISPO or EI); the Conjecturer's: 0 < s <= p70, R = R_guide (1 - s)
-        solver_set, conjecturer_set = solver_examples(problems, attempts, rates, proofs, iteration, args, rng), []
-        outcomes.update("cut_off" if a.status == "no_code" and a.sample.finish_reason == "length" else a.status
-                        for row in attempts.values() for a in row)
+        # 3. The Solver's training set: REINFORCE½, CISPO or EI
+        solver_set = solver_examples(
+            problems, attempts, rates, proofs=proofs, iteration=iteration, args=args, rng=rng
+        )
         trained += len(solver_set)
+
+        # 4. The Conjecturer's training set: selection, the Guide's review, the reward
+        conjecturer_set = []
         if train_conjecturer and conjectures:
             with logger.timer("guide"):
-                p70 = percentile_cut([rates[c.id] for c in conjectures], args.conjecture_percentile)
-                selected = [c for c in conjectures if 0 < rates[c.id] <= p70]
-                r_guide = [1.0] * len(selected)  # without a Guide, R = R_solve
+                selected, selection = select_conjectures(conjectures, rates, args)
+                r_guide = [1.0] * len(selected)  # --no-guide
                 if use_guide and selected:
                     sampler.sync_weights(guide)
-                    r_guide, stats = review(sampler, tokenizer, selected, targets, iteration, args, dist)
+                    r_guide, stats = review(
+                        sampler,
+                        tokenizer,
+                        selected,
+                        targets=targets,
+                        iteration=iteration,
+                        args=args,
+                        dist=dist,
+                    )
                     metrics.update(stats)
-                conjecturer_set = conjecturer_examples(selected, rates, r_guide, args, rng)
-                metrics.update({"conjecturer/p70": p70, "conjecturer/selected": len(selected)})
+                conjecturer_set = conjecturer_examples(selected, rates, r_guide, args=args, rng=rng)
+                metrics.update(selection)
 
         # 5. Update the Solver and the Conjecturer
         with logger.timer("update"):
             sampler.sleep()
-            roles = {"solver": (solver_set, args.learning_rate, args.solver_objective),
-                     "conjecturer": (conjecturer_set, args.conjecturer_learning_rate, "reinforce")}
-            for name, (examples, lr, objective) in roles.items():
-                if examples:
-                    stats = update(*models[name], examples, lr, objective, args, dist)
-                    metrics.update({f"losses/{name}_{k}": v for k, v in stats.items()})
+            training_sets = [
+                ("solver", solver_set, args.learning_rate, args.solver_objective),
+                ("conjecturer", conjecturer_set, args.conjecturer_learning_rate, "reinforce"),
+            ]
+            for role, examples, lr, objective in training_sets:
+                if not examples:
+                    continue
+                policy, optimizer = models[role]
+                stats = update(
+                    policy, optimizer, examples, lr=lr, objective=objective, args=args, dist=dist
+                )
+                for name, value in stats.items():
+                    metrics[f"losses/{role}_{name}"] = value
 
-        metrics.update({"data/solver_examples": len(solver_set), "data/conjecturer_examples": len(conjecturer_set),
-                        **solve_metrics(targets, proofs, attempts, args.proofs_per_problem, state["generations"])})
-        logger.log(metrics, step=iteration + 1)
-        done = args.max_generations is not None and state["generations"] >= args.max_generations
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations or done:
-            save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
+        # Log the metric (solve_metrics) and save a checkpoint
+        metrics["data/solver_examples"] = len(solver_set)
+        metrics["data/conjecturer_examples"] = len(conjecturer_set)
+        generations = state["generations"]
+        metrics.update(solve_metrics(targets, proofs, attempts, generations=generations, k=k))
+        logger.log(metrics, step=step)
+        done = args.max_generations is not None and generations >= args.max_generations
+        if step % args.save_every == 0 or step == args.iterations or done:
+            to_save = weights_only(models)
+            save_checkpoint(run_dir, step, to_save, tokenizer=tokenizer, state=state, dist=dist)
         if done:
             break
-    if dist.is_main and outcomes and not trained:
-        print(nothing_learned(outcomes, args))
+    line = nothing_learned(outcomes, trained, args)
+    if dist.is_main and line:
+        print(line)
     verifier.close()
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
-CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank world_size local_world_size device is_main objects", defaults=[None])
+# Plumbing every algorithm file does the same way: a reader learning a method can skip it.
+# CONTRIBUTING.md says how to change it (in all six files at once).
+
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts it into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache/selfplay"))
 
 
-def setup_distributed(seed: int, timeout_minutes: float = 60, objects_timeout_days: float = 7) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); objects gather on gloo (after hours of work: days)."""
-    names = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE".split()  # as torchrun sets them; else one process
-    rank, local_rank, world, local = (int(os.environ.get(k, "WORLD" in k)) for k in names)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    torch.cuda.set_device(device) if device.type == "cuda" else None
-    if world > 1 and not tdist.is_initialized():
-        tdist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=timeout_minutes))
-        atexit.register(tdist.destroy_process_group)
-    objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days)) if world > 1 else None
-    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, world, local, device, rank == 0, objects)
+class Dist(NamedTuple):
+    """Where this process stands among torchrun's processes (one process without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the processes on this node
+    device: torch.device
+    is_main: bool  # rank 0: it logs and writes checkpoints
+    objects: object = None  # the gloo group that gathers Python objects (None in one process)
+
+
+def setup_distributed(seed: int, timeout_minutes=60, objects_timeout_days=7) -> Dist:
+    """torchrun's processes: one per GPU (NCCL) or CPU share (gloo); without torchrun, one."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    objects = None
+    if world_size > 1:
+        if not tdist.is_initialized():
+            backend = "gloo" if device.type == "cpu" else "nccl"
+            tdist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+            atexit.register(tdist.destroy_process_group)
+        # objects are gathered after hours of per-rank work (search, Lean, generation): on gloo,
+        # with a timeout of days, so that the NCCL watchdog kills no rank that finished early
+        objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days))
+    random.seed(seed + rank)  # each rank draws differently
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    return Dist(rank, world_size, local_world_size, device, rank == 0, objects)
 
 
 def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes; without CUDA, cpu_defaults replace the sizes but for flags in argv (printed); a run's logger."""
+    """The processes, run directory and logger; without CUDA, cpu_defaults replace the sizes of the
+    flags not given in argv."""
     dist = setup_distributed(args.seed)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}  # --x, --x=v, --no-x
-    scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
-                                                    if {k, f"no_{k}"}.isdisjoint(given) and getattr(args, k) != v}
+    # the flags given: --x, --x=v and --no-x
+    given = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    scaled = {}
+    if not torch.cuda.is_available():
+        for name, value in cpu_defaults.items():
+            passed = name in given or f"no_{name}" in given
+            if not passed and getattr(args, name) != value:
+                scaled[name] = value
     if dist.is_main and scaled:
-        print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
-              *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
+        print("No CUDA: the default sizes are scaled for a CPU (a flag you pass keeps its value):")
+        for name, value in scaled.items():
+            print(f"  {name}: {getattr(args, name)} -> {value}")
     vars(args).update(scaled)
+    # an --lr-schedule lr_at does not know stops the run here (None: the file's resolve() sets it)
+    if args.lr_schedule is not None:
+        lr_at(step=0, total=1, peak=1.0, schedule=args.lr_schedule)
     run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    return dist, run_dir, Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+    project, entity = args.wandb_project_name, args.wandb_entity
+    logger = Logger(run_dir, vars(args), dist, args.track, project, entity)
+    return dist, run_dir, logger
 
 
-def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
-    out = [obj] * dist.world_size
-    tdist.all_gather_object(out, obj, group=dist.objects) if dist.world_size > 1 else None
-    return out
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's obj, in rank order (a collective: every rank calls it)."""
+    gathered = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(gathered, obj, group=dist.objects)
+    return gathered
 
 
-def map_sharded(fn, items: list, dist: Dist) -> list:  # fn on this rank's share, one result an item; all, in order
-    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
-    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """fn over this rank's share of items (one result an item); every rank's results, in order."""
+    indices = range(dist.rank, len(items), dist.world_size)
+    results = fn(items[dist.rank :: dist.world_size])
+    return gather_shard(dict(zip(indices, results)), dist)
+
+
+def gather_shard(shard: dict, dist: Dist | None = None) -> list:
+    """Every rank's {index: value} merged, as a list in index order (dist None: this one alone)."""
+    parts = [shard]
+    if dist is not None:
+        parts = all_gather_objects(shard, dist)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in sorted(merged)]
 
 
 def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, bool]]:
-    """This rank's share sorted by `length`, as (batch, real); as many on every rank (FSDP2 gathers in forwards)."""
-    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
-    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
-    return [(b, True) if b else (items[:1], False) for b in (mine[i * size : (i + 1) * size] for i in range(count))]
+    """This rank's share of items (sorted by `length`) in micro-batches, as (batch, real). Every
+    rank gets as many (FSDP2 gathers in each forward): padding is (items[:1], False), counted 0."""
+    mine = items[dist.rank :: dist.world_size]
+    if length is not None:
+        mine = sorted(mine, key=length)
+    count = math.ceil(math.ceil(len(items) / dist.world_size) / size)
+    batches = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        if batch:
+            batches.append((batch, True))
+        else:
+            batches.append((items[:1], False))
+    return batches
 
 
 def resolve_model(name: str) -> str:
-    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+    if name == EMBEDDED_MODEL:
+        return str(CACHE_DIR / "smollm2-135m-instruct")
+    return name
 
 
 def load_tokenizer(name: str):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if not tokenizer.pad_token:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Trained: fp32 weights, bf16 compute on GPUs; frozen: bf16 on GPUs. torchrun: only rank 0 reads, all shard."""
-    cuda, path = dist.device.type == "cuda", resolve_model(name)
+def load_model(name: str, dist: Dist, train=True, gradient_checkpointing=True) -> torch.nn.Module:
+    """A causal LM, trained in fp32 (bf16 compute on GPUs) or frozen (bf16 on GPUs). Under torchrun
+    rank 0 reads the weights, every rank shards the model (FSDP2) and gets rank 0's tensors."""
+    cuda = dist.device.type == "cuda"
+    path = resolve_model(name)
     dtype = torch.bfloat16 if cuda and not train else torch.float32
-    with torch.device("meta") if dist.rank else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype) if dist.rank else \
-            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.train(train).requires_grad_(train)
-    model.activation_checkpointing_enable({"use_reentrant": False}) if train and gradient_checkpointing else None
-    if dist.world_size > 1:
-        full = model.state_dict() if dist.rank == 0 else {}
-        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
-        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
-        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
-            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
-        model.to_empty(device=dist.device) if dist.rank else model.to(dist.device)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in model.buffers():  # not in the state dict (rotary frequencies): rank 0's, computed at load
-            tdist.broadcast(buffer, src=0)
+    if dist.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.train(train)
+    model.requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size == 1:
+        return model.to(dist.device)
+    full = model.state_dict() if dist.rank == 0 else {}
+    block_names = set(model._no_split_modules or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    assert blocks, f"{type(model).__name__}: no decoder blocks, FSDP2 would gather it all at once"
+    precision = MixedPrecisionPolicy()
+    if cuda and train:
+        precision = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    # the root too: a forward without backward must not leave it unsharded
+    for module in blocks + [model]:
+        fully_shard(module, mp_policy=precision, reshard_after_forward=True)
+    if dist.rank == 0:
+        model.to(dist.device)
+    else:
+        model.to_empty(device=dist.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    # buffers are not in the state dict (rotary frequencies): rank 0's, computed at load
+    for buffer in model.buffers():
+        tdist.broadcast(buffer, src=0)
     return model.to(dist.device)
 
 
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):  # one full tensor at a time; a collective
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, whole tensor) a state-dict entry at a time: a collective, every rank runs it all."""
     for name, tensor in policy.state_dict().items():
-        tensor = tensor.to(dtype) if dtype else tensor
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if dtype:
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
-def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
-    return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
+def chat_prompt(tokenizer, user: str) -> str:
+    """One user turn in the chat template, no system prompt."""
+    messages = [dict(role="user", content=user)]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tok, text: str) -> list[int]:  # BOS added unless the chat template put it there
-    return tok(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))).input_ids
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids, with a BOS unless the chat template put one in the text."""
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
 
 
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")  # logprobs: as drawn
+class Sample(NamedTuple):
+    """One completion of a prompt, as the sampler drew it."""
+
+    text: str  # the decoded completion; "" for a failed sample
+    prompt_ids: list[int]
+    token_ids: list[int]  # the completion's tokens, a final stop id included (as vLLM keeps it)
+    logprobs: list[float]  # each token's, in the distribution it was drawn from (after top-p)
+    finish_reason: str  # "stop", "length", or vLLM's "abort" or "error" (a failed sample)
+
+
+class DrawnLogprobs:
+    """A logits processor run after HF's warpers: it holds one step's log-probabilities until the
+    next step shows which token was drawn."""
+
+    def __init__(self):
+        self.held = None  # the last step's log-probabilities, [batch, vocabulary]
+        self.drawn = []  # the drawn tokens' log-probabilities, [batch, 1] a step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.held is not None:  # input_ids ends with the token drawn from the held step
+            self.drawn.append(self.held.gather(1, input_ids[:, -1:]))
+        self.held = scores.log_softmax(-1)
+        return scores
+
+    def finish(self, output_ids: torch.Tensor) -> list[list[float]]:
+        self.drawn.append(self.held.gather(1, output_ids[:, -1:]))
+        return torch.cat(self.drawn, 1).tolist()
 
 
 class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF. A
-    Sample's finish_reason is stop, length, or vLLM's abort or error: a failed sample, whose text is empty."""
+    """Samples with the weights last given to sync_weights: vLLM 0.25.1 (an engine a rank, asleep
+    in training) or transformers."""
 
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
-        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = None, None, False, getattr(torch, dtype)
+    def __init__(self, model_name, policy, tokenizer, dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0,
+                 dtype="bfloat16"):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.dist = dist
+        self.max_model_len = max_model_len
+        self.batch_size = batch_size  # sequences a transformers generate call
+        self.model = None  # transformers: the model that generates
+        self.llm = None  # vLLM: the engine
+        self.asleep = False
+        self.dtype = getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
-        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            self.vllm = importlib.import_module("vllm")
-            os.environ |= {**dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost",
-                                  MASTER_PORT="29500"), **os.environ}  # as torchrun sets them
-            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
-            rng = rng_state()
-            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
-                                distributed_executor_backend="external_launcher", dtype=dtype,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
-            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
-            self.sleep()
-        elif dist.world_size > 1:  # ranks generate apart: a whole copy each (bf16 on GPUs), synced tensor by tensor
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32 if
-                                                              dist.device.type == "cpu" else self.dtype)
+        use_vllm = backend == "vllm"
+        if backend == "auto" and torch.cuda.is_available():
+            use_vllm = importlib.util.find_spec("vllm") is not None
+        if use_vllm:
+            self.start_vllm(model_name, gpu_memory_utilization, seed, dtype)
+        elif dist.world_size > 1:
+            # the ranks generate apart: a whole copy each (bf16 on GPUs), synced from the shards
+            path = resolve_model(model_name)
+            copy_dtype = torch.float32 if dist.device.type == "cpu" else self.dtype
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=copy_dtype)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+    def start_vllm(self, model_name, gpu_memory_utilization, seed, dtype):
+        self.vllm = importlib.import_module("vllm")
+        # vLLM's external launcher reads torchrun's variables: without torchrun, set them
+        launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost")
+        launcher["MASTER_PORT"] = "29500"
+        for name, value in launcher.items():
+            os.environ.setdefault(name, value)
+        if not torch.cuda.is_available():
+            # CPU: no oneDNN repacking of the weights, so that load_weights works in place
+            custom_ops = importlib.import_module("vllm._custom_ops")  # not loaded by `import vllm`
+            custom_ops._supports_onednn = False
+        rng = rng_state()
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+        self.llm = self.vllm.LLM(
+            resolve_model(model_name),
+            seed=seed + self.dist.rank,
+            max_model_len=self.max_model_len,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature and top-p
+        )
+        rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+        self.sleep()
+
+    def sleep(self):
+        # free the GPU for training: level 2 drops the weights and the KV cache
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.asleep = self.llm.sleep(level=2) or True
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync_weights(self, policy):
-        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+        if self.llm:
             if self.asleep:
-                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
+                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free its cache
                 self.llm.wake_up(tags=["weights"])
-            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            [model.load_weights([item]) for item in full_state_dict_items(policy, self.dtype)]  # a tensor at a time
+            engine = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for item in full_state_dict_items(policy, self.dtype):  # one tensor at a time
+                engine.load_weights([item])
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-            self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()  # the cached prefixes were computed with the old weights
         elif self.dist.world_size > 1:
             own = self.model.to(self.dist.device).state_dict()
-            [own[name].copy_(tensor) for name, tensor in full_state_dict_items(policy, self.model.dtype)]
+            for name, tensor in full_state_dict_items(policy, self.model.dtype):
+                own[name].copy_(tensor)
         else:
             self.model = policy
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
-        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm and ids:
-            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text if str(c.finish_reason) in ("stop", "length") else "", p, list(c.token_ids),
-                            [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
-                     for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = model.generation_config.eos_token_id  # the model's stop ids too (Gemma-2: <eos> and <end_of_turn>)
-        stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width, held, steps = batch.input_ids.shape[1], [], []  # held: the last step's processed log-probs
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None,
+                 desc="", logprobs=True) -> list[list[Sample]]:  # fmt: skip
+        """n Samples for each prompt, a row a prompt (a prompt keeps its last max_model_len - 1)."""
+        ids = [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if not ids:
+            return []
+        params = (n, temperature, top_p, max_new_tokens, stop, logprobs)
+        if self.llm:
+            return self.generate_vllm(ids, *params)
+        return self.generate_hf(ids, *params, desc=desc)
 
-            def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
-                steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
-                return held.append(scores.log_softmax(-1)) or scores
-            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # HF's own
-            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # warpers, given so keep runs last
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
-                                        stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
-                                        max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
-                                        eos_token_id=stops, logits_processor=warp + [keep] * logprobs)
-            logp = torch.cat(steps + [held.pop().gather(1, out[:, -1:])], 1).tolist() if logprobs else [[]] * len(out)
-            for row, tokens in enumerate(out[:, width:].tolist()):
-                while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
-                    tokens.pop()
-                end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
-                text = tok.decode(tokens[:end], skip_special_tokens=True)
-                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or tokens and tokens[end - 1] in stops else "length"
-                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
-                                      logp[row][:end], reason))
-        model.train(training)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def generate_vllm(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs):
+        assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+        requests = []
+        params = []
+        for prompt_ids in ids:
+            requests.append({"prompt_token_ids": prompt_ids})
+            room = max(1, min(max_new_tokens, self.max_model_len - len(prompt_ids)))
+            drawn_logprob = 0 if logprobs else None  # 0: the drawn token's alone
+            sampling = dict(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=room)
+            params.append(self.vllm.SamplingParams(**sampling, logprobs=drawn_logprob))
+        outputs = self.llm.generate(requests, params, use_tqdm=self.dist.is_main)
+        rows = []
+        for prompt_ids, output in zip(ids, outputs):
+            row = []
+            for completion in output.outputs:
+                reason = str(completion.finish_reason)
+                text = completion.text
+                if reason not in ("stop", "length"):  # abort or error: a failed sample
+                    text = ""
+                steps = zip(completion.logprobs or [], completion.token_ids)
+                drawn = [step[token].logprob for step, token in steps]
+                row.append(Sample(text, prompt_ids, list(completion.token_ids), drawn, reason))
+            rows.append(row)
+        return rows
+
+    def generate_hf(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs, desc=""):
+        tokenizer = self.tokenizer
+        model = self.model
+        was_training = model.training
+        jobs = []
+        for prompt_ids in ids:
+            jobs.extend([prompt_ids] * n)
+        # the tokenizer's and the model's stop ids (Gemma-2 stops at <eos> and <end_of_turn>)
+        eos = model.generation_config.eos_token_id
+        if not isinstance(eos, list):
+            eos = [eos]
+        stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        # HF's own warpers, given here (generate's own turned off) so that DrawnLogprobs runs last
+        warpers = []
+        if temperature > 0 and temperature != 1:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+        settings = dict(do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0)
+        settings.update(stop_strings=stop or None, tokenizer=tokenizer, eos_token_id=stop_ids)
+        settings.update(pad_token_id=tokenizer.pad_token_id)
+        samples = []
+        starts = range(0, len(jobs), self.batch_size)
+        for start in tqdm(starts, desc=desc, leave=False, disable=not self.dist.is_main):
+            batch_ids = jobs[start : start + self.batch_size]
+            batch = tokenizer.pad({"input_ids": batch_ids}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            recorder = DrawnLogprobs()
+            processors = list(warpers)
+            if logprobs:
+                processors.append(recorder)
+            room = max(1, min(max_new_tokens, self.max_model_len - width))
+            model.eval()
+            output_ids = model.generate(
+                **batch, **settings, max_new_tokens=room, logits_processor=processors
+            )
+            batch_logprobs = [[]] * len(output_ids)
+            if logprobs:
+                batch_logprobs = recorder.finish(output_ids)
+            for row, tokens in enumerate(output_ids[:, width:].tolist()):
+                drawn = batch_logprobs[row]
+                samples.append(self.hf_sample(batch_ids[row], tokens, drawn, stop_ids, stop))
+        model.train(was_training)
+        return [samples[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    def hf_sample(self, prompt_ids, tokens, logprobs, stop_ids, stop) -> Sample:
+        """A row as vLLM returns it: no padding, up to a stop id (kept) or string (dropped)."""
+        # padding after a stop string: the batch ran on
+        while tokens and tokens[-1] == self.tokenizer.pad_token_id and tokens[-1] not in stop_ids:
+            tokens.pop()
+        end = len(tokens)
+        for position, token in enumerate(tokens):
+            if token in stop_ids:
+                end = position + 1
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        reason = "length"
+        if tokens and tokens[end - 1] in stop_ids:
+            reason = "stop"
+        found = [text.find(s) for s in stop or [] if s in text]
+        if found:
+            text = text[: min(found)]
+            reason = "stop"
+        return Sample(text, prompt_ids, tokens[:end], logprobs[:end], reason)
 
 
-def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
-           calls: int = 1, **params) -> list:
-    """n Samples a prompt by the rule that makes any number of ranks (and a resume) draw the same: transformers takes
-    chunks of its batch seeded by crc32(f"{key}/{start}") (key: the call's name and seed; a list: a seed per prompt),
-    vLLM a rank's share in `calls` calls. dist: shared over ranks; None: this rank. then(start, rows): what to keep."""
-    ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
-    size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
+def sample_shard(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> dict:
+    """This rank's {prompt index: n Samples}, the same on any number of ranks: transformers draws
+    chunks of its batch seeded by crc32(f"{key}/{start}") (a list: a key a prompt), vLLM a rank's
+    share in `calls` calls; the chunks go round the ranks (dist None: all here)."""
+    if dist is None:
+        dist = Dist(0, 1, 1, torch.device("cpu"), True)  # this process draws every chunk
+    one_key_a_prompt = isinstance(key, list)
+    if sampler.llm:
+        size = max(1, math.ceil(len(prompts) / (dist.world_size * calls)))
+    elif one_key_a_prompt:
+        size = 1
+    else:
+        size = max(1, sampler.batch_size // n)
+    shard = {}
+    for start in range(0, len(prompts), size)[dist.rank :: dist.world_size]:
+        seed_key = key[start] if one_key_a_prompt else f"{key}/{start}"
+        torch.manual_seed(zlib.crc32(seed_key.encode()))
+        rows = sampler.generate(prompts[start : start + size], n=n, **params)
+        for offset, row in enumerate(rows):
+            shard[start + offset] = row
+    return shard
 
-    def run(chunks: list[tuple[int, list[str]]]) -> list[list]:
-        out = []
-        for start, part in chunks:
-            torch.manual_seed(zlib.crc32((keys[start] if keys else f"{key}/{start}").encode()))
-            rows = sampler.generate(part, n=n, **params)
-            out.append(then(start, rows) if then else rows)
-        return out
 
-    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), max(size, 1))]
-    return [row for part in (map_sharded(run, chunks, dist) if dist else run(chunks)) for row in part]
+def sample(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> list:
+    """n Samples for each prompt, a row a prompt, every rank's share gathered (see sample_shard)."""
+    shard = sample_shard(sampler, prompts, n, key, dist=dist, calls=calls, **params)
+    return gather_shard(shard, dist)
 
 
-def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=512):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
-    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    ids = torch.stack([torch.nn.functional.pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T -
-                       len(s.token_ids)), value=-1) for s in samples]).to(next(policy.parameters()).device)
-    mask, ids, head = (ids >= 0).float(), ids.clamp(min=0), policy.get_output_embeddings()
-    cap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2's
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False,
+                   entropy_grad=False, chunk=512):  # fmt: skip
+    """(logp, mask, entropy), [B, T]: each completion token's log-prob at the sampling temperature
+    and top-p (0 at padding), and entropy (None unless with_entropy). The head runs in the forward
+    on completion positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
+    prompt_width = max(len(s.prompt_ids) for s in samples)  # P
+    width = max(max(len(s.token_ids) for s in samples), 1)  # T
+    rows = []
+    for s in samples:  # prompts padded on the left, completions on the right, with -1
+        padding = (prompt_width - len(s.prompt_ids), width - len(s.token_ids))
+        sequence = torch.tensor(s.prompt_ids + s.token_ids)
+        rows.append(torch.nn.functional.pad(sequence, padding, value=-1))
+    ids = torch.stack(rows).to(next(policy.parameters()).device)  # [B, P + T]
+    mask = (ids >= 0).float()
+    ids = ids.clamp(min=0)
+    head = policy.get_output_embeddings()
+    softcap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2
 
-    def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
-        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
-            sorted_z, order = z.sort(-1)
-            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
-        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+    def chunk_logprobs(hidden, target):
+        """A chunk of positions, in fp32: the target's log-prob, and the entropy (or logp again)."""
+        logits = head(hidden).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if softcap or temperature != 1:
+            logits.div_(temperature)
+        if top_p < 1:
+            # drop what HF's and vLLM's top-p drop (ascending cumsum <= 1 - p), never the target
+            sorted_logits, order = logits.sort(-1)
+            tail = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+            dropped = tail.scatter(-1, order, tail).scatter(-1, target[:, None], False)
+            logits = logits.masked_fill(dropped, -1e30)
+        # cross_entropy's backward is one fused kernel
+        logp = -torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        if not with_entropy:
+            return logp, logp
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+        return logp, entropy
 
-    def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
-        h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
-        parts = [torch.utils.checkpoint.checkpoint(logprob, x, t, use_reentrant=False)
-                 for x, t in zip(h.split(chunk), ids[:, P:].flatten().split(chunk))]
-        out.logits, out.hidden_states = torch.stack([torch.cat(x).view(len(samples), T) for x in zip(*parts)], -1), None
-        return out
+    def head_in_forward(module, hook_args, hook_kwargs, output):
+        """A forward hook, before FSDP2's post-forward hook reshards the head: output.logits becomes
+        [B, T, 2], each completion token's log-prob and entropy."""
+        # the hidden state before a completion token predicts it (the last one is after the norm)
+        hidden = output.hidden_states[-1][:, prompt_width - 1 : prompt_width + width - 1]
+        targets = ids[:, prompt_width:].flatten()
+        checkpoint = torch.utils.checkpoint.checkpoint
+        parts = []
+        for part, target in zip(hidden.flatten(0, 1).split(chunk), targets.split(chunk)):
+            parts.append(checkpoint(chunk_logprobs, part, target, use_reentrant=False))
+        logp = torch.cat([logp for logp, _ in parts]).view(len(samples), width)
+        entropy = torch.cat([entropy for _, entropy in parts]).view(len(samples), width)
+        output.logits = torch.stack([logp, entropy], -1)
+        output.hidden_states = None
+        return output
 
     hook = policy.register_forward_hook(head_in_forward, with_kwargs=True, prepend=True)
-    try:  # the model's own head gets no position
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                     use_cache=False, output_hidden_states=True, logits_to_keep=ids[0, :0]).logits
+    positions = (mask.cumsum(1) - 1).clamp(min=0).long()
+    no_position = ids[0, :0]  # the model's own head computes nothing
+    try:
+        output = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                        output_hidden_states=True, logits_to_keep=no_position)  # fmt: skip
     finally:
         hook.remove()
-    logp, ent, mask = out[..., 0], out[..., 1], mask[:, P:]
-    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+    logp = output.logits[..., 0]
+    entropy = output.logits[..., 1]
+    mask = mask[:, prompt_width:]
+    if not with_entropy:
+        return logp * mask, mask, None
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp * mask, mask, entropy * mask
 
 
-def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
-               length=None, lr: float | None = None) -> dict[str, float]:
-    """One optimizer step, each rank on its share. loss_fn(micro) -> (loss, stats): the loss over the whole batch's
-    denominator; FSDP2 averages over ranks, so backward scales it by the world size. Returns summed stats, grad_norm."""
-    for group in optimizer.param_groups if lr is not None else []:
-        group["lr"] = lr
+def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float,
+               dist: Dist, length=None, lr: float | None = None) -> dict[str, float]:  # fmt: skip
+    """One optimizer step, each rank on its micro_batches. loss_fn(micro) -> (loss, stats), the
+    loss over the whole batch's denominator; FSDP2 averages over ranks, so backward scales by the
+    world size. Returns the summed "loss" and stats, and "grad_norm"."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     sums = collections.Counter()
     for micro, real in micro_batches(batch, micro_batch_size, dist, length):
         loss, stats = loss_fn(micro)
-        (loss * (dist.world_size if real else 0.0)).backward()
-        sums.update({"loss": loss.item(), **stats} if real else {})  # update adds (negative sums too)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        scale = dist.world_size if real else 0.0  # padding runs for FSDP2's collectives only
+        (loss * scale).backward()
+        if real:
+            sums.update({"loss": loss.item(), **stats})  # update adds (negative sums too)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    parts, norm = all_gather_objects(dict(sums), dist), norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return {**{k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}, "grad_norm": float(norm)}
+    parts = all_gather_objects(dict(sums), dist)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    totals = {}
+    for name in sorted(set().union(*parts)):
+        totals[name] = sum(part.get(name, 0.0) for part in parts)
+    totals["grad_norm"] = float(norm)
+    return totals
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
-    """Step `step`'s lr in transformers' schedules (HF Trainer, TRL, Lightning): warm-up from 0, then constant/decay."""
+def lr_at(step: int, total: int, peak: float, warmup=0, schedule="constant") -> float:
+    """Step `step` of `total`'s learning rate in transformers' schedules (HF Trainer, TRL): linear
+    warm-up from 0 over `warmup` steps, then constant, or a linear or cosine decay to 0."""
     progress = (step - warmup) / max(1, total - warmup)
-    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
-    return peak * (step / warmup if step < warmup else max(0.0, decay))
+    if schedule == "constant":
+        decay = 1.0
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        known = "constant, linear, cosine"
+        raise ValueError(f"--lr-schedule {schedule}: lr_at knows {known}; add its decay there")
+    if step < warmup:
+        return peak * (step / warmup)
+    return peak * max(0.0, decay)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:  # unbiased, c of n correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+def rng_state(state: tuple | None = None) -> tuple:
+    """The RNG states of Python, NumPy, torch and CUDA (False without); set first if given."""
     if state is not None:
-        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        torch.cuda.set_rng_state_all(state[3]) if state[3] else None
-    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+        python_state, numpy_state, torch_state, cuda_state = state
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_state:
+            torch.cuda.set_rng_state_all(cuda_state)
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else False
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_state
 
 
-def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/ after XXXXXX iterations: DCP shards (an optimizer if given), HF copies (bf16 on GPUs), state.pt."""
-    root, export = pathlib.Path(run_dir) / "checkpoints", torch.bfloat16 if dist.device.type == "cuda" else None
-    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state, dist: Dist, keep=2):
+    """checkpoints/iter_XXXXXX/: per {name: (model, optimizer or None)} DCP shards and an HF
+    directory (bf16 on GPUs); state.pt: the run's state and every rank's RNGs."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    export_dtype = torch.bfloat16 if dist.device.type == "cuda" else None
+    final = root / f"iter_{iteration:06d}"
+    tmp = root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
     rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
-        state_dicts = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))  # None: rebuilt each time
-        dcp.save(state_dicts, checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy, export) if dist.is_main}
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / f"{name}.dcp")
+        weights = {}
+        for key, tensor in full_state_dict_items(policy, export_dtype):  # every rank gathers
+            if dist.is_main:
+                weights[key] = tensor.cpu()
         if dist.is_main:
-            policy.config.dtype = export or policy.config.dtype
+            policy.config.dtype = export_dtype or policy.config.dtype
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        [shutil.rmtree(old) for old in sorted(root.glob("iter_*"))[:-keep]]
-    all_gather_objects(None, dist)
+        os.replace(tmp, final)  # so that the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)  # a barrier: no rank goes on before the checkpoint is whole
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs: (iterations done, state)."""
-    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs; returns
+    (iterations done, state), or None without a checkpoint."""
+    newest = max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None)
+    path = all_gather_objects(newest, dist)[0]
     if path is None:
         return None
     for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        loaded = {"model": model_state, "optim": optim_state}
         dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])  # fmt: skip
     saved = torch.load(path / "state.pt", weights_only=False)
-    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    print(f"resuming {run_dir} after iteration {saved['iteration']}") if dist.is_main else None
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact with the same world size
+    if dist.is_main:
+        print(f"resuming {run_dir} after iteration {saved['iteration']}")
     return saved["iteration"], saved["state"]
 
 
 class Logger:
-    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+    """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+    def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir = pathlib.Path(run_dir)
+        self.main = dist.is_main
+        self.times = collections.Counter()  # seconds per phase since the last log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.main:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
-                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+        self.wandb = None
+        if track and self.main:  # the wandb run finishes at exit
+            names = dict(project=project, entity=entity, name=self.run_dir.name)
+            self.wandb = wandb.init(**names, config=config, dir=run_dir)
 
     @contextlib.contextmanager
     def timer(self, phase: str):
@@ -1013,12 +1917,16 @@ class Logger:
         self.times[f"time/{phase}"] += time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, collections.Counter()
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
-            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            self.wandb and self.wandb.log(metrics, step=step)
+        metrics = {**metrics, **self.times}
+        self.times = collections.Counter()
+        if not self.main:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+        shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)]
+        tqdm.write(f"[{step}] " + " ".join(shown))
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
 
 
 # ---- end of infrastructure ----

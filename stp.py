@@ -1,36 +1,70 @@
 """STP: the Self-play Theorem Prover, iterative conjecturing and proving in Lean 4.
 
-Paper: Dong, Ma, "Beyond Limited Data: Self-play LLM Theorem Provers with Iterative Conjecturing and Proving",
-arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5fe8b; this file copies none of it).
+Paper: Dong, Ma, "Beyond Limited Data: Self-play LLM Theorem Provers with Iterative Conjecturing
+and Proving", arXiv 2502.00212 (ICML 2025). Official code: github.com/kfdong/STP (read at 2b5fe8b;
+this file copies none of it).
 
-Method. One base model (DeepSeek-Prover-V1.5-SFT) plays two roles: the prover writes whole Lean 4 proofs; the
-conjecturer reads a proved statement, its proof and a Mathlib lemma it used (<lemma>, <easy theorem>) and writes a
-harder one (<hard theorem>). The statements: LeanWorkbook. Each iteration (the paper's word: round; Stage 2):
-  1. seeds: the proofs of dataset statements proved at a rate above 0.35, each with a lemma it invokes;
-  2. conjecture: new statements from the seeds, deduplicated;
-  3. prove: 64 samples (iteration 0) or 32 for every unproved statement, every conjecture and a few proved ones;
-  4. the conjecturer learns from barely provable conjectures (solve rate 0 < s < 1/4) minus the least elegant of
-     each lemma group, re-weighted toward the unproved statements (embedding matching, weight at most 4);
-  5. the prover learns from the last 3 iterations' correct proofs of statements with s <= 1/2, weighted by
-     exp(-0.001 length - 0.01 verification seconds) / #correct proofs; one weighted-SFT epoch on both sets.
-Stage 3 (--final-retrain) re-trains DeepSeek-Prover-V1.5-SFT on the mathlib SFT data and the proofs of all rounds.
-The metric: pass@k on miniF2F and ProofNet, up to 3200 samples per problem.
-Where the paper is silent or differs, this file follows the official code, but for the deviations below.
+Method. One base model (DeepSeek-Prover-V1.5-SFT) plays two roles. The prover writes whole Lean 4
+proofs. The conjecturer reads a proved statement with its proof (<easy theorem>) and a Mathlib
+lemma that proof invokes (<lemma>), and writes a new, harder statement (<hard theorem>). The
+statements to prove: LeanWorkbook. A statement's solve rate s is the share of its sampled proofs
+that Lean accepts (solve_rate). Stage 2, self-play, runs --iterations iterations (the paper's word:
+rounds); each iteration:
+  1. seeds (select_seeds): the proofs of dataset statements whose best solve rate is above the seed
+     threshold (--seed-threshold, 0.35), each with a lemma it invokes;
+  2. conjecture (conjecture): new statements sampled from the seeds, without duplicates
+     (statement_key);
+  3. prove (select_problems, attempt_proofs): this iteration's problems (the unproved statements,
+     the new conjectures and a few proved statements) get 64 sampled proofs each in iteration 0,
+     32 later, each checked by Lean; record_solve_counts and record_proofs keep the results. With
+     vLLM a rank generates its share in --generation-folds calls (the official NR_FOLD: there,
+     each fold is verified while the next one generates);
+  4. the conjecturer's data (conjecturer_examples): the barely provable conjectures
+     (--conjecture-band), minus the least elegant ones (elegance_filter), weighted toward the
+     unproved statements (matching_weights);
+  5. the prover's data (prover_examples): the correct proofs in the replay window (the official
+     replay buffer: the last --replay-rounds iterations, 3) of the statements still hard in it
+     (--solve-rate-max), each weighted by proof_weight;
+  6. update (update): one epoch of weighted SFT (supervised fine-tuning, each sequence's
+     log-likelihood weighted: weighted_nll_loss) on both sets, from a fresh Adam state.
+Stage 3 (--final-retrain; final_examples, retrain_from_base) re-trains the base model on the SFT
+data of mathlib statements (--final-sft-dataset) and the proofs of every round. Two baselines run
+the same loop: expert iteration (EI, --expert-iteration: step 3 on the unproved statements, then a
+Stage 3 re-training of the base model every iteration) and pure sampling (--pure-sampling: step 3
+only, no training). The metric (evaluate): pass@k, the share of problems proved by one of k
+samples, on miniF2F and ProofNet, from up to 3200 samples per problem, by the unbiased estimator
+(pass_at_k) and by STP's chunks (chunked_pass_at_k).
+Where the paper is silent or differs, this file follows the official code, but for the deviations
+below.
 
-Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by CPU_DEFAULTS (SmolLM2-135M,
-data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
+Records: lean_verify's Problem(id, header, statement), a statement to prove; the infrastructure
+block's Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler
+drew it, and Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
+torchrun's; this file's Seed, Conjecture, Attempt and Example, defined before the method.
+
+Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by
+CPU_DEFAULTS (SmolLM2-135M, data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200,
+the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
-  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem, proof) is checked once.
+  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem,
+     proof) is checked once.
   2. Lean 4.15 and the upstream REPL (lean_verify), not Lean 4.9 and DeepSeek's fork.
-  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT, which teaches the conjecturing format): pass its checkpoint as --model.
-  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), not from DeepSeek's REPL fork.
-  5. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its header lines).
-  6. A seed proof draws the empty lemma afresh each round (official: once drawn, in every later round).
-  7. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0, none is kept).
-  8. A batch is min(batch_size, #examples) sequences; the prover's target is proof, fence, EOS (official: proof, EOS).
+  3. No Stage 1 (SFT on kfdong/STP_Lean_SFT, which teaches the conjecturing format): pass its
+     checkpoint as --model.
+  4. The lemmas a proof invokes come from a static scan (lean_verify.invoked_lemmas), not from
+     DeepSeek's REPL fork.
+  5. The conjecturer trains on the prompt it samples from (the official generation prompt lacks its
+     header lines).
+  6. A seed proof draws the empty lemma afresh each round (official: once drawn, in every later
+     round).
+  7. With no unproved statement left to match, every conjecture keeps weight 1 (official: weight 0,
+     none is kept).
+  8. A batch is min(batch_size, #examples) sequences; the prover's target is proof, fence, EOS
+     (official: proof, EOS).
   9. ProofNet statements ending in ':=' get ':= by': the verifier checks tactic proofs.
-  10. The statements: internlm/Lean-Workbook's train split or any .jsonl, not STP's unreleased lean_workbook_dedup.json.
+  10. The statements: internlm/Lean-Workbook's train split or any .jsonl, not STP's unreleased
+     lean_workbook_dedup.json.
 """
 
 from __future__ import annotations
@@ -38,7 +72,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import functools
 import gc
 import importlib.util
 import json
@@ -52,7 +85,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -60,26 +93,47 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 import tyro
 import wandb
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    TemperatureLogitsWarper,
+    TopPLogitsWarper,
+)
 
-from lean_verify import (LeanNotInstalled, LeanVerifier, Problem, extract_conjecture, extract_proof, invoked_lemmas,
-                         load_problems, read_rows)
+from lean_verify import (
+    LeanNotInstalled,
+    LeanVerifier,
+    Problem,
+    extract_conjecture,
+    extract_proof,
+    invoked_lemmas,
+    load_problems,
+    read_rows,
+)
 
-
-# The miniF2F text STP was evaluated on (its own file, MIT, fetched at run time; its ProofNet is data/proofnet.jsonl's).
-STP_MINIF2F = ("https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
-               "assets/data/test/miniF2F_lean.json")
+# The miniF2F text STP was evaluated on (its own file, MIT, fetched at run time; its ProofNet is
+# data/proofnet.jsonl's).
+STP_MINIF2F = (
+    "https://raw.githubusercontent.com/kfdong/STP/2b5fe8b6dbc51afae00cba0a06e253270d7f04d4/"
+    "assets/data/test/miniF2F_lean.json"
+)
 
 
 @dataclass
 class Args:
     # run and logging
     exp_name: str = os.path.basename(__file__)[: -len(".py")]
-    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless --run-name)"""
+    """name of this experiment (the run directory is <output_dir>/<exp_name>__<seed> unless
+    --run-name)"""
     seed: int = 1
     """seed of the run (each rank adds its rank)"""
     output_dir: str = "runs"
@@ -111,25 +165,29 @@ class Args:
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
     lean_workers: int | None = None
-    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of the machine)"""
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
+    the machine)"""
     lean_timeout: float = 200.0
     """Lean's wall-clock limit per proof, in seconds"""
 
     # data
     dataset: str = "internlm/Lean-Workbook"
-    """statements to prove (LeanWorkbook): a Hugging Face dataset or a .jsonl, with formal_statement (and header)"""
+    """statements to prove (LeanWorkbook): a Hugging Face dataset or a .jsonl, with
+    formal_statement (and header)"""
     num_problems: int | None = None
     """use only the first N problems of --dataset (default all)"""
 
     # algorithm
     iterations: int = 12
-    """self-play iterations to run (the paper's word: rounds; run_RL_steps.sh's TOTAL_ROUNDS); 0: evaluate --model"""
+    """self-play iterations to run (the paper's word: rounds; run_RL_steps.sh's TOTAL_ROUNDS);
+    0: evaluate --model"""
     samples_first_round: int = 64
     """proofs sampled per statement in iteration 0"""
     samples_per_round: int = 32
     """proofs sampled per statement in later iterations"""
     generation_folds: int = 5
-    """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD, pipelined)"""
+    """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD,
+    pipelined)"""
     temperature: float = 1.0
     """sampling temperature of every role"""
     top_p: float = 1.0
@@ -139,29 +197,32 @@ class Args:
     max_prompt_tokens: int = 1024
     """prompts are cut to their last this many tokens"""
     solve_rate_max: float = 0.5
-    """the prover learns from proofs of statements with solve rate <= this over the replay buffer"""
+    """prover_examples: a statement's proofs train the prover while its solve rate over the replay
+    window is <= this"""
     conjecture_band: float = 0.25
-    """the conjecturer learns from conjectures with solve rate in (0, this)"""
+    """conjecturer_examples: the conjecturer learns from conjectures with solve rate in (0, this)"""
     seed_threshold: float = 0.35
-    """seeds: dataset statements proved with a solve rate above this in some iteration"""
+    """select_seeds: seeds come from dataset statements with a best solve rate above this"""
     empty_lemma_prob: float = 0.5
     """probability that a seed proof is also paired with the empty lemma (no shared lemma)"""
     lemma_use_cap: float = 0.1
     """one lemma is shared by at most this fraction of #statements seeds"""
     max_conjecture_multiplier: int = 8
-    """conjectures per seed: max(1, min(3 #statements / #seeds, this))"""
+    """the most conjectures sampled per seed (conjecture)"""
     proved_keep_prob: float = 0.05
-    """a proved statement is re-proved with this probability (or while its solve rate is below seed_threshold)"""
+    """select_problems: a proved statement is proved again with this probability (or while its best
+    solve rate is below seed_threshold)"""
     replay_rounds: int = 3
-    """iterations of proofs in the replay buffer"""
+    """iterations of proofs in the replay window"""
     length_penalty: float = 0.001
-    """prover weight exp(-length_penalty * characters - time_penalty * seconds) / #correct"""
+    """per character of a proof, in proof_weight (and in Stage 3's weight, final_examples)"""
     time_penalty: float = 0.01
-    """per second of Lean verification"""
+    """per second of Lean verification, in proof_weight"""
     elegance_quantile: float = 0.2
-    """drop the conjectures whose proof/statement length ratio is below sorted(group)[int(this * size)]"""
+    """elegance_filter's quantile: the share of each lemma group below its cutoff"""
     matching_cap: float = 4.0
-    """distribution matching: a conjecture's weight stops growing at this value"""
+    """distribution matching (matching_weights): a conjecture's weight stops growing at this
+    value"""
     embedding_max_tokens: int = 512
     """statements are embedded from their first this many tokens"""
     learning_rate: float = 5e-5
@@ -181,35 +242,41 @@ class Args:
     adam_eps: float = 1e-5
     """Adam epsilon"""
     min_train_steps: int = 5
-    """optimizer steps per iteration: max(#examples // batch_size, this)"""
+    """the fewest optimizer steps of an iteration's update"""
     max_train_tokens: int = 2048
     """training sequences (prompt + target) are cut to this many tokens"""
 
     # Stage 3
     final_retrain: bool = False
-    """Stage 3 after the iterations: re-train --final-model on the SFT data and the correct proofs of every round"""
+    """Stage 3 after the iterations: re-train --final-model on the SFT data and the correct proofs
+    of every round"""
     final_model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
-    """Stage 3 re-trains this model (run_RL_train.sh); it must share --model's architecture and tokenizer"""
+    """Stage 3 re-trains this model (run_RL_train.sh); it must share --model's architecture and
+    tokenizer"""
     final_sft_dataset: str = "kfdong/STP_Lean_SFT"
-    """Stage 3 also trains on its rows (prompt, target[, weight]) but LeanWorkbook's (mathlib.json); '' for none"""
+    """Stage 3 also trains on its rows (prompt, target[, weight]) but LeanWorkbook's (mathlib.json);
+    '' for none"""
     final_learning_rate: float = 1e-4
     """Stage 3 learning rate (run_RL_train.sh)"""
     final_solve_rate_max: float = 0.25
-    """Stage 3 keeps the proofs of a round whose statement's solve rate in it is <= this (dataset statements: all)"""
+    """Stage 3 keeps the proofs of a round whose statement's solve rate in it is <= this (dataset
+    statements: all)"""
     final_max_proofs: int = 16
     """Stage 3 and expert iteration: distinct proofs kept per statement"""
     final_min_train_steps: int = 10
-    """Stage 3 and expert iteration: optimizer steps max(#examples // batch_size, this)"""
+    """Stage 3 and expert iteration: the fewest optimizer steps of update"""
 
     # ablations
     expert_iteration: bool = False
-    """baseline: sample only unproved statements (64 each), re-train the base model on all correct proofs every round"""
+    """baseline: sample only unproved statements (64 each), re-train the base model on all correct
+    proofs every round"""
     pure_sampling: bool = False
     """baseline: sample only unproved statements (64 each) with the base model, no training"""
 
     # evaluation
     eval_datasets: tuple[str, ...] = (STP_MINIF2F, "data/proofnet.jsonl")
-    """benchmarks (.json/.jsonl, local or URL, with formal_statement, split[, name, header]); logged by file name"""
+    """benchmarks (.json/.jsonl, local or URL, with formal_statement, split[, name, header]); logged
+    by file name"""
     eval_split: str = "test"
     """which split of each benchmark"""
     eval_samples: int = 3200
@@ -222,31 +289,53 @@ class Args:
     """evaluate every this many iterations and after the last (0: only after the last)"""
 
 
-# An iteration on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a training step ~30 s);
-# fewer than 5 samples per statement would leave the band 0 < p < 1/4 empty. It evaluates on the built-in text.
-CPU_DEFAULTS = dict(model="embedded:smollm2", final_model="embedded:smollm2", dataset="data/lean_smoke.jsonl",
-                    num_problems=8, iterations=2, samples_first_round=8, samples_per_round=8, max_new_tokens=96,
-                    max_prompt_tokens=512, embedding_max_tokens=128, batch_size=8, min_train_steps=1,
-                    final_min_train_steps=1, warmup_steps=0, final_sft_dataset="data/stp_mathlib_sft.jsonl",
-                    eval_datasets=("data/minif2f.jsonl", "data/proofnet.jsonl"), eval_samples=4,
-                    eval_budgets=(1, 2, 4), eval_limit=4)
+# An iteration on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a
+# training step ~30 s); fewer than 5 samples per statement would leave the band 0 < s < 1/4 empty.
+# It evaluates on the built-in text.
+CPU_DEFAULTS = dict(
+    model="embedded:smollm2",
+    final_model="embedded:smollm2",
+    dataset="data/lean_smoke.jsonl",
+    num_problems=8,
+    iterations=2,
+    samples_first_round=8,
+    samples_per_round=8,
+    max_new_tokens=96,
+    max_prompt_tokens=512,
+    embedding_max_tokens=128,
+    batch_size=8,
+    min_train_steps=1,
+    final_min_train_steps=1,
+    warmup_steps=0,
+    final_sft_dataset="data/stp_mathlib_sft.jsonl",
+    eval_datasets=("data/minif2f.jsonl", "data/proofnet.jsonl"),
+    eval_samples=4,
+    eval_budgets=(1, 2, 4),
+    eval_limit=4,
+)
 
 
 # ---- prompts ----
-# Raw completion prompts, no chat template: DeepSeek-Prover-V1.5's non-CoT format; the prover closes the fence, the
-# conjecturer continues after <hard theorem> with a new statement and </hard theorem>.
+# Raw completion prompts, no chat template: DeepSeek-Prover-V1.5's non-CoT format. The prover
+# closes the fence; the conjecturer continues after <hard theorem> with a new statement and
+# </hard theorem>.
 PROVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}"
-CONJECTURER_PROMPT = ("Complete the following Lean 4 code:\n\n```lean4\n{header}"
-                      "<lemma>\n{lemma}\n<easy theorem>\n{seed}\n<hard theorem>")
+CONJECTURER_PROMPT = (
+    "Complete the following Lean 4 code:\n\n```lean4\n{header}"
+    "<lemma>\n{lemma}\n<easy theorem>\n{seed}\n<hard theorem>"
+)
 END_THM = "</hard theorem>"
 BANNED = ("<lemma>", "<easy theorem>", "<hard theorem>")  # prompt markers a conjecture may not hold
 EMPTY_LEMMA = "theorem true: True"
 
 
 def truncate_left(tokenizer, text: str, max_tokens: int) -> str:
-    """The text cut to its last max_tokens tokens (official: the tokenizer with truncation_side='left')."""
+    """The text cut to its last max_tokens tokens (official: the tokenizer with
+    truncation_side='left')."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return text if len(ids) <= max_tokens else tokenizer.decode(ids[-max_tokens:])
+    if len(ids) <= max_tokens:
+        return text
+    return tokenizer.decode(ids[-max_tokens:])
 
 
 def prover_prompt(tokenizer, problem: Problem, args: Args) -> str:
@@ -255,780 +344,1601 @@ def prover_prompt(tokenizer, problem: Problem, args: Args) -> str:
 
 
 def conjecturer_prompt(tokenizer, header: str, lemma: str, easy_theorem: str, args: Args) -> str:
-    """A shared lemma, by name (deviation 4) or the trivial theorem for none, and a proved statement with its proof."""
-    lemma = f"theorem {lemma}" if lemma else EMPTY_LEMMA
-    return truncate_left(tokenizer, CONJECTURER_PROMPT.format(header=header, lemma=lemma, seed=easy_theorem),
-                         args.max_prompt_tokens)
+    """A shared lemma, by name (deviation 4) or the trivial theorem for none, and a proved
+    statement with its proof (the easy theorem)."""
+    lemma_line = EMPTY_LEMMA
+    if lemma:
+        lemma_line = f"theorem {lemma}"
+    text = CONJECTURER_PROMPT.format(header=header, lemma=lemma_line, seed=easy_theorem)
+    return truncate_left(tokenizer, text, args.max_prompt_tokens)
 
 
 # ---- data ----
-# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual datasets' rows). A
-# conjecture also keeps its prompt's <easy theorem> and lemma ('' for none).
-Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("easy_theorem", "lemma"))
-# A whole-proof attempt: its Sample (or None), the tactics after ':= by' (or None), Lean's status, verdict and seconds.
-Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
-# A training sequence: a Sample (prompt and target tokens) and its weight.
-Example = collections.namedtuple("Example", "sample weight")
+# Problem(id, header, statement) is lean_verify's Lean 4 task (load_problems reads the usual
+# datasets' rows).
+
+
+class Seed(NamedTuple):
+    """A conjecturer's input: a proved dataset statement, one of its proofs, and a lemma."""
+
+    problem: Problem
+    proof: str  # the tactics after ':= by'
+    lemma: str  # a Mathlib lemma the proof invokes, or "" for the empty lemma
+
+
+class Conjecture(NamedTuple):
+    """A conjectured statement: a Problem's fields, then the prompt it was conjectured from."""
+
+    id: str
+    header: str
+    statement: str
+    easy_theorem: str  # the seed's statement and proof
+    lemma: str  # the seed's lemma, "" for none
+
+
+class Attempt(NamedTuple):
+    """One sampled whole proof and Lean's verdict on it."""
+
+    sample: Sample | None  # always None here: 3200 samples per benchmark problem keep no tokens
+    proof: str | None  # the tactics after ':= by' when Lean accepted them, else None
+    status: str  # Lean's status ("valid", "error", ...), or "no_code" for an empty proof
+    correct: bool  # Lean accepted the proof
+    seconds: float = 0.0  # Lean's time on the proof
+
+
+class Example(NamedTuple):
+    """A training sequence: a Sample (its prompt and target tokens) and its weight."""
+
+    sample: Sample
+    weight: float
+
+
+def example_length(example: Example) -> int:
+    """Prompt and target tokens: train_step sorts a rank's share by it."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
 
 
 def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
-    """The prompt's tokens, then the target's and end of sequence, cut to max_train_tokens."""
+    """The prompt's tokens, then the target's and end of sequence, cut to max_train_tokens (the
+    target keeps at least one token)."""
     prompt_ids = encode_prompt(tokenizer, prompt)
-    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return Example(Sample(target, prompt_ids, target_ids[: max(1, args.max_train_tokens - len(prompt_ids))], [],
-                          "stop"), weight)
+    target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
+    target_ids = target_ids + [tokenizer.eos_token_id]
+    room = max(1, args.max_train_tokens - len(prompt_ids))
+    sample = Sample(target, prompt_ids, target_ids[:room], [], "stop")
+    return Example(sample, weight)
+
+
+def statement_key(statement: str) -> str:
+    """A statement as duplicates are found: without spaces and newlines (STP's rule)."""
+    return statement.replace(" ", "").replace("\n", "")
 
 
 # ---- rewards ----
 def solve_rate(attempts: list[Attempt]) -> float:
     """A problem's solve rate s: the share of its attempts that Lean accepted."""
-    return sum(a.correct for a in attempts) / len(attempts) if attempts else 0.0
+    if not attempts:
+        return 0.0
+    return sum(a.correct for a in attempts) / len(attempts)
 
 
 def best_rate(history: dict, pid: str) -> float:
-    """A statement's solve rate in its best iteration (official succ_rates)."""
-    return max((c / n for n, c in history.get(pid, {}).values() if n), default=0.0)
+    """A statement's solve rate in its best iteration (official succ_rates); history[pid] maps an
+    iteration to (samples, correct)."""
+    rates = [correct / samples for samples, correct in history.get(pid, {}).values() if samples]
+    return max(rates, default=0.0)
 
 
 def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
-    """A correct proof's weight exp(-0.001 length - 0.01 Lean seconds) / #correct proofs of its statement."""
-    return math.exp(-args.length_penalty * proof_chars - args.time_penalty * verify_seconds) / n_correct
+    """A correct proof's weight in the prover's data (official RL_step2_train):
+    exp(-length_penalty * characters - time_penalty * Lean seconds) / #correct proofs of its
+    statement in the replay window."""
+    penalty = args.length_penalty * proof_chars + args.time_penalty * verify_seconds
+    return math.exp(-penalty) / n_correct
 
 
 def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) -> list[bool]:
-    """Official filter_by_ratio: drop a ratio below its group's sorted(ratios)[int(size * quantile)] (size >= 2)."""
-    group = {g: sorted(r for x, r in zip(groups, ratios) if x == g) for g in set(groups)}
-    return [len(group[g]) < 2 or r >= group[g][int(len(group[g]) * quantile)] for g, r in zip(groups, ratios)]
+    """Official filter_by_ratio: which conjectures to keep. Within each group (the shared lemma),
+    drop a ratio below the cutoff sorted(group's ratios)[int(size * quantile)]; a group of one is
+    kept whole."""
+    by_group = collections.defaultdict(list)
+    for group, ratio in zip(groups, ratios):
+        by_group[group].append(ratio)
+    for members in by_group.values():
+        members.sort()
+    keep = []
+    for group, ratio in zip(groups, ratios):
+        members = by_group[group]
+        cutoff = members[int(len(members) * quantile)]
+        keep.append(len(members) < 2 or ratio >= cutoff)
+    return keep
 
 
-def matching_weights(P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
-                     ) -> list[float]:
-    """Each unproved statement Q[q], in random order, gives N/M to its nearest conjecture P[j] below `cap`."""
-    n, m = len(P), len(Q)
+def matching_weights(
+    P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
+) -> list[float]:
+    """Distribution matching (official): the weight of each of the N conjectures, P [N, d] their
+    normalised embeddings, toward the M unproved statements, Q [M, d]. Each unproved statement, in
+    random order, adds N/M to its most similar conjecture whose weight is still below `cap`; the
+    weights sum to N while some conjecture is below the cap."""
+    n = len(P)
+    m = len(Q)
     if n == 0 or m == 0:
         return [1.0] * n  # deviation 7
-    sim, weights, full, order = (P @ Q.T).float(), [0.0] * n, torch.zeros(n, dtype=torch.bool), list(range(m))
-    (rng or random.Random(0)).shuffle(order)
+    similarity = (P @ Q.T).float()  # [N, M]
+    weights = [0.0] * n
+    full = torch.zeros(n, dtype=torch.bool)  # the conjectures at the cap
+    order = list(range(m))
+    if rng is None:
+        rng = random.Random(0)
+    rng.shuffle(order)
     for q in order:
         if bool(full.all()):
             break
-        j = int(sim[:, q].masked_fill(full, float("-inf")).argmax())
+        scores = similarity[:, q].masked_fill(full, float("-inf"))  # [N]
+        j = int(scores.argmax())
         weights[j] += n / m
         full[j] = weights[j] >= cap
     return weights
 
 
 # ---- losses ----
-def weighted_sft_loss(logp: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor, weighted_tokens: float
-                      ) -> torch.Tensor:
-    """Weighted SFT (official: Levanter): -sum_i w_i sum_t log pi(y_it) / sum_i w_i |y_i| of the batch."""
-    return -(weights[:, None] * logp * mask).sum() / weighted_tokens
+def weighted_nll_loss(logp, mask, weights, denominator, sequence_mean=False):
+    """-(1/denominator) sum_i w_i sum_t log pi(y_it): the negative log-likelihood of each sequence,
+    weighted; with sequence_mean, each sequence's mean over its tokens instead of its sum.
+    logp, mask: [B, T]; weights: [B]; denominator: a number the caller chooses."""
+    per_sequence = (logp * mask).sum(1)  # [B]
+    if sequence_mean:
+        per_sequence = per_sequence / mask.sum(1).clamp(min=1)
+    return -(weights * per_sequence).sum() / denominator
 
 
 # ---- phases ----
-def select_seeds(statements: list[Problem], proofs: dict, history: dict, args: Args, rng: random.Random
-                 ) -> list[tuple[Problem, str, str]]:
-    """Official Sampler_base.select: the proofs of statements with a best solve rate above 0.35, shuffled, each with
-    its invoked lemmas and (p = 1/2) the empty one; a lemma in at most 10% of #statements seeds; #statements at most."""
-    candidates = [(s, p["proof"]) for s in statements if best_rate(history, s.id) > args.seed_threshold
-                  for p in proofs.get(s.id, [])]
-    rng.shuffle(candidates)  # official: then sorted by conjecture level, 0 for every dataset statement
-    uses, pairs, seeds = collections.Counter(), set(), []
-    for statement, proof in candidates:
-        empty = [""] if rng.random() < args.empty_lemma_prob else []  # drawn afresh each round (deviation 6)
-        for lemma in invoked_lemmas(proof, statement.statement) + empty:
-            if uses[lemma] < args.lemma_use_cap * len(statements) and (statement.id, lemma) not in pairs:
-                pairs.add((statement.id, lemma))
+def select_seeds(
+    statements: list[Problem], proofs: dict, history: dict, rng: random.Random, args: Args
+) -> list[Seed]:
+    """Step 1 (official Sampler_base.select): the proofs of dataset statements with a best solve
+    rate above seed_threshold, shuffled, each paired with the lemmas it invokes and, with
+    probability empty_lemma_prob, the empty lemma; each (statement, lemma) once, each lemma in at
+    most lemma_use_cap * #statements seeds, #statements seeds at most."""
+    candidates = []  # (problem, proof)
+    for problem in statements:
+        if best_rate(history, problem.id) > args.seed_threshold:
+            for entry in proofs.get(problem.id, []):
+                candidates.append((problem, entry["proof"]))
+    # official: then sorted by conjecture level, 0 for every dataset statement
+    rng.shuffle(candidates)
+    cap = args.lemma_use_cap * len(statements)
+    uses = collections.Counter()  # seeds per lemma
+    pairs = set()  # (problem id, lemma) already seeded
+    seeds = []
+    for problem, proof in candidates:
+        with_empty = rng.random() < args.empty_lemma_prob  # drawn afresh each round (deviation 6)
+        lemmas = invoked_lemmas(proof, problem.statement)
+        if with_empty:
+            lemmas = lemmas + [""]
+        for lemma in lemmas:
+            pair = (problem.id, lemma)
+            if uses[lemma] < cap and pair not in pairs:
+                pairs.add(pair)
                 uses[lemma] += 1
-                seeds.append((statement, proof, lemma))
+                seeds.append(Seed(problem, proof, lemma))
     return seeds[: len(statements)]
 
 
-def conjecture(sampler, tokenizer, seeds: list[tuple[Problem, str, str]], statements: list[Problem], problems: dict,
-               iteration: int, args: Args, dist: Dist, rng: random.Random) -> tuple[list[Conjecture], dict]:
-    """max(1, min(3 #statements / #seeds, 8)) samples per seed, parsed, shuffled, deduplicated against the dataset and
-    each other, at most #statements. A statement conjectured before keeps its id (official lemma_id)."""
+def conjecture(
+    sampler,
+    tokenizer,
+    seeds: list[Seed],
+    statements: list[Problem],
+    problem_by_id: dict,
+    iteration: int,
+    rng: random.Random,
+    args: Args,
+    dist: Dist,
+) -> tuple[list[Conjecture], dict]:
+    """Step 2 (official Sampler_base.select): max(1, min(3 #statements // #seeds,
+    max_conjecture_multiplier)) samples per seed, parsed, shuffled, without duplicates of the
+    dataset or of each other (statement_key, with the header), shuffled again and cut to
+    #statements when there are more. A statement conjectured before keeps its id (official
+    lemma_id)."""
     if not seeds:
         return [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0}
-    multiplier = max(1, min(3 * len(statements) // len(seeds), args.max_conjecture_multiplier))
-    prompts = [conjecturer_prompt(tokenizer, s.header, lemma, s.statement + proof, args) for s, proof, lemma in seeds]
-    outputs = sample(sampler, prompts, multiplier, f"{args.seed}/{iteration}/conjecture", dist,
-                     lambda _, rows: [[extract_conjecture(s.text, END_THM, s.finish_reason, BANNED) for s in row]
-                                      for row in rows], temperature=args.temperature, top_p=args.top_p,
-                     max_new_tokens=args.max_new_tokens, stop=[END_THM], desc="conjecture", logprobs=False)
-    found = [(seed, x) for seed, row in zip(seeds, outputs) for x in row if x is not None]
+    multiplier = 3 * len(statements) // len(seeds)
+    multiplier = max(1, min(multiplier, args.max_conjecture_multiplier))
+    prompts = []
+    for problem, proof, lemma in seeds:
+        easy_theorem = problem.statement + proof
+        prompts.append(conjecturer_prompt(tokenizer, problem.header, lemma, easy_theorem, args))
+
+    # sample
+    rows = sample(
+        sampler,
+        prompts,
+        n=multiplier,
+        key=f"{args.seed}/{iteration}/conjecture",
+        dist=dist,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        stop=[END_THM],
+        desc="conjecture",
+        logprobs=False,
+    )
+    # parse: a new statement ending in ':= by', or None
+    found = []  # (the seed's problem, proof and lemma, the new statement)
+    n_outputs = 0
+    for (problem, proof, lemma), row in zip(seeds, rows):
+        for s in row:
+            n_outputs += 1
+            statement = extract_conjecture(s.text, END_THM, s.finish_reason, BANNED)
+            if statement is not None:
+                found.append((problem, proof, lemma, statement))
     rng.shuffle(found)
-    seen = {(s.header, s.statement.replace(" ", "").replace("\n", "")) for s in statements}  # official: no spaces
-    ids, new = {p.statement: k for k, p in problems.items()}, []
-    for (seed, proof, lemma), statement in found:
-        if (key := (seed.header, statement.replace(" ", "").replace("\n", ""))) not in seen:
-            seen.add(key)
-            new.append(((seed, proof, lemma), statement))
+
+    # keep the new ones
+    seen = {(s.header, statement_key(s.statement)) for s in statements}
+    known_ids = {}  # a statement conjectured before -> its id
+    for pid, known in problem_by_id.items():
+        known_ids[known.statement] = pid
+    new = []
+    for problem, proof, lemma, statement in found:
+        duplicate_key = (problem.header, statement_key(statement))
+        if duplicate_key not in seen:
+            seen.add(duplicate_key)
+            new.append((problem, proof, lemma, statement))
     if len(new) > len(statements):
         rng.shuffle(new)
-    conjectures = [Conjecture(ids.get(x, f"r{iteration}_c{i}"), seed.header, x, seed.statement + proof, lemma)
-                   for i, ((seed, proof, lemma), x) in enumerate(new[: len(statements)])]
-    n_out = sum(len(row) for row in outputs)
-    return conjectures, {"conjecturer/outputs": n_out, "conjecturer/extraction_rate": len(found) / max(n_out, 1),
-                         "conjecturer/new_conjectures": len(conjectures),
-                         "conjecturer/seeds": len(seeds), "conjecturer/multiplier": multiplier,
-                         "conjecturer/with_lemma_share": float(np.mean([bool(c.lemma) for c in conjectures] or [0.0]))}
+    conjectures = []
+    for i, (problem, proof, lemma, statement) in enumerate(new[: len(statements)]):
+        pid = known_ids.get(statement, f"r{iteration}_c{i}")
+        easy_theorem = problem.statement + proof
+        conjectures.append(Conjecture(pid, problem.header, statement, easy_theorem, lemma))
+
+    with_lemma = [bool(c.lemma) for c in conjectures]
+    stats = {
+        "conjecturer/outputs": n_outputs,
+        "conjecturer/extraction_rate": len(found) / max(n_outputs, 1),
+        "conjecturer/new_conjectures": len(conjectures),
+        "conjecturer/seeds": len(seeds),
+        "conjecturer/multiplier": multiplier,
+        "conjecturer/with_lemma_share": float(np.mean(with_lemma or [0.0])),
+    }
+    return conjectures, stats
 
 
-def select_targets(statements: list[Problem], conjectures: list[Conjecture], proofs: dict, history: dict,
-                   seeded: bool, args: Args, rng: random.Random) -> list[Problem]:
-    """Official Sampler_base.select: unproved statements and conjectures, proved statements with a best solve rate
-    below 0.35 or drawn (p = 0.05); all statements when there is no seed; the baselines' (Sampler_naive): unproved."""
+def select_problems(
+    statements: list[Problem],
+    conjectures: list[Conjecture],
+    proofs: dict,
+    history: dict,
+    seeded: bool,
+    rng: random.Random,
+    args: Args,
+) -> list[Problem]:
+    """Step 3's problems (official Sampler_base.select): the unproved statements, the unproved
+    conjectures, and each proved statement drawn with probability proved_keep_prob or with a best
+    solve rate below seed_threshold; every statement when nothing was seeded; in the baselines
+    (official Sampler_naive), the unproved statements alone."""
     unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
         return unproved
     if not seeded:
         return statements
-    return unproved + [c for c in conjectures if not proofs.get(c.id)] + [
-        s for s in statements if proofs.get(s.id) and (rng.random() < args.proved_keep_prob
-                                                       or best_rate(history, s.id) < args.seed_threshold)]
+    new = [c for c in conjectures if not proofs.get(c.id)]
+    again = []  # proved statements to prove again
+    for problem in statements:
+        if not proofs.get(problem.id):
+            continue
+        drawn = rng.random() < args.proved_keep_prob
+        if drawn or best_rate(history, problem.id) < args.seed_threshold:
+            again.append(problem)
+    return unproved + new + again
 
 
-def attempt_proofs(sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
-                   ) -> dict[str, list[Attempt]]:
-    """n whole proofs per problem (vLLM: a rank's share in generation_folds calls, official NR_FOLD). Each distinct
-    (problem, proof) pair is checked once by Lean, on the rank that sampled it, against the original statement."""
+def attempt_proofs(
+    sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
+) -> dict[str, list[Attempt]]:
+    """n whole proofs per problem, each checked by Lean against the original statement, on the
+    rank that sampled it: only the verdicts cross ranks. With vLLM a rank samples its share in
+    generation_folds calls (official NR_FOLD). Each distinct (problem, proof) is checked once."""
     prompts = [prover_prompt(tokenizer, p, args) for p in problems]
 
-    def check(start: int, rows: list[list[Sample]]) -> list[list[Attempt]]:  # a failed sample has nothing to check
-        proofs = [[extract_proof(s.text) if s.finish_reason in ("stop", "length") else None
-                   for s in row] for row in rows]
-        verdicts = verifier.verify_attempts(problems[start : start + len(rows)], proofs)
-        found = [[(v.status, v.valid, v.time) if v else ("no_code", False) for v in row] for row in verdicts]
-        # 3200 samples per benchmark problem: an attempt keeps no Sample, and a proof only when it is correct
-        return [[Attempt(None, x if v[1] else None, *v) for x, v in zip(*r)] for r in zip(proofs, found)]
+    # sample: this rank's share, {problem index: its row of Samples}
+    shard = sample_shard(
+        sampler,
+        prompts,
+        n=n,
+        key=key,
+        dist=dist,
+        calls=args.generation_folds,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        stop=["\n```"],
+        logprobs=False,
+    )
+    indices = sorted(shard)
+    mine = [problems[i] for i in indices]
 
-    rows = sample(sampler, prompts, n, key, dist, check, temperature=args.temperature, top_p=args.top_p,
-                  max_new_tokens=args.max_new_tokens, stop=["\n```"], logprobs=False, calls=args.generation_folds)
+    # verify: the tactics after ':= by' (a failed sample, abort or error, has none), then Lean
+    proofs = []  # a row per problem of mine
+    for i in indices:
+        row = []
+        for s in shard[i]:
+            proof = None
+            if s.finish_reason in ("stop", "length"):
+                proof = extract_proof(s.text)
+            row.append(proof)
+        proofs.append(row)
+    # a row per problem: a LeanResult (valid, status, time, ...), or None where there is no proof
+    verdicts = verifier.verify_attempts(mine, proofs)
+
+    # score: an Attempt per sample, without its Sample, with its proof only when correct
+    checked = {}
+    for i, proof_row, verdict_row in zip(indices, proofs, verdicts):
+        row = []
+        for proof, verdict in zip(proof_row, verdict_row):
+            if verdict is None:
+                row.append(Attempt(None, None, "no_code", False))
+                continue
+            kept = proof if verdict.valid else None
+            row.append(Attempt(None, kept, verdict.status, verdict.valid, verdict.time))
+        checked[i] = row
+    rows = gather_shard(checked, dist)
     return {p.id: row for p, row in zip(problems, rows)}
 
 
-def record_proofs(history: dict, proofs: dict, attempts: dict[str, list[Attempt]], iteration: int) -> None:
-    """Each statement's (samples, correct) per iteration, and per iteration its distinct correct proofs with their Lean
-    time (official: a round's verified samples; a proof found again in a later round is a new entry)."""
+def record_solve_counts(history: dict, attempts: dict[str, list[Attempt]], iteration: int) -> None:
+    """history[id][iteration] = (samples, correct) for each problem attempted."""
     for pid, row in attempts.items():
-        history.setdefault(pid, {})[iteration] = (len(row), sum(a.correct for a in row))
-        found = {a.proof: a.seconds for a in row if a.correct}
-        proofs.setdefault(pid, []).extend({"proof": x, "iteration": iteration, "seconds": t} for x, t in found.items())
+        correct = sum(a.correct for a in row)
+        history.setdefault(pid, {})[iteration] = (len(row), correct)
 
 
-def prover_examples(problems: dict, history: dict, proofs: dict, iteration: int, args: Args, tokenizer
-                    ) -> list[Example]:
-    """The prover's data (official RL_step2_train): the correct proofs of the last 3 iterations of statements with
-    solve rate in (0, 1/2] over them; one example a proof (its newest Lean time), #correct counting each iteration's."""
-    examples = []
-    for pid, rounds in history.items():
-        window = [v for r, v in rounds.items() if iteration - args.replay_rounds < r <= iteration]  # (samples, correct)
-        n, c = sum(v[0] for v in window), sum(v[1] for v in window)
-        if n == 0 or c == 0 or c / n > args.solve_rate_max:
-            continue
-        recent = [p for p in proofs.get(pid, []) if iteration - args.replay_rounds < p["iteration"] <= iteration]
-        newest = {p["proof"]: p for p in sorted(recent, key=lambda p: p["iteration"])}
-        prompt = prover_prompt(tokenizer, problems[pid], args)
-        examples += [text_example(tokenizer, prompt, p["proof"] + "\n```",
-                                  proof_weight(len(p["proof"]), p["seconds"], len(recent), args), args)
-                     for p in newest.values()]
-    return examples
+def record_proofs(proofs: dict, attempts: dict[str, list[Attempt]], iteration: int) -> None:
+    """Appends to proofs[id] each distinct correct proof of this iteration, as {"proof",
+    "iteration", "seconds" (its Lean time)} (official: a round's verified samples; a proof found
+    again in a later round is a new entry)."""
+    for pid, row in attempts.items():
+        found = {}  # proof -> Lean seconds
+        for a in row:
+            if a.correct:
+                found[a.proof] = a.seconds
+        entries = proofs.setdefault(pid, [])
+        for proof, seconds in found.items():
+            entries.append({"proof": proof, "iteration": iteration, "seconds": seconds})
 
 
 @torch.no_grad()
 def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.Tensor:
-    """Sentence embeddings (official): normalised mean of the last hidden states; the same on every rank."""
-    training, mine = policy.training, []
+    """Sentence embeddings (official), [len(texts), hidden]: the normalised mean of the last hidden
+    states over each text's first embedding_max_tokens tokens; the same on every rank."""
+    was_training = policy.training
     policy.eval()
-    for batch, real in micro_batches(texts, args.micro_batch_size, dist):  # as many forwards on every rank (FSDP2)
-        enc = tokenizer(batch, return_tensors="pt", padding=True, truncation=True,
-                        max_length=args.embedding_max_tokens).to(dist.device)
-        hidden = policy(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], output_hidden_states=True,
-                        use_cache=False).hidden_states[-1].float()
-        mask = enc["attention_mask"][..., None]
-        mine += list(torch.nn.functional.normalize((hidden * mask).sum(1) / mask.sum(1), dim=-1).cpu()) if real else []
-    policy.train(training)
-    parts = all_gather_objects(mine, dist)  # rank r embedded texts r, r + world size, ...
-    rows = [parts[i % dist.world_size][i // dist.world_size] for i in range(len(texts))]
-    return torch.stack(rows) if rows else torch.zeros(0, 1)
+    mine = []  # this rank's texts: rank, rank + world size, ...
+    # as many forwards on every rank (FSDP2)
+    for batch, real in micro_batches(texts, args.micro_batch_size, dist):
+        encoded = tokenizer(
+            batch,
+            return_tensors="pt",
+            padding=True,
+            truncation=True,
+            max_length=args.embedding_max_tokens,
+        ).to(dist.device)
+        output = policy(
+            input_ids=encoded["input_ids"],
+            attention_mask=encoded["attention_mask"],
+            output_hidden_states=True,
+            use_cache=False,
+        )
+        if not real:
+            continue
+        hidden = output.hidden_states[-1].float()  # [B, T, hidden]
+        mask = encoded["attention_mask"][..., None]  # [B, T, 1]
+        mean = (hidden * mask).sum(1) / mask.sum(1)  # [B, hidden]
+        mine.extend(torch.nn.functional.normalize(mean, dim=-1).cpu())
+    policy.train(was_training)
+    parts = all_gather_objects(mine, dist)
+    rows = []
+    for i in range(len(texts)):
+        rows.append(parts[i % dist.world_size][i // dist.world_size])
+    if not rows:
+        return torch.zeros(0, 1)
+    return torch.stack(rows)
 
 
-def conjecturer_examples(conjectures: list[Conjecture], attempts: dict, proofs: dict, unproved: list[Problem],
-                         iteration: int, policy, tokenizer, args: Args, dist: Dist, rng: random.Random
-                         ) -> tuple[list[Example], dict]:
-    """The conjecturer's data (official Sampler_base.get_conjecture_examples): conjectures with 0 < s < 1/4, with
-    their lemma if a proof of this iteration invokes it, but the least elegant (elegance_filter), matching_weights."""
-    band = [c for c in conjectures if 0.0 < solve_rate(attempts.get(c.id, [])) < args.conjecture_band]
-    invoking = [c for c in band if c.lemma and any(c.lemma in invoked_lemmas(p["proof"], c.statement)
-                                                   for p in proofs[c.id] if p["iteration"] == iteration)]
-    others = [c for c in band if c not in invoking]
+def conjecturer_examples(
+    policy,
+    tokenizer,
+    conjectures: list[Conjecture],
+    attempts: dict[str, list[Attempt]],
+    proofs: dict,
+    unproved: list[Problem],
+    iteration: int,
+    rng: random.Random,
+    args: Args,
+    dist: Dist,
+) -> tuple[list[Example], dict]:
+    """Step 4 (official Sampler_base.get_conjecture_examples): the conjectures with solve rate
+    0 < s < conjecture_band; those a proof of this iteration shows invoking their lemma keep it in
+    the prompt, and at most max(20 #invoking, 4096) random others are kept with the empty lemma;
+    then elegance_filter on each one's shortest proof length (replay window) over its statement's
+    length, grouped by lemma; then matching_weights toward the unproved statements, weight 0
+    dropped. The target: the statement and </hard theorem>."""
+    band = []
+    for c in conjectures:
+        rate = solve_rate(attempts.get(c.id, []))
+        if 0.0 < rate < args.conjecture_band:
+            band.append(c)
+    invoking = []
+    others = []
+    for c in band:
+        uses_lemma = False
+        if c.lemma:
+            for entry in proofs[c.id]:
+                if entry["iteration"] != iteration:
+                    continue
+                if c.lemma in invoked_lemmas(entry["proof"], c.statement):
+                    uses_lemma = True
+                    break
+        if uses_lemma:
+            invoking.append(c)
+        else:
+            others.append(c)
     rng.shuffle(others)
-    kept = [(c, c.lemma) for c in invoking] + [(c, "") for c in others[: max(20 * len(invoking), 4096)]]
-    ratios = [min(len(p["proof"]) for p in proofs[c.id] if p["iteration"] > iteration - args.replay_rounds)
-              / len(c.statement) for c, _ in kept]
-    elegant = elegance_filter([lemma for _, lemma in kept], ratios, args.elegance_quantile)
+    kept = []  # (conjecture, the lemma its prompt shows)
+    for c in invoking:
+        kept.append((c, c.lemma))
+    for c in others[: max(20 * len(invoking), 4096)]:
+        kept.append((c, ""))
+
+    ratios = []  # shortest proof (replay window) / statement, in characters
+    for c, _ in kept:
+        window = iteration - args.replay_rounds
+        lengths = [len(p["proof"]) for p in proofs[c.id] if p["iteration"] > window]
+        ratios.append(min(lengths) / len(c.statement))
+    lemmas = [lemma for _, lemma in kept]
+    elegant = elegance_filter(lemmas, ratios, args.elegance_quantile)
     kept = [k for k, ok in zip(kept, elegant) if ok]
+
     P = embed(policy, tokenizer, [c.statement for c, _ in kept], args, dist)
     Q = embed(policy, tokenizer, [s.statement for s in unproved], args, dist)
-    examples = [text_example(tokenizer, conjecturer_prompt(tokenizer, c.header, lemma, c.easy_theorem, args),
-                             "\n" + c.statement + "\n" + END_THM, w, args)
-                for (c, lemma), w in zip(kept, matching_weights(P, Q, args.matching_cap, rng)) if w > 0]
-    return examples, {"conjecturer/in_band": len(band), "conjecturer/invoking_lemma": len(invoking),
-                      "conjecturer/elegant": len(kept), "conjecturer/matched": len(examples)}
+    weights = matching_weights(P, Q, args.matching_cap, rng)
+    examples = []
+    for (c, lemma), weight in zip(kept, weights):
+        if weight <= 0:
+            continue
+        prompt = conjecturer_prompt(tokenizer, c.header, lemma, c.easy_theorem, args)
+        target = "\n" + c.statement + "\n" + END_THM
+        examples.append(text_example(tokenizer, prompt, target, weight, args))
+    stats = {
+        "conjecturer/in_band": len(band),
+        "conjecturer/invoking_lemma": len(invoking),
+        "conjecturer/elegant": len(kept),
+        "conjecturer/matched": len(examples),
+    }
+    return examples, stats
 
 
-def final_examples(problems: dict, history: dict, proofs: dict, originals: set, sft: list[dict], args: Args,
-                   tokenizer, rng: random.Random) -> list[Example]:
-    """Official RL_step3_final_model: the SFT rows but LeanWorkbook's (mathlib.json), then each iteration's proofs of
-    statements with s <= 1/4 in it (dataset statements: all), shuffled, distinct, <= 16 a statement, not SFT's."""
-    sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
-    examples = [text_example(tokenizer, r["prompt"], r["target"], r.get("weight", 1.0), args) for r in sft]
-    found = [(pid, p) for pid, entries in proofs.items() for p in entries if pid in originals
-             or history[pid][p["iteration"]][1] / history[pid][p["iteration"]][0] <= args.final_solve_rate_max]
-    rng.shuffle(found)
-    seen, count = {(r["prompt"], r["target"]) for r in sft}, collections.Counter()
-    prompts = {pid: prover_prompt(tokenizer, problems[pid], args) for pid, _ in found}
-    for pid, p in found:
-        if (prompts[pid], p["proof"]) not in seen and count[pid] < args.final_max_proofs:
-            seen.add((prompts[pid], p["proof"]))
-            count[pid] += 1
-            examples.append(text_example(tokenizer, prompts[pid], p["proof"] + "\n```",
-                                         math.exp(-args.length_penalty * len(p["proof"])), args))
+def prover_examples(
+    tokenizer, problem_by_id: dict, history: dict, proofs: dict, iteration: int, args: Args
+) -> list[Example]:
+    """Step 5 (official RL_step2_train): the correct proofs in the replay window (iterations
+    iteration - replay_rounds + 1 .. iteration) of each statement whose solve rate over the window
+    is in (0, solve_rate_max]; one example a distinct proof (its newest entry's Lean seconds),
+    weighted by proof_weight with #correct = the statement's entries in the window (a proof found in
+    two iterations counts twice). The target: the proof, the closing fence, EOS."""
+    first = iteration - args.replay_rounds  # the window: first < round <= iteration
+    examples = []
+    for pid, rounds in history.items():
+        samples = 0
+        correct = 0
+        for round_, (round_samples, round_correct) in rounds.items():
+            if first < round_ <= iteration:
+                samples += round_samples
+                correct += round_correct
+        if samples == 0 or correct == 0 or correct / samples > args.solve_rate_max:
+            continue
+        recent = [p for p in proofs.get(pid, []) if first < p["iteration"] <= iteration]
+        newest = {}  # each distinct proof's newest entry
+        for entry in sorted(recent, key=lambda p: p["iteration"]):
+            newest[entry["proof"]] = entry
+        prompt = prover_prompt(tokenizer, problem_by_id[pid], args)
+        for entry in newest.values():
+            weight = proof_weight(len(entry["proof"]), entry["seconds"], len(recent), args)
+            target = entry["proof"] + "\n```"
+            examples.append(text_example(tokenizer, prompt, target, weight, args))
     return examples
 
 
-def update(policy, optimizer, examples: list[Example], lr: float, min_steps: int, args: Args, dist: Dist,
-           rng: random.Random) -> dict[str, float]:
-    """max(#examples // batch_size, min_steps) steps on passes over the shuffled examples, from a fresh Adam state
-    (official: a Levanter run per iteration), a linear warm-up capped at steps - 1, then lr_schedule."""
+def final_examples(
+    tokenizer,
+    problem_by_id: dict,
+    history: dict,
+    proofs: dict,
+    originals: set,
+    sft: list[dict],
+    rng: random.Random,
+    args: Args,
+) -> list[Example]:
+    """Stage 3's data (official RL_step3_final_model), also each expert-iteration round's: the SFT
+    rows but LeanWorkbook's (mathlib.json), each with its weight (1 without one); then each round's
+    proofs of dataset statements (originals) and of conjectures whose solve rate in that round is
+    <= final_solve_rate_max, shuffled, not already an SFT pair, distinct, at most final_max_proofs
+    a statement, weighted exp(-length_penalty * characters)."""
+    sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
+    examples = []
+    for r in sft:
+        weight = r.get("weight", 1.0)
+        examples.append(text_example(tokenizer, r["prompt"], r["target"], weight, args))
+    found = []  # (statement id, proof entry)
+    for pid, entries in proofs.items():
+        for entry in entries:
+            keep = pid in originals
+            if not keep:
+                samples, correct = history[pid][entry["iteration"]]
+                keep = correct / samples <= args.final_solve_rate_max
+            if keep:
+                found.append((pid, entry))
+    rng.shuffle(found)
+    seen = {(r["prompt"], r["target"]) for r in sft}
+    count = collections.Counter()  # proofs kept per statement
+    prompts = {pid: prover_prompt(tokenizer, problem_by_id[pid], args) for pid, _ in found}
+    for pid, entry in found:
+        pair = (prompts[pid], entry["proof"])
+        if pair in seen or count[pid] >= args.final_max_proofs:
+            continue
+        seen.add(pair)
+        count[pid] += 1
+        weight = math.exp(-args.length_penalty * len(entry["proof"]))
+        target = entry["proof"] + "\n```"
+        examples.append(text_example(tokenizer, prompts[pid], target, weight, args))
+    return examples
+
+
+def update(
+    policy,
+    optimizer,
+    examples: list[Example],
+    lr: float,
+    min_steps: int,
+    rng: random.Random,
+    args: Args,
+    dist: Dist,
+) -> dict[str, float]:
+    """Step 6, weighted SFT (the official code trains with Levanter, a run per iteration):
+    max(#examples // batch, min_steps) optimizer steps on passes over the shuffled examples, a
+    batch being min(batch_size, #examples) sequences (deviation 8), from a fresh Adam state; a
+    linear warm-up of min(steps - 1, warmup_steps) steps, then lr_schedule. The loss:
+    weighted_nll_loss with denominator sum_i w_i |y_i| over the batch (STP's weighted SFT)."""
     optimizer.state.clear()
-    size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step (deviation 8)
+    size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step
     steps = max(len(examples) // size, min_steps)
-    warmup = min(steps - 1, args.warmup_steps)  # Levanter's: it reaches the peak one step before lr_at's, so both +1
-    stream = [e for _ in range(-(-steps * size // len(examples))) for e in rng.sample(examples, len(examples))]
+    # Levanter's warm-up reaches the peak one step before lr_at's: both get + 1 below
+    warmup = min(steps - 1, args.warmup_steps)
+    passes = math.ceil(steps * size / len(examples))
+    stream = []
+    for _ in range(passes):
+        stream.extend(rng.sample(examples, len(examples)))
     batches = [stream[i * size : (i + 1) * size] for i in range(steps)]
     stats = []
     for step, batch in enumerate(batches):
-        weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)  # weighted SFT's denominator
+        # STP's weighted SFT: weighted_nll_loss over sum_i w_i |y_i|, the batch's weighted tokens
+        weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])
-            return weighted_sft_loss(logp, mask, logp.new_tensor([e.weight for e in micro]), weighted_tokens), {}
+            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])  # [B, T] each
+            weights = logp.new_tensor([e.weight for e in micro])  # [B]
+            loss = weighted_nll_loss(logp, mask, weights, denominator=weighted_tokens)
+            return loss, {}
 
-        stats.append(train_step(policy, optimizer, batch, loss_fn, args.micro_batch_size, args.max_grad_norm, dist,
-                                length=lambda e: len(e.sample.prompt_ids) + len(e.sample.token_ids),
-                                lr=lr_at(step + 1, steps + 1, lr, warmup + 1, args.lr_schedule)))
-    return {"loss": float(np.mean([s["loss"] for s in stats])), "steps": len(stats),
-            "grad_norm": float(np.mean([s["grad_norm"] for s in stats]))}
+        lr_now = lr_at(
+            step=step + 1, total=steps + 1, peak=lr, warmup=warmup + 1, schedule=args.lr_schedule
+        )
+        step_stats = train_step(
+            policy,
+            optimizer,
+            batch,
+            loss_fn,
+            micro_batch_size=args.micro_batch_size,
+            max_grad_norm=args.max_grad_norm,
+            dist=dist,
+            length=example_length,
+            lr=lr_now,
+        )
+        stats.append(step_stats)
+    return {
+        "loss": float(np.mean([s["loss"] for s in stats])),
+        "steps": len(stats),
+        "grad_norm": float(np.mean([s["grad_norm"] for s in stats])),
+    }
 
 
-def retrain_from_base(sampler, base: str, examples: list[Example], lr: float, args: Args, dist: Dist,
-                      rng: random.Random) -> tuple[dict, torch.nn.Module, dict]:
-    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained on final_examples."""
+def retrain_from_base(
+    sampler,
+    base: str,
+    examples: list[Example],
+    lr: float,
+    rng: random.Random,
+    args: Args,
+    dist: Dist,
+) -> tuple[dict, torch.nn.Module, dict]:
+    """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained by update on
+    examples (final_examples); returns the models to save, the new policy, and update's stats."""
     sampler.sleep()
     gc.collect()  # free the old policy (the caller dropped it) before the base model loads
     policy = load_model(base, dist, gradient_checkpointing=args.gradient_checkpointing)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
-    stats = update(policy, optimizer, examples, lr, args.final_min_train_steps, args, dist, rng) if examples else {}
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0
+    )
+    stats = {}
+    if examples:
+        min_steps = args.final_min_train_steps
+        stats = update(policy, optimizer, examples, lr, min_steps, rng, args, dist)
     sampler.sync_weights(policy)
-    return {"policy": (policy, optimizer)}, policy, {**stats, "examples": len(examples)}
+    stats["examples"] = len(examples)
+    return {"policy": (policy, optimizer)}, policy, stats
 
 
 # ---- evaluation ----
-def solve_metrics(statements: list[Problem], targets: list[Problem], conjectures: list[Conjecture],
-                  attempts: dict[str, list[Attempt]], proofs: dict, generations: int) -> dict[str, float]:
-    """The share of dataset statements proved so far against generations; this iteration's solve rates; verdicts."""
-    proved, statuses = sum(bool(proofs.get(s.id)) for s in statements), [a.status for r in attempts.values() for a in r]
-    rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]  # not those proved before
-    return {"charts/cumulative_solve_rate": proved / len(statements), "charts/proved": proved,
-            "charts/generations": generations, "charts/targets": len(targets),
-            "charts/round_solve_rate": float(np.mean([solve_rate(attempts[t.id]) for t in targets] or [0.0])),
-            **{f"lean/{s}_share": statuses.count(s) / len(statuses) for s in sorted(set(statuses))},
-            **({"conjecturer/solve_rate_mean": float(np.mean(rates))} if rates else {})}
+def solve_metrics(
+    statements: list[Problem],
+    proofs: dict,
+    attempts: dict[str, list[Attempt]],
+    generations: int,
+    problems: list[Problem],
+    conjectures: list[Conjecture],
+) -> dict[str, float]:
+    """The share of dataset statements proved so far against the generations so far; this
+    iteration's problems (charts/targets) and their mean solve rate; the verdicts' shares; the mean
+    solve rate of this iteration's conjectures (those attempted: not those proved before)."""
+    proved = sum(bool(proofs.get(s.id)) for s in statements)
+    statuses = []
+    for row in attempts.values():
+        statuses.extend(a.status for a in row)
+    rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]
+    problem_rates = [solve_rate(attempts[p.id]) for p in problems]
+    metrics = {
+        "charts/cumulative_solve_rate": proved / len(statements),
+        "charts/proved": proved,
+        "charts/generations": generations,
+        "charts/targets": len(problems),
+        "charts/round_solve_rate": float(np.mean(problem_rates or [0.0])),
+    }
+    for status in sorted(set(statuses)):
+        metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
+    if rates:
+        metrics["conjecturer/solve_rate_mean"] = float(np.mean(rates))
+    return metrics
 
 
 def chunked_pass_at_k(correct: np.ndarray, k: int) -> tuple[float, float | None]:
-    """STP's estimator: mean (and std, >= 4 chunks) over n // k chunks of the share of problems solved."""
-    solved = [correct[:, j * k : (j + 1) * k].any(axis=1).mean() for j in range(correct.shape[1] // k)]
-    return (float(np.mean(solved)) if solved else float("nan")), (float(np.std(solved)) if len(solved) >= 4 else None)
+    """STP's estimator on correct, [problems, samples]: the samples are cut into n // k chunks of
+    k; the mean over the chunks (and their std, from 4 chunks on) of the share of problems solved
+    in a chunk."""
+    solved = []
+    for j in range(correct.shape[1] // k):
+        chunk = correct[:, j * k : (j + 1) * k]  # [problems, k]
+        solved.append(chunk.any(axis=1).mean())
+    mean = float(np.mean(solved)) if solved else float("nan")
+    std = float(np.std(solved)) if len(solved) >= 4 else None
+    return mean, std
 
 
-def evaluate(sampler, verifier, tokenizer, benchmarks: dict[str, list[Problem]], step: int, args: Args, dist: Dist
-             ) -> dict[str, float]:
-    """pass@k on each benchmark from eval_samples samples per problem (STP: 3200): unbiased, and chunked."""
+def evaluate(
+    sampler,
+    verifier,
+    tokenizer,
+    benchmarks: dict[str, list[Problem]],
+    step: int,
+    args: Args,
+    dist: Dist,
+) -> dict[str, float]:
+    """pass@k on each benchmark from eval_samples samples per problem (STP: 3200), both by the
+    unbiased estimator (pass_at_k) and by chunks (chunked_pass_at_k)."""
     metrics = {}
-    for name, problems in [(name, problems) for name, problems in benchmarks.items() if problems]:
-        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, args.eval_samples,
-                                  f"{args.seed}/{step}/eval/{name}", args, dist)
-        correct = np.array([[a.correct for a in attempts[p.id]] for p in problems], dtype=bool)
-        for k in [k for k in args.eval_budgets if k <= args.eval_samples]:
-            metrics[f"eval/{name}/pass@{k}"] = float(np.mean([pass_at_k(len(r), int(r.sum()), k) for r in correct]))
-            metrics[f"eval/{name}/pass@{k}_chunked_mean"], std = chunked_pass_at_k(correct, k)
+    for name, problems in benchmarks.items():
+        if not problems:
+            continue
+        n = args.eval_samples
+        key = f"{args.seed}/{step}/eval/{name}"
+        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, n, key, args, dist)
+        rows = []
+        for p in problems:
+            rows.append([a.correct for a in attempts[p.id]])
+        correct = np.array(rows, dtype=bool)  # [problems, samples]
+        for k in args.eval_budgets:
+            if k > args.eval_samples:
+                continue
+            unbiased = [pass_at_k(len(r), int(r.sum()), k) for r in correct]
+            metrics[f"eval/{name}/pass@{k}"] = float(np.mean(unbiased))
+            mean, std = chunked_pass_at_k(correct, k)
+            metrics[f"eval/{name}/pass@{k}_chunked_mean"] = mean
             if std is not None:
                 metrics[f"eval/{name}/pass@{k}_chunked_std"] = std
     return metrics
 
 
-def nothing_learned(outcomes: collections.Counter, args: Args) -> str:
-    """A run's last line when the prover had no training example (the CPU default on the embedded model): why."""
-    n, accepted = sum(outcomes.values()), outcomes["valid"]
-    why = (f"{accepted} of {n} attempts accepted, none at a statement proved at a rate in (0, {args.solve_rate_max}]"
-           if accepted else f"no proof accepted in {n} attempts")
-    return (f"{os.path.basename(__file__)}: no prover update in this run: {why}: "
-            + ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common()) + " (no_code: an empty proof; error: "
-            f"Lean rejected it, or it was cut off at --max-new-tokens {args.max_new_tokens}). tests/test_stp.py's loop "
-            "learning test shows the loop learning where proofs are accepted.")
+def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
+    """The run's last line when the prover had no training example (the CPU default on the
+    embedded model), saying why; None when it had some, when nothing was attempted, and in the
+    pure-sampling baseline (which trains nothing by design)."""
+    if trained or not outcomes or args.pure_sampling:
+        return None
+    n = sum(outcomes.values())
+    accepted = outcomes["valid"]
+    why = f"no proof accepted in {n} attempts"
+    if accepted:
+        rates = f"a rate in (0, {args.solve_rate_max}]"
+        why = f"{accepted} of {n} attempts accepted, none at a statement proved at {rates}"
+    shares = ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common())
+    return (
+        f"{os.path.basename(__file__)}: no prover update in this run: {why}: {shares} "
+        "(no_code: an empty proof; error: Lean rejected it, or it was cut off at --max-new-tokens "
+        f"{args.max_new_tokens}). tests/test_stp.py's loop learning test shows the loop learning "
+        "where proofs are accepted."
+    )
 
 
 # ---- main ----
-def weights_only(models: dict) -> dict:  # every update starts from a fresh Adam state: checkpoints keep no moments
+def weights_only(models: dict) -> dict:
+    """The models without their optimizers: every update starts from a fresh Adam state, so
+    checkpoints keep no moments."""
     return {name: (model, None) for name, (model, _) in models.items()}
+
+
+def start_verifier(args: Args, dist: Dist) -> LeanVerifier:
+    """Lean, with this rank's share of the node's --lean-workers; without Lean the run stops here,
+    before any model is loaded."""
+    workers = None  # lean_verify's share of the machine
+    if args.lean_workers:
+        workers = max(1, args.lean_workers // dist.local_world_size)
+    try:
+        verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
+    except LeanNotInstalled as e:
+        name = os.path.basename(__file__)
+        sys.exit(f"{name} checks every proof with Lean 4 and Mathlib, and found none: {e}")
+    if dist.is_main:
+        ranks = dist.local_world_size
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {ranks} rank(s)")
+    return verifier
+
+
+def load_benchmarks(args: Args) -> dict[str, list[Problem]]:
+    """Each of --eval-datasets, named after its file and the split."""
+    benchmarks = {}
+    for path in args.eval_datasets:
+        name = os.path.splitext(os.path.basename(path))[0]
+        problems = load_problems(path, args.eval_limit, split=args.eval_split)
+        benchmarks[f"{name}_{args.eval_split}"] = problems
+    return benchmarks
+
+
+def load_run(args: Args, run_dir: pathlib.Path, dist: Dist) -> tuple:
+    """The tokenizer, the policy (it plays both roles), the models a checkpoint saves ({"policy":
+    (policy, optimizer)}, none in the pure-sampling baseline, which trains nothing), the sampler,
+    and where the run starts: (iterations done, the run's state), from the newest checkpoint with
+    --resume."""
+    tokenizer = load_tokenizer(args.model)
+    train = not args.pure_sampling
+    policy = load_model(args.model, dist, train, args.gradient_checkpointing)
+    models = {}
+    if train:
+        optimizer = torch.optim.AdamW(
+            policy.parameters(),
+            args.learning_rate,
+            betas=args.adam_betas,
+            eps=args.adam_eps,
+            weight_decay=0.0,
+        )
+        models["policy"] = (policy, optimizer)
+    # plain dicts and numbers: state.pt loads without this file (main names the fields)
+    state = {"history": {}, "proofs": {}, "conjectures": {}, "generations": 0}
+    start = 0
+    if args.resume:
+        found = load_checkpoint(run_dir, weights_only(models), dist)
+        if found is not None:
+            start, state = found
+    # after the checkpoint: the sampler starts with the policy's weights
+    sampler = Sampler(
+        args.model,
+        policy,
+        tokenizer,
+        dist,
+        backend=args.backend,
+        max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        sleep=args.vllm_sleep,
+        seed=args.seed,
+    )
+    return tokenizer, policy, models, sampler, start, state
 
 
 def main(args: Args) -> None:
     if args.expert_iteration and args.pure_sampling:
-        sys.exit("stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one")
+        sys.exit(
+            "stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one"
+        )
     baseline = args.expert_iteration or args.pure_sampling
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
-    try:  # stop at once, before any model is loaded, when there is no Lean
-        workers = max(1, args.lean_workers // dist.local_world_size) if args.lean_workers else None  # this rank's
-        verifier = LeanVerifier(backend="auto", timeout=args.lean_timeout, workers=workers)
-    except LeanNotInstalled as e:
-        sys.exit(f"{os.path.basename(__file__)} checks every proof with Lean 4 and Mathlib, and found none: {e}")
-    if dist.is_main:
-        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {dist.local_world_size} rank(s)")
-    statements = load_problems(args.dataset, args.num_problems)
-    benchmarks = {f"{os.path.splitext(os.path.basename(path))[0]}_{args.eval_split}":
-                  load_problems(path, args.eval_limit, split=args.eval_split) for path in args.eval_datasets}
+    verifier = start_verifier(args, dist)
+    statements = load_problems(args.dataset, args.num_problems)  # the dataset
+    benchmarks = load_benchmarks(args)
+    tokenizer, policy, models, sampler, start, state = load_run(args, run_dir, dist)
+    # the run's state: history[id][iteration] = (samples, correct); proofs[id] = [{"proof",
+    # "iteration", "seconds"}]; conjectures[id] = a Conjecture's fields; generations: samples drawn
+    history = state["history"]
+    proofs = state["proofs"]
+    originals = {s.id for s in statements}
+    problem_by_id = {s.id: s for s in statements}
+    for pid, fields in state["conjectures"].items():
+        problem_by_id[pid] = Conjecture(**fields)
 
-    # one policy plays both roles; it is trained unless it is the pure-sampling baseline
-    tokenizer = load_tokenizer(args.model)
-    policy = load_model(args.model, dist, not args.pure_sampling, args.gradient_checkpointing)
-    adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, eps=args.adam_eps, weight_decay=0.0)
-    models = {} if args.pure_sampling else {"policy": (policy, adamw(policy.parameters(), args.learning_rate))}
-    # run state: each statement's (samples, correct) per iteration and distinct correct proofs, the conjectures (dicts:
-    # state.pt loads without this file) and the number of generations
-    start, state = 0, {"history": {}, "proofs": {}, "conjectures": {}, "generations": 0}
-    if args.resume and (found := load_checkpoint(run_dir, weights_only(models), dist)) is not None:
-        start, state = found
-    sampler = Sampler(args.model, policy, tokenizer, dist, args.backend, args.max_model_len,
-                      args.gpu_memory_utilization, args.vllm_sleep, seed=args.seed)
-    history, proofs, originals = state["history"], state["proofs"], {s.id for s in statements}
-    problems = {s.id: s for s in statements} | {k: Conjecture(**v) for k, v in state["conjectures"].items()}
-
-    metrics, outcomes, trained = {}, collections.Counter(), 0  # this run's verdicts and prover examples
+    metrics = {}
+    outcomes = collections.Counter()  # this run's verdicts
+    trained = 0  # this run's prover training examples
     for iteration in range(start, args.iterations):
-        metrics, rng = {}, random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
+        step = iteration + 1
+        metrics = {}
+        rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
-        # 1-2. Seeds and conjectures from the proofs found so far (none in the baselines)
-        seeds, conjectures = [], []
+        # 1. Seeds and 2. conjectures, from the proofs found so far (none in the baselines)
+        seeds = []
+        conjectures = []
         if not baseline:
             with logger.timer("conjecture"):
-                seeds = select_seeds(statements, proofs, history, args, rng)
-                conjectures, stats = conjecture(sampler, tokenizer, seeds, statements, problems, iteration, args,
-                                                dist, rng)
-                problems.update({c.id: c for c in conjectures})
-                state["conjectures"].update({c.id: c._asdict() for c in conjectures})
+                seeds = select_seeds(statements, proofs, history, rng, args)
+                conjectures, stats = conjecture(
+                    sampler, tokenizer, seeds, statements, problem_by_id, iteration, rng, args, dist
+                )
+                for c in conjectures:
+                    problem_by_id[c.id] = c
+                    state["conjectures"][c.id] = c._asdict()
                 state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
-        # 3. Prove: 64 samples per target in iteration 0 (and in the baselines), 32 later
+        # 3. Prove: samples_first_round proofs per problem in iteration 0 (and in the baselines)
         with logger.timer("prove"):
-            targets = select_targets(statements, conjectures, proofs, history, bool(seeds), args, rng)
+            seeded = bool(seeds)
+            problems = select_problems(statements, conjectures, proofs, history, seeded, rng, args)
             n = args.samples_first_round if iteration == 0 or baseline else args.samples_per_round
-            attempts = attempt_proofs(sampler, verifier, tokenizer, targets, n, f"{args.seed}/{iteration}/prove",
-                                      args, dist)
-            state["generations"] += len(targets) * n
-            record_proofs(history, proofs, attempts, iteration)
-            outcomes.update(a.status for row in attempts.values() for a in row)
+            key = f"{args.seed}/{iteration}/prove"
+            attempts = attempt_proofs(sampler, verifier, tokenizer, problems, n, key, args, dist)
+            state["generations"] += len(problems) * n
+            record_solve_counts(history, attempts, iteration)
+            record_proofs(proofs, attempts, iteration)
+            for row in attempts.values():
+                outcomes.update(a.status for a in row)
 
-        if args.expert_iteration:  # 4-5 of the baseline: re-train the base model on the proofs of every iteration
+        if args.expert_iteration:
+            # 4-6 of the EI baseline: re-train the base model on the proofs of every iteration
             with logger.timer("update"):
-                models, policy = {}, None
-                examples = final_examples(problems, history, proofs, originals, [], args, tokenizer, rng)
+                models = {}
+                policy = None  # dropped before the base model loads
+                sft = []  # the proofs alone
+                examples = final_examples(
+                    tokenizer, problem_by_id, history, proofs, originals, sft, rng, args
+                )
                 trained += len(examples)
-                models, policy, stats = retrain_from_base(sampler, args.model, examples, args.learning_rate, args, dist,
-                                                          rng)
+                base = args.model
+                lr = args.learning_rate
+                models, policy, stats = retrain_from_base(
+                    sampler, base, examples, lr, rng, args, dist
+                )
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
-        elif not args.pure_sampling:  # 4-5. Train: one weighted-SFT pass on the prover's and the conjecturer's data
+        elif not args.pure_sampling:
             with logger.timer("data"):
                 sampler.sleep()
+                # 4. The conjecturer's data: barely provable conjectures, matched to the unproved
                 unproved = [s for s in statements if not proofs.get(s.id)]
-                conjecturer_set, stats = conjecturer_examples(conjectures, attempts, proofs, unproved, iteration,
-                                                              policy, tokenizer, args, dist, rng)
-                prover_set = prover_examples(problems, history, proofs, iteration, args, tokenizer)
+                conjecturer_set, stats = conjecturer_examples(
+                    policy,
+                    tokenizer,
+                    conjectures,
+                    attempts,
+                    proofs,
+                    unproved,
+                    iteration,
+                    rng,
+                    args,
+                    dist,
+                )
+                # 5. The prover's data: the replay window's proofs of statements still hard
+                prover_set = prover_examples(
+                    tokenizer, problem_by_id, history, proofs, iteration, args
+                )
                 trained += len(prover_set)
-                metrics.update({**stats, "data/prover_examples": len(prover_set),
-                                "data/conjecturer_examples": len(conjecturer_set)})
+                metrics.update(stats)
+                metrics["data/prover_examples"] = len(prover_set)
+                metrics["data/conjecturer_examples"] = len(conjecturer_set)
+
+            # 6. Update: one weighted-SFT epoch on both sets
             with logger.timer("update"):
                 examples = prover_set + conjecturer_set
-                stats = update(*models["policy"], examples, args.learning_rate, args.min_train_steps, args, dist,
-                               rng) if examples else {}
+                stats = {}
+                if examples:
+                    policy, optimizer = models["policy"]
+                    lr = args.learning_rate
+                    min_steps = args.min_train_steps
+                    stats = update(policy, optimizer, examples, lr, min_steps, rng, args, dist)
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
                 sampler.sync_weights(policy)
 
-        metrics.update(solve_metrics(statements, targets, conjectures, attempts, proofs, state["generations"]))
-        if args.eval_every and (iteration + 1) % args.eval_every == 0 and iteration + 1 < args.iterations:
+        generations = state["generations"]
+        stats = solve_metrics(
+            statements, proofs, attempts, generations, problems=problems, conjectures=conjectures
+        )
+        metrics.update(stats)
+        last = step == args.iterations
+        if args.eval_every and step % args.eval_every == 0 and not last:
             with logger.timer("eval"):
-                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, iteration + 1, args, dist))
-        if iteration + 1 < args.iterations:  # the last iteration's line also holds Stage 3 and the final evaluation
-            logger.log(metrics, step=iteration + 1)
-        if (iteration + 1) % args.save_every == 0 or iteration + 1 == args.iterations:
-            save_checkpoint(run_dir, iteration + 1, weights_only(models), tokenizer, state, dist)
+                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, step, args, dist))
+        if not last:  # the last iteration's line also holds Stage 3 and the final evaluation
+            logger.log(metrics, step=step)
+        if step % args.save_every == 0 or last:
+            save_checkpoint(run_dir, step, weights_only(models), tokenizer, state, dist)
 
-    if args.final_retrain and not baseline and not state.get("stage3"):  # Stage 3: re-train the base model
+    # Stage 3: re-train the base model on the SFT data and the proofs of every round
+    if args.final_retrain and not baseline and not state.get("stage3"):
         with logger.timer("final_retrain"):
-            models, policy, rng = {}, None, random.Random(f"{args.seed}/final")
+            models = {}
+            policy = None  # dropped before the base model loads
+            rng = random.Random(f"{args.seed}/final")
             sft = read_rows(args.final_sft_dataset) if args.final_sft_dataset else []
-            examples = final_examples(problems, history, proofs, originals, sft, args, tokenizer, rng)
-            models, policy, stats = retrain_from_base(sampler, args.final_model, examples, args.final_learning_rate,
-                                                      args, dist, rng)
+            examples = final_examples(
+                tokenizer, problem_by_id, history, proofs, originals, sft, rng, args
+            )
+            base = args.final_model
+            lr = args.final_learning_rate
+            models, policy, stats = retrain_from_base(sampler, base, examples, lr, rng, args, dist)
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
-            state["stage3"] = True  # a resumed run evaluates this model instead of training it again
-            save_checkpoint(run_dir, args.iterations, weights_only(models), tokenizer, state, dist)
+            # a resumed run evaluates this model instead of training it again
+            state["stage3"] = True
+            step = args.iterations
+            save_checkpoint(run_dir, step, weights_only(models), tokenizer, state, dist)
+
+    # Evaluation: pass@k on the benchmarks, after the last iteration (and Stage 3)
     with logger.timer("eval"):
-        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, args.iterations, args, dist))
+        step = args.iterations
+        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, step, args, dist))
     logger.log(metrics, step=args.iterations)
-    if dist.is_main and outcomes and not trained and not args.pure_sampling:
-        print(nothing_learned(outcomes, args))
+    line = nothing_learned(outcomes, trained, args)
+    if dist.is_main and line:
+        print(line)
     verifier.close()
 
 
 # ---- infrastructure (identical in every algorithm file) ----
-EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts the GGUF from PyPI into CACHE_DIR
-CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
-Dist = collections.namedtuple("Dist", "rank world_size local_world_size device is_main objects", defaults=[None])
+# Plumbing every algorithm file does the same way: a reader learning a method can skip it.
+# CONTRIBUTING.md says how to change it (in all six files at once).
+
+EMBEDDED_MODEL = "embedded:smollm2"  # SmolLM2-135M-Instruct: setup.sh converts it into CACHE_DIR
+CACHE_DIR = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache/selfplay"))
 
 
-def setup_distributed(seed: int, timeout_minutes: float = 60, objects_timeout_days: float = 7) -> Dist:
-    """torchrun: a process per GPU (NCCL) or CPU share (gloo); objects gather on gloo (after hours of work: days)."""
-    names = "RANK LOCAL_RANK WORLD_SIZE LOCAL_WORLD_SIZE".split()  # as torchrun sets them; else one process
-    rank, local_rank, world, local = (int(os.environ.get(k, "WORLD" in k)) for k in names)
-    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
-    torch.cuda.set_device(device) if device.type == "cuda" else None
-    if world > 1 and not tdist.is_initialized():
-        tdist.init_process_group("gloo" if device.type == "cpu" else "nccl", timeout=timedelta(minutes=timeout_minutes))
-        atexit.register(tdist.destroy_process_group)
-    objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days)) if world > 1 else None
-    random.seed(seed + rank), np.random.seed(seed + rank), torch.manual_seed(seed + rank)  # ranks sample differently
-    return Dist(rank, world, local, device, rank == 0, objects)
+class Dist(NamedTuple):
+    """Where this process stands among torchrun's processes (one process without torchrun)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the processes on this node
+    device: torch.device
+    is_main: bool  # rank 0: it logs and writes checkpoints
+    objects: object = None  # the gloo group that gathers Python objects (None in one process)
+
+
+def setup_distributed(seed: int, timeout_minutes=60, objects_timeout_days=7) -> Dist:
+    """torchrun's processes: one per GPU (NCCL) or CPU share (gloo); without torchrun, one."""
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    objects = None
+    if world_size > 1:
+        if not tdist.is_initialized():
+            backend = "gloo" if device.type == "cpu" else "nccl"
+            tdist.init_process_group(backend, timeout=timedelta(minutes=timeout_minutes))
+            atexit.register(tdist.destroy_process_group)
+        # objects are gathered after hours of per-rank work (search, Lean, generation): on gloo,
+        # with a timeout of days, so that the NCCL watchdog kills no rank that finished early
+        objects = tdist.new_group(backend="gloo", timeout=timedelta(days=objects_timeout_days))
+    random.seed(seed + rank)  # each rank draws differently
+    np.random.seed(seed + rank)
+    torch.manual_seed(seed + rank)
+    return Dist(rank, world_size, local_world_size, device, rank == 0, objects)
 
 
 def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes; without CUDA, cpu_defaults replace the sizes but for flags in argv (printed); a run's logger."""
+    """The processes, run directory and logger; without CUDA, cpu_defaults replace the sizes of the
+    flags not given in argv."""
     dist = setup_distributed(args.seed)
-    given = {a[2:].split("=")[0].replace("-", "_") for a in argv if a.startswith("--")}  # --x, --x=v, --no-x
-    scaled = {} if torch.cuda.is_available() else {k: v for k, v in cpu_defaults.items()
-                                                    if {k, f"no_{k}"}.isdisjoint(given) and getattr(args, k) != v}
+    # the flags given: --x, --x=v and --no-x
+    given = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
+    scaled = {}
+    if not torch.cuda.is_available():
+        for name, value in cpu_defaults.items():
+            passed = name in given or f"no_{name}" in given
+            if not passed and getattr(args, name) != value:
+                scaled[name] = value
     if dist.is_main and scaled:
-        print("No CUDA: the default sizes are scaled down for a CPU (a flag you pass keeps its value):",
-              *(f"  {k}: {getattr(args, k)} -> {v}" for k, v in scaled.items()), sep="\n")
+        print("No CUDA: the default sizes are scaled for a CPU (a flag you pass keeps its value):")
+        for name, value in scaled.items():
+            print(f"  {name}: {getattr(args, name)} -> {value}")
     vars(args).update(scaled)
+    # an --lr-schedule lr_at does not know stops the run here (None: the file's resolve() sets it)
+    if args.lr_schedule is not None:
+        lr_at(step=0, total=1, peak=1.0, schedule=args.lr_schedule)
     run_dir = pathlib.Path(args.output_dir) / (args.run_name or f"{args.exp_name}__{args.seed}")
-    return dist, run_dir, Logger(run_dir, vars(args), dist, args.track, args.wandb_project_name, args.wandb_entity)
+    project, entity = args.wandb_project_name, args.wandb_entity
+    logger = Logger(run_dir, vars(args), dist, args.track, project, entity)
+    return dist, run_dir, logger
 
 
-def all_gather_objects(obj, dist: Dist) -> list:  # every rank's obj, in rank order
-    out = [obj] * dist.world_size
-    tdist.all_gather_object(out, obj, group=dist.objects) if dist.world_size > 1 else None
-    return out
+def all_gather_objects(obj, dist: Dist) -> list:
+    """Every rank's obj, in rank order (a collective: every rank calls it)."""
+    gathered = [obj] * dist.world_size
+    if dist.world_size > 1:
+        tdist.all_gather_object(gathered, obj, group=dist.objects)
+    return gathered
 
 
-def map_sharded(fn, items: list, dist: Dist) -> list:  # fn on this rank's share, one result an item; all, in order
-    parts = all_gather_objects(list(fn(items[dist.rank :: dist.world_size])), dist)
-    return [parts[i % dist.world_size][i // dist.world_size] for i in range(len(items))]
+def map_sharded(fn, items: list, dist: Dist) -> list:
+    """fn over this rank's share of items (one result an item); every rank's results, in order."""
+    indices = range(dist.rank, len(items), dist.world_size)
+    results = fn(items[dist.rank :: dist.world_size])
+    return gather_shard(dict(zip(indices, results)), dist)
+
+
+def gather_shard(shard: dict, dist: Dist | None = None) -> list:
+    """Every rank's {index: value} merged, as a list in index order (dist None: this one alone)."""
+    parts = [shard]
+    if dist is not None:
+        parts = all_gather_objects(shard, dist)
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return [merged[i] for i in sorted(merged)]
 
 
 def micro_batches(items: list, size: int, dist: Dist, length=None) -> list[tuple[list, bool]]:
-    """This rank's share sorted by `length`, as (batch, real); as many on every rank (FSDP2 gathers in forwards)."""
-    mine = sorted(items[dist.rank :: dist.world_size], key=length) if length else items[dist.rank :: dist.world_size]
-    count = -(-(-(-len(items) // dist.world_size)) // size)  # ceil(ceil(items / ranks) / size)
-    return [(b, True) if b else (items[:1], False) for b in (mine[i * size : (i + 1) * size] for i in range(count))]
+    """This rank's share of items (sorted by `length`) in micro-batches, as (batch, real). Every
+    rank gets as many (FSDP2 gathers in each forward): padding is (items[:1], False), counted 0."""
+    mine = items[dist.rank :: dist.world_size]
+    if length is not None:
+        mine = sorted(mine, key=length)
+    count = math.ceil(math.ceil(len(items) / dist.world_size) / size)
+    batches = []
+    for i in range(count):
+        batch = mine[i * size : (i + 1) * size]
+        if batch:
+            batches.append((batch, True))
+        else:
+            batches.append((items[:1], False))
+    return batches
 
 
 def resolve_model(name: str) -> str:
-    return str(CACHE_DIR / "smollm2-135m-instruct") if name == EMBEDDED_MODEL else name
+    if name == EMBEDDED_MODEL:
+        return str(CACHE_DIR / "smollm2-135m-instruct")
+    return name
 
 
 def load_tokenizer(name: str):
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(name), padding_side="left")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    if not tokenizer.pad_token:
+        tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(name: str, dist: Dist, train: bool = True, gradient_checkpointing: bool = True) -> torch.nn.Module:
-    """Trained: fp32 weights, bf16 compute on GPUs; frozen: bf16 on GPUs. torchrun: only rank 0 reads, all shard."""
-    cuda, path = dist.device.type == "cuda", resolve_model(name)
+def load_model(name: str, dist: Dist, train=True, gradient_checkpointing=True) -> torch.nn.Module:
+    """A causal LM, trained in fp32 (bf16 compute on GPUs) or frozen (bf16 on GPUs). Under torchrun
+    rank 0 reads the weights, every rank shards the model (FSDP2) and gets rank 0's tensors."""
+    cuda = dist.device.type == "cuda"
+    path = resolve_model(name)
     dtype = torch.bfloat16 if cuda and not train else torch.float32
-    with torch.device("meta") if dist.rank else contextlib.nullcontext():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype) if dist.rank else \
-            AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    model.train(train).requires_grad_(train)
-    model.activation_checkpointing_enable({"use_reentrant": False}) if train and gradient_checkpointing else None
-    if dist.world_size > 1:
-        full = model.state_dict() if dist.rank == 0 else {}
-        blocks = [m for m in model.modules() if type(m).__name__ in set(model._no_split_modules or [])]
-        assert blocks, f"no decoder blocks found in {type(model).__name__}: FSDP2 would gather the whole model at once"
-        mp = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if cuda and train else MixedPrecisionPolicy()
-        for module in blocks + [model]:  # the root too: a forward without backward must not leave it unsharded
-            fully_shard(module, mp_policy=mp, reshard_after_forward=True)
-        model.to_empty(device=dist.device) if dist.rank else model.to(dist.device)
-        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        for buffer in model.buffers():  # not in the state dict (rotary frequencies): rank 0's, computed at load
-            tdist.broadcast(buffer, src=0)
+    if dist.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    else:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), dtype=dtype)
+    model.train(train)
+    model.requires_grad_(train)
+    if train and gradient_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    if dist.world_size == 1:
+        return model.to(dist.device)
+    full = model.state_dict() if dist.rank == 0 else {}
+    block_names = set(model._no_split_modules or [])
+    blocks = [module for module in model.modules() if type(module).__name__ in block_names]
+    assert blocks, f"{type(model).__name__}: no decoder blocks, FSDP2 would gather it all at once"
+    precision = MixedPrecisionPolicy()
+    if cuda and train:
+        precision = MixedPrecisionPolicy(torch.bfloat16, torch.float32)
+    # the root too: a forward without backward must not leave it unsharded
+    for module in blocks + [model]:
+        fully_shard(module, mp_policy=precision, reshard_after_forward=True)
+    if dist.rank == 0:
+        model.to(dist.device)
+    else:
+        model.to_empty(device=dist.device)
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(model, full, options=options)
+    # buffers are not in the state dict (rotary frequencies): rank 0's, computed at load
+    for buffer in model.buffers():
+        tdist.broadcast(buffer, src=0)
     return model.to(dist.device)
 
 
-def full_state_dict_items(policy: torch.nn.Module, dtype=None):  # one full tensor at a time; a collective
+def full_state_dict_items(policy: torch.nn.Module, dtype=None):
+    """(name, whole tensor) a state-dict entry at a time: a collective, every rank runs it all."""
     for name, tensor in policy.state_dict().items():
-        tensor = tensor.to(dtype) if dtype else tensor
-        yield name, tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+        if dtype:
+            tensor = tensor.to(dtype)
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        yield name, tensor
 
 
-def chat_prompt(tokenizer, user: str) -> str:  # one user turn, no system prompt
-    return tokenizer.apply_chat_template([dict(role="user", content=user)], tokenize=False, add_generation_prompt=True)
+def chat_prompt(tokenizer, user: str) -> str:
+    """One user turn in the chat template, no system prompt."""
+    messages = [dict(role="user", content=user)]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def encode_prompt(tok, text: str) -> list[int]:  # BOS added unless the chat template put it there
-    return tok(text, add_special_tokens=not (tok.bos_token and text.startswith(tok.bos_token))).input_ids
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """The prompt's token ids, with a BOS unless the chat template put one in the text."""
+    has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
+    return tokenizer(text, add_special_tokens=not has_bos).input_ids
 
 
-Sample = collections.namedtuple("Sample", "text prompt_ids token_ids logprobs finish_reason")  # logprobs: as drawn
+class Sample(NamedTuple):
+    """One completion of a prompt, as the sampler drew it."""
+
+    text: str  # the decoded completion; "" for a failed sample
+    prompt_ids: list[int]
+    token_ids: list[int]  # the completion's tokens, a final stop id included (as vLLM keeps it)
+    logprobs: list[float]  # each token's, in the distribution it was drawn from (after top-p)
+    finish_reason: str  # "stop", "length", or vLLM's "abort" or "error" (a failed sample)
+
+
+class DrawnLogprobs:
+    """A logits processor run after HF's warpers: it holds one step's log-probabilities until the
+    next step shows which token was drawn."""
+
+    def __init__(self):
+        self.held = None  # the last step's log-probabilities, [batch, vocabulary]
+        self.drawn = []  # the drawn tokens' log-probabilities, [batch, 1] a step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self.held is not None:  # input_ids ends with the token drawn from the held step
+            self.drawn.append(self.held.gather(1, input_ids[:, -1:]))
+        self.held = scores.log_softmax(-1)
+        return scores
+
+    def finish(self, output_ids: torch.Tensor) -> list[list[float]]:
+        self.drawn.append(self.held.gather(1, output_ids[:, -1:]))
+        return torch.cat(self.drawn, 1).tolist()
 
 
 class Sampler:
-    """With the weights last given to sync_weights: vLLM 0.25.1, an engine per rank asleep in training; or HF. A
-    Sample's finish_reason is stop, length, or vLLM's abort or error: a failed sample, whose text is empty."""
+    """Samples with the weights last given to sync_weights: vLLM 0.25.1 (an engine a rank, asleep
+    in training) or transformers."""
 
-    def __init__(self, model_name, policy, tokenizer, dist: Dist, backend="auto", max_model_len=4096,
-                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0, dtype="bfloat16"):
-        self.tokenizer, self.dist, self.max_model_len, self.batch_size = tokenizer, dist, max_model_len, batch_size
-        self.model, self.llm, self.asleep, self.dtype = None, None, False, getattr(torch, dtype)
+    def __init__(self, model_name, policy, tokenizer, dist, backend="auto", max_model_len=4096,
+                 gpu_memory_utilization=0.5, sleep=True, batch_size=8, seed=0,
+                 dtype="bfloat16"):  # fmt: skip
+        self.tokenizer = tokenizer
+        self.dist = dist
+        self.max_model_len = max_model_len
+        self.batch_size = batch_size  # sequences a transformers generate call
+        self.model = None  # transformers: the model that generates
+        self.llm = None  # vLLM: the engine
+        self.asleep = False
+        self.dtype = getattr(torch, dtype)
         self.sleep_enabled = sleep and torch.cuda.is_available()
-        if backend == "vllm" or (backend == "auto" and torch.cuda.is_available() and importlib.util.find_spec("vllm")):
-            self.vllm = importlib.import_module("vllm")
-            os.environ |= {**dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost",
-                                  MASTER_PORT="29500"), **os.environ}  # as torchrun sets them
-            if not torch.cuda.is_available():  # CPU: no oneDNN repacking of the weights, so load_weights works in place
-                importlib.import_module("vllm._custom_ops")._supports_onednn = False  # not loaded by `import vllm`
-            rng = rng_state()
-            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            self.llm = self.vllm.LLM(resolve_model(model_name), seed=seed + dist.rank, max_model_len=max_model_len,
-                                distributed_executor_backend="external_launcher", dtype=dtype,
-                                gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=self.sleep_enabled,
-                                logprobs_mode="processed_logprobs")  # log-probs after temperature and top-p
-            rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
-            self.sleep()
-        elif dist.world_size > 1:  # ranks generate apart: a whole copy each (bf16 on GPUs), synced tensor by tensor
-            self.model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32 if
-                                                              dist.device.type == "cpu" else self.dtype)
+        use_vllm = backend == "vllm"
+        if backend == "auto" and torch.cuda.is_available():
+            use_vllm = importlib.util.find_spec("vllm") is not None
+        if use_vllm:
+            self.start_vllm(model_name, gpu_memory_utilization, seed, dtype)
+        elif dist.world_size > 1:
+            # the ranks generate apart: a whole copy each (bf16 on GPUs), synced from the shards
+            path = resolve_model(model_name)
+            copy_dtype = torch.float32 if dist.device.type == "cpu" else self.dtype
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=copy_dtype)
         self.sync_weights(policy)  # the policy may come from a checkpoint, not from model_name
 
-    def sleep(self):  # free the GPU for training: level 2 drops weights and KV cache; sync_weights brings new ones
+    def start_vllm(self, model_name, gpu_memory_utilization, seed, dtype):
+        self.vllm = importlib.import_module("vllm")
+        # vLLM's external launcher reads torchrun's variables: without torchrun, set them
+        launcher = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="localhost")
+        launcher["MASTER_PORT"] = "29500"
+        for name, value in launcher.items():
+            os.environ.setdefault(name, value)
+        if not torch.cuda.is_available():
+            # CPU: no oneDNN repacking of the weights, so that load_weights works in place
+            custom_ops = importlib.import_module("vllm._custom_ops")  # not loaded by `import vllm`
+            custom_ops._supports_onednn = False
+        rng = rng_state()
+        torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+        self.llm = self.vllm.LLM(
+            resolve_model(model_name),
+            seed=seed + self.dist.rank,
+            max_model_len=self.max_model_len,
+            distributed_executor_backend="external_launcher",
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_sleep_mode=self.sleep_enabled,
+            logprobs_mode="processed_logprobs",  # log-probs after temperature and top-p
+        )
+        rng_state(rng)  # LLM() reseeds the global RNGs with the engine seed
+        self.sleep()
+
+    def sleep(self):
+        # free the GPU for training: level 2 drops the weights and the KV cache
         if self.llm and self.sleep_enabled and not self.asleep:
-            self.asleep = self.llm.sleep(level=2) or True
+            self.llm.sleep(level=2)
+            self.asleep = True
 
     def sync_weights(self, policy):
-        if self.llm:  # wake the weights, load the policy's tensors, wake the KV cache, drop prefixes of old weights
+        if self.llm:
             if self.asleep:
-                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free what training cached
+                torch.cuda.empty_cache()  # vLLM wakes outside PyTorch's allocator: free its cache
                 self.llm.wake_up(tags=["weights"])
-            model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-            [model.load_weights([item]) for item in full_state_dict_items(policy, self.dtype)]  # a tensor at a time
+            engine = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+            for item in full_state_dict_items(policy, self.dtype):  # one tensor at a time
+                engine.load_weights([item])
             if self.asleep:
                 self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
-            self.llm.reset_prefix_cache()
+            self.llm.reset_prefix_cache()  # the cached prefixes were computed with the old weights
         elif self.dist.world_size > 1:
             own = self.model.to(self.dist.device).state_dict()
-            [own[name].copy_(tensor) for name, tensor in full_state_dict_items(policy, self.model.dtype)]
+            for name, tensor in full_state_dict_items(policy, self.model.dtype):
+                own[name].copy_(tensor)
         else:
             self.model = policy
 
     @torch.no_grad()
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", logprobs=True):
-        tok, ids = self.tokenizer, [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
-        if self.llm and ids:
-            assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
-            params = [self.vllm.SamplingParams(n=n, temperature=temperature, top_p=top_p, stop=stop,
-                                               max_tokens=max(1, min(max_new_tokens, self.max_model_len - len(p))),
-                                               logprobs=0 if logprobs else None) for p in ids]  # 0: the sampled token's
-            outputs = self.llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=self.dist.is_main)
-            return [[Sample(c.text if str(c.finish_reason) in ("stop", "length") else "", p, list(c.token_ids),
-                            [x[t].logprob for x, t in zip(c.logprobs or [], c.token_ids)], str(c.finish_reason))
-                     for c in out.outputs] for p, out in zip(ids, outputs)]
-        jobs, results, model, training = [p for p in ids for _ in range(n)], [], self.model, self.model.training
-        eos = model.generation_config.eos_token_id  # the model's stop ids too (Gemma-2: <eos> and <end_of_turn>)
-        stops = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None})
-        for start in tqdm(range(0, len(jobs), self.batch_size), desc=desc, disable=not self.dist.is_main, leave=False):
-            batch = tok.pad({"input_ids": jobs[start : start + self.batch_size]}, return_tensors="pt").to(model.device)
-            width, held, steps = batch.input_ids.shape[1], [], []  # held: the last step's processed log-probs
+    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None,
+                 desc="", logprobs=True) -> list[list[Sample]]:  # fmt: skip
+        """n Samples for each prompt, a row a prompt (a prompt keeps its last max_model_len - 1)."""
+        ids = [encode_prompt(self.tokenizer, p)[-self.max_model_len + 1 :] for p in prompts]
+        if not ids:
+            return []
+        params = (n, temperature, top_p, max_new_tokens, stop, logprobs)
+        if self.llm:
+            return self.generate_vllm(ids, *params)
+        return self.generate_hf(ids, *params, desc=desc)
 
-            def keep(input_ids, scores):  # a logits processor after HF's temperature and top-p: one step's scores
-                steps.append(held.pop().gather(1, input_ids[:, -1:])) if held else None  # the token drawn from them
-                return held.append(scores.log_softmax(-1)) or scores
-            warp = [TemperatureLogitsWarper(temperature)] if temperature > 0 and temperature != 1 else []  # HF's own
-            warp += [TopPLogitsWarper(top_p)] if temperature > 0 and top_p < 1 else []  # warpers, given so keep runs last
-            out = model.eval().generate(**batch, do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0,
-                                        stop_strings=stop or None, tokenizer=tok, max_new_tokens=max(1, min(
-                                        max_new_tokens, self.max_model_len - width)), pad_token_id=tok.pad_token_id,
-                                        eos_token_id=stops, logits_processor=warp + [keep] * logprobs)
-            logp = torch.cat(steps + [held.pop().gather(1, out[:, -1:])], 1).tolist() if logprobs else [[]] * len(out)
-            for row, tokens in enumerate(out[:, width:].tolist()):
-                while tokens and tokens[-1] == tok.pad_token_id and tokens[-1] not in stops:  # after a stop string
-                    tokens.pop()
-                end = next((k + 1 for k, t in enumerate(tokens) if t in stops), len(tokens))  # a stop id is kept
-                text = tok.decode(tokens[:end], skip_special_tokens=True)
-                cut = min([text.find(s) for s in stop or [] if s in text], default=-1)  # dropped, as vLLM does
-                reason = "stop" if cut >= 0 or tokens and tokens[end - 1] in stops else "length"
-                results.append(Sample(text[:cut] if cut >= 0 else text, jobs[start + row], tokens[:end],
-                                      logp[row][:end], reason))
-        model.train(training)
-        return [results[i * n : (i + 1) * n] for i in range(len(prompts))]
+    def generate_vllm(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs):
+        assert not self.asleep, "vLLM slept at level 2: call sync_weights(policy) first"
+        requests = []
+        params = []
+        for prompt_ids in ids:
+            requests.append({"prompt_token_ids": prompt_ids})
+            room = max(1, min(max_new_tokens, self.max_model_len - len(prompt_ids)))
+            drawn_logprob = 0 if logprobs else None  # 0: the drawn token's alone
+            sampling = dict(n=n, temperature=temperature, top_p=top_p, stop=stop, max_tokens=room)
+            params.append(self.vllm.SamplingParams(**sampling, logprobs=drawn_logprob))
+        outputs = self.llm.generate(requests, params, use_tqdm=self.dist.is_main)
+        rows = []
+        for prompt_ids, output in zip(ids, outputs):
+            row = []
+            for completion in output.outputs:
+                reason = str(completion.finish_reason)
+                text = completion.text
+                if reason not in ("stop", "length"):  # abort or error: a failed sample
+                    text = ""
+                steps = zip(completion.logprobs or [], completion.token_ids)
+                drawn = [step[token].logprob for step, token in steps]
+                row.append(Sample(text, prompt_ids, list(completion.token_ids), drawn, reason))
+            rows.append(row)
+        return rows
+
+    def generate_hf(self, ids, n, temperature, top_p, max_new_tokens, stop, logprobs, desc=""):
+        tokenizer = self.tokenizer
+        model = self.model
+        was_training = model.training
+        jobs = []
+        for prompt_ids in ids:
+            jobs.extend([prompt_ids] * n)
+        # the tokenizer's and the model's stop ids (Gemma-2 stops at <eos> and <end_of_turn>)
+        eos = model.generation_config.eos_token_id
+        if not isinstance(eos, list):
+            eos = [eos]
+        stop_ids = sorted({tokenizer.eos_token_id, *eos} - {None})
+        # HF's own warpers, given here (generate's own turned off) so that DrawnLogprobs runs last
+        warpers = []
+        if temperature > 0 and temperature != 1:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if temperature > 0 and top_p < 1:
+            warpers.append(TopPLogitsWarper(top_p))
+        settings = dict(do_sample=temperature > 0, temperature=1.0, top_k=0, top_p=1.0)
+        settings.update(stop_strings=stop or None, tokenizer=tokenizer, eos_token_id=stop_ids)
+        settings.update(pad_token_id=tokenizer.pad_token_id)
+        samples = []
+        starts = range(0, len(jobs), self.batch_size)
+        for start in tqdm(starts, desc=desc, leave=False, disable=not self.dist.is_main):
+            batch_ids = jobs[start : start + self.batch_size]
+            batch = tokenizer.pad({"input_ids": batch_ids}, return_tensors="pt").to(model.device)
+            width = batch.input_ids.shape[1]
+            recorder = DrawnLogprobs()
+            processors = list(warpers)
+            if logprobs:
+                processors.append(recorder)
+            room = max(1, min(max_new_tokens, self.max_model_len - width))
+            model.eval()
+            output_ids = model.generate(
+                **batch, **settings, max_new_tokens=room, logits_processor=processors
+            )
+            batch_logprobs = [[]] * len(output_ids)
+            if logprobs:
+                batch_logprobs = recorder.finish(output_ids)
+            for row, tokens in enumerate(output_ids[:, width:].tolist()):
+                drawn = batch_logprobs[row]
+                samples.append(self.hf_sample(batch_ids[row], tokens, drawn, stop_ids, stop))
+        model.train(was_training)
+        return [samples[i * n : (i + 1) * n] for i in range(len(ids))]
+
+    def hf_sample(self, prompt_ids, tokens, logprobs, stop_ids, stop) -> Sample:
+        """A row as vLLM returns it: no padding, up to a stop id (kept) or string (dropped)."""
+        # padding after a stop string: the batch ran on
+        while tokens and tokens[-1] == self.tokenizer.pad_token_id and tokens[-1] not in stop_ids:
+            tokens.pop()
+        end = len(tokens)
+        for position, token in enumerate(tokens):
+            if token in stop_ids:
+                end = position + 1
+                break
+        text = self.tokenizer.decode(tokens[:end], skip_special_tokens=True)
+        reason = "length"
+        if tokens and tokens[end - 1] in stop_ids:
+            reason = "stop"
+        found = [text.find(s) for s in stop or [] if s in text]
+        if found:
+            text = text[: min(found)]
+            reason = "stop"
+        return Sample(text, prompt_ids, tokens[:end], logprobs[:end], reason)
 
 
-def sample(sampler, prompts: list[str], n: int, key: str | list[str], dist: Dist | None = None, then=None,
-           calls: int = 1, **params) -> list:
-    """n Samples a prompt by the rule that makes any number of ranks (and a resume) draw the same: transformers takes
-    chunks of its batch seeded by crc32(f"{key}/{start}") (key: the call's name and seed; a list: a seed per prompt),
-    vLLM a rank's share in `calls` calls. dist: shared over ranks; None: this rank. then(start, rows): what to keep."""
-    ranks, keys = dist.world_size if dist else 1, key if isinstance(key, list) else None
-    size = -(-len(prompts) // (ranks * calls)) if sampler.llm else 1 if keys else max(1, sampler.batch_size // n)
+def sample_shard(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> dict:
+    """This rank's {prompt index: n Samples}, the same on any number of ranks: transformers draws
+    chunks of its batch seeded by crc32(f"{key}/{start}") (a list: a key a prompt), vLLM a rank's
+    share in `calls` calls; the chunks go round the ranks (dist None: all here)."""
+    if dist is None:
+        dist = Dist(0, 1, 1, torch.device("cpu"), True)  # this process draws every chunk
+    one_key_a_prompt = isinstance(key, list)
+    if sampler.llm:
+        size = max(1, math.ceil(len(prompts) / (dist.world_size * calls)))
+    elif one_key_a_prompt:
+        size = 1
+    else:
+        size = max(1, sampler.batch_size // n)
+    shard = {}
+    for start in range(0, len(prompts), size)[dist.rank :: dist.world_size]:
+        seed_key = key[start] if one_key_a_prompt else f"{key}/{start}"
+        torch.manual_seed(zlib.crc32(seed_key.encode()))
+        rows = sampler.generate(prompts[start : start + size], n=n, **params)
+        for offset, row in enumerate(rows):
+            shard[start + offset] = row
+    return shard
 
-    def run(chunks: list[tuple[int, list[str]]]) -> list[list]:
-        out = []
-        for start, part in chunks:
-            torch.manual_seed(zlib.crc32((keys[start] if keys else f"{key}/{start}").encode()))
-            rows = sampler.generate(part, n=n, **params)
-            out.append(then(start, rows) if then else rows)
-        return out
 
-    chunks = [(i, prompts[i : i + size]) for i in range(0, len(prompts), max(size, 1))]
-    return [row for part in (map_sharded(run, chunks, dist) if dist else run(chunks)) for row in part]
+def sample(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **params) -> list:
+    """n Samples for each prompt, a row a prompt, every rank's share gathered (see sample_shard)."""
+    shard = sample_shard(sampler, prompts, n, key, dist=dist, calls=calls, **params)
+    return gather_shard(shard, dist)
 
 
-def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False, entropy_grad=False,
-                   chunk=512):
-    """(logp, mask, entropy or None), [B, T], at the sampling temperature and top-p (renormalised as the samplers do).
-    The head runs in the forward (FSDP2 holds it whole), `chunk` completion positions at a time, again in backward."""
-    P, T = max(len(s.prompt_ids) for s in samples), max(max(len(s.token_ids) for s in samples), 1)
-    ids = torch.stack([torch.nn.functional.pad(torch.tensor(s.prompt_ids + s.token_ids), (P - len(s.prompt_ids), T -
-                       len(s.token_ids)), value=-1) for s in samples]).to(next(policy.parameters()).device)
-    mask, ids, head = (ids >= 0).float(), ids.clamp(min=0), policy.get_output_embeddings()
-    cap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2's
+def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False,
+                   entropy_grad=False, chunk=512):  # fmt: skip
+    """(logp, mask, entropy), [B, T]: each completion token's log-prob at the sampling temperature
+    and top-p (0 at padding), and entropy (None unless with_entropy). The head runs in the forward
+    on completion positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
+    prompt_width = max(len(s.prompt_ids) for s in samples)  # P
+    width = max(max(len(s.token_ids) for s in samples), 1)  # T
+    rows = []
+    for s in samples:  # prompts padded on the left, completions on the right, with -1
+        padding = (prompt_width - len(s.prompt_ids), width - len(s.token_ids))
+        sequence = torch.tensor(s.prompt_ids + s.token_ids)
+        rows.append(torch.nn.functional.pad(sequence, padding, value=-1))
+    ids = torch.stack(rows).to(next(policy.parameters()).device)  # [B, P + T]
+    mask = (ids >= 0).float()
+    ids = ids.clamp(min=0)
+    head = policy.get_output_embeddings()
+    softcap = getattr(policy.config.get_text_config(), "final_logit_softcapping", None)  # Gemma-2
 
-    def logprob(h, target):  # one chunk in fp32: the target's log-prob (and the entropy)
-        z = head(h).float()
-        z = (cap * torch.tanh(z / cap) if cap else z).div_(temperature) if cap or temperature != 1 else z
-        if top_p < 1:  # drop what HF's and vLLM's top-p drop (ascending cumulative sum <= 1 - p), never the target
-            sorted_z, order = z.sort(-1)
-            tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)  # vocab order
-        logp = -torch.nn.functional.cross_entropy(z, target, reduction="none")  # its backward is one fused kernel
-        return (logp, z.logsumexp(-1) - (z.softmax(-1) * z).sum(-1)) if with_entropy else (logp, logp)
+    def chunk_logprobs(hidden, target):
+        """A chunk of positions, in fp32: the target's log-prob, and the entropy (or logp again)."""
+        logits = head(hidden).float()
+        if softcap:
+            logits = softcap * torch.tanh(logits / softcap)
+        if softcap or temperature != 1:
+            logits.div_(temperature)
+        if top_p < 1:
+            # drop what HF's and vLLM's top-p drop (ascending cumsum <= 1 - p), never the target
+            sorted_logits, order = logits.sort(-1)
+            tail = sorted_logits.softmax(-1).cumsum(-1) <= 1 - top_p
+            dropped = tail.scatter(-1, order, tail).scatter(-1, target[:, None], False)
+            logits = logits.masked_fill(dropped, -1e30)
+        # cross_entropy's backward is one fused kernel
+        logp = -torch.nn.functional.cross_entropy(logits, target, reduction="none")
+        if not with_entropy:
+            return logp, logp
+        entropy = logits.logsumexp(-1) - (logits.softmax(-1) * logits).sum(-1)
+        return logp, entropy
 
-    def head_in_forward(module, args, kwargs, out):  # before FSDP2's post-forward hook reshards the head
-        h = out.hidden_states[-1][:, P - 1 : P + T - 1].flatten(0, 1)  # the last one is after the final norm
-        parts = [torch.utils.checkpoint.checkpoint(logprob, x, t, use_reentrant=False)
-                 for x, t in zip(h.split(chunk), ids[:, P:].flatten().split(chunk))]
-        out.logits, out.hidden_states = torch.stack([torch.cat(x).view(len(samples), T) for x in zip(*parts)], -1), None
-        return out
+    def head_in_forward(module, hook_args, hook_kwargs, output):
+        """A forward hook, before FSDP2's post-forward hook reshards the head: output.logits becomes
+        [B, T, 2], each completion token's log-prob and entropy."""
+        # the hidden state before a completion token predicts it (the last one is after the norm)
+        hidden = output.hidden_states[-1][:, prompt_width - 1 : prompt_width + width - 1]
+        targets = ids[:, prompt_width:].flatten()
+        checkpoint = torch.utils.checkpoint.checkpoint
+        parts = []
+        for part, target in zip(hidden.flatten(0, 1).split(chunk), targets.split(chunk)):
+            parts.append(checkpoint(chunk_logprobs, part, target, use_reentrant=False))
+        logp = torch.cat([logp for logp, _ in parts]).view(len(samples), width)
+        entropy = torch.cat([entropy for _, entropy in parts]).view(len(samples), width)
+        output.logits = torch.stack([logp, entropy], -1)
+        output.hidden_states = None
+        return output
 
     hook = policy.register_forward_hook(head_in_forward, with_kwargs=True, prepend=True)
-    try:  # the model's own head gets no position
-        out = policy(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0).long(),
-                     use_cache=False, output_hidden_states=True, logits_to_keep=ids[0, :0]).logits
+    positions = (mask.cumsum(1) - 1).clamp(min=0).long()
+    no_position = ids[0, :0]  # the model's own head computes nothing
+    try:
+        output = policy(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False,
+                        output_hidden_states=True, logits_to_keep=no_position)  # fmt: skip
     finally:
         hook.remove()
-    logp, ent, mask = out[..., 0], out[..., 1], mask[:, P:]
-    return logp * mask, mask, ((ent if entropy_grad else ent.detach()) * mask if with_entropy else None)
+    logp = output.logits[..., 0]
+    entropy = output.logits[..., 1]
+    mask = mask[:, prompt_width:]
+    if not with_entropy:
+        return logp * mask, mask, None
+    if not entropy_grad:
+        entropy = entropy.detach()
+    return logp * mask, mask, entropy * mask
 
 
-def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float, dist: Dist,
-               length=None, lr: float | None = None) -> dict[str, float]:
-    """One optimizer step, each rank on its share. loss_fn(micro) -> (loss, stats): the loss over the whole batch's
-    denominator; FSDP2 averages over ranks, so backward scales it by the world size. Returns summed stats, grad_norm."""
-    for group in optimizer.param_groups if lr is not None else []:
-        group["lr"] = lr
+def train_step(model, optimizer, batch: list, loss_fn, micro_batch_size: int, max_grad_norm: float,
+               dist: Dist, length=None, lr: float | None = None) -> dict[str, float]:  # fmt: skip
+    """One optimizer step, each rank on its micro_batches. loss_fn(micro) -> (loss, stats), the
+    loss over the whole batch's denominator; FSDP2 averages over ranks, so backward scales by the
+    world size. Returns the summed "loss" and stats, and "grad_norm"."""
+    if lr is not None:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     sums = collections.Counter()
     for micro, real in micro_batches(batch, micro_batch_size, dist, length):
         loss, stats = loss_fn(micro)
-        (loss * (dist.world_size if real else 0.0)).backward()
-        sums.update({"loss": loss.item(), **stats} if real else {})  # update adds (negative sums too)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], max_grad_norm)
+        scale = dist.world_size if real else 0.0  # padding runs for FSDP2's collectives only
+        (loss * scale).backward()
+        if real:
+            sums.update({"loss": loss.item(), **stats})  # update adds (negative sums too)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(trainable, max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    parts, norm = all_gather_objects(dict(sums), dist), norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    return {**{k: sum(p.get(k, 0.0) for p in parts) for k in sorted(set().union(*parts))}, "grad_norm": float(norm)}
+    parts = all_gather_objects(dict(sums), dist)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    totals = {}
+    for name in sorted(set().union(*parts)):
+        totals[name] = sum(part.get(name, 0.0) for part in parts)
+    totals["grad_norm"] = float(norm)
+    return totals
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int = 0, schedule: str = "constant") -> float:
-    """Step `step`'s lr in transformers' schedules (HF Trainer, TRL, Lightning): warm-up from 0, then constant/decay."""
+def lr_at(step: int, total: int, peak: float, warmup=0, schedule="constant") -> float:
+    """Step `step` of `total`'s learning rate in transformers' schedules (HF Trainer, TRL): linear
+    warm-up from 0 over `warmup` steps, then constant, or a linear or cosine decay to 0."""
     progress = (step - warmup) / max(1, total - warmup)
-    decay = {"constant": 1.0, "linear": 1.0 - progress, "cosine": 0.5 * (1.0 + math.cos(math.pi * progress))}[schedule]
-    return peak * (step / warmup if step < warmup else max(0.0, decay))
+    if schedule == "constant":
+        decay = 1.0
+    elif schedule == "linear":
+        decay = 1.0 - progress
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        known = "constant, linear, cosine"
+        raise ValueError(f"--lr-schedule {schedule}: lr_at knows {known}; add its decay there")
+    if step < warmup:
+        return peak * (step / warmup)
+    return peak * max(0.0, decay)
 
 
-def pass_at_k(n: int, c: int, k: int) -> float:  # unbiased, c of n correct (Chen et al. 2021): 1 - C(n-c, k) / C(n, k)
-    return 1.0 if n - c < k else 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of n samples, c correct (Chen et al. 2021): 1 - C(n - c, k) / C(n, k)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - float(np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
-def rng_state(state: tuple | None = None) -> tuple:  # Python's, NumPy's, torch's, CUDA's; set first when given
+def rng_state(state: tuple | None = None) -> tuple:
+    """The RNG states of Python, NumPy, torch and CUDA (False without); set first if given."""
     if state is not None:
-        random.setstate(state[0]), np.random.set_state(state[1]), torch.set_rng_state(state[2])
-        torch.cuda.set_rng_state_all(state[3]) if state[3] else None
-    cuda = torch.cuda.is_available() and torch.cuda.get_rng_state_all()
-    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+        python_state, numpy_state, torch_state, cuda_state = state
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+        torch.set_rng_state(torch_state)
+        if cuda_state:
+            torch.cuda.set_rng_state_all(cuda_state)
+    cuda_state = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else False
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda_state
 
 
-def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state: dict, dist: Dist, keep: int = 2):
-    """iter_XXXXXX/ after XXXXXX iterations: DCP shards (an optimizer if given), HF copies (bf16 on GPUs), state.pt."""
-    root, export = pathlib.Path(run_dir) / "checkpoints", torch.bfloat16 if dist.device.type == "cuda" else None
-    final, tmp = root / f"iter_{iteration:06d}", root / f".tmp_iter_{iteration:06d}"
+def save_checkpoint(run_dir, iteration: int, models: dict, tokenizer, state, dist: Dist, keep=2):
+    """checkpoints/iter_XXXXXX/: per {name: (model, optimizer or None)} DCP shards and an HF
+    directory (bf16 on GPUs); state.pt: the run's state and every rank's RNGs."""
+    root = pathlib.Path(run_dir) / "checkpoints"
+    export_dtype = torch.bfloat16 if dist.device.type == "cuda" else None
+    final = root / f"iter_{iteration:06d}"
+    tmp = root / f".tmp_iter_{iteration:06d}"
     tmp.mkdir(parents=True, exist_ok=True)  # what a crashed save left there is overwritten
     rngs = all_gather_objects(rng_state(), dist)
     for name, (policy, optimizer) in models.items():
-        state_dicts = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))  # None: rebuilt each time
-        dcp.save(state_dicts, checkpoint_id=tmp / f"{name}.dcp")
-        weights = {k: v.cpu() for k, v in full_state_dict_items(policy, export) if dist.is_main}
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / f"{name}.dcp")
+        weights = {}
+        for key, tensor in full_state_dict_items(policy, export_dtype):  # every rank gathers
+            if dist.is_main:
+                weights[key] = tensor.cpu()
         if dist.is_main:
-            policy.config.dtype = export or policy.config.dtype
+            policy.config.dtype = export_dtype or policy.config.dtype
             policy.save_pretrained(tmp / name, state_dict=weights)
             tokenizer.save_pretrained(tmp / name)
     if dist.is_main:
         torch.save({"iteration": iteration, "state": state, "rng": rngs}, tmp / "state.pt")
         shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)  # so the newest iter_* directory is always whole
-        [shutil.rmtree(old) for old in sorted(root.glob("iter_*"))[:-keep]]
-    all_gather_objects(None, dist)
+        os.replace(tmp, final)  # so that the newest iter_* directory is always whole
+        for old in sorted(root.glob("iter_*"))[:-keep]:
+            shutil.rmtree(old)
+    all_gather_objects(None, dist)  # a barrier: no rank goes on before the checkpoint is whole
 
 
 def load_checkpoint(run_dir, models: dict, dist: Dist):
-    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs: (iterations done, state)."""
-    path = all_gather_objects(max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None), dist)[0]
+    """Restore the newest checkpoint (rank 0's pick) into `models`, strictly, and the RNGs; returns
+    (iterations done, state), or None without a checkpoint."""
+    newest = max((pathlib.Path(run_dir) / "checkpoints").glob("iter_*"), default=None)
+    path = all_gather_objects(newest, dist)[0]
     if path is None:
         return None
     for name, (policy, optimizer) in models.items():
-        loaded = dict(zip(("model", "optim"), get_state_dict(policy, optimizer or ())))
+        model_state, optim_state = get_state_dict(policy, optimizer or ())
+        loaded = {"model": model_state, "optim": optim_state}
         dcp.load(loaded, checkpoint_id=path / f"{name}.dcp")
-        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        set_state_dict(policy, optimizer or (), model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])  # fmt: skip
     saved = torch.load(path / "state.pt", weights_only=False)
-    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact when resumed with the same world size
-    print(f"resuming {run_dir} after iteration {saved['iteration']}") if dist.is_main else None
+    rng_state(saved["rng"][dist.rank % len(saved["rng"])])  # exact with the same world size
+    if dist.is_main:
+        print(f"resuming {run_dir} after iteration {saved['iteration']}")
     return saved["iteration"], saved["state"]
 
 
 class Logger:
-    """CleanRL-style metrics to metrics.jsonl, the console and (--track) wandb on rank 0; `with logger.timer(phase)`."""
+    """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
 
-    def __init__(self, run_dir, config: dict, dist: Dist, track=False, project="selfplay", entity=None):
-        self.run_dir, self.main, self.times = pathlib.Path(run_dir), dist.is_main, collections.Counter()
+    def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
+        self.run_dir = pathlib.Path(run_dir)
+        self.main = dist.is_main
+        self.times = collections.Counter()  # seconds per phase since the last log
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.main:
             (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.wandb = track and self.main and wandb.init(project=project, entity=entity, config=config,
-                                                        name=self.run_dir.name, dir=run_dir)  # it finishes at exit
+        self.wandb = None
+        if track and self.main:  # the wandb run finishes at exit
+            names = dict(project=project, entity=entity, name=self.run_dir.name)
+            self.wandb = wandb.init(**names, config=config, dir=run_dir)
 
     @contextlib.contextmanager
     def timer(self, phase: str):
@@ -1037,12 +1947,16 @@ class Logger:
         self.times[f"time/{phase}"] += time.perf_counter() - start
 
     def log(self, metrics: dict, step: int) -> None:
-        metrics, self.times = {**metrics, **self.times}, collections.Counter()
-        if self.main:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
-            tqdm.write(f"[{step}] " + " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
-            self.wandb and self.wandb.log(metrics, step=step)
+        metrics = {**metrics, **self.times}
+        self.times = collections.Counter()
+        if not self.main:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, **metrics}, default=float) + "\n")
+        shown = [f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)]
+        tqdm.write(f"[{step}] " + " ".join(shown))
+        if self.wandb:
+            self.wandb.log(metrics, step=step)
 
 
 # ---- end of infrastructure ----

@@ -14,7 +14,8 @@ VERIFIERS = ("lean_verify", "code_exec")
 
 
 def import_header(text: str) -> str:
-    """The file's imports, from `from __future__ import annotations` to the first other statement, but the verifiers'."""
+    """The file's imports, from `from __future__ import annotations` to the first other statement, but the
+    verifiers'."""
     out, depth, skipping = [], 0, False
     for line in text[text.index("from __future__ import annotations") :].splitlines():
         if depth == 0:

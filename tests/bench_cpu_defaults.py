@@ -42,20 +42,36 @@ def run(name: str) -> dict:
     out = pathlib.Path(tempfile.mkdtemp(prefix=f"cpu_default_{name}_"))
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if name in LEAN:
-        env["LEAN_REPL_CMD"] = f"{sys.executable} {REPO / 'tests' / 'fake_lean_repl.py'} --accept hash:0.3"
+        env["LEAN_REPL_CMD"] = (
+            f"{sys.executable} {REPO / 'tests' / 'fake_lean_repl.py'} --accept hash:0.3"
+        )
     cmd = [sys.executable, f"{name}.py", "--output-dir", str(out)]
     start = time.perf_counter()
     with open(out / "log.txt", "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         peak = tree_peak(proc)
     wall = time.perf_counter() - start
-    rows = [json.loads(line) for path in out.glob("*/metrics.jsonl") for line in path.read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for path in out.glob("*/metrics.jsonl")
+        for line in path.read_text().splitlines()
+    ]
     text = (out / "log.txt").read_text()
-    tail, said = text[-2000:], [line for line in text.splitlines() if line.strip() and "it/s" not in line][-1:]
+    tail, said = (
+        text[-2000:],
+        [line for line in text.splitlines() if line.strip() and "it/s" not in line][-1:],
+    )
     shutil.rmtree(out, ignore_errors=True)
-    return {"name": name, "returncode": proc.returncode, "wall_s": wall, "peak_gib": peak, "steps": len(rows),
-            "last": rows[-1] if rows else {}, "said": said[0] if said else "",
-            "tail": tail if proc.returncode else ""}
+    return {
+        "name": name,
+        "returncode": proc.returncode,
+        "wall_s": wall,
+        "peak_gib": peak,
+        "steps": len(rows),
+        "last": rows[-1] if rows else {},
+        "said": said[0] if said else "",
+        "tail": tail if proc.returncode else "",
+    }
 
 
 def main() -> None:
@@ -64,7 +80,9 @@ def main() -> None:
     print(f"\n{'file':10}{'exit':>5}{'wall':>9}{'peak GiB':>10}  logged steps")
     for r in results:
         minutes, seconds = divmod(round(r["wall_s"]), 60)
-        print(f"{r['name']:10}{r['returncode']:>5}{minutes:>6}:{seconds:02d}{r['peak_gib']:10.2f}  {r['steps']}")
+        print(
+            f"{r['name']:10}{r['returncode']:>5}{minutes:>6}:{seconds:02d}{r['peak_gib']:10.2f}  {r['steps']}"
+        )
     for r in results:  # what each run logged last, and the last line it printed
         print(f"\n{r['name']}: {json.dumps(r['last'])}\n  {r['said']}")
     for r in results:

@@ -7,7 +7,7 @@ import os
 import pathlib
 import shutil
 import subprocess
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 
@@ -33,11 +33,17 @@ def pytest_collection_modifyitems(config, items):
         # `pytest -n 2` (the README's test command): an algorithm's slow tests share its reference run and primed
         # models, which each worker would build anew, so they go to one worker (pytest.ini: --dist loadgroup)
         module = item.module.__name__.removeprefix("test_")
-        algorithm = item.callspec.params.get("name") if module == "family" and hasattr(item, "callspec") else module
+        algorithm = (
+            item.callspec.params.get("name")
+            if module == "family" and hasattr(item, "callspec")
+            else module
+        )
         if "slow" in item.keywords and algorithm in ALGORITHMS:
             item.add_marker(pytest.mark.xdist_group(algorithm))
         if "lean" in item.keywords and not has_lean:
-            item.add_marker(pytest.mark.skip(reason="no Lean toolchain configured (bash setup.sh --lean)"))
+            item.add_marker(
+                pytest.mark.skip(reason="no Lean toolchain configured (bash setup.sh --lean)")
+            )
         if "gpu" in item.keywords and not has_gpu:
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
 
@@ -51,7 +57,9 @@ def _embedded_tokenizer():
     """The SmolLM2 tokenizer: from the converted-model cache the algorithm files write, else from the GGUF."""
     from transformers import AutoTokenizer
 
-    cache = pathlib.Path(os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay"))
+    cache = pathlib.Path(
+        os.environ.get("SELFPLAY_CACHE", pathlib.Path.home() / ".cache" / "selfplay")
+    )
     cached = cache / "smollm2-135m-instruct"
     if (cached / "tokenizer_config.json").exists():
         return AutoTokenizer.from_pretrained(cached)
@@ -110,7 +118,9 @@ def tiny_model_dir(tmp_path_factory) -> str:
 # Its own module checks what the run wrote; test_family reruns its command line on two ranks, and killed then resumed.
 @dataclasses.dataclass
 class Run:
-    command: Callable[..., tuple[list, dict]]  # (run_dir, *flags, ranks=0) -> (argv, env): this run's configuration
+    command: Callable[
+        ..., tuple[list, dict]
+    ]  # (run_dir, *flags, ranks=0) -> (argv, env): this run's configuration
     run_dir: pathlib.Path  # where the reference run wrote
     done: subprocess.CompletedProcess  # its exit code and output
 
@@ -151,11 +161,23 @@ def sgs_reference(sgs_primed_model_dir, tmp_path_factory) -> Run:
     """Two iterations on 6 problems with the primed model and the stand-in REPL's hash rule."""
     from test_sgs import SGS_SMALL, algorithm_command
 
-    flags = ["--model", sgs_primed_model_dir, "--guide-model", sgs_primed_model_dir, *SGS_SMALL, "--num-problems", "6",
-             "--iterations", "2"]
-    return reference_run(lambda run_dir, *more, ranks=0: algorithm_command("sgs.py", run_dir, *flags, *more,
-                                                                           torchrun=ranks),
-                         tmp_path_factory.mktemp("sgs") / "reference")
+    flags = [
+        "--model",
+        sgs_primed_model_dir,
+        "--guide-model",
+        sgs_primed_model_dir,
+        *SGS_SMALL,
+        "--num-problems",
+        "6",
+        "--iterations",
+        "2",
+    ]
+    return reference_run(
+        lambda run_dir, *more, ranks=0: algorithm_command(
+            "sgs.py", run_dir, *flags, *more, torchrun=ranks
+        ),
+        tmp_path_factory.mktemp("sgs") / "reference",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -163,11 +185,25 @@ def stp_reference(stp_primed_model_dir, tmp_path_factory) -> Run:
     """Two iterations on 6 statements with the primed model, 2 REPLs per node (2 for one rank, 1 for each of two)."""
     from test_stp import STP_SMALL, algorithm_command
 
-    flags = ["--model", stp_primed_model_dir, *STP_SMALL, "--num-problems", "6", "--iterations", "2",
-             "--eval-datasets", "data/minif2f.jsonl", "--lean-workers", "2"]
-    return reference_run(lambda run_dir, *more, ranks=0: algorithm_command("stp.py", run_dir, *flags, *more,
-                                                                           accept="hash:0.5", torchrun=ranks),
-                         tmp_path_factory.mktemp("stp") / "reference")
+    flags = [
+        "--model",
+        stp_primed_model_dir,
+        *STP_SMALL,
+        "--num-problems",
+        "6",
+        "--iterations",
+        "2",
+        "--eval-datasets",
+        "data/minif2f.jsonl",
+        "--lean-workers",
+        "2",
+    ]
+    return reference_run(
+        lambda run_dir, *more, ranks=0: algorithm_command(
+            "stp.py", run_dir, *flags, *more, accept="hash:0.5", torchrun=ranks
+        ),
+        tmp_path_factory.mktemp("stp") / "reference",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -177,8 +213,12 @@ def gasp_reference(tiny_model_dir, tmp_path_factory) -> Run:
 
     tmp = tmp_path_factory.mktemp("gasp_e2e")
     driver = write_driver(tmp / "driver.py")
-    return reference_run(lambda run_dir, *more, ranks=0: driver_command(driver, run_dir, tiny_model_dir, *more,
-                                                                        ranks=ranks), tmp / "full")
+    return reference_run(
+        lambda run_dir, *more, ranks=0: driver_command(
+            driver, run_dir, tiny_model_dir, *more, ranks=ranks
+        ),
+        tmp / "full",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -187,7 +227,9 @@ def eva_reference(tiny_model_dir, tmp_path_factory) -> Run:
     from test_eva import ENV, TWO_ROUNDS, subprocess_cmd
 
     def command(run_dir, *more, ranks=0):
-        return subprocess_cmd(tiny_model_dir, run_dir.parent, run_dir.name, *TWO_ROUNDS, *more, ranks=ranks), ENV
+        return subprocess_cmd(
+            tiny_model_dir, run_dir.parent, run_dir.name, *TWO_ROUNDS, *more, ranks=ranks
+        ), ENV
 
     return reference_run(command, tmp_path_factory.mktemp("eva_e2e") / "full")
 
@@ -197,9 +239,12 @@ def coprover_reference(tiny_model_dir, tmp_path_factory) -> Run:
     """Two iterations with the tiny model behind test_coprover's driver (tactics and proofs from the table)."""
     from test_coprover import driver_command
 
-    return reference_run(lambda run_dir, *more, ranks=0: driver_command(run_dir, tiny_model_dir, "--iterations", "2",
-                                                                        *more, torchrun=ranks),
-                         tmp_path_factory.mktemp("coprover_e2e") / "full")
+    return reference_run(
+        lambda run_dir, *more, ranks=0: driver_command(
+            run_dir, tiny_model_dir, "--iterations", "2", *more, torchrun=ranks
+        ),
+        tmp_path_factory.mktemp("coprover_e2e") / "full",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -207,6 +252,9 @@ def rir_reference(tiny_model_dir, tmp_path_factory) -> Run:
     """The CPU default (two iterations: self-play in the first, the evaluation after the second), tiny model."""
     from test_rir import SMALL, rir_command
 
-    return reference_run(lambda run_dir, *more, ranks=0: rir_command(run_dir, "--model", tiny_model_dir, *SMALL, *more,
-                                                                     torchrun=ranks),
-                         tmp_path_factory.mktemp("rir") / "reference")
+    return reference_run(
+        lambda run_dir, *more, ranks=0: rir_command(
+            run_dir, "--model", tiny_model_dir, *SMALL, *more, torchrun=ranks
+        ),
+        tmp_path_factory.mktemp("rir") / "reference",
+    )

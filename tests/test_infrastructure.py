@@ -14,7 +14,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-
 from _block import REPO, block_source, load_block
 
 try:
@@ -43,7 +42,10 @@ def test_micro_batches_same_count_on_every_rank():
     assert B.micro_batches([], 4, ONE) == []
     # sorted by length within the rank, so a batch pads little; the rank's share is unchanged
     words = ["aaaa", "b", "ccc", "dd", "eeeee", "f"]  # rank 0 of 2 holds aaaa, ccc, eeeee
-    assert B.micro_batches(words, 2, rank(0, 2), length=len) == [(["ccc", "aaaa"], True), (["eeeee"], True)]
+    assert B.micro_batches(words, 2, rank(0, 2), length=len) == [
+        (["ccc", "aaaa"], True),
+        (["eeeee"], True),
+    ]
 
 
 def test_map_sharded_and_logger_timer(tmp_path):
@@ -53,10 +55,20 @@ def test_map_sharded_and_logger_timer(tmp_path):
         pass
     with log.timer("generation"):
         pass
-    log.log({"charts/x": 1, "losses/y": torch.tensor(2.5).item(), "note": "a", "np": np.float32(0.5)}, step=3)
+    log.log(
+        {"charts/x": 1, "losses/y": torch.tensor(2.5).item(), "note": "a", "np": np.float32(0.5)},
+        step=3,
+    )
     log.log({"charts/x": 2}, step=4)  # the timer starts again from zero after each log
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["charts/x"] == 1 and rows[0]["note"] == "a" and rows[0]["np"] == 0.5 and rows[0]["time/generation"] >= 0
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert (
+        rows[0]["charts/x"] == 1
+        and rows[0]["note"] == "a"
+        and rows[0]["np"] == 0.5
+        and rows[0]["time/generation"] >= 0
+    )
     assert rows[1] == {"step": 4, "charts/x": 2}
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 1e-6}
 
@@ -74,7 +86,10 @@ def naive_logprobs(model, samples, temperature):
     logps, ents = [], []
     for s in samples:
         ids = torch.tensor([s.prompt_ids + s.token_ids])
-        z = model(input_ids=ids, use_cache=False).logits[0, len(s.prompt_ids) - 1 : -1].float() / temperature
+        z = (
+            model(input_ids=ids, use_cache=False).logits[0, len(s.prompt_ids) - 1 : -1].float()
+            / temperature
+        )
         logps.append(z.log_softmax(-1).gather(-1, torch.tensor(s.token_ids)[:, None])[:, 0])
         ents.append(-(z.softmax(-1) * z.log_softmax(-1)).sum(-1))
     return logps, ents
@@ -86,32 +101,49 @@ def test_sampler_logprobs_match_the_policy(tiny, top_p):
     token_logprobs at the same temperature and top-p give the same numbers."""
     path, tok, model = tiny
     sampler = B.Sampler(path, model, tok, ONE, backend="hf", batch_size=3)
-    prompts = [B.chat_prompt(tok, "Say hi."), B.chat_prompt(tok, "Add 2 and 3, then explain at length.")]
+    prompts = [
+        B.chat_prompt(tok, "Say hi."),
+        B.chat_prompt(tok, "Add 2 and 3, then explain at length."),
+    ]
     torch.manual_seed(1)
     out = sampler.generate(prompts, n=2, temperature=0.7, top_p=top_p, max_new_tokens=12)
     assert [len(x) for x in out] == [2, 2]
     flat = [s for group in out for s in group]
     for i, group in enumerate(out):
         for s in group:
-            assert s.prompt_ids == B.encode_prompt(tok, prompts[i]) and len(s.token_ids) == len(s.logprobs) >= 1
+            assert (
+                s.prompt_ids == B.encode_prompt(tok, prompts[i])
+                and len(s.token_ids) == len(s.logprobs) >= 1
+            )
             assert s.finish_reason in ("stop", "length") and all(lp <= 0 for lp in s.logprobs)
     logp, mask, ent = B.token_logprobs(model, flat, temperature=0.7, top_p=top_p, with_entropy=True)
     assert logp.shape == mask.shape == ent.shape == (4, max(len(s.token_ids) for s in flat))
     for row, s in enumerate(flat):
         L = len(s.token_ids)
         assert mask[row].sum() == L and (logp[row, L:] == 0).all()
-        assert torch.allclose(logp[row, :L], torch.tensor(s.logprobs), atol=2e-4), (logp[row, :L], s.logprobs)
-    assert logp.requires_grad and not ent.requires_grad  # the entropy is for logging unless entropy_grad
+        assert torch.allclose(logp[row, :L], torch.tensor(s.logprobs), atol=2e-4), (
+            logp[row, :L],
+            s.logprobs,
+        )
+    assert (
+        logp.requires_grad and not ent.requires_grad
+    )  # the entropy is for logging unless entropy_grad
 
 
 def test_token_logprobs_equal_the_full_logits_reference(tiny):
     """Completion positions only, chunked fp32 log-softmax recomputed in backward: the same values, entropies and
     gradients as full logits over prompt and completion (chunk=5 splits the tokens across chunks and samples)."""
     path, tok, model = tiny
-    samples = [B.Sample("", B.encode_prompt(tok, "a longer prompt than the other"), [5, 6, 7, 8], [], "length"),
-               B.Sample("", B.encode_prompt(tok, "short"), [9, 10], [], "stop"),
-               B.Sample("", B.encode_prompt(tok, "mid prompt"), [11, 12, 13, 14, 15, 16, 17], [], "stop")]
-    logp, mask, ent = B.token_logprobs(model, samples, temperature=0.7, with_entropy=True, entropy_grad=True, chunk=5)
+    samples = [
+        B.Sample(
+            "", B.encode_prompt(tok, "a longer prompt than the other"), [5, 6, 7, 8], [], "length"
+        ),
+        B.Sample("", B.encode_prompt(tok, "short"), [9, 10], [], "stop"),
+        B.Sample("", B.encode_prompt(tok, "mid prompt"), [11, 12, 13, 14, 15, 16, 17], [], "stop"),
+    ]
+    logp, mask, ent = B.token_logprobs(
+        model, samples, temperature=0.7, with_entropy=True, entropy_grad=True, chunk=5
+    )
     ref_logp, ref_ent = naive_logprobs(model, samples, 0.7)
     for row, s in enumerate(samples):
         L = len(s.token_ids)
@@ -124,7 +156,9 @@ def test_token_logprobs_equal_the_full_logits_reference(tiny):
     model.zero_grad(set_to_none=True)
     (-sum(x.sum() for x in ref_logp) + 0.1 * sum(x.sum() for x in ref_ent)).backward()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-4)  # float32 sums in another order
+        torch.testing.assert_close(
+            grads[n], p.grad, rtol=1e-4, atol=1e-4
+        )  # float32 sums in another order
     model.zero_grad(set_to_none=True)
 
 
@@ -133,12 +167,16 @@ def full_logits_reference(model, samples, temperature, top_p):
     top-p as HF and vLLM apply it, fp32 log-softmax: the target log-probs and the entropies."""
     logps, ents = [], []
     for s in samples:
-        z = model(input_ids=torch.tensor([s.prompt_ids + s.token_ids])).logits[0, len(s.prompt_ids) - 1 : -1]
+        z = model(input_ids=torch.tensor([s.prompt_ids + s.token_ids])).logits[
+            0, len(s.prompt_ids) - 1 : -1
+        ]
         z, target = z.float() / temperature, torch.tensor(s.token_ids)
         if top_p < 1:
             sorted_z, order = z.sort(-1)
             tail = sorted_z.softmax(-1).cumsum(-1) <= 1 - top_p
-            z = z.masked_fill(tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30)
+            z = z.masked_fill(
+                tail.scatter(-1, order, tail).scatter(-1, target[:, None], False), -1e30
+            )
         logps.append(z.log_softmax(-1).gather(-1, target[:, None])[:, 0])
         ents.append(-(z.softmax(-1) * z.log_softmax(-1)).sum(-1))
     return logps, ents
@@ -154,14 +192,28 @@ def test_chunked_head_equals_full_logits(arch, tied, temperature, top_p):
     from transformers import Gemma2Config, Gemma2ForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    sizes = dict(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, tie_word_embeddings=tied)
-    model = (LlamaForCausalLM(LlamaConfig(**sizes)) if arch == "llama" else
-             Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=8, final_logit_softcapping=3.0)))
-    samples = [B.Sample("", [1, 2, 3, 4, 5], [6, 7, 8, 9], [], "length"), B.Sample("", [10, 11], [12, 13], [], "stop"),
-               B.Sample("", [14, 15, 16], [17, 18, 19, 20, 21, 22, 23], [], "stop")]
-    logp, mask, ent = B.token_logprobs(model, samples, temperature, top_p, with_entropy=True, entropy_grad=True,
-                                       chunk=5)  # chunks cut across samples
+    sizes = dict(
+        vocab_size=300,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tied,
+    )
+    model = (
+        LlamaForCausalLM(LlamaConfig(**sizes))
+        if arch == "llama"
+        else Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=8, final_logit_softcapping=3.0))
+    )
+    samples = [
+        B.Sample("", [1, 2, 3, 4, 5], [6, 7, 8, 9], [], "length"),
+        B.Sample("", [10, 11], [12, 13], [], "stop"),
+        B.Sample("", [14, 15, 16], [17, 18, 19, 20, 21, 22, 23], [], "stop"),
+    ]
+    logp, mask, ent = B.token_logprobs(
+        model, samples, temperature, top_p, with_entropy=True, entropy_grad=True, chunk=5
+    )  # chunks cut across samples
     (-(logp * mask).sum() + 0.1 * (ent * mask).sum()).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -172,7 +224,9 @@ def test_chunked_head_equals_full_logits(arch, tied, temperature, top_p):
         torch.testing.assert_close(ent[row, :L], ref_ent[row], atol=1e-5, rtol=0)
     (-sum(x.sum() for x in ref_logp) + 0.1 * sum(x.sum() for x in ref_ent)).backward()
     for n, p in model.named_parameters():
-        torch.testing.assert_close(grads[n], p.grad, atol=1e-5, rtol=1e-4)  # float32 sums in another order
+        torch.testing.assert_close(
+            grads[n], p.grad, atol=1e-5, rtol=1e-4
+        )  # float32 sums in another order
 
 
 class StopModel(torch.nn.Module):
@@ -188,7 +242,9 @@ class StopModel(torch.nn.Module):
     def generate(self, input_ids, attention_mask, logits_processor=(), **kwargs):
         self.asked = kwargs
         sequences = torch.cat([input_ids, torch.tensor(self.rows)], 1)
-        for step in range(len(self.rows[0])):  # each step's scores through the processors, as HF's sampling loop
+        for step in range(
+            len(self.rows[0])
+        ):  # each step's scores through the processors, as HF's sampling loop
             scores = torch.full((len(self.rows), 300), -5.0)
             for processor in logits_processor:
                 scores = processor(sequences[:, : input_ids.shape[1] + step], scores)
@@ -199,13 +255,27 @@ def test_generation_stops_at_the_models_stop_ids_and_drops_padding(tiny_model_di
     tok = B.load_tokenizer(tiny_model_dir)
     eos, eot, pad = tok.eos_token_id, 250, 251
     tok.pad_token_id = pad
-    rows = [[100, 200, eot, pad, pad], [100, 101, 102, 103, 104], [105, 106, eos, pad, pad], [107, 108, pad, pad, pad]]
-    sampler = B.Sampler(tiny_model_dir, StopModel(rows, [eos, eot]), tok, ONE, backend="hf", batch_size=4)
+    rows = [
+        [100, 200, eot, pad, pad],
+        [100, 101, 102, 103, 104],
+        [105, 106, eos, pad, pad],
+        [107, 108, pad, pad, pad],
+    ]
+    sampler = B.Sampler(
+        tiny_model_dir, StopModel(rows, [eos, eot]), tok, ONE, backend="hf", batch_size=4
+    )
     out = [row[0] for row in sampler.generate(["a", "b", "c", "d"], max_new_tokens=5, stop=["zzz"])]
     assert set(sampler.model.asked["eos_token_id"]) == {eos, eot}  # HF stops on both too
-    assert not sampler.model.asked.get("output_scores")  # one step's scores held at a time, not [steps, batch, vocab]
+    assert not sampler.model.asked.get(
+        "output_scores"
+    )  # one step's scores held at a time, not [steps, batch, vocab]
     assert [s.token_ids for s in out] == [[100, 200, eot], rows[1], [105, 106, eos], [107, 108]]
-    assert [len(s.logprobs) for s in out] == [3, 5, 3, 2]  # as many log-probs as tokens: no log p(<pad>)
+    assert [len(s.logprobs) for s in out] == [
+        3,
+        5,
+        3,
+        2,
+    ]  # as many log-probs as tokens: no log p(<pad>)
     assert [s.finish_reason for s in out] == ["stop", "length", "stop", "length"]
 
 
@@ -228,27 +298,40 @@ def test_one_sampler_serves_several_roles(tiny, tiny_model_dir):
 
 def test_stop_strings_are_cut_as_vllm_does(tiny):
     path, tok, model = tiny
-    sampler, prompt = B.Sampler(path, model, tok, ONE, backend="hf"), [B.chat_prompt(tok, "Tell a story.")]
+    sampler, prompt = (
+        B.Sampler(path, model, tok, ONE, backend="hf"),
+        [B.chat_prompt(tok, "Tell a story.")],
+    )
     torch.manual_seed(3)
     [[free]] = sampler.generate(prompt, max_new_tokens=12)
     stop = free.text[len(free.text) // 2 : len(free.text) // 2 + 2]
     torch.manual_seed(3)  # the same draws, up to the stop string
     [[cut]] = sampler.generate(prompt, max_new_tokens=12, stop=[stop])
-    assert stop.strip() and cut.text == free.text[: free.text.find(stop)] and cut.finish_reason == "stop"
+    assert (
+        stop.strip()
+        and cut.text == free.text[: free.text.find(stop)]
+        and cut.finish_reason == "stop"
+    )
     assert free.token_ids[: len(cut.token_ids)] == cut.token_ids
 
 
 def test_generate_without_logprobs_draws_the_same_and_keeps_none(tiny):
     """generate(logprobs=False) (STP's expert iteration uses no log-probs): the same draws, no per-step scores kept."""
     path, tok, model = tiny
-    sampler, prompts = B.Sampler(path, model, tok, ONE, backend="hf"), [B.chat_prompt(tok, q) for q in ("a", "bc")]
+    sampler, prompts = (
+        B.Sampler(path, model, tok, ONE, backend="hf"),
+        [B.chat_prompt(tok, q) for q in ("a", "bc")],
+    )
     torch.manual_seed(5)
     kept = sampler.generate(prompts, n=2, max_new_tokens=8)
     torch.manual_seed(5)
     bare = sampler.generate(prompts, n=2, max_new_tokens=8, logprobs=False)
     assert [[s.token_ids for s in g] for g in bare] == [[s.token_ids for s in g] for g in kept]
-    assert all(s.logprobs == [] and len(k.logprobs) == len(k.token_ids) > 0
-               for gb, gk in zip(bare, kept) for s, k in zip(gb, gk))
+    assert all(
+        s.logprobs == [] and len(k.logprobs) == len(k.token_ids) > 0
+        for gb, gk in zip(bare, kept)
+        for s, k in zip(gb, gk)
+    )
 
 
 def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
@@ -257,13 +340,30 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     s = B.Sample("x", [1, 2, 3], [4, 5], [0.0, 0.0], "stop")
     for step in range(2):
-        B.train_step(model, opt, [s], lambda micro: (-B.token_logprobs(model, micro)[0].sum(), {}), 1, 1.0, ONE)
-        B.save_checkpoint(tmp_path, step + 1, {"policy": (model, opt)}, tok, {"buffer": [step]}, ONE)
+        B.train_step(
+            model,
+            opt,
+            [s],
+            lambda micro: (-B.token_logprobs(model, micro)[0].sum(), {}),
+            1,
+            1.0,
+            ONE,
+        )
+        B.save_checkpoint(
+            tmp_path, step + 1, {"policy": (model, opt)}, tok, {"buffer": [step]}, ONE
+        )
     after = {k: v.clone() for k, v in model.state_dict().items()}
     expected_next = torch.rand(3)
     ckpts = tmp_path / "checkpoints"
-    assert sorted(p.name for p in ckpts.iterdir()) == ["iter_000001", "iter_000002"]  # no temporary directories
-    assert sorted(p.name for p in (ckpts / "iter_000002").iterdir()) == ["policy", "policy.dcp", "state.pt"]
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "iter_000001",
+        "iter_000002",
+    ]  # no temporary directories
+    assert sorted(p.name for p in (ckpts / "iter_000002").iterdir()) == [
+        "policy",
+        "policy.dcp",
+        "state.pt",
+    ]
     # a fresh model and optimizer resume exactly: same weights, same Adam moments, same RNG stream
     fresh = B.load_model(tiny_model_dir, ONE)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
@@ -274,7 +374,10 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
         assert torch.equal(v, after[k]), k
     assert torch.equal(torch.rand(3), expected_next)
     saved, loaded = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
-    assert all(torch.equal(saved[i]["exp_avg_sq"], loaded[i]["exp_avg_sq"]) and loaded[i]["step"] == 2 for i in saved)
+    assert all(
+        torch.equal(saved[i]["exp_avg_sq"], loaded[i]["exp_avg_sq"]) and loaded[i]["step"] == 2
+        for i in saved
+    )
     # the saved HF directory loads with plain transformers, with the trained weights
     from transformers import AutoModelForCausalLM
 
@@ -284,13 +387,17 @@ def test_checkpoint_round_trip(tmp_path, tiny_model_dir):
         B.save_checkpoint(tmp_path, i, {"policy": (model, opt)}, tok, {}, ONE, keep=2)
     assert sorted(p.name for p in ckpts.glob("iter_*")) == ["iter_000004", "iter_000005"]
     assert B.load_checkpoint(tmp_path / "nothing", {"policy": (fresh, fresh_opt)}, ONE) is None
-    # a method that rebuilds its optimizer every update saves no moments (issue 18: ~56 GB of a 7B checkpoint)
+    # a method that rebuilds its optimizer every update saves no moments (~56 GB of a 7B checkpoint)
     B.save_checkpoint(tmp_path / "lean", 1, {"policy": (model, None)}, tok, {}, ONE)
     from torch.distributed.checkpoint import FileSystemReader
 
     keys = lambda d: list(FileSystemReader(str(d)).read_metadata().state_dict_metadata)  # noqa: E731
     assert any(k.startswith("optim.state") for k in keys(ckpts / "iter_000005" / "policy.dcp"))
-    assert not [k for k in keys(tmp_path / "lean" / "checkpoints" / "iter_000001" / "policy.dcp") if "optim" in k]
+    assert not [
+        k
+        for k in keys(tmp_path / "lean" / "checkpoints" / "iter_000001" / "policy.dcp")
+        if "optim" in k
+    ]
     lean = B.load_model(tiny_model_dir, ONE)
     assert B.load_checkpoint(tmp_path / "lean", {"policy": (lean, None)}, ONE)[0] == 1
     assert all(torch.equal(v, after[k]) for k, v in lean.state_dict().items())
@@ -340,15 +447,25 @@ def test_vllm_sampler_call_sequence(tiny, vllm_double):
     name, kwargs = calls[0]
     assert name == "LLM" and kwargs["distributed_executor_backend"] == "external_launcher"
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["enable_sleep_mode"] is False
-    assert kwargs["seed"] == 7 and kwargs["gpu_memory_utilization"] == 0.3 and kwargs["dtype"] == "bfloat16"
-    assert sys.modules["vllm._custom_ops"]._supports_onednn is False  # CPU: plain weights, so load_weights works
+    assert (
+        kwargs["seed"] == 7
+        and kwargs["gpu_memory_utilization"] == 0.3
+        and kwargs["dtype"] == "bfloat16"
+    )
+    assert (
+        sys.modules["vllm._custom_ops"]._supports_onednn is False
+    )  # CPU: plain weights, so load_weights works
     n_params = len(model.state_dict())
     assert [c[0] for c in calls] == ["LLM"] + ["load_weights"] * n_params + ["reset_prefix_cache"]
     out = sampler.generate(["a", "b"], n=3, temperature=1.0, max_new_tokens=5)
     assert [len(g) for g in out] == [3, 3]
-    assert len(out[0][0].token_ids) == len(out[0][0].logprobs) and out[0][0].prompt_ids == B.encode_prompt(tok, "a")
+    assert len(out[0][0].token_ids) == len(out[0][0].logprobs) and out[0][
+        0
+    ].prompt_ids == B.encode_prompt(tok, "a")
     assert not any(c == ("collective_rpc", "reload_weights") for c in calls)
-    [[bare]] = sampler.generate(["a"], max_new_tokens=5, logprobs=False)  # SamplingParams(logprobs=None): none
+    [[bare]] = sampler.generate(
+        ["a"], max_new_tokens=5, logprobs=False
+    )  # SamplingParams(logprobs=None): none
     assert bare.token_ids and bare.logprobs == []
     # a prompt longer than the model keeps its last max_model_len - 1 tokens and a budget of 1 token
     [[long]] = sampler.generate([" ".join(["word"] * 5000)], max_new_tokens=4000)
@@ -379,7 +496,10 @@ def test_vllm_sleep_rules_on_gpu(tiny, vllm_double, monkeypatch):
     sampler.sync_weights(model)
     sampler.generate(["a"])
     assert [c[0] for c in calls] == ["wake_up"] + ["load_weights"] * len(model.state_dict()) + [
-        "wake_up", "reset_prefix_cache", "generate"]
+        "wake_up",
+        "reset_prefix_cache",
+        "generate",
+    ]
 
 
 def test_vllm_seed_and_rng(tiny, vllm_double):
@@ -399,19 +519,33 @@ def test_vllm_seed_and_rng(tiny, vllm_double):
 
 def test_vllm_double_fails_where_vllm_fails(tiny, vllm_double):
     path, tok, model = tiny
-    llm = vllm_double.LLM(path, seed=0, distributed_executor_backend="external_launcher", max_model_len=16)
+    llm = vllm_double.LLM(
+        path, seed=0, distributed_executor_backend="external_launcher", max_model_len=16
+    )
     engine_model = llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
     with pytest.raises(KeyError):
         engine_model.load_weights([("model.layers.0._fsdp_wrapped.weight", torch.zeros(3))])
     with pytest.raises(AssertionError):
         engine_model.load_weights([("model.norm.weight", torch.zeros(3))])
-    for bad in [dict(n=0), dict(temperature=-1.0), dict(top_p=0.0), dict(max_tokens=0), dict(logprobs=-1)]:
+    for bad in [
+        dict(n=0),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(max_tokens=0),
+        dict(logprobs=-1),
+    ]:
         with pytest.raises(ValueError):
             vllm_double.SamplingParams(**bad)
     with pytest.raises(ValueError, match="longer than the maximum model length"):
-        llm.generate([{"prompt_token_ids": list(range(16))}], vllm_double.SamplingParams(max_tokens=1))
-    [out] = llm.generate([{"prompt_token_ids": list(range(10))}], vllm_double.SamplingParams(max_tokens=100))
-    assert len(out.outputs[0].token_ids) <= 6  # prompt + max_tokens beyond the model is allowed, and stops there
+        llm.generate(
+            [{"prompt_token_ids": list(range(16))}], vllm_double.SamplingParams(max_tokens=1)
+        )
+    [out] = llm.generate(
+        [{"prompt_token_ids": list(range(10))}], vllm_double.SamplingParams(max_tokens=100)
+    )
+    assert (
+        len(out.outputs[0].token_ids) <= 6
+    )  # prompt + max_tokens beyond the model is allowed, and stops there
 
 
 def test_vllm_finish_reasons_pass_through(tiny, vllm_double, monkeypatch):
@@ -427,7 +561,9 @@ def test_vllm_finish_reasons_pass_through(tiny, vllm_double, monkeypatch):
 
     monkeypatch.setattr(vllm_double.LLM, "generate", aborted)
     [[s]] = sampler.generate(["a"])
-    assert s.finish_reason == "abort" and s.text == ""  # a failed sample keeps no text: every parser rejects it
+    assert (
+        s.finish_reason == "abort" and s.text == ""
+    )  # a failed sample keeps no text: every parser rejects it
 
 
 # ---- the helpers every file shares: CPU scaling, seeded sampling, the training step, the schedule, pass@k ----
@@ -447,24 +583,35 @@ def test_start_run_scales_for_a_cpu_and_keeps_given_flags(tmp_path, capsys, monk
         iterations: int = 500
         planner: bool = True
         no_guide: bool = False
+        lr_schedule: str = "constant"
 
     monkeypatch.setattr(B.torch.cuda, "is_available", lambda: False)
     defaults = dict(model="small", iterations=2, planner=False, no_guide=True)
     args = Args(iterations=7, planner=True, no_guide=False)  # as tyro parses the argv below
-    dist, run_dir, _ = B.start_run(args, defaults, ["--iterations", "7", "--planner", "--no-no-guide"])
+    dist, run_dir, _ = B.start_run(
+        args, defaults, ["--iterations", "7", "--planner", "--no-no-guide"]
+    )
     # given: --iterations (a value), --planner (the boolean planner), --no-no-guide (the boolean no_guide)
     assert (args.model, args.iterations, args.planner, args.no_guide) == ("small", 7, True, False)
     out = capsys.readouterr().out
     assert "No CUDA" in out and "model: big -> small" in out and "iterations" not in out
-    assert run_dir == tmp_path / "x__1" and json.loads((run_dir / "config.json").read_text())["model"] == "small"
+    assert (
+        run_dir == tmp_path / "x__1"
+        and json.loads((run_dir / "config.json").read_text())["model"] == "small"
+    )
     args = Args(model="other", planner=False)
     B.start_run(args, defaults, ["--model=other", "--no-planner"])
     assert (args.model, args.iterations, args.planner, args.no_guide) == ("other", 2, False, True)
     monkeypatch.setattr(B.torch.cuda, "is_available", lambda: True)
-    args = Args()  # with CUDA nothing is scaled (the device itself is not touched: one process, world size 1)
+    args = (
+        Args()
+    )  # with CUDA nothing is scaled (the device itself is not touched: one process, world size 1)
     monkeypatch.setattr(B.torch.cuda, "set_device", lambda d: None)
     B.start_run(args, defaults, [])
     assert (args.model, args.iterations) == ("big", 500)
+    # a schedule lr_at does not know (a fork's new --lr-schedule value) stops the run at its start, saying where
+    with pytest.raises(ValueError, match="lr_at"):
+        B.start_run(Args(lr_schedule="wsd"), defaults, [])
 
 
 class Recorder:
@@ -475,7 +622,10 @@ class Recorder:
 
     def generate(self, prompts, n=1, **params):
         self.calls.append((list(prompts), params))
-        return [[B.Sample(p, [], [int(torch.randint(10**9, ()))], [], "stop") for _ in range(n)] for p in prompts]
+        return [
+            [B.Sample(p, [], [int(torch.randint(10**9, ()))], [], "stop") for _ in range(n)]
+            for p in prompts
+        ]
 
 
 def test_sample_seeds_each_chunk_from_its_key_and_position():
@@ -489,7 +639,9 @@ def test_sample_seeds_each_chunk_from_its_key_and_position():
     assert all(c[1] == {"temperature": 0.5} for c in sampler.calls)
     for start in (0, 2, 4):
         torch.manual_seed(zlib.crc32(f"1/0/solve/{start}".encode()))
-        expected = [int(torch.randint(10**9, ())) for _ in range(2 * len(prompts[start : start + 2]))]
+        expected = [
+            int(torch.randint(10**9, ())) for _ in range(2 * len(prompts[start : start + 2]))
+        ]
         got = [s.token_ids[0] for row in rows[start : start + 2] for s in row]
         assert got == expected
     assert [s.text for row in rows for s in row] == [p for p in prompts for _ in range(2)]
@@ -497,24 +649,26 @@ def test_sample_seeds_each_chunk_from_its_key_and_position():
     alone = B.sample(Recorder(), ["p3"], 2, ["k3"])
     together = B.sample(Recorder(), ["p1", "p3"], 2, ["k1", "k3"])
     assert alone[0] == together[1]
-    # then(start, rows) keeps what the caller wants of each chunk, one item per prompt
-    kept = B.sample(Recorder(), prompts, 2, "k", then=lambda start, rows: [(start, len(r)) for r in rows])
-    assert kept == [(0, 2), (0, 2), (2, 2), (2, 2), (4, 2)]
-    # two ranks (simulated in one process): each samples whole chunks, and every rank gets what one rank draws
-    def two_ranks(fn, items, dist):
-        parts = [list(fn(items[r::2])) for r in range(2)]
-        return [parts[i % 2][i // 2] for i in range(len(items))]
-
-    B.map_sharded, one_rank = two_ranks, B.map_sharded
-    try:
-        assert B.sample(Recorder(), prompts, 2, "1/0/solve", rank(0, 2), temperature=0.5) == rows
-    finally:
-        B.map_sharded = one_rank
+    # two ranks (simulated in one process): each samples whole chunks, taken in turn (rank 0: the chunks at 0 and
+    # 4; rank 1: at 2), and the two shards merged are what one rank draws
+    shards = [
+        B.sample_shard(Recorder(), prompts, 2, "1/0/solve", rank(r, 2), temperature=0.5)
+        for r in range(2)
+    ]
+    assert sorted(shards[0]) == [0, 1, 4] and sorted(shards[1]) == [2, 3]
+    merged = {**shards[0], **shards[1]}
+    assert [merged[i] for i in range(len(prompts))] == rows
+    assert B.gather_shard(shards[0]) == [
+        shards[0][i] for i in (0, 1, 4)
+    ]  # no dist: this process's shard alone
 
 
 def test_train_step_does_not_depend_on_the_micro_batches(tiny_model_dir):
     """The loss, the statistics and the gradient of one step are the same whatever the micro-batch size."""
-    items = [B.Sample("", [1, 2, 3][: 1 + i % 3], [4 + i, 5, 6][: 1 + i % 2], [], "stop") for i in range(5)]
+    items = [
+        B.Sample("", [1, 2, 3][: 1 + i % 3], [4 + i, 5, 6][: 1 + i % 2], [], "stop")
+        for i in range(5)
+    ]
     tokens = sum(len(s.token_ids) for s in items)
     results = []
     for micro_size in (1, 2, 5):
@@ -523,59 +677,109 @@ def test_train_step_does_not_depend_on_the_micro_batches(tiny_model_dir):
 
         def loss_fn(micro):
             logp, mask, _ = B.token_logprobs(model, micro)
-            return -(logp * mask).sum() / tokens, {"tokens": float(mask.sum()), "sequences": float(len(micro))}
+            return -(logp * mask).sum() / tokens, {
+                "tokens": float(mask.sum()),
+                "sequences": float(len(micro)),
+            }
 
-        stats = B.train_step(model, opt, items, loss_fn, micro_size, 1e9, ONE, length=lambda s: len(s.token_ids),
-                             lr=0.0)  # lr 0 (set by the step): the weights stay, the grad norm tells the gradient
+        stats = B.train_step(
+            model,
+            opt,
+            items,
+            loss_fn,
+            micro_size,
+            1e9,
+            ONE,
+            length=lambda s: len(s.token_ids),
+            lr=0.0,
+        )  # lr 0 (set by the step): the weights stay, the grad norm tells the gradient
         assert opt.param_groups[0]["lr"] == 0.0 and all(p.grad is None for p in model.parameters())
         assert stats["tokens"] == tokens and stats["sequences"] == 5 and stats["grad_norm"] > 0
         results.append((stats["loss"], stats["grad_norm"]))
-    assert all(loss == pytest.approx(results[0][0], rel=1e-5) and norm == pytest.approx(results[0][1], rel=1e-4)
-               for loss, norm in results)
+    assert all(
+        loss == pytest.approx(results[0][0], rel=1e-5)
+        and norm == pytest.approx(results[0][1], rel=1e-4)
+        for loss, norm in results
+    )
 
 
 def test_lr_at_is_transformers_schedules():
-    from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup, \
-        get_linear_schedule_with_warmup
+    from transformers import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+        get_linear_schedule_with_warmup,
+    )
 
-    for make, schedule in [(get_cosine_schedule_with_warmup, "cosine"), (get_linear_schedule_with_warmup, "linear"),
-                           (get_constant_schedule_with_warmup, "constant")]:
+    for make, schedule in [
+        (get_cosine_schedule_with_warmup, "cosine"),
+        (get_linear_schedule_with_warmup, "linear"),
+        (get_constant_schedule_with_warmup, "constant"),
+    ]:
         for warmup, total in [(0, 5), (2, 9), (3, 3)]:
             opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=2.0)
             sched = make(opt, warmup) if schedule == "constant" else make(opt, warmup, total)
             for step in range(total):  # the lr the step-th optimizer step uses
-                assert B.lr_at(step, total, 2.0, warmup, schedule) == pytest.approx(opt.param_groups[0]["lr"])
+                assert B.lr_at(step, total, 2.0, warmup, schedule) == pytest.approx(
+                    opt.param_groups[0]["lr"]
+                )
                 opt.step()
                 sched.step()
     c = 0.5 * (1 + math.cos(math.pi / 4))
-    assert [B.lr_at(s, 5, 1.0, 1, "cosine") for s in range(5)] == pytest.approx([0, 1, c, 0.5, 1 - c])
+    assert [B.lr_at(s, 5, 1.0, 1, "cosine") for s in range(5)] == pytest.approx(
+        [0, 1, c, 0.5, 1 - c]
+    )
 
 
 def test_pass_at_k_by_hand():
     assert B.pass_at_k(4, 2, 1) == pytest.approx(0.5)
     assert B.pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # 1 - C(2,2)/C(4,2)
-    assert B.pass_at_k(5, 0, 3) == 0.0 and B.pass_at_k(5, 3, 3) == 1.0 and B.pass_at_k(10, 1, 10) == 1.0
+    assert (
+        B.pass_at_k(5, 0, 3) == 0.0
+        and B.pass_at_k(5, 3, 3) == 1.0
+        and B.pass_at_k(10, 1, 10) == 1.0
+    )
     assert B.pass_at_k(10, 3, 4) == pytest.approx(1 - math.comb(7, 4) / math.comb(10, 4))
 
 
 @pytest.mark.slow
 def test_embedded_model_resolves_and_generates():
-    assert (pathlib.Path(B.resolve_model(B.EMBEDDED_MODEL)) / "config.json").exists()  # converted by setup.sh
+    assert (
+        pathlib.Path(B.resolve_model(B.EMBEDDED_MODEL)) / "config.json"
+    ).exists()  # converted by setup.sh
     tok = B.load_tokenizer(B.EMBEDDED_MODEL)
     model = B.load_model(B.EMBEDDED_MODEL, ONE, train=False)
     sampler = B.Sampler(B.EMBEDDED_MODEL, model, tok, ONE, backend="hf")
-    [[s]] = sampler.generate([B.chat_prompt(tok, "What is 2+2? Answer with a number.")], temperature=0,
-                             max_new_tokens=16)
+    [[s]] = sampler.generate(
+        [B.chat_prompt(tok, "What is 2+2? Answer with a number.")], temperature=0, max_new_tokens=16
+    )
     assert "4" in s.text and s.finish_reason == "stop"
 
 
 def run_two_ranks(tmp_path, tiny_model_dir, backend: str, port: int):
-    paths = [str(REPO / "tests")] + ([str(REPO / "tests" / "vllm_double")] if backend == "vllm" else [])
+    paths = [str(REPO / "tests")] + (
+        [str(REPO / "tests" / "vllm_double")] if backend == "vllm" else []
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-         str(REPO / "tests" / "fsdp_worker.py"), tiny_model_dir, str(tmp_path), backend],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            str(REPO / "tests" / "fsdp_worker.py"),
+            tiny_model_dir,
+            str(tmp_path),
+            backend,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return json.loads((tmp_path / "result.json").read_text())
 
@@ -586,8 +790,12 @@ def test_fsdp2_two_ranks_on_cpu(tmp_path, tiny_model_dir):
     checkpoint (it left the root unsharded: KeyError 0 in the optimizer state dict), sharded checkpoint and exact
     resume, equal micro-batch counts, map_sharded across ranks."""
     result = run_two_ranks(tmp_path, tiny_model_dir, "hf", 29533)
-    assert result["same_as_plain"]  # rank 0 read the weights, rank 1 built on the meta device: both hold the model
-    assert result["changed"] and result["synced"] and result["resumed_equal"] and result["sharded_map"]
+    assert result[
+        "same_as_plain"
+    ]  # rank 0 read the weights, rank 1 built on the meta device: both hold the model
+    assert (
+        result["changed"] and result["synced"] and result["resumed_equal"] and result["sharded_map"]
+    )
     assert math.isfinite(result["grad_norm"])
 
 
@@ -598,9 +806,24 @@ def test_results_gathered_after_long_per_rank_work_do_not_time_out(tmp_path):
     gathers on a gloo group of its own whose timeout is days."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests"), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29536",
-         str(REPO / "tests" / "objects_worker.py"), str(tmp_path), "25"],
-        capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29536",
+            str(REPO / "tests" / "objects_worker.py"),
+            str(tmp_path),
+            "25",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     # rank 0 waited past the default group's 15 s timeout (not the full 25 s: rank 1 may start its clock first)
@@ -622,9 +845,24 @@ def test_gpu_vllm_greedy_survives_sleep_and_sync(tmp_path, tiny_model_dir):
     pytest.importorskip("vllm")
     env = {**os.environ, "PYTHONPATH": str(REPO / "tests")}
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29535",
-         str(REPO / "tests" / "gpu_worker.py"), tiny_model_dir, str(tmp_path)],
-        capture_output=True, text=True, timeout=1200, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            "29535",
+            str(REPO / "tests" / "gpu_worker.py"),
+            tiny_model_dir,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=env,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["greedy_equal"] and result["max_logprob_diff"] < 0.05

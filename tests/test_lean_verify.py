@@ -2327,7 +2327,7 @@ def test_proof_tactics():
 
 
 def test_proof_tactics_end_with_the_proof():
-    """Issue 19.9: commands after the proof are not tactics; ':=' then 'by' on the next line is a tactic proof; a
+    """Commands after the proof are not tactics; ':=' then 'by' on the next line is a tactic proof; a
     term-mode proof has no tactics (coprover floors its label at one step); a binder's ':=' is not the proof's."""
     st = LEAN_TACTICS["search_and_le"].statement
     body = "\n  constructor\n  · exact Nat.lt_trans h₁ h₀\n  · exact Nat.le_of_lt h₀"

