@@ -1294,7 +1294,7 @@ def main(args: Args) -> None:
         found = load_checkpoint(run_dir, models, dist)
         if found is not None:
             start, state = found
-    sampler = start_sampler(prover, tokenizers["prover"], args, dist)
+    sampler = start_sampler(prover, tokenizers["prover"], args=args, dist=dist)
     score = None  # V for the search
     if args.value_model:
         score = value_scorer(models["value"][0], tokenizers["value"], args=args, dist=dist)

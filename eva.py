@@ -1314,9 +1314,9 @@ def main(args: Args) -> None:
         if found is not None:
             start, state = found
     sampler = Sampler(
-        model_name=args.model,
-        policy=policy,
-        tokenizer=tokenizer,
+        args.model,
+        policy,
+        tokenizer,
         dist=dist,
         backend=args.backend,
         max_model_len=args.max_model_len,
@@ -1381,7 +1381,7 @@ def main(args: Args) -> None:
                     new_groups = solve(
                         **services, prompts=evolved, n=args.n_samples, key=key, args=args, dist=dist
                     )
-                train_groups = mix(groups, new_groups, rng, args)
+                train_groups = mix(groups, new_groups, rng=rng, args=args)
                 reward_mean = float(np.mean(all_rewards(new_groups)))
                 metrics["charts/evolved_reward_mean"] = reward_mean
                 state["prompts"] = evolved  # X_t: the next round's prompts (Algorithm 1)

@@ -1520,7 +1520,7 @@ def load_run(args: Args, run_dir: pathlib.Path, dist) -> tuple:
         args.model,
         policy,
         tokenizer,
-        dist,
+        dist=dist,
         backend=args.backend,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,

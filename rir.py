@@ -1058,7 +1058,7 @@ def main(args: Args) -> None:
         args.model,
         policy,
         tokenizer,
-        dist,
+        dist=dist,
         backend=args.backend,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -1080,7 +1080,9 @@ def main(args: Args) -> None:
             with logger.timer("co_train"):
                 sampler.sleep()
                 items = training_items(data, tokenizer, args)
-                stats = co_train(policy, optimizer, items, steps, args=args, dist=dist, rng=rng)
+                stats = co_train(
+                    policy, optimizer, items, steps=steps, args=args, dist=dist, rng=rng
+                )
                 metrics.update(stats)
                 sampler.sync_weights(policy)
 
@@ -1092,7 +1094,7 @@ def main(args: Args) -> None:
 
             # 3. Replay the proofs into triples: D_{t+1} = D_t + the new ones
             with logger.timer("replay"):
-                replayed = replay_proofs(verifier, problems, results, dist)
+                replayed = replay_proofs(verifier, problems, results, dist=dist)
                 known = set(data)
                 fresh = [triple for triple in replayed if triple not in known]
                 new = list(dict.fromkeys(fresh))  # each once, in order
@@ -1105,7 +1107,7 @@ def main(args: Args) -> None:
             metrics.update(search_metrics(results, "selfplay", search_seconds))
             metrics["selfplay/new_triples"] = float(len(new))
             metrics["charts/proved_ever"] = float(len(state["proved"]))
-            record_searches(run_dir, results, "selfplay", step, outcomes=outcomes, dist=dist)
+            record_searches(run_dir, results, "selfplay", step=step, outcomes=outcomes, dist=dist)
 
         # 4. Evaluate: pass@1 under the budget (after the last iteration by default)
         if (args.eval_every and step % args.eval_every == 0) or step == args.iterations:

@@ -427,16 +427,37 @@ GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the score
 
 
 # ---- data ----
-# Problem(id, header, statement): a Lean 4 task of lean_verify (load_problems reads the usual
-# datasets' rows). A conjecture also keeps the target it was proposed for (seed_id) and its
-# generation (sample: the Conjecturer's training sequence).
-Conjecture = collections.namedtuple("Conjecture", Problem._fields + ("seed_id", "sample"))
-# A whole-proof attempt: its Sample, the proof Lean accepted (the tactics after ':= by'; None
-# if Lean rejected it or there was none), Lean's status, its verdict and its seconds.
-Attempt = collections.namedtuple("Attempt", "sample proof status correct seconds", defaults=(0.0,))
-# A training sequence: a Sample, its weight (a reward or an advantage) and, for CISPO, its
-# group's tokens and the group's index.
-Example = collections.namedtuple("Example", "sample weight group_tokens group", defaults=(0.0, -1))
+# Problem(id, header, statement) is lean_verify's Lean 4 task (load_problems reads the usual
+# datasets' rows).
+
+
+class Conjecture(NamedTuple):
+    """A conjectured statement: a Problem's fields, then where it came from."""
+
+    id: str
+    header: str
+    statement: str
+    seed_id: str  # the target it was conjectured for
+    sample: Sample  # its generation: the Conjecturer's training sequence
+
+
+class Attempt(NamedTuple):
+    """One sampled whole proof and Lean's verdict on it."""
+
+    sample: Sample
+    proof: str | None  # the tactics after ':= by' when Lean accepted them, else None
+    status: str  # Lean's status ("valid", "error", ...), or "no_code" for no proof to check
+    correct: bool  # Lean accepted the proof
+    seconds: float = 0.0  # Lean's time on the proof
+
+
+class Example(NamedTuple):
+    """A training sequence: a Sample (its prompt and target tokens) and its weight."""
+
+    sample: Sample
+    weight: float  # a reward or an advantage
+    group_tokens: float = 0.0  # CISPO: the tokens of the sample's group
+    group: int = -1  # CISPO: the group's index
 
 
 def compact(sample: Sample) -> Sample:
@@ -450,8 +471,7 @@ def compact(sample: Sample) -> Sample:
 
 
 def statement_key(statement: str) -> str:
-    """A statement ignoring spaces and newlines: two conjectures with one key are one
-    (STP's official rule; deviation 4)."""
+    """A statement as duplicates are found: without spaces and newlines (STP's rule)."""
     return statement.replace(" ", "").replace("\n", "")
 
 

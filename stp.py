@@ -549,7 +549,11 @@ def conjecture(
     prompts = []
     for problem, proof, lemma in seeds:
         easy_theorem = problem.statement + proof
-        prompts.append(conjecturer_prompt(tokenizer, problem.header, lemma, easy_theorem, args))
+        prompts.append(
+            conjecturer_prompt(
+                tokenizer, problem.header, lemma, easy_theorem=easy_theorem, args=args
+            )
+        )
 
     # sample
     rows = sample(
@@ -802,16 +806,18 @@ def conjecturer_examples(
     elegant = elegance_filter(lemmas, ratios, args.elegance_quantile)
     kept = [k for k, ok in zip(kept, elegant) if ok]
 
-    P = embed(policy, tokenizer, [c.statement for c, _ in kept], args, dist)
-    Q = embed(policy, tokenizer, [s.statement for s in unproved], args, dist)
-    weights = matching_weights(P, Q, args.matching_cap, rng)
+    P = embed(policy, tokenizer, [c.statement for c, _ in kept], args=args, dist=dist)
+    Q = embed(policy, tokenizer, [s.statement for s in unproved], args=args, dist=dist)
+    weights = matching_weights(P, Q, args.matching_cap, rng=rng)
     examples = []
     for (c, lemma), weight in zip(kept, weights):
         if weight <= 0:
             continue
-        prompt = conjecturer_prompt(tokenizer, c.header, lemma, c.easy_theorem, args)
+        prompt = conjecturer_prompt(
+            tokenizer, c.header, lemma, easy_theorem=c.easy_theorem, args=args
+        )
         target = "\n" + c.statement + "\n" + END_THM
-        examples.append(text_example(tokenizer, prompt, target, weight, args))
+        examples.append(text_example(tokenizer, prompt, target, weight=weight, args=args))
     stats = {
         "conjecturer/in_band": len(band),
         "conjecturer/invoking_lemma": len(invoking),
@@ -846,9 +852,9 @@ def prover_examples(
             newest[entry["proof"]] = entry
         prompt = prover_prompt(tokenizer, problem_by_id[pid], args)
         for entry in newest.values():
-            weight = proof_weight(len(entry["proof"]), entry["seconds"], len(recent), args)
+            weight = proof_weight(len(entry["proof"]), entry["seconds"], len(recent), args=args)
             target = entry["proof"] + "\n```"
-            examples.append(text_example(tokenizer, prompt, target, weight, args))
+            examples.append(text_example(tokenizer, prompt, target, weight=weight, args=args))
     return examples
 
 
@@ -871,7 +877,7 @@ def final_examples(
     examples = []
     for r in sft:
         weight = r.get("weight", 1.0)
-        examples.append(text_example(tokenizer, r["prompt"], r["target"], weight, args))
+        examples.append(text_example(tokenizer, r["prompt"], r["target"], weight=weight, args=args))
     found = []  # (statement id, proof entry)
     for pid, entries in proofs.items():
         for entry in entries:
@@ -893,7 +899,7 @@ def final_examples(
         count[pid] += 1
         weight = math.exp(-args.length_penalty * len(entry["proof"]))
         target = entry["proof"] + "\n```"
-        examples.append(text_example(tokenizer, prompts[pid], target, weight, args))
+        examples.append(text_example(tokenizer, prompts[pid], target, weight=weight, args=args))
     return examples
 
 
@@ -940,7 +946,7 @@ def update(
             policy,
             optimizer,
             batch,
-            loss_fn,
+            loss_fn=loss_fn,
             micro_batch_size=args.micro_batch_size,
             max_grad_norm=args.max_grad_norm,
             dist=dist,
@@ -975,7 +981,9 @@ def retrain_from_base(
     stats = {}
     if examples:
         min_steps = args.final_min_train_steps
-        stats = update(policy, optimizer, examples, lr, min_steps, rng, args, dist)
+        stats = update(
+            policy, optimizer, examples, lr=lr, min_steps=min_steps, rng=rng, args=args, dist=dist
+        )
     sampler.sync_weights(policy)
     stats["examples"] = len(examples)
     return {"policy": (policy, optimizer)}, policy, stats
@@ -1043,7 +1051,9 @@ def evaluate(
             continue
         n = args.eval_samples
         key = f"{args.seed}/{step}/eval/{name}"
-        attempts = attempt_proofs(sampler, verifier, tokenizer, problems, n, key, args, dist)
+        attempts = attempt_proofs(
+            sampler, verifier, tokenizer, problems=problems, n=n, key=key, args=args, dist=dist
+        )
         rows = []
         for p in problems:
             rows.append([a.correct for a in attempts[p.id]])
@@ -1122,7 +1132,7 @@ def load_run(args: Args, run_dir: pathlib.Path, dist: Dist) -> tuple:
     --resume."""
     tokenizer = load_tokenizer(args.model)
     train = not args.pure_sampling
-    policy = load_model(args.model, dist, train, args.gradient_checkpointing)
+    policy = load_model(args.model, dist, train, gradient_checkpointing=args.gradient_checkpointing)
     models = {}
     if train:
         optimizer = torch.optim.AdamW(
@@ -1145,7 +1155,7 @@ def load_run(args: Args, run_dir: pathlib.Path, dist: Dist) -> tuple:
         args.model,
         policy,
         tokenizer,
-        dist,
+        dist=dist,
         backend=args.backend,
         max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -1188,9 +1198,17 @@ def main(args: Args) -> None:
         conjectures = []
         if not baseline:
             with logger.timer("conjecture"):
-                seeds = select_seeds(statements, proofs, history, rng, args)
+                seeds = select_seeds(statements, proofs, history, rng=rng, args=args)
                 conjectures, stats = conjecture(
-                    sampler, tokenizer, seeds, statements, problem_by_id, iteration, rng, args, dist
+                    sampler,
+                    tokenizer,
+                    seeds,
+                    statements=statements,
+                    problem_by_id=problem_by_id,
+                    iteration=iteration,
+                    rng=rng,
+                    args=args,
+                    dist=dist,
                 )
                 for c in conjectures:
                     problem_by_id[c.id] = c
@@ -1201,10 +1219,14 @@ def main(args: Args) -> None:
         # 3. Prove: samples_first_round proofs per problem in iteration 0 (and in the baselines)
         with logger.timer("prove"):
             seeded = bool(seeds)
-            problems = select_problems(statements, conjectures, proofs, history, seeded, rng, args)
+            problems = select_problems(
+                statements, conjectures, proofs, history=history, seeded=seeded, rng=rng, args=args
+            )
             n = args.samples_first_round if iteration == 0 or baseline else args.samples_per_round
             key = f"{args.seed}/{iteration}/prove"
-            attempts = attempt_proofs(sampler, verifier, tokenizer, problems, n, key, args, dist)
+            attempts = attempt_proofs(
+                sampler, verifier, tokenizer, problems=problems, n=n, key=key, args=args, dist=dist
+            )
             state["generations"] += len(problems) * n
             record_solve_counts(history, attempts, iteration)
             record_proofs(proofs, attempts, iteration)
@@ -1218,13 +1240,20 @@ def main(args: Args) -> None:
                 policy = None  # dropped before the base model loads
                 sft = []  # the proofs alone
                 examples = final_examples(
-                    tokenizer, problem_by_id, history, proofs, originals, sft, rng, args
+                    tokenizer,
+                    problem_by_id,
+                    history,
+                    proofs=proofs,
+                    originals=originals,
+                    sft=sft,
+                    rng=rng,
+                    args=args,
                 )
                 trained += len(examples)
                 base = args.model
                 lr = args.learning_rate
                 models, policy, stats = retrain_from_base(
-                    sampler, base, examples, lr, rng, args, dist
+                    sampler, base, examples, lr=lr, rng=rng, args=args, dist=dist
                 )
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
         elif not args.pure_sampling:
@@ -1236,17 +1265,17 @@ def main(args: Args) -> None:
                     policy,
                     tokenizer,
                     conjectures,
-                    attempts,
-                    proofs,
-                    unproved,
-                    iteration,
-                    rng,
-                    args,
-                    dist,
+                    attempts=attempts,
+                    proofs=proofs,
+                    unproved=unproved,
+                    iteration=iteration,
+                    rng=rng,
+                    args=args,
+                    dist=dist,
                 )
                 # 5. The prover's data: the replay window's proofs of statements still hard
                 prover_set = prover_examples(
-                    tokenizer, problem_by_id, history, proofs, iteration, args
+                    tokenizer, problem_by_id, history, proofs=proofs, iteration=iteration, args=args
                 )
                 trained += len(prover_set)
                 metrics.update(stats)
@@ -1261,23 +1290,49 @@ def main(args: Args) -> None:
                     policy, optimizer = models["policy"]
                     lr = args.learning_rate
                     min_steps = args.min_train_steps
-                    stats = update(policy, optimizer, examples, lr, min_steps, rng, args, dist)
+                    stats = update(
+                        policy,
+                        optimizer,
+                        examples,
+                        lr=lr,
+                        min_steps=min_steps,
+                        rng=rng,
+                        args=args,
+                        dist=dist,
+                    )
                 metrics.update({f"losses/{k}": v for k, v in stats.items()})
                 sampler.sync_weights(policy)
 
         generations = state["generations"]
         stats = solve_metrics(
-            statements, proofs, attempts, generations, problems=problems, conjectures=conjectures
+            statements,
+            proofs,
+            attempts,
+            generations=generations,
+            problems=problems,
+            conjectures=conjectures,
         )
         metrics.update(stats)
         last = step == args.iterations
         if args.eval_every and step % args.eval_every == 0 and not last:
             with logger.timer("eval"):
-                metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, step, args, dist))
+                metrics.update(
+                    evaluate(
+                        sampler,
+                        verifier,
+                        tokenizer,
+                        benchmarks=benchmarks,
+                        step=step,
+                        args=args,
+                        dist=dist,
+                    )
+                )
         if not last:  # the last iteration's line also holds Stage 3 and the final evaluation
             logger.log(metrics, step=step)
         if step % args.save_every == 0 or last:
-            save_checkpoint(run_dir, step, weights_only(models), tokenizer, state, dist)
+            save_checkpoint(
+                run_dir, step, weights_only(models), tokenizer=tokenizer, state=state, dist=dist
+            )
 
     # Stage 3: re-train the base model on the SFT data and the proofs of every round
     if args.final_retrain and not baseline and not state.get("stage3"):
@@ -1287,21 +1342,36 @@ def main(args: Args) -> None:
             rng = random.Random(f"{args.seed}/final")
             sft = read_rows(args.final_sft_dataset) if args.final_sft_dataset else []
             examples = final_examples(
-                tokenizer, problem_by_id, history, proofs, originals, sft, rng, args
+                tokenizer,
+                problem_by_id,
+                history,
+                proofs=proofs,
+                originals=originals,
+                sft=sft,
+                rng=rng,
+                args=args,
             )
             base = args.final_model
             lr = args.final_learning_rate
-            models, policy, stats = retrain_from_base(sampler, base, examples, lr, rng, args, dist)
+            models, policy, stats = retrain_from_base(
+                sampler, base, examples, lr=lr, rng=rng, args=args, dist=dist
+            )
             metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
             # a resumed run evaluates this model instead of training it again
             state["stage3"] = True
             step = args.iterations
-            save_checkpoint(run_dir, step, weights_only(models), tokenizer, state, dist)
+            save_checkpoint(
+                run_dir, step, weights_only(models), tokenizer=tokenizer, state=state, dist=dist
+            )
 
     # Evaluation: pass@k on the benchmarks, after the last iteration (and Stage 3)
     with logger.timer("eval"):
         step = args.iterations
-        metrics.update(evaluate(sampler, verifier, tokenizer, benchmarks, step, args, dist))
+        metrics.update(
+            evaluate(
+                sampler, verifier, tokenizer, benchmarks=benchmarks, step=step, args=args, dist=dist
+            )
+        )
     logger.log(metrics, step=args.iterations)
     line = nothing_learned(outcomes, trained, args)
     if dist.is_main and line:
