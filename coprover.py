@@ -73,6 +73,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import dataclasses
 import functools
 import heapq
 import importlib.util
@@ -1280,7 +1281,7 @@ def label_metrics(new_labels: list[tuple[str, float]], labels: list) -> dict[str
 
 def main(args: Args) -> None:
     check_flags(args)
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS, sys.argv[1:])
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     verifier = start_lean(args, dist)
     problems = load_problems(args.dataset, args.num_problems)
     benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
@@ -1462,23 +1463,12 @@ def setup_distributed(seed: int, timeout_minutes=60, objects_timeout_days=7) -> 
     return Dist(rank, world_size, local_world_size, device, rank == 0, objects)
 
 
-def start_run(args, cpu_defaults: dict, argv: list[str]) -> tuple[Dist, pathlib.Path, Logger]:
-    """The processes, run directory and logger; without CUDA, cpu_defaults replace the sizes of the
-    flags not given in argv."""
+def start_run(args, cpu_defaults: dict) -> tuple[Dist, pathlib.Path, Logger]:
+    """The processes, run directory and logger; without CUDA, names the CPU sizes in use."""
     dist = setup_distributed(args.seed)
-    # the flags given: --x, --x=v and --no-x
-    given = {arg[2:].split("=")[0].replace("-", "_") for arg in argv if arg.startswith("--")}
-    scaled = {}
-    if not torch.cuda.is_available():
-        for name, value in cpu_defaults.items():
-            passed = name in given or f"no_{name}" in given
-            if not passed and getattr(args, name) != value:
-                scaled[name] = value
-    if dist.is_main and scaled:
-        print("No CUDA: the default sizes are scaled for a CPU (a flag you pass keeps its value):")
-        for name, value in scaled.items():
-            print(f"  {name}: {getattr(args, name)} -> {value}")
-    vars(args).update(scaled)
+    in_use = [f"{k}={v}" for k, v in cpu_defaults.items() if getattr(args, k) == v]
+    if dist.is_main and in_use and not torch.cuda.is_available():
+        print(f"No CUDA: the CPU_DEFAULTS sizes (a value given keeps it): {', '.join(in_use)}")
     # an --lr-schedule lr_at does not know stops the run here (None: the file's resolve() sets it)
     if args.lr_schedule is not None:
         lr_at(step=0, total=1, peak=1.0, schedule=args.lr_schedule)
@@ -2066,6 +2056,25 @@ class Logger:
         tqdm.write(f"[{step}] " + " ".join(shown))
         if self.wandb:
             self.wandb.log(metrics, step=step)
+
+
+def with_cpu_defaults(args_class, cpu_defaults: dict):
+    """Without CUDA, a subclass of args_class named Args whose defaults are cpu_defaults: --help
+    shows them, and Args(...) in Python takes them as the command line does."""
+    if torch.cuda.is_available():
+        return args_class
+    fields = []
+    for name, value in cpu_defaults.items():
+        default = dataclasses.field(default=value)
+        if isinstance(value, (list, dict, set)):  # mutable: each Args gets a copy of its own
+            default = dataclasses.field(default_factory=value.copy)
+        fields.append((name, args_class.__dataclass_fields__[name].type, default))
+    cpu_class = dataclasses.make_dataclass("Args", fields, bases=(args_class,))
+    cpu_class.__module__ = args_class.__module__  # pickle and tyro find it where Args was
+    return cpu_class
+
+
+Args = with_cpu_defaults(Args, CPU_DEFAULTS)  # without CUDA, the sizes of CPU_DEFAULTS (after Args)
 
 
 # ---- end of infrastructure ----

@@ -1,6 +1,7 @@
 """Load the infrastructure block on its own, as a module, from the first algorithm file that has it: the file's import
 header (the block's imports are there), without the verifiers, then the block."""
 
+import dataclasses
 import os
 import pathlib
 import sys
@@ -45,5 +46,8 @@ def load_block() -> types.ModuleType:
     module = types.ModuleType("infrastructure")
     sys.modules["infrastructure"] = module
     module.__file__ = origin
+    # the block ends by giving the file's Args its CPU_DEFAULTS (with_cpu_defaults): here, an empty pair
+    module.Args = dataclasses.make_dataclass("Args", [])
+    module.CPU_DEFAULTS = {}
     exec(compile(source, origin, "exec"), module.__dict__)
     return module

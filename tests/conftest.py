@@ -48,6 +48,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="no CUDA device"))
 
 
+def official_args(module):
+    """An algorithm file's Args with the official defaults. Without CUDA, `module.Args` is the subclass that
+    with_cpu_defaults made (CPU_DEFAULTS are its defaults, as on the command line); its base keeps the official ones."""
+    args_class = module.Args
+    if args_class.__bases__[0] is not object:
+        return args_class.__bases__[0]
+    return args_class
+
+
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
     return REPO

@@ -22,6 +22,8 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from conftest import official_args  # noqa: E402
+
 import coprover as cp  # noqa: E402
 from lean_verify import DEFAULT_HEADER, LeanResult, LeanVerifier, goals_key  # noqa: E402
 
@@ -36,7 +38,7 @@ STAND_IN = f"{sys.executable} {REPO / 'tests' / 'fake_lean_repl.py'}"
 
 
 def args(**kw):
-    return cp.Args(**kw)
+    return official_args(cp)(**kw)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -776,7 +778,7 @@ def test_nothing_learned():
     the loop learning; a run with a rewarded rollout, or with none at all, ends without it."""
     outcomes, a = (
         collections.Counter(["no_code"] * 7 + ["error"]),
-        cp.Args(model="embedded:smollm2"),
+        args(model="embedded:smollm2"),
     )
     note = cp.nothing_learned(outcomes, 0, a)
     assert (
@@ -1010,7 +1012,7 @@ def test_two_iterations_end_to_end(
         trained = weights(ckpt / name)
         assert any(not torch.equal(base[k], trained[k]) for k in base), name
     head = cp.load_value_model(
-        tiny_model_dir, CPU, cp.Args(gradient_checkpointing=False)
+        tiny_model_dir, CPU, args(gradient_checkpointing=False)
     ).value_head.state_dict()
     assert any(
         not torch.equal(v, weights(ckpt / "value")["value_head." + k]) for k, v in head.items()
@@ -1070,7 +1072,7 @@ def test_evaluation_only_from_a_checkpoint(coprover_reference, tmp_path):
         ckpt / "value"
     )  # the head the evaluation loads is the trained one, not the seed-0 head
     head = cp.load_value_model(
-        str(ckpt / "value"), CPU, cp.Args(gradient_checkpointing=False)
+        str(ckpt / "value"), CPU, args(gradient_checkpointing=False)
     ).value_head
     assert head.trained and all(
         torch.equal(v, saved["value_head." + k]) for k, v in head.state_dict().items()
@@ -1305,7 +1307,7 @@ def primed_model_dir(tmp_path_factory) -> str:
 def first_tactics_of_iteration0(model_dir: str) -> list[str]:
     """The first tactic of every rollout of iteration 0's GRPO batch, as the loop samples it: the same statements,
     keys, sizes and (untrained) weights, so the same samples; '<no code>' where no block was extracted."""
-    a = cp.Args(
+    a = args(
         prompts_per_step=LOOP_PROMPTS, samples_per_prompt=LOOP_SAMPLES, max_new_tokens=LOOP_TOKENS
     )
     tok = cp.load_tokenizer(model_dir)

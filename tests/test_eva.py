@@ -27,6 +27,8 @@ import tyro
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from conftest import official_args  # noqa: E402
+
 import eva  # noqa: E402
 
 CPU = eva.Dist(0, 1, 1, torch.device("cpu"), True)
@@ -34,7 +36,7 @@ SIG1 = math.log1p(math.exp(-1.0))  # -log sigmoid(1) = 0.313262
 
 
 def args(**kw):  # as main() sees them: the loss's official values for the flags left unset
-    return eva.resolve(eva.Args(**kw))
+    return eva.resolve(official_args(eva)(**kw))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
@@ -498,11 +500,14 @@ RESOLVED = (
 @pytest.mark.parametrize("loss", list(OFFICIAL_RUNS))
 def test_each_loss_resolves_to_its_official_run(loss, tmp_path):
     official = dict(zip(RESOLVED, OFFICIAL_RUNS[loss]))
-    a = eva.resolve(tyro.cli(eva.Args, args=["--loss", loss, "--output-dir", str(tmp_path)]))
+    a = eva.resolve(
+        tyro.cli(official_args(eva), args=["--loss", loss, "--output-dir", str(tmp_path)])
+    )
     assert {k: getattr(a, k) for k in RESOLVED} == official
     given = eva.resolve(
         tyro.cli(
-            eva.Args, args=["--loss", loss, "--beta", "0.3", "--epochs", "5", "--optim", "adamw"]
+            official_args(eva),
+            args=["--loss", loss, "--beta", "0.3", "--epochs", "5", "--optim", "adamw"],
         )
     )
     # a passed flag keeps its value
@@ -517,8 +522,8 @@ def test_each_loss_resolves_to_its_official_run(loss, tmp_path):
         int(row[6]),
         int(row[7]),
     ] == list(OFFICIAL_RUNS[loss])
-    # main(): resolved first, then scaled down for a CPU
-    eva.start_run(a, eva.CPU_DEFAULTS, ["--loss", loss])
+    # without CUDA the CPU sizes are the defaults: resolve leaves them
+    a = eva.resolve(tyro.cli(eva.Args, args=["--loss", loss, "--output-dir", str(tmp_path)]))
     assert (
         a.learning_rate == eva.CPU_DEFAULTS["learning_rate"]
         and a.max_length == eva.CPU_DEFAULTS["max_length"]
@@ -600,7 +605,7 @@ def test_a_loss_added_with_its_function_and_line_trains(monkeypatch):
     fork.__file__ = str(REPO / "eva_hinge.py")
     monkeypatch.setitem(sys.modules, "eva_hinge", fork)
     exec(compile(source, fork.__file__, "exec"), fork.__dict__)
-    a = fork.resolve(tyro.cli(fork.Args, args=["--loss", "hinge"]))
+    a = fork.resolve(tyro.cli(official_args(fork), args=["--loss", "hinge"]))
     resolved = (a.beta, a.learning_rate, a.epochs, a.optim, a.lr_schedule)
     assert resolved == (0.05, 5e-7, 2, "adamw", "cosine")  # DPO's row
     fork.check_choices(a)
@@ -1265,7 +1270,7 @@ def prime(model_dir: str, out: pathlib.Path, steps: int = 50, lr: float = 1e-2) 
     """The model taught by supervised steps to answer a chat prompt, or a mutation prompt, with 2-6 words of
     LOOP_WORDS (uniformly drawn) and EOS; saved to `out`."""
     tok, rng = eva.load_tokenizer(model_dir), random.Random(0)
-    prompts = eva.load_prompts(eva.Args(dataset="data/chat_prompts.jsonl", num_splits=1))[0][0]
+    prompts = eva.load_prompts(args(dataset="data/chat_prompts.jsonl", num_splits=1))[0][0]
     torch.manual_seed(0)
     policy = eva.load_model(model_dir, CPU, gradient_checkpointing=False)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=lr)
@@ -1325,7 +1330,7 @@ def replies_at_iteration_0(model_dir: str) -> tuple[list[str], list[list[str]]]:
     T and top-p, the HF sampler's chunks. Returns (the prompts, each one's replies)."""
     tok, a = (
         eva.load_tokenizer(model_dir),
-        tyro.cli(eva.Args, args=["--dataset", "data/chat_prompts.jsonl", *LOOP]),
+        tyro.cli(official_args(eva), args=["--dataset", "data/chat_prompts.jsonl", *LOOP]),
     )
     sampler = eva.Sampler(
         model_dir, eva.load_model(model_dir, CPU, train=False), tok, CPU, "hf", 1024

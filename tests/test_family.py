@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from conftest import official_args
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FILES = ["sgs", "stp", "gasp", "eva", "coprover", "rir"]
@@ -47,35 +48,65 @@ def as_argv(name: str, value, joined: bool = False) -> list[str]:
     return [f"{flag}={value}"] if joined else [flag, str(value)]
 
 
+class Started(Exception):
+    """Raised by a stand-in start_run: main got this far, with these args."""
+
+    def __init__(self, args):
+        super().__init__()
+        self.run_args = args
+
+
 @pytest.mark.parametrize("name", FILES)
 def test_cpu_defaults_keep_every_given_flag(name, tmp_path, capsys, monkeypatch):
-    """Without CUDA, CPU_DEFAULTS replace the paper's sizes; a flag passed on the command line keeps its value, for
-    every key of CPU_DEFAULTS at once (booleans as --x and --no-x included), and the notice names what was scaled."""
+    """Without CUDA, CPU_DEFAULTS are Args' defaults (with_cpu_defaults): the command line and Args(...) from Python
+    take them; a value given, on the command line (booleans as --x and --no-x included) or as a keyword, keeps it, for
+    every key of CPU_DEFAULTS at once, through main() to start_run; start_run names the CPU sizes in use."""
     import tyro
 
     mod = module(name)
-    monkeypatch.setattr(mod.torch.cuda, "is_available", lambda: False)
-    paper = mod.Args()
+    official = official_args(mod)()
+    assert issubclass(mod.Args, official_args(mod))  # this machine has no CUDA
     run = ["--output-dir", str(tmp_path)]
-    # nothing passed: every key takes its CPU value
-    args = tyro.cli(mod.Args, args=run)
-    mod.start_run(args, mod.CPU_DEFAULTS, run)
+    # nothing passed: every key takes its CPU value, on the command line and from Python
+    for args in (tyro.cli(mod.Args, args=run), mod.Args(output_dir=str(tmp_path))):
+        for key, value in mod.CPU_DEFAULTS.items():
+            assert getattr(args, key) == value, key
+    mod.start_run(mod.Args(output_dir=str(tmp_path)), mod.CPU_DEFAULTS)
     notice = capsys.readouterr().out
+    assert "No CUDA" in notice
     for key, value in mod.CPU_DEFAULTS.items():
-        assert getattr(args, key) == value, key
-        if getattr(paper, key) != value:
-            assert f"  {key}: " in notice, key
-    # every key passed with the paper's value: nothing is scaled
+        if getattr(official, key) != value:
+            assert f"{key}=" in notice, key
+    # every key given the official value: on the command line, and as keywords
     argv = run + [
         a
         for i, key in enumerate(mod.CPU_DEFAULTS)
-        for a in as_argv(key, getattr(paper, key), i % 2)
+        for a in as_argv(key, getattr(official, key), i % 2)
     ]
-    args = tyro.cli(mod.Args, args=argv)
-    mod.start_run(args, mod.CPU_DEFAULTS, argv)
-    assert "No CUDA" not in capsys.readouterr().out
-    for key in mod.CPU_DEFAULTS:
-        assert getattr(args, key) == getattr(paper, key), key
+    keywords = {key: getattr(official, key) for key in mod.CPU_DEFAULTS}
+    from_argv = tyro.cli(mod.Args, args=argv)
+    from_python = mod.Args(output_dir=str(tmp_path), **keywords)
+    assert from_argv == from_python
+    # main() keeps them to start_run (resolve and the start checks change nothing given)
+
+    def started(args, cpu_defaults):
+        raise Started(args)
+
+    monkeypatch.setattr(mod, "start_run", started)
+    expected = dataclasses.replace(official)
+    if hasattr(mod, "resolve"):  # a None is a flag left to the official scripts' table
+        expected = mod.resolve(expected)
+    for args in (from_argv, from_python):
+        with pytest.raises(Started) as stop:
+            mod.main(args)
+        for key in mod.CPU_DEFAULTS:
+            assert getattr(stop.value.run_args, key) == getattr(expected, key), key
+    monkeypatch.undo()
+    mod.start_run(from_python, mod.CPU_DEFAULTS)
+    notice = capsys.readouterr().out
+    for key, value in mod.CPU_DEFAULTS.items():
+        if getattr(official, key) != value:
+            assert f" {key}=" not in notice, key
 
 
 def readme_flags(name: str) -> set[str]:

@@ -19,10 +19,13 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from conftest import official_args  # noqa: E402
 from test_code_exec import HE_ROW, MBPP_ROW, MBPP_ROW2  # noqa: E402
 from test_code_exec import PROPOSAL as GOOD  # noqa: E402
 
 import gasp  # noqa: E402
+
+Args = official_args(gasp)  # the official defaults (gasp.Args has the CPU's without CUDA)
 
 CPU = gasp.Dist(0, 1, 1, torch.device("cpu"), True)
 
@@ -54,7 +57,7 @@ def test_family_reproduces_eq4_eq5_and_the_no_regrets_learnability():
 
 
 def test_lemma_reward_by_hand():
-    mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "lemma")
+    mu, kappa, band = gasp.teacher_reward_spec(Args(), "lemma")
 
     def r(p):
         return gasp.banded_reward(p, mu, kappa, band)
@@ -72,7 +75,7 @@ def test_lemma_reward_by_hand():
 
 
 def test_lift_reward_by_hand():
-    mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "lift")
+    mu, kappa, band = gasp.teacher_reward_spec(Args(), "lift")
 
     def r(p):
         return gasp.banded_reward(p, mu, kappa, band)
@@ -91,7 +94,7 @@ def test_lift_reward_by_hand():
 def test_one_step_rewards():
     # App. C.3: one-step medium (Eq. 8) peaks at p = 0.5, one-step hard (Eq. 9) at p = 0.1 "matching the lift reward";
     # the band's value was lost. Default [RECON]: medium takes the lemma band [0.3, 0.7], hard the lift band [0.1, 0.5]
-    args = gasp.Args()
+    args = Args()
 
     def medium(p):
         return gasp.banded_reward(p, *gasp.teacher_reward_spec(args, "medium"))
@@ -106,7 +109,7 @@ def test_one_step_rewards():
     assert medium(0.5) == pytest.approx(1.0) and hard(0.1) == pytest.approx(1.0)  # the peaks
     # --one-step-band: one band for both ('the same reward band'); the union pays hard's p = 5/8 almost nothing:
     # 10 * 5/8 * (3/8 / 9/10)^9 = 6.25 * (5/12)^9 = 6.25 * 1953125 / 5159780352 = 0.0023659
-    args = gasp.Args(one_step_band=(0.1, 0.7))
+    args = Args(one_step_band=(0.1, 0.7))
     assert (
         hard(5 / 8)
         == pytest.approx(6.25 * 1953125 / 5159780352)
@@ -121,7 +124,7 @@ def test_one_step_rewards():
 
 def test_one_step_prompt_does_not_name_a_difficulty():
     # App. C.3 trains "with only one difficulty level"; nothing says the teacher is told which: only the reward differs
-    args, goalpost = gasp.Args(), gasp.CodeProblem("g", "Count the islands of a grid.", "stdin")
+    args, goalpost = Args(), gasp.CodeProblem("g", "Count the islands of a grid.", "stdin")
     medium, hard = (
         gasp.teacher_prompt(stage, "io", goalpost, args) for stage in ("medium", "hard")
     )
@@ -131,7 +134,7 @@ def test_one_step_prompt_does_not_name_a_difficulty():
 
 def test_azr_proposer_reward_by_hand():
     # AZR Eq. 4 (--no-guidance): r = 1 - p for 0 < p < 1, 0 when the task is never or always solved; no band
-    mu, kappa, band = gasp.teacher_reward_spec(gasp.Args(), "azr")
+    mu, kappa, band = gasp.teacher_reward_spec(Args(), "azr")
 
     def r(p):
         return gasp.banded_reward(p, mu, kappa, band)
@@ -249,7 +252,7 @@ def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
 # ---------------------------------------------------------------- reading teacher replies, grading student answers
 def read(text, finish="stop", **overrides):
     return gasp.read_proposal(
-        0, sample(text, finish=finish), gasp.Args(**{"exec_timeout": 5.0, **overrides})
+        0, sample(text, finish=finish), Args(**{"exec_timeout": 5.0, **overrides})
     )
 
 
@@ -286,7 +289,7 @@ def test_read_proposal_uses_the_flags():
 
 
 def test_grade_student():
-    args = gasp.Args(exec_timeout=2.0)
+    args = Args(exec_timeout=2.0)
     task = {
         "program": "def f(a, b):\n    return a * b",
         "inputs": ["2, 3", "1, 1", "0, 5", "4, 4", "-1, 2"],
@@ -341,7 +344,7 @@ def fenced(code: str):
 
 
 def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
-    args = gasp.Args(exec_timeout=10.0)
+    args = Args(exec_timeout=10.0)
     problems = gasp.load_problems("builtin", args, args.train_window)
     assert len(problems) >= 12
     assert {p.kind for p in problems} == {"stdin", "call"}
@@ -371,7 +374,7 @@ def test_builtin_goalposts_have_tests_and_reference_solutions_pass():
 
 
 def test_load_problems_filters_by_window():
-    args = gasp.Args()
+    args = Args()
     problems = gasp.load_problems("builtin", args, args.train_window)
     dates = {
         str(json.loads(line)["question_id"]): json.loads(line)["contest_date"][:10]
@@ -451,7 +454,7 @@ def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
             self.temperatures.append(temperature)
             return [[fenced(right.get(p, "def nothing():\n    pass"))] * n for p in prompts]
 
-    sampler, args = Greedy(), gasp.Args(exec_timeout=10.0, goalpost_eval_samples=0)
+    sampler, args = Greedy(), Args(exec_timeout=10.0, goalpost_eval_samples=0)
     metrics = gasp.evaluate(
         sampler,
         gasp.Logger(tmp_path, {}, CPU),
@@ -472,7 +475,7 @@ def test_greedy_pass_at_1_of_table_3(plain_prompts, tmp_path):
 
 def test_goalposts_solved_union_counts_only_goalposts(plain_prompts, tmp_path):
     # App. C.4: a goalpost counts as solved if pass@100 > 0 at any checkpoint; the union is over goalposts only
-    args = gasp.Args(exec_timeout=10.0, goalpost_eval_samples=2, eval_samples=1)
+    args = Args(exec_timeout=10.0, goalpost_eval_samples=2, eval_samples=1)
     p0, p1 = gasp.load_problems("builtin", args, args.train_window)[:2]
     reference = reference_solutions()
 
@@ -528,7 +531,7 @@ def test_humaneval_canonical_solutions_pass():
     canonical = {
         p["task_id"]: p["prompt"] + p["canonical_solution"] for p in read_problems().values()
     }
-    args = gasp.Args(exec_timeout=10.0)
+    args = Args(exec_timeout=10.0)
     problems = gasp.load_problems("humaneval", args, args.eval_window)
     assert len(problems) == 164 and gasp.code_prompt(problems[0]).startswith(
         "Complete this Python code."
@@ -681,7 +684,7 @@ def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
         ],  # p = 3/4 too easy -0.5; then E p = 2/4 accepted, 1
     }
     sampler, logger = ScriptedSampler(replies), gasp.Logger(tmp_path, {}, CPU)
-    args, buffer = gasp.Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=2), []
+    args, buffer = Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=2), []
     sources = [(g, "f") for g in goalposts(4)]
     accepted, rollouts, records = gasp.propose(
         sampler,
@@ -766,7 +769,7 @@ def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
     sampler = ScriptedSampler(
         {"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("A")]}
     )
-    args = gasp.Args(exec_timeout=5.0, n_pass_rate=4, rejection_sampling=False)
+    args = Args(exec_timeout=5.0, n_pass_rate=4, rejection_sampling=False)
     accepted, _, records = gasp.propose(
         sampler,
         embedder,
@@ -799,7 +802,7 @@ def test_lift_reward_in_propose(plain_prompts, embedder, tmp_path):
         sources=[(lemma, "io")],
         buffer=[],
         tag="1.0",
-        args=gasp.Args(n_pass_rate=4),
+        args=Args(n_pass_rate=4),
         dist=CPU,
     )
     # p = 1/4 is inside the lift band [0.1, 0.5]: reward 10 * 0.25 * (0.75 / 0.9)^9
@@ -837,9 +840,7 @@ def test_novelty_filter_rejects_only_what_exceeds_the_threshold(
     sampler = ScriptedSampler(
         {"TEACHER 0": [proposal_text("A")], "TEACHER 1": [proposal_text("E")]}
     )
-    args = gasp.Args(
-        exec_timeout=5.0, n_pass_rate=4, max_attempts=1, similarity_threshold=threshold
-    )
+    args = Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=1, similarity_threshold=threshold)
     _, _, records = gasp.propose(
         sampler,
         embedder,
@@ -864,7 +865,7 @@ def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):
         "inputs": ["1"],
         "outputs": ["1"],
     }
-    for args, shown, hidden in ((gasp.Args(), 2, 3), (gasp.Args(num_io=6, num_public=4), 4, 2)):
+    for args, shown, hidden in ((Args(), 2, 3), (Args(num_io=6, num_public=4), 4, 2)):
         for stage, source in (("lemma", goalpost), ("lift", lemma), ("medium", goalpost)):
             prompt = gasp.teacher_prompt(stage, "io", source, args)
             assert f"for your FIRST {shown} inputs only, the outputs" in prompt
@@ -914,7 +915,7 @@ def test_solver_phase_groups_and_rewards(plain_prompts, tmp_path):
         "outputs": ["[1, 2]"] * 5,
         "message": "m",
     }
-    args, logger = gasp.Args(solver_samples=2, exec_timeout=5.0), gasp.Logger(tmp_path, {}, CPU)
+    args, logger = Args(solver_samples=2, exec_timeout=5.0), gasp.Logger(tmp_path, {}, CPU)
     rollouts, metrics = gasp.solve(
         Student(()), logger, tasks=[task] * 12, iteration=1, args=args, dist=CPU
     )
@@ -960,7 +961,7 @@ sys.path.insert(0, {str(REPO)!r}); sys.path.insert(0, {str(REPO / "tests")!r})
 import gasp, test_gasp
 gasp.chat_prompt = lambda tokenizer, user: user
 rollouts, _ = gasp.solve(test_gasp.Student(()), gasp.Logger({str(tmp_path)!r}, {{}}, test_gasp.CPU),
-                         tasks=[{task!r}] * 12, iteration=3, args=gasp.Args(), dist=test_gasp.CPU)
+                         tasks=[{task!r}] * 12, iteration=3, args=test_gasp.Args(), dist=test_gasp.CPU)
 print([r.group[0] for r in rollouts])
 """
     done = subprocess.run(
@@ -976,14 +977,14 @@ print([r.group[0] for r in rollouts])
         gasp.Logger(tmp_path, {}, CPU),
         tasks=[task] * 12,
         iteration=3,
-        args=gasp.Args(),
+        args=Args(),
         dist=CPU,
     )
     assert done.stdout.strip() == str([r.group[0] for r in rollouts]) and "deduction" in done.stdout
 
 
 def test_real_data_rl_step(plain_prompts, tmp_path):
-    args = gasp.Args(real_prompts_per_step=3, real_group_size=4, exec_timeout=10.0)
+    args = Args(real_prompts_per_step=3, real_group_size=4, exec_timeout=10.0)
     problems = gasp.load_problems("builtin", args, args.train_window)[:3]
     reference = reference_solutions()
     by_prompt = {gasp.code_prompt(p): reference[p.id] for p in problems}
@@ -1020,7 +1021,7 @@ def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, on
         policy = gasp.load_model(tiny_model_dir, CPU)
         optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
         before = [p.detach().clone() for p in policy.parameters()]
-        m = gasp.update(policy, optimizer, rollouts, 1e-3, gasp.Args(ent_coef=ent_coef), CPU)
+        m = gasp.update(policy, optimizer, rollouts, 1e-3, Args(ent_coef=ent_coef), CPU)
         changed = any(not torch.equal(a, b) for a, b in zip(before, policy.parameters()))
         if ent_coef == 0:
             assert m == {"losses/sequences": 3.0} and not changed and not optimizer.state  # skipped
@@ -1031,7 +1032,7 @@ def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, on
                 and m["losses/entropy"] > 0
             )
             assert changed
-    assert gasp.update(policy, optimizer, [], 1e-3, gasp.Args(), CPU) == {"losses/sequences": 0.0}
+    assert gasp.update(policy, optimizer, [], 1e-3, Args(), CPU) == {"losses/sequences": 0.0}
     assert gasp.mean_losses([{"losses/sequences": 3.0}, m, m], "losses/real_") == {
         **{k.replace("losses/", "losses/real_"): v for k, v in m.items()},
         "losses/real_updates": 2.0,
@@ -1083,7 +1084,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thr
     7, the other reply is right and the first one loses probability."""
     tok = gasp.load_tokenizer(tiny_model_dir)
     favoured, other = "```output\n[1, 2]\n```", "```output\n7\n```"
-    args = gasp.Args(solver_samples=2, micro_batch_size=12, learning_rate=3e-3, exec_timeout=5.0)
+    args = Args(solver_samples=2, micro_batch_size=12, learning_rate=3e-3, exec_timeout=5.0)
     prompt = gasp.chat_prompt(
         tok, gasp.DEDUCTION_PROMPT.format(program="def f(x):\n    return x", input="1")
     )
@@ -1175,11 +1176,7 @@ def run_main(monkeypatch, tmp_path, tiny_model_dir, sampler, **flags):
     """One iteration of main() on the tiny model with `sampler` as the sampler; -> (metrics, proposals, run dir)."""
     monkeypatch.setattr(gasp, "chat_prompt", lambda tokenizer, user: user)
     monkeypatch.setattr(gasp, "Sampler", lambda *a, **k: sampler)
-    given = [f"--{k.replace('_', '-')}" for k in gasp.CPU_DEFAULTS]
-    monkeypatch.setattr(
-        sys, "argv", ["gasp.py", *given]
-    )  # no CPU scaling: every size below counts as given
-    args = gasp.Args(
+    args = Args(
         **{
             **dict(
                 model=tiny_model_dir,
@@ -1254,7 +1251,7 @@ def test_iteration_under_each_ablation(
     if "lift" in stages:
         lift_prompts = [p for p in teacher_prompts if "HARDER follow-up" in p]
         assert lift_prompts and all("<problem>\nDescription:" in p for p in lift_prompts)
-        args = gasp.Args()
+        args = Args()
         goalpost_texts = [
             g.question[:60] for g in gasp.load_problems("builtin", args, args.train_window)
         ]
@@ -1284,7 +1281,7 @@ def test_goalpost_filter_writes_the_ids_and_a_later_run_reads_them(
 ):
     # Sec. 3.2: keep the training-window questions with pass@100 = 0 under the model at iteration 0 (here k = 2);
     # later stages read the set back (--goalpost-ids), and the iteration-0 goalpost check is the filter itself
-    args, reference = gasp.Args(), reference_solutions()
+    args, reference = Args(), reference_solutions()
     window = gasp.load_problems("builtin", args, args.train_window)
     easy = {window[0].id, window[3].id}
 
@@ -1443,8 +1440,7 @@ def test_real_data_rl_baseline(monkeypatch, tiny_model_dir, tmp_path, one_thread
     ):  # the reference solution for even samples of a real question, nothing for odd ones
         def generate(self, prompts, n=1, **kw):
             ids = {
-                gasp.code_prompt(p): p.id
-                for p in gasp.load_problems("builtin", gasp.Args(), ("0", "9"))
+                gasp.code_prompt(p): p.id for p in gasp.load_problems("builtin", Args(), ("0", "9"))
             }
             return [
                 [

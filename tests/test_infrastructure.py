@@ -567,10 +567,15 @@ def test_vllm_finish_reasons_pass_through(tiny, vllm_double, monkeypatch):
 
 
 # ---- the helpers every file shares: CPU scaling, seeded sampling, the training step, the schedule, pass@k ----
-def test_start_run_scales_for_a_cpu_and_keeps_given_flags(tmp_path, capsys, monkeypatch):
-    from dataclasses import dataclass
+def test_cpu_defaults_are_the_defaults_without_cuda(tmp_path, capsys, monkeypatch):
+    """Without CUDA, with_cpu_defaults makes the CPU sizes Args' own defaults: tyro shows and parses them, Args(...)
+    from Python takes them, and a value given (a flag, a keyword) keeps it; with CUDA, Args is unchanged.
+    start_run names the CPU sizes in use."""
+    import dataclasses
 
-    @dataclass
+    import tyro
+
+    @dataclasses.dataclass
     class Args:
         exp_name: str = "x"
         seed: int = 1
@@ -580,38 +585,54 @@ def test_start_run_scales_for_a_cpu_and_keeps_given_flags(tmp_path, capsys, monk
         wandb_project_name: str = "p"
         wandb_entity: str | None = None
         model: str = "big"
+        """the model"""
         iterations: int = 500
         planner: bool = True
         no_guide: bool = False
         lr_schedule: str = "constant"
 
-    monkeypatch.setattr(B.torch.cuda, "is_available", lambda: False)
     defaults = dict(model="small", iterations=2, planner=False, no_guide=True)
-    args = Args(iterations=7, planner=True, no_guide=False)  # as tyro parses the argv below
-    dist, run_dir, _ = B.start_run(
-        args, defaults, ["--iterations", "7", "--planner", "--no-no-guide"]
-    )
-    # given: --iterations (a value), --planner (the boolean planner), --no-no-guide (the boolean no_guide)
-    assert (args.model, args.iterations, args.planner, args.no_guide) == ("small", 7, True, False)
-    out = capsys.readouterr().out
-    assert "No CUDA" in out and "model: big -> small" in out and "iterations" not in out
-    assert (
-        run_dir == tmp_path / "x__1"
-        and json.loads((run_dir / "config.json").read_text())["model"] == "small"
-    )
-    args = Args(model="other", planner=False)
-    B.start_run(args, defaults, ["--model=other", "--no-planner"])
-    assert (args.model, args.iterations, args.planner, args.no_guide) == ("other", 2, False, True)
     monkeypatch.setattr(B.torch.cuda, "is_available", lambda: True)
-    args = (
-        Args()
-    )  # with CUDA nothing is scaled (the device itself is not touched: one process, world size 1)
-    monkeypatch.setattr(B.torch.cuda, "set_device", lambda d: None)
-    B.start_run(args, defaults, [])
-    assert (args.model, args.iterations) == ("big", 500)
+    assert B.with_cpu_defaults(Args, defaults) is Args
+    monkeypatch.setattr(B.torch.cuda, "is_available", lambda: False)
+    CPUArgs = B.with_cpu_defaults(Args, defaults)
+    assert CPUArgs.__name__ == "Args" and issubclass(CPUArgs, Args)
+    plain = CPUArgs()
+    assert (plain.model, plain.iterations, plain.planner, plain.no_guide) == (
+        "small",
+        2,
+        False,
+        True,
+    )
+    assert (
+        plain.exp_name == "x" and plain.lr_schedule == "constant"
+    )  # what CPU_DEFAULTS does not list
+    # from Python: a keyword keeps its value, the rest are the CPU's
+    given = CPUArgs(iterations=7, planner=True, no_guide=False)
+    assert (given.model, given.iterations, given.planner, given.no_guide) == (
+        "small",
+        7,
+        True,
+        False,
+    )
+    # the command line: the same
+    parsed = tyro.cli(CPUArgs, args=["--iterations", "7", "--planner", "--no-no-guide"])
+    assert parsed == given
+    assert tyro.cli(CPUArgs, args=["--model=other", "--no-planner"]) == CPUArgs(model="other")
+    # --help shows the CPU defaults, with the field's help
+    with pytest.raises(SystemExit):
+        tyro.cli(CPUArgs, args=["--help"])
+    shown = capsys.readouterr().out
+    assert "the model (default: small)" in " ".join(shown.split())
+    # start_run names the CPU sizes in use, not the ones given
+    dist, run_dir, _ = B.start_run(given, defaults)
+    out = capsys.readouterr().out
+    assert "No CUDA" in out and "model=small" in out and "iterations" not in out
+    assert run_dir == tmp_path / "x__1"
+    assert json.loads((run_dir / "config.json").read_text())["iterations"] == 7
     # a schedule lr_at does not know (a fork's new --lr-schedule value) stops the run at its start, saying where
     with pytest.raises(ValueError, match="lr_at"):
-        B.start_run(Args(lr_schedule="wsd"), defaults, [])
+        B.start_run(CPUArgs(lr_schedule="wsd"), defaults)
 
 
 class Recorder:

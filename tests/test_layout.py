@@ -115,13 +115,13 @@ def test_ci_runs_the_readme_test_commands():
 
 
 def test_block_length():
-    """The block is plumbing a reader skims: at most 650 lines (ruff-formatted, a docstring a function). The count
+    """The block is plumbing a reader skims: at most 660 lines (ruff-formatted, a docstring a function). The count
     is printed with -s / -rA."""
     if not present():
         pytest.skip("no algorithm file yet")
     lines = len(infrastructure_block(present()[0].read_text()).splitlines())
     print(f"infrastructure block: {lines} lines")
-    assert lines <= 650
+    assert lines <= 660
 
 
 @pytest.mark.parametrize("path", present(), ids=lambda p: p.name)

@@ -26,6 +26,8 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from conftest import official_args  # noqa: E402
+
 import rir  # noqa: E402
 from lean_verify import (  # noqa: E402
     LeanVerifier,
@@ -43,7 +45,7 @@ THEOREMS = {t.id: t for t in load_problems(str(REPO / "data" / "rir_theorems.jso
 
 
 def args(**kw):
-    return rir.Args(**kw)
+    return official_args(rir)(**kw)
 
 
 def stand_in(*flags) -> LeanVerifier:
@@ -244,12 +246,10 @@ def test_training_items_keep_the_official_formats(tiny_model_dir):
     assert len(item[0][0].prompt_ids) < 40  # the state is cut to 20 tokens
 
 
-def test_the_cpu_default_benchmark_is_held_out(tmp_path, monkeypatch):
+def test_the_cpu_default_benchmark_is_held_out(tmp_path):
     """The CPU default evaluates theorems that neither self-play searches nor D_0 holds proofs of
     (it used to evaluate the 5 built-in theorems themselves, a training-set number)."""
-    monkeypatch.setattr(rir.torch.cuda, "is_available", lambda: False)
-    a = args(output_dir=str(tmp_path))
-    rir.start_run(a, rir.CPU_DEFAULTS, [])
+    a = rir.Args(output_dir=str(tmp_path))  # without CUDA: the CPU defaults
     benchmark = load_problems(str(REPO / a.eval_dataset), a.eval_limit, split=a.eval_split)
     problems = load_problems(str(REPO / a.selfplay_dataset), a.num_problems, split=a.selfplay_split)
     proved = {json.loads(line)["full_name"] for line in open(REPO / a.dataset)}  # D_0's theorems
@@ -562,11 +562,11 @@ def test_the_budget_counts_the_same_on_both_sides(tiny_model_dir, monkeypatch, t
     and tactic; each side overshoots by at most its last sampling (planner + one actor call) or
     tactic. The CPU defaults give both sides the same budget; the expansion cap gives both the same
     number of expansions."""
-    monkeypatch.setattr(rir.torch.cuda, "is_available", lambda: False)
+    import tyro
+
     scaled = []
     for flags in ([], ["--no-planner"]):
-        a = args(planner=not flags, output_dir=str(tmp_path))
-        rir.start_run(a, rir.CPU_DEFAULTS, flags)
+        a = tyro.cli(rir.Args, args=["--output-dir", str(tmp_path), *flags])  # the CPU defaults
         scaled.append((a.search_timeout, a.max_expansions, a.num_sampled_tactics))
     assert scaled[0] == scaled[1] == (300.0, 4, 8)
     tok = rir.load_tokenizer(tiny_model_dir)
@@ -1159,7 +1159,7 @@ def primed_model(tiny_model_dir, tmp_path_factory):
     48 other miniF2F theorems (valid 48-95; the loop searches 0-47): the planner's target "no
     goals", the actor's tactic one of omega, simp, linarith, norm_num (3:3:2:2). It samples tactics
     at moderate rates, as a prover does after D_0."""
-    a = rir.Args(
+    a = args(
         max_state_tokens=32,
         goal_max_new_tokens=4,
         tactic_max_new_tokens=6,
@@ -1229,7 +1229,7 @@ def test_the_loop_learns_what_the_rule_accepts(primed_model, tmp_path):
         ""
     )  # no traced triples: every co-training learns the self-play proofs
     flags = ["--model", primed_model, "--dataset", str(tmp_path / "empty.jsonl"), *LOOP_FLAGS]
-    a = tyro.cli(rir.Args, args=flags)
+    a = tyro.cli(official_args(rir), args=flags)
     emitted = first_search_tactics(primed_model, a)
     n = sum(emitted.values())
     print(

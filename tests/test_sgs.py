@@ -20,13 +20,15 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from conftest import official_args  # noqa: E402
+
 import sgs  # noqa: E402
 
 CPU = sgs.Dist(0, 1, 1, torch.device("cpu"), True)
 
 
 def args(**kw):
-    return sgs.Args(**kw)
+    return official_args(sgs)(**kw)
 
 
 # ---- the Guide (Eq. 3) ----
@@ -465,7 +467,7 @@ def test_each_official_script_resolves_to_its_configuration(script):
     import tyro
 
     flags, objective, roles, lr, batch = OFFICIAL_SCRIPTS[script]
-    a = tyro.cli(sgs.Args, args=flags)
+    a = tyro.cli(official_args(sgs), args=flags)
     assert sgs.resolve(a) is a
     assert sgs.roles_in_play(a) == roles
     assert (a.solver_objective, a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (
@@ -496,7 +498,7 @@ def test_each_official_script_resolves_to_its_configuration(script):
     )
     assert row.split("|")[-2].strip() == f"{lr:.0e}".replace("e-0", "e-") + f", {batch}"
     # a flag given keeps its value
-    a = tyro.cli(sgs.Args, args=flags + ["--learning-rate", "2e-6", "--batch-size", "16"])
+    a = tyro.cli(official_args(sgs), args=flags + ["--learning-rate", "2e-6", "--batch-size", "16"])
     sgs.resolve(a)
     assert (a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (2e-6, 2e-6, 16)
 

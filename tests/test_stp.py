@@ -21,6 +21,8 @@ import torch
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from conftest import official_args  # noqa: E402
+
 import stp  # noqa: E402
 from lean_verify import DEFAULT_HEADER, LeanVerifier  # noqa: E402
 
@@ -28,7 +30,7 @@ CPU = stp.Dist(0, 1, 1, torch.device("cpu"), True)
 
 
 def args(**kw):
-    return stp.Args(**kw)
+    return official_args(stp)(**kw)
 
 
 # ---- rewards and losses ----
@@ -145,8 +147,7 @@ def test_evaluation_text_is_stps_own_minif2f(tiny_model_dir, tmp_path, monkeypat
     # then uses PROVER_PROMPT + '\n' + statement: the header without blank lines. summary.py counts 'test' splits.
     assert args().eval_datasets[0] == stp.STP_MINIF2F and "/kfdong/STP/2b5fe8b" in stp.STP_MINIF2F
     assert stp.STP_MINIF2F.endswith("/assets/data/test/miniF2F_lean.json")
-    a = args(output_dir=str(tmp_path / "runs"))
-    stp.start_run(a, stp.CPU_DEFAULTS, [])
+    a = stp.Args(output_dir=str(tmp_path / "runs"))  # without CUDA: the CPU defaults
     # offline: DeepSeek-Prover-V1.5's text
     assert a.eval_datasets == ("data/minif2f.jsonl", "data/proofnet.jsonl")
     rows = [
@@ -632,7 +633,7 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
         "kfdong/STP_Lean_SFT",
     )
     # the CPU default keeps the embedded model and a small built-in SFT file
-    stp.start_run(a, stp.CPU_DEFAULTS, [])
+    a = stp.Args(output_dir=str(tmp_path / "runs"))
     assert (a.final_model, a.final_sft_dataset) == (
         "embedded:smollm2",
         "data/stp_mathlib_sft.jsonl",
@@ -873,7 +874,7 @@ def build_primed_model(out: pathlib.Path, steps: int = 300) -> None:
         tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>"
     )
     tok.add_tokens(["```lean4", stp.END_THM, ":= by", "theorem", "sorry", "(x : ℕ)", "(h : 0 < x)"])
-    rng, a, pairs = random.Random(0), stp.Args(max_prompt_tokens=512), []
+    rng, a, pairs = random.Random(0), args(max_prompt_tokens=512), []
     for row in rows:
         problem = stp.Problem(row["name"], row["header"], row["formal_statement"])
         pairs += [(stp.prover_prompt(tok, problem, a), f"\n  {t}\n```") for t in PRIMED_TACTICS]
