@@ -21,7 +21,9 @@ rates each by its reward against its group's (`grpo_advantages`), with no critic
   2. labels: `value_labels` on the states of each proof found (by the search, or a whole proof of
      step 4 Lean accepted, replayed by `whole_proof_labels`), 0 on expanded states off every proof
      path and on the roots of failed whole proofs;
-  3. value: regression (squared error) of V on the labels of ALL iterations (`update_value`);
+  3. value: regression (squared error) of V on the labels of ALL iterations (`update_value`):
+     this iteration's search labels, and the labels made in step 4 of the earlier iterations
+     (those of this iteration's step 4 train V in the next iteration's step 3);
   4. prover: GRPO on whole proofs (`grpo_round`, `update`): reward 1 iff Lean accepts
      (`proof_reward`), no KL penalty, DAPO's clip-higher (`clip_higher_loss`: PPO's clip of the
      ratio pi / pi_old, pi_old the policy that sampled, wider above 1 than below) on the
@@ -36,11 +38,20 @@ world_size, local_world_size, device, is_main, objects) is this process among to
 Metrics (metrics.jsonl, step = iterations done): search/*, value/*, losses/*, charts/*, lean/*,
 eval/*, time/*.
 
-Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it
-scaled; `torchrun --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates
+Run. Without CUDA, Args' defaults are CPU_DEFAULTS (a loop sized for a laptop; the run prints
+them), so `python <this file>` and `main(Args())` run it alike and a value given keeps it;
+`torchrun --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates
 the given model. Both need Lean: `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL,
 LEAN_REPL_CMD="python tests/fake_lean_repl.py", which follows the tactic table of
 data/lean_tactics.jsonl. Experiment map: README.md.
+
+Sources (the official files the code's "official" refers to): the search, value_guided_search.py
+(priority), co_train.py (search budget, evaluation cadence) and lean_generate.py (tactic length);
+the value model, value_model.py (head, loss), train_value_model.py, prepare_value_data.py,
+configs/value_model_sft.yaml and train_value_slime.sh (training, truncation, schedule); the
+prover, train_step_grpo.sh and configs/generator_grpo.yaml (GRPO), lean_reward.py (reward);
+configs/co_training.yaml (iterations, theorems per round, oversampling); filter_dataset.py
+(frontier); evaluate.py (evaluation).
 
 Deliberate deviations:
   1. Lean through lean_verify's REPL tactic mode, not LeanDojo: states merge by goals, a found
@@ -48,7 +59,9 @@ Deliberate deviations:
   2. Priority exp(mean token log-prob of the path), in (0, 1] like V, not
      value_guided_search.py's cumulative log-prob.
   3. The search runs (no official script calls it); K distinct sampled tactics, not beam; log-prob
-     only before any V.
+     only before any V. Lockstep over --search-batch theorems per rank (one sampling call for
+     every live theorem's node), each charged the calls it waits for, its tactics and kernel
+     checks and V's calls (--search-batch 1: its wall clock), as rir.py's search.
   4. Labels per state, from search and GRPO's rollouts (official: own samples' roots, 0.95^lines
      or 0; --value-labels).
   5. The reward is lean_verify's verdict, not kimina's (warnings allowed): lean_reward.py fails
@@ -118,6 +131,8 @@ from lean_verify import (
     LeanNotInstalled,
     LeanVerifier,
     Problem,
+    TacticState,
+    Triple,
     extract_last_block,
     load_problems,
     proof_from_tactics,
@@ -173,47 +188,47 @@ class Args:
     """use only the first N problems of --dataset (default all)"""
 
     # algorithm
-    iterations: int = 5  # configs/co_training.yaml
+    iterations: int = 5  # official
     """iterations to run (the README's word: rounds); 0: no training, evaluate the given model"""
     search_theorems_per_round: int = 5000
-    """theorems searched each iteration (co_training.yaml num_theorems_per_round)"""
+    """theorems searched each iteration (official num_theorems_per_round)"""
 
-    # search (co_train.py, value_guided_search.py)
+    # search (official)
     num_sampled_tactics: int = 32
     """K: tactics sampled per expansion (official num_sampled_tactics; duplicates run once)"""
     max_expansions: int | None = 128
     """expansions per theorem (None: only the clock limits a search)"""
-    search_timeout: float = 300.0  # co_train.py
+    search_timeout: float = 300.0  # official
     """seconds per theorem (the search's budget, read before each tactic)"""
     search_temperature: float = 0.8
     """tactic sampling temperature (the official collector's)"""
-    tactic_max_new_tokens: int = 256  # lean_generate.py
+    tactic_max_new_tokens: int = 256  # official
     """longest tactic"""
     lean_timeout: float = 60.0
-    """Lean's wall-clock limit per whole proof and per tactic, in seconds (lean_reward.py)"""
+    """Lean's wall-clock limit per whole proof and per tactic, in seconds (official)"""
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
     the machine)"""
     alpha: float = 0.3
-    """the weight of the normalised log-prob against V(s) in `priority` (value_guided_search.py)"""
+    """the weight of the normalised log-prob against V(s) in `priority` (official)"""
     search_batch: int | None = None
     """theorems searched in lockstep on each rank (default: the rank's REPL pool size)"""
 
-    # value model (configs/value_model_sft.yaml, train_value_slime.sh)
+    # value model (official)
     gamma: float = 0.95
     """the discount of the value labels (`value_label`)"""
     value_labels: Literal["state", "root"] = "state"
     """label every state of a proof (README) or only the root (the official collector)"""
     positive_oversample: int = 3
-    """positive labels are repeated this many times (co_training.yaml oversample_positive)"""
+    """positive labels are repeated this many times (official oversample_positive)"""
     value_epochs: int = 3
     """epochs over all labels so far, each iteration"""
     value_batch_size: int = 64
     """states per optimizer step"""
     value_max_length: int = 512
-    """a state's prompt keeps its last this many tokens (train_value_model.py)"""
+    """a state's prompt keeps its last this many tokens (official)"""
     freeze_value_backbone: bool = False
-    """train only the head (value_model.py's default; the official SFT scripts train the whole
+    """train only the head (the official default; the official SFT scripts train the whole
     LM)"""
     value_learning_rate: float = 2e-5
     """peak learning rate of the value model"""
@@ -225,7 +240,7 @@ class Args:
     value_micro_batch_size: int = 8
     """states per forward/backward on each rank (and per scoring batch in search)"""
 
-    # prover GRPO (train_step_grpo.sh, configs/generator_grpo.yaml)
+    # prover GRPO (official)
     grpo_steps_per_round: int = 100
     """rollout batches per iteration (num_rollout 500 over 5 rounds)"""
     prompts_per_step: int = 64
@@ -244,7 +259,7 @@ class Args:
     """optimizer steps per rollout batch (global_batch_size 512 = one)"""
     frontier_filter: bool = True
     """keep the training statements with frontier_min..frontier_max of 8 samples proved
-    (`frontier_filter`, filter_dataset.py)"""
+    (`frontier_filter`, official)"""
     frontier_samples: int = 8
     """samples per statement in the filter"""
     frontier_temperature: float = 0.8
@@ -283,14 +298,14 @@ class Args:
     """which split of the benchmark (None: all rows)"""
     eval_limit: int | None = None
     """use only the first N benchmark problems"""
-    eval_every: int = 1  # co_train.py phase 4
+    eval_every: int = 1  # official phase 4
     """evaluate every this many iterations and after the last (0: only after the last)"""
     eval_samples: int = 32
     """whole-proof samples per benchmark problem"""
     eval_budgets: tuple[int, ...] = (1, 8, 32)
     """k of the reported pass@k"""
     eval_temperature: float = 0.8
-    """evaluation sampling temperature (evaluate.py)"""
+    """evaluation sampling temperature (official)"""
     eval_search_limit: int | None = None
     """benchmark problems searched with and without the value model (default all; 0: none)"""
 
@@ -340,6 +355,8 @@ TACTIC_PROMPT = PROVER_PROMPT + "```lean4\n{header}{proof}\n  /- tactic state:\n
 # The value model reads a proof state in this frame; its head reads the hidden state of the last
 # token.
 VALUE_PROMPT = "Lean 4 proof state:\n{state}\n\nHow close is this state to a finished proof?"
+# LeanDojo's state after the tactic that closes the proof (a proof path's last Triple)
+NO_GOALS = "no goals"
 
 
 # ---- data ----
@@ -363,7 +380,7 @@ def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) ->
 
 # ---- rewards ----
 def proof_reward(result) -> float:
-    """The prover's reward (lean_reward.py): 1 iff Lean accepts the whole proof; a timeout fails
+    """The prover's reward (official): 1 iff Lean accepts the whole proof; a timeout fails
     (deviation 5). result: lean_verify's LeanResult(valid, status, errors, reason, time, ...)."""
     if result.valid and result.status == "valid":
         return 1.0
@@ -402,7 +419,7 @@ def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
 
 
 def priority(logprob: float, tokens: int, value: float | None, alpha: float) -> float:
-    """A node's priority in the best-first search (value_guided_search.py, normalised: deviation
+    """A node's priority in the best-first search (official, normalised: deviation
     2), from the summed log-prob `logprob` of the `tokens` tactic tokens on its path and V(s):
         alpha * exp(logprob / tokens) + (1 - alpha) * V(s),
     both terms in [0, 1] (the first is the geometric-mean probability of the path's tokens).
@@ -447,19 +464,81 @@ def value_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- phases ----
+# the roles a search charges its seconds to (SearchResult.role_seconds)
+ROLES = ("prover", "value", "env")
+
+
+# The search's records, the same in coprover.py and rir.py. A proof step is lean_verify's
+# Triple(state, tactic, target): the state before the tactic, the tactic, the state after it.
+class Edge(NamedTuple):
+    """A proposed step from the node an expansion expands."""
+
+    tactic: str | None  # None: a sample that is no tactic (a failed edge, never run)
+    logprob: float  # log p(y | ...): the tactic's summed token log-probs
+    tokens: int  # the tactic's tokens
+    target: str | None = None  # rir's target state s* (None here)
+    target_logprob: float = 0.0  # rir's log p(s* | s) (0 here)
+
+
+@dataclass(eq=False)
+class Node:
+    """A proof state of the search (states with the same goals are one node)."""
+
+    state: TacticState  # lean_verify's: status, goals, pretty (text), key, tactics, time
+    parent: Node | None = None  # the node whose expansion found it (None: the root)
+    edge: Edge | None = None  # the edge that reached it from parent
+    children: list = field(default_factory=list)  # the new nodes its expansion found
+    priority: float = 0.0  # its rank in the queue (`priority`)
+    value: float | None = None  # V(s) (None: not scored)
+    logprob: float = 0.0  # the summed log-prob of the tactics on its path (deviation 2)
+    tokens: int = 0  # and their number of tokens
+    expansion: int | None = None  # which expansion expanded it (None: none; labels' order)
+
+
+@dataclass(eq=False)
+class Tree:
+    """One theorem's search, as best_first_search runs it."""
+
+    problem: Problem
+    root: Node
+    nodes: dict = field(default_factory=dict)  # state key -> Node: the open states reached
+    queue: list = field(default_factory=list)  # a heap of (-priority, order pushed, Node)
+    pushed: int = 0  # nodes pushed so far (equal priorities: the first pushed comes first)
+    expansions: int = 0
+    expanding: Node | None = None  # the node this expansion expands
+    pending: list = field(default_factory=list)  # this expansion's Edges, in the order run
+    tried: dict = field(default_factory=dict)  # this expansion's tactic -> the state it reached
+    reached: list = field(default_factory=list)  # this expansion's (Edge, Node) to open states
+    proof: Node | None = None  # the solved state the kernel accepted, with its parent
+    counts: collections.Counter = field(default_factory=collections.Counter)  # edges, ...
+    seconds: float = 0.0  # the time charged to the theorem (its budget)
+    role_seconds: collections.Counter = field(default_factory=collections.Counter)
+
+
+class Label(NamedTuple):
+    """A value model training item (step 2 -> step 3)."""
+
+    state: str  # the proof state's text
+    value: float  # its value_label
+    source: object = None  # the record it came from (a SearchResult's id, an Attempt)
+
+
 class SearchResult(NamedTuple):
     """A theorem's search: the fields every search of the family has (coprover.py, rir.py), then
-    the method's own: merged states, the labelled states of step 2."""
+    the method's own."""
 
     id: str  # the theorem's Problem.id
-    proof: list[str] | None  # the tactics of the proof found, else None
-    seconds: float  # the time charged to the theorem: its tactics, kernel checks and model calls
+    proof: list[str] | None  # the tactics of the proof found (within the budget or not), else None
+    proved: bool  # a proof found within the budget
+    seconds: float  # the time charged to the theorem (within_budget)
     expansions: int
-    nodes: int  # distinct proof states found
-    edges: int  # tactics tried (and samples that were no tactic)
-    failed_edges: int  # of which failed
+    nodes: int  # distinct open proof states reached, the root included
+    edges: int  # tactics tried, samples that were no tactic included
+    failed_edges: int  # of which failed: Lean rejected it, the kernel its proof, or no tactic
     merged: int  # tactics that reached a known state
-    labels: list[tuple[str, float]]  # (state text, value label)
+    role_seconds: dict  # the seconds charged to each role: prover, value, env (Lean's tactics)
+    path: list  # the proof's steps, root first, as Triples ("no goals" after the last); []
+    labels: list  # the method's own: Labels of step 2
 
 
 class Attempt(NamedTuple):
@@ -472,105 +551,92 @@ class Attempt(NamedTuple):
     seconds: float = 0.0  # Lean's time on it
 
 
-@dataclass(eq=False)
-class Node:  # a proof state of the search (states with the same goals are one node)
-    state: object  # lean_verify's TacticState: status, goals, pretty (text), key, tactics, time
-    parent: str | None = None  # the key of the node whose expansion found this state
-    logprob: float = 0.0  # the summed log-prob of the tactics on its path (deviation 2)
-    tokens: int = 0  # and their number of tokens
+class Example(NamedTuple):
+    """A training sequence: its Sample, its weight, and the record it came from."""
+
+    sample: Sample  # the prompt and target tokens
+    weight: float  # the number the loss multiplies: a reward, an advantage, a label
+    source: object = None  # the record it was made from (an Attempt, ...)
 
 
-@dataclass(eq=False)
-class Tree:  # one theorem's search
-    problem: Problem
-    nodes: dict  # state key -> Node
-    queue: list = field(default_factory=list)  # a heap of (-priority, tie-break, state key)
-    expanded: list = field(default_factory=list)  # state keys, in the order expanded
-    proof: tuple | None = None  # (tactics, the key of the node its last tactic was applied to)
-    counts: collections.Counter = field(default_factory=collections.Counter)  # edges, ...
-    seconds: float = 0.0  # the time charged to the theorem
-    tactics: list = field(default_factory=list)  # this expansion's (tactic, logprob, tokens)
+def example_length(example: Example) -> int:
+    """An Example's prompt and target tokens (micro_batches' sort key)."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
 
 
 def within_budget(tree: Tree, args: Args) -> bool:
-    """Not proved yet, and time left (the budget is read before each tactic)."""
+    """Not proved yet, and time left: the theorem's charged seconds under search_timeout. Read
+    before each sampling call and each tactic, so a search overshoots by its last call or tactic
+    (a proof found past the budget is a proof, but not `proved`)."""
     return tree.proof is None and tree.seconds < args.search_timeout
 
 
 def can_expand(tree: Tree, args: Args) -> bool:
-    """A node in the queue, within the theorem's time and expansions."""
-    if not tree.queue or not within_budget(tree, args):
+    """Another expansion: within_budget, under max_expansions (None: no cap), and a node to
+    expand (a state in the queue)."""
+    if not within_budget(tree, args):
         return False
-    return args.max_expansions is None or len(tree.expanded) < args.max_expansions
+    if args.max_expansions is not None and tree.expansions >= args.max_expansions:
+        return False
+    return bool(tree.queue)
+
+
+def start_trees(verifier, problems: list[Problem]) -> list[Tree]:
+    """A Tree for each theorem, its root the start of its proof (one start_proofs call); an open
+    root waits in its queue, a root Lean could not start leaves nothing to expand."""
+    roots = verifier.start_proofs([(p.header, p.statement) for p in problems])
+    trees = []
+    for problem, state in zip(problems, roots):
+        root = Node(state)
+        seconds = collections.Counter(dict.fromkeys(ROLES, 0.0))
+        tree = Tree(problem, root, role_seconds=seconds)
+        if state.status == "open":
+            tree.nodes[state.key] = root
+            push(tree, root)
+        trees.append(tree)
+    return trees
+
+
+def push(tree: Tree, node: Node) -> None:
+    """A node joins its tree's queue by its priority."""
+    tree.pushed += 1
+    heapq.heappush(tree.queue, (-node.priority, tree.pushed, node))
+
+
+def pick_node(tree: Tree, args: Args) -> Node:
+    """The node to expand: the queue's highest priority (the first pushed of equal ones); it is
+    stamped with the expansion's number (the order of step 2's labels)."""
+    _, _, node = heapq.heappop(tree.queue)
+    node.expansion = tree.expansions
+    return node
+
+
+def start_expansion(tree: Tree, args: Args) -> None:
+    """An expansion begins: pick_node's node, no edges yet."""
+    tree.expanding = pick_node(tree, args)
+    tree.expansions += 1
+    tree.pending, tree.tried, tree.reached = [], {}, []
 
 
 def best_first_search(
-    sampler, verifier, problems: list[Problem], score, key: str, args: Args
+    sampler, verifier, problems: list[Problem], score, key: str, args: Args, clock=time.monotonic
 ) -> list[SearchResult]:
-    """Step 1 on `problems` in lockstep (ReProver's loop): each step pops every live theorem's best
-    node, samples K tactics for each (one sampling call), applies the distinct ones (try_tactics),
-    scores the new states with V (`score(state texts) -> values`; None: no value model) and
-    pushes them by `priority`; known goals merge. A theorem is charged the calls it waits for, its
-    tactics and kernel checks (the budget is read before each tactic; ReProver's: between
-    expansions). A sample that is not one finished line is a failed edge."""
-    tie = itertools.count(1)  # equal priorities: the first pushed is expanded first
-    roots = verifier.start_proofs([(p.header, p.statement) for p in problems])
-    trees = []
-    for problem, root in zip(problems, roots):
-        tree = Tree(problem, nodes={root.key: Node(root)})
-        if root.status == "open":
-            tree.queue.append((0.0, 0, root.key))
-        trees.append(tree)
+    """Step 1 on `problems` in lockstep (ReProver's loop, batched): each round, every theorem
+    that can_expand picks its node (pick_node), the prover samples K tactics for all of them in
+    one call (propose_tactics), Lean applies them (try_tactics), V scores the new states
+    (`score(state texts) -> values`; None: no value model) and they join the queue by `priority`
+    (queue_nodes). Each theorem is charged what it waits for (within_budget). Returns a
+    SearchResult a theorem, in order (search_result); step 2 reads their labels."""
+    trees = start_trees(verifier, problems)
     while True:
         live = [tree for tree in trees if can_expand(tree, args)]
         if not live:
             break
-        # the prover proposes K tactics for every live theorem's best node
-        start = time.monotonic()
         for tree in live:
-            _, _, node_key = heapq.heappop(tree.queue)
-            tree.expanded.append(node_key)
-        prompts = tactic_prompts(live)
-        # a key per prompt: a node's tactics, whichever theorems share its batch and rank
-        keys = [f"{key}/{tree.problem.id}/{len(tree.expanded)}" for tree in live]
-        rows = sample(
-            sampler,
-            prompts,
-            n=args.num_sampled_tactics,
-            key=keys,
-            stop=["\n"],
-            temperature=args.search_temperature,
-            max_new_tokens=args.tactic_max_new_tokens,
-        )
-        elapsed = time.monotonic() - start  # every theorem of the call waited for it
-        for tree, row in zip(live, rows):
-            tree.seconds += elapsed
-            distinct = {}  # tactic -> the log-prob and tokens of its first sample
-            for s in row:
-                tactic = s.text.strip()
-                if s.finish_reason != "stop" or not tactic:  # truncated, aborted or empty
-                    tree.counts.update(edges=1, failed_edges=1)
-                elif tactic not in distinct:
-                    distinct[tactic] = (float(sum(s.logprobs)), len(s.token_ids))
-            tree.tactics = []
-            for tactic, (logprob, tokens) in distinct.items():
-                tree.tactics.append((tactic, logprob, tokens))
-        # Lean applies them
-        new = try_tactics(verifier, live, args)
-        # V scores the new states (one call, for the theorems it scored); they join the queues
-        start = time.monotonic()
-        values = [None] * len(new)
-        if score and new:
-            values = score([node.state.pretty for _, node in new])
-        elapsed = time.monotonic() - start
-        scored = []
-        for tree, _ in new:
-            if tree not in scored:
-                scored.append(tree)
-                tree.seconds += elapsed
-        for (tree, node), value in zip(new, values):
-            rank = priority(node.logprob, node.tokens, value=value, alpha=args.alpha)
-            heapq.heappush(tree.queue, (-rank, next(tie), node.state.key))
+            start_expansion(tree, args)
+        propose_tactics(sampler, live, key=key, args=args, clock=clock)
+        new = try_tactics(verifier, live, args, clock=clock)
+        queue_nodes(score, new, args, clock=clock)
     return [search_result(tree, args) for tree in trees]
 
 
@@ -580,7 +646,7 @@ def tactic_prompts(trees: list[Tree]) -> list[str]:
     prompts = []
     for tree in trees:
         problem = tree.problem
-        state = tree.nodes[tree.expanded[-1]].state
+        state = tree.expanding.state
         goals = "\n".join("  " + line for line in state.pretty.split("\n"))
         proof = proof_from_tactics(problem.statement, state.tactics).rstrip()
         prompt = TACTIC_PROMPT.format(
@@ -590,68 +656,184 @@ def tactic_prompts(trees: list[Tree]) -> list[str]:
     return prompts
 
 
-def try_tactics(verifier, trees: list[Tree], args: Args) -> list[tuple[Tree, Node]]:
-    """Lean applies each tree's tactics to the node it expands, the i-th tactic of every theorem
-    not yet proved and within its budget in one apply_tactics call. A solved state whose path the
-    kernel accepts proves the theorem; a tactic Lean rejects, or a solved path the kernel rejects,
-    is a failed edge; a state with known goals merges. Returns the new nodes, with their trees."""
+def tactic_edges(samples: list[Sample]) -> list[Edge]:
+    """A node's edges from its K samples: each distinct tactic once, with its first sample's
+    log-prob and tokens, in sampling order; then a failed edge (tactic None) for each sample that
+    is not one finished line (truncated, aborted or empty)."""
+    distinct = {}  # tactic -> its Edge
+    failed = []
+    for s in samples:
+        tactic = s.text.strip()
+        if s.finish_reason != "stop" or not tactic:
+            failed.append(Edge(None, 0.0, len(s.token_ids)))
+        elif tactic not in distinct:
+            distinct[tactic] = Edge(tactic, float(sum(s.logprobs)), len(s.token_ids))
+    return list(distinct.values()) + failed
+
+
+def propose_tactics(sampler, trees: list[Tree], key: str, args: Args, clock=time.monotonic):
+    """The prover's K tactics for the node each tree expands, one sampling call for all trees
+    (a key per node, so a node's tactics do not depend on its batch): each tree's pending Edges
+    (tactic_edges). Each tree is charged the call's seconds (role "prover")."""
+    keys = [f"{key}/{tree.problem.id}/{tree.expansions}" for tree in trees]
+    start = clock()
+    rows = sample(
+        sampler,
+        tactic_prompts(trees),
+        n=args.num_sampled_tactics,
+        key=keys,
+        stop=["\n"],
+        temperature=args.search_temperature,
+        max_new_tokens=args.tactic_max_new_tokens,
+    )
+    elapsed = clock() - start  # every theorem of the call waited for it
+    for tree, row in zip(trees, rows):
+        tree.seconds += elapsed
+        tree.role_seconds["prover"] += elapsed
+        tree.pending = tactic_edges(row)
+
+
+def new_node(parent: Node, edge: Edge, state: TacticState) -> Node:
+    """A state first reached by `edge` from `parent`: its path's summed log-prob and tokens
+    (priority reads them once V has scored it)."""
+    return Node(
+        state=state,
+        parent=parent,
+        edge=edge,
+        logprob=parent.logprob + edge.logprob,
+        tokens=parent.tokens + edge.tokens,
+    )
+
+
+def try_tactics(verifier, trees: list[Tree], args: Args, clock=time.monotonic) -> list:
+    """Lean applies each tree's pending Edges to the node it expands, in lockstep: the i-th edge
+    of every tree still within_budget in one apply_tactics call (a tactic already run in this
+    expansion is not run again), until each tree's first proof or budget. Then take_edge: a
+    solved state whose path the kernel accepts is the proof; a rejected tactic (or proof) is a
+    failed edge; known goals merge; else a new Node (new_node). A tree is charged its own
+    tactics' seconds (role "env") and kernel checks. Returns the new (Tree, Node)s."""
     new = []
     for i in itertools.count():
-        todo = [tree for tree in trees if i < len(tree.tactics) and within_budget(tree, args)]
+        todo = [tree for tree in trees if i < len(tree.pending) and within_budget(tree, args)]
         if not todo:
             break
-        steps = [(tree.nodes[tree.expanded[-1]].state, tree.tactics[i][0]) for tree in todo]
-        for tree, child in zip(todo, verifier.apply_tactics(steps)):
-            start = time.monotonic()
-            parent_key = tree.expanded[-1]
-            _, logprob, tokens = tree.tactics[i]
-            tree.counts["edges"] += 1
-            if child.status == "solved" and verifier.check_tactic_path(child).valid:
-                tree.proof = (child.tactics, parent_key)
-            elif child.status != "open":
-                tree.counts["failed_edges"] += 1
-            elif child.key in tree.nodes:
-                tree.counts["merged"] += 1
-            else:
-                parent = tree.nodes[parent_key]
-                node = Node(
-                    state=child,
-                    parent=parent_key,
-                    logprob=parent.logprob + logprob,
-                    tokens=parent.tokens + tokens,
-                )
-                tree.nodes[child.key] = node
+        to_run = []
+        for tree in todo:
+            tactic = tree.pending[i].tactic
+            if tactic is not None and tactic not in tree.tried:
+                to_run.append(tree)
+        steps = [(tree.expanding.state, tree.pending[i].tactic) for tree in to_run]
+        states = []
+        if steps:
+            states = verifier.apply_tactics(steps)
+        for tree, state in zip(to_run, states):
+            tree.tried[tree.pending[i].tactic] = state
+            tree.seconds += state.time
+            tree.role_seconds["env"] += state.time
+        for tree in todo:
+            node = take_edge(verifier, tree, tree.pending[i], clock=clock)
+            if node is not None:
                 new.append((tree, node))
-            tree.seconds += child.time + time.monotonic() - start  # the tactic and its check
     return new
 
 
+def take_edge(verifier, tree: Tree, edge: Edge, clock=time.monotonic) -> Node | None:
+    """What an edge found (try_tactics' rule), counted in tree.counts: the proof (tree.proof, a
+    Node off the tree, once the kernel accepts its path: the check is charged to the theorem, to
+    no role), a failed edge, a merge, or a new Node, which is returned."""
+    tree.counts["edges"] += 1
+    state = tree.tried.get(edge.tactic)  # None: no tactic
+    if state is not None and state.status == "solved":
+        start = clock()
+        valid = verifier.check_tactic_path(state).valid
+        tree.seconds += clock() - start
+        if valid:
+            tree.proof = Node(state, parent=tree.expanding, edge=edge)
+            return None
+    if state is None or state.status != "open":
+        tree.counts["failed_edges"] += 1
+        return None
+    if state.key in tree.nodes:
+        tree.counts["merged"] += 1
+        tree.reached.append((edge, tree.nodes[state.key]))
+        return None
+    node = new_node(tree.expanding, edge, state)
+    tree.nodes[state.key] = node
+    tree.expanding.children.append(node)
+    tree.reached.append((edge, node))
+    return node
+
+
+def queue_nodes(score, new: list, args: Args, clock=time.monotonic) -> None:
+    """The new nodes join their trees' queues by `priority`, after V scores them (one call,
+    `score` None: no value model), its seconds charged to each tree it scored (role "value")."""
+    start = clock()
+    values = [None] * len(new)
+    if score and new:
+        values = score([node.state.pretty for _, node in new])
+    elapsed = clock() - start
+    scored = []
+    for tree, _ in new:
+        if score and tree not in scored:
+            scored.append(tree)
+            tree.seconds += elapsed
+            tree.role_seconds["value"] += elapsed
+    for (tree, node), value in zip(new, values):
+        node.value = value
+        node.priority = priority(node.logprob, node.tokens, value=value, alpha=args.alpha)
+        push(tree, node)
+
+
+def node_path(node: Node) -> list[Node]:
+    """The nodes from the root to `node`, root first."""
+    path = [node]
+    while path[0].parent is not None:
+        path.insert(0, path[0].parent)
+    return path
+
+
+def proof_steps(proof: Node | None) -> list[Triple]:
+    """A found proof's steps, root first: Triple(state before, tactic, state after), the state
+    after the last "no goals" (LeanDojo's); [] without a proof."""
+    if proof is None:
+        return []
+    steps = []
+    path = node_path(proof)
+    for before, after in zip(path, path[1:]):
+        target = after.state.pretty or NO_GOALS
+        steps.append(Triple(before.state.pretty, after.edge.tactic, target))
+    return steps
+
+
 def search_result(tree: Tree, args: Args) -> SearchResult:
-    """Step 2 for a search: value_labels on the proof path (root first) and every expanded state;
-    with --value-labels root, the root's label alone."""
-    nodes = tree.nodes
+    """A tree's SearchResult; its labels (step 2): value_labels on the proof path (root first)
+    and every expanded state, in the order expanded; with --value-labels root, the root's
+    alone."""
     proof = None
     proof_paths = []
     if tree.proof is not None:
-        proof, node_key = tree.proof
-        path = []
-        while node_key is not None:
-            path.insert(0, node_key)
-            node_key = nodes[node_key].parent
-        proof_paths.append(path)
+        proof = tree.proof.state.tactics
+        proof_paths.append([node.state.key for node in node_path(tree.proof)[:-1]])
+    expanded = [node for node in tree.nodes.values() if node.expansion is not None]
+    expanded.sort(key=lambda node: node.expansion)
+    keys = [node.state.key for node in expanded]
     labels = []
-    for node_key, label in value_labels(tree.expanded, proof_paths, args.gamma).items():
-        if args.value_labels == "state" or nodes[node_key].parent is None:
-            labels.append((nodes[node_key].state.pretty, label))
+    for node_key, label in value_labels(keys, proof_paths, args.gamma).items():
+        node = tree.nodes[node_key]
+        if args.value_labels == "state" or node.parent is None:
+            labels.append(Label(node.state.pretty, label, source=tree.problem.id))
     return SearchResult(
         id=tree.problem.id,
         proof=proof,
+        proved=proof is not None and tree.seconds <= args.search_timeout,
         seconds=tree.seconds,
-        expansions=len(tree.expanded),
-        nodes=len(nodes),
+        expansions=tree.expansions,
+        nodes=len(tree.nodes),
         edges=tree.counts["edges"],
         failed_edges=tree.counts["failed_edges"],
         merged=tree.counts["merged"],
+        role_seconds=dict(tree.role_seconds),
+        path=proof_steps(tree.proof),
         labels=labels,
     )
 
@@ -659,9 +841,11 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
 def search(
     sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist
 ) -> list[SearchResult]:
-    """Step 1 on every rank's share of `problems`, search_batch theorems at a time in lockstep
-    (default: one per REPL of the rank's pool); then the REPLs holding the batch's proof states
-    are restarted (a REPL never frees one)."""
+    """Steps 1 and 5's search: each rank its share of `problems`, search_batch theorems at a
+    time in lockstep (best_first_search; default one per REPL of the rank's pool); after each
+    batch the REPLs holding its proof states restart (free_states: a REPL never frees a state,
+    and a restart per batch re-imports the header once per search_batch searches). Every rank
+    gets all results, in order."""
 
     def search_share(mine: list[Problem]) -> list[SearchResult]:
         size = args.search_batch or verifier.workers
@@ -740,7 +924,7 @@ def attempt_proofs(
 def frontier_filter(
     sampler, verifier, problems: list[Problem], args: Args, dist: Dist
 ) -> list[str]:
-    """Data prep (filter_dataset.py): the ids of the statements with frontier_min..frontier_max of
+    """Data prep (official): the ids of the statements with frontier_min..frontier_max of
     frontier_samples whole proofs proved (deviation 6)."""
     attempts = attempt_proofs(
         sampler,
@@ -762,17 +946,18 @@ def frontier_filter(
 
 def whole_proof_labels(
     verifier, problems: list[Problem], attempts: dict[str, list[Attempt]], args: Args, dist: Dist
-) -> list[tuple[str, float]]:
-    """Step 2 for whole proofs, (state text, label) pairs: a failed attempt labels its theorem's
-    root 0 (the official collector's rule); a proof of n top-level tactics labels the root
-    value_label(n) (term mode: n = 1, the collector's floor) and, with per-state labels, is
-    replayed, the states on its path labelled by value_labels; a replay not ending solved (it uses
-    its own lemma): the root only."""
+) -> list[Label]:
+    """Step 2 for whole proofs (step 4's rollouts), Labels whose source is their Attempt: a
+    failed attempt labels its theorem's root 0 (the official collector's rule); a proof of n
+    top-level tactics labels the root value_label(n) (term mode: n = 1, the collector's floor)
+    and, with per-state labels, is replayed, the states on its path labelled by value_labels; a
+    replay not ending solved (it uses its own lemma): the root only. Returned by grpo_round; V
+    trains on them in the next iteration's step 3."""
 
-    def label_share(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[tuple[str, float]]]:
+    def label_share(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[Label]]:
         roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])
         out = []  # each theorem's labels
-        replays = []  # (its theorem's labels, root, tactics) of each proof to replay
+        replays = []  # (its theorem's labels, root, tactics, Attempt) of each proof to replay
         for (problem, row), root in zip(mine, roots):
             labels = []
             out.append(labels)
@@ -781,21 +966,22 @@ def whole_proof_labels(
             proofs = []
             for a in row:
                 if a.correct:
-                    proofs.append(proof_tactics(a.proof, problem.statement))
+                    proofs.append((proof_tactics(a.proof, problem.statement), a))
                 else:
-                    labels.append((root.pretty, 0.0))
-            for tactics in proofs:
-                labels.append((root.pretty, value_label(max(len(tactics), 1), args.gamma)))
+                    labels.append(Label(root.pretty, 0.0, source=a))
+            for tactics, a in proofs:
+                value = value_label(max(len(tactics), 1), args.gamma)
+                labels.append(Label(root.pretty, value, source=a))
                 if args.value_labels == "state" and len(tactics) > 1:
-                    replays.append((labels, root, tactics))
-        roots = [root for _, root, _ in replays]
-        paths = [tactics for _, _, tactics in replays]
-        for (labels, _, _), states in zip(replays, verifier.replay(roots, paths)):
+                    replays.append((labels, root, tactics, a))
+        roots = [root for _, root, _, _ in replays]
+        paths = [tactics for _, _, tactics, _ in replays]
+        for (labels, _, _, a), states in zip(replays, verifier.replay(roots, paths)):
             if states and states[-1].status == "solved":
                 path = [s.key for s in states[:-1]]  # the states before each tactic, root first
                 found = value_labels([], [path], args.gamma)
                 for s in states[1:-1]:  # (the root has its label)
-                    labels.append((s.pretty, found[s.key]))
+                    labels.append(Label(s.pretty, found[s.key], source=a))
         return out
 
     pairs = [(p, attempts[p.id]) for p in problems]
@@ -806,7 +992,7 @@ def whole_proof_labels(
 
 
 def load_value_model(name: str, dist: Dist, args: Args, train: bool = True) -> torch.nn.Module:
-    """The value model (value_model.py): a causal LM, loaded and sharded as the prover, with
+    """The value model (official): a causal LM, loaded and sharded as the prover, with
     `value_head` on its final hidden state (so that FSDP2, checkpoints and the HF directory carry
     it): Linear(h, h/2) - GELU - Linear(h/2, 1) in fp32, from seed 0 (the same on every rank and
     run), or the value_head.* tensors of a directory this file wrote."""
@@ -860,7 +1046,7 @@ def value_scorer(value_model, tokenizer, args: Args, dist: Dist):
 
 
 def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tensor:
-    """V(s) of a batch of B states, [B] (value_model.py): the final hidden state of each
+    """V(s) of a batch of B states, [B] (official): the final hidden state of each
     left-padded prompt's last token (its last value_max_length tokens) through the head in fp32
     and a sigmoid; positions count real tokens only."""
     prompts = [VALUE_PROMPT.format(state=text) for text in texts]
@@ -886,26 +1072,26 @@ def value_forward(model, tokenizer, texts: list[str], args: Args) -> torch.Tenso
     return torch.sigmoid(model.value_head(last)).squeeze(-1)
 
 
-def label_length(item: tuple[str, float]) -> int:  # micro_batches' sort key: the state's length
-    return len(item[0])
+def label_length(label: Label) -> int:  # micro_batches' sort key: the state's length
+    return len(label.state)
 
 
 def update_value(
     value_model,
     optimizer,
     tokenizer,
-    labels: list[tuple[str, float]],
+    labels: list[Label],
     rng: random.Random,
     args: Args,
     dist: Dist,
 ) -> dict[str, float]:
-    """Step 3 (value_model_sft.yaml, prepare_value_data.py): value_epochs shuffled epochs over the
+    """Step 3 (official): value_epochs shuffled epochs over the
     labels so far, each positive positive_oversample times; the mean of value_loss over a batch;
     the HF trainer's schedule over these steps."""
     data = []
     for item in labels:
         copies = 1
-        if item[1] > 0:
+        if item.value > 0:
             copies = args.positive_oversample
         for _ in range(copies):
             data.append(item)
@@ -921,10 +1107,10 @@ def update_value(
         start = (step % per_epoch) * size
         batch = order[start : start + size]
 
-        def loss_fn(micro: list[tuple[str, float]]) -> tuple[torch.Tensor, dict]:
-            texts = [text for text, _ in micro]
+        def loss_fn(micro: list[Label]) -> tuple[torch.Tensor, dict]:
+            texts = [label.state for label in micro]
             values = value_forward(value_model, tokenizer, texts, args=args)
-            targets = values.new_tensor([label for _, label in micro])
+            targets = values.new_tensor([label.value for label in micro])
             return value_loss(values, targets) / len(batch), {}
 
         lr = lr_at(
@@ -956,38 +1142,33 @@ def update_value(
     }
 
 
-def rollout_length(item: tuple[Sample, float]) -> int:  # micro_batches' sort key
-    sample, _ = item
-    return len(sample.prompt_ids) + len(sample.token_ids)
-
-
 def update(
     policy, optimizer, groups: list[list[Attempt]], lr: float | None, args: Args, dist: Dist
 ) -> dict[str, float]:
-    """Step 4, GRPO on one rollout batch, a group of Attempts per prompt (train_step_grpo.sh, no
+    """Step 4, GRPO on one rollout batch, a group of Attempts per prompt (official, no
     KL, no entropy bonus): grpo_advantages from Lean's verdicts, clip_higher_loss with the
     sampler's log-probs as pi_old, grpo_minibatches optimizer steps (lr None: the optimizer's). A
     sample with advantage 0 adds no gradient and is not run, but its tokens count in n_tokens."""
-    items = []  # (sample, advantage)
+    items = []
     for row in groups:
         advantages = grpo_advantages([a.correct for a in row])
         for attempt, advantage in zip(row, advantages):
-            items.append((attempt.sample, advantage))
+            items.append(Example(attempt.sample, weight=advantage, source=attempt))
     size = math.ceil(len(items) / args.grpo_minibatches)
     stats = []
     for first in range(0, len(items), size):
         minibatch = items[first : first + size]
-        n_tokens = sum(len(s.token_ids) for s, _ in minibatch)
+        n_tokens = sum(len(example.sample.token_ids) for example in minibatch)
 
-        def loss_fn(micro: list[tuple[Sample, float]]) -> tuple[torch.Tensor, dict]:
-            samples = [s for s, _ in micro]
+        def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
+            samples = [example.sample for example in micro]
             logp, mask, _ = token_logprobs(policy, samples, args.temperature)  # [B, T]
             old_rows = []  # pi_old: the sampler's log-probs, padded as logp
             for s in samples:
                 padding = (0, logp.shape[1] - len(s.logprobs))
                 old_rows.append(torch.nn.functional.pad(logp.new_tensor(s.logprobs), padding))
             old_logp = torch.stack(old_rows)  # [B, T]
-            advantages = logp.new_tensor([advantage for _, advantage in micro])  # [B]
+            advantages = logp.new_tensor([example.weight for example in micro])  # [B]
             loss, held_back = clip_higher_loss(
                 logp,
                 old_logp,
@@ -1000,9 +1181,9 @@ def update(
             return loss, {"clipfrac": held_back.item() / n_tokens}
 
         to_train = []
-        for s, advantage in minibatch:
-            if abs(advantage) > 1e-8 and s.token_ids:
-                to_train.append((s, advantage))
+        for example in minibatch:
+            if abs(example.weight) > 1e-8 and example.sample.token_ids:
+                to_train.append(example)
         if not to_train:
             continue
         step_stats = train_step(
@@ -1013,7 +1194,7 @@ def update(
             micro_batch_size=args.micro_batch_size,
             max_grad_norm=args.max_grad_norm,
             dist=dist,
-            length=rollout_length,
+            length=example_length,
             lr=lr,
         )
         stats.append(step_stats)
@@ -1035,7 +1216,7 @@ def grpo_round(
     first_step: int,
     args: Args,
     dist: Dist,
-) -> tuple[list[dict], list[Attempt], list[tuple[str, float]]]:
+) -> tuple[list[dict], list[Attempt], list[Label]]:
     """Step 4: grpo_steps_per_round GRPO steps from rollout batch `first_step` on; each samples
     and verifies whole proofs (attempt_proofs), labels the states of the proofs for the value
     model (whole_proof_labels) and updates the prover (update). Returns each step's stats, the
@@ -1080,42 +1261,81 @@ def mean(values: list) -> float:
     return float(np.mean(values))
 
 
-def search_metrics(
-    results: list[SearchResult], prefix: str, seconds: float, budget: float
-) -> dict[str, float]:
-    """Search efficiency: the theorems proved (count, share, per expansion and per second of
-    search), the expansions and nodes per proof, the proofs' length, the share of failed edges,
-    the seconds searches ran past the budget; the method's own: merged states. `seconds`: the
-    phase's wall time (lockstep searches overlap); `budget`: the limit."""
-    proved = [r for r in results if r.proof is not None]
+def search_metrics(results: list[SearchResult], prefix: str, seconds: float) -> dict[str, float]:
+    """Search efficiency of a phase's SearchResults (the same in coprover.py and rir.py):
+    theorems; proved, a proof found within the budget, and pass@1, their share (one search, one
+    sample); proved_overrun, proofs found past the budget (not proved); proofs per expansion and
+    per second of `seconds`, the phase's wall time (lockstep searches overlap); expansions and
+    nodes per proof and proof length (proved ones); expansions; merged; the share of failed
+    edges; the charged seconds of the proved searches (search_time_proved, mean and median); and
+    for each role of role_seconds, its seconds over all searches (<role>_seconds) and its mean
+    over the proved ones (<role>_time_proved). No result: zeros, no role."""
+    proved = [r for r in results if r.proved]
+    overrun = [r for r in results if r.proof is not None and not r.proved]
     expansions = sum(r.expansions for r in results)
     edges = sum(r.edges for r in results)
     failed_edges = sum(r.failed_edges for r in results)
-    overshoots = [r.seconds - budget for r in results]
+    proved_seconds = [r.seconds for r in proved]
     proofs_per_second = 0.0
-    if seconds:
+    if seconds > 0:
         proofs_per_second = len(proved) / seconds
-    return {
+    median = 0.0
+    if proved:
+        median = float(np.median(proved_seconds))
+    stats = {
         f"{prefix}/theorems": float(len(results)),
         f"{prefix}/proved": float(len(proved)),
-        f"{prefix}/pass@1": len(proved) / max(len(results), 1),  # one search, one sample
+        f"{prefix}/pass@1": len(proved) / max(len(results), 1),
+        f"{prefix}/proved_overrun": float(len(overrun)),
         f"{prefix}/proofs_per_expansion": len(proved) / max(expansions, 1),
         f"{prefix}/proofs_per_second": proofs_per_second,
         f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
         f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
         f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
         f"{prefix}/expansions": float(expansions),
+        f"{prefix}/merged": float(sum(r.merged for r in results)),
         f"{prefix}/failed_edge_share": failed_edges / max(edges, 1),
-        f"{prefix}/overshoot_max": max(overshoots + [0.0]),
-        f"{prefix}/overshoot_mean": mean([max(overshoot, 0.0) for overshoot in overshoots]),
-        f"{prefix}/merged_states": float(sum(r.merged for r in results)),
+        f"{prefix}/search_time_proved": mean(proved_seconds),
+        f"{prefix}/search_time_proved_median": median,
     }
+    roles = sorted(set().union(*[r.role_seconds for r in results]))
+    for role in roles:
+        total = sum(r.role_seconds.get(role, 0.0) for r in results)
+        stats[f"{prefix}/{role}_seconds"] = float(total)
+        role_proved = [r.role_seconds.get(role, 0.0) for r in proved]
+        stats[f"{prefix}/{role}_time_proved"] = mean(role_proved)
+    return stats
+
+
+def record_searches(
+    run_dir: pathlib.Path,
+    results: list[SearchResult],
+    phase: str,
+    step: int,
+    outcomes: collections.Counter,
+    dist: Dist,
+) -> None:
+    """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are
+    logged at, and into `outcomes`, a count of searches, proved, expansions, edges and
+    failed_edges (the same in coprover.py and rir.py)."""
+    for result in results:
+        outcomes["searches"] += 1
+        outcomes["proved"] += int(result.proved)
+        outcomes["expansions"] += result.expansions
+        outcomes["edges"] += result.edges
+        outcomes["failed_edges"] += result.failed_edges
+    if not dist.is_main:
+        return
+    with open(run_dir / "searches.jsonl", "a") as f:
+        for result in results:
+            row = {"step": step, "phase": phase, **result._asdict()}
+            f.write(json.dumps(row) + "\n")
 
 
 def evaluate(
     sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist
 ) -> dict[str, float]:
-    """Step 5 (evaluate.py): pass@k (unbiased, pass_at_k) from eval_samples whole proofs per
+    """Step 5 (official): pass@k (unbiased, pass_at_k) from eval_samples whole proofs per
     problem at eval_temperature; search efficiency on the first eval_search_limit problems,
     value-guided (with a value model, `score`) and log-prob only."""
     attempts = attempt_proofs(
@@ -1150,9 +1370,7 @@ def evaluate(
             sampler, verifier, subset, score=guide, key=f"{key}/{name}", args=args, dist=dist
         )
         seconds = time.monotonic() - start
-        stats = search_metrics(
-            results, prefix=f"eval/search_{name}", seconds=seconds, budget=args.search_timeout
-        )
+        stats = search_metrics(results, prefix=f"eval/search_{name}", seconds=seconds)
         metrics.update(stats)
     return metrics
 
@@ -1268,9 +1486,9 @@ def grpo_metrics(stats: list[dict], attempts: list[Attempt]) -> dict[str, float]
     return metrics
 
 
-def label_metrics(new_labels: list[tuple[str, float]], labels: list) -> dict[str, float]:
+def label_metrics(new_labels: list[Label], labels: list) -> dict[str, float]:
     """Step 2's metrics: this iteration's labels (of searches and whole proofs), all labels."""
-    new = [label for _, label in new_labels]
+    new = [label.value for label in new_labels]
     return {
         "value/new_labels": float(len(new_labels)),
         "value/labels": float(len(labels)),
@@ -1317,6 +1535,7 @@ def main(args: Args) -> None:
         )
 
     outcomes = collections.Counter()  # this run's GRPO rollouts by Lean's verdict
+    searched = collections.Counter()  # this run's step-1 searches (record_searches)
     trained = 0  # and how many were rewarded
     for iteration in range(start, args.iterations):
         step = iteration + 1  # iterations done
@@ -1334,17 +1553,17 @@ def main(args: Args) -> None:
                 sampler, verifier, theorems, score=guide, key=key, args=args, dist=dist
             )
         seconds = logger.times["time/search"]  # proofs per second of the phase's wall time
-        stats = search_metrics(
-            results, prefix="search", seconds=seconds, budget=args.search_timeout
-        )
+        stats = search_metrics(results, prefix="search", seconds=seconds)
         metrics.update(stats)
         metrics["search/value_guided"] = float(guided)
+        record_searches(run_dir, results, "search", step=step, outcomes=searched, dist=dist)
 
-        # 2. Labels: value_labels on the searches' states (the whole proofs' come with step 4)
+        # 2. Labels: value_labels on the searches' states (the whole proofs' come with step 4;
+        # the state keeps them as (state text, value) pairs)
         new_labels = []
         for result in results:
             new_labels += result.labels
-        state["labels"] += new_labels
+        state["labels"] += [tuple(label[:2]) for label in new_labels]
 
         # 3. The value model: regression on all labels so far (--no-co-training: only once)
         first_value_round = state["value_rounds"] == 0
@@ -1356,7 +1575,7 @@ def main(args: Args) -> None:
                     value_model,
                     value_optimizer,
                     tokenizers["value"],
-                    labels=state["labels"],
+                    labels=[Label(*pair) for pair in state["labels"]],
                     rng=random.Random(f"{args.seed}/{iteration}/value"),
                     args=args,
                     dist=dist,
@@ -1378,7 +1597,7 @@ def main(args: Args) -> None:
                 dist=dist,
             )
             state["grpo_step"] += args.grpo_steps_per_round
-            state["labels"] += labels
+            state["labels"] += [tuple(label[:2]) for label in labels]
             new_labels += labels
             outcomes.update(a.status for a in attempts)
             trained += sum(a.correct for a in attempts)

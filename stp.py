@@ -17,11 +17,12 @@ rounds); each iteration:
   3. prove (select_problems, attempt_proofs): this iteration's problems (the unproved statements,
      the new conjectures and a few proved statements) get 64 sampled proofs each in iteration 0,
      32 later, each checked by Lean; record_solve_counts and record_proofs keep the results. With
-     vLLM a rank generates its share in --generation-folds calls (the official NR_FOLD: there,
+     vLLM a rank generates its share in --generation-folds calls (the official folds: there,
      each fold is verified while the next one generates);
-  4. the conjecturer's data (conjecturer_examples): the barely provable conjectures
-     (--conjecture-band), minus the least elegant ones (elegance_filter), weighted toward the
-     unproved statements (matching_weights);
+  4. the conjecturer's data (conjecturer_examples): the conjectures attempted this iteration
+     whose solve rate is in the band (in_conjecture_band; official: barely provable), minus the
+     least elegant ones (keep_elegant, --elegance-filter), weighted toward the unproved
+     statements (matching_weights);
   5. the prover's data (prover_examples): the correct proofs in the replay window (the official
      replay buffer: the last --replay-rounds iterations, 3) of the statements still hard in it
      (--solve-rate-max), each weighted by proof_weight;
@@ -37,14 +38,25 @@ samples, on miniF2F and ProofNet, from up to 3200 samples per problem, by the un
 Where the paper is silent or differs, this file follows the official code, but for the deviations
 below.
 
+Sources. The official code (RL/) each part follows: select_seeds, conjecture and select_problems,
+RL_utils.Sampler_base.select (the baselines: Sampler_naive); attempt_proofs, RL_step1_generate
+(NR_FOLD folds); best_rate, its succ_rates; conjecturer_examples,
+Sampler_base.get_conjecture_examples; elegance_filter, filter_by_ratio; matching_weights,
+wasserstein_matching; prover_examples and proof_weight, RL_step2_train; final_examples,
+RL_step3_final_model; update, Levanter's weighted_lm (RL_base.yaml); the defaults,
+run_RL_steps.sh (TOTAL_ROUNDS, the learning rate) and run_RL_train.sh (Stage 3); Stage 3's SFT
+rows, the mathlib.json of prepare_datasets.py.
+
 Records: lean_verify's Problem(id, header, statement), a statement to prove; the infrastructure
 block's Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler
 drew it, and Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
-torchrun's; this file's Seed, Conjecture, Attempt and Example, defined before the method.
+torchrun's; this file's Seed, Conjecture, Attempt, Candidate and Example, defined before the
+method.
 
-Run (needs Lean: `bash setup.sh --lean`): without CUDA this file runs a loop scaled down by
-CPU_DEFAULTS (SmolLM2-135M, data/lean_smoke.jsonl); under `torchrun --nproc_per_node 8` on 8xH200,
-the paper's sizes. Experiment map: README.md.
+Run (needs Lean: `bash setup.sh --lean`). Without CUDA, Args' defaults are CPU_DEFAULTS (a loop
+sized for a laptop; the run prints them), so `python stp.py` and `main(Args())` run it alike and a
+value given keeps it; SmolLM2-135M, data/lean_smoke.jsonl. Under `torchrun --nproc_per_node 8` on
+8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
   1. Generation and verification are not pipelined; sampling is seeded by position; a (problem,
@@ -180,15 +192,15 @@ class Args:
 
     # algorithm
     iterations: int = 12
-    """self-play iterations to run (the paper's word: rounds; run_RL_steps.sh's TOTAL_ROUNDS);
-    0: evaluate --model"""
+    """self-play iterations to run (the paper's word: rounds; the official total rounds); 0:
+    evaluate --model"""
     samples_first_round: int = 64
     """proofs sampled per statement in iteration 0"""
     samples_per_round: int = 32
     """proofs sampled per statement in later iterations"""
     generation_folds: int = 5
-    """with vLLM a rank generates its share of the proofs in this many calls (official NR_FOLD,
-    pipelined)"""
+    """with vLLM a rank generates its share of the proofs in this many calls (the official
+    folds, pipelined)"""
     temperature: float = 1.0
     """sampling temperature of every role"""
     top_p: float = 1.0
@@ -200,8 +212,9 @@ class Args:
     solve_rate_max: float = 0.5
     """prover_examples: a statement's proofs train the prover while its solve rate over the replay
     window is <= this"""
-    conjecture_band: float = 0.25
-    """conjecturer_examples: the conjecturer learns from conjectures with solve rate in (0, this)"""
+    conjecture_band: tuple[float, float] = (0.0, 0.25)
+    """(low, high), both ends excluded: the conjecturer learns from conjectures solved at
+    low < s < high this iteration (in_conjecture_band); a low below 0 admits s = 0"""
     seed_threshold: float = 0.35
     """select_seeds: seeds come from dataset statements with a best solve rate above this"""
     empty_lemma_prob: float = 0.5
@@ -219,6 +232,9 @@ class Args:
     """per character of a proof, in proof_weight (and in Stage 3's weight, final_examples)"""
     time_penalty: float = 0.01
     """per second of Lean verification, in proof_weight"""
+    elegance_filter: bool = True
+    """step 4 drops the least elegant conjectures (keep_elegant); off: every conjecture in the
+    band goes on to matching_weights"""
     elegance_quantile: float = 0.2
     """elegance_filter's quantile: the share of each lemma group below its cutoff"""
     matching_cap: float = 4.0
@@ -227,7 +243,7 @@ class Args:
     embedding_max_tokens: int = 512
     """statements are embedded from their first this many tokens"""
     learning_rate: float = 5e-5
-    """learning rate of each iteration's weighted SFT (run_RL_steps.sh)"""
+    """learning rate of each iteration's weighted SFT (official)"""
     batch_size: int = 2048
     """sequences per optimizer step"""
     micro_batch_size: int = 4
@@ -252,13 +268,13 @@ class Args:
     """Stage 3 after the iterations: re-train --final-model on the SFT data and the correct proofs
     of every round"""
     final_model: str = "deepseek-ai/DeepSeek-Prover-V1.5-SFT"
-    """Stage 3 re-trains this model (run_RL_train.sh); it must share --model's architecture and
+    """Stage 3 re-trains this model (official); it must share --model's architecture and
     tokenizer"""
     final_sft_dataset: str = "kfdong/STP_Lean_SFT"
-    """Stage 3 also trains on its rows (prompt, target[, weight]) but LeanWorkbook's (mathlib.json);
-    '' for none"""
+    """Stage 3 also trains on its rows (prompt, target[, weight]) but LeanWorkbook's (the
+    official mathlib part); '' for none"""
     final_learning_rate: float = 1e-4
-    """Stage 3 learning rate (run_RL_train.sh)"""
+    """Stage 3 learning rate (official)"""
     final_solve_rate_max: float = 0.25
     """Stage 3 keeps the proofs of a round whose statement's solve rate in it is <= this (dataset
     statements: all)"""
@@ -291,7 +307,8 @@ class Args:
 
 
 # An iteration on a CPU in about five minutes (SmolLM2-135M: 64 proofs of <= 96 tokens ~100 s, a
-# training step ~30 s); fewer than 5 samples per statement would leave the band 0 < s < 1/4 empty.
+# training step ~30 s); fewer than 5 samples per statement would leave the official band
+# 0 < s < 1/4 empty.
 # It evaluates on the built-in text.
 CPU_DEFAULTS = dict(
     model="embedded:smollm2",
@@ -332,7 +349,8 @@ EMPTY_LEMMA = "theorem true: True"
 
 def truncate_left(tokenizer, text: str, max_tokens: int) -> str:
     """The text cut to its last max_tokens tokens (official: the tokenizer with
-    truncation_side='left')."""
+    truncation_side='left'). A text of max_tokens tokens or fewer comes back as it is, not
+    decoded again (a decode need not give back the text it encoded)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
         return text
@@ -387,27 +405,38 @@ class Attempt(NamedTuple):
     seconds: float = 0.0  # Lean's time on the proof
 
 
-class Example(NamedTuple):
-    """A training sequence: a Sample (its prompt and target tokens) and its weight."""
+class Candidate(NamedTuple):
+    """A conjecture in step 4's band (in_conjecture_band), on its way to the conjecturer's data."""
 
-    sample: Sample
-    weight: float
+    conjecture: Conjecture
+    lemma: str  # its own; after choose_lemmas the one its prompt shows ("" for none)
+    rate: float  # its solve rate s this iteration
+
+
+class Example(NamedTuple):
+    """A training sequence: its Sample, its weight, and the record it came from."""
+
+    sample: Sample  # the prompt and target tokens
+    weight: float  # the number the loss multiplies: a reward, an advantage, a label
+    source: object = None  # the record it was made from (a Candidate, an Attempt, a record, ...)
 
 
 def example_length(example: Example) -> int:
-    """Prompt and target tokens: train_step sorts a rank's share by it."""
+    """An Example's prompt and target tokens (micro_batches' sort key)."""
     return len(example.sample.prompt_ids) + len(example.sample.token_ids)
 
 
-def text_example(tokenizer, prompt: str, target: str, weight: float, args: Args) -> Example:
+def text_example(
+    tokenizer, prompt: str, target: str, weight: float, args: Args, source: object = None
+) -> Example:
     """The prompt's tokens, then the target's and end of sequence, cut to max_train_tokens (the
-    target keeps at least one token)."""
+    target keeps at least one token); the Example keeps weight and source."""
     prompt_ids = encode_prompt(tokenizer, prompt)
     target_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
     target_ids = target_ids + [tokenizer.eos_token_id]
     room = max(1, args.max_train_tokens - len(prompt_ids))
     sample = Sample(target, prompt_ids, target_ids[:room], [], "stop")
-    return Example(sample, weight)
+    return Example(sample, weight, source=source)
 
 
 def statement_key(statement: str) -> str:
@@ -417,31 +446,58 @@ def statement_key(statement: str) -> str:
 
 # ---- rewards ----
 def solve_rate(attempts: list[Attempt]) -> float:
-    """A problem's solve rate s: the share of its attempts that Lean accepted."""
+    """A problem's solve rate s: the share of its attempts that Lean accepted; 0 for no
+    attempt (step 4 skips a conjecture not attempted rather than read this 0)."""
     if not attempts:
         return 0.0
     return sum(a.correct for a in attempts) / len(attempts)
 
 
 def best_rate(history: dict, pid: str) -> float:
-    """A statement's solve rate in its best iteration (official succ_rates); history[pid] maps an
-    iteration to (samples, correct)."""
+    """A statement's solve rate in its best iteration (official); history[pid] maps an
+    iteration to (samples, correct); 0 for a statement never attempted."""
     rates = [correct / samples for samples, correct in history.get(pid, {}).values() if samples]
     return max(rates, default=0.0)
 
 
 def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
-    """A correct proof's weight in the prover's data (official RL_step2_train):
+    """A correct proof's weight in the prover's data (official):
     exp(-length_penalty * characters - time_penalty * Lean seconds) / #correct proofs of its
-    statement in the replay window."""
+    statement in the replay window (n_correct >= 1: the proof itself is one)."""
     penalty = args.length_penalty * proof_chars + args.time_penalty * verify_seconds
     return math.exp(-penalty) / n_correct
 
 
+def in_conjecture_band(rate: float, args: Args) -> bool:
+    """Step 4's band: whether a conjecture solved at rate s this iteration trains the
+    conjecturer: low < s < high, (low, high) = conjecture_band, both ends excluded (official
+    0 < s < 1/4: proved at least once, and barely). Edges: s exactly low or exactly high is
+    out; s = 0 (no proof) is in only when low < 0; low >= high admits nothing."""
+    low, high = args.conjecture_band
+    return low < rate < high
+
+
+def elegance_ratio(candidate: Candidate, proofs: dict, iteration: int, args: Args) -> float:
+    """A conjecture's shortest proof in the replay window (its last replay_rounds iterations)
+    over its statement, in characters. With no proof there (s = 0, which a band with low < 0
+    admits), inf: the most elegant, kept by elegance_filter. A statement of no characters
+    counts as one."""
+    conjecture = candidate.conjecture
+    window = iteration - args.replay_rounds
+    lengths = []
+    for entry in proofs.get(conjecture.id, []):
+        if entry["iteration"] > window:
+            lengths.append(len(entry["proof"]))
+    if not lengths:
+        return math.inf
+    return min(lengths) / max(len(conjecture.statement), 1)
+
+
 def elegance_filter(groups: list, ratios: list[float], quantile: float = 0.2) -> list[bool]:
-    """Official filter_by_ratio: which conjectures to keep. Within each group (the shared lemma),
-    drop a ratio below the cutoff sorted(group's ratios)[int(size * quantile)]; a group of one is
-    kept whole."""
+    """Which conjectures to keep (official): within each group (the shared lemma), drop a ratio
+    below the cutoff sorted(group's ratios)[int(size * quantile)]; ties at the cutoff are kept,
+    a group of one is kept whole, an empty list gives []. A ratio of inf (no proof:
+    elegance_ratio) is at or above every cutoff, so kept; it can raise its group's cutoff."""
     by_group = collections.defaultdict(list)
     for group, ratio in zip(groups, ratios):
         by_group[group].append(ratio)
@@ -498,10 +554,12 @@ def weighted_nll_loss(logp, mask, weights, denominator, sequence_mean=False):
 def select_seeds(
     statements: list[Problem], proofs: dict, history: dict, rng: random.Random, args: Args
 ) -> list[Seed]:
-    """Step 1 (official Sampler_base.select): the proofs of dataset statements with a best solve
-    rate above seed_threshold, shuffled, each paired with the lemmas it invokes and, with
-    probability empty_lemma_prob, the empty lemma; each (statement, lemma) once, each lemma in at
-    most lemma_use_cap * #statements seeds, #statements seeds at most."""
+    """Step 1, the seeds (official). Takes the dataset, the proofs recorded so far
+    (record_proofs) and the solve counts (record_solve_counts); returns Seeds for conjecture.
+    The rule: the proofs of dataset statements whose best_rate is above seed_threshold
+    (strictly; none before any proof), shuffled, each paired with the lemmas it invokes and,
+    with probability empty_lemma_prob, the empty lemma; each (statement, lemma) once, each
+    lemma in at most lemma_use_cap * #statements seeds, #statements seeds at most."""
     candidates = []  # (problem, proof)
     for problem in statements:
         if best_rate(history, problem.id) > args.seed_threshold:
@@ -538,21 +596,23 @@ def conjecture(
     args: Args,
     dist: Dist,
 ) -> tuple[list[Conjecture], dict]:
-    """Step 2 (official Sampler_base.select): max(1, min(3 #statements // #seeds,
-    max_conjecture_multiplier)) samples per seed, parsed, shuffled, without duplicates of the
-    dataset or of each other (statement_key, with the header), shuffled again and cut to
-    #statements when there are more. A statement conjectured before keeps its id (official
-    lemma_id)."""
+    """Step 2, conjecturing (official). Takes select_seeds' Seeds, the dataset and every
+    problem so far by id; returns the new Conjectures (select_problems makes them step 3's
+    problems, conjecturer_examples reads them) and the conjecturer/ stats. The rule: max(1,
+    min(3 #statements // #seeds, max_conjecture_multiplier)) samples per seed, parsed,
+    shuffled, without duplicates of the dataset or of each other (statement_key, with the
+    header), shuffled again and cut to #statements when there are more. A statement
+    conjectured before keeps its id (official). No seed: no conjecture."""
     if not seeds:
         return [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0}
     multiplier = 3 * len(statements) // len(seeds)
     multiplier = max(1, min(multiplier, args.max_conjecture_multiplier))
     prompts = []
-    for problem, proof, lemma in seeds:
-        easy_theorem = problem.statement + proof
+    for seed in seeds:
+        easy_theorem = seed.problem.statement + seed.proof
         prompts.append(
             conjecturer_prompt(
-                tokenizer, problem.header, lemma, easy_theorem=easy_theorem, args=args
+                tokenizer, seed.problem.header, seed.lemma, easy_theorem=easy_theorem, args=args
             )
         )
 
@@ -571,14 +631,14 @@ def conjecture(
         logprobs=False,
     )
     # parse: a new statement ending in ':= by', or None
-    found = []  # (the seed's problem, proof and lemma, the new statement)
+    found = []  # (the Seed, the new statement)
     n_outputs = 0
-    for (problem, proof, lemma), row in zip(seeds, rows):
+    for seed, row in zip(seeds, rows):
         for s in row:
             n_outputs += 1
             statement = extract_conjecture(s.text, END_THM, s.finish_reason, BANNED)
             if statement is not None:
-                found.append((problem, proof, lemma, statement))
+                found.append((seed, statement))
     rng.shuffle(found)
 
     # keep the new ones
@@ -587,18 +647,19 @@ def conjecture(
     for pid, known in problem_by_id.items():
         known_ids[known.statement] = pid
     new = []
-    for problem, proof, lemma, statement in found:
-        duplicate_key = (problem.header, statement_key(statement))
+    for seed, statement in found:
+        duplicate_key = (seed.problem.header, statement_key(statement))
         if duplicate_key not in seen:
             seen.add(duplicate_key)
-            new.append((problem, proof, lemma, statement))
+            new.append((seed, statement))
     if len(new) > len(statements):
         rng.shuffle(new)
     conjectures = []
-    for i, (problem, proof, lemma, statement) in enumerate(new[: len(statements)]):
+    for i, (seed, statement) in enumerate(new[: len(statements)]):
         pid = known_ids.get(statement, f"r{iteration}_c{i}")
-        easy_theorem = problem.statement + proof
-        conjectures.append(Conjecture(pid, problem.header, statement, easy_theorem, lemma))
+        easy_theorem = seed.problem.statement + seed.proof
+        header = seed.problem.header
+        conjectures.append(Conjecture(pid, header, statement, easy_theorem, seed.lemma))
 
     with_lemma = [bool(c.lemma) for c in conjectures]
     stats = {
@@ -621,10 +682,12 @@ def select_problems(
     rng: random.Random,
     args: Args,
 ) -> list[Problem]:
-    """Step 3's problems (official Sampler_base.select): the unproved statements, the unproved
-    conjectures, and each proved statement drawn with probability proved_keep_prob or with a best
-    solve rate below seed_threshold; every statement when nothing was seeded; in the baselines
-    (official Sampler_naive), the unproved statements alone."""
+    """Step 3's problems (official). Takes the dataset, conjecture's new Conjectures, the
+    proofs and solve counts so far; returns the problems attempt_proofs samples this iteration.
+    The rule: the unproved statements, the unproved conjectures (a conjecture proved before is
+    not attempted again, so step 4 skips it), and each proved statement drawn with probability
+    proved_keep_prob or with a best_rate below seed_threshold; every statement when nothing
+    was seeded; in the baselines (official), the unproved statements alone."""
     unproved = [s for s in statements if not proofs.get(s.id)]
     if args.expert_iteration or args.pure_sampling:
         return unproved
@@ -644,9 +707,12 @@ def select_problems(
 def attempt_proofs(
     sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
 ) -> dict[str, list[Attempt]]:
-    """n whole proofs per problem, each checked by Lean against the original statement, on the
-    rank that sampled it: only the verdicts cross ranks. With vLLM a rank samples its share in
-    generation_folds calls (official NR_FOLD). Each distinct (problem, proof) is checked once."""
+    """Step 3, proving (and evaluate's sampling). Takes the problems and n; returns {problem
+    id: [Attempt]}, n a problem, the same on every rank: record_solve_counts, record_proofs,
+    conjecturer_examples and solve_metrics read it. Each proof is checked by Lean against the
+    original statement on the rank that sampled it (only the verdicts cross ranks); with vLLM
+    a rank samples its share in generation_folds calls (the official folds). Each distinct
+    (problem, proof) is checked once; an empty proof is a "no_code" failure."""
     prompts = [prover_prompt(tokenizer, p, args) for p in problems]
 
     # sample: this rank's share, {problem index: its row of Samples}
@@ -695,16 +761,19 @@ def attempt_proofs(
 
 
 def record_solve_counts(history: dict, attempts: dict[str, list[Attempt]], iteration: int) -> None:
-    """history[id][iteration] = (samples, correct) for each problem attempted."""
+    """Step 3's record of rates: history[id][iteration] = (samples, correct) for each problem
+    attempted (a problem not attempted gets no entry for the iteration). best_rate
+    (select_seeds, select_problems), prover_examples and final_examples read it."""
     for pid, row in attempts.items():
         correct = sum(a.correct for a in row)
         history.setdefault(pid, {})[iteration] = (len(row), correct)
 
 
 def record_proofs(proofs: dict, attempts: dict[str, list[Attempt]], iteration: int) -> None:
-    """Appends to proofs[id] each distinct correct proof of this iteration, as {"proof",
-    "iteration", "seconds" (its Lean time)} (official: a round's verified samples; a proof found
-    again in a later round is a new entry)."""
+    """Step 3's record of proofs: appends to proofs[id] each distinct correct proof of this
+    iteration, as {"proof", "iteration", "seconds" (its Lean time)} (official: a round's
+    verified samples; a proof found again in a later round is a new entry); an attempted
+    problem with no correct proof gets an empty list. Steps 1, 4, 5 and Stage 3 read it."""
     for pid, row in attempts.items():
         found = {}  # proof -> Lean seconds
         for a in row:
@@ -718,7 +787,8 @@ def record_proofs(proofs: dict, attempts: dict[str, list[Attempt]], iteration: i
 @torch.no_grad()
 def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.Tensor:
     """Sentence embeddings (official), [len(texts), hidden]: the normalised mean of the last hidden
-    states over each text's first embedding_max_tokens tokens; the same on every rank."""
+    states over each text's first embedding_max_tokens tokens; the same on every rank; [0, 1]
+    for no text. conjecturer_examples passes them to matching_weights."""
     was_training = policy.training
     policy.eval()
     mine = []  # this rank's texts: rank, rank + world size, ...
@@ -753,6 +823,70 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
     return torch.stack(rows)
 
 
+def conjectures_in_band(
+    conjectures: list[Conjecture], attempts: dict[str, list[Attempt]], args: Args
+) -> list[Candidate]:
+    """Step 4's first part. Takes this iteration's conjectures and attempts (attempt_proofs);
+    returns a Candidate (its own lemma, its solve rate s) for each conjecture attempted this
+    iteration whose s is in_conjecture_band. A conjecture not attempted this iteration (one
+    conjectured again under an earlier id, proved before, so not a problem of step 3) has no
+    rate this iteration: it is skipped, not rated s = 0. choose_lemmas reads the list."""
+    band = []
+    for c in conjectures:
+        if c.id not in attempts:
+            continue
+        rate = solve_rate(attempts[c.id])
+        if in_conjecture_band(rate, args):
+            band.append(Candidate(c, c.lemma, rate))
+    return band
+
+
+def invokes_lemma(conjecture: Conjecture, proofs: dict, iteration: int) -> bool:
+    """Whether a proof of the conjecture found this iteration invokes its lemma (a static scan,
+    deviation 4); False for the empty lemma and for a conjecture with no proof (s = 0, which a
+    band with low < 0 admits)."""
+    if not conjecture.lemma:
+        return False
+    for entry in proofs.get(conjecture.id, []):
+        if entry["iteration"] != iteration:
+            continue
+        if conjecture.lemma in invoked_lemmas(entry["proof"], conjecture.statement):
+            return True
+    return False
+
+
+def choose_lemmas(
+    band: list[Candidate], proofs: dict, iteration: int, rng: random.Random
+) -> list[Candidate]:
+    """Step 4's second part: the lemma each prompt shows. Takes conjectures_in_band's list;
+    returns first those whose lemma a proof of this iteration invokes (invokes_lemma), keeping
+    it, then at most max(20 #invoking, 4096) of the others, drawn at random, with the empty
+    lemma (""). keep_elegant, else matching, reads the list."""
+    invoking = []
+    others = []
+    for candidate in band:
+        if invokes_lemma(candidate.conjecture, proofs, iteration):
+            invoking.append(candidate)
+        else:
+            others.append(candidate._replace(lemma=""))
+    rng.shuffle(others)
+    return invoking + others[: max(20 * len(invoking), 4096)]
+
+
+def keep_elegant(
+    candidates: list[Candidate], proofs: dict, iteration: int, args: Args
+) -> list[Candidate]:
+    """Step 4's third part (--elegance-filter): the candidates elegance_filter keeps, grouped by
+    the lemma their prompt shows, by elegance_ratio with elegance_quantile; order kept.
+    Matching reads the list."""
+    ratios = []
+    for candidate in candidates:
+        ratios.append(elegance_ratio(candidate, proofs, iteration, args))
+    lemmas = [candidate.lemma for candidate in candidates]
+    keep = elegance_filter(lemmas, ratios, args.elegance_quantile)
+    return [c for c, ok in zip(candidates, keep) if ok]
+
+
 def conjecturer_examples(
     policy,
     tokenizer,
@@ -765,60 +899,36 @@ def conjecturer_examples(
     args: Args,
     dist: Dist,
 ) -> tuple[list[Example], dict]:
-    """Step 4 (official Sampler_base.get_conjecture_examples): the conjectures with solve rate
-    0 < s < conjecture_band; those a proof of this iteration shows invoking their lemma keep it in
-    the prompt, and at most max(20 #invoking, 4096) random others are kept with the empty lemma;
-    then elegance_filter on each one's shortest proof length (replay window) over its statement's
-    length, grouped by lemma; then matching_weights toward the unproved statements, weight 0
-    dropped. The target: the statement and </hard theorem>."""
-    band = []
-    for c in conjectures:
-        rate = solve_rate(attempts.get(c.id, []))
-        if 0.0 < rate < args.conjecture_band:
-            band.append(c)
-    invoking = []
-    others = []
-    for c in band:
-        uses_lemma = False
-        if c.lemma:
-            for entry in proofs[c.id]:
-                if entry["iteration"] != iteration:
-                    continue
-                if c.lemma in invoked_lemmas(entry["proof"], c.statement):
-                    uses_lemma = True
-                    break
-        if uses_lemma:
-            invoking.append(c)
-        else:
-            others.append(c)
-    rng.shuffle(others)
-    kept = []  # (conjecture, the lemma its prompt shows)
-    for c in invoking:
-        kept.append((c, c.lemma))
-    for c in others[: max(20 * len(invoking), 4096)]:
-        kept.append((c, ""))
+    """Step 4, the conjecturer's data. Takes this iteration's conjectures and attempts, the
+    proofs recorded so far (record_proofs) and the unproved dataset statements; returns the
+    Examples and the conjecturer/ stats. The rule: conjectures_in_band, choose_lemmas, then
+    keep_elegant (with --elegance-filter), then matching_weights of the survivors toward the
+    unproved statements, weight 0 dropped. An Example: the conjecturer's prompt with the
+    chosen lemma, the target the statement and </hard theorem>, the weight the matching
+    weight, the source its Candidate. Step 6 (update) trains on them with prover_examples'."""
+    band = conjectures_in_band(conjectures, attempts, args)
+    kept = choose_lemmas(band, proofs, iteration, rng)
+    invoking = [c for c in kept if c.lemma]
+    if args.elegance_filter:
+        kept = keep_elegant(kept, proofs, iteration, args)
 
-    ratios = []  # shortest proof (replay window) / statement, in characters
-    for c, _ in kept:
-        window = iteration - args.replay_rounds
-        lengths = [len(p["proof"]) for p in proofs[c.id] if p["iteration"] > window]
-        ratios.append(min(lengths) / len(c.statement))
-    lemmas = [lemma for _, lemma in kept]
-    elegant = elegance_filter(lemmas, ratios, args.elegance_quantile)
-    kept = [k for k, ok in zip(kept, elegant) if ok]
-
-    P = embed(policy, tokenizer, [c.statement for c, _ in kept], args=args, dist=dist)
+    statements = [c.conjecture.statement for c in kept]
+    P = embed(policy, tokenizer, statements, args=args, dist=dist)
     Q = embed(policy, tokenizer, [s.statement for s in unproved], args=args, dist=dist)
     weights = matching_weights(P, Q, args.matching_cap, rng=rng)
     examples = []
-    for (c, lemma), weight in zip(kept, weights):
+    for candidate, weight in zip(kept, weights):
         if weight <= 0:
             continue
+        c = candidate.conjecture
         prompt = conjecturer_prompt(
-            tokenizer, c.header, lemma, easy_theorem=c.easy_theorem, args=args
+            tokenizer, c.header, candidate.lemma, easy_theorem=c.easy_theorem, args=args
         )
         target = "\n" + c.statement + "\n" + END_THM
-        examples.append(text_example(tokenizer, prompt, target, weight=weight, args=args))
+        example = text_example(
+            tokenizer, prompt, target, weight=weight, args=args, source=candidate
+        )
+        examples.append(example)
     stats = {
         "conjecturer/in_band": len(band),
         "conjecturer/invoking_lemma": len(invoking),
@@ -831,11 +941,15 @@ def conjecturer_examples(
 def prover_examples(
     tokenizer, problem_by_id: dict, history: dict, proofs: dict, iteration: int, args: Args
 ) -> list[Example]:
-    """Step 5 (official RL_step2_train): the correct proofs in the replay window (iterations
-    iteration - replay_rounds + 1 .. iteration) of each statement whose solve rate over the window
-    is in (0, solve_rate_max]; one example a distinct proof (its newest entry's Lean seconds),
-    weighted by proof_weight with #correct = the statement's entries in the window (a proof found in
-    two iterations counts twice). The target: the proof, the closing fence, EOS."""
+    """Step 5, the prover's data (official). Takes every problem by id, the solve counts
+    (record_solve_counts) and the proofs (record_proofs); returns Examples that step 6 (update)
+    trains on with conjecturer_examples'. The rule: the correct proofs in the replay window
+    (iterations iteration - replay_rounds + 1 .. iteration) of each statement whose solve rate
+    over the window is in (0, solve_rate_max] (no sample or no correct one in the window: none);
+    one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight
+    with #correct = the statement's entries in the window (a proof found in two iterations
+    counts twice). The target: the proof, the closing fence, EOS; the source: the proof's entry
+    with its statement's "id"."""
     first = iteration - args.replay_rounds  # the window: first < round <= iteration
     examples = []
     for pid, rounds in history.items():
@@ -855,7 +969,11 @@ def prover_examples(
         for entry in newest.values():
             weight = proof_weight(len(entry["proof"]), entry["seconds"], len(recent), args=args)
             target = entry["proof"] + "\n```"
-            examples.append(text_example(tokenizer, prompt, target, weight=weight, args=args))
+            source = dict(entry, id=pid)
+            example = text_example(
+                tokenizer, prompt, target, weight=weight, args=args, source=source
+            )
+            examples.append(example)
     return examples
 
 
@@ -869,16 +987,22 @@ def final_examples(
     rng: random.Random,
     args: Args,
 ) -> list[Example]:
-    """Stage 3's data (official RL_step3_final_model), also each expert-iteration round's: the SFT
-    rows but LeanWorkbook's (mathlib.json), each with its weight (1 without one); then each round's
-    proofs of dataset statements (originals) and of conjectures whose solve rate in that round is
-    <= final_solve_rate_max, shuffled, not already an SFT pair, distinct, at most final_max_proofs
-    a statement, weighted exp(-length_penalty * characters)."""
+    """Stage 3's data (official), also each expert-iteration round's. Takes every problem by
+    id, the solve counts, the proofs of every round, the dataset's ids (originals) and the SFT
+    rows; returns Examples for retrain_from_base. The rule: the SFT rows but LeanWorkbook's
+    (the official mathlib part), each with its weight (1 without one), its source the row; then
+    each round's proofs of dataset statements and of conjectures whose solve rate in that round
+    is <= final_solve_rate_max, shuffled, not already an SFT pair, distinct, at most
+    final_max_proofs a statement, weighted exp(-length_penalty * characters), the source the
+    proof's entry with its statement's "id"."""
     sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
     examples = []
     for r in sft:
         weight = r.get("weight", 1.0)
-        examples.append(text_example(tokenizer, r["prompt"], r["target"], weight=weight, args=args))
+        example = text_example(
+            tokenizer, r["prompt"], r["target"], weight=weight, args=args, source=r
+        )
+        examples.append(example)
     found = []  # (statement id, proof entry)
     for pid, entries in proofs.items():
         for entry in entries:
@@ -900,7 +1024,11 @@ def final_examples(
         count[pid] += 1
         weight = math.exp(-args.length_penalty * len(entry["proof"]))
         target = entry["proof"] + "\n```"
-        examples.append(text_example(tokenizer, prompts[pid], target, weight=weight, args=args))
+        source = dict(entry, id=pid)
+        example = text_example(
+            tokenizer, prompts[pid], target, weight=weight, args=args, source=source
+        )
+        examples.append(example)
     return examples
 
 
@@ -914,15 +1042,18 @@ def update(
     args: Args,
     dist: Dist,
 ) -> dict[str, float]:
-    """Step 6, weighted SFT (the official code trains with Levanter, a run per iteration):
-    max(#examples // batch, min_steps) optimizer steps on passes over the shuffled examples, a
-    batch being min(batch_size, #examples) sequences (deviation 8), from a fresh Adam state; a
-    linear warm-up of min(steps - 1, warmup_steps) steps, then lr_schedule. The loss:
+    """Step 6, weighted SFT (the official code trains a run per iteration). Takes the policy,
+    its optimizer and a non-empty list of Examples (prover_examples + conjecturer_examples, or
+    final_examples); trains the policy in place and returns its losses/ stats (loss, steps,
+    grad_norm); the sampler then syncs the new weights. The rule: max(#examples // batch,
+    min_steps) optimizer steps on passes over the shuffled examples, a batch being
+    min(batch_size, #examples) sequences (deviation 8), from a fresh Adam state; a linear
+    warm-up of min(steps - 1, warmup_steps) steps, then lr_schedule. The loss:
     weighted_nll_loss with denominator sum_i w_i |y_i| over the batch (STP's weighted SFT)."""
     optimizer.state.clear()
     size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step
     steps = max(len(examples) // size, min_steps)
-    # Levanter's warm-up reaches the peak one step before lr_at's: both get + 1 below
+    # the official warm-up reaches the peak one step before lr_at's: both get + 1 below
     warmup = min(steps - 1, args.warmup_steps)
     passes = math.ceil(steps * size / len(examples))
     stream = []
@@ -972,7 +1103,8 @@ def retrain_from_base(
     dist: Dist,
 ) -> tuple[dict, torch.nn.Module, dict]:
     """Stage 3 (and each expert-iteration round): a fresh copy of `base` trained by update on
-    examples (final_examples); returns the models to save, the new policy, and update's stats."""
+    examples (final_examples; none: no training); returns the models to save, the new policy
+    (the sampler serves it from then on), and update's stats with "examples"."""
     sampler.sleep()
     gc.collect()  # free the old policy (the caller dropped it) before the base model loads
     policy = load_model(base, dist, gradient_checkpointing=args.gradient_checkpointing)
@@ -999,9 +1131,10 @@ def solve_metrics(
     problems: list[Problem],
     conjectures: list[Conjecture],
 ) -> dict[str, float]:
-    """The share of dataset statements proved so far against the generations so far; this
-    iteration's problems (charts/targets) and their mean solve rate; the verdicts' shares; the mean
-    solve rate of this iteration's conjectures (those attempted: not those proved before)."""
+    """The iteration's charts/, lean/ and conjecturer/ metrics, logged by main: the share of
+    dataset statements proved so far against the generations so far; this iteration's problems
+    (charts/targets) and their mean solve rate; the verdicts' shares; the mean solve rate of
+    this iteration's conjectures (those attempted: not those proved before; absent with none)."""
     proved = sum(bool(proofs.get(s.id)) for s in statements)
     statuses = []
     for row in attempts.values():
@@ -1044,8 +1177,12 @@ def evaluate(
     args: Args,
     dist: Dist,
 ) -> dict[str, float]:
-    """pass@k on each benchmark from eval_samples samples per problem (STP: 3200), both by the
-    unbiased estimator (pass_at_k) and by chunks (chunked_pass_at_k)."""
+    """The paper's metric. Takes the benchmarks; returns {"eval/<benchmark>/pass@k": value, and
+    the chunked mean (and std)}, logged by main after the last iteration (and every eval_every).
+    The rule: eval_samples samples per problem (STP: 3200) by attempt_proofs, a proof counting
+    when Lean accepts it within lean_timeout; pass@k for each k <= eval_samples of eval_budgets,
+    by the unbiased estimator (pass_at_k) and by chunks (chunked_pass_at_k); an empty benchmark
+    is left out."""
     metrics = {}
     for name, problems in benchmarks.items():
         if not problems:
@@ -1260,7 +1397,7 @@ def main(args: Args) -> None:
         elif not args.pure_sampling:
             with logger.timer("data"):
                 sampler.sleep()
-                # 4. The conjecturer's data: barely provable conjectures, matched to the unproved
+                # 4. The conjecturer's data: the conjectures in the band, matched to the unproved
                 unproved = [s for s in statements if not proofs.get(s.id)]
                 conjecturer_set, stats = conjecturer_examples(
                     policy,

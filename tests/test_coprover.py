@@ -25,7 +25,13 @@ sys.path.insert(0, str(REPO))
 from conftest import official_args  # noqa: E402
 
 import coprover as cp  # noqa: E402
-from lean_verify import DEFAULT_HEADER, LeanResult, LeanVerifier, goals_key  # noqa: E402
+from lean_verify import (  # noqa: E402
+    DEFAULT_HEADER,
+    LeanResult,
+    LeanVerifier,
+    TacticState,
+    goals_key,
+)
 
 CPU = cp.Dist(0, 1, 1, torch.device("cpu"), True)
 ROWS = [
@@ -297,13 +303,13 @@ def test_search_order_merging_and_labels(verifier):
         5,
         1,
     )  # `exact h₀` fails
-    labels = sorted(v for _, v in tree.labels)
+    labels = sorted(label.value for label in tree.labels)
     assert labels == pytest.approx([0.95**3, 0.95**2, 0.95])
     # the root only (the official labels)
     [tree] = cp.best_first_search(
         Scripted(propose), verifier, [p], score, "k", args(value_labels="root")
     )
-    assert [v for _, v in tree.labels] == pytest.approx([0.95**3])
+    assert [label.value for label in tree.labels] == pytest.approx([0.95**3])
 
 
 def test_search_priority_orders_expansions(verifier):
@@ -352,7 +358,9 @@ def test_malformed_tactics_become_failed_edges(verifier):
     assert (
         tree.proof is None and tree.expansions == 1 and tree.edges == tree.failed_edges == len(junk)
     )
-    assert tree.labels == [(ROWS[3]["goal"], 0.0)]  # the expanded root, on failed paths only
+    assert [label[:2] for label in tree.labels] == [
+        (ROWS[3]["goal"], 0.0)
+    ]  # the expanded root, on failed paths only
     # a theorem whose root cannot even be started is a search with no expansion
     bad = cp.Problem("bad", p.header, "theorem bad (h : sorry) : True := by")
     [tree] = cp.best_first_search(Scripted(lambda goal: junk), verifier, [bad], None, "k", args())
@@ -427,38 +435,163 @@ def test_search_budget_is_a_cap_and_each_theorem_pays_its_own_time(verifier):
         trees[0].edges == trees[0].failed_edges == 3
     )  # 0.4, 0.8, 1.2 s: spent; two tactics never run
     assert 1.2 <= trees[0].seconds < 1.6 and trees[1].edges == 2 and trees[1].seconds < 0.25 < wall
-    metrics = cp.search_metrics(trees, "search", wall, a.search_timeout)
-    assert (
-        metrics["search/overshoot_max"] == pytest.approx(trees[0].seconds - 1.0)
-        and trees[0].seconds > 1.0
-    )
-    assert metrics["search/overshoot_mean"] == pytest.approx((trees[0].seconds - 1.0) / 2)
+    assert trees[0].role_seconds["env"] >= 1.2 and not trees[0].proved
+
+
+# ---- the shared search (the same expectations in test_rir.py) ----
+class ScriptedLean:
+    """A verifier double: table[(goal, tactic)] is the goals after the tactic ([]: solved) or an
+    error; each tactic takes `cost` seconds (its state's time); `invalid` lists tactic paths the
+    kernel rejects. Records each apply_tactics call's tactics."""
+
+    workers = 2
+
+    def __init__(self, table, cost=0.0, invalid=()):
+        self.table, self.cost, self.invalid, self.calls = table, cost, set(map(tuple, invalid)), []
+
+    def start_proofs(self, items):
+        return [TacticState(0, ["⊢ A"], header=h, statement=s) for h, s in items]
+
+    def apply_tactics(self, steps):
+        self.calls.append([tactic for _, tactic in steps])
+        return [self.apply(state, tactic) for state, tactic in steps]
+
+    def apply(self, state, tactic):
+        goals = self.table.get((state.goals[0], tactic), "unknown tactic")
+        tactics = state.tactics + [tactic]
+        if isinstance(goals, str):
+            return TacticState(
+                None, [], error=goals, status="error", tactics=tactics, time=self.cost
+            )
+        status = "open" if goals else "solved"
+        return TacticState(
+            1, goals, solved=not goals, status=status, tactics=tactics, time=self.cost
+        )
+
+    def check_tactic_path(self, state):
+        return SimpleNamespace(valid=tuple(state.tactics) not in self.invalid)
+
+    def free_states(self):
+        return 0
+
+
+# root A: t1 and t2 reach B (t2 merges), bad fails, t3 reaches C; B's `win` closes the proof
+TABLE = {
+    ("⊢ A", "t1"): ["⊢ B"],
+    ("⊢ A", "t2"): ["⊢ B"],
+    ("⊢ A", "t3"): ["⊢ C"],
+    ("⊢ B", "win"): [],
+    ("⊢ C", "t4"): ["⊢ D"],
+}
+PROPOSE = {"⊢ A": ["t1", "t2", "bad", "t3"], "⊢ B": ["win"], "⊢ C": ["t4"], "⊢ D": ["t4"]}
+THEOREM = cp.Problem("t", "", "theorem t : A := by")
+
+
+def scripted_prover(lp=-1.0):
+    """The prover double: PROPOSE's tactics for the node's first goal, `lp` a token."""
+    return Scripted(lambda goal: [(t, lp, "stop") for t in PROPOSE.get(goal, [])])
+
+
+def test_the_shared_search_counts_nodes_merges_and_the_path():
+    """nodes: distinct open states, the root included (A, B, C; not the error, not the proof);
+    merged: t2 reached the known B; the proof's path as Triples, "no goals" after the last."""
+    lean = ScriptedLean(TABLE, cost=1.0)
+    a = args(num_sampled_tactics=4)
+    [result] = cp.best_first_search(scripted_prover(), lean, [THEOREM], None, "k", a, lambda: 0.0)
+    assert result.proved and result.proof == ["t1", "win"] and result.expansions == 2
+    assert (result.nodes, result.merged, result.edges, result.failed_edges) == (3, 1, 5, 1)
+    assert result.path == [("⊢ A", "t1", "⊢ B"), ("⊢ B", "win", cp.NO_GOALS)]
+    # charged: the five tactics of 1 s (the clock stands still: sampling takes no time)
+    assert result.seconds == result.role_seconds["env"] == 5.0
+    # the kernel rejects the proof: a failed edge, and the search goes on
+    lean = ScriptedLean(TABLE, invalid=[["t1", "win"]])
+    [result] = cp.best_first_search(scripted_prover(), lean, [THEOREM], None, "k", a)
+    assert result.proof is None and result.path == [] and not result.proved
+    assert (result.expansions, result.failed_edges) == (4, 3)  # bad, the rejected win, t4 at D
+
+
+def test_the_shared_search_reads_the_budget_before_each_tactic():
+    """Tactics of 1 s, a 2.5 s budget: the third tactic starts at 2 s and runs, the fourth is never
+    tried; a proof whose tactic ends past the budget is a proof, not proved (proved_overrun)."""
+    lean = ScriptedLean(TABLE, cost=1.0)
+    a = args(num_sampled_tactics=4, search_timeout=2.5)
+    [result] = cp.best_first_search(scripted_prover(), lean, [THEOREM], None, "k", a, lambda: 0.0)
+    assert lean.calls == [["t1"], ["t2"], ["bad"]] and result.seconds == 3.0
+    assert result.expansions == 1 and not result.proved
+    lean = ScriptedLean({("⊢ A", "win"): []}, cost=3.0)
+    propose = Scripted(lambda goal: [("win", -1.0, "stop")])
+    [late] = cp.best_first_search(propose, lean, [THEOREM], None, "k", a, lambda: 0.0)
+    assert late.proof == ["win"] and not late.proved and late.seconds == 3.0
+    metrics = cp.search_metrics([late, result], "search", 1.0)
+    assert (metrics["search/proved"], metrics["search/proved_overrun"]) == (0.0, 1.0)
+
+
+def test_the_shared_search_runs_in_lockstep(monkeypatch):
+    """One sampling call a round for every live theorem, and one apply_tactics call for the i-th
+    tactic of every theorem (here 2 theorems, 2 rounds: 2 sampling calls of 2 prompts)."""
+    calls = []
+    real = cp.sample
+
+    def counting(sampler, prompts, **kw):
+        calls.append(len(prompts))
+        return real(sampler, prompts, **kw)
+
+    monkeypatch.setattr(cp, "sample", counting)
+    endless = {("⊢ A", "t1"): ["⊢ B"], ("⊢ B", "t1"): ["⊢ C"], ("⊢ A", "t2"): ["⊢ D"]}
+    lean = ScriptedLean(endless)
+    other = cp.Problem("u", "", "theorem u : A := by")
+    propose = Scripted(lambda goal: [("t1", -1.0, "stop"), ("t2", -2.0, "stop")])
+    a = args(max_expansions=2, num_sampled_tactics=2)
+    results = cp.best_first_search(propose, lean, [THEOREM, other], None, "k", a)
+    assert calls == [2, 2] and [r.expansions for r in results] == [2, 2]
+    assert lean.calls == [["t1", "t1"], ["t2", "t2"], ["t1", "t1"], ["t2", "t2"]]
 
 
 def test_search_metrics_by_hand():
-    """Proofs per second divide by the phase's wall time (not the theorems' summed seconds); the overshoot is how far
-    searches ran past their budget (the most, and the mean over all searches)."""
-    r = lambda proof, seconds, exp: cp.SearchResult("t", proof, seconds, exp, 5, 10, 4, 1, [])  # noqa: E731
-    metrics = cp.search_metrics(
-        [r(["a", "b"], 3.0, 2), r(None, 7.5, 6), r(["c"], 2.0, 1)], "search", 4.0, 5.0
-    )
+    """Proofs per second divide by the phase's wall time (not the theorems' summed seconds);
+    proved counts proofs within the budget, proved_overrun those past it; each role's seconds."""
+
+    def r(proof, proved, seconds, exp):
+        return cp.SearchResult(
+            id="t",
+            proof=proof,
+            proved=proved,
+            seconds=seconds,
+            expansions=exp,
+            nodes=5,
+            edges=10,
+            failed_edges=4,
+            merged=1,
+            role_seconds={"prover": seconds / 2, "env": seconds / 2},
+            path=[],
+            labels=[],
+        )
+
+    results = [r(["a", "b"], True, 3.0, 2), r(None, False, 7.5, 6), r(["c"], True, 2.0, 1)]
+    metrics = cp.search_metrics(results + [r(["d"], False, 9.0, 1)], "search", 4.0)
     assert metrics == pytest.approx(
         {
-            "search/theorems": 3,
+            "search/theorems": 4,
             "search/proved": 2,
-            "search/pass@1": 2 / 3,
-            "search/proofs_per_expansion": 2 / 9,
+            "search/pass@1": 2 / 4,
+            "search/proved_overrun": 1,
+            "search/proofs_per_expansion": 2 / 10,
             "search/proofs_per_second": 0.5,
             "search/expansions_per_proof": 1.5,
             "search/nodes_per_proof": 5,
             "search/proof_length": 1.5,
-            "search/expansions": 9,
+            "search/expansions": 10,
+            "search/merged": 4,
             "search/failed_edge_share": 0.4,
-            "search/overshoot_max": 2.5,
-            "search/overshoot_mean": 2.5 / 3,
-            "search/merged_states": 3,
+            "search/search_time_proved": 2.5,
+            "search/search_time_proved_median": 2.5,
+            "search/env_seconds": 10.75,
+            "search/env_time_proved": 1.25,
+            "search/prover_seconds": 10.75,
+            "search/prover_time_proved": 1.25,
         }
     )
+    assert cp.search_metrics([], "search", 0.0)["search/pass@1"] == 0.0
 
 
 def test_logprob_only_search_is_reprovers(verifier):
@@ -497,7 +630,7 @@ def test_whole_proof_labels(verifier):
     root = ROWS[0]["goal"]
     # the failed attempt: root 0; the proof of 3 steps: root 0.95^3, then the two states after each step; the one whose
     # replay fails (its lemma is not in the REPL's environment) labels its root only
-    assert [(text == root, round(v, 6)) for text, v in labels] == [
+    assert [(label.state == root, round(label.value, 6)) for label in labels] == [
         (True, 0.0),
         (True, round(0.95**3, 6)),
         (True, round(0.95**3, 6)),
@@ -505,7 +638,7 @@ def test_whole_proof_labels(verifier):
         (False, 0.95),
     ]
     root_only = cp.whole_proof_labels(verifier, [p], {p.id: row}, args(value_labels="root"), CPU)
-    assert [v for _, v in root_only] == pytest.approx([0.0, 0.95**3, 0.95**3])
+    assert [label.value for label in root_only] == pytest.approx([0.0, 0.95**3, 0.95**3])
 
 
 def test_whole_proof_labels_count_at_least_one_step(verifier):
@@ -519,7 +652,7 @@ def test_whole_proof_labels_count_at_least_one_step(verifier):
     )
     row = [cp.Attempt(None, term, "valid", True), cp.Attempt(None, split, "valid", True)]
     labels = cp.whole_proof_labels(verifier, [p], {p.id: row}, args(), CPU)
-    assert [v for _, v in labels] == pytest.approx([0.95, 0.95**3, 0.95**2, 0.95])
+    assert [label.value for label in labels] == pytest.approx([0.95, 0.95**3, 0.95**2, 0.95])
 
 
 def test_frontier_filter_keeps_one_to_six_of_eight():
@@ -577,7 +710,7 @@ def test_value_head_learns_a_labelled_set(tiny_model_dir):
     model = cp.load_value_model(tiny_model_dir, CPU, a)
     head = [t.detach().clone() for t in model.value_head.parameters()]
     goals = sorted({t["goal"] for r in ROWS for t in r["transitions"]})[:8]
-    labels = [(g, 0.9 if i % 2 else 0.0) for i, g in enumerate(goals)]
+    labels = [cp.Label(g, 0.9 if i % 2 else 0.0) for i, g in enumerate(goals)]
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], a.value_learning_rate
     )
@@ -589,7 +722,7 @@ def test_value_head_learns_a_labelled_set(tiny_model_dir):
     )
     assert any(not torch.equal(h, t) for h, t in zip(head, model.value_head.parameters()))
     values = cp.value_scorer(model, tok, a, CPU)(goals)
-    assert model.training and np.corrcoef(values, [y for _, y in labels])[0, 1] > 0.8
+    assert model.training and np.corrcoef(values, [label.value for label in labels])[0, 1] > 0.8
     # positives are repeated positive_oversample times
     assert (
         cp.update_value(
@@ -624,7 +757,7 @@ def test_value_batches_are_slices_of_the_epoch(monkeypatch):
         "train_step",
         lambda m, o, batch, *a, **k: batches.append(batch) or dict(loss=0.0, grad_norm=0.0),
     )
-    labels = [(str(i), 0.0) for i in range(10)]
+    labels = [cp.Label(str(i), 0.0) for i in range(10)]
     stats = cp.update_value(
         None, None, None, labels, Rng(0), args(value_epochs=2, value_batch_size=4), CPU
     )

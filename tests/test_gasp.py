@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 import time
+import typing
 
 import pytest
 import torch
@@ -143,6 +144,34 @@ def test_azr_proposer_reward_by_hand():
     assert band == (0.0, 1.0)  # every valid task is kept (AZR Sec. 3.3.2)
 
 
+def test_teacher_reward_by_fate_and_its_edges():
+    # distinct penalties, so that each fate shows which one it got
+    args = Args(reward_format_error=-1.0, reward_rejected=-0.3, reward_similar=-0.2)
+
+    def reward(reason, p, stage="lemma", given=args):
+        return gasp.teacher_reward(reason, p, stage=stage, args=given)
+
+    # p None: malformed (never ran) -> the format penalty; rejected as similar -> its own, before any p
+    assert reward("no_code", None) == -1.0 and reward("truncated", None, "lift") == -1.0
+    assert reward("similar", None) == -0.2 and reward("similar", 0.5) == -0.2
+    # p = 0 and p = 1 lie outside the lemma band [0.3, 0.7] and the lift band [0.1, 0.5]
+    assert [reward("", 0.0), reward("", 1.0)] == [-0.3, -0.3]
+    assert [reward("", 0.0, "lift"), reward("", 1.0, "lift")] == [-0.3, -0.3]
+    # band ends are inside: p = 0.3 -> (4 * 0.3 * 0.7)^5 = 0.84^5; p = 0.5 in the lift band -> 5 * (5/9)^9
+    assert reward("", 0.3) == pytest.approx(0.84**5) and reward("", 0.2999) == -0.3
+    assert reward("", 0.5, "lift") == pytest.approx(5 * (5 / 9) ** 9)
+    # a band that holds 0 and 1 (--one-step-band): Eq. 6 is 0 there (mu = 0.1 for hard, 0.5 for medium)
+    wide = Args(one_step_band=(0.0, 1.0), reward_rejected=-0.3)
+    for stage in ("hard", "medium"):
+        assert [reward("", 0.0, stage, wide), reward("", 1.0, stage, wide)] == [0.0, 0.0]
+    # AZR's reward: 0 at p = 0 and p = 1, 1 - p between
+    assert [reward("", 0.0, "azr"), reward("", 0.25, "azr"), reward("", 1.0, "azr")] == [
+        0.0,
+        0.75,
+        0.0,
+    ]
+
+
 def test_pass_at_k_by_hand():
     assert gasp.pass_at_k(4, 1, 1) == pytest.approx(0.25)  # c / n
     assert (
@@ -154,36 +183,110 @@ def test_pass_at_k_by_hand():
     assert gasp.pass_at_k(100, 1, 100) == 1.0
 
 
-def test_max_cosine_and_buffer_dissimilarity():
-    new = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    buf = torch.tensor([[1.0, 0.0], [0.6, 0.8]])
-    assert gasp.max_cosine(new, buf).tolist() == pytest.approx([1.0, 0.8])
+def test_cosine_measure_by_hand():
+    new = [torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])]
+    buf = [torch.tensor([1.0, 0.0]), torch.tensor([0.6, 0.8])]
+    # rows: new[0] . buf = [1, 0.6]; new[1] . buf = [0, 0.8]
+    assert gasp.cosine_similarity(new, buf).flatten().tolist() == pytest.approx(
+        [1.0, 0.6, 0.0, 0.8]
+    )
     # 1 - max cos: [0, 0.2] -> mean 0.1
-    assert gasp.buffer_dissimilarity(new, buf) == pytest.approx(0.1)
+    assert gasp.buffer_dissimilarity(new, buf, "embedding") == pytest.approx(0.1)
     # max_similarity: the larger of the text's and the code's similarity
     records = [
-        {"q_emb": new[0], "c_emb": new[1], "source": "g"},
-        {"q_emb": new[1], "c_emb": new[1], "source": "g"},
+        {"features": (new[0], new[1]), "source": "g"},
+        {"features": (new[1], new[1]), "source": "g"},
     ]
-    assert gasp.max_similarity(
-        records, [{"q_emb": buf[1], "c_emb": buf[0], "uid": "L"}]
-    ) == pytest.approx([0.6, 0.8])
+    tasks = [{"features": (buf[1], buf[0]), "uid": "L"}]
+    # record 0: text 0.6, code 0; record 1: text 0.8, code 0
+    assert gasp.max_similarity(records, tasks, "embedding") == pytest.approx([0.6, 0.8])
+
+
+def test_keyword_measure_by_hand():
+    a, b, empty = gasp.keyword_sets(["Sort the list", "sort a list!", ""])
+    assert a == {"sort", "the", "list"} and b == {"sort", "a", "list"} and empty == set()
+    # a, b: {sort, list} of {sort, the, list, a} = 2/4; a, {}: 0/3; {}, b: 0/3; {}, {}: alike, 1
+    matrix = gasp.jaccard_similarity([a, empty], [b, empty])
+    assert matrix.tolist() == [[0.5, 0.0], [0.0, 1.0]]
+    assert gasp.jaccard_similarity([], [a]).shape == (0, 1)
+    assert gasp.buffer_dissimilarity([a], [b], "keyword") == pytest.approx(1 - 0.5)
+    code_a, code_b = gasp.keyword_sets(["def f(x): return x", "def f(y): return y"])
+    # codes: {def, f, return} of {def, f, x, y, return} = 3/5; texts 0.5: the larger is 0.6
+    records = [{"features": (a, code_a), "source": "g"}]
+    tasks = [{"features": (b, code_b), "uid": "L"}]
+    assert gasp.max_similarity(records, tasks, "keyword") == pytest.approx([0.6])
+
+
+def test_similarity_edges():
+    # nothing to compare: no record, no task, or an empty side of the buffer dissimilarity
+    vector = torch.tensor([1.0, 0.0])
+    record = {"features": (vector, vector), "source": "g"}
+    for measure in ("embedding", "keyword"):
+        assert gasp.max_similarity([], [record], measure) == []
+        assert gasp.max_similarity([record, record], [], measure) == [-1.0, -1.0]
+        assert gasp.buffer_dissimilarity([], [vector], measure) is None
+        assert gasp.buffer_dissimilarity([vector], [], measure) is None
+
+
+def test_similarity_flag_is_dispatched_in_one_table():
+    # every --similarity choice has its row; an unknown one stops with what to add
+    choices = typing.get_args(typing.get_type_hints(Args)["similarity"])
+    assert set(choices) <= set(gasp.SIMILARITIES)
+    with pytest.raises(SystemExit, match="SIMILARITIES knows embedding"):
+        gasp.similarity_measure("bm25")
+    assert gasp.similarity_measure("keyword").uses_embedder is False
+    # the embedding measure says what it lacks instead of calling None
+    with pytest.raises(ValueError, match="load_embedder"):
+        gasp.similarity_features([("text", "code")], embedder=None, similarity="embedding")
+
+
+def test_teacher_metrics_measure_the_buffer_with_the_filter_measure():
+    text, text_old = gasp.keyword_sets(["sort the list", "sort a list"])
+    code, code_old = gasp.keyword_sets(["def f(x): return x", "def f(y): return y"])
+    valid = {
+        "stage": "lemma",
+        "reason": "too_easy",
+        "accepted": False,
+        "reward": -0.5,
+        "tokens": 3,
+        "goalpost": "g",
+        "pass_rate": 1.0,
+        "features": (text, code),
+    }
+    malformed = {
+        "stage": "lemma",
+        "reason": "no_code",
+        "accepted": False,
+        "reward": -1.0,
+        "tokens": 2,
+        "goalpost": "g",
+    }
+    earlier = [{"features": (text_old, code_old)}]
+    metrics = gasp.teacher_metrics([valid, malformed], earlier, "keyword")
+    # text: 1 - 2/4 = 0.5; code: 1 - 3/5 = 0.4; their mean 0.45 (the malformed one has no features)
+    assert metrics["charts/buffer_dissimilarity_text"] == pytest.approx(0.5)
+    assert metrics["charts/buffer_dissimilarity_code"] == pytest.approx(0.4)
+    assert metrics["charts/buffer_dissimilarity"] == pytest.approx(0.45)
+    assert metrics["charts/lemma_reward"] == -0.75 and metrics["tokens/teacher"] == 5
+    # nothing accepted before the iteration: nothing to compare, no dissimilarity
+    assert "charts/buffer_dissimilarity" not in gasp.teacher_metrics([valid], [], "keyword")
 
 
 def test_a_lift_is_not_compared_with_its_own_lemma():
     # Sec. 3.3.1 compares a proposal with "previously accepted items"; a lift is a variant of its lemma by design
     # (a textbook f-axis lift scores ~0.96 against it), so its own source is left out [RECON]
     e = torch.eye(3)
-    lemma = {"uid": "L1", "q_emb": e[0], "c_emb": e[0]}
+    lemma = {"uid": "L1", "features": (e[0], e[0])}
     other = {
         "uid": "L2",
-        "q_emb": torch.tensor([0.75, 0.6614378, 0.0]),
-        "c_emb": e[2],
+        "features": (torch.tensor([0.75, 0.6614378, 0.0]), e[2]),
     }  # cos(e0, .) = 0.75
-    lift = {"source": "L1", "q_emb": e[0], "c_emb": e[0]}  # identical to its lemma
-    assert gasp.max_similarity([lift], [lemma, other]) == pytest.approx([0.75])
-    assert gasp.max_similarity([lift], [lemma]) == [-1.0]  # nothing else to compare with
-    assert gasp.max_similarity([dict(lift, source="L2")], [lemma, other]) == pytest.approx([1.0])
+    lift = {"source": "L1", "features": (e[0], e[0])}  # identical to its lemma
+    assert gasp.max_similarity([lift], [lemma, other], "embedding") == pytest.approx([0.75])
+    assert gasp.max_similarity([lift], [lemma], "embedding") == [-1.0]  # nothing else
+    assert gasp.max_similarity(
+        [dict(lift, source="L2")], [lemma, other], "embedding"
+    ) == pytest.approx([1.0])
 
 
 # ---------------------------------------------------------------- advantages and loss
@@ -200,6 +303,26 @@ def test_trr_advantages_by_hand():
     assert adv[3] == 0.0
     assert gasp.trr_advantages([-1.0, -1.0], ["g", "g"]) == [0.0, 0.0]  # all equal: no signal
     assert gasp.trr_advantages([], []) == []
+    assert gasp.trr_advantages([0.7], ["g"]) == [0.0]  # one sample: std 0
+    assert gasp.trr_advantages([1.0, 0.0], ["a", "b"]) == [0.0, 0.0]  # a group each
+
+
+def test_trr_examples_weigh_by_the_advantage_and_keep_the_record():
+    s = sample("x", prompt_ids=[1, 2], token_ids=[3, 4, 5])
+    examples = [
+        gasp.rewarded_example(s, 1.0, source="r1", group="g"),
+        gasp.rewarded_example(s, -0.5, source="r2", group="g"),
+        gasp.rewarded_example(s, 0.3, source="r3", group="h"),
+    ]
+    assert [e.weight for e in examples] == [1.0, -0.5, 0.3]  # a phase's weight: its reward
+    whitened = gasp.trr_examples(examples)
+    # group g: mean 0.25, deviations 0.75 and -0.75, std 0.75 -> +-1; group h: one sample -> 0
+    assert [e.weight for e in whitened] == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
+    assert [e.source for e in whitened] == ["r1", "r2", "r3"]
+    assert [e.reward for e in whitened] == [1.0, -0.5, 0.3]
+    # it reads the rewards, not the weights: whitening twice changes nothing
+    assert gasp.trr_examples(whitened) == whitened
+    assert gasp.example_length(examples[0]) == 5
 
 
 def test_ppo_clip_loss_by_hand():
@@ -713,10 +836,13 @@ def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
         (3, 1, "", 1.0),
     ]
     assert [r.reward for r in rollouts] == [1.0, -1.0, -0.5, -0.5, -0.5, -0.5, 1.0]
+    assert [r.weight for r in rollouts] == [r["reward"] for r in records]  # until trr_examples
+    assert [r.source for r in rollouts] == records  # each Example keeps its proposal's record
     assert {r.group for r in rollouts} == {("induction", "lemma")} and rollouts[
         0
     ].sample.token_ids == [2, 3]
-    assert all(t["q_emb"].shape == (384,) and t["c_emb"].shape == (384,) for t in buffer)
+    assert all(len(t["features"]) == 2 for t in buffer)  # the question text's and the code's
+    assert all(feature.shape == (384,) for t in buffer for feature in t["features"])
     assert (
         sum(r["tokens"] for r in records) == 7 * 2 + 4 * 6 * 1
     )  # teacher tokens + the 6 pass-rate estimates' 4
@@ -853,6 +979,62 @@ def test_novelty_filter_rejects_only_what_exceeds_the_threshold(
         dist=CPU,
     )
     assert [r["reason"] for r in records] == reasons
+
+
+def test_keyword_novelty_needs_no_embedder(plain_prompts, tmp_path):
+    # --similarity keyword: word-set Jaccard, no embedder. Slot 1 proposes A again: its words are slot 0's
+    # (Jaccard 1 > 0.95), so the novelty filter rejects it within the step; B shares few words with A
+    sampler = ScriptedSampler(
+        {
+            "TEACHER 0": [proposal_text("A")],
+            "TEACHER 1": [proposal_text("A")],
+            "TEACHER 2": [proposal_text("E")],
+        }
+    )
+    args = Args(exec_timeout=5.0, n_pass_rate=4, max_attempts=1, similarity="keyword")
+    buffer = []
+    accepted, examples, records = gasp.propose(
+        sampler,
+        None,
+        gasp.Logger(tmp_path, {}, CPU),
+        stage="lemma",
+        sources=[(g, "f") for g in goalposts(3)],
+        buffer=buffer,
+        tag="1.0",
+        args=args,
+        dist=CPU,
+    )
+    assert [r["reason"] for r in records] == ["", "similar", ""]
+    assert [e.reward for e in examples] == [1.0, -0.5, 1.0]
+    assert all(isinstance(f, frozenset) for t in buffer for f in t["features"])
+    # the buffer dissimilarity of the step's proposals to the accepted tasks, by the same measure:
+    # A and E are in the buffer, every proposal is one of them -> 0
+    metrics = gasp.teacher_metrics(records, buffer, args.similarity)
+    assert metrics["charts/buffer_dissimilarity"] == 0.0
+
+
+def test_keyword_run_never_loads_the_embedder(monkeypatch, tiny_model_dir, tmp_path, one_thread):
+    def no_embedder(*args, **kwargs):
+        raise AssertionError("--similarity keyword loaded the embedder")
+
+    monkeypatch.setattr(gasp, "load_embedder", no_embedder)
+    metrics, records, _ = run_main(
+        monkeypatch, tmp_path, tiny_model_dir, CycleSampler("ABECCD"), similarity="keyword"
+    )
+    assert {r["stage"] for r in records} == {"lemma", "lift"}
+    assert metrics["charts/solver_tasks"] == metrics["charts/buffer_size"] > 0
+    assert all("features" not in r for r in records)  # proposals.jsonl leaves them out
+
+
+def test_a_resumed_run_keeps_its_measure(monkeypatch, tiny_model_dir, tmp_path):
+    # the buffer's features were made by the checkpoint's --similarity; another one could not compare with them
+    state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": "embedding"}
+    monkeypatch.setattr(gasp, "load_checkpoint", lambda *a, **k: (1, state))
+    args = Args(
+        model=tiny_model_dir, resume=True, similarity="keyword", gradient_checkpointing=False
+    )
+    with pytest.raises(SystemExit, match="buffer has embedding's"):
+        gasp.load_run(args, tmp_path, CPU)
 
 
 def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):
@@ -1015,7 +1197,7 @@ def test_real_data_rl_step(plain_prompts, tmp_path):
 def test_zero_advantages_train_only_through_the_entropy_bonus(tiny_model_dir, one_thread):
     samples = [sample("", [1, 5, 9], [3, 4, 7], [-9.0, -9.0, -9.0]) for _ in range(3)]
     rollouts = [
-        gasp.Rollout(s, -1.0, ("induction", "lemma")) for s in samples
+        gasp.rewarded_example(s, -1.0, source=None, group=("induction", "lemma")) for s in samples
     ]  # all equal: advantages 0
     for ent_coef in (0.0, 0.01):
         policy = gasp.load_model(tiny_model_dir, CPU)
@@ -1612,7 +1794,8 @@ def test_two_iterations_end_to_end(
     gasp_reference, tiny_model_dir
 ):  # conftest.py: two iterations, uninterrupted
     run_dir, done = gasp_reference.run_dir, gasp_reference.done
-    assert "No CUDA" in done.stdout and "prompts_per_step: 64 -> 2" in done.stdout
+    # goalposts: not given, so CPU_DEFAULTS names it
+    assert "No CUDA" in done.stdout and "goalposts=builtin" in done.stdout
     metrics = metrics_of(run_dir)
     assert sorted(metrics) == [1, 2]
     both = {**metrics[1], **metrics[2]}
@@ -1627,7 +1810,7 @@ def test_two_iterations_end_to_end(
         "eval/goalposts_solved",
         "time/generation",
         "time/execution",
-        "time/embedding",
+        "time/similarity",
         "time/update",
         "time/iteration",
         "tokens/teacher",

@@ -172,11 +172,11 @@ def test_conjecturer_prompts_keep_the_official_layout():
 
 
 # ---- the Conjecturer's reward (Alg. 1, §3.2) ----
-def selection(rates, q=0.7):
+def selection(rates, q=0.7, band=(0.0, 1.0)):
     """select_conjectures on conjectures c0, c1, ... with these solve rates: (p70, the rates selected)."""
     conjectures = [sgs.Conjecture(f"c{i}", "", "", "t", None) for i in range(len(rates))]
     selected, stats = sgs.select_conjectures(
-        conjectures, rates_by_id(rates), args(conjecture_percentile=q)
+        conjectures, rates_by_id(rates), args(conjecture_percentile=q, conjecture_band=band)
     )
     assert stats["conjecturer/selected"] == len(selected)
     return stats["conjecturer/p70"], [rates[int(c.id[1:])] for c in selected]
@@ -206,6 +206,20 @@ def test_select_conjectures_p70():
     assert selection(rates) == (0.5, [0.125, 0.5, 0.25, 0.375])  # ties at p70 are kept
     assert selection([0.0, 1.0, 1.0]) == (0.0, [])  # none inside: nobody is rewarded
     assert selection([0.25]) == (0.25, [0.25])  # int(0.7) = 0
+
+
+def test_select_conjectures_band_and_percentile_edges():
+    # q = 1: int(1 * 2) = 2 is past the end -> the highest rate in the band; q = 0: the lowest
+    assert selection([0.25, 0.5], q=1.0) == (0.5, [0.25, 0.5])
+    assert selection([0.25, 0.5], q=0.0) == (0.25, [0.25])
+    # band (0.25, 1): its low end 0.25 is excluded -> in band [0.5, 0.75], int(0.7 * 2) = 1 -> p70 0.75
+    assert selection([0.25, 0.5, 0.75], band=(0.25, 1.0)) == (0.75, [0.5, 0.75])
+    # band (0, 0.75): its high end 0.75 is excluded -> in band [0.25, 0.5], int(1.4) = 1 -> p70 0.5
+    assert selection([0.25, 0.5, 0.75], band=(0.0, 0.75)) == (0.5, [0.25, 0.5])
+    # a low end below 0 lets the unsolved in: in band [0, 0.5], q = 0 -> p70 0 -> the unsolved one only
+    assert selection([0.0, 0.5], q=0.0, band=(-1.0, 1.0)) == (0.0, [0.0])
+    # no rate in the band: none selected, p70 logged as the band's low end
+    assert selection([0.0, 1.0, 0.25], band=(0.25, 1.0)) == (0.25, [])
 
 
 def test_conjecturer_rewards_min_max():
@@ -258,6 +272,31 @@ def test_solver_reward():
         sgs.solver_reward(True, "\n  try simp", 10, args(max_new_tokens=100, penalize_try=False))
         == 1.0
     )
+
+
+def test_cispo_advantages_edges():
+    assert sgs.cispo_advantages([]) == []  # no attempts
+    assert sgs.cispo_advantages([1.0]) == [0.0]  # one attempt: std 0, advantage 0 / eps
+    assert sgs.cispo_advantages([-1.0, -1.0, -1.0]) == [0.0, 0.0, 0.0]  # all equal (all overlong)
+
+
+@pytest.mark.parametrize(
+    "s, band, include_high, inside",
+    [
+        (0.0, (0.0, 0.5), True, False),  # the low end is excluded: an unsolved problem is out
+        (0.125, (0.0, 0.5), True, True),
+        (0.5, (0.0, 0.5), True, True),  # the high end, included
+        (0.5, (0.0, 0.5), False, False),  # ... or excluded
+        (0.625, (0.0, 0.5), True, False),
+        (1.0, (0.0, 1.0), False, False),  # s = 1 is out of a band open at 1
+        (1.0, (0.0, 1.0), True, True),
+        (0.0, (-1.0, 0.5), True, True),  # a low end below 0 lets s = 0 in
+        (0.25, (0.25, 0.25), True, False),  # high = low: nothing (the low end is excluded)
+        (0.3, (0.5, 0.2), True, False),  # high < low: nothing
+    ],
+)
+def test_in_band_edges(s, band, include_high, inside):
+    assert sgs.in_band(s, band, include_high) == inside
 
 
 def test_cispo_advantages():
@@ -332,7 +371,7 @@ def test_update_divides_by_the_whole_batch_across_micro_batches(tiny_model_dir, 
     examples = [sgs.Example(samples[0], 1.0), sgs.Example(samples[1], 0.5)]
     catcher = GradCatcher(policy.parameters())
     a = args(batch_size=2, micro_batch_size=1, max_grad_norm=1e9, sequence_mean_loss=sequence_mean)
-    sgs.update(policy, catcher, examples, 1e-3, "reinforce_half", a, CPU)
+    sgs.update(policy, catcher, examples, 1e-3, sgs.reinforce_batch_loss, a, CPU)
     logp, mask, _ = sgs.token_logprobs(policy, samples)
     sums = logp.sum(1)
     expected = (
@@ -469,7 +508,8 @@ def test_each_official_script_resolves_to_its_configuration(script):
     flags, objective, roles, lr, batch = OFFICIAL_SCRIPTS[script]
     a = tyro.cli(official_args(sgs), args=flags)
     assert sgs.resolve(a) is a
-    assert sgs.roles_in_play(a) == roles
+    in_play = sgs.roles_in_play(a)
+    assert (in_play.use_conjecturer, in_play.train_conjecturer, in_play.use_guide) == roles
     assert (a.solver_objective, a.learning_rate, a.conjecturer_learning_rate, a.batch_size) == (
         objective,
         lr,
@@ -485,6 +525,8 @@ def test_each_official_script_resolves_to_its_configuration(script):
     ) == (8, 1, 1.0, 1.0, 500)
     assert a.max_new_tokens == a.conjecturer_max_new_tokens == a.guide_max_new_tokens == 8192
     assert a.no_problem_conditioning == (script == "sgs_no_problem_conditioning")
+    # the official bands: REINFORCE½ 0 < s <= 1/2 (HARD), CISPO 0 < s < 1, conjectures 0 < s < 1
+    assert a.reinforce_half_band == (0.0, 0.5) and a.cispo_band == a.conjecture_band == (0.0, 1.0)
     assert (a.cispo_clip_low, a.cispo_clip_high, a.adam_betas, a.max_grad_norm) == (
         0.0,
         4.0,
@@ -636,10 +678,16 @@ def test_statement_key_ignores_spaces_and_newlines():
 
 
 def test_an_unknown_solver_objective_stops_at_start():
-    # a value added to --solver-objective's Literal without its branch in solver_examples: resolve stops the run
+    # a value added to --solver-objective's Literal without its SOLVER_OBJECTIVES entry: resolve stops the run
     # before anything is loaded, naming where to add it
-    with pytest.raises(ValueError, match="solver_examples"):
+    with pytest.raises(ValueError, match="SOLVER_OBJECTIVES"):
         sgs.resolve(args(solver_objective="grpo", no_conjecturer=True))
+
+
+def test_review_of_no_conjecture_samples_nothing():
+    sampler = ScriptedSampler([])
+    assert sgs.review(sampler, Tokenizer(), [], [problem("t1")], 0, args(), CPU) == ([], {})
+    assert sampler.prompts == []
 
 
 def test_review_scores_each_conjecture_against_its_target():
@@ -711,6 +759,122 @@ def test_solver_examples_reinforce_half_and_cispo():
         assert sum(e.weight for e in ex if e.group == g) == pytest.approx(0.0, abs=1e-5)
 
 
+def problems_of(examples, attempts):
+    """The id of the problem each example's source Attempt was made for (by identity), sorted."""
+    ids = []
+    for e in examples:
+        ids += [pid for pid, row in attempts.items() if any(e.source is a for a in row)]
+    assert len(ids) == len(examples)  # every example carries the Attempt it came from
+    return sorted(ids)
+
+
+def band_attempts():
+    """k = 4 attempts at a (s = 0), b (s = 1/4), c (s = 1/2), d (s = 3/4) and e (s = 1)."""
+    attempts = {}
+    for n, pid in enumerate("abcde"):
+        attempts[pid] = fake_attempts([True] * n + [False] * (4 - n))
+    return [problem(p) for p in attempts], attempts
+
+
+def test_reinforce_half_band_edges():
+    problems, attempts = band_attempts()
+    rates = rates_of(attempts)
+
+    def trained_on(band):
+        a = args(max_new_tokens=100, reinforce_half_band=band)
+        ex = sgs.reinforce_half_examples(problems, attempts, rates, {}, 0, a, random.Random(0))
+        assert all(e.weight == 1.0 for e in ex)  # each correct proof: reward 1
+        return problems_of(ex, attempts)
+
+    # default (0, 1/2], high included: b's one correct attempt, c's two at exactly s = 1/2; d (3/4) is out
+    assert trained_on((0.0, 0.5)) == ["b", "c", "c"]
+    # (1/4, 1/2]: b at exactly the low end s = 1/4 is out (low excluded)
+    assert trained_on((0.25, 0.5)) == ["c", "c"]
+    # (1/4, 1]: e at exactly s = 1 is in (high included)
+    assert trained_on((0.25, 1.0)) == ["c", "c", "d", "d", "d", "e", "e", "e", "e"]
+    assert trained_on((0.5, 0.25)) == []  # an empty band
+
+
+def test_cispo_band_edges():
+    problems, attempts = band_attempts()
+    rates = rates_of(attempts)
+
+    def groups(band):
+        a = args(max_new_tokens=100, solver_objective="cispo", cispo_band=band)
+        ex = sgs.cispo_examples(problems, attempts, rates, {}, 0, a, random.Random(0))
+        return problems_of(ex, attempts), ex
+
+    # default (0, 1), both ends excluded: a (s = 0) and e (s = 1) out; b, c, d's 4 attempts each
+    ids, ex = groups((0.0, 1.0))
+    assert ids == ["b"] * 4 + ["c"] * 4 + ["d"] * 4
+    # b: r = [1, 0, 0, 0] -> mean 1/4, std sqrt(3)/4: the correct one 0.75 / 0.4330127, the others -0.25 / 0.4330127
+    b = sorted(e.weight for e in ex if any(e.source is x for x in attempts["b"]))
+    assert b[-1] == pytest.approx(0.75 / (0.4330127 + 1e-6), rel=1e-6)
+    assert b[0] == pytest.approx(-0.25 / (0.4330127 + 1e-6), rel=1e-6)
+    # (1/4, 1): b at exactly the low end is out
+    assert groups((0.25, 1.0))[0] == ["c"] * 4 + ["d"] * 4
+    # (0, 3/4): d at exactly the high end is out
+    assert groups((0.0, 0.75))[0] == ["b"] * 4 + ["c"] * 4
+    # (-1, 2) takes a (rewards all 0: skipped, official) and e (rewards all 1: every advantage 0, no example)
+    assert groups((-1.0, 2.0))[0] == ["b"] * 4 + ["c"] * 4 + ["d"] * 4
+
+
+def test_every_training_example_carries_its_source():
+    problems, attempts = band_attempts()
+    rates = rates_of(attempts)
+    for objective in ("reinforce_half", "cispo"):
+        a = args(max_new_tokens=100, solver_objective=objective)
+        ex = sgs.solver_examples(problems, attempts, rates, {}, 0, a, random.Random(0))
+        assert ex and all(isinstance(e.source, sgs.Attempt) for e in ex)
+        assert all(e.sample is e.source.sample for e in ex)
+    stored = {"proof": "\n  simp", "iteration": 3, "prompt_ids": [1], "token_ids": [2], "text": "t"}
+    a = args(solver_objective="expert_iteration", max_new_tokens=100)
+    (ex,) = sgs.solver_examples([], {}, {}, {"a": [stored]}, 3, a, random.Random(0))
+    assert ex.source is stored and ex.source["iteration"] == 3  # EI: the stored proof it replays
+    cs = [sgs.Conjecture(f"c{i}", "", "", "t", fake_sample(3)) for i in range(2)]
+    ex = sgs.conjecturer_examples(cs, {"c0": 0.5, "c1": 0.25}, [1.0, 1.0], args(), InOrder())
+    assert [e.source for e in ex] == cs and [e.sample for e in ex] == [c.sample for c in cs]
+
+
+def test_optimizer_batches_keep_groups_whole_and_drop_empty_batches():
+    a = args(batch_size=4, proofs_per_problem=2)  # 2 groups a batch
+    # groups 2 and 3 left no example (every advantage 0): their batch is no step
+    ex = [sgs.Example(fake_sample(), 1.0, group=g) for g in (0, 0, 1, 4, 4)]
+    batches = sgs.optimizer_batches(ex, a)
+    assert [[e.group for e in b] for b in batches] == [[0, 0, 1], [4, 4]]
+    # ungrouped (group -1): batch_size examples a batch, in order
+    ex = [sgs.Example(fake_sample(), float(i)) for i in range(9)]
+    assert [[e.weight for e in b] for b in sgs.optimizer_batches(ex, a)] == [
+        [0.0, 1.0, 2.0, 3.0],
+        [4.0, 5.0, 6.0, 7.0],
+        [8.0],
+    ]
+    assert sgs.optimizer_batches([], a) == []
+
+
+@pytest.mark.parametrize(
+    "flags, loaded, trained",
+    [
+        ({}, ["S", "C", "G"], ["solver", "conjecturer"]),
+        ({"no_guide": True}, ["S", "C"], ["solver", "conjecturer"]),
+        ({"freeze_conjecturer": True}, ["S", "C"], ["solver"]),
+        ({"no_conjecturer": True}, ["S"], ["solver"]),
+    ],
+)
+def test_load_roles_loads_only_the_roles_in_play(monkeypatch, flags, loaded, trained):
+    names = []
+
+    def load_model(name, dist, train=True, gradient_checkpointing=True):
+        names.append(name)
+        return torch.nn.Linear(1, 1)
+
+    monkeypatch.setattr(sgs, "load_model", load_model)
+    a = sgs.resolve(args(model="S", conjecturer_model="C", guide_model="G", **flags))
+    models, (solver, conjecturer, guide) = sgs.load_roles(a, CPU)
+    assert names == loaded and sorted(models) == sorted(trained)
+    assert (conjecturer is None) == ("C" not in loaded) and (guide is None) == ("G" not in loaded)
+
+
 def test_solver_examples_expert_iteration_window():
     proofs = {
         "a": [
@@ -779,6 +943,11 @@ def test_solve_metrics():
         and m["lean/error_share"] == 0.5
         and m["conjecturer/solve_rate_mean"] == 1.0
     )
+    # no target attempted (EI once every target has its proofs): no pass@k, not a 0
+    m = sgs.solve_metrics(targets, proofs, {"it0_c0": attempts["it0_c0"]}, generations=0, k=2)
+    assert "charts/pass@2" not in m and m["charts/targets_attempted"] == 0
+    m = sgs.solve_metrics(targets, proofs, {}, generations=0, k=2)
+    assert "solver/entropy" not in m and "conjecturer/solve_rate_mean" not in m
 
 
 def test_nothing_learned_says_why():
@@ -811,7 +980,8 @@ def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_mod
         tok(t, add_special_tokens=False).input_ids
         for t in ["  norm_num", "  simp", "  decide", "  omega"]
     ]
-    a = args(batch_size=4, micro_batch_size=2, proofs_per_problem=4)
+    a = args(batch_size=4, micro_batch_size=2, proofs_per_problem=4, solver_objective=objective)
+    _, batch_loss = sgs.solver_objective(a)  # the objective's loss, as main's Solver update
     logps = {}
     for sign in (1, -1):
         torch.manual_seed(0)
@@ -841,13 +1011,14 @@ def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_mod
         if objective == "cispo":
             tokens = float(sum(map(len, completions)))
             examples = [
-                sgs.Example(s, w, tokens, 0) for s, w in zip(samples, sgs.cispo_advantages(rewards))
+                sgs.Example(s, w, group_tokens=tokens, group=0)
+                for s, w in zip(samples, sgs.cispo_advantages(rewards))
             ]
         else:  # REINFORCE: the favoured completion with reward +1, or -1 (a penalty)
             examples = [sgs.Example(samples[0], float(sign))]
         before = logp_of_favoured()
         for _ in range(20):
-            stats = sgs.update(policy, optimizer, examples, 3e-3, objective, a, CPU)
+            stats = sgs.update(policy, optimizer, examples, 3e-3, batch_loss, a, CPU)
         logps[sign] = (before, logp_of_favoured())
         assert stats["steps"] == 1 and math.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     print(
@@ -1168,17 +1339,17 @@ def test_end_to_end_weights_change_metrics_checkpoints_and_resume(primed_model_d
         (
             ["--solver-objective", "cispo", "--no-conjecturer"],
             ["losses/solver_loss"],
-            ["conjecturer/extraction_rate"],
+            ["conjecturer/extraction_rate", "data/conjecturer_examples"],
         ),
         (
             ["--solver-objective", "expert_iteration", "--no-conjecturer"],
             ["losses/solver_loss"],
-            ["conjecturer/extraction_rate"],
+            ["conjecturer/extraction_rate", "data/conjecturer_examples"],
         ),
         (
             ["--freeze-conjecturer", "--no-guide"],
             ["conjecturer/extraction_rate"],
-            ["losses/conjecturer_loss", "guide/parse_failure_rate"],
+            ["losses/conjecturer_loss", "guide/parse_failure_rate", "data/conjecturer_examples"],
         ),
         (["--no-guide"], ["conjecturer/extraction_rate"], ["guide/parse_failure_rate"]),
         (

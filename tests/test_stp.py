@@ -13,6 +13,7 @@ import shlex
 import subprocess
 import sys
 import time
+import unicodedata
 from types import SimpleNamespace
 
 import numpy as np
@@ -55,6 +56,77 @@ def test_elegance_filter():
         == [True, False, False] + [True] * 7
     )
     assert stp.elegance_filter([], [], 0.2) == []
+
+
+def test_elegance_filter_keeps_a_conjecture_with_no_proof():
+    # elegance_ratio is inf with no proof: at or above every cutoff, so kept. Group a: int(5 * 0.2) = 1 -> cutoff
+    # sorted([1, 2, 3, inf, inf])[1] = 2 -> only ratio 1 dropped
+    inf = math.inf
+    assert stp.elegance_filter(["a"] * 5, [1.0, 2.0, 3.0, inf, inf], 0.2) == [False] + [True] * 4
+    assert stp.elegance_filter(["a"] * 3, [inf] * 3, 0.2) == [True] * 3
+    # inf raises the cutoff it sorts into: sorted([1, inf, inf, inf, inf])[1] = inf -> ratio 1 dropped
+    assert stp.elegance_filter(["a"] * 5, [1.0] + [inf] * 4, 0.2) == [False] + [True] * 4
+
+
+class NFKCCharTokenizer:
+    """One token a character; decode normalises to NFKC, as some tokenizers do, so that decode(encode(text)) can
+    differ from text: 'ℝ' comes back as 'R'."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(ch) for ch in text]}
+
+    def decode(self, ids):
+        return unicodedata.normalize("NFKC", "".join(chr(i) for i in ids))
+
+
+def test_truncate_left_keeps_a_text_of_max_tokens_whole():
+    tok = NFKCCharTokenizer()
+    text = "x : ℝ"  # 5 tokens
+    # exactly max_tokens tokens: returned as it is, not decoded again (which would give "x : R")
+    assert stp.truncate_left(tok, text, 5) == "x : ℝ"
+    assert stp.truncate_left(tok, text, 6) == "x : ℝ"
+    # one token more than max_tokens: the last 4 tokens " : ℝ", decoded -> " : R"
+    assert stp.truncate_left(tok, text, 4) == " : R"
+    assert stp.truncate_left(tok, text, 1) == "R"
+
+
+def test_in_conjecture_band_edges():
+    # official band 0 < s < 1/4, both ends excluded
+    official = args()
+    assert official.conjecture_band == (0.0, 0.25)
+    assert stp.in_conjecture_band(1 / 8, official)
+    assert stp.in_conjecture_band(0.2499, official)
+    assert not stp.in_conjecture_band(0.0, official)  # s exactly low: no proof, out
+    assert not stp.in_conjecture_band(0.25, official)  # s exactly high: out
+    assert not stp.in_conjecture_band(1.0, official)
+    # a band whose low is below 0 admits s = 0
+    wide = args(conjecture_band=(-1.0, 0.25))
+    assert stp.in_conjecture_band(0.0, wide) and not stp.in_conjecture_band(0.25, wide)
+    # both ends of another band: 1/8 and 1/2 out, 1/4 in
+    other = args(conjecture_band=(0.125, 0.5))
+    assert [stp.in_conjecture_band(s, other) for s in (0.125, 0.25, 0.5)] == [False, True, False]
+    # low >= high admits nothing
+    assert not stp.in_conjecture_band(0.25, args(conjecture_band=(0.25, 0.25)))
+
+
+def test_elegance_ratio_hand_values():
+    c = stp.Conjecture("c", "", "s" * 20, "easy", "")
+    candidate = stp.Candidate(c, "", 0.125)
+
+    def entry(length, iteration):
+        return {"proof": "p" * length, "iteration": iteration, "seconds": 0.0}
+
+    # iteration 4, replay_rounds 3: the window is iterations 2..4; the 2-character proof of iteration 1 is out;
+    # shortest in the window 5 characters over 20 -> 0.25
+    proofs = {"c": [entry(2, 1), entry(10, 4), entry(5, 2)]}
+    assert stp.elegance_ratio(candidate, proofs, 4, args()) == 0.25
+    # no proof in the window, none at all, no entry: inf
+    assert stp.elegance_ratio(candidate, {"c": [entry(2, 1)]}, 4, args()) == math.inf
+    assert stp.elegance_ratio(candidate, {"c": []}, 4, args()) == math.inf
+    assert stp.elegance_ratio(candidate, {}, 4, args()) == math.inf
+    # a statement of no characters counts as one: 3 / 1
+    empty = stp.Candidate(c._replace(statement=""), "", 0.125)
+    assert stp.elegance_ratio(empty, {"c": [entry(3, 4)]}, 4, args()) == 3.0
 
 
 def test_matching_weights():
@@ -328,23 +400,23 @@ def test_select_seeds():
         seeds = stp.select_seeds(
             statements, proofs, history, random.Random(seed), args(empty_lemma_prob=1.0)
         )
-        assert sorted((s.id, lemma) for s, _, lemma in seeds) in (
+        assert sorted((s.problem.id, s.lemma) for s in seeds) in (
             [("s1", ""), ("s1", "sq_nonneg")],
             [("s1", "sq_nonneg"), ("s3", "")],
         )
-        orders.add(seeds[0][0].id)
+        orders.add(seeds[0].problem.id)
     # random order: not newest first (which would always put s3 first)
     assert orders == {"s1", "s3"}
     seeds = stp.select_seeds(
         statements, proofs, history, random.Random(0), args(empty_lemma_prob=0.0)
     )
-    assert [(s.id, lemma) for s, _, lemma in seeds] == [("s1", "sq_nonneg")]
+    assert [(s.problem.id, s.lemma) for s in seeds] == [("s1", "sq_nonneg")]
     # s2 now qualifies too: sq_nonneg is capped at one use, which goes to s1 or s2 depending on the shuffle
     history["s2"] = {0: (4, 4)}
     users = {
         stp.select_seeds(
             statements, proofs, history, random.Random(seed), args(empty_lemma_prob=0.0)
-        )[0][0].id
+        )[0].problem.id
         for seed in range(20)
     }
     assert users == {"s1", "s2"}
@@ -397,7 +469,7 @@ def test_conjecture_deduplicates_shuffles_and_caps():
         "theorem c2 : True := by",
         "theorem c3 : False := by",
     )
-    seeds = [(seed, "\n  positivity", "")]
+    seeds = [stp.Seed(seed, "\n  positivity", "")]
     # 1 seed, 1 statement: multiplier max(1, min(3 * 1 // 1, 8)) = 3 samples -> c1 (twice); at most 1 conjecture
     conj, stats = stp.conjecture(sampler, tok, seeds, [seed], {}, 2, random.Random(0), args(), CPU)
     assert [(c.id, c.statement) for c in conj] == [("r2_c0", c1)]
@@ -457,10 +529,8 @@ def test_conjecture_deduplicates_shuffles_and_caps():
     )
     ids = {c.statement: c.id for c in conj}
     assert ids[c1] == "old" and ids[c2] in ("r3_c0", "r3_c1")
-    assert stp.conjecture(sampler, tok, [], [seed], {}, 0, random.Random(0), args(), CPU) == (
-        [],
-        {"conjecturer/seeds": 0, "conjecturer/outputs": 0},
-    )
+    conj, stats = stp.conjecture(sampler, tok, [], [seed], {}, 0, random.Random(0), args(), CPU)
+    assert conj == [] and stats["conjecturer/seeds"] == 0 and stats["conjecturer/outputs"] == 0
 
 
 def test_select_problems_and_record():
@@ -539,6 +609,13 @@ def test_prover_and_final_examples(tiny_model_dir):
     assert weights == expected
     s = ex[0].sample
     assert s.token_ids[-1] == tok.eos_token_id and tok.decode(s.token_ids[:-1]).endswith("\n```")
+    # each example keeps the proof entry it was made from, with its statement's id
+    sources = sorted((e.source["id"], e.source["proof"], e.source["iteration"]) for e in ex)
+    assert sources == [
+        ("a", "\n  nlinarith [sq_nonneg x]", 1),
+        ("a", "\n  simp", 0),
+        ("c", "\n  positivity", 1),
+    ]
     # round 3: the buffer holds rounds 1..3; a's rate 1/4, only its round-1 proof is recent: weight exp(..) / 1
     assert sorted(
         round(e.weight, 6)
@@ -664,6 +741,9 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
     }
     ex = stp.final_examples(tok, {"a": problem}, history, proofs, {"a"}, sft, random.Random(0), a)
     assert [e.sample.text for e in ex] == [" x", " y", "\n  simp", "\n  ring\n```"]
+    # the sources: the SFT rows, then the proof entry with its statement's id
+    assert [e.source for e in ex[:2]] == sft[:2]
+    assert ex[3].source == {"proof": "\n  ring", "iteration": 0, "seconds": 0.0, "id": "a"}
     assert [e.weight for e in ex] == pytest.approx([0.5, 1.0, 1.0, math.exp(-0.007)])
 
 
@@ -719,6 +799,102 @@ def test_conjecturer_examples(tiny_model_dir):
         and "<lemma>\ntheorem true: True\n" in prompts[1]
     )
     assert ex[0].sample.text == "\ntheorem c0 (x : ℝ) : 0 ≤ x ^ 1 := by\n</hard theorem>"
+    # each example keeps the Candidate it was made from: the conjecture, the lemma its prompt shows, its rate
+    assert [e.source.conjecture.id for e in ex] == ["r1_c0", "r1_c1", "r1_c2"]
+    assert [e.source.lemma for e in ex] == ["sq_nonneg", "", ""]
+    assert [e.source.rate for e in ex] == [1 / 8] * 3
+
+    # a band that admits s = 0: r1_c5 (0 of 8, no proof) joins; its lemma check and its elegance ratio work with
+    # no proof (ratio inf: kept), and its prompt shows the empty lemma. r1_c4 (2/8 = 1/4, the high end) stays out.
+    del proofs["r1_c5"]
+    wide = args(conjecture_band=(-1.0, 0.25))
+    ex, stats = stp.conjecturer_examples(
+        policy, tok, conj, attempts, proofs, [], 1, random.Random(0), wide, CPU
+    )
+    assert stats["conjecturer/in_band"] == 4 and stats["conjecturer/elegant"] == 4
+    assert sorted(e.source.conjecture.id for e in ex) == ["r1_c0", "r1_c1", "r1_c2", "r1_c5"]
+    zero = [e.source for e in ex if e.source.conjecture.id == "r1_c5"][0]
+    assert zero.rate == 0.0 and zero.lemma == ""
+
+    # --no-elegance-filter: six conjectures at 1/8, all in the empty-lemma group (positivity invokes no lemma):
+    # int(6 * 0.2) = 1 -> the cutoff is the second smallest ratio, so the smallest (r1_c5, the longest statement)
+    # is dropped; without the filter all six go on
+    attempts = {c.id: rate(1) for c in conj}
+    proofs = {c.id: [{"proof": "\n  positivity", "iteration": 1, "seconds": 0.0}] for c in conj}
+    ex, stats = stp.conjecturer_examples(
+        policy, tok, conj, attempts, proofs, [], 1, random.Random(0), args(), CPU
+    )
+    assert stats["conjecturer/elegant"] == 5
+    assert "r1_c5" not in [e.source.conjecture.id for e in ex]
+    ex, stats = stp.conjecturer_examples(
+        policy,
+        tok,
+        conj,
+        attempts,
+        proofs,
+        [],
+        1,
+        random.Random(0),
+        args(elegance_filter=False),
+        CPU,
+    )
+    assert stats["conjecturer/elegant"] == 6 and len(ex) == 6
+
+
+def test_conjectures_in_band_reads_only_this_iterations_attempts():
+    seed = "theorem s : True := by\n  trivial"
+    conj = [stp.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", seed, "") for i in range(4)]
+    A = stp.Attempt
+    ok, bad = A(None, "\n  trivial", "valid", True), A(None, None, "error", False)
+    # c0: 1 of 8; c1: 0 of 8; c2: not attempted this iteration (conjectured again under an old id, proved before);
+    # c3: 2 of 8 = 1/4
+    attempts = {"c0": [ok] + [bad] * 7, "c1": [bad] * 8, "c3": [ok] * 2 + [bad] * 6}
+    band = stp.conjectures_in_band(conj, attempts, args())
+    assert [(c.conjecture.id, c.rate) for c in band] == [("c0", 0.125)]
+    # a band admitting s = 0 takes c1 (0 of 8), but not c2: it has no rate this iteration, not a rate of 0
+    band = stp.conjectures_in_band(conj, attempts, args(conjecture_band=(-1.0, 0.25)))
+    assert [(c.conjecture.id, c.rate) for c in band] == [("c0", 0.125), ("c1", 0.0)]
+    assert stp.conjectures_in_band([], attempts, args()) == []
+
+
+def test_invokes_lemma_and_choose_lemmas():
+    c = stp.Conjecture("c", "", "theorem c (x : ℝ) : 0 ≤ x ^ 4 := by", "easy", "sq_nonneg")
+    uses = {"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 2, "seconds": 0.0}
+    assert stp.invokes_lemma(c, {"c": [uses]}, 2)
+    # only a proof of this iteration counts; no proof (s = 0) and the empty lemma: False, no error
+    assert not stp.invokes_lemma(c, {"c": [uses]}, 3)
+    assert not stp.invokes_lemma(c, {"c": []}, 2)
+    assert not stp.invokes_lemma(c, {}, 2)
+    assert not stp.invokes_lemma(c._replace(lemma=""), {"c": [uses]}, 2)
+    # choose_lemmas: the invoking one keeps its lemma and comes first; the others show the empty lemma
+    d = c._replace(id="d")
+    band = [stp.Candidate(d, "sq_nonneg", 0.0), stp.Candidate(c, "sq_nonneg", 0.125)]
+    kept = stp.choose_lemmas(band, {"c": [uses]}, 2, random.Random(0))
+    assert [(k.conjecture.id, k.lemma, k.rate) for k in kept] == [
+        ("c", "sq_nonneg", 0.125),
+        ("d", "", 0.0),
+    ]
+    assert stp.choose_lemmas([], {}, 2, random.Random(0)) == []
+
+
+def test_keep_elegant_groups_by_the_shown_lemma():
+    def candidate(i, length, lemma):
+        return stp.Candidate(stp.Conjecture(f"c{i}", "", "s" * length, "easy", lemma), lemma, 0.125)
+
+    # group '': statements of 10..50 characters with a 10-character proof -> ratios 1, 0.5, 0.33, 0.25, 0.2;
+    # int(5 * 0.2) = 1 -> cutoff 0.25: c4 (0.2) dropped; group 'l': one member (ratio 0.1), kept whole; c5 has no
+    # proof: ratio inf, kept
+    candidates = [candidate(i, 10 * (i + 1), "") for i in range(5)] + [candidate(9, 100, "l")]
+    proofs = {
+        f"c{i}": [{"proof": "p" * 10, "iteration": 1, "seconds": 0.0}] for i in (0, 1, 2, 3, 4, 9)
+    }
+    kept = stp.keep_elegant(candidates, proofs, 1, args())
+    assert [k.conjecture.id for k in kept] == ["c0", "c1", "c2", "c3", "c9"]
+    lonely = candidates[:4] + [candidate(5, 10, "")]  # c5: no proof, ratio inf
+    kept = stp.keep_elegant(lonely, proofs, 1, args())
+    # ratios 1, 0.5, 0.33, 0.25, inf: cutoff sorted[1] = 0.33 -> c3 (0.25) dropped, c5 kept
+    assert [k.conjecture.id for k in kept] == ["c0", "c1", "c2", "c5"]
+    assert stp.keep_elegant([], {}, 1, args()) == []
 
 
 def test_embed_is_the_normalised_mean_hidden_state(tiny_model_dir):
