@@ -23,7 +23,8 @@ rates each by its reward against its group's (`grpo_advantages`), with no critic
      path and on the roots of failed whole proofs;
   3. value: regression (squared error) of V on the labels of ALL iterations (`update_value`):
      this iteration's search labels, and the labels made in step 4 of the earlier iterations
-     (those of this iteration's step 4 train V in the next iteration's step 3);
+     (those of this iteration's step 4 reach V in the next step 3 that runs: with co-training,
+     the next iteration's; otherwise they are only logged and checkpointed);
   4. prover: GRPO on whole proofs (`grpo_round`, `update`): reward 1 iff Lean accepts
      (`proof_reward`), no KL penalty, DAPO's clip-higher (`clip_higher_loss`: PPO's clip of the
      ratio pi / pi_old, pi_old the policy that sampled, wider above 1 than below) on the
@@ -288,8 +289,8 @@ class Args:
     """guide the search with the value model (--no-value-model: log-prob-only best-first search,
     no value model)"""
     co_training: bool = True
-    """train the value model every iteration (--no-co-training: only in the first; the prover
-    trains alone after it)"""
+    """train the value model every iteration (--no-co-training: only in the first iteration that
+    has labels; the prover trains alone after it)"""
 
     # evaluation
     eval_dataset: str = "data/minif2f.jsonl"
@@ -379,10 +380,17 @@ def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) ->
 
 
 # ---- rewards ----
-def proof_reward(result) -> float:
-    """The prover's reward (official): 1 iff Lean accepts the whole proof; a timeout fails
-    (deviation 5). result: lean_verify's LeanResult(valid, status, errors, reason, time, ...)."""
-    if result.valid and result.status == "valid":
+def accepted(result) -> bool:
+    """Whether Lean accepted a whole proof: valid, and a timeout fails (deviation 5). result:
+    lean_verify's LeanResult(valid, status, errors, reason, time, ...)."""
+    return result.valid and result.status == "valid"
+
+
+def proof_reward(attempt: Attempt, args: Args) -> float:
+    """GRPO's reward of a rollout (official): 1 iff Lean accepted the whole proof
+    (attempt.correct), else 0. update's advantages and charts/reward_mean read it; a reward
+    term reads the Attempt (its Sample's tokens, its proof, Lean's seconds)."""
+    if attempt.correct:
         return 1.0
     return 0.0
 
@@ -516,7 +524,8 @@ class Tree:
 
 
 class Label(NamedTuple):
-    """A value model training item (step 2 -> step 3)."""
+    """A value model training item: made by step 1's searches (search_result) and step 4's
+    whole proofs (whole_proof_labels), collected in step 2, trained on in step 3."""
 
     state: str  # the proof state's text
     value: float  # its value_label
@@ -538,17 +547,18 @@ class SearchResult(NamedTuple):
     merged: int  # tactics that reached a known state
     role_seconds: dict  # the seconds charged to each role: prover, value, env (Lean's tactics)
     path: list  # the proof's steps, root first, as Triples ("no goals" after the last); []
-    labels: list  # the method's own: Labels of step 2
+    path_edges: list  # the Edge of each step of path (log-probs; rir: the planner's target)
+    labels: list  # the method's own: its Labels (value_labels), collected in step 2
 
 
 class Attempt(NamedTuple):
-    """A whole-proof attempt."""
+    """One sampled whole proof and Lean's verdict on it."""
 
     sample: Sample
     proof: str | None  # the code Lean accepted, else None
-    status: str  # Lean's verdict ("no_code": no closed ```lean4 block to check)
-    correct: bool  # whether Lean accepted it (the reward)
-    seconds: float = 0.0  # Lean's time on it
+    status: str  # Lean's status ("valid", "error", ...), or "no_code": no closed ```lean4 block
+    correct: bool  # Lean accepted the proof (GRPO's reward)
+    seconds: float = 0.0  # Lean's time on the proof
 
 
 class Example(NamedTuple):
@@ -693,7 +703,7 @@ def propose_tactics(sampler, trees: list[Tree], key: str, args: Args, clock=time
         tree.pending = tactic_edges(row)
 
 
-def new_node(parent: Node, edge: Edge, state: TacticState) -> Node:
+def new_node(parent: Node, edge: Edge, state: TacticState, args: Args) -> Node:
     """A state first reached by `edge` from `parent`: its path's summed log-prob and tokens
     (priority reads them once V has scored it)."""
     return Node(
@@ -731,13 +741,13 @@ def try_tactics(verifier, trees: list[Tree], args: Args, clock=time.monotonic) -
             tree.seconds += state.time
             tree.role_seconds["env"] += state.time
         for tree in todo:
-            node = take_edge(verifier, tree, tree.pending[i], clock=clock)
+            node = take_edge(verifier, tree, tree.pending[i], args, clock=clock)
             if node is not None:
                 new.append((tree, node))
     return new
 
 
-def take_edge(verifier, tree: Tree, edge: Edge, clock=time.monotonic) -> Node | None:
+def take_edge(verifier, tree: Tree, edge: Edge, args: Args, clock=time.monotonic) -> Node | None:
     """What an edge found (try_tactics' rule), counted in tree.counts: the proof (tree.proof, a
     Node off the tree, once the kernel accepts its path: the check is charged to the theorem, to
     no role), a failed edge, a merge, or a new Node, which is returned."""
@@ -757,7 +767,7 @@ def take_edge(verifier, tree: Tree, edge: Edge, clock=time.monotonic) -> Node | 
         tree.counts["merged"] += 1
         tree.reached.append((edge, tree.nodes[state.key]))
         return None
-    node = new_node(tree.expanding, edge, state)
+    node = new_node(tree.expanding, edge, state, args)
     tree.nodes[state.key] = node
     tree.expanding.children.append(node)
     tree.reached.append((edge, node))
@@ -805,6 +815,13 @@ def proof_steps(proof: Node | None) -> list[Triple]:
     return steps
 
 
+def path_edges(proof: Node | None) -> list[Edge]:
+    """The Edges of a found proof's steps, root first (proof_steps' order); [] without a proof."""
+    if proof is None:
+        return []
+    return [node.edge for node in node_path(proof)[1:]]
+
+
 def search_result(tree: Tree, args: Args) -> SearchResult:
     """A tree's SearchResult; its labels (step 2): value_labels on the proof path (root first)
     and every expanded state, in the order expanded; with --value-labels root, the root's
@@ -834,6 +851,7 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
         merged=tree.counts["merged"],
         role_seconds=dict(tree.role_seconds),
         path=proof_steps(tree.proof),
+        path_edges=path_edges(tree.proof),
         labels=labels,
     )
 
@@ -871,9 +889,9 @@ def attempt_proofs(
 ) -> dict[str, list[Attempt]]:
     """Whole proofs (GRPO's rollouts, the frontier filter's and the evaluation's samples): n per
     statement, {problem id: its n Attempts}, sampled over the ranks (a statement seeded by its
-    key), checked by Lean on the sampling rank (a (statement, code) once), rewarded by
-    proof_reward. A statement listed twice (a rollout batch across two epochs) is drawn twice
-    under its one key, the same samples with transformers; the last row is kept."""
+    key), checked by Lean on the sampling rank (a (statement, code) once: `accepted`). A
+    statement listed twice (a rollout batch across two epochs) is drawn twice under its one
+    key, the same samples with transformers; the last row is kept."""
     prompts = []
     keys = []
     for p in problems:
@@ -904,15 +922,15 @@ def attempt_proofs(
             if verdict is None:
                 row.append(Attempt(sample=s, proof=None, status="no_code", correct=False))
                 continue
-            reward = proof_reward(verdict)
+            correct = accepted(verdict)
             proof = None
-            if reward:
+            if correct:
                 proof = code
             attempt = Attempt(
                 sample=s,
                 proof=proof,
                 status=verdict.status,
-                correct=reward > 0,
+                correct=correct,
                 seconds=verdict.time,
             )
             row.append(attempt)
@@ -952,7 +970,7 @@ def whole_proof_labels(
     top-level tactics labels the root value_label(n) (term mode: n = 1, the collector's floor)
     and, with per-state labels, is replayed, the states on its path labelled by value_labels; a
     replay not ending solved (it uses its own lemma): the root only. Returned by grpo_round; V
-    trains on them in the next iteration's step 3."""
+    trains on them in the next step 3 that runs (with co-training, the next iteration's)."""
 
     def label_share(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[Label]]:
         roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])
@@ -1085,8 +1103,8 @@ def update_value(
     args: Args,
     dist: Dist,
 ) -> dict[str, float]:
-    """Step 3 (official): value_epochs shuffled epochs over the
-    labels so far, each positive positive_oversample times; the mean of value_loss over a batch;
+    """Step 3 (official): value_epochs shuffled epochs over the labels so far, each label > 0
+    (a state on a proof path) positive_oversample times; the mean of value_loss over a batch;
     the HF trainer's schedule over these steps."""
     data = []
     for item in labels:
@@ -1151,9 +1169,12 @@ def update(
     sample with advantage 0 adds no gradient and is not run, but its tokens count in n_tokens."""
     items = []
     for row in groups:
-        advantages = grpo_advantages([a.correct for a in row])
+        rewards = [proof_reward(attempt, args) for attempt in row]
+        advantages = grpo_advantages(rewards)
         for attempt, advantage in zip(row, advantages):
             items.append(Example(attempt.sample, weight=advantage, source=attempt))
+    if not items:  # every group filtered out: nothing to train
+        return {}
     size = math.ceil(len(items) / args.grpo_minibatches)
     stats = []
     for first in range(0, len(items), size):
@@ -1223,7 +1244,7 @@ def grpo_round(
     rollouts and the labels."""
     stats, attempts, labels = [], [], []
     total = args.iterations * args.grpo_steps_per_round
-    sampler.sync_weights(policy)  # wakes vLLM (asleep since the value update) with the weights
+    sampler.sync_weights(policy)  # wakes vLLM if the value update put it to sleep; the weights
     for step in range(first_step, first_step + args.grpo_steps_per_round):
         batch = rollout_prompts(train_set, step, size=args.prompts_per_step, seed=args.seed)
         rollouts = attempt_proofs(
@@ -1471,13 +1492,13 @@ def start_sampler(prover, tokenizer, args: Args, dist: Dist) -> Sampler:
     )
 
 
-def grpo_metrics(stats: list[dict], attempts: list[Attempt]) -> dict[str, float]:
+def grpo_metrics(stats: list[dict], attempts: list[Attempt], args: Args) -> dict[str, float]:
     """Step 4's metrics: the updates' mean losses, and the rollouts' reward, tokens and Lean
     verdicts."""
     metrics = {}
     for name in set().union(*stats):  # a step without an update has no losses
         metrics[name] = float(np.mean([s[name] for s in stats if name in s]))
-    metrics["charts/reward_mean"] = mean([a.correct for a in attempts])
+    metrics["charts/reward_mean"] = mean([proof_reward(a, args) for a in attempts])
     metrics["charts/grpo_steps"] = float(len(stats))
     metrics["charts/grpo_tokens"] = float(sum(len(a.sample.token_ids) for a in attempts))
     statuses = [a.status for a in attempts]
@@ -1601,7 +1622,7 @@ def main(args: Args) -> None:
             new_labels += labels
             outcomes.update(a.status for a in attempts)
             trained += sum(a.correct for a in attempts)
-            metrics.update(grpo_metrics(stats, attempts))
+            metrics.update(grpo_metrics(stats, attempts, args))
         metrics.update(label_metrics(new_labels, state["labels"]))
 
         # 5. Evaluate: pass@k on the benchmark, search efficiency with and without the value model

@@ -817,7 +817,7 @@ def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> lis
     for group in set(groups):
         members = [i for i, g in enumerate(groups) if g == group]
         r = rewards[members]
-        if r.std() > 0:
+        if r.max() > r.min():  # not std() > 0: equal floats can have a std of 1e-17
             advantages[members] = (r - r.mean()) / (r.std() + eps)
     return advantages.tolist()
 

@@ -516,6 +516,7 @@ class SearchResult(NamedTuple):
     merged: int  # tactics that reached a known state
     role_seconds: dict  # the seconds charged to each role: planner, actor, env (Lean's tactics)
     path: list  # the proof's steps, root first, as Triples ("no goals" after the last); []
+    path_edges: list  # the Edge of each step of path (log-probs; rir: the planner's target)
 
 
 class Example(NamedTuple):
@@ -774,7 +775,7 @@ def propose_tactics(
         tree.pending = edges
 
 
-def new_node(parent: Node, edge: Edge, state: TacticState) -> Node:
+def new_node(parent: Node, edge: Edge, state: TacticState, args: Args) -> Node:
     """A state first reached by `edge` from `parent` (which owns its MCTS visits and value): its
     BFS priority, child_priority."""
     priority = child_priority(parent.priority, edge.target_logprob, edge.logprob)
@@ -807,13 +808,13 @@ def try_tactics(verifier, trees: list[Tree], args: Args, clock=time.monotonic) -
             tree.seconds += state.time
             tree.role_seconds["env"] += state.time
         for tree in todo:
-            node = take_edge(verifier, tree, tree.pending[i], clock=clock)
+            node = take_edge(verifier, tree, tree.pending[i], args, clock=clock)
             if node is not None:
                 new.append((tree, node))
     return new
 
 
-def take_edge(verifier, tree: Tree, edge: Edge, clock=time.monotonic) -> Node | None:
+def take_edge(verifier, tree: Tree, edge: Edge, args: Args, clock=time.monotonic) -> Node | None:
     """What an edge found (try_tactics' rule), counted in tree.counts: the proof (tree.proof, a
     Node off the tree, once the kernel accepts its path: the check is charged to the theorem, to
     no role), a failed edge, a merge, or a new Node, which is returned."""
@@ -833,7 +834,7 @@ def take_edge(verifier, tree: Tree, edge: Edge, clock=time.monotonic) -> Node | 
         tree.counts["merged"] += 1
         tree.reached.append((edge, tree.nodes[state.key]))
         return None
-    node = new_node(tree.expanding, edge, state)
+    node = new_node(tree.expanding, edge, state, args)
     tree.nodes[state.key] = node
     tree.expanding.children.append(node)
     tree.reached.append((edge, node))
@@ -915,6 +916,13 @@ def proof_steps(proof: Node | None) -> list[Triple]:
     return steps
 
 
+def path_edges(proof: Node | None) -> list[Edge]:
+    """The Edges of a found proof's steps, root first (proof_steps' order); [] without a proof."""
+    if proof is None:
+        return []
+    return [node.edge for node in node_path(proof)[1:]]
+
+
 def search_result(tree: Tree, args: Args) -> SearchResult:
     """A tree's SearchResult: its proof (the solved state's tactics) and path (proof_steps), and
     whether the proof came within the budget (`proved`)."""
@@ -933,6 +941,7 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
         merged=tree.counts["merged"],
         role_seconds=dict(tree.role_seconds),
         path=proof_steps(tree.proof),
+        path_edges=path_edges(tree.proof),
     )
 
 
@@ -962,24 +971,34 @@ def search(
     return map_sharded(search_share, problems, dist)
 
 
-def self_play_weight(result: SearchResult, args: Args) -> float:
-    """The weight of a self-play proof's triples in L_co (co_training_loss): 1, every proof
-    found within the budget alike (expert iteration). D_0's human triples weigh 1 too."""
+def self_play_weight(result: SearchResult, step: int, args: Args) -> float:
+    """The weight in L_co (co_training_loss) of step `step` of a self-play proof: result.path[step]
+    (its triple) and result.path_edges[step] (its Edge: the tactic's log-prob, the planner's
+    target s*), in the search `result` (its expansions, nodes, seconds). 1: every step of every
+    proof found within the budget alike (expert iteration). D_0's human triples weigh 1 too."""
     return 1.0
 
 
-def self_play_triples(results: list[SearchResult], args: Args) -> list[tuple[Triple, float]]:
+def self_play_triples(
+    results: list[SearchResult], known: set, args: Args
+) -> list[tuple[Triple, float, SearchResult]]:
     """Step 3 (ours, expert iteration): the steps of each proof found within the budget, as the
     search reached them (result.path: the state before, the tactic, the state after, "no goals"
-    after the last; no replay, no premise marks), each with its proof's self_play_weight and
-    SearchResult: (Triple, weight, result)."""
+    after the last; no replay, no premise marks), each with its self_play_weight and
+    SearchResult: (Triple, weight, result), in order. D_{t+1} = D_t + these, so a triple in
+    `known` (D_t's: a human one or an earlier proof's) is left out and keeps its weight; each
+    triple returned is added to `known`, once."""
     triples = []
     for result in results:
         if not result.proved:
             continue
-        weight = self_play_weight(result, args)
-        for step in result.path:
-            triples.append((Triple(*step), weight, result))
+        for index, step in enumerate(result.path):
+            triple = Triple(*step)
+            if triple in known:
+                continue
+            known.add(triple)
+            weight = self_play_weight(result, index, args)
+            triples.append((triple, weight, result))
     return triples
 
 
@@ -1324,13 +1343,10 @@ def main(args: Args) -> None:
 
             # 3. The proofs' steps as triples (their paths, no replay): D_{t+1} = D_t + new ones
             known = {triple for triple, _, _ in data}
-            new = []
-            for triple, weight, result in self_play_triples(results, args):
-                if triple not in known:
-                    known.add(triple)  # each once, in order
-                    new.append(triple)
-                    sources[triple] = result
-                    state["selfplay_triples"].append((*triple, weight))
+            new = self_play_triples(results, known, args)
+            for triple, weight, result in new:
+                sources[triple] = result
+                state["selfplay_triples"].append((*triple, weight))
             for result in results:
                 if result.proved:
                     state["proved"][result.id] = result.proof

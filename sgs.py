@@ -21,7 +21,7 @@ a (low, high) pair of solve rates that a rule keeps, each end's inclusion stated
 flag (in_band).
 
 Each iteration (Algorithm 1), under the same numbers in main:
-  1. Conjecture (conjecture): one conjecture for each target never solved.
+  1. Conjecture (conjecture): conjectures_per_target conjectures for each target never solved.
   2. Solve (attempt_proofs): k Solver attempts at every target and every conjecture,
      each checked by Lean.
   3. The Solver's training set (solver_examples), by --solver-objective (SOLVER_OBJECTIVES):
@@ -885,8 +885,9 @@ def proof_examples(
 ) -> list[Example]:
     """REINFORCE½'s and EI's examples, shuffled. Takes (sample, proof, source) of each
     correct proof, source the record it came from; returns an Example of each, weight its
-    solver_reward (1, or the overlong penalty where that is below 0), source kept. A proof
-    that uses_try is dropped, overlong or not (official). update trains the Solver on them."""
+    solver_reward (1, or the overlong penalty where that is below 0), source kept. With
+    --penalize-try, a proof that uses_try is dropped, overlong or not (official). update
+    trains the Solver on them."""
     examples = []
     for s, proof, source in found:
         if args.penalize_try and uses_try(proof):
@@ -1189,11 +1190,11 @@ def update(
     dist: Dist,
 ) -> dict[str, float]:
     """Step 5: one epoch of a role's policy over its examples (solver_examples' or
-    conjecturer_examples'), from a fresh Adam state (official: a new trainer each
-    iteration), in optimizer_batches; batch_loss(policy, micro, batch, args) is the loss
-    of a micro-batch over its whole batch (reinforce_batch_loss, or the Solver objective's:
-    solver_objective). Returns the losses/ metrics: mean loss, steps, mean grad_norm (the
-    caller skips a role with no examples)."""
+    conjecturer_examples'), from a fresh Adam state and a fresh learning-rate schedule
+    (official: a new trainer each iteration), in optimizer_batches; batch_loss(policy, micro,
+    batch, args) is the loss of a micro-batch over its whole batch (reinforce_batch_loss, or
+    the Solver objective's: solver_objective). Returns the losses/ metrics: mean loss, steps,
+    mean grad_norm (the caller skips a role with no examples)."""
     optimizer.state.clear()
     stats = []
     batches = optimizer_batches(examples, args)
@@ -1408,7 +1409,8 @@ def main(args: Args) -> None:
                 state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
-        # 2. Solve: k attempts at every target and conjecture (EI: targets with < 16 proofs)
+        # 2. Solve: k attempts at every target and conjecture (EI: targets with fewer than
+        # max_stored_proofs proofs)
         with logger.timer("solve"):
             problems = list(targets)
             if args.solver_objective == "expert_iteration":

@@ -477,6 +477,16 @@ def in_conjecture_band(rate: float, args: Args) -> bool:
     return low < rate < high
 
 
+def in_prover_band(samples: int, correct: int, args: Args) -> bool:
+    """Step 5's band: whether a statement's proofs train the prover, from its samples and
+    correct ones over the replay window: a solve rate in (0, solve_rate_max] (official 0.5, the
+    hard statements; proved at least once). Edges: no sample or no correct one is out; a rate
+    exactly solve_rate_max is in."""
+    if samples == 0 or correct == 0:
+        return False
+    return correct / samples <= args.solve_rate_max
+
+
 def elegance_ratio(candidate: Candidate, proofs: dict, iteration: int, args: Args) -> float:
     """A conjecture's shortest proof in the replay window (its last replay_rounds iterations)
     over its statement, in characters. With no proof there (s = 0, which a band with low < 0
@@ -944,8 +954,8 @@ def prover_examples(
     """Step 5, the prover's data (official). Takes every problem by id, the solve counts
     (record_solve_counts) and the proofs (record_proofs); returns Examples that step 6 (update)
     trains on with conjecturer_examples'. The rule: the correct proofs in the replay window
-    (iterations iteration - replay_rounds + 1 .. iteration) of each statement whose solve rate
-    over the window is in (0, solve_rate_max] (no sample or no correct one in the window: none);
+    (iterations iteration - replay_rounds + 1 .. iteration) of each statement whose samples and
+    correct ones over the window are in_prover_band;
     one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight
     with #correct = the statement's entries in the window (a proof found in two iterations
     counts twice). The target: the proof, the closing fence, EOS; the source: the proof's entry
@@ -959,7 +969,7 @@ def prover_examples(
             if first < round_ <= iteration:
                 samples += round_samples
                 correct += round_correct
-        if samples == 0 or correct == 0 or correct / samples > args.solve_rate_max:
+        if not in_prover_band(samples, correct, args):
             continue
         recent = [p for p in proofs.get(pid, []) if first < p["iteration"] <= iteration]
         newest = {}  # each distinct proof's newest entry
@@ -1218,8 +1228,7 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
     accepted = outcomes["valid"]
     why = f"no proof accepted in {n} attempts"
     if accepted:
-        rates = f"a rate in (0, {args.solve_rate_max}]"
-        why = f"{accepted} of {n} attempts accepted, none at a statement proved at {rates}"
+        why = f"{accepted} of {n} attempts accepted, none at a statement in_prover_band admits"
     shares = ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common())
     return (
         f"{os.path.basename(__file__)}: no prover update in this run: {why}: {shares} "

@@ -170,11 +170,26 @@ def test_value_loss_and_pass_at_k():
 # ---- rewards: timeouts and server errors are failures ----
 @pytest.mark.parametrize("status", ["timeout", "server_error", "crash", "error", "sorry", "cheat"])
 def test_timeouts_and_errors_are_never_rewarded(status):
-    assert cp.proof_reward(LeanResult(valid=False, status=status)) == 0.0
-    assert (
-        cp.proof_reward(LeanResult(valid=True, status=status)) == 0.0
-    )  # only a "valid" verdict pays
-    assert cp.proof_reward(LeanResult(valid=True, status="valid")) == 1.0
+    assert cp.accepted(LeanResult(valid=False, status=status)) is False
+    assert cp.accepted(LeanResult(valid=True, status=status)) is False  # only "valid" pays
+    assert cp.accepted(LeanResult(valid=True, status="valid")) is True
+    args = official_args(cp)
+    failed = cp.Attempt(None, None, status, False)
+    proved = cp.Attempt(None, "theorem t : True := trivial", "valid", True)
+    assert cp.proof_reward(failed, args) == 0.0
+    assert cp.proof_reward(proved, args) == 1.0
+
+
+def test_an_update_with_no_groups_changes_nothing():
+    """A round whose rollouts were all filtered out trains nothing and does not crash."""
+    policy = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in policy.parameters()]
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    dist = cp.Dist(0, 1, 1, torch.device("cpu"), True)
+    stats = cp.update(policy, optimizer, [], None, official_args(cp), dist)
+    assert stats == {}
+    for old, new in zip(before, policy.parameters()):
+        assert torch.equal(old, new)
 
 
 def test_a_hanging_proof_times_out_and_earns_nothing(tmp_path):
@@ -564,6 +579,7 @@ def test_search_metrics_by_hand():
             merged=1,
             role_seconds={"prover": seconds / 2, "env": seconds / 2},
             path=[],
+            path_edges=[],
             labels=[],
         )
 

@@ -11,6 +11,7 @@ import math
 import os
 import pathlib
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -672,8 +673,10 @@ def test_a_loss_added_with_its_function_and_line_trains(monkeypatch):
     """The fork a reader writes: the name in --loss's Literal, the loss function, its line in item_losses. It parses,
     resolves (OFFICIAL has no row for it: DPO's values, no KeyError), passes the start checks and computes its loss."""
     source = (REPO / "eva.py").read_text()
+    # --loss's Literal, whatever values a fork has added to it: "hinge" goes last
+    [loss_line] = re.findall(r"\n    loss: Literal\[[^\]]*\]", source)
     edits = [
-        ('"orpo", "rloo"] = "dpo"', '"orpo", "rloo", "hinge"] = "dpo"'),
+        (loss_line, loss_line[:-1] + ', "hinge"]'),
         ("\n\ndef item_losses(", HINGE_LOSS + "\n\ndef item_losses("),
         (
             '    if loss == "dpo":\n',

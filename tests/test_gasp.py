@@ -304,6 +304,7 @@ def test_trr_advantages_by_hand():
     assert gasp.trr_advantages([-1.0, -1.0], ["g", "g"]) == [0.0, 0.0]  # all equal: no signal
     assert gasp.trr_advantages([], []) == []
     assert gasp.trr_advantages([0.7], ["g"]) == [0.0]  # one sample: std 0
+    assert gasp.trr_advantages([0.1] * 3, ["g"] * 3) == [0.0] * 3  # equal floats: std 1e-17, not 0
     assert gasp.trr_advantages([1.0, 0.0], ["a", "b"]) == [0.0, 0.0]  # a group each
 
 

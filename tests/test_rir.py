@@ -785,6 +785,7 @@ def result(name, proved, t, exp, edges=10, failed=5, proof=None):
         merged=0,
         role_seconds={"planner": t / 4, "actor": t / 2, "env": t / 4},
         path=[],
+        path_edges=[],
     )
 
 
@@ -864,8 +865,8 @@ def test_co_training_learns_the_proofs_search_found(tiny_model_dir):
         policy = rir.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
         optimizer = torch.optim.AdamW(policy.parameters(), a.learning_rate, weight_decay=0.0)
         before = logp_omega(policy)
-        found_steps = [SimpleNamespace(proved=True, path=triples[found])]
-        data = rir.self_play_triples(found_steps, a)  # (triple, weight, source)
+        found_steps = [result(found, True, 1.0, 3)._replace(path=triples[found])]
+        data = rir.self_play_triples(found_steps, set(), a)  # (triple, weight, source)
         items = rir.training_items(
             [d for d in data if d[0].state == left.state], tok, a
         )  # its second step
@@ -1291,8 +1292,12 @@ def test_the_weight_scales_each_sequence_of_l_co():
     assert weighted.item() == pytest.approx(3.0 + 0.125)
     found = result("a", True, 1.0, 1)
     step = rir.Triple("⊢ A", "win", rir.NO_GOALS)
-    data = rir.self_play_triples([found._replace(path=[step]), result("b", False, 1.0, 1)], args())
-    assert data == [(step, 1.0, found._replace(path=[step]))]
+    found = found._replace(path=[step])
+    known = set()
+    data = rir.self_play_triples([found, result("b", False, 1.0, 1)], known, args())
+    assert data == [(step, 1.0, found)] and known == {step}
+    # a triple already in D_t (a human one, an earlier proof's) is not added again
+    assert rir.self_play_triples([found], known, args()) == []
 
 
 def test_the_shared_search_runs_in_lockstep(monkeypatch):

@@ -681,7 +681,7 @@ def test_an_unknown_solver_objective_stops_at_start():
     # a value added to --solver-objective's Literal without its SOLVER_OBJECTIVES entry: resolve stops the run
     # before anything is loaded, naming where to add it
     with pytest.raises(ValueError, match="SOLVER_OBJECTIVES"):
-        sgs.resolve(args(solver_objective="grpo", no_conjecturer=True))
+        sgs.resolve(args(solver_objective="not_an_objective", no_conjecturer=True))
 
 
 def test_review_of_no_conjecture_samples_nothing():

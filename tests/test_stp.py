@@ -90,6 +90,15 @@ def test_truncate_left_keeps_a_text_of_max_tokens_whole():
     assert stp.truncate_left(tok, text, 1) == "R"
 
 
+def test_in_prover_band_edges():
+    official = official_args(stp)()
+    assert stp.in_prover_band(samples=4, correct=2, args=official)  # 1/2: the edge is in
+    assert stp.in_prover_band(samples=4, correct=1, args=official)
+    assert not stp.in_prover_band(samples=4, correct=3, args=official)
+    assert not stp.in_prover_band(samples=4, correct=0, args=official)  # never proved
+    assert not stp.in_prover_band(samples=0, correct=0, args=official)  # not attempted
+
+
 def test_in_conjecture_band_edges():
     # official band 0 < s < 1/4, both ends excluded
     official = args()
@@ -943,7 +952,7 @@ def test_nothing_learned_says_why():
         "--max-new-tokens 96)"
     )
     assert (
-        "2 of 8 attempts accepted, none at a statement proved at a rate in (0, 0.5]"
+        "2 of 8 attempts accepted, none at a statement in_prover_band admits"
         in stp.nothing_learned(collections.Counter(valid=2, error=6), 0, args())
     )
     # None when the prover trained, when nothing was attempted, and in the pure-sampling baseline
