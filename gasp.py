@@ -276,10 +276,10 @@ class Args:
     similarity: Literal["embedding", "keyword"] = "embedding"
     """novelty filter's measure (SIMILARITIES): embedding, the cosine of two texts' embeddings
     (Sec. 3.3.1); keyword, the Jaccard overlap of their word sets (this file's alternative)"""
-    similarity_threshold: float = 0.95
+    similarity_threshold: float | None = None
     """novelty: reject a proposal whose similarity is above this, on --similarity's scale
-    (max_similarity; equal passes): embedding, cosine in [-1, 1]; keyword, Jaccard in [0, 1]
-    (Sec. 3.3.1: 0.95 cosine [RECON])"""
+    (too_similar; equal passes); None: the measure's own (its Measure's threshold: embedding
+    0.95 cosine in [-1, 1], Sec. 3.3.1 [RECON]; keyword 0.8 Jaccard in [0, 1])"""
     temperature: float = 1.0
     """sampling temperature of teacher, student, pass rates (App. D: 1.0 for training)"""
     top_p: float = 1.0
@@ -740,12 +740,15 @@ class Measure(NamedTuple):
     features: object  # (texts, embedder) -> a feature a text
     similarity: object  # (N features, M features), both non-empty -> [N, M] similarities
     uses_embedder: bool  # load_run loads --embedding-model for it (else the embedder is None)
+    threshold: float  # too_similar's default on this measure's scale (--similarity-threshold)
 
 
 # --similarity's measures: a new one is its two functions above and a row here
 SIMILARITIES = {
-    "embedding": Measure(embed_texts, cosine_similarity, uses_embedder=True),
-    "keyword": Measure(keyword_sets, jaccard_similarity, uses_embedder=False),
+    "embedding": Measure(embed_texts, cosine_similarity, uses_embedder=True, threshold=0.95),
+    # [RECON: this file's choice] word sets overlap less than embeddings agree: 0.8 rejects a
+    # restatement with a word or two changed, not a new task on the same topic
+    "keyword": Measure(keyword_sets, jaccard_similarity, uses_embedder=False, threshold=0.8),
 }
 
 
@@ -759,6 +762,16 @@ def similarity_measure(name: str) -> Measure:
             "similarity functions and a row for it there"
         )
     return SIMILARITIES[name]
+
+
+def too_similar(similarity: float, args: Args) -> bool:
+    """The novelty filter's rule (Sec. 3.3.1): a proposal whose max_similarity is above the
+    threshold is rejected as similar; equal passes. The threshold: --similarity-threshold, or
+    where unset the --similarity measure's own (its Measure's threshold)."""
+    threshold = args.similarity_threshold
+    if threshold is None:
+        threshold = similarity_measure(args.similarity).threshold
+    return similarity > threshold
 
 
 def similarity_features(pairs: list[tuple[str, str]], embedder, similarity: str) -> list[tuple]:
@@ -775,8 +788,7 @@ def max_similarity(records: list[dict], tasks: list[dict], similarity: str) -> l
     """Per record, the largest similarity (the measure named `similarity`) of its question text
     or code to an accepted task's (Sec. 3.3.1), each holding "features"; -1 where there is none
     to compare with (no tasks); its own source left out [RECON]: a lift is a variant of its
-    lemma by design (~0.96 cosine). Read by propose's novelty filter against
-    similarity_threshold."""
+    lemma by design (~0.96 cosine). Read by propose's novelty filter (too_similar)."""
     if not records:
         return []
     if not tasks:
@@ -1068,8 +1080,8 @@ def propose(
     """A teacher step with rejection sampling (Sec. 3.3.1). Takes `sources`, a (goalpost, or a
     lift's lemma; axis) pair a slot, the buffer of accepted tasks and `tag` (the step's key).
     Each slot gets up to max_attempts proposals until one is accepted: valid (code_exec's
-    checks), novel (max_similarity, by --similarity's measure, to the buffer and to this step's
-    accepted tasks at most similarity_threshold) and solved at a pass rate p
+    checks), novel (its max_similarity, by --similarity's measure, to the buffer and to this
+    step's accepted tasks not too_similar) and solved at a pass rate p
     (estimate_pass_rates) in the stage's band (both ends included). Every proposal is rewarded
     by teacher_reward. Returns (accepted tasks, which also join `buffer`: the lift step's
     sources and the solve phase's tasks; an Example a proposal, its source the record, for
@@ -1140,7 +1152,7 @@ def propose(
             similarities = max_similarity(valid, buffer, args.similarity)
             for record, similarity in zip(valid, similarities):
                 record["max_similarity"] = similarity
-                if similarity > args.similarity_threshold:
+                if too_similar(similarity, args):
                     record["reason"] = "similar"
 
         # the pass rate p of each proposal still in the running
@@ -1163,7 +1175,7 @@ def propose(
                 record["reason"] = "too_hard"
             elif not record["reason"] and novelty and new:
                 similarity = max_similarity([record], new, args.similarity)[0]
-                if similarity > args.similarity_threshold:
+                if too_similar(similarity, args):
                     record["reason"] = "similar"
             record["reward"] = teacher_reward(record["reason"], p, stage=stage, args=args)
             record["accepted"] = not record["reason"]

@@ -957,6 +957,17 @@ class FixedEmbedder:
         return torch.stack(rows)
 
 
+def test_too_similar_uses_the_measure_s_threshold_unless_given():
+    # above the threshold is similar, equal passes; unset, each measure's own scale: 0.95 cosine, 0.8 Jaccard
+    assert gasp.too_similar(0.96, Args()) and not gasp.too_similar(0.95, Args())
+    keyword = Args(similarity="keyword")
+    assert gasp.too_similar(0.81, keyword) and not gasp.too_similar(0.8, keyword)
+    given = Args(similarity="keyword", similarity_threshold=0.5)
+    assert gasp.too_similar(0.6, given) and not gasp.too_similar(0.5, given)
+    for name, measure in gasp.SIMILARITIES.items():
+        assert isinstance(measure.threshold, float), name
+
+
 @pytest.mark.parametrize("threshold,reasons", [(0.75, ["", ""]), (0.7499, ["", "similar"])])
 def test_novelty_filter_rejects_only_what_exceeds_the_threshold(
     plain_prompts, tmp_path, threshold, reasons
@@ -984,7 +995,7 @@ def test_novelty_filter_rejects_only_what_exceeds_the_threshold(
 
 def test_keyword_novelty_needs_no_embedder(plain_prompts, tmp_path):
     # --similarity keyword: word-set Jaccard, no embedder. Slot 1 proposes A again: its words are slot 0's
-    # (Jaccard 1 > 0.95), so the novelty filter rejects it within the step; B shares few words with A
+    # (Jaccard 1 > 0.8), so the novelty filter rejects it within the step; B shares few words with A
     sampler = ScriptedSampler(
         {
             "TEACHER 0": [proposal_text("A")],
