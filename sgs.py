@@ -597,13 +597,16 @@ def uses_try(proof: str | None) -> bool:
     return re.search(r"(?<![\w.'])try(?![\w'])", code) is not None
 
 
-def solver_reward(correct: bool, proof: str | None, n_tokens: int, args: Args) -> float:
-    """The Solver's reward (§3.2, §4.1): 1 if Lean accepted the proof, 0 if not or if it
-    uses_try (--penalize-try); the overlong_penalty instead where it is below 0."""
+def solver_reward(attempt: Attempt, args: Args) -> float:
+    """The Solver's reward of an Attempt (§3.2, §4.1): 1 if Lean accepted its proof, 0 if not
+    or if it uses_try (--penalize-try); the overlong_penalty of its tokens instead where that
+    is below 0. Every objective's weights come from it; a reward term reads the Attempt (its
+    Sample's tokens, its proof, Lean's seconds)."""
+    n_tokens = len(attempt.sample.token_ids)
     penalty = overlong_penalty(n_tokens, args.max_new_tokens, args.overlong_buffer)
     if penalty < 0:
         return penalty
-    if correct and not (args.penalize_try and uses_try(proof)):
+    if attempt.correct and not (args.penalize_try and uses_try(attempt.proof)):
         return 1.0
     return 0.0
 
@@ -711,6 +714,16 @@ def cispo_batch_loss(
 
 
 # ---- phases ----
+def conjecture_seeds(targets: list[Problem], proofs: dict[str, list[dict]]) -> list[Problem]:
+    """Step 1's seeds (Alg. 1): the targets the Solver never solved, no stored proof
+    (record_proofs), in the targets' order. A wider or narrower seed rule is this function."""
+    seeds = []
+    for t in targets:
+        if not proofs[t.id]:
+            seeds.append(t)
+    return seeds
+
+
 def conjecture(
     sampler,
     tokenizer,
@@ -844,10 +857,10 @@ def record_proofs(
     proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int
 ) -> None:
     """Step 2's bookkeeping: stores in proofs {target id: [proof dict]} up to `cap` distinct
-    verified proofs of each target, each dict the proof, its iteration and its tokens
-    (official; a target with one is solved); none of a conjecture (it has no entry in
-    proofs). Read by step 1 (the seeds: targets with none), EI's examples, solve_metrics
-    and the checkpoint."""
+    verified proofs of each target, each dict the proof, its iteration, its tokens and
+    Lean's seconds on it (official, but the seconds; a target with one is solved); none of
+    a conjecture (it has no entry in proofs). Read by step 1 (conjecture_seeds: targets with
+    none), EI's examples, solve_metrics and the checkpoint."""
     for pid, row in attempts.items():
         if pid not in proofs:
             continue
@@ -861,6 +874,7 @@ def record_proofs(
                 {
                     "proof": a.proof,
                     "iteration": iteration,
+                    "seconds": a.seconds,
                     "prompt_ids": a.sample.prompt_ids,
                     "token_ids": a.sample.token_ids,
                     "text": a.sample.text,
@@ -881,20 +895,19 @@ def record_outcomes(outcomes: collections.Counter, attempts: dict[str, list[Atte
 
 
 def proof_examples(
-    found: list[tuple[Sample, str, object]], args: Args, rng: random.Random
+    found: list[tuple[Attempt, object]], args: Args, rng: random.Random
 ) -> list[Example]:
-    """REINFORCE½'s and EI's examples, shuffled. Takes (sample, proof, source) of each
-    correct proof, source the record it came from; returns an Example of each, weight its
+    """REINFORCE½'s and EI's examples, shuffled. Takes (attempt, source) of each correct
+    proof, source the record it came from; returns an Example of each, weight its
     solver_reward (1, or the overlong penalty where that is below 0), source kept. With
     --penalize-try, a proof that uses_try is dropped, overlong or not (official). update
     trains the Solver on them."""
     examples = []
-    for s, proof, source in found:
-        if args.penalize_try and uses_try(proof):
+    for attempt, source in found:
+        if args.penalize_try and uses_try(attempt.proof):
             continue
-        n_tokens = len(s.token_ids)
-        weight = solver_reward(correct=True, proof=proof, n_tokens=n_tokens, args=args)
-        examples.append(Example(sample=s, weight=weight, source=source))
+        weight = solver_reward(attempt, args)
+        examples.append(Example(sample=attempt.sample, weight=weight, source=source))
     rng.shuffle(examples)
     return examples
 
@@ -919,7 +932,7 @@ def reinforce_half_examples(
             continue
         for a in attempts[p.id]:
             if a.correct:
-                found.append((a.sample, a.proof, a))
+                found.append((a, a))
     return proof_examples(found, args, rng)
 
 
@@ -945,9 +958,7 @@ def cispo_examples(
         row = attempts[p.id]
         rewards = []
         for a in row:
-            n_tokens = len(a.sample.token_ids)
-            reward = solver_reward(a.correct, a.proof, n_tokens=n_tokens, args=args)
-            rewards.append(reward)
+            rewards.append(solver_reward(a, args))
         in_cispo_band = in_band(rates[p.id], args.cispo_band, include_high=False)
         if not (in_cispo_band and any(rewards)):
             continue
@@ -981,8 +992,8 @@ def expert_iteration_examples(
 ) -> list[Example]:
     """Expert iteration (App. G.4): the stored target proofs (record_proofs) found in the
     last ei_window iterations (iteration - ei_window < found <= iteration; ei_window <= 0:
-    none), as proof_examples, each Example's source its stored proof's dict. problems,
-    attempts and rates are not read (SOLVER_OBJECTIVES)."""
+    none), as proof_examples (an Attempt rebuilt from each), each Example's source its
+    stored proof's dict. problems, attempts and rates are not read (SOLVER_OBJECTIVES)."""
     found = []
     for stored in proofs.values():
         for p in stored:
@@ -994,7 +1005,8 @@ def expert_iteration_examples(
                     logprobs=[],
                     finish_reason="stop",
                 )
-                found.append((s, p["proof"], p))
+                attempt = Attempt(s, p["proof"], "valid", correct=True, seconds=p["seconds"])
+                found.append((attempt, p))
     return proof_examples(found, args, rng)
 
 
@@ -1123,6 +1135,27 @@ def select_conjectures(
     return selected, stats
 
 
+def conjecturer_reward(conjecture: Conjecture, rate: float, guide: float, args: Args) -> float:
+    """A selected conjecture's reward (Alg. 1, §3.2): R = R_guide (1 - s), s its solve rate,
+    R_guide the Guide's score (review; 1 without the Guide). A reward term reads the
+    Conjecture (its statement, its Sample's tokens)."""
+    return guide * (1.0 - rate)
+
+
+def min_max_normalize(rewards: list[float]) -> list[float]:
+    """The Conjecturer's weights (official): w_i = (R_i - min R) / (max R - min R) over the
+    selected conjectures; 1 for all when max R = min R (one conjecture included); [] for []."""
+    low = min(rewards, default=0.0)
+    high = max(rewards, default=0.0)
+    weights = []
+    for reward in rewards:
+        weight = 1.0
+        if high > low:
+            weight = (reward - low) / (high - low)
+        weights.append(weight)
+    return weights
+
+
 def conjecturer_examples(
     selected: list[Conjecture],
     rates: dict[str, float],
@@ -1131,23 +1164,18 @@ def conjecturer_examples(
     rng: random.Random,
 ) -> list[Example]:
     """Step 4, the reward (Alg. 1, §3.2), shuffled: takes the selected conjectures, their
-    solve rates and R_guide (review's, or 1 each without the Guide); conjecture i gets
-    R_i = R_guide,i (1 - s_i), min-max normalised over them, w_i = (R_i - min R) /
-    (max R - min R) (1 for all when max R = min R, one conjecture included); an overlong
-    one gets the overlong_penalty (M = --conjecturer-max-new-tokens) instead (§4.1;
-    official: DAPO's length penalty, after the normalisation). As official, the whole
-    generation is the target and weight 0 stays in (its tokens count). Returns an Example
-    of each (source its Conjecture; [] for none), which update trains the Conjecturer on."""
+    solve rates and R_guide (review's, or 1 each without the Guide); conjecture i gets its
+    conjecturer_reward R_i, min_max_normalize'd over them; an overlong one gets the
+    overlong_penalty (M = --conjecturer-max-new-tokens) instead (§4.1; official: DAPO's
+    length penalty, after the normalisation). As official, the whole generation is the
+    target and weight 0 stays in (its tokens count). Returns an Example of each (source its
+    Conjecture; [] for none), which update trains the Conjecturer on."""
     rewards = []
     for c, guide in zip(selected, r_guide):
-        rewards.append(guide * (1.0 - rates[c.id]))
-    low = min(rewards, default=0.0)
-    high = max(rewards, default=0.0)
+        rewards.append(conjecturer_reward(c, rates[c.id], guide, args))
+    weights = min_max_normalize(rewards)
     examples = []
-    for c, reward in zip(selected, rewards):
-        weight = 1.0
-        if high > low:
-            weight = (reward - low) / (high - low)
+    for c, weight in zip(selected, weights):
         n_tokens = len(c.sample.token_ids)
         max_tokens = args.conjecturer_max_new_tokens
         penalty = overlong_penalty(n_tokens, max_tokens, args.overlong_buffer)
@@ -1395,7 +1423,7 @@ def main(args: Args) -> None:
         conjectures = []
         if roles.use_conjecturer:
             with logger.timer("conjecture"):
-                seeds = [t for t in targets if not proofs[t.id]]
+                seeds = conjecture_seeds(targets, proofs)
                 sampler.sync_weights(conjecturer)
                 conjectures, stats = conjecture(
                     sampler,

@@ -257,21 +257,26 @@ def test_overlong_penalty():
 )
 def test_try_penalty(proof, uses_try):
     assert sgs.uses_try(proof) == uses_try
-    assert sgs.solver_reward(True, proof, 10, args(max_new_tokens=100)) == (
+    assert sgs.solver_reward(attempt(True, proof, 10), args(max_new_tokens=100)) == (
         0.0 if uses_try else 1.0
     )
 
 
+def attempt(correct, proof, n_tokens, seconds=0.0):
+    """An Attempt of n_tokens completion tokens; Lean accepted `proof` where correct."""
+    status = "valid" if correct else "error"
+    return sgs.Attempt(fake_sample(n_tokens), proof, status, correct, seconds)
+
+
 def test_solver_reward():
     a = args(max_new_tokens=100)
-    assert sgs.solver_reward(True, "\n  simp", 10, a) == 1.0
-    assert sgs.solver_reward(False, None, 10, a) == 0.0
-    assert sgs.solver_reward(True, "\n  simp", 90, a) == -0.5  # overlong replaces the reward
-    assert sgs.solver_reward(False, None, 95, a) == -0.75
-    assert (
-        sgs.solver_reward(True, "\n  try simp", 10, args(max_new_tokens=100, penalize_try=False))
-        == 1.0
-    )
+    assert sgs.solver_reward(attempt(True, "\n  simp", 10), a) == 1.0
+    assert sgs.solver_reward(attempt(False, None, 10), a) == 0.0
+    # overlong replaces the reward
+    assert sgs.solver_reward(attempt(True, "\n  simp", 90), a) == -0.5
+    assert sgs.solver_reward(attempt(False, None, 95), a) == -0.75
+    no_penalty = args(max_new_tokens=100, penalize_try=False)
+    assert sgs.solver_reward(attempt(True, "\n  try simp", 10), no_penalty) == 1.0
 
 
 def test_cispo_advantages_edges():
@@ -668,6 +673,12 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
     assert sampler.prompts == [sgs.CONJECTURER_PROMPT_UNCONDITIONED] * 2
 
 
+def test_conjecture_seeds_are_the_never_solved_targets():
+    targets = [problem(p) for p in "abc"]
+    proofs = {"a": [], "b": [{"proof": "p"}], "c": []}
+    assert [t.id for t in sgs.conjecture_seeds(targets, proofs)] == ["a", "c"]
+
+
 def test_statement_key_ignores_spaces_and_newlines():
     # STP's official dedup rule: statement.replace(" ", "").replace("\n", "")
     assert sgs.statement_key("theorem  c1 (x : ℕ) :\n  x = 1") == "theoremc1(x:ℕ):x=1"
@@ -827,7 +838,8 @@ def test_every_training_example_carries_its_source():
         ex = sgs.solver_examples(problems, attempts, rates, {}, 0, a, random.Random(0))
         assert ex and all(isinstance(e.source, sgs.Attempt) for e in ex)
         assert all(e.sample is e.source.sample for e in ex)
-    stored = {"proof": "\n  simp", "iteration": 3, "prompt_ids": [1], "token_ids": [2], "text": "t"}
+    stored = {"proof": "\n  simp", "iteration": 3, "seconds": 0.5, "prompt_ids": [1]}
+    stored.update(token_ids=[2], text="t")
     a = args(solver_objective="expert_iteration", max_new_tokens=100)
     (ex,) = sgs.solver_examples([], {}, {}, {"a": [stored]}, 3, a, random.Random(0))
     assert ex.source is stored and ex.source["iteration"] == 3  # EI: the stored proof it replays
@@ -881,6 +893,7 @@ def test_solver_examples_expert_iteration_window():
             {
                 "proof": "\n  simp",
                 "iteration": it,
+                "seconds": 0.5,
                 "prompt_ids": [1],
                 "token_ids": [2, 3],
                 "text": "t",
@@ -922,6 +935,15 @@ def test_conjecturer_examples():
     )
     # official prepare_conjecturer_train_data keeps the weight-0 conjecture: its tokens count in the loss's denominator
     assert sorted(e.weight for e in ex) == [-0.75, 0.0, 1.0]
+
+
+def test_min_max_normalize_edges():
+    assert sgs.min_max_normalize([3.0, 1.0, 2.0]) == [1.0, 0.0, 0.5]
+    assert sgs.min_max_normalize([2.0, 2.0]) == [1.0, 1.0]  # max R = min R: 1 for all
+    assert sgs.min_max_normalize([0.4]) == [1.0]
+    assert sgs.min_max_normalize([]) == []
+    c = sgs.Conjecture("c", "", "theorem c : True := by", "t", fake_sample(3))
+    assert sgs.conjecturer_reward(c, rate=0.25, guide=6.0, args=args()) == 4.5  # 6 (1 - 1/4)
 
 
 def test_solve_metrics():
