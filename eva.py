@@ -576,6 +576,14 @@ def score_responses(
     return score(model, tokenizer, prompt, responses)
 
 
+def solver_reward(score: float, sample: Sample, args: Args) -> float:
+    """A response's training reward (Algorithm 1's 'annotate rewards'): the reward model's
+    score r(x, y) itself (official). solve puts it on its Group, where informativeness, the
+    pairs and the rollouts read it; the held-out win rate reads the score. A reward term
+    reads the response's Sample (its tokens, its finish reason)."""
+    return score
+
+
 def informativeness(rewards: list[float], metric: str) -> float:
     """info(x) from the rewards r of x's N responses (Tables 2-3), the one place that dispatches
     on --info-metric; a higher value draws x more often (sampling_weights). The rows:
@@ -864,12 +872,14 @@ def item_losses(
 
 # ---- records ----
 class Group(NamedTuple):
-    """A prompt, the solver's N responses to it, and their rewards r(x, y) (solve): what the
-    creator's steps 2-3 and training_items read."""
+    """A prompt, the solver's N responses to it, their training rewards (solver_reward) and the
+    reward model's scores r(x, y) (solve): what the creator's steps 2-3 and training_items
+    read."""
 
     prompt: str
     samples: list[Sample]
-    rewards: list[float]
+    rewards: list[float]  # solver_reward of each response
+    scores: list[float] | None = None  # the reward model's r(x, y) of each response
 
 
 class Pair(NamedTuple):
@@ -910,8 +920,9 @@ def solve(
     """Steps 1 and 5, Algorithm 1's 'self-generate responses' and 'annotate rewards'. Takes
     prompts; samples n responses to each (one user turn, the solver's temperature and top-p, as
     officially) and scores them with the reward model (score_responses) on the rank that sampled
-    them (only the rewards cross ranks). Returns a Group a prompt, in the prompts' order: the
-    creator's informativeness (step 2) and training_items (step 6) read them."""
+    them (only the rewards cross ranks), each score made a solver_reward. Returns a Group a
+    prompt, in the prompts' order: the creator's informativeness (step 2) and training_items
+    (step 6) read them."""
     chats = [chat_prompt(tokenizer, prompt) for prompt in prompts]
     # this rank's share: {prompt index: the prompt's n Samples}
     shard = sample_shard(
@@ -928,8 +939,11 @@ def solve(
     groups = {}
     for i in sorted(shard):
         responses = [sample.text for sample in shard[i]]
-        rewards = score_responses(reward_model, prompts[i], responses, args.reward_kind)
-        groups[i] = Group(prompts[i], shard[i], rewards)
+        scores = score_responses(reward_model, prompts[i], responses, args.reward_kind)
+        rewards = []
+        for score, sample in zip(scores, shard[i]):
+            rewards.append(solver_reward(score, sample, args))
+        groups[i] = Group(prompts[i], shard[i], rewards, scores)
     return gather_shard(groups, dist)
 
 
@@ -1381,8 +1395,9 @@ def heldout_rewards(
     sampler, tokenizer, reward_model: tuple, heldout: list[str], key: str, args: Args, dist: Dist
 ) -> list[float]:
     """Step 7's (and step 0's) measurement: the policy's reward on each held-out prompt, one
-    response each, sampled and scored as the solver's (solve). evaluate compares it with the
-    reference's; it becomes the next round's reference."""
+    response each, sampled and scored as the solver's (solve), the reward model's score r(x, y)
+    (not a training reward term). evaluate compares it with the reference's; it becomes the
+    next round's reference."""
     groups = solve(
         sampler=sampler,
         tokenizer=tokenizer,
@@ -1393,7 +1408,7 @@ def heldout_rewards(
         args=args,
         dist=dist,
     )
-    return [group.rewards[0] for group in groups]
+    return [group.scores[0] for group in groups]
 
 
 def evaluate(rewards: list[float], reference: list[float]) -> dict[str, float]:

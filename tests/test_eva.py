@@ -405,6 +405,30 @@ def test_evolve_with_only_malformed_replies_keeps_nothing():
     assert [r["reason"] for r in records] == ["empty", "failed", "marker", "unchanged"]
 
 
+def test_a_reward_term_trains_and_the_win_rate_keeps_the_score(monkeypatch):
+    """solver_reward is the training reward of every reader of a Group; the held-out rewards stay the reward
+    model's scores. The official reward is the score itself; a fork's term (here -0.5 a token) reaches the pairs."""
+    assert eva.solver_reward(2.5, eva.Sample("r", [1], [5, 5], [], "stop"), args()) == 2.5
+    monkeypatch.setattr(
+        eva, "score_responses", lambda model, prompt, responses, kind: [2.0] * len(responses)
+    )
+
+    class Lengths(ScriptedSampler):  # the j-th response to a prompt has j + 1 tokens
+        def generate(self, prompts, n=1, **kw):
+            row = [eva.Sample("r", [1], [5] * (j + 1), [], "stop") for j in range(n)]
+            return [row for _ in prompts]
+
+    def shorter(score, sample, args):
+        return score - 0.5 * len(sample.token_ids)
+
+    monkeypatch.setattr(eva, "solver_reward", shorter)
+    run = dict(sampler=Lengths(None), tokenizer=PLAIN, reward_model=None, args=args(), dist=CPU)
+    [group] = eva.solve(**run, prompts=["a"], n=3, key="1/0/solve")
+    assert group.rewards == [1.5, 1.0, 0.5] and group.scores == [2.0, 2.0, 2.0]
+    assert eva.preference_pair(group.rewards) == (0, 2)  # the shortest over the longest
+    assert eva.heldout_rewards(**run, heldout=["a"], key="1/0/heldout") == [2.0]
+
+
 def test_solver_and_creator_ask_the_sampler_for_no_logprobs(monkeypatch):
     """Nothing reads the sampled responses' or evolutions' log-probs (the losses take their own): none are asked for."""
     monkeypatch.setattr(
