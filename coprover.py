@@ -426,16 +426,17 @@ def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
     return labels
 
 
-def priority(logprob: float, tokens: int, value: float | None, alpha: float) -> float:
-    """A node's priority in the best-first search (official, normalised: deviation
-    2), from the summed log-prob `logprob` of the `tokens` tactic tokens on its path and V(s):
+def priority(node: Node, value: float | None, args: Args) -> float:
+    """A node's priority in the best-first search (official, normalised: deviation 2), from
+    the summed log-prob node.logprob of the node.tokens tactic tokens on its path and V(s):
         alpha * exp(logprob / tokens) + (1 - alpha) * V(s),
     both terms in [0, 1] (the first is the geometric-mean probability of the path's tokens).
-    Without a value model (value None), ReProver's priority: the cumulative log-prob `logprob`."""
+    Without a value model (value None), ReProver's priority: the cumulative log-prob. A term
+    reads the Node (its path: node_path; its Edge) and a flag."""
     if value is None:
-        return logprob
-    mean_logprob = logprob / max(tokens, 1)
-    return alpha * math.exp(mean_logprob) + (1 - alpha) * value
+        return node.logprob
+    mean_logprob = node.logprob / max(node.tokens, 1)
+    return args.alpha * math.exp(mean_logprob) + (1 - args.alpha) * value
 
 
 # ---- losses ----
@@ -790,7 +791,7 @@ def queue_nodes(score, new: list, args: Args, clock=time.monotonic) -> None:
             tree.role_seconds["value"] += elapsed
     for (tree, node), value in zip(new, values):
         node.value = value
-        node.priority = priority(node.logprob, node.tokens, value=value, alpha=args.alpha)
+        node.priority = priority(node, value, args)
         push(tree, node)
 
 

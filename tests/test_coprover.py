@@ -106,13 +106,20 @@ def test_value_labels_on_a_hand_written_tree():
     assert cp.value_labels(["r", "x"], [], 0.95) == {"r": 0.0, "x": 0.0}
 
 
+def priority(logprob, tokens, value, alpha):
+    """The priority of a node whose path has `tokens` tactic tokens of summed log-prob `logprob`."""
+    node = cp.Node(state=None, logprob=logprob, tokens=tokens)
+    return cp.priority(node, value, args(alpha=alpha))
+
+
 def test_priority_by_hand():
     # alpha 0.3: 0.3 * exp(-2 / 4) + 0.7 * 0.8 = 0.3 * 0.60653 + 0.56 = 0.741959
-    assert cp.priority(-2.0, 4, 0.8, 0.3) == pytest.approx(0.3 * math.exp(-0.5) + 0.56)
-    assert cp.priority(0.0, 0, 0.0, 1.0) == 1.0  # the root: no tactic yet
-    assert cp.priority(-100.0, 1, 0.9, 0.0) == pytest.approx(0.9)  # alpha 0: pure value
+    assert priority(-2.0, 4, 0.8, 0.3) == pytest.approx(0.3 * math.exp(-0.5) + 0.56)
+    assert priority(0.0, 0, 0.0, 1.0) == 1.0  # the root: no tactic yet
+    assert priority(-100.0, 1, 0.9, 0.0) == pytest.approx(0.9)  # alpha 0: pure value
+    assert priority(-3.5, 7, None, 0.3) == -3.5  # no value model: ReProver's cumulative log-prob
     # normalised: a long confident path is not buried under a short unconfident one (the cumulative log-prob would)
-    assert cp.priority(-0.1 * 40, 40, 0.5, 0.3) > cp.priority(-2.0, 2, 0.5, 0.3)
+    assert priority(-0.1 * 40, 40, 0.5, 0.3) > priority(-2.0, 2, 0.5, 0.3)
 
 
 def test_grpo_advantages_by_hand():
