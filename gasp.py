@@ -1356,10 +1356,11 @@ def real_data_rl(sampler, logger, problems: list, iteration: int, args: Args, di
     return examples, {"charts/real_accuracy": accuracy, "tokens/real": float(tokens)}
 
 
-def trr_examples(examples: list[Example]) -> list[Example]:
+def trr_examples(examples: list[Example], args: Args) -> list[Example]:
     """The examples with weight = their TRR++ advantage (trr_advantages of their rewards, within
     their groups, over these examples alone); the same examples give the same weights however
-    often it runs. update trains on its output."""
+    often it runs. update trains on its output. args is not read (another estimator reads its
+    flag here)."""
     rewards = [example.reward for example in examples]
     groups = [example.group for example in examples]
     advantages = trr_advantages(rewards, groups)
@@ -1376,7 +1377,7 @@ def update(policy, optimizer, examples: list[Example], lr: float | None, args: A
     update, no KL. A step with a zero gradient (every advantage 0 and no entropy bonus, e.g.
     every proposal malformed) is skipped: no passes, no step, AdamW's moments stay. lr None:
     the optimizer's own. Returns the losses/ metrics (mean_losses averages them)."""
-    examples = trr_examples(examples)
+    examples = trr_examples(examples, args)
     advantages = [example.weight for example in examples]
     zero_gradient = not any(advantages) and args.ent_coef <= 0
     if not examples or zero_gradient:

@@ -316,13 +316,13 @@ def test_trr_examples_weigh_by_the_advantage_and_keep_the_record():
         gasp.rewarded_example(s, 0.3, source="r3", group="h"),
     ]
     assert [e.weight for e in examples] == [1.0, -0.5, 0.3]  # a phase's weight: its reward
-    whitened = gasp.trr_examples(examples)
+    whitened = gasp.trr_examples(examples, Args())
     # group g: mean 0.25, deviations 0.75 and -0.75, std 0.75 -> +-1; group h: one sample -> 0
     assert [e.weight for e in whitened] == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
     assert [e.source for e in whitened] == ["r1", "r2", "r3"]
     assert [e.reward for e in whitened] == [1.0, -0.5, 0.3]
     # it reads the rewards, not the weights: whitening twice changes nothing
-    assert gasp.trr_examples(whitened) == whitened
+    assert gasp.trr_examples(whitened, Args()) == whitened
     assert gasp.example_length(examples[0]) == 5
 
 
