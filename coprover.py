@@ -824,9 +824,10 @@ def path_edges(proof: Node | None) -> list[Edge]:
 
 
 def search_result(tree: Tree, args: Args) -> SearchResult:
-    """A tree's SearchResult; its labels (step 2): value_labels on the proof path (root first)
-    and every expanded state, in the order expanded; with --value-labels root, the root's
-    alone."""
+    """A tree's SearchResult (`proved`: a proof, and charged seconds at most search_timeout;
+    within_budget's strict < only stops a call from starting at it); its labels (step 2):
+    value_labels on the proof path (root first) and every expanded state, in the order
+    expanded; with --value-labels root, the root's alone."""
     proof = None
     proof_paths = []
     if tree.proof is not None:

@@ -23,7 +23,7 @@ Algorithm (one iteration of main, whose banners carry these numbers):
   1. Co-train planner and actor on D_t (co_train; offline supervised fine-tuning): L_co, the
      planner's plus the actor's negative log-likelihood of each triple (co_training_loss).
   2. Self-play search (ours; not in the last iteration): one search of each self-play theorem
-     (search, prove) over Lean's tactic mode, best-first (BFS, official) or Monte Carlo tree
+     (search, best_first_search) over Lean's tactic mode, best-first (BFS, official) or Monte Carlo tree
      search (MCTS, ours). An expansion takes an open node (BFS: the one of highest
      child_priority; MCTS: the leaf that select reaches by PUCT, AlphaZero's predictor + upper
      confidence bound, puct_score), the planner proposes targets s*, and for one target at a
@@ -925,7 +925,8 @@ def path_edges(proof: Node | None) -> list[Edge]:
 
 def search_result(tree: Tree, args: Args) -> SearchResult:
     """A tree's SearchResult: its proof (the solved state's tactics) and path (proof_steps), and
-    whether the proof came within the budget (`proved`)."""
+    whether the proof came within the budget (`proved`: charged seconds at most search_timeout;
+    within_budget's strict < only stops a call from starting at it)."""
     proof = None
     if tree.proof is not None:
         proof = tree.proof.state.tactics
@@ -985,9 +986,11 @@ def self_play_triples(
     """Step 3 (ours, expert iteration): the steps of each proof found within the budget, as the
     search reached them (result.path: the state before, the tactic, the state after, "no goals"
     after the last; no replay, no premise marks), each with its self_play_weight and
-    SearchResult: (Triple, weight, result), in order. D_{t+1} = D_t + these, so a triple in
-    `known` (D_t's: a human one or an earlier proof's) is left out and keeps its weight; each
-    triple returned is added to `known`, once."""
+    SearchResult: (Triple, weight, result), in order. A triple's s* is the state the tactic
+    reached, not the target the planner proposed (that one is result.path_edges[i].target).
+    D_{t+1} = D_t + these, so a triple in `known` (D_t's: a human one or an earlier proof's,
+    compared as text: a human tactic keeps its premise marks) is left out and keeps its weight;
+    each triple returned is added to `known`, once."""
     triples = []
     for result in results:
         if not result.proved:
@@ -1053,8 +1056,8 @@ def co_train(
     `steps` AdamW steps on batch_size triples drawn epoch by epoch, each minimising
     co_training_loss over its batch (each rank its share). The learning rate follows lr_at, as
     get_cosine_schedule_with_warmup, over the `steps` (official: over 500k, stopped at ~40k):
-    every co-training warms up, then decays (a later iteration warms up for the first's share of
-    its steps, ours). Returns losses/* stats."""
+    every co-training warms up, then decays (a later iteration's warm-up is warmup_steps *
+    steps / train_steps, ours). Returns losses/* stats."""
     size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
 

@@ -11,7 +11,7 @@ statements to prove: LeanWorkbook. A statement's solve rate s is the share of it
 that Lean accepts (solve_rate). Stage 2, self-play, runs --iterations iterations (the paper's word:
 rounds); each iteration:
   1. seeds (select_seeds): the proofs of dataset statements whose best solve rate is above the seed
-     threshold (--seed-threshold, 0.35), each with a lemma it invokes;
+     threshold (--seed-threshold, 0.35), a seed for each (proof, lemma it invokes) pair;
   2. conjecture (conjecture): new statements sampled from the seeds, without duplicates
      (statement_key);
   3. prove (select_problems, attempt_proofs): this iteration's problems (the unproved statements,
@@ -24,10 +24,12 @@ rounds); each iteration:
      least elegant ones (keep_elegant, --elegance-filter), weighted toward the unproved
      statements (matching_weights);
   5. the prover's data (prover_examples): the correct proofs in the replay window (the official
-     replay buffer: the last --replay-rounds iterations, 3) of the statements still hard in it
-     (--solve-rate-max), each weighted by proof_weight;
-  6. update (update): one epoch of weighted SFT (supervised fine-tuning, each sequence's
-     log-likelihood weighted: weighted_nll_loss) on both sets, from a fresh Adam state.
+     replay buffer: the last --replay-rounds iterations, 3) of the problems, statements and
+     conjectures alike, still hard in it (in_prover_band, --solve-rate-max), each weighted by
+     proof_weight;
+  6. update (update): weighted SFT (supervised fine-tuning, each sequence's log-likelihood
+     weighted: weighted_nll_loss) on both sets, max(#examples // batch, a minimum) steps, from a
+     fresh Adam state.
 Stage 3 (--final-retrain; final_examples, retrain_from_base) re-trains the base model on the SFT
 data of mathlib statements (--final-sft-dataset) and the proofs of every round. Two baselines run
 the same loop: expert iteration (EI, --expert-iteration: step 3 on the unproved statements, then a
@@ -462,8 +464,9 @@ def best_rate(history: dict, pid: str) -> float:
 
 def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
     """A correct proof's weight in the prover's data (official):
-    exp(-length_penalty * characters - time_penalty * Lean seconds) / #correct proofs of its
-    statement in the replay window (n_correct >= 1: the proof itself is one)."""
+    exp(-length_penalty * characters - time_penalty * Lean seconds) / n_correct, n_correct the
+    correct proofs of its statement in the replay window counted with repeats (a proof found in
+    two iterations counts twice; n_correct >= 1: the proof itself is one)."""
     penalty = args.length_penalty * proof_chars + args.time_penalty * verify_seconds
     return math.exp(-penalty) / n_correct
 
@@ -1143,8 +1146,9 @@ def solve_metrics(
 ) -> dict[str, float]:
     """The iteration's charts/, lean/ and conjecturer/ metrics, logged by main: the share of
     dataset statements proved so far against the generations so far; this iteration's problems
-    (charts/targets) and their mean solve rate; the verdicts' shares; the mean solve rate of
-    this iteration's conjectures (those attempted: not those proved before; absent with none)."""
+    (charts/problems: statements and conjectures) and their mean solve rate; the verdicts'
+    shares; the mean solve rate of this iteration's conjectures (those attempted: not those
+    proved before; absent with none)."""
     proved = sum(bool(proofs.get(s.id)) for s in statements)
     statuses = []
     for row in attempts.values():
@@ -1155,7 +1159,7 @@ def solve_metrics(
         "charts/cumulative_solve_rate": proved / len(statements),
         "charts/proved": proved,
         "charts/generations": generations,
-        "charts/targets": len(problems),
+        "charts/problems": len(problems),
         "charts/round_solve_rate": float(np.mean(problem_rates or [0.0])),
     }
     for status in sorted(set(statuses)):

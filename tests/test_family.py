@@ -219,7 +219,7 @@ FAMILY = {
     "stp": Family(
         steps=(1, 2),
         saved="policy.dcp",
-        reference=lambda rows: rows[1]["charts/targets"] == 6 and rows[2]["conjecturer/seeds"] > 0,
+        reference=lambda rows: rows[1]["charts/problems"] == 6 and rows[2]["conjecturer/seeds"] > 0,
         stdout=(
             "lean_verify: 2 REPL(s) on each of the node's 1 rank(s)",
             "lean_verify: 1 REPL(s) on each of the node's 2 rank(s)",

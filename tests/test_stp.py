@@ -1294,7 +1294,7 @@ def test_baselines_run(primed_model_dir, tmp_path, flag):
     assert [r["step"] for r in rows] == [1, 2]
     assert all("conjecturer/seeds" not in r for r in rows)
     # only unproved statements are sampled again
-    assert rows[1]["charts/targets"] <= rows[0]["charts/targets"]
+    assert rows[1]["charts/problems"] <= rows[0]["charts/problems"]
     # 64 in the paper: samples_first_round every round
     assert rows[0]["charts/generations"] == 12 * 8
     if flag == "--expert-iteration":
@@ -1364,7 +1364,7 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "embedded:smollm2" in done.stdout
     rows = metrics_of(run_dir)
-    assert rows[0]["charts/targets"] == 2 and "eval/minif2f_test/pass@2" in rows[0]
+    assert rows[0]["charts/problems"] == 2 and "eval/minif2f_test/pass@2" in rows[0]
 
 
 # ---- the loop learns (slow): main() on the primed model, rewarded by a stand-in rule on its own samples ----
@@ -1492,6 +1492,6 @@ def test_loop_learns_what_the_stand_in_rewards(primed_model_dir, tmp_path):
     # rewarding their absence: no rise
     assert last_inv <= first_inv + LOOP_MARGIN / 4, (first_inv, last_inv)
     # the same statements every iteration
-    assert all(r["charts/targets"] >= 26 for r in runs["rule"])
+    assert all(r["charts/problems"] >= 26 for r in runs["rule"])
     assert runs["rule"][0]["data/prover_examples"] > 0  # rewarded proofs were trained on
     print(f"loop learning test: {time.time() - started:.0f} s")
