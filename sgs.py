@@ -37,7 +37,8 @@ Each iteration (Algorithm 1), under the same numbers in main:
      loss: REINFORCE a weighted_nll_loss (reinforce_batch_loss), CISPO its cispo_loss
      (cispo_batch_loss).
 The metric (Fig. 1, solve_metrics): the cumulative share of targets ever solved, against
-the number of generations.
+the number of generations (the Conjecturer's statements and the Solver's proofs sampled so
+far; the Guide's reviews are not counted).
 Records: Problem(id, header, statement), a Lean 4 task of lean_verify; this file's Roles
 (roles_in_play), Conjecture, Attempt and Example (under "data"); the block's Sample(text,
 prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler drew it, and
@@ -858,7 +859,7 @@ def record_proofs(
 ) -> None:
     """Step 2's bookkeeping: stores in proofs {target id: [proof dict]} up to `cap` distinct
     verified proofs of each target, each dict the proof, its iteration, its tokens and
-    Lean's seconds on it (official, but the seconds; a target with one is solved); none of
+    Lean's seconds on it (official; the seconds are ours; a target with one is solved); none of
     a conjecture (it has no entry in proofs). Read by step 1 (conjecture_seeds: targets with
     none), EI's examples, solve_metrics and the checkpoint."""
     for pid, row in attempts.items():
@@ -1464,7 +1465,7 @@ def main(args: Args) -> None:
         conjecturer_set = []
         if roles.train_conjecturer and conjectures:
             with logger.timer("guide"):
-                selected, selection = select_conjectures(conjectures, rates, args)
+                selected, selection_stats = select_conjectures(conjectures, rates, args)
                 r_guide = [1.0] * len(selected)  # --no-guide
                 if roles.use_guide and selected:
                     sampler.sync_weights(guide)
@@ -1479,7 +1480,7 @@ def main(args: Args) -> None:
                     )
                     metrics.update(stats)
                 conjecturer_set = conjecturer_examples(selected, rates, r_guide, args=args, rng=rng)
-                metrics.update(selection)
+                metrics.update(selection_stats)
 
         # 5. Update the Solver and the Conjecturer
         with logger.timer("update"):
