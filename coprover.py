@@ -525,11 +525,12 @@ class Tree:
 
 
 class Label(NamedTuple):
-    """A value model training item: made by step 1's searches (search_result) and step 4's
-    whole proofs (whole_proof_labels), collected in step 2, trained on in step 3."""
+    """A value model training item, made by step 1's searches (search_result; collected in step
+    2, trained on in step 3 of the same iteration) and by step 4's whole proofs
+    (whole_proof_labels; trained on in the next step 3 that runs)."""
 
     state: str  # the proof state's text
-    value: float  # its value_label
+    value: float  # its target: a value_label on a proof path, 0 off every proof path
     source: object = None  # the record it came from (a SearchResult's id, an Attempt)
 
 
@@ -967,8 +968,8 @@ def frontier_filter(
 def whole_proof_labels(
     verifier, problems: list[Problem], attempts: dict[str, list[Attempt]], args: Args, dist: Dist
 ) -> list[Label]:
-    """Step 2 for whole proofs (step 4's rollouts), Labels whose source is their Attempt: a
-    failed attempt labels its theorem's root 0 (the official collector's rule); a proof of n
+    """Step 2's labelling rule, run in step 4 on its rollouts: Labels whose source is the
+    Attempt. A failed attempt labels its theorem's root 0 (the official collector's rule); a proof of n
     top-level tactics labels the root value_label(n) (term mode: n = 1, the collector's floor)
     and, with per-state labels, is replayed, the states on its path labelled by value_labels; a
     replay not ending solved (it uses its own lemma): the root only. Returned by grpo_round; V
@@ -1246,7 +1247,7 @@ def grpo_round(
     rollouts and the labels."""
     stats, attempts, labels = [], [], []
     total = args.iterations * args.grpo_steps_per_round
-    sampler.sync_weights(policy)  # wakes vLLM if the value update put it to sleep; the weights
+    sampler.sync_weights(policy)  # the policy's weights, and wakes vLLM after the value update
     for step in range(first_step, first_step + args.grpo_steps_per_round):
         batch = rollout_prompts(train_set, step, size=args.prompts_per_step, seed=args.seed)
         rollouts = attempt_proofs(
