@@ -33,11 +33,12 @@ Algorithm (main; Sec. 3.2-3.4, App. D):
                  EASIER variant that keeps its motif (propose). A proposal is accepted when valid
                  (it parses, runs, is deterministic, imports nothing banned), novel (its question
                  text and code unlike any accepted task's, by --similarity) and solved at a p in
-                 the lemma band; rejection sampling gives each goalpost up to max_attempts
-                 proposals, each one rewarded (teacher_reward; Eq. 4).
+                 the lemma band; rejection sampling gives each (goalpost, axis) draw up to
+                 max_attempts proposals, each one rewarded (teacher_reward; Eq. 4).
   2. LIFT        from an accepted lemma only (never the goalpost) the teacher writes a HARDER
                  variant along the same axis (propose; Eq. 5 and the lift band).
-                 Steps 1-2 repeat until the teacher generated min_programs programs.
+                 Steps 1-2 repeat until the teacher's proposals hold min_programs parsed
+                 programs, or for max_rounds rounds.
   3. SOLVE       each accepted task becomes, uniformly, an induction (2 public and 3 hidden I/O
                  pairs), deduction (f and an input -> the output) or abduction (f and an output ->
                  an input) task; the student's answers run (solve; SOLVER_REWARDS 1 / -0.5 / -1).
@@ -675,9 +676,10 @@ def banded_reward(
 
 def teacher_reward(reason: str, p: float | None, stage: str, args: Args) -> float:
     """The teacher's reward of one proposal (Sec. 3.3.1), by its fate: reward_similar when the
-    novelty filter rejected it (p None: it was never estimated); reward_format_error when it is
-    malformed (p None: it did not parse, run or pass code_exec's checks); else banded_reward of
-    its pass rate p, with reward_rejected outside the stage's band. Edges: p = 0 or 1 is
+    novelty filter rejected it (against the buffer before p is estimated, or against this
+    step's accepted tasks after); reward_format_error when it is malformed (p None: it did not
+    parse, run or pass code_exec's checks); else banded_reward of its pass rate p, with
+    reward_rejected outside the stage's band. Edges: p = 0 or 1 is
     reward_rejected unless the band holds it, then Eq. 6's 0 (for mu strictly inside (0, 1));
     AZR's reward (stage azr) is 0 at both. propose stores it as the record's "reward" and as
     its Example's reward."""
@@ -879,7 +881,7 @@ class Example(NamedTuple):
     sample: Sample  # the prompt and target tokens (its logprobs: the old policy's, for PPO)
     weight: float  # the number the loss multiplies: the advantage (the reward until trr_examples)
     source: object = None  # the record it was made from (a proposal's record, an answer, ...)
-    reward: float = 0.0  # its reward (teacher_reward, SOLVER_REWARDS, the tests), whitened
+    reward: float = 0.0  # its reward (teacher_reward, SOLVER_REWARDS, the tests), kept raw
     group: tuple = ()  # its TRR++ group: (task type, role), or ("real", question id) for GRPO
 
 
