@@ -24,7 +24,8 @@ and runs steps 1, 6 and 7 only):
   2. estimate:  info(x) of each prompt from its N rewards (`informativeness`);
   3. sample:    the informative subset, 25% of the prompts, drawn by info (`sample_subset`);
   4. evolve:    each sampled prompt grows a chain of 4 mutations, each of the last kept prompt,
-                written by the policy itself (`evolve`, MUTATIONS): X_t, 25% x 4 = |X_{t-1}|;
+                written by the policy itself (`evolve`, MUTATIONS): X_t is every kept prompt of
+                the chains, 25% x 4 = |X_{t-1}| when none is dropped;
   5. solve X_t: N responses to each evolved prompt, scored; 20% of X_{t-1}'s groups mixed with
                 80% of X_t's (`mix`);
   6. optimise:  a preference pair of each group, its best and worst responses
@@ -254,7 +255,8 @@ class Args:
     warmup_ratio: float = 0.1
     """share of the steps of linear warm-up"""
     baseline_round: bool = True
-    """round 1: the official plain iterative-DPO round on split 1 (the official ITER=0)"""
+    """round 1: the official plain iterative-DPO round on the first human split (splits[0]; the
+    official ITER=0); the first eva round then evolves that split's prompts"""
     new_human_prompts: bool = False
     """baseline: plain rounds on new human splits (Table 1, '+ new human prompts')"""
     n_samples: int = 6
@@ -889,7 +891,7 @@ class Pair(NamedTuple):
     chosen: Sample  # the highest-rewarded response
     rejected: Sample  # the lowest-rewarded one
     source: Group  # the group whose rewards ranked them
-    rewards: tuple[float, float]  # chosen's and rejected's r(x, y)
+    rewards: tuple[float, float]  # chosen's and rejected's solver_reward
     win_probs: tuple[float, float]  # their win_probability in the group (SPPO's)
 
 
@@ -1045,8 +1047,8 @@ def evolve(
     store_evolutions). Takes the seeds (the informative subset's prompts) and the known prompts;
     grows a chain of num_evolutions MUTATIONS per seed, each drawn uniformly and applied to the
     seed's last kept prompt, a reply kept or dropped by read_evolution. Returns (the new prompts,
-    X_t, which step 5 solves and the next round starts from; a record of every step, which
-    record_evolutions writes)."""
+    X_t: every kept prompt of every chain, the intermediate ones included, which step 5 solves
+    and the next round starts from; a record of every step, which record_evolutions writes)."""
     # the same draws on every rank and after a resume
     rng = random.Random(f"{args.seed}/{iteration}/mutations")
     chains = list(seeds)  # each seed's last kept prompt
@@ -1550,7 +1552,8 @@ def main(args: Args) -> None:
             if not args.evolve:
                 train_groups = subset  # --no-evolve: the subset itself (Table 4's blue rows)
 
-            # 5. solve X_t, then mix 20% of X_{t-1}'s groups with 80% of X_t's
+            # 5. solve X_t, then mix 20% of X_{t-1}'s groups with 80% of X_t's (no prompt evolved:
+            # X_{t-1}'s groups alone, and the next round starts from X_{t-1} again)
             if evolved:
                 with logger.timer("solve"):
                     key = f"{args.seed}/{iteration}/solve_evolved"
