@@ -711,17 +711,18 @@ def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
     )
 
 
-def rewards_differ(rewards: list[float]) -> bool:
+def group_teaches(group: Group, args: Args) -> bool:
     """Whether a group can teach: its rewards are not all equal. False for one response or none
     (deviation 3: training_items skips such a group)."""
-    return len(set(rewards)) > 1
+    return len(set(group.rewards)) > 1
 
 
-def preference_pair(rewards: list[float]) -> tuple[int, int]:
-    """(chosen, rejected): the indices of the highest and the lowest reward (official: argmax,
-    argmin). Ties: the first index of each (np.argmax); all rewards equal: (0, 0), the official
-    chosen = rejected, which training_items never asks for (rewards_differ). rewards: N >= 1."""
-    return int(np.argmax(rewards)), int(np.argmin(rewards))
+def preference_pair(group: Group, args: Args) -> tuple[int, int]:
+    """(chosen, rejected): the indices in the group of the highest and the lowest reward
+    (official: argmax, argmin). Ties: the first index of each (np.argmax); all rewards equal:
+    (0, 0), the official chosen = rejected, which training_items never asks for
+    (group_teaches). A group of N >= 1 responses."""
+    return int(np.argmax(group.rewards)), int(np.argmin(group.rewards))
 
 
 def win_probability(rewards: list[float], i: int) -> float:
@@ -1136,7 +1137,7 @@ def cut_to_length(samples: list[Sample], args: Args) -> list[Sample]:
 def group_pair(group: Group, args: Args) -> Pair:
     """The group's Pair: its preference_pair's responses, cut together (cut_to_length), with
     their rewards and win probabilities in the group (win_probability)."""
-    chosen, rejected = preference_pair(group.rewards)
+    chosen, rejected = preference_pair(group, args)
     samples = [group.samples[chosen], group.samples[rejected]]
     fitted = cut_to_length(samples, args)
     return Pair(
@@ -1164,13 +1165,13 @@ def group_rollouts(group: Group, args: Args) -> list[Example]:
 
 def training_items(groups: list[Group], args: Args) -> list[Pair | Example]:
     """Step 6's training set. Takes the round's groups (mix's, or the split's); a group whose
-    rewards all agree teaches nothing and is skipped (rewards_differ; deviation 3). Returns a
+    rewards all agree teaches nothing and is skipped (group_teaches; deviation 3). Returns a
     Pair of each other group (group_pair), or, for a loss of ROLLOUT_LOSSES, its responses as
     Examples (group_rollouts); no groups, no items. update trains on them; chart_metrics counts
     them."""
     items = []
     for group in groups:
-        if not rewards_differ(group.rewards):
+        if not group_teaches(group, args):
             continue
         if args.loss in ROLLOUT_LOSSES:
             items.extend(group_rollouts(group, args))

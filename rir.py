@@ -25,7 +25,7 @@ Algorithm (one iteration of main, whose banners carry these numbers):
   2. Self-play search (ours; not in the last iteration): one search of each self-play theorem
      (search, best_first_search) over Lean's tactic mode, best-first (BFS, official) or Monte Carlo tree
      search (MCTS, ours). An expansion takes an open node (BFS: the one of highest
-     child_priority; MCTS: the leaf that select reaches by PUCT, AlphaZero's predictor + upper
+     priority; MCTS: the leaf that select reaches by PUCT, AlphaZero's predictor + upper
      confidence bound, puct_score), the planner proposes targets s*, and for one target at a
      time the actor samples tactics that Lean runs (best_first_search, lockstep over
      --search-batch theorems), until the first proof.
@@ -344,14 +344,16 @@ def truncate_right(tokenizer, text: str, max_tokens: int) -> str:
 # ---- search rules ----
 # RiR has no reward model: the policy's own log-probabilities rank the search. Each rule of the
 # search is one function here.
-def child_priority(parent_priority: float, logp_goal: float, logp_tactic: float) -> float:
-    """BFS priority of a new node (official _run_tactic), the path's cumulative
-    log-probability:
+def priority(node: Node, args: Args) -> float:
+    """A new node's BFS priority (official _run_tactic), its path's cumulative log-probability:
 
-        priority(child) = priority(parent) + log p(y | s, s*) + log p(s* | s)
+        priority(node) = priority(parent) + log p(y | s, s*) + log p(s* | s),
 
-    The flat baseline has log p(s* | s) = 0 (ReProver's priority)."""
-    return parent_priority + logp_tactic + logp_goal
+    y and s* the tactic and the planner's target of node.edge. The flat baseline has
+    log p(s* | s) = 0 (ReProver's priority). A term reads the Node (its path: node_path; its
+    Edge) and a flag."""
+    edge = node.edge
+    return node.parent.priority + edge.logprob + edge.target_logprob
 
 
 def edge_priors(log_masses: list[float]) -> list[float]:
@@ -473,7 +475,7 @@ class Node:
     parent: Node | None = None  # the node whose expansion found it (None: the root)
     edge: Edge | None = None  # the edge that reached it from parent
     children: list = field(default_factory=list)  # the new nodes its expansion found
-    priority: float = 0.0  # BFS: its rank in the queue (child_priority)
+    priority: float = 0.0  # BFS: its rank in the queue (`priority`)
     prior: float = 1.0  # MCTS: P, from edge_priors
     visits: int = 0  # MCTS: N, simulations through this node
     value_sum: float = 0.0  # MCTS: W, the sum of their backed-up values
@@ -556,7 +558,7 @@ def queue_has_node(tree: Tree) -> bool:
 
 
 def queue_pick(tree: Tree, args: Args) -> Node:
-    """BFS (official): the queue's highest child_priority (the first pushed of equal ones)."""
+    """BFS (official): the queue's highest priority (the first pushed of equal ones)."""
     _, _, node = heapq.heappop(tree.queue)
     return node
 
@@ -776,10 +778,11 @@ def propose_tactics(
 
 
 def new_node(parent: Node, edge: Edge, state: TacticState, args: Args) -> Node:
-    """A state first reached by `edge` from `parent` (which owns its MCTS visits and value): its
-    BFS priority, child_priority."""
-    priority = child_priority(parent.priority, edge.target_logprob, edge.logprob)
-    return Node(state=state, parent=parent, edge=edge, priority=priority)
+    """A state first reached by `edge` from `parent` (which owns its MCTS visits and value),
+    with its BFS `priority`."""
+    node = Node(state=state, parent=parent, edge=edge)
+    node.priority = priority(node, args)
+    return node
 
 
 def try_tactics(verifier, trees: list[Tree], args: Args, clock=time.monotonic) -> list:

@@ -175,14 +175,22 @@ def test_win_probability_rloo_and_win_rate_edges():
     assert all(math.isnan(value) for value in evaluated.values())
 
 
-def test_preference_pair_and_rewards_differ_by_hand():
+def rewarded(rewards):
+    """A group of one prompt's responses with these rewards."""
+    samples = [sample([1], [2]) for _ in rewards]
+    return eva.Group("x", samples, list(rewards), list(rewards))
+
+
+def test_preference_pair_and_group_teaches_by_hand():
     # argmax, argmin; ties: the first index of each
-    assert eva.preference_pair([1.0, 3.0, 0.0, 3.0, 0.0]) == (1, 2)
+    assert eva.preference_pair(rewarded([1.0, 3.0, 0.0, 3.0, 0.0]), args()) == (1, 2)
     # all equal: the official chosen = rejected, (0, 0)
-    assert eva.preference_pair([2.0, 2.0]) == (0, 0)
-    assert eva.preference_pair([5.0]) == (0, 0)
-    assert eva.rewards_differ([1.0, 3.0]) and not eva.rewards_differ([2.0, 2.0])
-    assert not eva.rewards_differ([5.0]) and not eva.rewards_differ([])
+    assert eva.preference_pair(rewarded([2.0, 2.0]), args()) == (0, 0)
+    assert eva.preference_pair(rewarded([5.0]), args()) == (0, 0)
+    assert eva.group_teaches(rewarded([1.0, 3.0]), args())
+    assert not eva.group_teaches(rewarded([2.0, 2.0]), args())
+    assert not eva.group_teaches(rewarded([5.0]), args())
+    assert not eva.group_teaches(rewarded([]), args())
 
 
 def test_example_length_by_hand():
@@ -425,7 +433,7 @@ def test_a_reward_term_trains_and_the_win_rate_keeps_the_score(monkeypatch):
     run = dict(sampler=Lengths(None), tokenizer=PLAIN, reward_model=None, args=args(), dist=CPU)
     [group] = eva.solve(**run, prompts=["a"], n=3, key="1/0/solve")
     assert group.rewards == [1.5, 1.0, 0.5] and group.scores == [2.0, 2.0, 2.0]
-    assert eva.preference_pair(group.rewards) == (0, 2)  # the shortest over the longest
+    assert eva.preference_pair(group, args()) == (0, 2)  # the shortest over the longest
     assert eva.heldout_rewards(**run, heldout=["a"], key="1/0/heldout") == [2.0]
 
 

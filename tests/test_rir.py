@@ -147,9 +147,10 @@ def test_every_co_training_warms_up_then_decays(monkeypatch):
 
 
 def test_search_scores():
-    assert rir.child_priority(-1.0, math.log(0.5), math.log(0.25)) == pytest.approx(
-        -1.0 + math.log(0.125)
-    )
+    parent = rir.Node(state=None, priority=-1.0)
+    edge = rir.Edge("simp", math.log(0.25), 3, "⊢ True", math.log(0.5))
+    child = rir.Node(state=None, parent=parent, edge=edge)
+    assert rir.priority(child, args()) == pytest.approx(-1.0 + math.log(0.125))
     assert rir.edge_priors([math.log(0.2), math.log(0.6)]) == pytest.approx([0.25, 0.75])
     assert rir.edge_priors([-1000.0, -1000.0]) == pytest.approx(
         [0.5, 0.5]
@@ -413,7 +414,7 @@ def prove(theorem, sampler, lean, a, clock=time.monotonic):
 def test_an_expansion_merges_counts_and_sets_priorities_and_priors():
     """try_tactics and end_expansion on the root's edges: tB2 merges into B, noop into the root,
     tB under C runs once and merges; `bad` and the malformed edge fail; the children's BFS
-    priorities (child_priority) and MCTS priors (edge_priors)."""
+    priorities (priority) and MCTS priors (edge_priors)."""
     lean = ScriptedLean(TABLE)
     a = args()
     [tree] = rir.start_trees(lean, [THEOREM])
