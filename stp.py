@@ -462,13 +462,15 @@ def best_rate(history: dict, pid: str) -> float:
     return max(rates, default=0.0)
 
 
-def proof_weight(proof_chars: int, verify_seconds: float, n_correct: int, args: Args) -> float:
+def proof_weight(entry: dict, args: Args) -> float:
     """A correct proof's weight in the prover's data (official):
     exp(-length_penalty * characters - time_penalty * Lean seconds) / n_correct, n_correct the
     correct proofs of its statement in the replay window counted with repeats (a proof found in
-    two iterations counts twice; n_correct >= 1: the proof itself is one)."""
-    penalty = args.length_penalty * proof_chars + args.time_penalty * verify_seconds
-    return math.exp(-penalty) / n_correct
+    two iterations counts twice; n_correct >= 1: the proof itself is one). entry: the proof's
+    record (prover_examples: "proof", "seconds", and its statement's window counts "samples",
+    "correct" and "n_correct"); a term reads it there."""
+    penalty = args.length_penalty * len(entry["proof"]) + args.time_penalty * entry["seconds"]
+    return math.exp(-penalty) / entry["n_correct"]
 
 
 def in_conjecture_band(rate: float, args: Args) -> bool:
@@ -846,7 +848,7 @@ def conjectures_in_band(
     rate this iteration: it is skipped, not rated s = 0. choose_lemmas reads the list."""
     band = []
     for c in conjectures:
-        if c.id not in attempts:
+        if not attempts.get(c.id):  # not attempted (or no sample): no rate, not s = 0
             continue
         rate = solve_rate(attempts[c.id])
         if in_conjecture_band(rate, args):
@@ -869,7 +871,7 @@ def invokes_lemma(conjecture: Conjecture, proofs: dict, iteration: int) -> bool:
 
 
 def choose_lemmas(
-    band: list[Candidate], proofs: dict, iteration: int, rng: random.Random
+    band: list[Candidate], proofs: dict, iteration: int, rng: random.Random, args: Args
 ) -> list[Candidate]:
     """Step 4's second part: the lemma each prompt shows. Takes conjectures_in_band's list;
     returns first those whose lemma a proof of this iteration invokes (invokes_lemma), keeping
@@ -920,7 +922,7 @@ def conjecturer_examples(
     chosen lemma, the target the statement and </hard theorem>, the weight the matching
     weight, the source its Candidate. Step 6 (update) trains on them with prover_examples'."""
     band = conjectures_in_band(conjectures, attempts, args)
-    kept = choose_lemmas(band, proofs, iteration, rng)
+    kept = choose_lemmas(band, proofs, iteration, rng, args)
     invoking = [c for c in kept if c.lemma]
     if args.elegance_filter:
         kept = keep_elegant(kept, proofs, iteration, args)
@@ -959,10 +961,10 @@ def prover_examples(
     trains on with conjecturer_examples'. The rule: the correct proofs in the replay window
     (iterations iteration - replay_rounds + 1 .. iteration) of each statement whose samples and
     correct ones over the window are in_prover_band;
-    one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight
-    with #correct = the statement's entries in the window (a proof found in two iterations
-    counts twice). The target: the proof, the closing fence, EOS; the source: the proof's entry
-    with its statement's "id"."""
+    one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight.
+    The target: the proof, the closing fence, EOS; the source: the proof's entry with its
+    statement's "id" and window counts ("samples", "correct", and "n_correct": its entries in
+    the window, a proof found in two iterations counting twice)."""
     first = iteration - args.replay_rounds  # the window: first < round <= iteration
     examples = []
     for pid, rounds in history.items():
@@ -980,9 +982,9 @@ def prover_examples(
             newest[entry["proof"]] = entry
         prompt = prover_prompt(tokenizer, problem_by_id[pid], args)
         for entry in newest.values():
-            weight = proof_weight(len(entry["proof"]), entry["seconds"], len(recent), args=args)
+            source = dict(entry, id=pid, samples=samples, correct=correct, n_correct=len(recent))
+            weight = proof_weight(source, args)
             target = entry["proof"] + "\n```"
-            source = dict(entry, id=pid)
             example = text_example(
                 tokenizer, prompt, target, weight=weight, args=args, source=source
             )
@@ -1077,6 +1079,8 @@ def update(
     for step, batch in enumerate(batches):
         # STP's weighted SFT: weighted_nll_loss over sum_i w_i |y_i|, the batch's weighted tokens
         weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)
+        if weighted_tokens <= 0:  # every weight 0: no signal (and 0 / 0 below)
+            continue
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
             logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])  # [B, T] each
@@ -1099,6 +1103,8 @@ def update(
             lr=lr_now,
         )
         stats.append(step_stats)
+    if not stats:  # every batch weighed 0
+        return {"steps": 0}
     return {
         "loss": float(np.mean([s["loss"] for s in stats])),
         "steps": len(stats),

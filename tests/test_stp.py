@@ -37,8 +37,10 @@ def args(**kw):
 # ---- rewards and losses ----
 def test_proof_weight():
     # exp(-0.001 * 100 - 0.01 * 2) / 2 = exp(-0.12) / 2
-    assert stp.proof_weight(100, 2.0, 2, args()) == pytest.approx(math.exp(-0.12) / 2)
-    assert stp.proof_weight(0, 0.0, 1, args()) == 1.0
+    entry = {"proof": "x" * 100, "seconds": 2.0, "samples": 8, "correct": 2, "n_correct": 2}
+    assert stp.proof_weight(entry, args()) == pytest.approx(math.exp(-0.12) / 2)
+    alone = {"proof": "", "seconds": 0.0, "samples": 4, "correct": 1, "n_correct": 1}
+    assert stp.proof_weight(alone, args()) == 1.0
 
 
 def test_elegance_filter():
@@ -864,6 +866,9 @@ def test_conjectures_in_band_reads_only_this_iterations_attempts():
     band = stp.conjectures_in_band(conj, attempts, args(conjecture_band=(-1.0, 0.25)))
     assert [(c.conjecture.id, c.rate) for c in band] == [("c0", 0.125), ("c1", 0.0)]
     assert stp.conjectures_in_band([], attempts, args()) == []
+    # an empty row (no sample drawn) is no rate either
+    band = stp.conjectures_in_band(conj, {**attempts, "c2": []}, args(conjecture_band=(-1.0, 0.25)))
+    assert [c.conjecture.id for c in band] == ["c0", "c1"]
 
 
 def test_invokes_lemma_and_choose_lemmas():
@@ -878,12 +883,12 @@ def test_invokes_lemma_and_choose_lemmas():
     # choose_lemmas: the invoking one keeps its lemma and comes first; the others show the empty lemma
     d = c._replace(id="d")
     band = [stp.Candidate(d, "sq_nonneg", 0.0), stp.Candidate(c, "sq_nonneg", 0.125)]
-    kept = stp.choose_lemmas(band, {"c": [uses]}, 2, random.Random(0))
+    kept = stp.choose_lemmas(band, {"c": [uses]}, 2, random.Random(0), args())
     assert [(k.conjecture.id, k.lemma, k.rate) for k in kept] == [
         ("c", "sq_nonneg", 0.125),
         ("d", "", 0.0),
     ]
-    assert stp.choose_lemmas([], {}, 2, random.Random(0)) == []
+    assert stp.choose_lemmas([], {}, 2, random.Random(0), args()) == []
 
 
 def test_keep_elegant_groups_by_the_shown_lemma():
