@@ -79,7 +79,8 @@ read; [RECON] marks values from third-party notes or our own choice (in Args and
   2. [RECON] one-step ablations (App. C.3): medium takes the lemma band, hard the lift band; the
      prompt sets no level.
   3. [RECON] novelty embeds the description with the public examples (all-MiniLM-L6-v2); a lift
-     skips its own lemma. --similarity keyword (token-set Jaccard) is this file's alternative.
+     skips its own lemma. The other rows of SIMILARITIES (--similarity keyword: word-set
+     Jaccard) are this file's alternatives.
   4. Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and
      extra RL runs.
   5. --no-guidance proposes induction tasks only (AZR proposes all three types).
@@ -275,12 +276,12 @@ class Args:
     reward_similar: float = -0.5
     """teacher reward of a proposal the novelty filter rejects [RECON: as outside the band]"""
     similarity: Literal["embedding", "keyword"] = "embedding"
-    """novelty filter's measure (SIMILARITIES): embedding, the cosine of two texts' embeddings
-    (Sec. 3.3.1); keyword, the Jaccard overlap of their word sets (this file's alternative)"""
+    """novelty filter's measure, a row of SIMILARITIES: embedding, the cosine of two texts'
+    embeddings (Sec. 3.3.1); keyword, the Jaccard overlap of their word sets (this file's)"""
     similarity_threshold: float | None = None
     """novelty: reject a proposal whose similarity is above this, on --similarity's scale
-    (too_similar; equal passes); None: the measure's own (its Measure's threshold: embedding
-    0.95 cosine in [-1, 1], Sec. 3.3.1 [RECON]; keyword 0.8 Jaccard in [0, 1])"""
+    (too_similar; equal passes); None: the row's own threshold in SIMILARITIES (embedding: 0.95
+    cosine, Sec. 3.3.1 [RECON])"""
     temperature: float = 1.0
     """sampling temperature of teacher, student, pass rates (App. D: 1.0 for training)"""
     top_p: float = 1.0
@@ -674,15 +675,18 @@ def banded_reward(
     return outside
 
 
-def teacher_reward(reason: str, p: float | None, stage: str, args: Args) -> float:
-    """The teacher's reward of one proposal (Sec. 3.3.1), by its fate: reward_similar when the
-    novelty filter rejected it (against the buffer before p is estimated, or against this
-    step's accepted tasks after); reward_format_error when it is malformed (p None: it did not
-    parse, run or pass code_exec's checks); else banded_reward of its pass rate p, with
-    reward_rejected outside the stage's band. Edges: p = 0 or 1 is
-    reward_rejected unless the band holds it, then Eq. 6's 0 (for mu strictly inside (0, 1));
-    AZR's reward (stage azr) is 0 at both. propose stores it as the record's "reward" and as
-    its Example's reward."""
+def teacher_reward(record: dict, stage: str, args: Args) -> float:
+    """The teacher's reward of one proposal (Sec. 3.3.1), from its propose record, by its fate
+    (record["reason"]): reward_similar when the novelty filter rejected it (against the buffer
+    before p is estimated, or against this step's accepted tasks after); reward_format_error
+    when it is malformed (no "pass_rate" p: it did not parse, run or pass code_exec's checks);
+    else banded_reward of its pass rate p, with reward_rejected outside the stage's band.
+    Edges: p = 0 or 1 is reward_rejected unless the band holds it, then Eq. 6's 0 (for mu
+    strictly inside (0, 1)); AZR's reward (stage azr) is 0 at both. propose stores it as the
+    record's "reward" and as its Example's reward. A reward term reads the record (its
+    program, message, "max_similarity" to the buffer, tokens)."""
+    reason = record["reason"]
+    p = record.get("pass_rate")
     if reason == "similar":
         return args.reward_similar
     if p is None:
@@ -721,8 +725,8 @@ def keyword_sets(texts: list[str], embedder=None) -> list[frozenset]:
 
 
 def jaccard_similarity(new: list[frozenset], old: list[frozenset]) -> torch.Tensor:
-    """The keyword measure: N and M word sets -> [N, M] Jaccard overlaps |a & b| / |a | b|, in
-    [0, 1]; two empty sets are 1 (alike), an empty and a non-empty one 0."""
+    """A set measure's similarity (keyword's word sets): N and M sets -> [N, M] Jaccard overlaps
+    |a & b| / |a | b|, in [0, 1]; two empty sets are 1 (alike), an empty and a non-empty one 0."""
     rows = []
     for a in new:
         row = []
@@ -1150,11 +1154,11 @@ def propose(
             )
             for record, features in zip(valid, map_sharded(featurize, pairs, dist)):
                 record["features"] = features  # (question text's, code's)
-        if novelty and buffer and valid:  # novelty against the buffer, before paying for p
+        if buffer and valid:  # novelty against the buffer, before paying for p
             similarities = max_similarity(valid, buffer, args.similarity)
             for record, similarity in zip(valid, similarities):
                 record["max_similarity"] = similarity
-                if too_similar(similarity, args):
+                if novelty and too_similar(similarity, args):
                     record["reason"] = "similar"
 
         # the pass rate p of each proposal still in the running
@@ -1179,7 +1183,7 @@ def propose(
                 similarity = max_similarity([record], new, args.similarity)[0]
                 if too_similar(similarity, args):
                     record["reason"] = "similar"
-            record["reward"] = teacher_reward(record["reason"], p, stage=stage, args=args)
+            record["reward"] = teacher_reward(record, stage=stage, args=args)
             record["accepted"] = not record["reason"]
             if record["accepted"]:
                 open_slots.remove(record["slot"])

@@ -149,7 +149,10 @@ def test_teacher_reward_by_fate_and_its_edges():
     args = Args(reward_format_error=-1.0, reward_rejected=-0.3, reward_similar=-0.2)
 
     def reward(reason, p, stage="lemma", given=args):
-        return gasp.teacher_reward(reason, p, stage=stage, args=given)
+        record = {"reason": reason}
+        if p is not None:
+            record["pass_rate"] = p
+        return gasp.teacher_reward(record, stage=stage, args=given)
 
     # p None: malformed (never ran) -> the format penalty; rejected as similar -> its own, before any p
     assert reward("no_code", None) == -1.0 and reward("truncated", None, "lift") == -1.0
@@ -221,7 +224,7 @@ def test_similarity_edges():
     # nothing to compare: no record, no task, or an empty side of the buffer dissimilarity
     vector = torch.tensor([1.0, 0.0])
     record = {"features": (vector, vector), "source": "g"}
-    for measure in ("embedding", "keyword"):
+    for measure in gasp.SIMILARITIES:
         assert gasp.max_similarity([], [record], measure) == []
         assert gasp.max_similarity([record, record], [], measure) == [-1.0, -1.0]
         assert gasp.buffer_dissimilarity([], [vector], measure) is None
