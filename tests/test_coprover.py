@@ -180,9 +180,10 @@ def test_timeouts_and_errors_are_never_rewarded(status):
     assert cp.accepted(LeanResult(valid=False, status=status)) is False
     assert cp.accepted(LeanResult(valid=True, status=status)) is False  # only "valid" pays
     assert cp.accepted(LeanResult(valid=True, status="valid")) is True
-    args = official_args(cp)
-    failed = cp.Attempt(None, None, status, False)
-    proved = cp.Attempt(None, "theorem t : True := trivial", "valid", True)
+    args = official_args(cp)()
+    sample = cp.Sample("```lean4\n...```", [1, 2], [3, 4, 5], [-0.5] * 3, "stop")
+    failed = cp.Attempt(sample, None, status, False)
+    proved = cp.Attempt(sample, "theorem t : True := trivial", "valid", True)
     assert cp.proof_reward(failed, args) == 0.0
     assert cp.proof_reward(proved, args) == 1.0
 
