@@ -619,6 +619,8 @@ def cispo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     if not rewards:
         return []
     r = np.asarray(rewards, dtype=np.float64)
+    if r.max() == r.min():  # exactly 0: equal floats can have a std of 1e-17
+        return [0.0] * len(rewards)
     return ((r - r.mean()) / (r.std() + eps)).tolist()
 
 
@@ -715,7 +717,9 @@ def cispo_batch_loss(
 
 
 # ---- phases ----
-def conjecture_seeds(targets: list[Problem], proofs: dict[str, list[dict]]) -> list[Problem]:
+def conjecture_seeds(
+    targets: list[Problem], proofs: dict[str, list[dict]], args: Args
+) -> list[Problem]:
     """Step 1's seeds (Alg. 1): the targets the Solver never solved, no stored proof
     (record_proofs), in the targets' order. A wider or narrower seed rule is this function."""
     seeds = []
@@ -900,7 +904,7 @@ def proof_examples(
 ) -> list[Example]:
     """REINFORCE½'s and EI's examples, shuffled. Takes (attempt, source) of each correct
     proof, source the record it came from; returns an Example of each, weight its
-    solver_reward (1, or the overlong penalty where that is below 0), source kept. With
+    solver_reward, source kept. With
     --penalize-try, a proof that uses_try is dropped, overlong or not (official). update
     trains the Solver on them."""
     examples = []
@@ -950,8 +954,8 @@ def cispo_examples(
     --cispo-band (default 0 < s < 1: in_band, both ends excluded), weighted by the
     cispo_advantages of their solver_reward, in whole groups (one a problem, Example.group
     its index) in a shuffled order; each Example's source its Attempt, group_tokens its
-    group's completion tokens. A group whose rewards are all 0 (its correct proofs used
-    `try`, or s = 0 under a wider band) is skipped (official); an attempt of advantage 0
+    group's completion tokens. A group whose rewards are all 0 (no solver_reward paid) is
+    skipped (official); an attempt of advantage 0
     (all of a group whose rewards are equal) is left out, its tokens still count in its
     group's (deviation 6). proofs and iteration are not read (SOLVER_OBJECTIVES)."""
     groups = []
@@ -1424,7 +1428,7 @@ def main(args: Args) -> None:
         conjectures = []
         if roles.use_conjecturer:
             with logger.timer("conjecture"):
-                seeds = conjecture_seeds(targets, proofs)
+                seeds = conjecture_seeds(targets, proofs, args)
                 sampler.sync_weights(conjecturer)
                 conjectures, stats = conjecture(
                     sampler,

@@ -283,6 +283,7 @@ def test_cispo_advantages_edges():
     assert sgs.cispo_advantages([]) == []  # no attempts
     assert sgs.cispo_advantages([1.0]) == [0.0]  # one attempt: std 0, advantage 0 / eps
     assert sgs.cispo_advantages([-1.0, -1.0, -1.0]) == [0.0, 0.0, 0.0]  # all equal (all overlong)
+    assert sgs.cispo_advantages([0.1] * 3) == [0.0] * 3  # equal floats: std 1e-17, not 0
 
 
 @pytest.mark.parametrize(
@@ -676,7 +677,7 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
 def test_conjecture_seeds_are_the_never_solved_targets():
     targets = [problem(p) for p in "abc"]
     proofs = {"a": [], "b": [{"proof": "p"}], "c": []}
-    assert [t.id for t in sgs.conjecture_seeds(targets, proofs)] == ["a", "c"]
+    assert [t.id for t in sgs.conjecture_seeds(targets, proofs, args())] == ["a", "c"]
 
 
 def test_statement_key_ignores_spaces_and_newlines():
