@@ -969,11 +969,12 @@ def whole_proof_labels(
     verifier, problems: list[Problem], attempts: dict[str, list[Attempt]], args: Args, dist: Dist
 ) -> list[Label]:
     """Step 2's labelling rule, run in step 4 on its rollouts: Labels whose source is the
-    Attempt. A failed attempt labels its theorem's root 0 (the official collector's rule); a proof of n
-    top-level tactics labels the root value_label(n) (term mode: n = 1, the collector's floor)
-    and, with per-state labels, is replayed, the states on its path labelled by value_labels; a
-    replay not ending solved (it uses its own lemma): the root only. Returned by grpo_round; V
-    trains on them in the next step 3 that runs (with co-training, the next iteration's)."""
+    Attempt. A failed attempt labels its theorem's root 0 (the official collector's rule); a
+    proof of n top-level tactics labels the root value_label(n) (term mode: n = 1, the
+    collector's floor) and, with per-state labels, is replayed, the states on its path
+    labelled by value_labels; a replay not ending solved (it uses its own lemma): the root
+    only. Returned by grpo_round; V trains on them in the next step 3 that runs (with
+    co-training, the next iteration's)."""
 
     def label_share(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[Label]]:
         roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])

@@ -23,8 +23,8 @@ Algorithm (one iteration of main, whose banners carry these numbers):
   1. Co-train planner and actor on D_t (co_train; offline supervised fine-tuning): L_co, the
      planner's plus the actor's negative log-likelihood of each triple (co_training_loss).
   2. Self-play search (ours; not in the last iteration): one search of each self-play theorem
-     (search, best_first_search) over Lean's tactic mode, best-first (BFS, official) or Monte Carlo tree
-     search (MCTS, ours). An expansion takes an open node (BFS: the one of highest
+     (search, best_first_search) over Lean's tactic mode, best-first (BFS, official) or Monte
+     Carlo tree search (MCTS, ours). An expansion takes an open node (BFS: the one of highest
      priority; MCTS: the leaf that select reaches by PUCT, AlphaZero's predictor + upper
      confidence bound, puct_score), the planner proposes targets s*, and for one target at a
      time the actor samples tactics that Lean runs (best_first_search, lockstep over
