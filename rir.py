@@ -34,10 +34,10 @@ Algorithm (one iteration of main, whose banners carry these numbers):
      self_play_weight; D_{t+1} = D_t + the new ones.
   4. Evaluate (evaluate; after the last iteration by default): one search of each benchmark
      theorem under the budget; pass@1 is the share of the theorems proved within it.
-Metrics (metrics.jsonl, step = iterations done): eval/pass@1 (Tables 1-2); Figure 2's split of the
-proved searches' time, eval/{planner,actor,env}_time_proved (each role's sampling, Lean's tactic
-runs); Figure 3's eval/search_time_proved and <run>/search_time_cdf.csv; selfplay/*, losses/*,
-time/*; every search to <run>/searches.jsonl.
+Metrics (metrics.jsonl, step = iterations done): eval/search/pass@1 (Tables 1-2); Figure 2's
+split of the proved searches' time, eval/search/{planner,actor,env}_time_proved (each role's
+sampling, Lean's tactic runs); Figure 3's eval/search/search_time_proved and
+<run>/search_time_cdf.csv; selfplay/*, losses/*, time/*; every search to <run>/searches.jsonl.
 Records: lean_verify's Problem(id, header, statement), a theorem; Triple(state, tactic, target),
 a triple (s, y*, s*); TacticState, a proof state (goals, status, the tactics from the root; key:
 its goals). The infrastructure block at the end defines Sample(text, prompt_ids, token_ids,
@@ -223,8 +223,8 @@ class Args:
     # official --timeout (its logged comparison gave RiR 3200 s, ReProver 600 s)
     search_timeout: float = 600.0
     """seconds per theorem (the search's budget, read before each tactic)"""
-    temperature: float = 1.0
-    """sampling temperature of planner and actor"""
+    search_temperature: float = 1.0
+    """the search's sampling temperature, of planner and actor"""
     top_p: float = 1.0
     """nucleus sampling"""
     goal_max_new_tokens: int = 768
@@ -724,7 +724,7 @@ def propose_targets(sampler, trees: list[Tree], key: str, args: Args, clock=time
         max_new_tokens=args.goal_max_new_tokens,
         stop=stop,
         desc="plan",
-        temperature=args.temperature,
+        temperature=args.search_temperature,
         top_p=args.top_p,
     )
     elapsed = clock() - start  # every theorem of the call waited for it
@@ -761,7 +761,7 @@ def propose_tactics(
         key=keys,
         max_new_tokens=args.tactic_max_new_tokens,
         desc="act",
-        temperature=args.temperature,
+        temperature=args.search_temperature,
         top_p=args.top_p,
     )
     elapsed = clock() - start
@@ -1218,7 +1218,8 @@ def evaluate(
 ) -> dict[str, float]:
     """Step 4, Tables 1-2 and Figures 2-3: one search per benchmark theorem under the budget;
     every search to searches.jsonl (record_searches), Figure 3's CDF (search_time_cdf) to
-    <run>/search_time_cdf.csv. Returns eval/* metrics (search_metrics)."""
+    <run>/search_time_cdf.csv. Returns eval/search/* metrics (search_metrics; eval/search/pass@1
+    is the share of the theorems one search proves)."""
     start = time.monotonic()
     results = search(sampler, verifier, problems, key=key, args=args, dist=dist)
     record_searches(run_dir, results, "eval", step=step, outcomes=outcomes, dist=dist)
@@ -1227,7 +1228,7 @@ def evaluate(
         rows = [("seconds", "proved", "share")] + search_time_cdf(proved_seconds, len(results))
         with open(run_dir / "search_time_cdf.csv", "w", newline="") as f:
             csv.writer(f).writerows(rows)
-    return search_metrics(results, "eval", seconds=time.monotonic() - start)
+    return search_metrics(results, "eval/search", seconds=time.monotonic() - start)
 
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:

@@ -1255,7 +1255,7 @@ def weights_only(models: dict) -> dict:
     return {name: (model, None) for name, (model, _) in models.items()}
 
 
-def start_verifier(args: Args, dist: Dist) -> LeanVerifier:
+def start_lean(args: Args, dist: Dist) -> LeanVerifier:
     """Lean, with this rank's share of the node's --lean-workers; without Lean the run stops here,
     before any model is loaded."""
     workers = None  # lean_verify's share of the machine
@@ -1329,7 +1329,7 @@ def main(args: Args) -> None:
         )
     baseline = args.expert_iteration or args.pure_sampling
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
-    verifier = start_verifier(args, dist)
+    verifier = start_lean(args, dist)
     statements = load_problems(args.dataset, args.num_problems)  # the dataset
     benchmarks = load_benchmarks(args)
     tokenizer, policy, models, sampler, start, state = load_run(args, run_dir, dist)

@@ -972,22 +972,24 @@ def test_end_to_end(
         rows[0]["selfplay/proved"] > 0 and rows[0]["selfplay/new_triples"] > 0
     )  # the hash rule proves some
     assert rows[1]["charts/triples"] == 18 + rows[0]["selfplay/new_triples"]
-    assert "eval/planner_time_proved" in rows[1] and "time/eval" in rows[1]
+    assert "eval/search/planner_time_proved" in rows[1] and "time/eval" in rows[1]
     assert len(searches_of(reference_run)) == 6
     evals = [
         r
         for r in map(json.loads, (reference_run / "searches.jsonl").read_text().splitlines())
         if r["phase"] == "eval"
     ]  # pass@1 is the share of the benchmark's searches that proved within the budget
-    assert rows[1]["eval/theorems"] == len(evals) == 3 and {r["id"] for r in evals} == {
+    assert rows[1]["eval/search/theorems"] == len(evals) == 3 and {r["id"] for r in evals} == {
         p.id for p in load_problems(str(REPO / "data" / "minif2f.jsonl"), 3, split="test")
     }
     assert (
-        rows[1]["eval/pass@1"] == sum(r["proved"] for r in evals) / 3 == rows[1]["eval/proved"] / 3
+        rows[1]["eval/search/pass@1"]
+        == sum(r["proved"] for r in evals) / 3
+        == rows[1]["eval/search/proved"] / 3
     )
     assert all(r["proved"] == (r["proof"] is not None and r["seconds"] <= 300.0) for r in evals)
     cdf = (reference_run / "search_time_cdf.csv").read_text().splitlines()
-    assert cdf[0] == "seconds,proved,share" and len(cdf) == 1 + rows[1]["eval/proved"]
+    assert cdf[0] == "seconds,proved,share" and len(cdf) == 1 + rows[1]["eval/search/proved"]
     trained, base = (
         weights_of(reference_run / "checkpoints" / "iter_000002" / "policy"),
         weights_of(tiny_model_dir),
@@ -1010,13 +1012,13 @@ def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
     done = run_rir(run_dir, "--model", tiny_model_dir, *SMALL, "--iterations", "1", *flags)
     assert done.returncode == 0, done.stderr[-4000:]
     [row] = metrics_of(run_dir)
-    assert row["eval/expansions"] > 0 and "selfplay/pass@1" not in row
+    assert row["eval/search/expansions"] > 0 and "selfplay/pass@1" not in row
     config = json.loads((run_dir / "config.json").read_text())
     if "--no-planner" in flags:  # only the actor's term, its token mean: the loss is the tactic NLL
         assert (
-            row["eval/planner_seconds"] == 0.0
+            row["eval/search/planner_seconds"] == 0.0
             and row["losses/goal_nll"] == 0.0
-            and row["eval/actor_seconds"] > 0
+            and row["eval/search/actor_seconds"] > 0
         )
         assert (
             row["losses/loss"] == pytest.approx(row["losses/tactic_nll"], rel=1e-5)
@@ -1026,7 +1028,7 @@ def test_baseline_and_variants_run(tiny_model_dir, tmp_path, flags):
         # one joint sequence per triple (role 0), its summed NLL over N triples: many tokens' NLL
         # per triple
         assert (
-            row["eval/planner_seconds"] > 0
+            row["eval/search/planner_seconds"] > 0
             and row["losses/tactic_nll"] == 0.0
             and row["losses/goal_nll"] > 0
         )
@@ -1051,7 +1053,7 @@ def test_evaluation_only_from_a_checkpoint(rir_reference, tmp_path):
     [row] = metrics_of(run_dir)
     assert (
         row["step"] == 0
-        and "eval/pass@1" in row
+        and "eval/search/pass@1" in row
         and not any(k.startswith(("losses/", "selfplay/")) for k in row)
     )
     assert {step for step, phase, *_ in searches_of(run_dir)} == {0} and not (
@@ -1077,7 +1079,7 @@ def test_random_output_with_known_tactics_only(tiny_model_dir, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-4000:]
     [row] = metrics_of(run_dir)
-    assert row["eval/pass@1"] == 0.0 and row["eval/failed_edge_share"] == 1.0
+    assert row["eval/search/pass@1"] == 0.0 and row["eval/search/failed_edge_share"] == 1.0
     assert (
         done.stdout.count("No theorem proved in the run's") == 1
     )  # the run says so, once, at the end
@@ -1103,7 +1105,7 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     assert "No CUDA" in done.stdout and "smollm2" in done.stdout
     [row] = metrics_of(run_dir)
-    assert row["losses/steps"] == 1 and row["eval/expansions"] == 1
+    assert row["losses/steps"] == 1 and row["eval/search/expansions"] == 1
 
 
 # ---- the loop learns (slow) ---- rir's own main() as pure expert iteration (an empty D_0, so each
