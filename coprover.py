@@ -1450,12 +1450,13 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
     return verifier
 
 
-def check_flags(args: Args) -> None:
-    """Stop at start on a flag value this file has no rule for (a value added to a Literal)."""
+def check_choices(args: Args) -> None:
+    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
+    this file has no code for."""
     if args.value_labels not in ("state", "root"):
-        sys.exit(
-            f"coprover.py: --value-labels {args.value_labels}: search_result and "
-            "whole_proof_labels know state and root; add its rule there"
+        raise ValueError(
+            f"--value-labels {args.value_labels}: search_result and whole_proof_labels know "
+            "state and root; add its rule there"
         )
     # lr_at raises on a schedule it does not know (start_run checks --lr-schedule)
     lr_at(step=0, total=1, peak=1.0, schedule=args.value_lr_schedule)
@@ -1523,7 +1524,7 @@ def label_metrics(new_labels: list[Label], labels: list) -> dict[str, float]:
 
 
 def main(args: Args) -> None:
-    check_flags(args)
+    check_choices(args)
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     verifier = start_lean(args, dist)
     problems = load_problems(args.dataset, args.num_problems)

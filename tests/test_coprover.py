@@ -188,6 +188,12 @@ def test_timeouts_and_errors_are_never_rewarded(status):
     assert cp.proof_reward(proved, args) == 1.0
 
 
+def test_an_unknown_value_labels_stops_at_start():
+    with pytest.raises(ValueError, match="--value-labels leaf: search_result"):
+        cp.check_choices(args(value_labels="leaf"))
+    cp.check_choices(args())
+
+
 def test_an_update_with_no_groups_changes_nothing():
     """A round whose rollouts were all filtered out trains nothing and does not crash."""
     policy = torch.nn.Linear(2, 2)
