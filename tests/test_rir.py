@@ -1180,7 +1180,7 @@ def primed_model(tiny_model_dir, tmp_path_factory):
     stats = rir.co_train(
         policy,
         optimizer,
-        rir.training_items(triples, tok, a),
+        rir.training_items([(t, 1.0, None) for t in triples], tok, a),
         a.train_steps,
         a,
         CPU,
