@@ -55,7 +55,8 @@ https://api.openai.com/v1` for the paper's GPT-4 creator, its key in $OPENAI_API
 Experiment map and the paper's benchmarks (on <run>/checkpoints/iter_XXXXXX/policy): README.md.
 
 Each loss's flags left unset take its official run's values (`resolve`; eva released no SimPO,
-ORPO or RLOO run; [RECON]: reconstructed, not in the official code):
+ORPO or RLOO run; [RECON]: reconstructed, not in the official code); a loss without a row takes
+DPO's, and the run prints which:
   loss   beta   lr    epochs optim   schedule max_length prompt source
   dpo    0.05   5e-7  2      adamw   cosine   2048       1024   scripts/gemma-2-9b-it-dpo,
                                                                 recipes/iterative-dpo
@@ -273,7 +274,9 @@ class Args:
     new_pair_ratio: float = 0.8
     """share of the evolved prompts' groups, in [0, 1] (mix; official RATIO_EVOL)"""
     loss: Literal["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"] = "dpo"
-    """preference loss (Table 1 and the official scripts; item_losses), or the v3 online RLOO"""
+    """preference loss (Table 1 and the official scripts; item_losses), or the v3 online RLOO; a
+    loss without a row in OFFICIAL takes DPO's official values, and the run prints which
+    (resolve)"""
     beta: float | None = None
     """beta of the loss (SPPO: 1/eta; ORPO: lambda); default the loss's official value (eva.py's
     docstring table)"""
@@ -325,7 +328,7 @@ CPU_DEFAULTS = dict(
 )
 
 # The official runs' values (the docstring's table) for the flags a loss leaves unset (None):
-# DPO's row, then each loss's own entries. A loss without a row takes DPO's (resolve).
+# DPO's row, then each loss's own entries. A loss without a row takes DPO's, and resolve says so.
 OFFICIAL = {
     "dpo": dict(
         beta=0.05,
@@ -352,9 +355,31 @@ OFFICIAL = {
 }
 
 
+def borrowed_from_dpo(args: Args) -> dict:
+    """The values resolve gives --loss from DPO's row of OFFICIAL because OFFICIAL has no row
+    for the loss (a fork's new loss): each flag of DPO's row left unset (None), with DPO's
+    value; {} for a loss with its own row, or with every such flag given."""
+    if args.loss in OFFICIAL:
+        return {}
+    borrowed = {}
+    for name, value in OFFICIAL["dpo"].items():
+        if getattr(args, name) is None:
+            borrowed[name] = value
+    return borrowed
+
+
 def resolve(args: Args) -> Args:
     """Each flag of OFFICIAL left unset (None) takes its official value for --loss: DPO's row,
-    then the loss's own (a loss that OFFICIAL has no row for keeps DPO's). Returns args."""
+    then the loss's own. A loss that OFFICIAL has no row for takes DPO's values, and resolve
+    prints which (borrowed_from_dpo), once, on torchrun's rank 0 (it runs before start_run).
+    Returns args."""
+    borrowed = borrowed_from_dpo(args)
+    if borrowed and os.environ.get("RANK", "0") == "0":
+        values = ", ".join(f"--{name.replace('_', '-')} {v}" for name, v in borrowed.items())
+        print(
+            f"eva.py: --loss {args.loss} has no row in OFFICIAL, so it takes DPO's official "
+            f"{values} (pass these flags, or add its row to OFFICIAL)"
+        )
     official = dict(OFFICIAL["dpo"])
     official.update(OFFICIAL.get(args.loss, {}))
     for name, value in official.items():
@@ -364,12 +389,12 @@ def resolve(args: Args) -> Args:
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not rounds later, on a --loss, --info-metric, --sampling or --reward-kind
-    value that its Literal lists but the code does not handle yet (a fork's half-added value):
-    each function that dispatches on it (item_losses, informativeness, sample_informative,
-    reward_rule) runs once on a made-up example and raises, saying what to add; and on a share
-    (--evolve-fraction, --old-pair-ratio, --new-pair-ratio) outside [0, 1]. (The --optim values
-    stop in new_optimizer, also at start; --lr-schedule in start_run.)"""
+    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
+    this file has no entry for, and on a share outside [0, 1] (--evolve-fraction,
+    --old-pair-ratio, --new-pair-ratio): each function that dispatches on a flag
+    (informativeness, sample_informative, reward_rule, item_losses, new_optimizer) runs once on
+    a made-up example and raises a ValueError saying what to add. (--lr-schedule stops in
+    start_run.)"""
     shares = {
         "evolve-fraction": args.evolve_fraction,
         "old-pair-ratio": args.old_pair_ratio,
@@ -392,6 +417,7 @@ def check_choices(args: Args) -> None:
     tokens = torch.ones(k, 1)
     numbers = torch.full((k, 1), 0.5)
     item_losses(args.loss, logp, logp, tokens, numbers, args)
+    new_optimizer(torch.nn.Linear(1, 1), args)
 
 
 # ---- prompts ----
@@ -419,8 +445,7 @@ Do not write '#Given Prompt#', '#New Prompt#', 'given prompt' or 'new prompt' in
 <PROMPT>
 #New Prompt#:
 """
-# four in-depth rewrites and one in-breadth creation, drawn uniformly (distilabel's
-# np.random.choice)
+# four in-depth rewrites and one in-breadth creation (draw_mutations)
 MUTATIONS = {
     "constraints": REWRITE_PROMPT.replace(
         "<METHOD>", "add one more constraint or requirement to it."
@@ -539,25 +564,35 @@ def judge_scores(model, tokenizer, prompt: str, responses: list[str]) -> list[fl
     return scores
 
 
-def reward_rule(kind: str) -> tuple:
-    """(load, score) of --reward-kind, the one place that dispatches on it: load(name, dtype,
-    args) builds the model (load_reward_model), score(model, tokenizer, prompt, responses) gives
-    the rewards (score_responses). A new kind adds its two functions and its line here."""
-    if kind == "classifier":
-        return load_classifier, classifier_scores
-    if kind == "judge":
-        return load_judge, judge_scores
-    raise ValueError(
-        f"--reward-kind {kind}: reward_rule has no line for it; add its load and score "
-        "functions and a line for them in reward_rule"
-    )
+class RewardKind(NamedTuple):
+    """How a --reward-kind value builds r(x, y) and scores with it."""
+
+    load: object  # (name, dtype, args) -> the model (load_reward_model)
+    score: object  # (model, tokenizer, prompt, responses) -> a reward each (score_responses)
+
+
+# --reward-kind's choices: a new one is its two functions above and an entry here
+REWARD_KINDS = {
+    "classifier": RewardKind(load_classifier, classifier_scores),
+    "judge": RewardKind(load_judge, judge_scores),
+}
+
+
+def reward_rule(kind: str) -> RewardKind:
+    """--reward-kind's RewardKind, from REWARD_KINDS: the one place that dispatches on it."""
+    if kind not in REWARD_KINDS:
+        raise ValueError(
+            f"--reward-kind {kind}: add its entry to REWARD_KINDS (a RewardKind of its load and "
+            "score functions, e.g. load_judge, judge_scores)"
+        )
+    return REWARD_KINDS[kind]
 
 
 def load_reward_model(args: Args, dist: Dist) -> tuple:
     """r(x, y), frozen, as (model, tokenizer), built by --reward-kind's loader (reward_rule): a
     full bf16 copy on every GPU (ArmoRM-8B: 16 GB of an H200's 141; no FSDP, so ranks score their
     shares independently). solve and heldout_rewards score with it."""
-    load, _ = reward_rule(args.reward_kind)
+    load = reward_rule(args.reward_kind).load
     name = resolve_model(args.reward_model)
     dtype = torch.float32
     if dist.device.type == "cuda":
@@ -573,7 +608,7 @@ def score_responses(
 ) -> list[float]:
     """r(x, y) of each response to the prompt, a float each, by --reward-kind's scorer
     (reward_rule: classifier_scores, judge_scores); no responses, no rewards."""
-    _, score = reward_rule(kind)
+    score = reward_rule(kind).score
     model, tokenizer = reward_model
     return score(model, tokenizer, prompt, responses)
 
@@ -586,41 +621,77 @@ def solver_reward(score: float, sample: Sample, args: Args) -> float:
     return score
 
 
+# --info-metric's rows (Tables 2-3), each a function of a prompt's N rewards r, sorted, N >= 1;
+# official src/reward_hf.py's columns reward_gap, reward_maxmean, reward_dts, reward_var,
+# reward_mean.
+def reward_gap(r: list[float]) -> float:
+    """a_min: max r - min r, A*_min, the minimax-regret proxy (eva's default); one response: 0."""
+    return r[-1] - r[0]
+
+
+def reward_maxmean(r: list[float]) -> float:
+    """a_avg: max r - mean r, A*_avg; one response: 0."""
+    return r[-1] - float(np.mean(r))
+
+
+def reward_dts(r: list[float]) -> float:
+    """a_dts: max r - the second highest r, A*_dts, dueling (a tie at the top: 0; one response:
+    0, it has no second)."""
+    runner_up = r[-2] if len(r) > 1 else r[-1]
+    return r[-1] - runner_up
+
+
+def reward_var(r: list[float]) -> float:
+    """var: the variance of r; one response: 0."""
+    return float(np.var(r))
+
+
+def reward_mean(r: list[float]) -> float:
+    """avg: the mean of r."""
+    return float(np.mean(r))
+
+
+def negated_reward_mean(r: list[float]) -> float:
+    """inv_avg: -mean r, favouring the prompts avg ranks lowest (deviation 5)."""
+    return -reward_mean(r)
+
+
+def negated_reward_gap(r: list[float]) -> float:
+    """inv_a_min: -(max r - min r), favouring the prompts a_min ranks lowest (deviation 5)."""
+    return -reward_gap(r)
+
+
+def same_info(r: list[float]) -> float:
+    """uniform: 1 for every prompt (no preference)."""
+    return 1.0
+
+
+# --info-metric's choices: a new one is its function above and an entry here
+INFO_METRICS = {
+    "a_min": reward_gap,
+    "a_avg": reward_maxmean,
+    "a_dts": reward_dts,
+    "var": reward_var,
+    "avg": reward_mean,
+    "inv_avg": negated_reward_mean,
+    "inv_a_min": negated_reward_gap,
+    "uniform": same_info,
+}
+
+
 def informativeness(rewards: list[float], metric: str) -> float:
-    """info(x) from the rewards r of x's N responses (Tables 2-3), the one place that dispatches
-    on --info-metric; a higher value draws x more often (sampling_weights). The rows:
-      a_min: max r - min r, A*_min, the minimax-regret proxy (eva's default)
-      a_avg: max r - mean r, A*_avg
-      a_dts: max r - the second highest r, A*_dts, dueling (a tie at the top: 0)
-      var, avg: the variance and the mean of r; uniform: 1
-      inv_avg, inv_a_min: minus avg and a_min (favouring the prompts they rank lowest).
-    Edges: all rewards equal gives 0 for every gap and var; one response: 0 for the gaps (a_dts
-    has no second) and var; no responses: 0 (uniform: 1). Used by sample_subset (step 3) and
-    creator/info_mean."""
-    r = sorted(rewards)
-    if metric == "uniform":
-        return 1.0
-    if not r:
+    """info(x) from the rewards of x's N responses by --info-metric's row of INFO_METRICS, the
+    one place that dispatches on it; a higher value draws x more often (sampling_weights). No
+    responses: 0 for every row (a run's groups all have N = --n-samples responses, so all or
+    none are empty). Used by sample_subset (step 3) and creator/info_mean."""
+    if metric not in INFO_METRICS:
+        raise ValueError(
+            f"--info-metric {metric}: add its entry to INFO_METRICS (its function of a prompt's "
+            "sorted rewards, e.g. reward_gap; higher: drawn more often)"
+        )
+    if not rewards:
         return 0.0
-    if metric == "a_min":
-        return r[-1] - r[0]
-    if metric == "inv_a_min":
-        return -(r[-1] - r[0])
-    if metric == "a_avg":
-        return r[-1] - float(np.mean(r))
-    if metric == "a_dts":
-        runner_up = r[-2] if len(r) > 1 else r[-1]
-        return r[-1] - runner_up
-    if metric == "var":
-        return float(np.var(r))
-    if metric == "avg":
-        return float(np.mean(r))
-    if metric == "inv_avg":
-        return -float(np.mean(r))
-    raise ValueError(
-        f"--info-metric {metric}: informativeness has no line for it; add one there (higher: "
-        "drawn more often)"
-    )
+    return INFO_METRICS[metric](sorted(rewards))
 
 
 def sampling_weights(values: list[float]) -> np.ndarray:
@@ -654,6 +725,51 @@ def draw_without_replacement(weights: np.ndarray, k: int, rng: np.random.Generat
     return positive.tolist() + zeros[: k - len(positive)].tolist()
 
 
+# --sampling's draws, each (values, weights, fraction, rng, bins) -> the chosen indices, on P
+# prompts (P >= 1): values, weights [P] (informativeness, sampling_weights).
+def weighted_draw(
+    values: list[float], w: np.ndarray, fraction: float, rng: np.random.Generator, bins: int
+) -> list[int]:
+    """weighted (eva-sample): int(fraction * P) drawn without replacement with probabilities w
+    (draw_without_replacement)."""
+    return draw_without_replacement(w, int(len(w) * fraction), rng)
+
+
+def greedy_draw(
+    values: list[float], w: np.ndarray, fraction: float, rng: np.random.Generator, bins: int
+) -> list[int]:
+    """greedy (Table 4's eva-greedy): the int(fraction * P) highest weights, the lower index first
+    among equal ones."""
+    by_weight = sorted(range(len(w)), key=lambda i: -w[i])
+    return by_weight[: int(len(w) * fraction)]
+
+
+def stratified_draw(
+    values: list[float], w: np.ndarray, fraction: float, rng: np.random.Generator, bins: int
+) -> list[int]:
+    """stratified: round(fraction * size) drawn by weight (draw_without_replacement) in each of
+    `bins` quantile bins of the values (pd.qcut's bins (e_i, e_i+1], the lowest closed, duplicate
+    edges dropped)."""
+    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+    # bins (e_i, e_i+1], the lowest closed
+    strata = np.searchsorted(edges[1:-1], values, side="left")
+    chosen = []
+    for stratum in np.unique(strata):
+        members = np.flatnonzero(strata == stratum)
+        k = round(fraction * len(members))
+        for j in draw_without_replacement(w[members], k, rng):
+            chosen.append(int(members[j]))
+    return chosen
+
+
+# --sampling's choices: a new one is its function above and an entry here
+SAMPLINGS = {
+    "weighted": weighted_draw,
+    "greedy": greedy_draw,
+    "stratified": stratified_draw,
+}
+
+
 def sample_informative(
     values: list[float],
     weights: np.ndarray,
@@ -662,36 +778,19 @@ def sample_informative(
     rng: np.random.Generator,
     bins: int = 10,
 ) -> list[int]:
-    """The sorted indices of the informative subset, int(fraction * P) of the P prompts (no
-    prompts: none), the one place that dispatches on --sampling:
-    weighted: drawn without replacement with probabilities `weights` (draw_without_replacement);
-    greedy: the highest weights, the lower index first among equal ones (Table 4's -greedy);
-    stratified: round(fraction * size) drawn by weight in each of `bins` quantile bins of the
-    values (pd.qcut's bins (e_i, e_i+1], the lowest closed, duplicate edges dropped).
-    values, weights: [P]. sample_subset's result, the seeds step 4 evolves."""
+    """The sorted indices of the informative subset of the P prompts, drawn by --sampling's entry
+    of SAMPLINGS (method), the one place that dispatches on it; no prompts: none. values,
+    weights: [P]. sample_subset's result, the seeds step 4 evolves."""
+    if method not in SAMPLINGS:
+        raise ValueError(
+            f"--sampling {method}: add its entry to SAMPLINGS (its draw of the subset's indices "
+            "from (values, weights, fraction, rng, bins), e.g. weighted_draw)"
+        )
     w = np.asarray(weights, dtype=float)
     if len(w) == 0:
         return []
-    if method == "greedy":
-        by_weight = sorted(range(len(w)), key=lambda i: -w[i])
-        return sorted(by_weight[: int(len(w) * fraction)])
-    if method == "weighted":
-        return sorted(draw_without_replacement(w, int(len(w) * fraction), rng))
-    if method == "stratified":
-        edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
-        # bins (e_i, e_i+1], the lowest closed
-        strata = np.searchsorted(edges[1:-1], values, side="left")
-        chosen = []
-        for stratum in np.unique(strata):
-            members = np.flatnonzero(strata == stratum)
-            k = round(fraction * len(members))
-            for j in draw_without_replacement(w[members], k, rng):
-                chosen.append(int(members[j]))
-        return sorted(chosen)
-    raise ValueError(
-        f"--sampling {method}: sample_informative knows weighted, greedy and stratified; "
-        "add its draw there"
-    )
+    draw = SAMPLINGS[method]
+    return sorted(draw(values, w, fraction, rng, bins))
 
 
 def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
@@ -867,9 +966,9 @@ def item_losses(
     if loss == "rloo":
         return rloo_loss(pi[0], ref[0], w[0], args.rloo_clip)
     raise ValueError(
-        f"--loss {loss}: item_losses has no line for it; add its loss function and a line "
-        "for it in item_losses (resolve gives it DPO's official values unless OFFICIAL has a "
-        "row for it)"
+        f"--loss {loss}: add its line to item_losses (its loss function above, e.g. dpo_loss, "
+        "on pi, ref, n, w; its name in ROLLOUT_LOSSES if it trains on every response; its row "
+        "in OFFICIAL, else resolve gives it DPO's official values)"
     )
 
 
@@ -1035,6 +1134,16 @@ def read_evolution(
     return new, ""
 
 
+def draw_mutations(chains: list[str], rng: random.Random, args: Args) -> list[str]:
+    """The name of each chain's next mutation (MUTATIONS), drawn uniformly with the round's rng
+    (distilabel's np.random.choice). chains: each seed's last kept prompt (not read by the
+    uniform draw). evolve applies them."""
+    names = []
+    for _ in chains:
+        names.append(rng.choice(list(MUTATIONS)))
+    return names
+
+
 def evolve(
     sampler,
     tokenizer,
@@ -1046,17 +1155,18 @@ def evolve(
 ) -> tuple[list[str], list[dict]]:
     """Step 4, the creator's 'self-evolve prompts' (official: distilabel's EvolInstruct with
     store_evolutions). Takes the seeds (the informative subset's prompts) and the known prompts;
-    grows a chain of num_evolutions MUTATIONS per seed, each drawn uniformly and applied to the
-    seed's last kept prompt, a reply kept or dropped by read_evolution. Returns (the new prompts,
-    X_t: every kept prompt of every chain, the intermediate ones included, which step 5 solves
-    and the next round starts from; a record of every step, which record_evolutions writes)."""
+    grows a chain of num_evolutions MUTATIONS per seed, each drawn by draw_mutations and applied
+    to the seed's last kept prompt, a reply kept or dropped by read_evolution. Returns (the new
+    prompts, X_t: every kept prompt of every chain, the intermediate ones included, which step 5
+    solves and the next round starts from; a record of every evolution, with its place in the
+    chain as "evolution", which record_evolutions writes)."""
     # the same draws on every rank and after a resume
     rng = random.Random(f"{args.seed}/{iteration}/mutations")
     chains = list(seeds)  # each seed's last kept prompt
     seen = {normalise(prompt) for prompt in known}
     evolved, records = [], []
-    for step in range(args.num_evolutions):
-        names = [rng.choice(list(MUTATIONS)) for _ in chains]
+    for evolution in range(args.num_evolutions):  # the chains' evolution-th mutation
+        names = draw_mutations(chains, rng, args)
         asks = []
         for name, chain in zip(names, chains):
             asks.append(MUTATIONS[name].replace("<PROMPT>", chain))
@@ -1064,7 +1174,7 @@ def evolve(
             sampler=sampler,
             tokenizer=tokenizer,
             prompts=asks,
-            key=f"{args.seed}/{iteration}/evolve/{step}",
+            key=f"{args.seed}/{iteration}/evolve/{evolution}",
             args=args,
             dist=dist,
         )
@@ -1073,7 +1183,7 @@ def evolve(
             record = {
                 "round": iteration,
                 "seed": i,
-                "step": step,
+                "evolution": evolution,
                 "mutation": names[i],
                 "parent": chains[i],
                 "reply": text,
@@ -1090,7 +1200,7 @@ def evolve(
 
 
 def record_evolutions(records: list[dict], run_dir: pathlib.Path, dist: Dist) -> dict[str, float]:
-    """Append evolve's step records to <run>/evolutions.jsonl (main rank); returns the
+    """Append evolve's records to <run>/evolutions.jsonl (main rank); returns the
     creator/<reason> counts (kept, or why dropped), logged with the round's metrics."""
     if dist.is_main:
         with open(run_dir / "evolutions.jsonl", "a") as f:
@@ -1291,33 +1401,33 @@ def update(
         all_sequences.extend(sequences(item)[0])
     refs = sequence_logprobs(policy, all_sequences, args, dist)
     with_refs = []  # (item, its sequences' reference log-probs)
-    start = 0
+    offset = 0
     for item in items:
         count = len(sequences(item)[0])
-        with_refs.append((item, refs[start : start + count]))
-        start += count
+        with_refs.append((item, refs[offset : offset + count]))
+        offset += count
     optimizer.state.clear()
     warmup = args.warmup_steps
     if warmup is None:
         warmup = math.ceil(total * args.warmup_ratio)
-    history = []
-    for step in range(total):
-        if step % per_epoch == 0:
-            order = rng.sample(with_refs, len(with_refs))  # an epoch's shuffle
-        first = (step % per_epoch) * args.batch_size
-        batch = order[first : first + args.batch_size]
+    stats = []
+    for optimizer_step in range(total):
+        if optimizer_step % per_epoch == 0:  # an epoch starts: a new order
+            order = rng.sample(with_refs, len(with_refs))
+        start = (optimizer_step % per_epoch) * args.batch_size
+        batch = order[start : start + args.batch_size]
 
         def batch_loss(micro: list) -> tuple[torch.Tensor, dict[str, float]]:
             return micro_batch_loss(policy, micro, size=len(batch), args=args)
 
         lr = lr_at(
-            step=step,
+            step=optimizer_step,
             total=total,
             peak=args.learning_rate,
             warmup=warmup,
             schedule=args.lr_schedule,
         )
-        stats = train_step(
+        step_stats = train_step(
             model=policy,
             optimizer=optimizer,
             batch=batch,
@@ -1328,14 +1438,14 @@ def update(
             length=item_length,
             lr=lr,
         )
-        history.append(stats)
+        stats.append(step_stats)
     metrics = {}
-    for name in history[0]:
-        metrics[f"losses/{name}"] = float(np.mean([entry[name] for entry in history]))
+    for name in stats[0]:
+        metrics[f"losses/{name}"] = float(np.mean([s[name] for s in stats]))
     for name in ("loss", "margin"):  # where the round's training started and ended
-        if name in history[0]:
-            metrics[f"losses/{name}_first"] = history[0][name]
-            metrics[f"losses/{name}_last"] = history[-1][name]
+        if name in stats[0]:
+            metrics[f"losses/{name}_first"] = stats[0][name]
+            metrics[f"losses/{name}_last"] = stats[-1][name]
     metrics["losses/steps"] = float(total)
     return metrics
 
@@ -1464,35 +1574,22 @@ def new_optimizer(policy, args: Args) -> torch.optim.Optimizer:
     raise ValueError(f"--optim {args.optim}: new_optimizer knows adamw and rmsprop; add it there")
 
 
-def load_models(args: Args, dist: Dist) -> tuple:
-    """(tokenizer, models, reward model): one policy plays both roles, creator and solver, by its
-    prompt, models = {"policy": (policy, optimizer)}; the reward model is frozen, and loaded
-    before vLLM starts, which sizes its cache from the memory left."""
+def load_models(args: Args, dist: Dist) -> tuple[dict, object, tuple]:
+    """(models, tokenizer, reward model): one policy plays both roles, creator and solver, by its
+    prompt, models = {"policy": (policy, optimizer)}; the reward model (load_reward_model) is
+    frozen, and loaded before vLLM starts (start_sampler), which sizes its cache from the memory
+    left."""
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = new_optimizer(policy, args)
     models = {"policy": (policy, optimizer)}
     reward_model = load_reward_model(args, dist)
-    return tokenizer, models, reward_model
+    return models, tokenizer, reward_model
 
 
-def main(args: Args) -> None:
-    # the loss's official values, before the CPU scaling (which a flag you pass overrides)
-    resolve(args)
-    check_choices(args)  # a Literal value the code lacks, or a share outside [0, 1], stops here
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
-    splits, heldout = load_prompts(args)
-    tokenizer, models, reward_model = load_models(args, dist)
-    policy, optimizer = models["policy"]
-    # the run's state: the round's prompts X_{t-1} (X_0: the first split), and the held-out
-    # rewards of the reference policy theta_{t-1}
-    start = 0
-    state = {"prompts": splits[0], "reference_rewards": None}
-    if args.resume:
-        found = load_checkpoint(run_dir, weights_only(models), dist)
-        if found is not None:
-            start, state = found
-    sampler = Sampler(
+def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
+    """The policy's sampler (vLLM or transformers), with its weights as they are now (resumed)."""
+    return Sampler(
         args.model,
         policy,
         tokenizer,
@@ -1503,6 +1600,25 @@ def main(args: Args) -> None:
         sleep=args.vllm_sleep,
         seed=args.seed,
     )
+
+
+def main(args: Args) -> None:
+    # the loss's official values, before the CPU scaling (which a flag you pass overrides)
+    resolve(args)
+    check_choices(args)  # a Literal value the code lacks, or a share outside [0, 1], stops here
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
+    splits, heldout = load_prompts(args)
+    models, tokenizer, reward_model = load_models(args, dist)
+    policy, optimizer = models["policy"]
+    # the run's state: the round's prompts X_{t-1} (X_0: the first split), and the held-out
+    # rewards of the reference policy theta_{t-1}
+    start = 0
+    state = {"prompts": splits[0], "reference_rewards": None}
+    if args.resume:
+        found = load_checkpoint(run_dir, weights_only(models), dist)
+        if found is not None:
+            start, state = found
+    sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     # what solve and heldout_rewards sample and score with
     services = dict(sampler=sampler, tokenizer=tokenizer, reward_model=reward_model)
     if state["reference_rewards"] is None:  # step 0: theta_0's, the first round's reference
@@ -1513,7 +1629,7 @@ def main(args: Args) -> None:
 
     last_win_rate = None
     for iteration in range(start, args.iterations):
-        step = iteration + 1
+        step = iteration + 1  # iterations done
         metrics = {}
         rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank and after a resume
         # a plain round (the baseline round, --new-human-prompts) runs steps 1, 6 and 7 on a split
@@ -1562,8 +1678,8 @@ def main(args: Args) -> None:
                         **services, prompts=evolved, n=args.n_samples, key=key, args=args, dist=dist
                     )
                 train_groups = mix(groups, new_groups, rng=rng, args=args)
-                reward_mean = float(np.mean(all_rewards(new_groups)))
-                metrics["charts/evolved_reward_mean"] = reward_mean
+                evolved_mean = float(np.mean(all_rewards(new_groups)))
+                metrics["charts/evolved_reward_mean"] = evolved_mean
                 state["prompts"] = evolved  # X_t: the next round's prompts (Algorithm 1)
 
         # 6. preference optimisation from theta_{t-1}, with theta_{t-1} as the reference
@@ -1594,15 +1710,11 @@ def main(args: Args) -> None:
         )
         metrics.update(charts)
         logger.log(metrics, step=step)
-        if step % args.save_every == 0 or step == args.iterations:
+        last = step == args.iterations
+        if step % args.save_every == 0 or last:
             saved = weights_only(models)  # no optimizer moments (every update starts afresh)
             save_checkpoint(
-                run_dir=run_dir,
-                iteration=step,
-                models=saved,
-                tokenizer=tokenizer,
-                state=state,
-                dist=dist,
+                run_dir, iteration=step, models=saved, tokenizer=tokenizer, state=state, dist=dist
             )
     note = win_rate_note(last_win_rate, len(heldout))
     if dist.is_main and note:

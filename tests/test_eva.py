@@ -69,8 +69,8 @@ def test_informativeness_metrics_by_hand():
         ([4.0], {"a_min": 0, "a_avg": 0, "a_dts": 0, "var": 0, "avg": 4, "inv_avg": -4}),
         # all rewards equal: every gap and the variance 0
         ([2.0, 2.0, 2.0], {"a_min": 0, "a_avg": 0, "a_dts": 0, "var": 0, "avg": 2, "inv_a_min": 0}),
-        # no responses: 0, uniform 1
-        ([], {"a_min": 0, "a_avg": 0, "a_dts": 0, "var": 0, "avg": 0, "uniform": 1}),
+        # no responses: 0 for every row (a run's groups are all empty or none is)
+        ([], {"a_min": 0, "a_avg": 0, "a_dts": 0, "var": 0, "avg": 0, "uniform": 0}),
     ],
 )
 def test_informativeness_edges(rewards, expected):
@@ -372,7 +372,7 @@ def test_evolve_chains_mutations_and_drops_bad_steps(tmp_path):
         dist=CPU,
     )
     assert evolved == ["A +", "B +", "A + +", "A + + +", "B + +"]
-    assert [(r["seed"], r["step"], r["parent"], r["kept"], r["reason"]) for r in records] == [
+    assert [(r["seed"], r["evolution"], r["parent"], r["kept"], r["reason"]) for r in records] == [
         (0, 0, "A", True, ""),
         (1, 0, "B", True, ""),
         (2, 0, "C", False, "duplicate"),
@@ -659,22 +659,22 @@ def test_every_literal_value_passes_the_start_checks(flag):
 @pytest.mark.parametrize(
     "flag, value, where",
     [
-        ("loss", "hinge", "item_losses"),
-        ("info_metric", "entropy", "informativeness"),
-        ("sampling", "top_half", "sample_informative"),
-        ("reward_kind", "pairwise", "reward_rule"),
+        ("loss", "hinge", "add its line to item_losses"),
+        ("info_metric", "entropy", "add its entry to INFO_METRICS"),
+        ("sampling", "top_half", "add its entry to SAMPLINGS"),
+        ("reward_kind", "pairwise", "add its entry to REWARD_KINDS"),
     ],
 )
 def test_a_value_added_to_a_literal_alone_stops_at_start(tmp_path, flag, value, where):
-    """A fork that adds a value to a Literal but not its line in the dispatch stops in main's first lines, before the
-    run directory exists, with a message that names the function to add it to (not a KeyError rounds later)."""
+    """A fork that adds a value to a Literal but not its entry (its line in item_losses) stops in main's first lines,
+    before the run directory exists, with a message that names what to add (not a KeyError rounds later)."""
     a = eva.Args(**{flag: value}, output_dir=str(tmp_path))
     with pytest.raises(ValueError, match=f"--{flag.replace('_', '-')} {value}: {where}"):
         eva.main(a)
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="--optim sgd: new_optimizer"):
         eva.new_optimizer(torch.nn.Linear(2, 1), args(optim="sgd"))
-    with pytest.raises(ValueError, match="--reward-kind pairwise: reward_rule"):
+    with pytest.raises(ValueError, match="--reward-kind pairwise: add its entry to REWARD_KINDS"):
         # before loading anything
         eva.load_reward_model(args(reward_kind="pairwise", reward_model="unused"), CPU)
 
@@ -701,9 +701,10 @@ def hinge_loss(h: torch.Tensor, beta: float) -> torch.Tensor:
 '''
 
 
-def test_a_loss_added_with_its_function_and_line_trains(monkeypatch):
+def test_a_loss_added_with_its_function_and_line_trains(monkeypatch, capsys):
     """The fork a reader writes: the name in --loss's Literal, the loss function, its line in item_losses. It parses,
-    resolves (OFFICIAL has no row for it: DPO's values, no KeyError), passes the start checks and computes its loss."""
+    resolves (OFFICIAL has no row for it: DPO's values, no KeyError, and resolve says which), passes the start checks
+    and computes its loss."""
     source = (REPO / "eva.py").read_text()
     # --loss's Literal, whatever values a fork has added to it: "hinge" goes last
     [loss_line] = re.findall(r"\n    loss: Literal\[[^\]]*\]", source)
@@ -723,14 +724,62 @@ def test_a_loss_added_with_its_function_and_line_trains(monkeypatch):
     fork.__file__ = str(REPO / "eva_hinge.py")
     monkeypatch.setitem(sys.modules, "eva_hinge", fork)
     exec(compile(source, fork.__file__, "exec"), fork.__dict__)
-    a = fork.resolve(tyro.cli(official_args(fork), args=["--loss", "hinge"]))
+    a = fork.resolve(tyro.cli(official_args(fork), args=["--loss", "hinge", "--epochs", "3"]))
     resolved = (a.beta, a.learning_rate, a.epochs, a.optim, a.lr_schedule)
-    assert resolved == (0.05, 5e-7, 2, "adamw", "cosine")  # DPO's row
+    assert resolved == (0.05, 5e-7, 3, "adamw", "cosine")  # DPO's row, --epochs as given
+    # not silently: the values it took from DPO's row, and only those
+    printed = capsys.readouterr().out
+    assert "--loss hinge has no row in OFFICIAL" in printed
+    assert "--beta 0.05" in printed and "--learning-rate 5e-07" in printed
+    assert "--epochs" not in printed
     fork.check_choices(a)
     pi = torch.tensor([[-2.0, -4.0], [-6.0, -4.0]])  # h = (-2 + 3) - (-6 + 5) = 2, then 0
     ref = torch.tensor([[-3.0, -4.0], [-5.0, -4.0]])
     losses = fork.item_losses("hinge", pi, ref, torch.ones(2, 2), torch.full((2, 2), 0.5), a)
     assert losses.tolist() == pytest.approx([1 - 0.05 * 2, 1.0])
+
+
+def test_resolve_names_what_a_loss_without_a_row_takes_from_dpo(monkeypatch, capsys):
+    """A loss with its own row in OFFICIAL (each of the file's) borrows nothing and resolve prints nothing; one without
+    borrows DPO's value of each flag left unset, printed once, on torchrun's rank 0 only."""
+    for loss in literal_values("loss"):
+        assert eva.borrowed_from_dpo(official_args(eva)(loss=loss)) == {}
+        eva.resolve(official_args(eva)(loss=loss))
+    assert capsys.readouterr().out == ""
+    monkeypatch.delitem(eva.OFFICIAL, "ipo")  # ipo as a fork's loss without a row
+    unset = official_args(eva)(loss="ipo", beta=0.3)
+    borrowed = eva.borrowed_from_dpo(unset)
+    assert borrowed == {k: v for k, v in eva.OFFICIAL["dpo"].items() if k != "beta"}
+    monkeypatch.setenv("RANK", "1")
+    eva.resolve(official_args(eva)(loss="ipo"))
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    a = eva.resolve(unset)
+    assert (a.beta, a.epochs, a.max_length) == (0.3, 2, 2048)
+    [line] = capsys.readouterr().out.splitlines()
+    assert line.startswith("eva.py: --loss ipo has no row in OFFICIAL") and "--beta" not in line
+
+
+def test_a_row_added_to_a_table_is_dispatched(monkeypatch):
+    """A fork's informativeness metric, subset draw or reward kind is its function and its entry: the dispatch reads
+    the entry (and check_choices passes it)."""
+
+    def top_reward(r):
+        return r[-1]
+
+    def last_one(values, w, fraction, rng, bins):
+        return [len(w) - 1]
+
+    monkeypatch.setitem(eva.INFO_METRICS, "top", top_reward)
+    monkeypatch.setitem(eva.SAMPLINGS, "last", last_one)
+    kind = eva.RewardKind(eva.load_judge, eva.judge_scores)
+    monkeypatch.setitem(eva.REWARD_KINDS, "judge2", kind)
+    assert eva.informativeness([3.0, 1.0, 2.0], "top") == 3.0
+    assert eva.sample_informative([0] * 3, np.ones(3) / 3, 0.5, "last", None) == [2]
+    assert eva.reward_rule("judge2") is kind
+    eva.check_choices(args(info_metric="top", sampling="last", reward_kind="judge2"))
+    with pytest.raises(ValueError, match="--optim sgd: new_optimizer"):
+        eva.check_choices(args(optim="sgd"))
 
 
 # ---- the solver: pairs, reference log-probs, the update ----
@@ -1273,7 +1322,7 @@ def test_ablations_change_what_they_name(monkeypatch, tiny_model_dir, tmp_path, 
     seeds = []  # the subset's prompts: the first parents of the mutation chains
     if (run_dir / "evolutions.jsonl").exists():
         for line in (run_dir / "evolutions.jsonl").read_text().splitlines():
-            if json.loads(line)["step"] == 0:
+            if json.loads(line)["evolution"] == 0:
                 seeds.append(json.loads(line)["parent"])
     a_min = [max(g.rewards) - min(g.rewards) for g in groups]
     assert row["charts/train_items"] == len(items) > 0
