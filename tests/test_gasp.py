@@ -235,8 +235,10 @@ def test_similarity_flag_is_dispatched_in_one_table():
     # every --similarity choice has its row; an unknown one stops with what to add
     choices = typing.get_args(typing.get_type_hints(Args)["similarity"])
     assert set(choices) <= set(gasp.SIMILARITIES)
-    with pytest.raises(SystemExit, match="SIMILARITIES knows embedding"):
+    with pytest.raises(ValueError, match="--similarity bm25: add its entry to SIMILARITIES"):
         gasp.similarity_measure("bm25")
+    with pytest.raises(ValueError, match="add its entry to SIMILARITIES"):
+        gasp.check_choices(Args(similarity="bm25"))  # a Literal value without a row stops at start
     assert gasp.similarity_measure("keyword").uses_embedder is False
     # the embedding measure says what it lacks instead of calling None
     with pytest.raises(ValueError, match="load_embedder"):
@@ -293,10 +295,17 @@ def test_a_lift_is_not_compared_with_its_own_lemma():
 
 
 # ---------------------------------------------------------------- advantages and loss
+def trr(rewards, groups, eps=1e-6):
+    examples = []
+    for reward, group in zip(rewards, groups):
+        examples.append(gasp.rewarded_example(sample("x"), reward, source=None, group=group))
+    return gasp.trr_advantages(examples, Args(), eps=eps)
+
+
 def test_trr_advantages_by_hand():
     rewards = [1.0, -0.5, -0.5, 1.0, 0.3, 0.7, 0.7]
     groups = [("induction", "lemma")] * 3 + [("deduction", "solve")] + [("abduction", "solve")] * 3
-    adv = gasp.trr_advantages(rewards, groups, eps=0.0)
+    adv = trr(rewards, groups, eps=0.0)
     # group 1: mean (1 - 0.5 - 0.5)/3 = 0, var (1 + 0.25 + 0.25)/3 = 0.5, std 0.70710678
     assert adv[:3] == pytest.approx([1 / 0.5**0.5, -0.5 / 0.5**0.5, -0.5 / 0.5**0.5])
     # group 2: one member -> std 0 -> advantage 0
@@ -304,14 +313,14 @@ def test_trr_advantages_by_hand():
     std = (8 / 225) ** 0.5
     assert adv[4:] == pytest.approx([(-4 / 15) / std, (2 / 15) / std, (2 / 15) / std])
     assert adv[3] == 0.0
-    assert gasp.trr_advantages([-1.0, -1.0], ["g", "g"]) == [0.0, 0.0]  # all equal: no signal
-    assert gasp.trr_advantages([], []) == []
-    assert gasp.trr_advantages([0.7], ["g"]) == [0.0]  # one sample: std 0
-    assert gasp.trr_advantages([0.1] * 3, ["g"] * 3) == [0.0] * 3  # equal floats: std 1e-17, not 0
-    assert gasp.trr_advantages([1.0, 0.0], ["a", "b"]) == [0.0, 0.0]  # a group each
+    assert trr([-1.0, -1.0], ["g", "g"]) == [0.0, 0.0]  # all equal: no signal
+    assert trr([], []) == []
+    assert trr([0.7], ["g"]) == [0.0]  # one sample: std 0
+    assert trr([0.1] * 3, ["g"] * 3) == [0.0] * 3  # equal floats: std 1e-17, not 0
+    assert trr([1.0, 0.0], ["a", "b"]) == [0.0, 0.0]  # a group each
 
 
-def test_trr_examples_weigh_by_the_advantage_and_keep_the_record():
+def test_advantage_examples_weigh_by_the_advantage_and_keep_the_record():
     s = sample("x", prompt_ids=[1, 2], token_ids=[3, 4, 5])
     examples = [
         gasp.rewarded_example(s, 1.0, source="r1", group="g"),
@@ -319,14 +328,76 @@ def test_trr_examples_weigh_by_the_advantage_and_keep_the_record():
         gasp.rewarded_example(s, 0.3, source="r3", group="h"),
     ]
     assert [e.weight for e in examples] == [1.0, -0.5, 0.3]  # a phase's weight: its reward
-    whitened = gasp.trr_examples(examples, Args())
+    whitened = gasp.advantage_examples(examples, Args())  # --advantage trr++
     # group g: mean 0.25, deviations 0.75 and -0.75, std 0.75 -> +-1; group h: one sample -> 0
     assert [e.weight for e in whitened] == pytest.approx([1.0, -1.0, 0.0], abs=1e-5)
     assert [e.source for e in whitened] == ["r1", "r2", "r3"]
     assert [e.reward for e in whitened] == [1.0, -0.5, 0.3]
     # it reads the rewards, not the weights: whitening twice changes nothing
-    assert gasp.trr_examples(whitened, Args()) == whitened
+    assert gasp.advantage_examples(whitened, Args()) == whitened
     assert gasp.example_length(examples[0]) == 5
+
+
+def test_advantage_flag_is_dispatched_in_one_table(monkeypatch):
+    s = sample("x")
+    examples = [
+        gasp.rewarded_example(s, 1.0, source="r1", group="g"),
+        gasp.rewarded_example(s, 0.0, source="r2", group="g"),
+        gasp.rewarded_example(s, 0.5, source="r3", group="g"),
+    ]
+    choices = typing.get_args(typing.get_type_hints(Args)["advantage"])
+    assert set(choices) <= set(gasp.ADVANTAGES)
+    # a fork's estimator: its function and an entry; advantage_examples reads it through the lookup.
+    # RLOO by hand: r_i - mean of the others: 1 - 0.25 = 0.75, 0 - 0.75 = -0.75, 0.5 - 0.5 = 0
+
+    def rloo_advantages(examples, args):
+        rewards = [example.reward for example in examples]
+        total = sum(rewards)
+        return [r - (total - r) / (len(rewards) - 1) for r in rewards]
+
+    monkeypatch.setitem(gasp.ADVANTAGES, "rloo", rloo_advantages)
+    args = Args(advantage="rloo")
+    gasp.check_choices(args)
+    weighted = gasp.advantage_examples(examples, args)
+    assert [e.weight for e in weighted] == pytest.approx([0.75, -0.75, 0.0])
+    assert [e.source for e in weighted] == ["r1", "r2", "r3"]
+    # the default is TRR++: mean 0.5, std sqrt(1/6) -> +-0.5 / 0.40824829 = +-1.22474487, 0
+    default = gasp.advantage_examples(examples, Args())
+    assert [e.weight for e in default] == pytest.approx([1.2247449, -1.2247449, 0.0], abs=1e-5)
+    # a Literal value without an entry stops at start, naming what to add
+    monkeypatch.delitem(gasp.ADVANTAGES, "rloo")
+    with pytest.raises(ValueError, match="--advantage rloo: add its entry to ADVANTAGES"):
+        gasp.check_choices(args)
+
+
+def test_problem_sets_are_dispatched_in_one_table():
+    for flag in ("goalposts", "benchmark"):
+        choices = typing.get_args(typing.get_type_hints(Args)[flag])
+        for choice in choices:
+            source = gasp.goalpost_source(Args(**{flag: choice}))
+            if flag == "benchmark":
+                source = gasp.benchmark_source(Args(**{flag: choice}))
+            assert source in gasp.PROBLEM_SETS
+    assert gasp.goalpost_source(Args(goalposts="auto")) == "livecodebench"
+    assert gasp.benchmark_source(Args(benchmark="auto")) == "livecodebench"
+    with pytest.raises(ValueError, match="problem set apps: add its entry to PROBLEM_SETS"):
+        gasp.check_choices(Args(goalposts="apps"))
+    with pytest.raises(ValueError, match="problem set apps: add its entry to PROBLEM_SETS"):
+        gasp.check_choices(Args(greedy_benchmarks=["apps"]))
+    with pytest.raises(ValueError, match="--lift-band 0.5 0.1"):
+        gasp.check_choices(Args(lift_band=(0.5, 0.1)))
+    gasp.check_choices(Args())
+
+
+def test_band_rejection_by_hand():
+    # the one band rule: both ends inside; the side it misses on names the reason
+    assert gasp.band_rejection(0.3, (0.3, 0.7)) == ""
+    assert gasp.band_rejection(0.7, (0.3, 0.7)) == ""
+    assert gasp.band_rejection(0.75, (0.3, 0.7)) == "too_easy"
+    assert gasp.band_rejection(0.25, (0.3, 0.7)) == "too_hard"
+    # banded_reward pays Eq. 6 exactly where band_rejection accepts
+    assert gasp.banded_reward(0.75, 0.5, 10.0, (0.3, 0.7), outside=-0.5) == -0.5
+    assert gasp.banded_reward(0.7, 0.5, 10.0, (0.3, 0.7)) == pytest.approx(0.84**5)
 
 
 def test_ppo_clip_loss_by_hand():
@@ -337,10 +408,11 @@ def test_ppo_clip_loss_by_hand():
     logp = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(1.5), 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     adv = torch.tensor([1.0, -2.0])
-    loss, stats = gasp.ppo_clip_loss(logp, old, mask, adv, denominator=3.0, clip_coef=0.2)
+    args = Args(clip_coef=0.2, ent_coef=0.0)
+    loss, stats = gasp.ppo_clip_loss(logp, old, mask, adv, denominator=3.0, args=args)
     assert float(loss.detach()) == pytest.approx(1.3 / 3)
-    assert stats["clip_sum"] == 3.0  # |ratio - 1| > 0.2 for all three real tokens
-    assert stats["pg_sum"] == pytest.approx(1.3)
+    assert stats["clipfrac"] == 1.0  # |ratio - 1| > 0.2 for all three real tokens
+    assert stats["policy_loss"] == pytest.approx(1.3 / 3)
     loss.backward()
     # d/dlogp of -ratio*A is -ratio*A where the unclipped term is the min, 0 where the clipped one is:
     # seq 0 tok 0 clipped -> 0; seq 0 tok 1: -0.5 * 1 / 3; seq 1 tok 0: -1.5 * -2 / 3 = 1; padding -> 0
@@ -352,12 +424,11 @@ def test_ppo_clip_loss_by_hand():
         mask,
         adv,
         denominator=3.0,
-        clip_coef=0.2,
+        args=Args(clip_coef=0.2, ent_coef=0.1),
         entropy=torch.ones(2, 2),
-        ent_coef=0.1,
     )
     assert float(loss2.detach()) == pytest.approx(1.3 / 3 - 0.1)
-    assert stats2["entropy_sum"] == pytest.approx(3.0)
+    assert stats2["entropy"] == pytest.approx(1.0)
 
 
 def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
@@ -369,7 +440,7 @@ def test_ppo_clip_loss_on_policy_is_the_reinforce_gradient():
         torch.ones(1, 3),
         torch.tensor([2.0]),
         denominator=3.0,
-        clip_coef=0.2,
+        args=Args(clip_coef=0.2, ent_coef=0.0),
     )
     assert float(loss.detach()) == pytest.approx(-2.0)
     loss.backward()
@@ -840,7 +911,9 @@ def test_rejection_sampling_step(plain_prompts, embedder, tmp_path):
         (3, 1, "", 1.0),
     ]
     assert [r.reward for r in rollouts] == [1.0, -1.0, -0.5, -0.5, -0.5, -0.5, 1.0]
-    assert [r.weight for r in rollouts] == [r["reward"] for r in records]  # until trr_examples
+    assert [r.weight for r in rollouts] == [
+        r["reward"] for r in records
+    ]  # until advantage_examples
     assert [r.source for r in rollouts] == records  # each Example keeps its proposal's record
     assert {r.group for r in rollouts} == {("induction", "lemma")} and rollouts[
         0
@@ -1041,15 +1114,13 @@ def test_keyword_run_never_loads_the_embedder(monkeypatch, tiny_model_dir, tmp_p
     assert all("features" not in r for r in records)  # proposals.jsonl leaves them out
 
 
-def test_a_resumed_run_keeps_its_measure(monkeypatch, tiny_model_dir, tmp_path):
+def test_a_resumed_run_keeps_its_measure():
     # the buffer's features were made by the checkpoint's --similarity; another one could not compare with them
     state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": "embedding"}
-    monkeypatch.setattr(gasp, "load_checkpoint", lambda *a, **k: (1, state))
-    args = Args(
-        model=tiny_model_dir, resume=True, similarity="keyword", gradient_checkpointing=False
-    )
-    with pytest.raises(SystemExit, match="buffer has embedding's"):
-        gasp.load_run(args, tmp_path, CPU)
+    with pytest.raises(ValueError, match="buffer has embedding's"):
+        gasp.check_resumed_measure(state, Args(similarity="keyword"))
+    gasp.check_resumed_measure(state, Args(similarity="embedding"))
+    gasp.check_resumed_measure({"buffer": []}, Args(similarity="embedding"))  # before the flag
 
 
 def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):
