@@ -219,7 +219,10 @@ class Args:
     gamma: float = 0.95
     """the discount of the value labels (`value_label`)"""
     value_labels: Literal["state", "root"] = "state"
-    """label every state of a proof (README) or only the root (the official collector)"""
+    """which states of a proof get labels besides the root: every state (README) or none (the
+    official collector); value_label_rule, from VALUE_LABELS"""
+    value_loss: Literal["squared_error"] = "squared_error"
+    """the value model's regression loss (value_loss_rule, from VALUE_LOSSES)"""
     positive_oversample: int = 3
     """positive labels are repeated this many times (official oversample_positive)"""
     value_epochs: int = 3
@@ -252,6 +255,9 @@ class Args:
     """rollout temperature"""
     max_new_tokens: int = 4096
     """rollout_max_response_len"""
+    advantage: Literal["grpo", "dr_grpo"] = "grpo"
+    """the advantage estimator of a group's rewards (advantage_rule, from ADVANTAGES: official
+    grpo_advantages)"""
     eps_clip: float = 0.2
     """PPO clip below 1 (`clip_higher_loss`)"""
     eps_clip_high: float = 0.28
@@ -364,14 +370,16 @@ NO_GOALS = "no goals"
 # A theorem is lean_verify's Problem(id, header, statement), as load_problems reads them from a
 # dataset (miniF2F's fields; Kimina-Prover-Promptset's formal_statement, whose text before the
 # declaration is its header).
-def rollout_prompts(problems: list[Problem], step: int, size: int, seed: int) -> list[Problem]:
-    """The statements of GRPO rollout batch `step` (slime --rollout-shuffle): the batches run
+def rollout_prompts(
+    problems: list[Problem], batch_index: int, size: int, seed: int
+) -> list[Problem]:
+    """The statements of GRPO rollout batch `batch_index` (slime --rollout-shuffle): the batches run
     through epochs of the statements, each epoch in its own seeded order (so a batch that spans
     two epochs may hold a statement twice)."""
     n = len(problems)
     orders = {}  # epoch -> its order of the statements' indices
     batch = []
-    for j in range(step * size, (step + 1) * size):
+    for j in range(batch_index * size, (batch_index + 1) * size):
         epoch = j // n
         if epoch not in orders:
             orders[epoch] = random.Random(f"{seed}/epoch{epoch}").sample(range(n), n)
@@ -408,10 +416,61 @@ def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     return advantages.tolist()
 
 
+def dr_grpo_advantages(rewards: list[float]) -> list[float]:
+    """Dr. GRPO's advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training"), the group
+    mean subtracted and no division by the std:
+        A_i = r_i - mean(r).
+    (Its other change, no per-response length normalisation, is clip_higher_loss's token sum
+    over the batch's tokens already.)"""
+    r = np.asarray(rewards, dtype=np.float64)
+    return (r - r.mean()).tolist()
+
+
+# --advantage's choices: a new one is its function above and an entry here
+ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
+
+
+def advantage_rule(args: Args):
+    """--advantage's estimator, `(rewards of a group) -> advantages`, from ADVANTAGES: update
+    reads it, check_choices calls it at start."""
+    if args.advantage not in ADVANTAGES:
+        raise ValueError(
+            f"--advantage {args.advantage}: add its entry to ADVANTAGES (a function from a "
+            "group's rewards to their advantages, as grpo_advantages)"
+        )
+    return ADVANTAGES[args.advantage]
+
+
 def value_label(steps_left: int, gamma: float) -> float:
     """The value model's target for a state d = steps_left tactics before QED (README "gamma^d
     scoring"): gamma^d, so that V(s) ranks states by their distance to a proof."""
     return gamma**steps_left
+
+
+def every_state(depth: int) -> bool:
+    """--value-labels state (README): every state of a proof path below the root is labelled."""
+    return True
+
+
+def root_only(depth: int) -> bool:
+    """--value-labels root (the official collector): no state below the root is labelled."""
+    return False
+
+
+# --value-labels' choices: a new one is its function above and an entry here
+VALUE_LABELS = {"state": every_state, "root": root_only}
+
+
+def value_label_rule(args: Args):
+    """--value-labels' predicate, `(depth) -> bool`: whether a state `depth` tactics below the
+    root (depth >= 1) gets its label; the root always does. From VALUE_LABELS: search_result and
+    whole_proof_labels read it, check_choices calls it at start."""
+    if args.value_labels not in VALUE_LABELS:
+        raise ValueError(
+            f"--value-labels {args.value_labels}: add its entry to VALUE_LABELS (a predicate "
+            "on a state's depth below the root, as every_state)"
+        )
+    return VALUE_LABELS[args.value_labels]
 
 
 def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
@@ -466,10 +525,34 @@ def clip_higher_loss(
     return loss, held_back
 
 
-def value_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The value model's regression loss: the squared errors of V(s) against the labels, summed
-    (the caller averages). values, labels: [B]."""
+def squared_error_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The value model's regression loss (official): the squared errors of V(s) against the
+    labels, summed (update_value divides by the batch's labels). values, labels: [B]."""
     return ((values - labels) ** 2).sum()
+
+
+# --value-loss' choices: a new one is its function above and an entry here
+VALUE_LOSSES = {"squared_error": squared_error_loss}
+
+
+def value_loss_rule(args: Args):
+    """--value-loss' loss, `(values [B], labels [B]) -> summed loss`, from VALUE_LOSSES:
+    update_value reads it, check_choices calls it at start."""
+    if args.value_loss not in VALUE_LOSSES:
+        raise ValueError(
+            f"--value-loss {args.value_loss}: add its entry to VALUE_LOSSES (a function of V's "
+            "values and the labels, summed over the batch, as squared_error_loss)"
+        )
+    return VALUE_LOSSES[args.value_loss]
+
+
+def loss_metrics(history: list[dict], prefix: str = "") -> dict[str, float]:
+    """An update's losses/ metrics: each stat of its optimizer steps (train_step's, summed over
+    the micro-batches) averaged over the steps, as losses/<prefix><name>."""
+    metrics = {}
+    for name in history[0]:
+        metrics[f"losses/{prefix}{name}"] = float(np.mean([h[name] for h in history]))
+    return metrics
 
 
 # ---- phases ----
@@ -668,8 +751,8 @@ def tactic_prompts(trees: list[Tree]) -> list[str]:
     return prompts
 
 
-def tactic_edges(samples: list[Sample]) -> list[Edge]:
-    """A node's edges from its K samples: each distinct tactic once, with its first sample's
+def proposed_edges(samples: list[Sample]) -> list[Edge]:
+    """A node's proposed edges from its K samples: each distinct tactic once, with its first sample's
     log-prob and tokens, in sampling order; then a failed edge (tactic None) for each sample that
     is not one finished line (truncated, aborted or empty)."""
     distinct = {}  # tactic -> its Edge
@@ -686,7 +769,7 @@ def tactic_edges(samples: list[Sample]) -> list[Edge]:
 def propose_tactics(sampler, trees: list[Tree], key: str, args: Args, clock=time.monotonic):
     """The prover's K tactics for the node each tree expands, one sampling call for all trees
     (a key per node, so a node's tactics do not depend on its batch): each tree's pending Edges
-    (tactic_edges). Each tree is charged the call's seconds (role "prover")."""
+    (proposed_edges). Each tree is charged the call's seconds (role "prover")."""
     keys = [f"{key}/{tree.problem.id}/{tree.expansions}" for tree in trees]
     start = clock()
     rows = sample(
@@ -702,7 +785,7 @@ def propose_tactics(sampler, trees: list[Tree], key: str, args: Args, clock=time
     for tree, row in zip(trees, rows):
         tree.seconds += elapsed
         tree.role_seconds["prover"] += elapsed
-        tree.pending = tactic_edges(row)
+        tree.pending = proposed_edges(row)
 
 
 def new_node(parent: Node, edge: Edge, state: TacticState, args: Args) -> Node:
@@ -828,7 +911,7 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
     """A tree's SearchResult (`proved`: a proof, and charged seconds at most search_timeout;
     within_budget's strict < only stops a call from starting at it); its labels (step 2):
     value_labels on the proof path (root first) and every expanded state, in the order
-    expanded; with --value-labels root, the root's alone."""
+    expanded; of the states below the root, those value_label_rule keeps."""
     proof = None
     proof_paths = []
     if tree.proof is not None:
@@ -837,10 +920,12 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
     expanded = [node for node in tree.nodes.values() if node.expansion is not None]
     expanded.sort(key=lambda node: node.expansion)
     keys = [node.state.key for node in expanded]
+    labelled = value_label_rule(args)
     labels = []
     for node_key, label in value_labels(keys, proof_paths, args.gamma).items():
         node = tree.nodes[node_key]
-        if args.value_labels == "state" or node.parent is None:
+        depth = len(node_path(node)) - 1
+        if depth == 0 or labelled(depth):
             labels.append(Label(node.state.pretty, label, source=tree.problem.id))
     return SearchResult(
         id=tree.problem.id,
@@ -971,10 +1056,12 @@ def whole_proof_labels(
     """Step 2's labelling rule, run in step 4 on its rollouts: Labels whose source is the
     Attempt. A failed attempt labels its theorem's root 0 (the official collector's rule); a
     proof of n top-level tactics labels the root value_label(n) (term mode: n = 1, the
-    collector's floor) and, with per-state labels, is replayed, the states on its path
-    labelled by value_labels; a replay not ending solved (it uses its own lemma): the root
-    only. Returned by grpo_round; V trains on them in the next step 3 that runs (with
-    co-training, the next iteration's)."""
+    collector's floor) and, when value_label_rule keeps a state below the root, is replayed,
+    the states on its path that the rule keeps labelled by value_labels; a replay not ending
+    solved (it uses its own lemma): the root only. Returned by grpo_round; V trains on them in
+    the next step 3 that runs (with co-training, the next iteration's)."""
+
+    labelled = value_label_rule(args)
 
     def label_share(mine: list[tuple[Problem, list[Attempt]]]) -> list[list[Label]]:
         roots = verifier.start_proofs([(p.header, p.statement) for p, _ in mine])
@@ -994,7 +1081,8 @@ def whole_proof_labels(
             for tactics, a in proofs:
                 value = value_label(max(len(tactics), 1), args.gamma)
                 labels.append(Label(root.pretty, value, source=a))
-                if args.value_labels == "state" and len(tactics) > 1:
+                inner = any(labelled(depth) for depth in range(1, len(tactics)))
+                if inner:
                     replays.append((labels, root, tactics, a))
         roots = [root for _, root, _, _ in replays]
         paths = [tactics for _, _, tactics, _ in replays]
@@ -1002,8 +1090,9 @@ def whole_proof_labels(
             if states and states[-1].status == "solved":
                 path = [s.key for s in states[:-1]]  # the states before each tactic, root first
                 found = value_labels([], [path], args.gamma)
-                for s in states[1:-1]:  # (the root has its label)
-                    labels.append(Label(s.pretty, found[s.key], source=a))
+                for depth, s in enumerate(states[1:-1], 1):  # (the root has its label)
+                    if labelled(depth):
+                        labels.append(Label(s.pretty, found[s.key], source=a))
         return out
 
     pairs = [(p, attempts[p.id]) for p in problems]
@@ -1108,7 +1197,8 @@ def update_value(
     dist: Dist,
 ) -> dict[str, float]:
     """Step 3 (official): value_epochs shuffled epochs over the labels so far, each label > 0
-    (a state on a proof path) positive_oversample times; the mean of value_loss over a batch;
+    (a state on a proof path) positive_oversample times; the mean of value_loss_rule's loss over a
+    batch;
     the HF trainer's schedule over these steps."""
     data = []
     for item in labels:
@@ -1119,24 +1209,25 @@ def update_value(
             data.append(item)
     if not data:
         return {}
+    loss = value_loss_rule(args)
     size = args.value_batch_size
     per_epoch = math.ceil(len(data) / size)
     total = args.value_epochs * per_epoch
     stats = []
-    for step in range(total):
-        if step % per_epoch == 0:  # an epoch starts: a new order
+    for optimizer_step in range(total):
+        if optimizer_step % per_epoch == 0:  # an epoch starts: a new order
             order = rng.sample(data, len(data))
-        start = (step % per_epoch) * size
+        start = (optimizer_step % per_epoch) * size
         batch = order[start : start + size]
 
         def loss_fn(micro: list[Label]) -> tuple[torch.Tensor, dict]:
             texts = [label.state for label in micro]
             values = value_forward(value_model, tokenizer, texts, args=args)
             targets = values.new_tensor([label.value for label in micro])
-            return value_loss(values, targets) / len(batch), {}
+            return loss(values, targets) / len(batch), {}
 
         lr = lr_at(
-            step,
+            optimizer_step,
             total,
             peak=args.value_learning_rate,
             warmup=args.value_warmup_steps,
@@ -1164,17 +1255,26 @@ def update_value(
     }
 
 
+def trains_on(example: Example) -> bool:
+    """Whether a GRPO sample trains: a non-zero advantage (all-equal rewards give 0 and no
+    gradient) and tokens to train on."""
+    return abs(example.weight) > 1e-8 and bool(example.sample.token_ids)
+
+
 def update(
     policy, optimizer, groups: list[list[Attempt]], lr: float | None, args: Args, dist: Dist
 ) -> dict[str, float]:
     """Step 4, GRPO on one rollout batch, a group of Attempts per prompt (official, no
-    KL, no entropy bonus): grpo_advantages from Lean's verdicts, clip_higher_loss with the
+    KL, no entropy bonus): advantage_rule's advantages (grpo_advantages) from Lean's verdicts, clip_higher_loss with the
     sampler's log-probs as pi_old, grpo_minibatches optimizer steps (lr None: the optimizer's). A
-    sample with advantage 0 adds no gradient and is not run, but its tokens count in n_tokens."""
+    sample that does not train (trains_on: advantage 0) adds no gradient and is not run, but its
+    tokens count in the loss's n_tokens (official); losses/grpo_clipfrac is the share of the
+    trained samples' tokens that the clip held back."""
+    estimate = advantage_rule(args)
     items = []
     for row in groups:
         rewards = [proof_reward(attempt, args) for attempt in row]
-        advantages = grpo_advantages(rewards)
+        advantages = estimate(rewards)
         for attempt, advantage in zip(row, advantages):
             items.append(Example(attempt.sample, weight=advantage, source=attempt))
     if not items:  # every group filtered out: nothing to train
@@ -1184,6 +1284,14 @@ def update(
     for first in range(0, len(items), size):
         minibatch = items[first : first + size]
         n_tokens = sum(len(example.sample.token_ids) for example in minibatch)
+        to_train = []
+        for example in minibatch:
+            if trains_on(example):
+                to_train.append(example)
+        if not to_train:
+            continue
+        # clipfrac's denominator: the tokens the loss trains on (held_back counts among them)
+        trained_tokens = sum(len(example.sample.token_ids) for example in to_train)
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
             samples = [example.sample for example in micro]
@@ -1203,14 +1311,8 @@ def update(
                 eps_low=args.eps_clip,
                 eps_high=args.eps_clip_high,
             )
-            return loss, {"clipfrac": held_back.item() / n_tokens}
+            return loss, {"clipfrac": held_back.item() / trained_tokens}
 
-        to_train = []
-        for example in minibatch:
-            if abs(example.weight) > 1e-8 and example.sample.token_ids:
-                to_train.append(example)
-        if not to_train:
-            continue
         step_stats = train_step(
             policy,
             optimizer,
@@ -1225,9 +1327,7 @@ def update(
         stats.append(step_stats)
     if not stats:
         return {}
-    metrics = {}
-    for name in ("loss", "clipfrac", "grad_norm"):
-        metrics[f"losses/grpo_{name}"] = float(np.mean([s[name] for s in stats]))
+    metrics = loss_metrics(stats, prefix="grpo_")
     metrics["losses/grpo_steps"] = float(len(stats))
     return metrics
 
@@ -1238,33 +1338,33 @@ def grpo_round(
     policy,
     optimizer,
     train_set: list[Problem],
-    first_step: int,
+    first_batch: int,
     args: Args,
     dist: Dist,
 ) -> tuple[list[dict], list[Attempt], list[Label]]:
-    """Step 4: grpo_steps_per_round GRPO steps from rollout batch `first_step` on; each samples
+    """Step 4: grpo_steps_per_round GRPO steps from rollout batch `first_batch` on; each samples
     and verifies whole proofs (attempt_proofs), labels the states of the proofs for the value
     model (whole_proof_labels) and updates the prover (update). Returns each step's stats, the
     rollouts and the labels."""
     stats, attempts, labels = [], [], []
     total = args.iterations * args.grpo_steps_per_round
     sampler.sync_weights(policy)  # the policy's weights, and wakes vLLM after the value update
-    for step in range(first_step, first_step + args.grpo_steps_per_round):
-        batch = rollout_prompts(train_set, step, size=args.prompts_per_step, seed=args.seed)
+    for batch_index in range(first_batch, first_batch + args.grpo_steps_per_round):
+        batch = rollout_prompts(train_set, batch_index, size=args.prompts_per_step, seed=args.seed)
         rollouts = attempt_proofs(
             sampler,
             verifier,
             batch,
             n=args.samples_per_prompt,
             temperature=args.temperature,
-            key=f"{args.seed}/grpo{step}",
+            key=f"{args.seed}/grpo{batch_index}",
             args=args,
             dist=dist,
         )
         labels += whole_proof_labels(verifier, batch, rollouts, args=args, dist=dist)
         sampler.sleep()
         lr = lr_at(
-            step,
+            batch_index,
             total,
             peak=args.learning_rate,
             warmup=args.warmup_steps,
@@ -1337,18 +1437,18 @@ def record_searches(
     results: list[SearchResult],
     phase: str,
     step: int,
-    outcomes: collections.Counter,
+    searched: collections.Counter,
     dist: Dist,
 ) -> None:
-    """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are
-    logged at, and into `outcomes`, a count of searches, proved, expansions, edges and
-    failed_edges (the same in coprover.py and rir.py)."""
+    """Every search to <run>/searches.jsonl, with its phase and the step (iterations done) its
+    metrics are logged at, and into `searched`, this run's count of searches, proved,
+    expansions, edges and failed_edges (the same in coprover.py and rir.py)."""
     for result in results:
-        outcomes["searches"] += 1
-        outcomes["proved"] += int(result.proved)
-        outcomes["expansions"] += result.expansions
-        outcomes["edges"] += result.edges
-        outcomes["failed_edges"] += result.failed_edges
+        searched["searches"] += 1
+        searched["proved"] += int(result.proved)
+        searched["expansions"] += result.expansions
+        searched["edges"] += result.edges
+        searched["failed_edges"] += result.failed_edges
     if not dist.is_main:
         return
     with open(run_dir / "searches.jsonl", "a") as f:
@@ -1358,11 +1458,21 @@ def record_searches(
 
 
 def evaluate(
-    sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist
+    sampler,
+    verifier,
+    problems: list[Problem],
+    score,
+    key: str,
+    run_dir: pathlib.Path,
+    step: int,
+    searched: collections.Counter,
+    args: Args,
+    dist: Dist,
 ) -> dict[str, float]:
     """Step 5 (official): pass@k (unbiased, pass_at_k) from eval_samples whole proofs per
     problem at eval_temperature; search efficiency on the first eval_search_limit problems,
-    value-guided (with a value model, `score`) and log-prob only."""
+    value-guided (with a value model, `score`) and log-prob only, every search to
+    searches.jsonl as phase eval/<guide> (record_searches). Returns eval/* metrics."""
     attempts = attempt_proofs(
         sampler,
         verifier,
@@ -1395,6 +1505,8 @@ def evaluate(
             sampler, verifier, subset, score=guide, key=f"{key}/{name}", args=args, dist=dist
         )
         seconds = time.monotonic() - start
+        phase = f"eval/{name}"
+        record_searches(run_dir, results, phase, step=step, searched=searched, dist=dist)
         stats = search_metrics(results, prefix=f"eval/search_{name}", seconds=seconds)
         metrics.update(stats)
     return metrics
@@ -1452,12 +1564,10 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
 
 def check_choices(args: Args) -> None:
     """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
-    this file has no code for."""
-    if args.value_labels not in ("state", "root"):
-        raise ValueError(
-            f"--value-labels {args.value_labels}: search_result and whole_proof_labels know "
-            "state and root; add its rule there"
-        )
+    this file has no entry for: each lookup once (ValueError naming what to add)."""
+    advantage_rule(args)
+    value_label_rule(args)
+    value_loss_rule(args)
     # lr_at raises on a schedule it does not know (start_run checks --lr-schedule)
     lr_at(step=0, total=1, peak=1.0, schedule=args.value_lr_schedule)
 
@@ -1582,7 +1692,7 @@ def main(args: Args) -> None:
         stats = search_metrics(results, prefix="search", seconds=seconds)
         metrics.update(stats)
         metrics["search/value_guided"] = float(guided)
-        record_searches(run_dir, results, "search", step=step, outcomes=searched, dist=dist)
+        record_searches(run_dir, results, "search", step=step, searched=searched, dist=dist)
 
         # 2. Labels: value_labels on the searches' states (the whole proofs' come with step 4;
         # the state keeps them as (state text, value) pairs)
@@ -1618,7 +1728,7 @@ def main(args: Args) -> None:
                 prover,
                 optimizer=prover_optimizer,
                 train_set=train_set,
-                first_step=state["grpo_step"],
+                first_batch=state["grpo_step"],
                 args=args,
                 dist=dist,
             )
@@ -1635,9 +1745,17 @@ def main(args: Args) -> None:
         if args.eval_every and step % args.eval_every == 0 or last:
             with logger.timer("eval"):
                 value_score = score if state["value_rounds"] else None
-                key = f"{args.seed}/{iteration}/eval"
                 stats = evaluate(
-                    sampler, verifier, benchmark, score=value_score, key=key, args=args, dist=dist
+                    sampler,
+                    verifier,
+                    benchmark,
+                    score=value_score,
+                    key=f"{args.seed}/{iteration}/eval",
+                    run_dir=run_dir,
+                    step=step,
+                    searched=searched,
+                    args=args,
+                    dist=dist,
                 )
                 metrics.update(stats)
         logger.log(metrics, step=step)
@@ -1655,8 +1773,18 @@ def main(args: Args) -> None:
                     f"coprover.py: {args.value_backbone} has no trained value head (a coprover "
                     "checkpoint's value/ has): the evaluation searches by log-prob only"
                 )
-        key = f"{args.seed}/eval"
-        stats = evaluate(sampler, verifier, benchmark, score=score, key=key, args=args, dist=dist)
+        stats = evaluate(
+            sampler,
+            verifier,
+            benchmark,
+            score=score,
+            key=f"{args.seed}/eval",
+            run_dir=run_dir,
+            step=args.iterations,
+            searched=searched,
+            args=args,
+            dist=dist,
+        )
         logger.log(stats, step=args.iterations)
     line = nothing_learned(outcomes, trained, args)
     if dist.is_main and line:

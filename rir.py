@@ -246,7 +246,7 @@ class Args:
     """triples per optimizer step (each gives a planner and an actor sequence)"""
     loss_reduction: Literal["token_mean", "sequence"] = "token_mean"
     """token_mean: each role's loss is its token mean (official T5 loss); sequence: L_co as
-    written (co_training_denominators)"""
+    written (loss_reduction_rule, from LOSS_REDUCTIONS)"""
     max_state_tokens: int = 768
     """states (s and s*) are cut to their first this many tokens (official: 2300 bytes)"""
     learning_rate: float = 2e-5  # AdamW, no weight decay
@@ -421,7 +421,7 @@ def co_training_loss(
     it; self_play_weight gives it),
     here with a denominator per term: denominators[0] divides the planner's summed log-probs
     (its s* sequences, or the joint sequences of --joint-format), denominators[1] the actor's
-    (its y* sequences); co_training_denominators chooses them. A term with denominator 0 (the flat
+    (its y* sequences); loss_reduction_rule chooses them. A term with denominator 0 (the flat
     baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
     logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
     roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]."""
@@ -436,18 +436,41 @@ def co_training_loss(
     return -total
 
 
-def co_training_denominators(role_tokens: list[int], triples: int, loss_reduction: str) -> list:
-    """co_training_loss's denominators for a batch (deviation 9). token_mean (the default, the
-    official T5 loss): each term's tokens in the whole batch, role_tokens, so that each role's
-    loss is its token mean; sequence: the batch's N triples for both terms, L_co as written."""
-    if loss_reduction == "token_mean":
-        return role_tokens
-    if loss_reduction == "sequence":
-        return [triples, triples]
-    raise ValueError(
-        f"--loss-reduction {loss_reduction}: co_training_denominators knows token_mean and "
-        "sequence; add its denominators there"
-    )
+def token_mean_denominators(role_tokens: list[int], triples: int) -> list:
+    """--loss-reduction token_mean (the default, the official T5 loss; deviation 9): each term's
+    output tokens in the whole batch, role_tokens, so that each role's loss is its token mean."""
+    return role_tokens
+
+
+def sequence_denominators(role_tokens: list[int], triples: int) -> list:
+    """--loss-reduction sequence: the batch's N triples for both terms, L_co as written."""
+    return [triples, triples]
+
+
+# --loss-reduction's choices: a new one is its function above and an entry here
+LOSS_REDUCTIONS = {"token_mean": token_mean_denominators, "sequence": sequence_denominators}
+
+
+def loss_reduction_rule(args: Args):
+    """--loss-reduction's rule, `(role_tokens, triples) -> co_training_loss's denominators`
+    (planner's, actor's), from LOSS_REDUCTIONS: co_train reads it, check_choices calls it at
+    start."""
+    if args.loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"--loss-reduction {args.loss_reduction}: add its entry to LOSS_REDUCTIONS (a "
+            "function of the batch's role_tokens and triples giving the two denominators, as "
+            "token_mean_denominators)"
+        )
+    return LOSS_REDUCTIONS[args.loss_reduction]
+
+
+def loss_metrics(history: list[dict], prefix: str = "") -> dict[str, float]:
+    """An update's losses/ metrics: each stat of its optimizer steps (train_step's, summed over
+    the micro-batches) averaged over the steps, as losses/<prefix><name>."""
+    metrics = {}
+    for name in history[0]:
+        metrics[f"losses/{prefix}{name}"] = float(np.mean([h[name] for h in history]))
+    return metrics
 
 
 # ---- phases ----
@@ -549,7 +572,7 @@ def can_expand(tree: Tree, args: Args) -> bool:
         return False
     if args.max_expansions is not None and tree.expansions >= args.max_expansions:
         return False
-    return NODE_CHOICES[args.search].has_node(tree)
+    return node_choice(args).has_node(tree)
 
 
 def queue_has_node(tree: Tree) -> bool:
@@ -599,6 +622,17 @@ NODE_CHOICES = {
 }
 
 
+def node_choice(args: Args) -> NodeChoice:
+    """--search's NodeChoice, from NODE_CHOICES: can_expand, pick_node and end_expansion read
+    it, check_choices calls it at start."""
+    if args.search not in NODE_CHOICES:
+        raise ValueError(
+            f"--search {args.search}: add its entry to NODE_CHOICES (a NodeChoice: how it knows "
+            "a node is left, picks the node to expand, and uses its expansion)"
+        )
+    return NODE_CHOICES[args.search]
+
+
 def start_trees(verifier, problems: list[Problem]) -> list[Tree]:
     """A Tree for each theorem, its root the start of its proof (one start_proofs call); an open
     root waits in its queue, a root Lean could not start leaves nothing to expand."""
@@ -624,7 +658,7 @@ def push(tree: Tree, node: Node) -> None:
 def pick_node(tree: Tree, args: Args) -> Node:
     """The node to expand, by the --search choice (NODE_CHOICES): BFS the queue's best, MCTS the
     leaf selection reaches."""
-    return NODE_CHOICES[args.search].pick(tree, args)
+    return node_choice(args).pick(tree, args)
 
 
 def start_expansion(tree: Tree, args: Args) -> None:
@@ -657,27 +691,32 @@ def best_first_search(
         for i in itertools.count():
             acting = []
             targets = []
-            for tree, (ranked_targets, _) in zip(live, plans):
-                if i < len(ranked_targets) and within_budget(tree, args):
+            for tree, (plan_edges, _) in zip(live, plans):
+                if i < len(plan_edges) and within_budget(tree, args):
                     acting.append(tree)
-                    targets.append(ranked_targets[i])
+                    targets.append(plan_edges[i])
             if not acting:
                 break
             propose_tactics(sampler, acting, targets, key=f"{key}/{i}", args=args, clock=clock)
             try_tactics(verifier, acting, args, clock=clock)
         # the planner's malformed samples: failed edges, after every target's
         for tree, (_, failed_plans) in zip(live, plans):
-            tree.pending = [Edge(None, 0.0, 0)] * failed_plans
+            tree.pending = failed_plans
         try_tactics(verifier, live, args, clock=clock)
         for tree in live:
             end_expansion(tree, args)
     return [search_result(tree, args) for tree in trees]
 
 
-def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float, int]], int]:
-    """Distinct non-empty completions without premise marks (official remove_marks), highest
-    summed log-prob first (as the official beam search scores them), each with its log-prob and
-    tokens, and how many were malformed (empty, or a failed vLLM request)."""
+def proposed_edges(samples: list[Sample], plan: Edge | None = None) -> list[Edge]:
+    """A node's proposed edges from its samples: the distinct non-empty completions without
+    premise marks (official remove_marks), highest summed log-prob first (as the official beam
+    search scores them; a completion drawn twice keeps its best), then a failed edge for each
+    malformed sample (empty, or a failed vLLM request). The planner's samples (plan None) are
+    targets: Edge(None, 0.0, 0, s*, log p(s* | s)), a malformed one Edge(None, 0.0, 0). The
+    actor's samples under `plan` (the planner's target Edge, or flat's) are tactics:
+    Edge(y, log p(y | s, s*), tokens, s*, log p(s* | s)), a malformed one Edge(None, 0.0, 0,
+    s*, log p(s* | s))."""
     best = {}  # text: (its best summed log-prob, tokens)
     malformed = 0
     for completion in samples:
@@ -688,11 +727,20 @@ def ranked(samples: list[Sample]) -> tuple[list[tuple[str, float, int]], int]:
         logp = float(sum(completion.logprobs))
         if text not in best or logp > best[text][0]:
             best[text] = (logp, len(completion.token_ids))
-    ordered = []
-    for text, (logp, tokens) in best.items():
-        ordered.append((text, logp, tokens))
-    ordered.sort(key=lambda row: -row[1])
-    return ordered, malformed
+    ranked = sorted(best.items(), key=lambda item: -item[1][0])
+    edges = []
+    for text, (logp, tokens) in ranked:
+        if plan is None:
+            edges.append(Edge(None, 0.0, 0, text, logp))
+        else:
+            edges.append(Edge(text, logp, tokens, plan.target, plan.target_logprob))
+    failed = []
+    for _ in range(malformed):
+        if plan is None:
+            failed.append(Edge(None, 0.0, 0))
+        else:
+            failed.append(Edge(None, 0.0, 0, plan.target, plan.target_logprob))
+    return edges + failed
 
 
 def node_text(tokenizer, tree: Tree, args: Args) -> str:
@@ -702,11 +750,12 @@ def node_text(tokenizer, tree: Tree, args: Args) -> str:
 
 def propose_targets(sampler, trees: list[Tree], key: str, args: Args, clock=time.monotonic):
     """The planner's targets s* ~ pi_h(. | s) for the node each tree expands, one sampling call
-    for all trees (a key per node): for each tree, its targets ranked (target, log p(s* | s),
-    tokens) and the number of malformed ones. Flat: one target None, with log-prob 0, no call.
+    for all trees (a key per node): for each tree, its proposed_edges split in its targets'
+    Edges, ranked, and its malformed samples' failed edges. Flat: one Edge with target None and
+    log-prob 0, no call.
     Each tree is charged the call's seconds (role "planner")."""
     if not args.planner:
-        return [([(None, 0.0, 0)], 0) for _ in trees]
+        return [([Edge(None, 0.0, 0)], []) for _ in trees]
     tokenizer = sampler.tokenizer
     prompts = [PLANNER_PROMPT.format(state=node_text(tokenizer, tree, args)) for tree in trees]
     keys = [f"{key}/{tree.problem.id}/{tree.expansions}/planner" for tree in trees]
@@ -732,23 +781,26 @@ def propose_targets(sampler, trees: list[Tree], key: str, args: Args, clock=time
     for tree, row in zip(trees, rows):
         tree.seconds += elapsed
         tree.role_seconds["planner"] += elapsed
-        plans.append(ranked(row))
+        edges = proposed_edges(row)
+        plan_edges = [edge for edge in edges if edge.target is not None]
+        failed = [edge for edge in edges if edge.target is None]
+        plans.append((plan_edges, failed))
     return plans
 
 
 def propose_tactics(
     sampler, trees: list[Tree], targets: list, key: str, args: Args, clock=time.monotonic
 ) -> None:
-    """The actor's tactics y ~ pi_l(. | s, s*) for each tree's node and its target (flat:
-    y ~ pi(. | s)), one sampling call for all trees: each tree's pending Edges, by log-prob, then
-    a failed edge (tactic None) for each malformed sample. Each tree is charged the call's
-    seconds (role "actor")."""
+    """The actor's tactics y ~ pi_l(. | s, s*) for each tree's node and its target (`targets`:
+    each tree's planner Edge; flat: y ~ pi(. | s)), one sampling call for all trees: each tree's
+    pending Edges (proposed_edges: by log-prob, then a failed edge for each malformed sample).
+    Each tree is charged the call's seconds (role "actor")."""
     tokenizer = sampler.tokenizer
     prompts = []
-    for tree, (target, _, _) in zip(trees, targets):
+    for tree, plan in zip(trees, targets):
         state = node_text(tokenizer, tree, args)
         if args.planner:
-            target_text = truncate_right(tokenizer, target, args.max_state_tokens)
+            target_text = truncate_right(tokenizer, plan.target, args.max_state_tokens)
             prompts.append(ACTOR_PROMPT.format(state=state, target=target_text))
         else:
             prompts.append(FLAT_PROMPT.format(state=state))
@@ -765,16 +817,10 @@ def propose_tactics(
         top_p=args.top_p,
     )
     elapsed = clock() - start
-    for tree, (target, target_logprob, _), row in zip(trees, targets, rows):
+    for tree, plan, row in zip(trees, targets, rows):
         tree.seconds += elapsed
         tree.role_seconds["actor"] += elapsed
-        tactics, malformed = ranked(row)
-        edges = []
-        for tactic, logprob, tokens in tactics:
-            edges.append(Edge(tactic, logprob, tokens, target, target_logprob))
-        for _ in range(malformed):
-            edges.append(Edge(None, 0.0, 0, target, target_logprob))
-        tree.pending = edges
+        tree.pending = proposed_edges(row, plan)
 
 
 def new_node(parent: Node, edge: Edge, state: TacticState, args: Args) -> Node:
@@ -862,7 +908,7 @@ def end_expansion(tree: Tree, args: Args) -> None:
         child.prior = prior
     leaf.expanded = True
     leaf.dead = not leaf.children
-    NODE_CHOICES[args.search].update(tree, leaf, args)
+    node_choice(args).update(tree, leaf, args)
 
 
 def select(root: Node, c_puct: float) -> list[Node]:
@@ -975,34 +1021,52 @@ def search(
     return map_sharded(search_share, problems, dist)
 
 
-def self_play_weight(result: SearchResult, step: int, args: Args) -> float:
-    """The weight in L_co (co_training_loss) of step `step` of a self-play proof: result.path[step]
-    (its triple) and result.path_edges[step] (its Edge: the tactic's log-prob, the planner's
-    target s*), in the search `result` (its expansions, nodes, seconds). 1: every step of every
-    proof found within the budget alike (expert iteration). D_0's human triples weigh 1 too."""
+def trains_on(result: SearchResult, args: Args) -> bool:
+    """Step 3's filter (expert iteration): a search trains planner and actor when it found a
+    proof within the budget (result.proved; a proof past it does not train)."""
+    return result.proved
+
+
+def unseen_steps(result: SearchResult, known: set) -> list[tuple[int, Triple]]:
+    """D_t's deduplication, D_{t+1} = D_t + the new triples: each step of the search's proof
+    path (index, Triple), root first, that is not in `known` (D_t's triples: a human one or an
+    earlier proof's, compared as text: a human tactic keeps its premise marks, so a self-play
+    step equal to it up to the marks is new); each one returned is added to `known`, so a
+    triple enters D_{t+1} once."""
+    unseen = []
+    for index, step in enumerate(result.path):
+        triple = Triple(*step)
+        if triple in known:
+            continue
+        known.add(triple)
+        unseen.append((index, triple))
+    return unseen
+
+
+def self_play_weight(result: SearchResult, index: int, args: Args) -> float:
+    """The weight in L_co (co_training_loss) of step `index` of a self-play proof:
+    result.path[index] (its triple) and result.path_edges[index] (its Edge: the tactic's log-prob,
+    the planner's target s*), in the search `result` (its expansions, nodes, seconds). 1: every
+    step of every proof that trains_on alike (expert iteration). D_0's human triples weigh 1
+    too."""
     return 1.0
 
 
 def self_play_triples(
     results: list[SearchResult], known: set, args: Args
 ) -> list[tuple[Triple, float, SearchResult]]:
-    """Step 3 (ours, expert iteration): the steps of each proof found within the budget, as the
-    search reached them (result.path: the state before, the tactic, the state after, "no goals"
-    after the last; no replay, no premise marks), each with its self_play_weight and
-    SearchResult: (Triple, weight, result), in order. A triple's s* is the state the tactic
-    reached, not the target the planner proposed (that one is result.path_edges[i].target).
-    D_{t+1} = D_t + these, so a triple in `known` (D_t's: a human one or an earlier proof's,
-    compared as text: a human tactic keeps its premise marks) is left out and keeps its weight;
-    each triple returned is added to `known`, once."""
+    """Step 3 (ours, expert iteration): the new steps (unseen_steps, against D_t's `known`) of
+    each search that trains_on, as the search reached them (result.path: the state before, the
+    tactic, the state after, "no goals" after the last; no replay, no premise marks), each with
+    its self_play_weight and SearchResult: (Triple, weight, result), in order. A triple's s* is
+    the state the tactic reached, not the target the planner proposed (that one is
+    result.path_edges[index].target). A triple already in D_t keeps its weight there. main adds
+    them to D_t for the next iteration's co-training."""
     triples = []
     for result in results:
-        if not result.proved:
+        if not trains_on(result, args):
             continue
-        for index, step in enumerate(result.path):
-            triple = Triple(*step)
-            if triple in known:
-                continue
-            known.add(triple)
+        for index, triple in unseen_steps(result, known):
             weight = self_play_weight(result, index, args)
             triples.append((triple, weight, result))
     return triples
@@ -1061,6 +1125,7 @@ def co_train(
     get_cosine_schedule_with_warmup, over the `steps` (official: over 500k, stopped at ~40k):
     every co-training warms up, then decays (a later iteration's warm-up is warmup_steps *
     steps / train_steps, ours). Returns losses/* stats."""
+    reduction = loss_reduction_rule(args)
     size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
 
@@ -1069,7 +1134,7 @@ def co_train(
 
     stream = []  # the epochs' shuffled items, not yet drawn
     history = []
-    for step in range(steps):
+    for optimizer_step in range(steps):
         while len(stream) < size:
             stream += rng.sample(items, len(items))
         batch = stream[:size]
@@ -1078,7 +1143,7 @@ def co_train(
         for item in batch:
             for example in item:
                 role_tokens[example.role] += len(example.sample.token_ids)
-        denominators = co_training_denominators(role_tokens, len(batch), args.loss_reduction)
+        denominators = reduction(role_tokens, len(batch))
 
         def loss_fn(micro: list) -> tuple[torch.Tensor, dict]:
             """The micro-batch's part of the batch's L_co, and the roles' summed NLL to log."""
@@ -1096,7 +1161,9 @@ def co_train(
             }
             return loss, nll_sums
 
-        lr = lr_at(step, steps, args.learning_rate, warmup=warmup, schedule=args.lr_schedule)
+        lr = lr_at(
+            optimizer_step, steps, args.learning_rate, warmup=warmup, schedule=args.lr_schedule
+        )
         step_stats = train_step(
             policy,
             optimizer,
@@ -1116,9 +1183,7 @@ def co_train(
                 "grad_norm": step_stats["grad_norm"],
             }
         )
-    stats = {}
-    for name in history[0]:
-        stats[f"losses/{name}"] = float(np.mean([h[name] for h in history]))
+    stats = loss_metrics(history)
     stats["losses/loss_first"] = history[0]["loss"]
     stats["losses/loss_last"] = history[-1]["loss"]
     stats["losses/steps"] = float(steps)
@@ -1185,18 +1250,18 @@ def record_searches(
     results: list[SearchResult],
     phase: str,
     step: int,
-    outcomes: collections.Counter,
+    searched: collections.Counter,
     dist: Dist,
 ) -> None:
-    """Every search to <run>/searches.jsonl, with the step (iterations done) its metrics are
-    logged at, and into `outcomes`, a count of searches, proved, expansions, edges and
-    failed_edges (the same in coprover.py and rir.py)."""
+    """Every search to <run>/searches.jsonl, with its phase and the step (iterations done) its
+    metrics are logged at, and into `searched`, this run's count of searches, proved,
+    expansions, edges and failed_edges (the same in coprover.py and rir.py)."""
     for result in results:
-        outcomes["searches"] += 1
-        outcomes["proved"] += int(result.proved)
-        outcomes["expansions"] += result.expansions
-        outcomes["edges"] += result.edges
-        outcomes["failed_edges"] += result.failed_edges
+        searched["searches"] += 1
+        searched["proved"] += int(result.proved)
+        searched["expansions"] += result.expansions
+        searched["edges"] += result.edges
+        searched["failed_edges"] += result.failed_edges
     if not dist.is_main:
         return
     with open(run_dir / "searches.jsonl", "a") as f:
@@ -1212,7 +1277,7 @@ def evaluate(
     key: str,
     run_dir: pathlib.Path,
     step: int,
-    outcomes: collections.Counter,
+    searched: collections.Counter,
     args: Args,
     dist: Dist,
 ) -> dict[str, float]:
@@ -1222,7 +1287,7 @@ def evaluate(
     is the share of the theorems one search proves)."""
     start = time.monotonic()
     results = search(sampler, verifier, problems, key=key, args=args, dist=dist)
-    record_searches(run_dir, results, "eval", step=step, outcomes=outcomes, dist=dist)
+    record_searches(run_dir, results, "eval", step=step, searched=searched, dist=dist)
     if dist.is_main:
         proved_seconds = [r.seconds for r in results if r.proved]
         rows = [("seconds", "proved", "share")] + search_time_cdf(proved_seconds, len(results))
@@ -1253,14 +1318,10 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
 
 # ---- main ----
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a --search or --loss-reduction value (a Literal a
-    fork extended) that this file has no code for."""
-    if args.search not in NODE_CHOICES:
-        raise ValueError(
-            f"--search {args.search}: NODE_CHOICES has bfs and mcts; add yours there (how it "
-            "knows a node is left, picks the node to expand, and uses its expansion)"
-        )
-    co_training_denominators([1, 1], 1, args.loss_reduction)  # raises on an unknown one
+    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
+    this file has no entry for: each lookup once (ValueError naming what to add)."""
+    node_choice(args)
+    loss_reduction_rule(args)
 
 
 def start_lean(args: Args, dist: Dist) -> LeanVerifier:
@@ -1284,28 +1345,19 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
     return verifier
 
 
-def main(args: Args) -> None:
-    check_choices(args)
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
-    verifier = start_lean(args, dist)
-    problems = load_problems(args.selfplay_dataset, args.num_problems, split=args.selfplay_split)
-    benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
-    triples = load_triples(args.dataset, args.num_triples)  # D_0: the traced triples
-
-    # one LM plays planner and actor by prompt (deviation 2: the official code trains two models)
+def load_models(args: Args, dist: Dist) -> tuple[dict, object]:
+    """{"policy": (model, AdamW without weight decay)}: one LM plays planner and actor by prompt
+    (deviation 2: the official code trains two models); and its tokenizer."""
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, dist, gradient_checkpointing=args.gradient_checkpointing)
     optimizer = torch.optim.AdamW(policy.parameters(), args.learning_rate, weight_decay=0.0)
     models = {"policy": (policy, optimizer)}
-    # run state: the triples self-play added to D_0, (s, y, s*, weight) (plain tuples: state.pt
-    # loads without rir.py), the proofs found
-    start = 0
-    state = {"selfplay_triples": [], "proved": {}}
-    if args.resume:
-        found = load_checkpoint(run_dir, models, dist)
-        if found is not None:
-            start, state = found
-    sampler = Sampler(
+    return models, tokenizer
+
+
+def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
+    """The policy's sampler (vLLM or transformers), with its weights as they are now (resumed)."""
+    return Sampler(
         args.model,
         policy,
         tokenizer,
@@ -1316,6 +1368,27 @@ def main(args: Args) -> None:
         sleep=args.vllm_sleep,
         seed=args.seed,
     )
+
+
+def main(args: Args) -> None:
+    check_choices(args)
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
+    verifier = start_lean(args, dist)
+    problems = load_problems(args.selfplay_dataset, args.num_problems, split=args.selfplay_split)
+    benchmark = load_problems(args.eval_dataset, args.eval_limit, split=args.eval_split)
+    triples = load_triples(args.dataset, args.num_triples)  # D_0: the traced triples
+
+    models, tokenizer = load_models(args, dist)
+    policy, optimizer = models["policy"]
+    # run state: the triples self-play added to D_0, (s, y, s*, weight) (plain tuples: state.pt
+    # loads without rir.py), the proofs found
+    start = 0
+    state = {"selfplay_triples": [], "proved": {}}
+    if args.resume:
+        found = load_checkpoint(run_dir, models, dist)
+        if found is not None:
+            start, state = found
+    sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     outcomes = collections.Counter()  # this run's searches (record_searches)
     trained = 0  # the triples self-play added in this run
     sources = {}  # a self-play triple of this run: the SearchResult it came from
@@ -1324,20 +1397,20 @@ def main(args: Args) -> None:
         step = iteration + 1
         # D_t: (triple, weight, source); D_0's human triples weigh 1
         data = [(triple, 1.0, triple) for triple in triples]
-        for *steps, weight in state["selfplay_triples"]:
-            triple = Triple(*steps)
+        for *fields, weight in state["selfplay_triples"]:
+            triple = Triple(*fields)
             data.append((triple, weight, sources.get(triple)))
         metrics = {"charts/triples": float(len(data))}
         rng = random.Random(f"{args.seed}/{iteration}")
 
         # 1. Co-train the planner and the actor on D_t (co_train, L_co)
-        steps = args.train_steps if iteration == 0 else args.selfplay_train_steps
-        if steps and data:
+        train_steps = args.train_steps if iteration == 0 else args.selfplay_train_steps
+        if train_steps and data:
             with logger.timer("co_train"):
                 sampler.sleep()
                 items = training_items(data, tokenizer, args)
                 stats = co_train(
-                    policy, optimizer, items, steps=steps, args=args, dist=dist, rng=rng
+                    policy, optimizer, items, steps=train_steps, args=args, dist=dist, rng=rng
                 )
                 metrics.update(stats)
                 sampler.sync_weights(policy)
@@ -1362,10 +1435,11 @@ def main(args: Args) -> None:
             metrics.update(search_metrics(results, "selfplay", seconds=search_seconds))
             metrics["selfplay/new_triples"] = float(len(new))
             metrics["charts/proved_ever"] = float(len(state["proved"]))
-            record_searches(run_dir, results, "selfplay", step=step, outcomes=outcomes, dist=dist)
+            record_searches(run_dir, results, "selfplay", step=step, searched=outcomes, dist=dist)
 
         # 4. Evaluate: pass@1 under the budget (after the last iteration by default)
-        if (args.eval_every and step % args.eval_every == 0) or step == args.iterations:
+        last = step == args.iterations
+        if args.eval_every and step % args.eval_every == 0 or last:
             with logger.timer("eval"):
                 stats = evaluate(
                     sampler,
@@ -1374,14 +1448,16 @@ def main(args: Args) -> None:
                     key=f"{args.seed}/{iteration}/eval",
                     run_dir=run_dir,
                     step=step,
-                    outcomes=outcomes,
+                    searched=outcomes,
                     args=args,
                     dist=dist,
                 )
                 metrics.update(stats)
         logger.log(metrics, step=step)
-        if step % args.save_every == 0 or step == args.iterations:
-            save_checkpoint(run_dir, step, models, tokenizer=tokenizer, state=state, dist=dist)
+        if step % args.save_every == 0 or last:
+            save_checkpoint(
+                run_dir, iteration=step, models=models, tokenizer=tokenizer, state=state, dist=dist
+            )
 
     if start >= args.iterations:
         # 4. Evaluate the model as given: nothing to train (--iterations 0, or a finished run)
@@ -1392,7 +1468,7 @@ def main(args: Args) -> None:
             key=f"{args.seed}/eval",
             run_dir=run_dir,
             step=args.iterations,
-            outcomes=outcomes,
+            searched=outcomes,
             args=args,
             dist=dist,
         )

@@ -162,7 +162,8 @@ def test_clip_higher_loss_by_hand():
 
 
 def test_value_loss_and_pass_at_k():
-    assert cp.value_loss(
+    assert cp.value_loss_rule(args()) is cp.squared_error_loss
+    assert cp.squared_error_loss(
         torch.tensor([0.5, 1.0]), torch.tensor([0.0, 0.9])
     ).item() == pytest.approx(0.25 + 0.01)
     # 1 - C(3,2) / C(4,2) = 0.5
@@ -188,10 +189,71 @@ def test_timeouts_and_errors_are_never_rewarded(status):
     assert cp.proof_reward(proved, args) == 1.0
 
 
-def test_an_unknown_value_labels_stops_at_start():
-    with pytest.raises(ValueError, match="--value-labels leaf: search_result"):
-        cp.check_choices(args(value_labels="leaf"))
+@pytest.mark.parametrize(
+    "flag, table",
+    [
+        ("value_labels", "VALUE_LABELS"),
+        ("advantage", "ADVANTAGES"),
+        ("value_loss", "VALUE_LOSSES"),
+    ],
+)
+def test_a_choice_without_its_entry_stops_at_start(flag, table):
+    """A Literal value a fork added without its table entry stops in check_choices, naming the
+    table to add it to."""
+    option = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{option} new: add its entry to {table}"):
+        cp.check_choices(args(**{flag: "new"}))
     cp.check_choices(args())
+
+
+def test_dr_grpo_advantages_by_hand():
+    """Dr. GRPO: r_i - mean(r), no std division; --advantage picks it."""
+    assert cp.dr_grpo_advantages([1, 0, 0, 0]) == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    assert cp.dr_grpo_advantages([2.0, 0.0]) == pytest.approx([1.0, -1.0])
+    assert cp.dr_grpo_advantages([1, 1, 1]) == [0.0, 0.0, 0.0]
+    assert cp.advantage_rule(args(advantage="dr_grpo")) is cp.dr_grpo_advantages
+    assert cp.advantage_rule(args()) is cp.grpo_advantages
+
+
+def test_value_label_choices_by_depth():
+    """state labels every state below the root, root none (the root is always labelled)."""
+    assert [cp.every_state(d) for d in (1, 2)] == [True, True]
+    assert [cp.root_only(d) for d in (1, 2)] == [False, False]
+
+
+def test_clipfrac_counts_the_trained_tokens(monkeypatch):
+    """losses/grpo_clipfrac = tokens the clip held back / tokens of the samples trained on. By
+    hand: a group (1, 0) of 2-token samples trains; a group (1, 1) of 4-token samples (advantage
+    0) does not. The rewarded sample's first token has ratio 2 > 1 + eps_high: held back, 1 of
+    the 4 trained tokens (the loss still divides by all 12 tokens, as the official)."""
+    policy = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    new_logp = {"a": [math.log(2.0), 0.0], "b": [0.0, 0.0], "c": [0.0] * 4, "d": [0.0] * 4}
+
+    def fake_logprobs(model, samples, temperature=1.0):
+        width = max(len(s.token_ids) for s in samples)
+        rows = []
+        for s in samples:
+            row = new_logp[s.text] + [0.0] * (width - len(s.token_ids))
+            rows.append(row)
+        logp = torch.tensor(rows) + 0.0 * policy.weight.sum()
+        mask = torch.tensor(
+            [[1.0] * len(s.token_ids) + [0.0] * (width - len(s.token_ids)) for s in samples]
+        )
+        return logp, mask, None
+
+    monkeypatch.setattr(cp, "token_logprobs", fake_logprobs)
+
+    def attempt(text, tokens, correct):
+        sample = cp.Sample(text, [1], [7] * tokens, [0.0] * tokens, "stop")
+        return cp.Attempt(sample, None, "valid", correct)
+
+    groups = [
+        [attempt("a", 2, True), attempt("b", 2, False)],
+        [attempt("c", 4, True), attempt("d", 4, True)],
+    ]
+    stats = cp.update(policy, optimizer, groups, lr=None, args=args(), dist=CPU)
+    assert stats["losses/grpo_clipfrac"] == pytest.approx(1 / 4)
 
 
 def test_an_update_with_no_groups_changes_nothing():

@@ -1303,6 +1303,62 @@ def test_the_weight_scales_each_sequence_of_l_co():
     assert rir.self_play_triples([found], known, args()) == []
 
 
+def test_self_play_rules_one_function_each():
+    """trains_on: a proof within the budget; unseen_steps: the path's steps not in D_t, added to
+    it once, with their index; self_play_weight: 1."""
+    found = result("a", True, 1.0, 1)
+    overrun = result("b", False, 1.0, 1)
+    assert rir.trains_on(found, args()) and not rir.trains_on(overrun, args())
+    first = rir.Triple("⊢ A", "intro", "⊢ B")
+    second = rir.Triple("⊢ B", "win", rir.NO_GOALS)
+    found = found._replace(path=[first, second])
+    known = {first}
+    assert rir.unseen_steps(found, known) == [(1, second)] and known == {first, second}
+    assert rir.unseen_steps(found, known) == []
+    assert rir.self_play_weight(found, 1, args()) == 1.0
+
+
+def test_loss_reductions_by_hand():
+    """token_mean divides each role by its tokens in the batch; sequence both by the triples."""
+    assert rir.token_mean_denominators([7, 3], 4) == [7, 3]
+    assert rir.sequence_denominators([7, 3], 4) == [4, 4]
+    assert rir.loss_reduction_rule(args(loss_reduction="sequence")) is rir.sequence_denominators
+
+
+@pytest.mark.parametrize(
+    "flag, table", [("search", "NODE_CHOICES"), ("loss_reduction", "LOSS_REDUCTIONS")]
+)
+def test_a_choice_without_its_entry_stops_at_start(flag, table):
+    """A Literal value a fork added without its table entry stops in check_choices, naming the
+    table to add it to."""
+    option = "--" + flag.replace("_", "-")
+    with pytest.raises(ValueError, match=f"{option} new: add its entry to {table}"):
+        rir.check_choices(args(**{flag: "new"}))
+    rir.check_choices(args())
+
+
+def test_proposed_edges_rank_and_fail():
+    """The planner's samples become target Edges ranked by log p(s* | s), a duplicate keeping
+    its best; the actor's carry their plan's target; a malformed sample is a failed edge last."""
+    samples = [
+        rir.Sample("⊢ B", [], [1], [-2.0], "stop"),
+        rir.Sample("⊢ <a>C</a>", [], [1, 2], [-0.5, -0.5], "stop"),
+        rir.Sample("⊢ B", [], [1], [-0.5], "stop"),
+        rir.Sample("", [], [], [], "stop"),
+    ]
+    plans = rir.proposed_edges(samples)
+    assert plans == [
+        rir.Edge(None, 0.0, 0, "⊢ B", -0.5),
+        rir.Edge(None, 0.0, 0, "⊢ C", -1.0),
+        rir.Edge(None, 0.0, 0),
+    ]
+    tactics = rir.proposed_edges(samples[:2], plans[0])
+    assert tactics == [
+        rir.Edge("⊢ C", -1.0, 2, "⊢ B", -0.5),
+        rir.Edge("⊢ B", -2.0, 1, "⊢ B", -0.5),
+    ]
+
+
 def test_the_shared_search_runs_in_lockstep(monkeypatch):
     """One planner call a round for every live theorem, one actor call per target index, one
     apply_tactics call for the i-th tactic of every theorem (2 theorems, 2 rounds)."""
