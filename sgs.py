@@ -251,6 +251,9 @@ class Args:
     conjecturer_learning_rate: float | None = None
     """Conjecturer learning rate; default --learning-rate (the official scripts train both
     roles at one rate)"""
+    conjecturer_normalization: Literal["min_max", "none"] = "min_max"
+    """the Conjecturer's weights from its rewards R_i: min_max_normalize (official) or
+    raw_rewards (none: the raw R_i) (conjecturer_examples, CONJECTURER_NORMALIZATIONS)"""
     sequence_mean_loss: bool = False
     """REINFORCE loss of Eq. 4, each sequence's mean; default, official: the batch's token sum
     over its token count (update)"""
@@ -299,13 +302,12 @@ CPU_DEFAULTS = dict(
 
 
 def resolve(args: Args) -> Args:
-    """Stops the run at start on flags that cannot run (a --solver-objective without its
-    SOLVER_OBJECTIVES entry: ValueError); fills the flags left unset (None) with the
-    official scripts' values; returns args. main calls it first, before anything loads."""
+    """Stops the run at start on flags that cannot run together (expert iteration with a
+    Conjecturer); fills the flags left unset (None) with the official scripts' values;
+    returns args. main calls it first, before anything loads, then check_choices."""
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         baseline = "expert iteration is the solver-only baseline of App. G.4"
         sys.exit(f"sgs.py: {baseline}; add --no-conjecturer")
-    solver_objective(args)  # an objective without its entry stops the run here
     cispo = args.solver_objective == "cispo"
     if args.learning_rate is None:
         args.learning_rate = 1e-6 if cispo else 3e-6
@@ -327,7 +329,7 @@ class Roles(NamedTuple):
 
 def roles_in_play(args: Args) -> Roles:
     """The roles the flags leave in play. The Guide only shapes the Conjecturer's reward,
-    so it plays only when the Conjecturer trains. load_roles loads only these, and main
+    so it plays only when the Conjecturer trains. load_models loads only these, and main
     runs only their steps (1, 4) and logs only their metrics."""
     use_conjecturer = not args.no_conjecturer
     train_conjecturer = use_conjecturer and not args.freeze_conjecturer
@@ -475,7 +477,7 @@ class Conjecture(NamedTuple):
     id: str
     header: str
     statement: str
-    seed_id: str  # the target it was conjectured for
+    seed: Problem  # the target it was conjectured for (its statement: seed.statement)
     sample: Sample  # its generation: the Conjecturer's training sequence
 
 
@@ -721,7 +723,7 @@ def conjecture_seeds(
     targets: list[Problem], proofs: dict[str, list[dict]], args: Args
 ) -> list[Problem]:
     """Step 1's seeds (Alg. 1): the targets the Solver never solved, no stored proof
-    (record_proofs), in the targets' order. A wider or narrower seed rule is this function."""
+    (store_target_proofs), in the targets' order. A wider or narrower seed rule is this function."""
     seeds = []
     for t in targets:
         if not proofs[t.id]:
@@ -780,7 +782,7 @@ def conjecture(
                 id=f"it{iteration}_c{len(conjectures)}",
                 header=seed.header,
                 statement=statement,
-                seed_id=seed.id,
+                seed=seed,
                 sample=compact(s),
             )
             conjectures.append(new)
@@ -806,7 +808,7 @@ def attempt_proofs(
     each with the Solver's weights. Each rank checks its own samples with Lean, each
     distinct (problem, proof) once, against the original statement; only the verdicts
     cross ranks. Returns {problem id: [Attempt]}, each Attempt with its Sample and verdict:
-    record_proofs, solve_rate (the bands of steps 3, 4), solver_examples and solve_metrics
+    store_target_proofs, solve_rate (the bands of steps 3, 4), solver_examples and solve_metrics
     read them."""
     prompts = []
     for p in problems:
@@ -858,7 +860,7 @@ def attempt_proofs(
     return {p.id: row for p, row in zip(problems, rows)}
 
 
-def record_proofs(
+def store_target_proofs(
     proofs: dict[str, list[dict]], attempts: dict[str, list[Attempt]], iteration: int, cap: int
 ) -> None:
     """Step 2's bookkeeping: stores in proofs {target id: [proof dict]} up to `cap` distinct
@@ -995,7 +997,7 @@ def expert_iteration_examples(
     args: Args,
     rng: random.Random,
 ) -> list[Example]:
-    """Expert iteration (App. G.4): the stored target proofs (record_proofs) found in the
+    """Expert iteration (App. G.4): the stored target proofs (store_target_proofs) found in the
     last ei_window iterations (iteration - ei_window < found <= iteration; ei_window <= 0:
     none), as proof_examples (an Attempt rebuilt from each), each Example's source its
     stored proof's dict. problems, attempts and rates are not read (SOLVER_OBJECTIVES)."""
@@ -1026,8 +1028,8 @@ SOLVER_OBJECTIVES = {
 
 def solver_objective(args: Args) -> tuple:
     """(training-set rule, batch loss) of --solver-objective, from SOLVER_OBJECTIVES: the one
-    dispatch of the Solver's objective. resolve calls it at start, so an objective without
-    its entry stops the run there (ValueError, naming what to add); solver_examples and
+    dispatch of the Solver's objective. check_choices calls it at start, so an objective
+    without its entry stops the run there (ValueError, naming what to add); solver_examples and
     main (the Solver's update) read it."""
     objective = args.solver_objective
     if objective not in SOLVER_OBJECTIVES:
@@ -1067,22 +1069,20 @@ def review(
     sampler,
     tokenizer,
     conjectures: list[Conjecture],
-    targets: list[Problem],
     iteration: int,
     args: Args,
     dist: Dist,
 ) -> tuple[list[float], dict[str, float]]:
     """Step 4, the Guide (only when it plays: roles_in_play): takes the selected
-    conjectures and the targets; samples one review of each conjecture against its target
-    (§3.1) and scores it R_guide (guide_rewards). Returns R_guide in the conjectures'
-    order, which conjecturer_examples reads, and the guide/ metrics; ([], {}) for no
-    conjecture."""
+    conjectures; samples one review of each conjecture against its seed, the target it was
+    conjectured for (§3.1), and scores it R_guide (guide_rewards). Returns R_guide in the
+    conjectures' order, which conjecturer_examples reads, and the guide/ metrics; ([], {})
+    for no conjecture."""
     if not conjectures:
         return [], {}
-    statement_of = {t.id: t.statement for t in targets}
     prompts = []
     for c in conjectures:
-        text = GUIDE_PROMPT.format(seed_theorem=statement_of[c.seed_id], conjecture=c.statement)
+        text = GUIDE_PROMPT.format(seed_theorem=c.seed.statement, conjecture=c.statement)
         prompts.append(chat_prompt(tokenizer, text))
     rows = sample(
         sampler,
@@ -1143,7 +1143,8 @@ def select_conjectures(
 def conjecturer_reward(conjecture: Conjecture, rate: float, guide: float, args: Args) -> float:
     """A selected conjecture's reward (Alg. 1, §3.2): R = R_guide (1 - s), s its solve rate,
     R_guide the Guide's score (review; 1 without the Guide). A reward term reads the
-    Conjecture (its statement, its Sample's tokens)."""
+    Conjecture (its statement, its seed's statement conjecture.seed.statement, its Sample's
+    tokens)."""
     return guide * (1.0 - rate)
 
 
@@ -1161,6 +1162,28 @@ def min_max_normalize(rewards: list[float]) -> list[float]:
     return weights
 
 
+def raw_rewards(rewards: list[float]) -> list[float]:
+    """The Conjecturer's weights without a normalisation (an ablation): w_i = R_i."""
+    return list(rewards)
+
+
+# --conjecturer-normalization's choices: a new one is its function above and an entry here
+CONJECTURER_NORMALIZATIONS = {"min_max": min_max_normalize, "none": raw_rewards}
+
+
+def conjecturer_normalization(args: Args):
+    """The function of --conjecturer-normalization, from CONJECTURER_NORMALIZATIONS: the
+    selected conjectures' rewards [R_i] -> their weights [w_i]. check_choices calls it at
+    start; conjecturer_examples reads it."""
+    name = args.conjecturer_normalization
+    if name not in CONJECTURER_NORMALIZATIONS:
+        raise ValueError(
+            f"--conjecturer-normalization {name}: add its entry to CONJECTURER_NORMALIZATIONS "
+            "(a function of the rewards [R_i] returning the weights [w_i], as min_max_normalize)"
+        )
+    return CONJECTURER_NORMALIZATIONS[name]
+
+
 def conjecturer_examples(
     selected: list[Conjecture],
     rates: dict[str, float],
@@ -1170,7 +1193,8 @@ def conjecturer_examples(
 ) -> list[Example]:
     """Step 4, the reward (Alg. 1, §3.2), shuffled: takes the selected conjectures, their
     solve rates and R_guide (review's, or 1 each without the Guide); conjecture i gets its
-    conjecturer_reward R_i, min_max_normalize'd over them; an overlong one gets the
+    conjecturer_reward R_i, normalised over them by --conjecturer-normalization
+    (conjecturer_normalization; official: min_max_normalize); an overlong one gets the
     overlong_penalty (M = --conjecturer-max-new-tokens) instead (§4.1; official: DAPO's
     length penalty, after the normalisation). As official, the whole generation is the
     target and weight 0 stays in (its tokens count). Returns an Example of each (source its
@@ -1178,7 +1202,8 @@ def conjecturer_examples(
     rewards = []
     for c, guide in zip(selected, r_guide):
         rewards.append(conjecturer_reward(c, rates[c.id], guide, args))
-    weights = min_max_normalize(rewards)
+    normalize = conjecturer_normalization(args)
+    weights = normalize(rewards)
     examples = []
     for c, weight in zip(selected, weights):
         n_tokens = len(c.sample.token_ids)
@@ -1353,12 +1378,22 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
     return verifier
 
 
-def load_roles(args: Args, dist: Dist) -> tuple[dict, tuple]:
+def check_choices(args: Args) -> None:
+    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
+    this file has no entry for: each lookup runs once (solver_objective: SOLVER_OBJECTIVES,
+    conjecturer_normalization: CONJECTURER_NORMALIZATIONS) and raises a ValueError naming
+    what to add. main calls it right after resolve. (--lr-schedule stops in start_run.)"""
+    solver_objective(args)
+    conjecturer_normalization(args)
+
+
+def load_models(args: Args, dist: Dist) -> tuple[dict, object, tuple]:
     """The roles' models (deviation 8), loaded only for the roles in play (roles_in_play):
     returns `models`, {role: (model, optimizer)} of the roles that train (the Solver, and
-    the Conjecturer unless frozen: update and the checkpoints read it), and (Solver,
-    Conjecturer, Guide), None for a role not in play (the Guide is frozen); main syncs
-    the sampler to each in its step."""
+    the Conjecturer unless frozen: update and the checkpoints read it), the tokenizer
+    (--model's, every role's), and (Solver, Conjecturer, Guide), None for a role not in
+    play (the Guide is frozen); main syncs the sampler to each in its step."""
+    tokenizer = load_tokenizer(args.model)
     roles = roles_in_play(args)
     checkpointing = args.gradient_checkpointing
     solver = load_model(args.model, dist, gradient_checkpointing=checkpointing)
@@ -1378,7 +1413,7 @@ def load_roles(args: Args, dist: Dist) -> tuple[dict, tuple]:
     if roles.train_conjecturer:
         optimizer = adamw(conjecturer.parameters(), args.conjecturer_learning_rate)
         models["conjecturer"] = (conjecturer, optimizer)
-    return models, (solver, conjecturer, guide)
+    return models, tokenizer, (solver, conjecturer, guide)
 
 
 def start_sampler(solver, tokenizer, args: Args, dist: Dist) -> Sampler:
@@ -1399,13 +1434,13 @@ def start_sampler(solver, tokenizer, args: Args, dist: Dist) -> Sampler:
 
 def main(args: Args) -> None:
     args = resolve(args)  # stops on flags that cannot run; fills the official defaults
+    check_choices(args)  # a flag value without its table entry stops here
+    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     roles = roles_in_play(args)  # a role not in play is not loaded, run or logged
     _, solver_loss = solver_objective(args)
-    dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     verifier = start_lean(args, dist)
     targets = load_problems(args.dataset, args.num_problems)  # D
-    tokenizer = load_tokenizer(args.model)
-    models, (solver, conjecturer, guide) = load_roles(args, dist)
+    models, tokenizer, (solver, conjecturer, guide) = load_models(args, dist)
     # the run's state: the proofs stored for each target (solved: at least one), generations
     start = 0
     state = {"proofs": {t.id: [] for t in targets}, "generations": 0}
@@ -1455,7 +1490,7 @@ def main(args: Args) -> None:
                 sampler, verifier, tokenizer, problems=problems, n=k, key=key, args=args, dist=dist
             )
             state["generations"] += len(problems) * k
-            record_proofs(proofs, attempts, iteration, cap=args.max_stored_proofs)
+            store_target_proofs(proofs, attempts, iteration, cap=args.max_stored_proofs)
             rates = {pid: solve_rate(row) for pid, row in attempts.items()}  # s
         record_outcomes(outcomes, attempts)
 
@@ -1477,7 +1512,6 @@ def main(args: Args) -> None:
                         sampler,
                         tokenizer,
                         selected,
-                        targets=targets,
                         iteration=iteration,
                         args=args,
                         dist=dist,

@@ -25,7 +25,7 @@ rounds); each iteration:
      statements (matching_weights);
   5. the prover's data (prover_examples): the correct proofs in the replay window (the official
      replay buffer: the last --replay-rounds iterations, 3) of the problems, statements and
-     conjectures alike, still hard in it (in_prover_band, --solve-rate-max), each weighted by
+     conjectures alike, still hard in it (in_prover_band, --prover-band), each weighted by
      proof_weight;
   6. update (update): weighted SFT (supervised fine-tuning, each sequence's log-likelihood
      weighted: weighted_nll_loss) on both sets, max(#examples // batch, a minimum) steps, from a
@@ -211,9 +211,9 @@ class Args:
     """longest proof or conjecture, in tokens"""
     max_prompt_tokens: int = 1024
     """prompts are cut to their last this many tokens"""
-    solve_rate_max: float = 0.5
-    """prover_examples: a statement's proofs train the prover while its solve rate over the replay
-    window is <= this"""
+    prover_band: tuple[float, float] = (0.0, 0.5)
+    """(low, high), low excluded, high included: a statement's proofs train the prover while its
+    solve rate over the replay window is low < s <= high (in_prover_band; official (0, 0.5])"""
     conjecture_band: tuple[float, float] = (0.0, 0.25)
     """(low, high), both ends excluded: the conjecturer learns from conjectures solved at
     low < s < high this iteration (in_conjecture_band); a low below 0 admits s = 0"""
@@ -239,6 +239,9 @@ class Args:
     band goes on to matching_weights"""
     elegance_quantile: float = 0.2
     """elegance_filter's quantile: the share of each lemma group below its cutoff"""
+    matching_features: Literal["policy_mean_hidden"] = "policy_mean_hidden"
+    """what distribution matching compares conjectures and unproved statements by: the policy's
+    normalised mean last hidden state (embed, official) (matching_features, MATCHING_FEATURES)"""
     matching_cap: float = 4.0
     """distribution matching (matching_weights): a conjecture's weight stops growing at this
     value"""
@@ -484,12 +487,15 @@ def in_conjecture_band(rate: float, args: Args) -> bool:
 
 def in_prover_band(samples: int, correct: int, args: Args) -> bool:
     """Step 5's band: whether a statement's proofs train the prover, from its samples and
-    correct ones over the replay window: a solve rate in (0, solve_rate_max] (official 0.5, the
-    hard statements; proved at least once). Edges: no sample or no correct one is out; a rate
-    exactly solve_rate_max is in."""
-    if samples == 0 or correct == 0:
+    correct ones over the replay window: its solve rate s = correct / samples has
+    low < s <= high, (low, high) = prover_band, low excluded, high included (official
+    (0, 1/2]: the hard statements, proved at least once). Edges: no sample is out; s exactly
+    high is in, exactly low out; s = 0 (no proof) is in only when low < 0, as in sgs's in_band
+    (it has no proof to train on); low >= high admits nothing."""
+    if samples == 0:
         return False
-    return correct / samples <= args.solve_rate_max
+    low, high = args.prover_band
+    return low < correct / samples <= high
 
 
 def elegance_ratio(candidate: Candidate, proofs: dict, iteration: int, args: Args) -> float:
@@ -617,7 +623,8 @@ def conjecture(
     min(3 #statements // #seeds, max_conjecture_multiplier)) samples per seed, parsed,
     shuffled, without duplicates of the dataset or of each other (statement_key, with the
     header), shuffled again and cut to #statements when there are more. A statement
-    conjectured before keeps its id (official). No seed: no conjecture."""
+    conjectured before (the same statement_key) keeps its id (official: the same text). No
+    seed: no conjecture."""
     if not seeds:
         return [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0}
     multiplier = 3 * len(statements) // len(seeds)
@@ -658,9 +665,9 @@ def conjecture(
 
     # keep the new ones
     seen = {(s.header, statement_key(s.statement)) for s in statements}
-    known_ids = {}  # a statement conjectured before -> its id
+    known_ids = {}  # statement_key of a statement conjectured before -> its id
     for pid, known in problem_by_id.items():
-        known_ids[known.statement] = pid
+        known_ids[statement_key(known.statement)] = pid
     new = []
     for seed, statement in found:
         duplicate_key = (seed.problem.header, statement_key(statement))
@@ -671,7 +678,7 @@ def conjecture(
         rng.shuffle(new)
     conjectures = []
     for i, (seed, statement) in enumerate(new[: len(statements)]):
-        pid = known_ids.get(statement, f"r{iteration}_c{i}")
+        pid = known_ids.get(statement_key(statement), f"r{iteration}_c{i}")
         easy_theorem = seed.problem.statement + seed.proof
         header = seed.problem.header
         conjectures.append(Conjecture(pid, header, statement, easy_theorem, seed.lemma))
@@ -799,11 +806,21 @@ def record_proofs(proofs: dict, attempts: dict[str, list[Attempt]], iteration: i
             entries.append({"proof": proof, "iteration": iteration, "seconds": seconds})
 
 
+def record_outcomes(outcomes: collections.Counter, attempts: dict[str, list[Attempt]]) -> None:
+    """Counts each attempt's verdict into outcomes: Lean's status (a proof cut off at
+    --max-new-tokens is Lean's error: an Attempt keeps no Sample here); the run's last line
+    (nothing_learned) reads them."""
+    for row in attempts.values():
+        for a in row:
+            outcomes[a.status] += 1
+
+
 @torch.no_grad()
 def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.Tensor:
     """Sentence embeddings (official), [len(texts), hidden]: the normalised mean of the last hidden
     states over each text's first embedding_max_tokens tokens; the same on every rank; [0, 1]
-    for no text. conjecturer_examples passes them to matching_weights."""
+    for no text. --matching-features policy_mean_hidden: conjecturer_examples passes them to
+    matching_weights."""
     was_training = policy.training
     policy.eval()
     mine = []  # this rank's texts: rank, rank + world size, ...
@@ -836,6 +853,26 @@ def embed(policy, tokenizer, texts: list[str], args: Args, dist: Dist) -> torch.
     if not rows:
         return torch.zeros(0, 1)
     return torch.stack(rows)
+
+
+# --matching-features' choices: a new one is its function above and an entry here
+MATCHING_FEATURES = {"policy_mean_hidden": embed}
+"""Each entry: (policy, tokenizer, texts, args, dist) -> [len(texts), d], a row a text, each
+normalised (matching_weights' similarity is their dot product); no row for no text. A feature
+must be the same on every rank (every rank matches alone and must pick the same weights): no
+Python hash() (salted per process), no rank-local randomness."""
+
+
+def matching_features(args: Args):
+    """The feature function of --matching-features, from MATCHING_FEATURES. check_choices calls
+    it at start; conjecturer_examples reads it."""
+    name = args.matching_features
+    if name not in MATCHING_FEATURES:
+        raise ValueError(
+            f"--matching-features {name}: add its entry to MATCHING_FEATURES (a function "
+            "(policy, tokenizer, texts, args, dist) -> normalised rows [len(texts), d], as embed)"
+        )
+    return MATCHING_FEATURES[name]
 
 
 def conjectures_in_band(
@@ -918,18 +955,20 @@ def conjecturer_examples(
     proofs recorded so far (record_proofs) and the unproved dataset statements; returns the
     Examples and the conjecturer/ stats. The rule: conjectures_in_band, choose_lemmas, then
     keep_elegant (with --elegance-filter), then matching_weights of the survivors toward the
-    unproved statements, weight 0 dropped. An Example: the conjecturer's prompt with the
-    chosen lemma, the target the statement and </hard theorem>, the weight the matching
-    weight, the source its Candidate. Step 6 (update) trains on them with prover_examples'."""
+    unproved statements, compared by --matching-features (matching_features), weight 0
+    dropped. An Example: the conjecturer's prompt with the chosen lemma, the target the
+    statement and </hard theorem>, the weight the matching weight, the source its Candidate.
+    Step 6 (update) trains on them with prover_examples'."""
     band = conjectures_in_band(conjectures, attempts, args)
     kept = choose_lemmas(band, proofs, iteration, rng, args)
     invoking = [c for c in kept if c.lemma]
     if args.elegance_filter:
         kept = keep_elegant(kept, proofs, iteration, args)
 
+    features = matching_features(args)
     statements = [c.conjecture.statement for c in kept]
-    P = embed(policy, tokenizer, statements, args=args, dist=dist)
-    Q = embed(policy, tokenizer, [s.statement for s in unproved], args=args, dist=dist)
+    P = features(policy, tokenizer, statements, args=args, dist=dist)
+    Q = features(policy, tokenizer, [s.statement for s in unproved], args=args, dist=dist)
     weights = matching_weights(P, Q, args.matching_cap, rng=rng)
     examples = []
     for candidate, weight in zip(kept, weights):
@@ -1076,7 +1115,7 @@ def update(
         stream.extend(rng.sample(examples, len(examples)))
     batches = [stream[i * size : (i + 1) * size] for i in range(steps)]
     stats = []
-    for step, batch in enumerate(batches):
+    for optimizer_step, batch in enumerate(batches):
         # STP's weighted SFT: weighted_nll_loss over sum_i w_i |y_i|, the batch's weighted tokens
         weighted_tokens = sum(e.weight * len(e.sample.token_ids) for e in batch)
         if weighted_tokens <= 0:  # every weight 0: no signal (and 0 / 0 below)
@@ -1089,7 +1128,11 @@ def update(
             return loss, {}
 
         lr_now = lr_at(
-            step=step + 1, total=steps + 1, peak=lr, warmup=warmup + 1, schedule=args.lr_schedule
+            step=optimizer_step + 1,
+            total=steps + 1,
+            peak=lr,
+            warmup=warmup + 1,
+            schedule=args.lr_schedule,
         )
         step_stats = train_step(
             policy,
@@ -1282,11 +1325,22 @@ def load_benchmarks(args: Args) -> dict[str, list[Problem]]:
     return benchmarks
 
 
-def load_run(args: Args, run_dir: pathlib.Path, dist: Dist) -> tuple:
-    """The tokenizer, the policy (it plays both roles), the models a checkpoint saves ({"policy":
-    (policy, optimizer)}, none in the pure-sampling baseline, which trains nothing), the sampler,
-    and where the run starts: (iterations done, the run's state), from the newest checkpoint with
-    --resume."""
+def check_choices(args: Args) -> None:
+    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
+    this file has no entry for: each lookup runs once (matching_features: MATCHING_FEATURES)
+    and raises a ValueError naming what to add; and on --elegance-quantile outside [0, 1)
+    (elegance_filter indexes by it). main calls it first. (--lr-schedule stops in start_run.)"""
+    matching_features(args)
+    if not 0.0 <= args.elegance_quantile < 1.0:
+        raise ValueError(
+            f"--elegance-quantile {args.elegance_quantile}: a share of a lemma group, in [0, 1)"
+        )
+
+
+def load_models(args: Args, dist: Dist) -> tuple[dict, object, torch.nn.Module]:
+    """The policy (it plays both roles): returns `models`, {"policy": (policy, optimizer)}, the
+    models update trains and a checkpoint saves (none in the pure-sampling baseline, which
+    trains nothing), the tokenizer, and the policy (the sampler serves it)."""
     tokenizer = load_tokenizer(args.model)
     train = not args.pure_sampling
     policy = load_model(args.model, dist, train, gradient_checkpointing=args.gradient_checkpointing)
@@ -1300,15 +1354,13 @@ def load_run(args: Args, run_dir: pathlib.Path, dist: Dist) -> tuple:
             weight_decay=0.0,
         )
         models["policy"] = (policy, optimizer)
-    # plain dicts and numbers: state.pt loads without this file (main names the fields)
-    state = {"history": {}, "proofs": {}, "conjectures": {}, "generations": 0}
-    start = 0
-    if args.resume:
-        found = load_checkpoint(run_dir, weights_only(models), dist)
-        if found is not None:
-            start, state = found
-    # after the checkpoint: the sampler starts with the policy's weights
-    sampler = Sampler(
+    return models, tokenizer, policy
+
+
+def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
+    """The sampler of both roles, with the policy's weights as they are now (resumed); main
+    syncs it after each update."""
+    return Sampler(
         args.model,
         policy,
         tokenizer,
@@ -1319,7 +1371,6 @@ def load_run(args: Args, run_dir: pathlib.Path, dist: Dist) -> tuple:
         sleep=args.vllm_sleep,
         seed=args.seed,
     )
-    return tokenizer, policy, models, sampler, start, state
 
 
 def main(args: Args) -> None:
@@ -1327,14 +1378,23 @@ def main(args: Args) -> None:
         sys.exit(
             "stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one"
         )
-    baseline = args.expert_iteration or args.pure_sampling
+    check_choices(args)  # a flag value without its table entry stops here
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
+    baseline = args.expert_iteration or args.pure_sampling
     verifier = start_lean(args, dist)
     statements = load_problems(args.dataset, args.num_problems)  # the dataset
     benchmarks = load_benchmarks(args)
-    tokenizer, policy, models, sampler, start, state = load_run(args, run_dir, dist)
+    models, tokenizer, policy = load_models(args, dist)
     # the run's state: history[id][iteration] = (samples, correct); proofs[id] = [{"proof",
-    # "iteration", "seconds"}]; conjectures[id] = a Conjecture's fields; generations: samples drawn
+    # "iteration", "seconds"}]; conjectures[id] = a Conjecture's fields; generations: samples
+    # drawn (plain dicts and numbers: state.pt loads without this file)
+    start = 0
+    state = {"history": {}, "proofs": {}, "conjectures": {}, "generations": 0}
+    if args.resume:
+        found = load_checkpoint(run_dir, weights_only(models), dist)
+        if found is not None:
+            start, state = found
+    sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     history = state["history"]
     proofs = state["proofs"]
     originals = {s.id for s in statements}
@@ -1387,8 +1447,7 @@ def main(args: Args) -> None:
             state["generations"] += len(problems) * n
             record_solve_counts(history, attempts, iteration)
             record_proofs(proofs, attempts, iteration)
-            for row in attempts.values():
-                outcomes.update(a.status for a in row)
+        record_outcomes(outcomes, attempts)
 
         if args.expert_iteration:
             # 4-6 of the EI baseline: re-train the base model on the proofs of every iteration

@@ -174,7 +174,7 @@ def test_conjecturer_prompts_keep_the_official_layout():
 # ---- the Conjecturer's reward (Alg. 1, §3.2) ----
 def selection(rates, q=0.7, band=(0.0, 1.0)):
     """select_conjectures on conjectures c0, c1, ... with these solve rates: (p70, the rates selected)."""
-    conjectures = [sgs.Conjecture(f"c{i}", "", "", "t", None) for i in range(len(rates))]
+    conjectures = [sgs.Conjecture(f"c{i}", "", "", problem("t"), None) for i in range(len(rates))]
     selected, stats = sgs.select_conjectures(
         conjectures, rates_by_id(rates), args(conjecture_percentile=q, conjecture_band=band)
     )
@@ -195,7 +195,9 @@ class InOrder(random.Random):
 
 def conjecturer_weights(r_guide, rates):
     """conjecturer_examples' weight of each conjecture (3 tokens each: none overlong), in order."""
-    conjectures = [sgs.Conjecture(f"c{i}", "", "", "t", fake_sample(3)) for i in range(len(rates))]
+    conjectures = [
+        sgs.Conjecture(f"c{i}", "", "", problem("t"), fake_sample(3)) for i in range(len(rates))
+    ]
     examples = sgs.conjecturer_examples(conjectures, rates_by_id(rates), r_guide, args(), InOrder())
     return [e.weight for e in examples]
 
@@ -658,7 +660,7 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
         sampler, Tokenizer(), seeds, seeds, 3, args(conjectures_per_target=2), CPU
     )
     # the second is the first but for spaces and newlines, the third repeats a target, the fourth does not parse
-    assert [(c.id, c.header, c.statement, c.seed_id) for c in conjectures] == [
+    assert [(c.id, c.header, c.statement, c.seed.id) for c in conjectures] == [
         ("it3_c0", "H1\n", "theorem c1 (x : ℕ) : x = 1 ∨ x = 2 := by", "t1")
     ]
     assert conjectures[0].sample.text == replies[0][0]
@@ -690,29 +692,36 @@ def test_statement_key_ignores_spaces_and_newlines():
 
 
 def test_an_unknown_solver_objective_stops_at_start():
-    # a value added to --solver-objective's Literal without its SOLVER_OBJECTIVES entry: resolve stops the run
-    # before anything is loaded, naming where to add it
+    # a value added to --solver-objective's Literal without its SOLVER_OBJECTIVES entry: check_choices stops the
+    # run before anything is loaded, naming where to add it
     with pytest.raises(ValueError, match="SOLVER_OBJECTIVES"):
-        sgs.resolve(args(solver_objective="not_an_objective", no_conjecturer=True))
+        sgs.check_choices(args(solver_objective="not_an_objective", no_conjecturer=True))
+
+
+def test_an_unknown_conjecturer_normalization_stops_at_start():
+    with pytest.raises(ValueError, match="add its entry to CONJECTURER_NORMALIZATIONS"):
+        sgs.check_choices(args(conjecturer_normalization="rank"))
+    sgs.check_choices(args())  # every default has its entry
 
 
 def test_review_of_no_conjecture_samples_nothing():
     sampler = ScriptedSampler([])
-    assert sgs.review(sampler, Tokenizer(), [], [problem("t1")], 0, args(), CPU) == ([], {})
+    assert sgs.review(sampler, Tokenizer(), [], 0, args(), CPU) == ([], {})
     assert sampler.prompts == []
 
 
 def test_review_scores_each_conjecture_against_its_target():
     targets = [problem("t1", "theorem t1 : 1 = 1 := by")]
     conjectures = [
-        sgs.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", "t1", None) for i in range(3)
+        sgs.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", targets[0], None)
+        for i in range(3)
     ]
     tags = (
         "<begin_relevance_score>{}<end_relevance_score><begin_redundancy_score>{}<end_redundancy_score>"
         "<begin_conclusion_complexity_score>{}<end_conclusion_complexity_score>"
     )
     sampler = ScriptedSampler([[tags.format(4, 0, 1)], ["no tags"], [tags.format(5, 1, 3)]])
-    r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, targets, 0, args(), CPU)
+    r_guide, stats = sgs.review(sampler, Tokenizer(), conjectures, 0, args(), CPU)
     assert r_guide == [6.0, 3.0, 0.0]  # the failed review gets the mean of 6 and 0 (official)
     assert stats["guide/parse_failure_rate"] == pytest.approx(1 / 3)
     assert stats["guide/r_guide_zero_share"] == pytest.approx(1 / 3)
@@ -844,7 +853,7 @@ def test_every_training_example_carries_its_source():
     a = args(solver_objective="expert_iteration", max_new_tokens=100)
     (ex,) = sgs.solver_examples([], {}, {}, {"a": [stored]}, 3, a, random.Random(0))
     assert ex.source is stored and ex.source["iteration"] == 3  # EI: the stored proof it replays
-    cs = [sgs.Conjecture(f"c{i}", "", "", "t", fake_sample(3)) for i in range(2)]
+    cs = [sgs.Conjecture(f"c{i}", "", "", problem("t"), fake_sample(3)) for i in range(2)]
     ex = sgs.conjecturer_examples(cs, {"c0": 0.5, "c1": 0.25}, [1.0, 1.0], args(), InOrder())
     assert [e.source for e in ex] == cs and [e.sample for e in ex] == [c.sample for c in cs]
 
@@ -874,7 +883,7 @@ def test_optimizer_batches_keep_groups_whole_and_drop_empty_batches():
         ({"no_conjecturer": True}, ["S"], ["solver"]),
     ],
 )
-def test_load_roles_loads_only_the_roles_in_play(monkeypatch, flags, loaded, trained):
+def test_load_models_loads_only_the_roles_in_play(monkeypatch, flags, loaded, trained):
     names = []
 
     def load_model(name, dist, train=True, gradient_checkpointing=True):
@@ -882,8 +891,10 @@ def test_load_roles_loads_only_the_roles_in_play(monkeypatch, flags, loaded, tra
         return torch.nn.Linear(1, 1)
 
     monkeypatch.setattr(sgs, "load_model", load_model)
+    monkeypatch.setattr(sgs, "load_tokenizer", lambda name: f"tokenizer of {name}")
     a = sgs.resolve(args(model="S", conjecturer_model="C", guide_model="G", **flags))
-    models, (solver, conjecturer, guide) = sgs.load_roles(a, CPU)
+    models, tokenizer, (solver, conjecturer, guide) = sgs.load_models(a, CPU)
+    assert tokenizer == "tokenizer of S"
     assert names == loaded and sorted(models) == sorted(trained)
     assert (conjecturer is None) == ("C" not in loaded) and (guide is None) == ("G" not in loaded)
 
@@ -907,14 +918,14 @@ def test_solver_examples_expert_iteration_window():
     assert len(ex) == 3 and all(e.weight == 1.0 for e in ex)  # proofs found in iterations 2, 3, 4
 
 
-def test_record_proofs_caps_and_dedups_and_skips_conjectures():
+def test_store_target_proofs_caps_and_dedups_and_skips_conjectures():
     proofs = {"a": []}
     att = {
         "a": fake_attempts([True] * 3)
         + [sgs.Attempt(fake_sample(), f"\n  p{i}", "valid", True) for i in range(20)],
         "it0_c0": fake_attempts([True]),
     }
-    sgs.record_proofs(proofs, att, 0, cap=16)
+    sgs.store_target_proofs(proofs, att, 0, cap=16)
     assert (
         len(proofs["a"]) == 16
         and len({p["proof"] for p in proofs["a"]}) == 16
@@ -925,7 +936,7 @@ def test_record_proofs_caps_and_dedups_and_skips_conjectures():
 def test_conjecturer_examples():
     samples = [fake_sample(3), fake_sample(95), fake_sample(3)]
     cs = [
-        sgs.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", "t", s)
+        sgs.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", problem("t"), s)
         for i, s in enumerate(samples)
     ]
     rates = {"c0": 0.5, "c1": 0.25, "c2": 0.875}
@@ -943,8 +954,20 @@ def test_min_max_normalize_edges():
     assert sgs.min_max_normalize([2.0, 2.0]) == [1.0, 1.0]  # max R = min R: 1 for all
     assert sgs.min_max_normalize([0.4]) == [1.0]
     assert sgs.min_max_normalize([]) == []
-    c = sgs.Conjecture("c", "", "theorem c : True := by", "t", fake_sample(3))
+    c = sgs.Conjecture("c", "", "theorem c : True := by", problem("t"), fake_sample(3))
     assert sgs.conjecturer_reward(c, rate=0.25, guide=6.0, args=args()) == 4.5  # 6 (1 - 1/4)
+    assert c.seed.statement == problem("t").statement  # a copy penalty reads the seed's statement
+
+
+def test_raw_rewards_normalization_keeps_each_reward():
+    assert sgs.raw_rewards([3.0, 1.0, 2.0]) == [3.0, 1.0, 2.0]
+    assert sgs.raw_rewards([]) == []
+    cs = [sgs.Conjecture(f"c{i}", "", "", problem("t"), fake_sample(3)) for i in range(2)]
+    rates = {"c0": 0.5, "c1": 0.75}
+    a = args(conjecturer_normalization="none", conjecturer_max_new_tokens=100)
+    # R = 6 (1 - 1/2) = 3 and 4 (1 - 3/4) = 1, kept as they are (min-max would give 1 and 0)
+    ex = sgs.conjecturer_examples(cs, rates, [6.0, 4.0], a, random.Random(0))
+    assert sorted(e.weight for e in ex) == [1.0, 3.0]
 
 
 def test_solve_metrics():

@@ -99,6 +99,32 @@ def test_in_prover_band_edges():
     assert not stp.in_prover_band(samples=4, correct=3, args=official)
     assert not stp.in_prover_band(samples=4, correct=0, args=official)  # never proved
     assert not stp.in_prover_band(samples=0, correct=0, args=official)  # not attempted
+    # low excluded, high included, as sgs's in_band: s = 0 is in only with low < 0; low >= high admits nothing
+    assert stp.in_prover_band(samples=4, correct=0, args=args(prover_band=(-0.1, 0.5)))
+    assert not stp.in_prover_band(
+        samples=4, correct=1, args=args(prover_band=(0.25, 0.5))
+    )  # s = low
+    assert stp.in_prover_band(
+        samples=4, correct=4, args=args(prover_band=(0.5, 1.0))
+    )  # s = high = 1
+    assert not stp.in_prover_band(samples=0, correct=0, args=args(prover_band=(-0.1, 0.5)))
+    assert not stp.in_prover_band(samples=4, correct=2, args=args(prover_band=(0.5, 0.5)))
+
+
+def test_check_choices_stops_a_half_added_value_at_start():
+    stp.check_choices(args())  # every default has its entry
+    with pytest.raises(ValueError, match="add its entry to MATCHING_FEATURES"):
+        stp.check_choices(args(matching_features="statement_length"))
+    with pytest.raises(ValueError, match="--elegance-quantile"):
+        stp.check_choices(args(elegance_quantile=1.0))
+
+
+def test_record_outcomes_counts_each_verdict():
+    A = stp.Attempt
+    attempts = {"a": [A(None, "p", "valid", True), A(None, None, "error", False)], "b": []}
+    outcomes = collections.Counter(error=1)
+    stp.record_outcomes(outcomes, attempts)
+    assert outcomes == collections.Counter(valid=1, error=2)
 
 
 def test_in_conjecture_band_edges():
@@ -526,6 +552,13 @@ def test_conjecture_deduplicates_shuffles_and_caps():
     )
     assert sorted(flat(c.statement) for c in conj) == [c1, c2, c3]
     assert stats["conjecturer/outputs"] == 6 and stats["conjecturer/new_conjectures"] == 3
+    # a statement conjectured before keeps its id, found by statement_key (spaces and newlines aside)
+    earlier = stp.Conjecture(
+        "r0_c7", seed.header, "theorem  c1 (x : ℕ) :\n x ≤ x ^ 2 := by", "", ""
+    )
+    known = {"r0_c7": earlier}
+    conj, _ = stp.conjecture(sampler, tok, seeds, [seed], known, 2, random.Random(0), args(), CPU)
+    assert [c.id for c in conj] == ["r0_c7"]
     # a statement conjectured before keeps its id (official lemma_id, keyed by the statement's text)
     conj, _ = stp.conjecture(
         fake_sampler(["c1 (x : ℕ) : x ≤ x ^ 2", "c2 : True"]),
