@@ -919,19 +919,23 @@ def orpo_loss(mean_w: torch.Tensor, mean_l: torch.Tensor, lam: float) -> torch.T
 
 
 def rloo_loss(
-    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, clip: float
+    logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, args: Args
 ) -> torch.Tensor:
-    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), with the sequence ratio
-    rho = pi / pi_old and A the rloo_advantage; at rho = 1, REINFORCE. All [B]; returns [B]."""
+    """RLOO [RECON]: -min(rho A, clip(rho, 1 - eps, 1 + eps) A), eps = --rloo-clip, with the
+    sequence ratio rho = pi / pi_old and A the rloo_advantage; at rho = 1, REINFORCE. All [B];
+    returns [B]."""
+    clip = args.rloo_clip
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1 - clip, 1 + clip) * advantages
     return -torch.min(unclipped, clipped)
 
 
-# The losses that train on every response (an Example each, weighted by its advantage) instead of
-# on a Pair a group: training_items, distribution and check_choices read it.
-ROLLOUT_LOSSES = ("rloo",)
+# --loss's choices that train on every response (an Example each, weighted by its advantage)
+# instead of on a Pair a group: a new one is its function above, (logp, old_logp, advantages,
+# args) -> [B], and an entry here (item_losses calls it; training_items and distribution read
+# the table to build its items)
+ROLLOUT_LOSSES = {"rloo": rloo_loss}
 
 
 def item_losses(
@@ -941,9 +945,10 @@ def item_losses(
     [k, B], k sequences an item: a pair's (k = 2, row 0 the chosen, row 1 the rejected) or a
     rollout's (k = 1, ROLLOUT_LOSSES): sequence log-probs under the policy and the reference,
     token counts (at least 1), and each sequence's number from its item (sequences): a pair's
-    win probabilities, a rollout's weight (its advantage). A new loss adds its function above
-    and its line here (and, if it has official values, its row in OFFICIAL; if it trains on
-    rollouts, its name in ROLLOUT_LOSSES). micro_batch_loss averages it over the batch."""
+    win probabilities, a rollout's weight (its advantage). A new pair loss adds its function
+    above and its line here; a new rollout loss, its function and its entry in ROLLOUT_LOSSES
+    (and either, if it has official values, its row in OFFICIAL). micro_batch_loss averages it
+    over the batch."""
     logratio = pi - ref  # [k, B]: log pi - log ref
     h = logratio[0] - logratio[-1]  # [B]: DPO's margin (a rollout's: 0)
     token_mean = pi / n  # [k, B]: per-token mean log-probs
@@ -963,12 +968,13 @@ def item_losses(
         return simpo_loss(token_mean[0], token_mean[-1], args.beta, args.simpo_gamma_beta_ratio)
     if loss == "orpo":
         return orpo_loss(token_mean[0], token_mean[-1], args.beta)
-    if loss == "rloo":
-        return rloo_loss(pi[0], ref[0], w[0], args.rloo_clip)
+    if loss in ROLLOUT_LOSSES:
+        rollout_loss = ROLLOUT_LOSSES[loss]
+        return rollout_loss(pi[0], ref[0], w[0], args)
     raise ValueError(
-        f"--loss {loss}: add its line to item_losses (its loss function above, e.g. dpo_loss, "
-        "on pi, ref, n, w; its name in ROLLOUT_LOSSES if it trains on every response; its row "
-        "in OFFICIAL, else resolve gives it DPO's official values)"
+        f"--loss {loss}: add its line to item_losses (a pair loss, e.g. dpo_loss, on pi, ref, "
+        "n, w) or its entry to ROLLOUT_LOSSES (a loss on every response, e.g. rloo_loss); its "
+        "row in OFFICIAL, else resolve gives it DPO's official values)"
     )
 
 

@@ -227,7 +227,7 @@ def test_sppo_simpo_orpo_by_hand():
 def test_rloo_loss_by_hand():
     logp, old = t(-1.0, -1.0, -2.0), torch.tensor([-1.0, -1.5, -1.0], dtype=torch.float64)
     adv = torch.tensor([2.0, 1.0, -1.0], dtype=torch.float64)
-    loss = eva.rloo_loss(logp, old, adv, 0.2)
+    loss = eva.rloo_loss(logp, old, adv, args(loss="rloo", rloo_clip=0.2))
     # rho = 1 -> -2; rho = e^0.5 = 1.6487 clipped to 1.2 for A > 0 -> -1.2; rho = e^-1 = 0.3679, A < 0 -> min(-0.3679
     # * -1, -0.8 * -1)... -min(rho A, clip A) = -min(-0.3679, -0.8) = 0.8
     assert loss.tolist() == pytest.approx([-2.0, -1.2, 0.8], abs=1e-4)
