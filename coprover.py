@@ -256,7 +256,7 @@ class Args:
     max_new_tokens: int = 4096
     """rollout_max_response_len"""
     advantage: Literal["grpo", "dr_grpo"] = "grpo"
-    """the advantage estimator of a group's rewards (advantage_rule, from ADVANTAGES: official
+    """the advantage estimator of a group's rewards (advantage_estimator, from ADVANTAGES: official
     grpo_advantages)"""
     eps_clip: float = 0.2
     """PPO clip below 1 (`clip_higher_loss`)"""
@@ -430,7 +430,7 @@ def dr_grpo_advantages(rewards: list[float]) -> list[float]:
 ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
 
 
-def advantage_rule(args: Args):
+def advantage_estimator(args: Args):
     """--advantage's estimator, `(rewards of a group) -> advantages`, from ADVANTAGES: update
     reads it, check_choices calls it at start."""
     if args.advantage not in ADVANTAGES:
@@ -1264,13 +1264,14 @@ def trains_on(example: Example) -> bool:
 def update(
     policy, optimizer, groups: list[list[Attempt]], lr: float | None, args: Args, dist: Dist
 ) -> dict[str, float]:
-    """Step 4, GRPO on one rollout batch, a group of Attempts per prompt (official, no
-    KL, no entropy bonus): advantage_rule's advantages (grpo_advantages) from Lean's verdicts, clip_higher_loss with the
-    sampler's log-probs as pi_old, grpo_minibatches optimizer steps (lr None: the optimizer's). A
-    sample that does not train (trains_on: advantage 0) adds no gradient and is not run, but its
-    tokens count in the loss's n_tokens (official); losses/grpo_clipfrac is the share of the
-    trained samples' tokens that the clip held back."""
-    estimate = advantage_rule(args)
+    """Step 4, GRPO on one rollout batch, a group of Attempts per prompt (official, no KL, no
+    entropy bonus): advantage_estimator's advantages (--advantage; grpo_advantages) of each
+    group's proof_rewards, clip_higher_loss with the sampler's log-probs as pi_old,
+    grpo_minibatches optimizer steps (lr None: the optimizer's). A sample that does not train
+    (trains_on: advantage 0) adds no gradient and is not run, but its tokens count in the loss's
+    n_tokens (official); losses/grpo_clipfrac is the share of the trained samples' tokens that
+    the clip held back."""
+    estimate = advantage_estimator(args)
     items = []
     for row in groups:
         rewards = [proof_reward(attempt, args) for attempt in row]
@@ -1565,7 +1566,7 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
 def check_choices(args: Args) -> None:
     """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
     this file has no entry for: each lookup once (ValueError naming what to add)."""
-    advantage_rule(args)
+    advantage_estimator(args)
     value_label_rule(args)
     value_loss_rule(args)
     # lr_at raises on a schedule it does not know (start_run checks --lr-schedule)

@@ -211,8 +211,8 @@ def test_dr_grpo_advantages_by_hand():
     assert cp.dr_grpo_advantages([1, 0, 0, 0]) == pytest.approx([0.75, -0.25, -0.25, -0.25])
     assert cp.dr_grpo_advantages([2.0, 0.0]) == pytest.approx([1.0, -1.0])
     assert cp.dr_grpo_advantages([1, 1, 1]) == [0.0, 0.0, 0.0]
-    assert cp.advantage_rule(args(advantage="dr_grpo")) is cp.dr_grpo_advantages
-    assert cp.advantage_rule(args()) is cp.grpo_advantages
+    assert cp.advantage_estimator(args(advantage="dr_grpo")) is cp.dr_grpo_advantages
+    assert cp.advantage_estimator(args()) is cp.grpo_advantages
 
 
 def test_value_label_choices_by_depth():
