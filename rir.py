@@ -1043,22 +1043,24 @@ def unseen_steps(result: SearchResult, known: set) -> list[tuple[int, Triple]]:
     return unseen
 
 
-def self_play_weight(result: SearchResult, index: int, args: Args) -> float:
-    """The weight in L_co (co_training_loss) of step `index` of a self-play proof:
-    result.path[index] (its triple) and result.path_edges[index] (its Edge: the tactic's log-prob,
-    the planner's target s*), in the search `result` (its expansions, nodes, seconds). 1: every
-    step of every proof that trains_on alike (expert iteration). D_0's human triples weigh 1
-    too."""
-    return 1.0
+def self_play_weight(result: SearchResult, index: int, args: Args) -> tuple[float, float]:
+    """The (planner's, actor's) weights in L_co (co_training_loss) of step `index` of a
+    self-play proof: result.path[index] (its triple) and result.path_edges[index] (its Edge: the
+    tactic's log-prob, the planner's target s*), in the search `result` (its expansions, nodes,
+    seconds). (1, 1): every step of every proof that trains_on alike, both roles (expert
+    iteration). D_0's human triples weigh (1, 1) too. training_items gives the planner's
+    sequence the first, the actor's the second."""
+    return 1.0, 1.0
 
 
 def self_play_triples(
     results: list[SearchResult], known: set, args: Args
-) -> list[tuple[Triple, float, SearchResult]]:
+) -> list[tuple[Triple, tuple[float, float], SearchResult]]:
     """Step 3 (ours, expert iteration): the new steps (unseen_steps, against D_t's `known`) of
     each search that trains_on, as the search reached them (result.path: the state before, the
     tactic, the state after, "no goals" after the last; no replay, no premise marks), each with
-    its self_play_weight and SearchResult: (Triple, weight, result), in order. A triple's s* is
+    its self_play_weight and SearchResult: (Triple, (planner's, actor's) weights, result), in
+    order. A triple's s* is
     the state the tactic reached, not the target the planner proposed (that one is
     result.path_edges[index].target). A triple already in D_t keeps its weight there. main adds
     them to D_t for the next iteration's co-training."""
@@ -1067,17 +1069,45 @@ def self_play_triples(
         if not trains_on(result, args):
             continue
         for index, triple in unseen_steps(result, known):
-            weight = self_play_weight(result, index, args)
-            triples.append((triple, weight, result))
+            weights = self_play_weight(result, index, args)
+            triples.append((triple, weights, result))
     return triples
 
 
+def search_result_from_row(row: dict) -> SearchResult:
+    """A SearchResult from its plain row (record_searches' searches.jsonl line, a stored_triple's
+    source): its path's Triples and Edges rebuilt."""
+    fields = {}
+    for name in SearchResult._fields:
+        fields[name] = row[name]
+    fields["path"] = [Triple(*step) for step in row["path"]]
+    fields["path_edges"] = [Edge(*edge) for edge in row["path_edges"]]
+    return SearchResult(**fields)
+
+
+def stored_triple(triple: Triple, weights: tuple[float, float], result: SearchResult) -> tuple:
+    """A self-play triple of D_t as state.pt keeps it, plain values only (state.pt loads
+    without rir.py): s, y*, s*, the planner's and the actor's weights, and its search as a
+    plain row, so that after --resume its Examples still carry their source."""
+    row = json.loads(json.dumps(result._asdict()))
+    return (*triple, *weights, row)
+
+
+def restored_triple(entry: tuple) -> tuple[Triple, tuple[float, float], SearchResult]:
+    """A stored_triple back as D_t's (triple, (planner's, actor's) weights, source)."""
+    state, tactic, target, planner_weight, actor_weight, row = entry
+    triple = Triple(state, tactic, target)
+    return triple, (planner_weight, actor_weight), search_result_from_row(row)
+
+
 def training_items(data: list[tuple], tokenizer, args: Args) -> list[list[Example]]:
-    """Each (triple (s, y*, s*), weight, source) of D_t as the sequences of L_co, one item a
-    triple, each sequence an Example(Sample ending in end-of-sequence, weight, source, role):
-    PLANNER_PROMPT -> s* (role 0) and ACTOR_PROMPT -> y* (role 1) (official collate: gen_type
-    goal, goal_driven_tactic); one JOINT sequence (role 0) with --joint-format; FLAT_PROMPT -> y*
-    (role 1) without planner. co_train draws the items; co_training_loss weighs each sequence."""
+    """Each (triple (s, y*, s*), (planner's, actor's) weights, source) of D_t as the sequences
+    of L_co, one item a triple, each sequence an Example(Sample ending in end-of-sequence,
+    weight, source, role): PLANNER_PROMPT -> s* (role 0, the planner's weight) and ACTOR_PROMPT
+    -> y* (role 1, the actor's) (official collate: gen_type goal, goal_driven_tactic); one JOINT
+    sequence (role 0, the planner's weight) with --joint-format; FLAT_PROMPT -> y* (role 1, the
+    actor's) without planner. co_train draws the items; co_training_loss weighs each
+    sequence."""
 
     def sequence(prompt: str, target: str, limit: int) -> Sample:
         ids = tokenizer(target, add_special_tokens=False).input_ids[:limit]
@@ -1088,25 +1118,25 @@ def training_items(data: list[tuple], tokenizer, args: Args) -> list[list[Exampl
     goal_limit = args.goal_max_new_tokens
     tactic_limit = args.tactic_max_new_tokens
     items = []
-    for (state, tactic, target), weight, source in data:
+    for (state, tactic, target), (planner_weight, actor_weight), source in data:
         state = truncate_right(tokenizer, state, args.max_state_tokens)
         target = truncate_right(tokenizer, target, args.max_state_tokens)
         if not args.planner:
             flat = sequence(FLAT_PROMPT.format(state=state), tactic, tactic_limit)
-            items.append([Example(flat, weight, source, role=1)])
+            items.append([Example(flat, actor_weight, source, role=1)])
         elif args.joint_format:
             joint_prompt = JOINT_PROMPT.format(state=state)
             joint_target = JOINT_TARGET.format(target=target, tactic=tactic)
             joint = sequence(joint_prompt, joint_target, goal_limit + tactic_limit)
-            items.append([Example(joint, weight, source, role=0)])
+            items.append([Example(joint, planner_weight, source, role=0)])
         else:
             planner_prompt = PLANNER_PROMPT.format(state=state)
             actor_prompt = ACTOR_PROMPT.format(state=state, target=target)
             planner = sequence(planner_prompt, target, goal_limit)
             actor = sequence(actor_prompt, tactic, tactic_limit)
-            items.append(
-                [Example(planner, weight, source, role=0), Example(actor, weight, source, role=1)]
-            )
+            planner_example = Example(planner, planner_weight, source, role=0)
+            actor_example = Example(actor, actor_weight, source, role=1)
+            items.append([planner_example, actor_example])
     return items
 
 
@@ -1175,14 +1205,10 @@ def co_train(
             length=item_length,
             lr=lr,
         )
-        history.append(
-            {
-                "loss": step_stats["loss"],
-                "goal_nll": step_stats["goal"] / max(role_tokens[0], 1),
-                "tactic_nll": step_stats["tactic"] / max(role_tokens[1], 1),
-                "grad_norm": step_stats["grad_norm"],
-            }
-        )
+        # every stat loss_fn returns is logged; the roles' NLL sums become per-token means
+        goal_nll = step_stats.pop("goal") / max(role_tokens[0], 1)
+        tactic_nll = step_stats.pop("tactic") / max(role_tokens[1], 1)
+        history.append({**step_stats, "goal_nll": goal_nll, "tactic_nll": tactic_nll})
     stats = loss_metrics(history)
     stats["losses/loss_first"] = history[0]["loss"]
     stats["losses/loss_last"] = history[-1]["loss"]
@@ -1297,14 +1323,22 @@ def evaluate(
 
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
-    """The run's last line when none of its searches proved a theorem, so that self-play had
-    nothing to learn (the CPU default on the embedded model): what its tactics did. None when
-    a search proved one, when nothing was searched, or when self-play triples were `trained`.
-    outcomes: this run's searches, as record_searches counts them; args: unused here (the
-    signature every file's nothing_learned has)."""
-    if outcomes["searches"] == 0 or outcomes["proved"] > 0 or trained > 0:
+    """The run's last line when self-play added no triple (`trained`, this run's new triples)
+    although it searched: why. None when a triple was added or nothing was searched. When
+    searches proved theorems, their steps did not train (trains_on rejected them, or D_t had
+    each step); else (the CPU default on the embedded model) what the tactics did. outcomes:
+    this run's searches, as record_searches counts them; args: unused here (the signature every
+    file's nothing_learned has)."""
+    if outcomes["searches"] == 0 or trained > 0:
         return None
     searches = outcomes["searches"]
+    proved = outcomes["proved"]
+    if proved > 0:
+        return (
+            f"The run's {searches} searches proved {proved} theorem(s), but self-play added no "
+            "triple to D_t (self-play searches in every iteration but the last; trains_on may "
+            "have rejected every proof, or D_t had each of their steps)."
+        )
     expansions = outcomes["expansions"]
     edges = outcomes["edges"]
     failed = outcomes["failed_edges"]
@@ -1380,8 +1414,8 @@ def main(args: Args) -> None:
 
     models, tokenizer = load_models(args, dist)
     policy, optimizer = models["policy"]
-    # run state: the triples self-play added to D_0, (s, y, s*, weight) (plain tuples: state.pt
-    # loads without rir.py), the proofs found
+    # run state: the triples self-play added to D_0 (stored_triple: plain values, so that
+    # state.pt loads without rir.py), the proofs found
     start = 0
     state = {"selfplay_triples": [], "proved": {}}
     if args.resume:
@@ -1391,15 +1425,13 @@ def main(args: Args) -> None:
     sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     outcomes = collections.Counter()  # this run's searches (record_searches)
     trained = 0  # the triples self-play added in this run
-    sources = {}  # a self-play triple of this run: the SearchResult it came from
 
     for iteration in range(start, args.iterations):
         step = iteration + 1
-        # D_t: (triple, weight, source); D_0's human triples weigh 1
-        data = [(triple, 1.0, triple) for triple in triples]
-        for *fields, weight in state["selfplay_triples"]:
-            triple = Triple(*fields)
-            data.append((triple, weight, sources.get(triple)))
+        # D_t: (triple, (planner's, actor's) weights, source); D_0's human triples weigh 1
+        data = [(triple, (1.0, 1.0), triple) for triple in triples]
+        for entry in state["selfplay_triples"]:
+            data.append(restored_triple(entry))
         metrics = {"charts/triples": float(len(data))}
         rng = random.Random(f"{args.seed}/{iteration}")
 
@@ -1424,9 +1456,9 @@ def main(args: Args) -> None:
             # 3. The proofs' steps as triples (their paths, no replay): D_{t+1} = D_t + new ones
             known = {triple for triple, _, _ in data}
             new = self_play_triples(results, known, args)
-            for triple, weight, result in new:
-                sources[triple] = result
-                state["selfplay_triples"].append((*triple, weight))
+            for triple, weights, result in new:
+                entry = stored_triple(triple, weights, result)
+                state["selfplay_triples"].append(entry)
             for result in results:
                 if result.proved:
                     state["proved"][result.id] = result.proof

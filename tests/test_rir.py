@@ -244,20 +244,20 @@ def test_training_items_keep_the_official_formats(tiny_model_dir):
             (tok.decode(e.sample.prompt_ids), tok.decode(e.sample.token_ids), e.role) for e in item
         ]
 
-    [item] = rir.training_items([(triple, 1.0, None)], tok, args())
+    [item] = rir.training_items([(triple, (1.0, 1.0), None)], tok, args())
     eos = tok.eos_token
     assert texts(item) == [
         ("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n[TARGET GOAL]\n", "no goals" + eos, 0),
         ("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n[TARGET GOAL]\nno goals\n[PROOFSTEP]\n", "rfl" + eos, 1),
     ]
-    [item] = rir.training_items([(triple, 1.0, None)], tok, args(joint_format=True))
+    [item] = rir.training_items([(triple, (1.0, 1.0), None)], tok, args(joint_format=True))
     assert texts(item) == [
         ("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n", "[TARGET GOAL]\nno goals\n[PROOFSTEP]\nrfl\n" + eos, 0)
     ]
-    [item] = rir.training_items([(triple, 1.0, None)], tok, args(planner=False))
+    [item] = rir.training_items([(triple, (1.0, 1.0), None)], tok, args(planner=False))
     assert texts(item) == [("[CURRENT GOAL]\nx : ℕ\n⊢ x = x\n[PROOFSTEP]\n", "rfl" + eos, 1)]
     long = rir.Triple("⊢ " + " + ".join(["1"] * 500), "norm_num", "no goals")
-    [item] = rir.training_items([(long, 1.0, None)], tok, args(max_state_tokens=20))
+    [item] = rir.training_items([(long, (1.0, 1.0), None)], tok, args(max_state_tokens=20))
     assert len(item[0].sample.prompt_ids) < 40  # the state is cut to 20 tokens
 
 
@@ -829,7 +829,35 @@ def test_nothing_learned_says_what_the_tactics_did(tmp_path):
     )
     assert rir.nothing_learned(outcomes, 1, args()) is None  # self-play triples were trained on
     rir.record_searches(tmp_path, [result("c", True, 1.0, 1, 1, 0)], "eval", 1, outcomes, CPU)
-    assert rir.nothing_learned(outcomes, 0, args()) is None
+    # a proof found, but no triple added: the filter rejected it, or D_t had its steps
+    line = rir.nothing_learned(outcomes, 0, args())
+    assert line.startswith("The run's 3 searches proved 1 theorem(s), but self-play added no")
+
+
+def test_a_stored_triple_keeps_its_weights_and_source():
+    """state.pt keeps a self-play triple as plain values; restored, it is the same triple, the
+    same (planner's, actor's) weights and the same SearchResult, its path's records rebuilt."""
+    step = rir.Triple("⊢ A", "intro", rir.NO_GOALS)
+    edge = rir.Edge("intro", -0.5, 2, target=rir.NO_GOALS, target_logprob=-0.25)
+    found = result("a", True, 1.0, 3)._replace(path=[step], path_edges=[edge])
+    entry = rir.stored_triple(step, (2.0, 0.5), found)
+    assert all(type(value) in (str, float, dict) for value in entry)  # loads without rir.py
+    assert rir.restored_triple(entry) == (step, (2.0, 0.5), found)
+    assert rir.restored_triple(entry)[2].path_edges[0].target_logprob == -0.25
+
+
+def test_each_role_takes_its_own_weight(tiny_model_dir):
+    """training_items: the planner's sequence takes the first weight, the actor's the second;
+    the joint sequence the planner's, the flat one the actor's."""
+    tok = rir.load_tokenizer(tiny_model_dir)
+    triple = rir.Triple("⊢ A", "intro", rir.NO_GOALS)
+    data = [(triple, (2.0, 0.5), None)]
+    [item] = rir.training_items(data, tok, args())
+    assert [(e.role, e.weight) for e in item] == [(0, 2.0), (1, 0.5)]
+    [item] = rir.training_items(data, tok, args(joint_format=True))
+    assert [(e.role, e.weight) for e in item] == [(0, 2.0)]
+    [item] = rir.training_items(data, tok, args(planner=False))
+    assert [(e.role, e.weight) for e in item] == [(1, 0.5)]
 
 
 # ---- learning ----
@@ -1180,7 +1208,7 @@ def primed_model(tiny_model_dir, tmp_path_factory):
     stats = rir.co_train(
         policy,
         optimizer,
-        rir.training_items([(t, 1.0, None) for t in triples], tok, a),
+        rir.training_items([(t, (1.0, 1.0), None) for t in triples], tok, a),
         a.train_steps,
         a,
         CPU,
@@ -1298,14 +1326,14 @@ def test_the_weight_scales_each_sequence_of_l_co():
     found = found._replace(path=[step])
     known = set()
     data = rir.self_play_triples([found, result("b", False, 1.0, 1)], known, args())
-    assert data == [(step, 1.0, found)] and known == {step}
+    assert data == [(step, (1.0, 1.0), found)] and known == {step}
     # a triple already in D_t (a human one, an earlier proof's) is not added again
     assert rir.self_play_triples([found], known, args()) == []
 
 
 def test_self_play_rules_one_function_each():
     """trains_on: a proof within the budget; unseen_steps: the path's steps not in D_t, added to
-    it once, with their index; self_play_weight: 1."""
+    it once, with their index; self_play_weight: (1, 1)."""
     found = result("a", True, 1.0, 1)
     overrun = result("b", False, 1.0, 1)
     assert rir.trains_on(found, args()) and not rir.trains_on(overrun, args())
@@ -1315,7 +1343,7 @@ def test_self_play_rules_one_function_each():
     known = {first}
     assert rir.unseen_steps(found, known) == [(1, second)] and known == {first, second}
     assert rir.unseen_steps(found, known) == []
-    assert rir.self_play_weight(found, 1, args()) == 1.0
+    assert rir.self_play_weight(found, 1, args()) == (1.0, 1.0)
 
 
 def test_loss_reductions_by_hand():
