@@ -1,7 +1,9 @@
 """Lean 4 proof verification for the self-play algorithms.
 
 A model writes a Lean 4 proof of a given theorem; this module says whether the
-proof is valid, and why not. Two backends, one interface:
+proof is valid, and why not. ``LeanVerifier`` is the front (the text rules, the
+original statement's check, ``#print axioms``, the verdict); running Lean is a
+backend's (``LeanBackend``), and there are two, named by ``backend=``:
 
 * ``backend="repl"`` (the default): a pool of leanprover-community/repl
   processes (written against its v4.15.0 tag), each started inside a mathlib
@@ -31,6 +33,18 @@ proof is valid, and why not. Two backends, one interface:
   "server_error"), never successes, and "timeout" means the server ran the
   proof past ``timeout``: a proof that did not run (no answer in time, a header
   import that timed out) is "server_error".
+
+Adding a backend (LeanInteract, Pantograph, a remote REPL farm): subclass
+``LeanBackend`` and write ``check(snippets, timeout, progress=False)``: for each
+``Snippet`` (a header, the code to run in its environment, ``checked``: a theorem
+whose check block ``_check_block(checked)`` runs after the code, or ``names`` to
+``#check``) one ``RawResult`` (Lean's messages and sorries, the check block's
+messages, the ``#check`` texts, the time; or ``failure``, a LeanResult, when there
+was no answer), in order, never raising. Set ``name``, ``workers``,
+``lean_checks`` (it runs check blocks) and ``all_tactics`` (it fills
+``RawResult.tactics``), and ``stats()``/``close()`` if it has them; then
+``LeanVerifier(backend=MyBackend(...))``. ``ReplBackend`` and ``KiminaBackend``
+are the two examples; tactic mode (``TacticEngine``) needs a ``ReplBackend``.
 
 ``LeanResult.time`` is what the proof itself cost: the seconds of its own REPL
 requests (the proof and its ``#check``/``#print axioms``; on Kimina the server's
@@ -2058,15 +2072,1009 @@ class _ReplPool:
             w.stop()
 
 
-# --------------------------------------------------------------------------- the verifier
+# --------------------------------------------------------------------------- the backend interface
 
 
-class LeanVerifier:
-    """Checks Lean 4 proofs; see the module docstring. Use as a context manager."""
+def _in_parallel(tasks: list, n: int, width: int) -> list:
+    """Run tasks [(index, fn)] on up to `width` threads; results[index] = fn()."""
+    results: list = [None] * n
+    lock = threading.Lock()
+    it = iter(tasks)
+
+    def run():
+        while True:
+            with lock:
+                task = next(it, None)
+            if task is None:
+                return
+            results[task[0]] = task[1]()
+
+    threads = max(1, min(width, len(tasks)))
+    if threads == 1:
+        run()
+    else:
+        with ThreadPoolExecutor(threads) as ex:
+            for f in [ex.submit(run) for _ in range(threads)]:
+                f.result()
+    return results
+
+
+def _has_error(messages: list) -> bool:
+    return any(m.get("severity") == "error" for m in messages)
+
+
+def _read_signatures(messages: list, n: int, first: float, spacing: int) -> list:
+    """The info text of the k-th `#check` line (k = ceil((line - first) / spacing)) for k < n, else None."""
+    signatures: list = [None] * n
+    for m in messages:
+        k = math.ceil((_line(m) - first) / spacing)
+        if m.get("severity") == "info" and 0 <= k < n and signatures[k] is None:
+            signatures[k] = " ".join(str(m.get("data", "")).split())
+    return signatures
+
+
+@dataclass
+class Snippet:
+    """One thing for a backend to check: `code` run in the environment of `header`. `checked` names a
+    theorem whose check block (`_check_block`) runs in the environment after `code`, at least when `code`
+    has no error; `names` asks instead for `#check _root_.n` of each name (`code` is then empty);
+    `all_tactics` asks for the REPL's per-tactic info (``"allTactics": true``)."""
+
+    header: str
+    code: str = ""
+    checked: str = ""
+    names: tuple = ()
+    all_tactics: bool = False
+
+
+@dataclass
+class RawResult:
+    """What a backend saw for one Snippet, unjudged. `failure` is set when there is nothing to judge (no
+    answer: a timeout, a crash, a server error, a header that fails, a reply without messages); otherwise
+    `messages` and `sorries` are the code's, `check_messages` the check block's (None: it did not run),
+    `tactics` the allTactics info, `signatures` one `#check` text (or None) per name, and `time` the seconds
+    the snippet itself cost (not starting a REPL or importing the header)."""
+
+    messages: list = field(default_factory=list)
+    sorries: list = field(default_factory=list)
+    check_messages: list | None = None
+    tactics: list = field(default_factory=list)
+    signatures: list = field(default_factory=list)
+    time: float = 0.0
+    failure: LeanResult | None = None
+
+
+class LeanBackend:
+    """The interface between LeanVerifier and a way of running Lean (see "Adding a backend" in the module
+    docstring). `check` runs a batch of Snippets under a timeout and returns one RawResult each, in order,
+    and never raises on model output: it reports failures in RawResult.failure. A backend also says its
+    `name`, `workers` (how many snippets it runs at once), `lean_checks` (whether it runs a Snippet's check
+    block; a verifier with the Lean-side checks refuses a backend without) and `all_tactics` (whether it
+    fills RawResult.tactics; without, used_constants stays None), and has `stats()` and `close()`."""
+
+    name = "custom"
+    workers = 1
+    lean_checks = True
+    all_tactics = False
+
+    def check(self, snippets: list, timeout: float, progress: bool = False) -> list:
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- the local REPL backend
+
+
+class ReplBackend(LeanBackend):
+    """The pool of local REPLs (see the module docstring): snippets grouped by header, `workers` at once.
+    A snippet whose REPL crashes is retried once on a fresh REPL; a header that fails fails the rest of
+    its batch without being imported again. The tactic engine (TacticEngine) runs on the same pool."""
+
+    name = "repl"
+    all_tactics = True
 
     def __init__(
         self,
-        backend: str = "repl",
+        config: _ReplConfig,
+        workers: int | None = None,
+        memory_limit_mb: float | None = DEFAULT_MEMORY_LIMIT_MB,
+        max_uses: int | None = DEFAULT_MAX_USES,
+        header_timeout: float = 300.0,
+        max_proof_states: int | None = DEFAULT_MAX_PROOF_STATES,
+    ):
+        self.config = config
+        self.workers = int(workers) if workers else _default_workers()
+        self.pool = _ReplPool(
+            config,
+            self.workers,
+            memory_limit_mb=memory_limit_mb,
+            max_uses=max_uses,
+            header_timeout=header_timeout,
+            max_proof_states=max_proof_states,
+        )
+        logger.info(
+            "lean_verify: a pool of %d REPL worker(s)%s (%d cores, %.0f GB, LOCAL_WORLD_SIZE=%d)",
+            self.workers,
+            "" if workers else " by default",
+            os.cpu_count() or 1,
+            _memory_gb(),
+            _local_world_size(),
+        )
+
+    def check(self, snippets: list, timeout: float, progress: bool = False) -> list:
+        """One RawResult per snippet, in order; grouped by header so that a worker keeps its environment."""
+        snippets = list(snippets)
+        header_failures: dict = {}
+        order = sorted(range(len(snippets)), key=lambda i: snippets[i].header)
+        bar = _Progress(len(snippets), progress)
+
+        def one(i):
+            raw = self._check_one(snippets[i], timeout, header_failures)
+            bar.step()
+            return raw
+
+        tasks = [(i, functools.partial(one, i)) for i in order]
+        results = _in_parallel(tasks, len(snippets), self.workers)
+        bar.close()
+        return results
+
+    def _check_one(self, snippet: Snippet, timeout: float, header_failures: dict) -> RawResult:
+        """One snippet on a worker of its header: a crash is retried once on a fresh REPL, a timeout is not."""
+        try:
+            failed = header_failures.get(snippet.header)
+            if failed is not None:
+                return RawResult(failure=dataclasses.replace(failed))
+            last = None
+            for _attempt in range(2):
+                w = self.pool.acquire(snippet.header)
+                try:
+                    raw = self._run(w, snippet, timeout)
+                    w.note_use(self.pool, states=w.last_states)
+                    return raw
+                except _Timeout as e:
+                    w.stop()
+                    spent = time.monotonic() - w.last_start
+                    reason = f"timeout: {e} after {timeout:g} s"
+                    return RawResult(failure=_fail("timeout", reason, t=spent))
+                except _HeaderFailed as e:
+                    w.stop()
+                    reason = f"header: the header does not elaborate: {e}"
+                    header_failures[snippet.header] = _fail("error", reason, errors=[str(e)])
+                    return RawResult(failure=dataclasses.replace(header_failures[snippet.header]))
+                except _HeaderTimeout as e:
+                    w.stop()
+                    reason = f"header: importing the header timed out ({e})"
+                    header_failures[snippet.header] = _fail("timeout", reason)
+                    return RawResult(failure=dataclasses.replace(header_failures[snippet.header]))
+                except (_Crash, _Garbled, _MemoryExceeded) as e:
+                    w.stop()
+                    last = e
+                finally:
+                    self.pool.release(w)
+            kind = "memory" if isinstance(last, _MemoryExceeded) else "crash"
+            return RawResult(failure=_fail("crash", f"{kind}: {last} (restarted and retried once)"))
+        except Exception as e:  # never lose a proof
+            return RawResult(failure=_fail("crash", f"internal: {type(e).__name__}: {e}"))
+
+    def ensure(self, w: _Worker) -> None:
+        """Start `w`'s REPL and import its header if needed; a header import past its time is _HeaderTimeout."""
+        try:
+            w.ensure(self.pool)
+        except _Timeout as e:
+            raise _HeaderTimeout(str(e)) from e
+
+    def _run(self, w: _Worker, snippet: Snippet, timeout: float) -> RawResult:
+        """The snippet's code, then its check block in the environment after it (when the code has no error)."""
+        self.ensure(w)
+        w.last_states = 0
+        if snippet.names:
+            return self._run_names(w, snippet, timeout)
+        request = {"cmd": snippet.code, "env": w.env}
+        if snippet.all_tactics:
+            request["allTactics"] = True
+        resp = w.request(self.pool, request, timeout)
+        spent = w.last_time
+        if "message" in resp and "env" not in resp:
+            message = str(resp["message"])
+            failure = _fail("error", f"lean: {message[:300]}", errors=[message], t=spent)
+            return RawResult(failure=failure)
+        messages = list(resp.get("messages") or [])
+        sorries = list(resp.get("sorries") or [])
+        tactics = list(resp.get("tactics") or [])
+        w.last_states = len(sorries) + len(tactics)
+        check_messages = None
+        if snippet.checked and not _has_error(messages):
+            check_messages = self._run_checks(w, resp.get("env"), snippet.checked, timeout)
+            spent += w.last_time
+        return RawResult(
+            messages=messages,
+            sorries=sorries,
+            check_messages=check_messages,
+            tactics=tactics,
+            time=spent,
+        )
+
+    def _run_checks(self, w: _Worker, env, name: str, timeout: float) -> list:
+        """Messages of `_check_block(name)` run in `env`."""
+        request = {"cmd": _check_block(name), "env": env}
+        chk = w.request(self.pool, request, min(timeout, 60.0) + 5.0)
+        if "message" in chk and "env" not in chk:
+            return [{"severity": "error", "data": str(chk["message"])}]
+        return list(chk.get("messages") or [])
+
+    def _run_names(self, w: _Worker, snippet: Snippet, timeout: float) -> RawResult:
+        """`#check _root_.n` for each name, one line each, in one command."""
+        text = "\n".join(f"#check {_root(n)}" for n in snippet.names)
+        resp = w.request(self.pool, {"cmd": text, "env": w.env}, timeout)
+        messages = list(resp.get("messages") or [])
+        signatures = _read_signatures(messages, len(snippet.names), first=1, spacing=1)
+        return RawResult(messages=messages, signatures=signatures, time=w.last_time)
+
+    def stats(self) -> dict:
+        """REPL processes started and recycled so far, workers alive, pool size, proof states held."""
+        return {
+            "starts": self.pool.starts,
+            "recycles": self.pool.recycles,
+            "workers": len(self.pool.workers),
+            "size": self.pool.size,
+            "proof_states": sum(w.states for w in self.pool.workers),
+        }
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+# --------------------------------------------------------------------------- tactic mode
+
+
+def _failed_state(header, statement, tactics, error, status="error", **kw) -> TacticState:
+    return TacticState(
+        state_id=None,
+        goals=[],
+        error=error,
+        header=header,
+        statement=statement,
+        tactics=list(tactics),
+        status=status,
+        **kw,
+    )
+
+
+def _root_state(resp: dict, header: str, statement: str, w: _Worker) -> TacticState:
+    """The root proof state from the REPL's answer to `statement sorry`, or a failed state."""
+    if "message" in resp and "env" not in resp:
+        return _failed_state(header, statement, [], f"lean: {resp['message']}")
+    msgs = list(resp.get("messages") or [])
+    errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
+    if errs:
+        return _failed_state(header, statement, [], "lean: " + "; ".join(errs), messages=msgs)
+    sorries = [s for s in resp.get("sorries") or [] if isinstance(s.get("proofState"), int)]
+    if not sorries:
+        return _failed_state(header, statement, [], "lean: no proof state for the statement")
+    s = sorries[0]
+    return TacticState(
+        state_id=s["proofState"],
+        goals=[str(s.get("goal", "")).strip()],
+        header=header,
+        statement=statement,
+        tactics=[],
+        time=w.last_time,
+        _worker=w,
+        _generation=w.generation,
+    )
+
+
+def _step_state(resp: dict, parent: TacticState, path: list, w: _Worker, gen: int) -> TacticState:
+    """The state after a tactic, from the REPL's answer, or a failed state."""
+    t = w.last_time
+    header, statement = parent.header, parent.statement
+    if not isinstance(resp.get("proofState"), int):
+        return _failed_state(header, statement, path, f"lean: {resp.get('message', resp)}", time=t)
+    msgs = list(resp.get("messages") or [])
+    errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
+    goals = [str(g) for g in resp.get("goals") or []]
+    status = resp.get("proofStatus")  # REPLs newer than v4.15.0 only
+    kw = dict(messages=msgs, proof_status=status, time=t)
+    if errs:  # an elaboration error closes goals with sorry: goals [] proves nothing
+        return _failed_state(header, statement, path, "lean: " + "; ".join(errs), **kw)
+    if resp.get("sorries"):
+        return _failed_state(header, statement, path, "sorry: the tactic introduced sorry", **kw)
+    if not goals and status is not None and status != "Completed":
+        return _failed_state(header, statement, path, f"lean: proof status {status!r}", **kw)
+    return TacticState(
+        state_id=resp["proofState"],
+        goals=goals,
+        error=None,
+        solved=not goals,
+        tactics=path,
+        header=header,
+        statement=statement,
+        status="open" if goals else "solved",
+        _worker=w,
+        _generation=gen,
+        **kw,
+    )
+
+
+def _tactic_text(tactic: str) -> tuple:
+    """(the tactic with comments blanked, None), or (None, why the text rules reject it)."""
+    code, err = strip_comments(_unify_line_breaks(tactic))
+    if err:
+        return None, f"error: lex: {err}"
+    odd = _odd_line_break(code)
+    if odd is not None:
+        return None, f"error: lex: a line break other than \\n ({odd})"
+    hit = _scan_tokens(code)
+    if hit:
+        return None, f"{hit[0]}: {hit[1]}: {hit[2]}"
+    if not code.strip():
+        return None, "error: empty tactic"
+    return code, None
+
+
+def _stale_path(state: TacticState, w: _Worker) -> int:
+    """The length of the longest prefix of `state`'s tactic path already replayed on `w` (-1: none)."""
+    path = list(state.tactics)
+    k = len(path)
+    while k >= 0 and (state.statement, tuple(path[:k])) not in w.paths:
+        k -= 1
+    return k
+
+
+class TacticEngine:
+    """The REPL's tactic mode on a ReplBackend's pool (see "Tactic mode" in the module docstring): proof
+    states live in the REPL that made it, steps on one REPL run in order and different REPLs in parallel, a
+    state whose REPL was restarted is replayed. LeanVerifier's search methods call it."""
+
+    def __init__(self, backend: ReplBackend, timeout: float):
+        self.backend = backend
+        self.pool = backend.pool
+        self.timeout = float(timeout)
+
+    def start_proof(self, header: str, statement: str) -> TacticState:
+        """Root proof state of `statement` (which ends in ':= by') under `header`."""
+        return self._start(str(header or ""), str(statement or ""), None)
+
+    def _start(self, header: str, statement: str, held: _Worker | None) -> TacticState:
+        """start_proof on the worker `held` (the caller holds it), or on one acquired here."""
+        try:
+            _, _, lean_statement = _prepare_statement(statement)
+        except _Reject as r:
+            return _failed_state(header, statement, [], f"{r.status}: {r.rule}: {r.detail}")
+        last = None
+        for _attempt in range(2):
+            w = held or self.pool.acquire(header)
+            try:
+                self.backend.ensure(w)
+                request = {"cmd": lean_statement + " sorry", "env": w.env}
+                resp = w.request(self.pool, request, self.timeout)
+                root = _root_state(resp, header, statement, w)
+                w.note_use(self.pool, states=len(resp.get("sorries") or []))
+                return root
+            except (_Timeout, _HeaderTimeout) as e:
+                w.stop()
+                return _failed_state(header, statement, [], f"timeout: {e}", "timeout")
+            except _HeaderFailed as e:
+                w.stop()
+                return _failed_state(header, statement, [], f"header: {e}")
+            except (_Crash, _Garbled, _MemoryExceeded) as e:
+                w.stop()
+                last = e
+            finally:
+                if held is None:
+                    self.pool.release(w)
+        return _failed_state(header, statement, [], f"crash: {last}", "crash")
+
+    def start_proofs(self, items: list) -> list:
+        """start_proof for each (header, statement), spread evenly over the pool's REPLs (round robin over
+        as many REPLs of the header as it can have, started in parallel)."""
+        items = [(str(h or ""), str(st or "")) for h, st in items]
+        results: list = [None] * len(items)
+        by_header: dict = {}
+        for i, (h, _) in enumerate(items):
+            by_header.setdefault(h, []).append(i)
+        for header, idx in by_header.items():
+            held = []
+            while len(held) < min(self.pool.size, len(idx)):
+                w = self.pool.acquire(header, wait=False)
+                if w is None:
+                    break
+                held.append(w)
+            try:
+                if held:
+                    self._start_on(held, items, idx, results)
+                else:  # every REPL is busy: one at a time, as they free up
+                    for i in idx:
+                        results[i] = self.start_proof(*items[i])
+            finally:
+                for w in held:
+                    self.pool.release(w)
+        return results
+
+    def _start_on(self, held: list, items: list, idx: list, results: list) -> None:
+        """Start items[i] for i in idx round robin over the held workers, one thread per worker."""
+        shares = [(w, idx[j :: len(held)]) for j, w in enumerate(held)]
+
+        def start_share(w, share):
+            return [self._start(*items[i], w) for i in share]
+
+        tasks = [
+            (k, functools.partial(start_share, w, share)) for k, (w, share) in enumerate(shares)
+        ]
+        for (_worker, share), roots in zip(shares, _in_parallel(tasks, len(tasks), len(tasks))):
+            for i, root in zip(share, roots):
+                results[i] = root
+
+    def _hold(self, state: TacticState) -> _Worker | None:
+        """The live REPL that holds `state`, acquired; None when it was restarted or retired."""
+        w = state._worker
+        if not isinstance(w, _Worker):
+            return None
+        got = self.pool.acquire(state.header, worker=w)
+        if got is None:
+            return None
+        if w.generation != state._generation or not w.live():
+            self.pool.release(w)
+            return None
+        return w
+
+    def _replay(self, state: TacticState, timeout: float) -> tuple:
+        """Rebuild `state` on a live REPL of its header (its own was restarted): the statement, then the
+        tactic path, from the longest prefix already rebuilt there. Returns (state, held worker or None)."""
+        w = self.pool.acquire(state.header, prefer=lambda w: (state.statement, ()) in w.paths)
+        ok = False
+        header, statement, path = state.header, state.statement, list(state.tactics)
+        try:
+            self.backend.ensure(w)
+            k = _stale_path(state, w)
+            if k < 0:
+                _, _, lean_statement = _prepare_statement(statement)
+                request = {"cmd": lean_statement + " sorry", "env": w.env}
+                resp = w.request(self.pool, request, timeout)
+                w.note_use(self.pool, states=len(resp.get("sorries") or []))
+                root = _root_state(resp, header, statement, w)
+                if root.error or not w.live():
+                    error = root.error or "replay failed"
+                    return _failed_state(header, statement, path, error, "crash"), None
+                sid, k = root.state_id, 0
+                w.paths[(statement, ())] = sid
+            else:
+                sid = w.paths[(statement, tuple(path[:k]))]
+            for i in range(k, len(path)):
+                request = {"tactic": one_tactic(_strip_or_raw(path[i])), "proofState": sid}
+                r = w.request(self.pool, request, timeout)
+                if not isinstance(r.get("proofState"), int) or _has_error(r.get("messages") or []):
+                    error = f"replay failed at {path[i]!r}"
+                    return _failed_state(header, statement, path, error, "crash"), None
+                sid = r["proofState"]
+                w.paths[(statement, tuple(path[: i + 1]))] = sid
+                w.note_use(self.pool, uses=0, states=1 + len(r.get("sorries") or []))
+                if not w.live():
+                    error = "replay failed: REPL recycled"
+                    return _failed_state(header, statement, path, error, "crash"), None
+            ok = True
+            return dataclasses.replace(state, state_id=sid, _worker=w, _generation=w.generation), w
+        except (
+            _Timeout,
+            _HeaderTimeout,
+            _HeaderFailed,
+            _Crash,
+            _Garbled,
+            _MemoryExceeded,
+            _Reject,
+        ) as e:
+            w.stop()
+            return _failed_state(header, statement, path, f"replay failed: {e}", "crash"), None
+        finally:
+            if not ok:
+                self.pool.release(w)
+
+    def apply_tactic(
+        self, state: TacticState, tactic: str, timeout: float | None = None
+    ) -> TacticState:
+        """Run a tactic on `state`: the new state, or a failed one (`error` set, `state_id` None). The text
+        may be a block of several tactics (lines, `;`): the REPL takes exactly one tactic per request, so it
+        is sent as one parenthesised sequence (`one_tactic`), which runs like the same lines in a `by` block.
+        Runs on the REPL that holds `state`; if that REPL was restarted, the state is replayed first (its
+        statement and tactic path) on a REPL of its header. Never raises on model output."""
+        timeout = self.timeout if timeout is None else float(timeout)
+        tactic = "" if tactic is None else str(tactic)
+        header, statement = state.header, state.statement
+        path = list(state.tactics) + [tactic]
+        if state.error is not None or state.state_id is None:
+            return _failed_state(header, statement, path, "cannot apply a tactic to a failed state")
+        if state.solved or not state.goals:
+            return _failed_state(header, statement, path, "no goals left")
+        code, rejected = _tactic_text(tactic)
+        if rejected is not None:
+            return _failed_state(header, statement, path, rejected)
+        last = None
+        for _attempt in range(2):
+            try:
+                w = self._hold(state)
+                if w is None:
+                    state, w = self._replay(state, timeout)
+                    if w is None:
+                        error = state.error or "replay failed"
+                        return _failed_state(header, statement, path, error, "crash")
+            except Exception as e:  # pragma: no cover - defensive
+                return _failed_state(header, statement, path, f"crash: internal: {e}", "crash")
+            try:
+                request = {"tactic": one_tactic(code), "proofState": state.state_id}
+                resp = w.request(self.pool, request, timeout)
+                new = _step_state(resp, state, path, w, w.generation)
+                made_state = isinstance(resp.get("proofState"), int)
+                states = 1 + len(resp.get("sorries") or []) if made_state else 0
+                w.note_use(self.pool, uses=0, states=states)
+                return new
+            except _Timeout as e:
+                w.stop()
+                spent = time.monotonic() - w.last_start
+                error = f"timeout: {e} after {timeout:g} s"
+                return _failed_state(header, statement, path, error, "timeout", time=spent)
+            except (_Crash, _Garbled, _MemoryExceeded) as e:
+                w.stop()
+                last = e
+            finally:
+                self.pool.release(w)
+        return _failed_state(header, statement, path, f"crash: {last}", "crash")
+
+    def apply_tactics(self, steps: list, timeout: float | None = None) -> list:
+        """apply_tactic for each (state, tactic), results in order. Steps on states held by the same REPL
+        run one after another on it, steps on different REPLs in parallel (one thread per REPL)."""
+        steps = list(steps)
+        groups: dict = {}
+        for i, (state, _tactic) in enumerate(steps):
+            w = getattr(state, "_worker", None)
+            key = id(w) if isinstance(w, _Worker) else ("header", getattr(state, "header", ""))
+            groups.setdefault(key, []).append(i)
+        results: list = [None] * len(steps)
+
+        def run(idx):
+            for i in idx:
+                state, tactic = steps[i]
+                if not isinstance(state, TacticState):
+                    results[i] = _failed_state("", "", [], "not a TacticState")
+                else:
+                    results[i] = self.apply_tactic(state, tactic, timeout)
+            return True
+
+        tasks = [(k, functools.partial(run, idx)) for k, idx in enumerate(groups.values())]
+        _in_parallel(tasks, len(groups), max(self.pool.size, 1))
+        return results
+
+    def free_states(self, states: list | None = None) -> int:
+        """Restart the REPLs holding `states` (all REPLs holding proof states if None); the number restarted."""
+        if states is None:
+            targets = [w for w in list(self.pool.workers) if w.live() and w.states > 0]
+        else:
+            held = {}
+            for s in states:
+                w = getattr(s, "_worker", None)
+                if isinstance(w, _Worker) and w.generation == s._generation and w.live():
+                    held[id(w)] = w
+            targets = list(held.values())
+        n = 0
+        for w in targets:
+            if self.pool.acquire(w.header, worker=w) is None:
+                continue
+            try:
+                if w.live():
+                    w.stop()
+                    n += 1
+            finally:
+                self.pool.release(w)
+        return n
+
+
+# --------------------------------------------------------------------------- the Kimina backend
+
+
+def _kimina_code(
+    header: str,
+    body: str,
+    name: str = "",
+    checks: list | None = None,
+    check_block: bool = True,
+) -> tuple:
+    """A snippet: the header's imports first (Kimina runs a snippet's leading import/blank lines as its
+    header command; with none it would run later snippets in the first one's environment, so a header
+    without imports gets `import Init`), the rest of the header, the body, then the check block of
+    `name` (or `#check` lines for `checks`) after a gap. Message lines come back in the snippet's
+    numbering (GitHub main adds the header's H lines back) or relative to the body, H lines less (PyPI's
+    2.1.3). With a gap and spacing larger than H, the check messages are told apart either way. Lines are
+    counted at "\\n" only, as the server counts them once no other line break is left (LINE_BREAKS).
+    Returns (code, first check line, spacing, H). With check_block=False the snippet ends with the body
+    and the first check line is infinite: every message is the body's, even one that Lean puts at the end
+    of its command (where a check block would follow)."""
+    head = header if header.endswith("\n") or not header else header + "\n"
+    lines = (strip_comments(head)[0] or "").split("\n")
+    kinds = [bool(_IMPORT.match(ln)) for ln in lines if ln.strip()]
+    if not any(kinds):
+        head = "import Init\n" + head
+    elif not all(kinds[: kinds.count(True)]):  # an import after other lines: move the imports up
+        head = "\n".join(
+            [ln.strip() for ln in lines if _IMPORT.match(ln)]
+            + [ln for ln in lines if not _IMPORT.match(ln)]
+        )
+    pre = head + body.rstrip() + "\n"
+    pre_lines = pre.split("\n")
+    h = 0
+    while h < len(pre_lines) and (
+        not pre_lines[h].strip() or pre_lines[h].strip().startswith("import ")
+    ):
+        h += 1
+    spacing = h + 2
+    if not check_block:
+        return pre, math.inf, spacing, h
+    first = pre.count("\n") + spacing + 1
+    if checks is None:
+        tail = _check_block(name)
+    else:
+        tail = "".join(f"#check {_root(n)}" + "\n" * spacing for n in checks)
+    return pre + "\n" * spacing + tail, first, spacing, h
+
+
+@dataclass
+class _KiminaSnippet:
+    """A Snippet laid out for Kimina: its id and code, the line from which messages are the check block's
+    (`threshold`), and for `#check` lines the first line and spacing (`_kimina_code`)."""
+
+    sid: str
+    code: str
+    threshold: float
+    first: float
+    spacing: int
+
+
+class KiminaBackend(LeanBackend):
+    """A client for a Kimina Lean Server (see "Kimina Lean Server" in the module docstring): snippets in
+    POSTs of `batch_size`, `workers` POSTs at once; a busy or unreachable server is retried with backoff, a
+    POST that fails as a whole is split until the bad snippet is alone."""
+
+    name = "kimina"
+
+    def __init__(
+        self,
+        url: str,
+        workers: int | None = None,
+        batch_size: int = 8,
+        api_key: str | None = None,
+        http_timeout: float | None = None,
+        retries: int = 3,
+        retry_delay: float = 1.0,
+    ):
+        self.url = url.rstrip("/")
+        self.workers = int(workers) if workers else 4
+        self.batch_size = max(1, int(batch_size))
+        self.api_key = api_key or _setting(
+            "LEAN_SERVER_API_KEY", "KIMINA_API_KEY", dotenv=_read_dotenv()
+        )
+        # None: a deadline per POST, from its size (deadline)
+        self.http_timeout = float(http_timeout) if http_timeout else None
+        self.retries = max(0, int(retries))
+        self.retry_delay = float(retry_delay)
+        self.counts = dict.fromkeys(KIMINA_COUNTS, 0)
+        self.counts_lock = threading.Lock()
+
+    def check(self, snippets: list, timeout: float, progress: bool = False) -> list:
+        """One RawResult per snippet, in order, from the server's answers to a few POSTs."""
+        snippets = list(snippets)
+        laid_out = [self._lay_out(f"k{i}", s) for i, s in enumerate(snippets)]
+        to_send = [k for k in laid_out if k is not None]
+        answers = self._run_batches(to_send, timeout, progress)
+        results = []
+        for snippet, sent in zip(snippets, laid_out):
+            if sent is None:  # the server would count the header's lines differently
+                results.append(RawResult(signatures=[None] * len(snippet.names)))
+                continue
+            results.append(self._raw(answers.get(sent.sid), snippet, sent))
+        return results
+
+    @staticmethod
+    def _lay_out(sid: str, snippet: Snippet) -> _KiminaSnippet | None:
+        """The snippet as Kimina gets it; None for `#check` lines under a header with an odd line break."""
+        if snippet.names:
+            if _odd_line_break(snippet.header) is not None:
+                return None
+            code, first, spacing, _ = _kimina_code(snippet.header, "", checks=list(snippet.names))
+            return _KiminaSnippet(sid, code, math.inf, first, spacing)
+        # Without the Lean-side checks the snippet is the code alone, so that no message of it can be
+        # taken for one of the check block's and dropped.
+        code, first, spacing, h = _kimina_code(
+            snippet.header, snippet.code, snippet.checked, check_block=bool(snippet.checked)
+        )
+        return _KiminaSnippet(sid, code, first - h, first, spacing)
+
+    def _run_batches(self, snippets: list, timeout: float, progress: bool) -> dict:
+        """{id: answer} for the laid-out snippets, POSTed in batches, `workers` at a time."""
+        size = self.batch_size
+        batches = [snippets[k : k + size] for k in range(0, len(snippets), size)]
+        bar = _Progress(len(batches), progress)
+
+        def run(batch):
+            try:
+                got = self._run([(k.sid, k.code) for k in batch], timeout)
+            except Exception as e:  # pragma: no cover
+                failed = {"_status": "server_error", "_reason": f"server_error: {e}"}
+                got = {k.sid: dict(failed) for k in batch}
+            bar.step()
+            return got
+
+        answers: dict = {}
+        if batches:
+            with ThreadPoolExecutor(max(1, min(self.workers, len(batches)))) as ex:
+                for got in ex.map(run, batches):
+                    answers.update(got)
+        bar.close()
+        return answers
+
+    def deadline(self, n_snippets: int, timeout: float) -> float:
+        """Seconds to wait for the answer to a POST of `n_snippets`: past the server's own limits, so that it
+        answers first. PyPI's 2.1.3 gives up on a POST after timeout x snippets + 10 s (HTTP 504): its REPLs
+        work through a batch in turn, so a batch may wait that long although each proof has `timeout`. GitHub
+        main waits up to 60 s for a free REPL (then HTTP 429), then runs the header and the body under
+        `timeout` each. `http_timeout`, when given, is used as it is."""
+        if self.http_timeout is not None:
+            return self.http_timeout
+        sent_timeout = math.ceil(timeout)
+        limit_2_1_3 = sent_timeout * n_snippets + 10.0
+        limit_main = 60.0 + 2 * sent_timeout
+        return max(limit_2_1_3, limit_main) + 30.0
+
+    def _post(self, snippets: list, timeout: float) -> dict:
+        """POST one batch; returns {id: result dict} or raises _Timeout (no answer within the deadline) or
+        _ServerError."""
+        payload = {
+            "snippets": [{"id": sid, "code": code} for sid, code in snippets],
+            "timeout": int(math.ceil(timeout)),
+            "debug": False,
+            "reuse": True,
+        }
+        data = json.dumps(payload, ensure_ascii=False).encode("utf-8", "replace")
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(
+            self.url + "/api/check", data=data, headers=headers, method="POST"
+        )
+        deadline = self.deadline(len(snippets), timeout)
+        self._count("posts")
+        try:
+            with urllib.request.urlopen(req, timeout=deadline) as r:
+                body = json.loads(r.read().decode("utf-8"))
+        except urllib.error.HTTPError as e:
+            raise _ServerError(f"HTTP {e.code} from the Kimina server", e.code) from e
+        except (TimeoutError, OSError) as e:
+            if isinstance(e, TimeoutError) or "timed out" in str(e):
+                raise _Timeout(f"no answer from the Kimina server within {deadline:g} s") from e
+            raise _ServerError(f"cannot reach the Kimina server: {e}", 0) from e
+        except ValueError as e:
+            raise _ServerError(f"malformed response from the Kimina server: {e}", 0) from e
+        results = body.get("results") if isinstance(body, dict) else None
+        if not isinstance(results, list):
+            raise _ServerError("malformed response from the Kimina server", 0)
+        return {str(x.get("id")): x for x in results if isinstance(x, dict)}
+
+    def _count(self, what: str, n: int = 1) -> None:
+        with self.counts_lock:
+            self.counts[what] += n
+
+    def _run(self, batch: list, timeout: float) -> dict:
+        """POST a batch [(id, code)] -> {id: answer}. Answers of snippets that did not run because the server
+        was busy (HTTP 429 for the POST on GitHub main; in 2.1.3 an error per snippet, _kimina_busy) are sent
+        again, alone, with exponential backoff, up to `retries` times; so are POSTs to an unreachable
+        server. A POST that fails as a whole with another status (a 5xx: on main a REPL that died; 504: past
+        2.1.3's limit) is split in halves, so a bad snippet costs only itself; a single snippet is tried once
+        more (after a 504, like a busy server). No answer within the deadline fails the batch: the proofs
+        may not have run, so it is "server_error", not "timeout", and not retried."""
+        answers = {}
+        pending = list(batch)
+        failure = None  # the last POST's _ServerError; None after an answer
+        busy_error = ""  # the last per-snippet busy error
+        for attempt in range(self.retries + 1):
+            if attempt:
+                self._count("retries")
+                delay = self.retry_delay * 2 ** (attempt - 1)
+                time.sleep(delay * random.uniform(1.0, 1.25))
+            try:
+                got = self._post(pending, timeout)
+            except _Timeout as e:
+                self._count("no_answer")
+                return _kimina_failed(pending, f"server_error: {e}", answers)
+            except _ServerError as e:
+                failure = e
+                if e.busy:
+                    self._count("busy", len(pending))
+                if _give_up_posting(e, len(pending), attempt):
+                    break
+                continue
+            failure = None
+            still_busy = []
+            for sid, code in pending:
+                answer = got.get(sid)
+                if answer is None:  # left out of the answer: "returned no result"
+                    continue
+                if _kimina_busy(answer):
+                    still_busy.append((sid, code))
+                    busy_error = str(answer.get("error"))
+                    continue
+                answers[sid] = answer
+            if not still_busy:
+                return answers
+            self._count("busy", len(still_busy))
+            pending = still_busy
+        if failure is None:
+            tries = self.retries + 1
+            reason = f"server_error: the Kimina server stayed busy ({busy_error[:200]}) for {tries} tries"
+            return _kimina_failed(pending, reason, answers)
+        if len(pending) > 1 and failure.splittable:
+            self._count("splits")
+            half = len(pending) // 2
+            answers.update(self._run(pending[:half], timeout))
+            answers.update(self._run(pending[half:], timeout))
+            return answers
+        return _kimina_failed(pending, f"server_error: {failure}", answers)
+
+    @staticmethod
+    def _raw(ans: dict | None, snippet: Snippet, sent: _KiminaSnippet) -> RawResult:
+        """The RawResult of one snippet's answer; the time is the server's for the snippet (its body
+        command, without the header import)."""
+        if ans is None:
+            reason = "server_error: the Kimina server returned no result for this proof"
+            return RawResult(failure=_fail("server_error", reason))
+        if "_status" in ans:
+            return RawResult(failure=_fail(ans["_status"], ans["_reason"]))
+        try:
+            t = float(ans.get("time") or 0.0)
+        except (TypeError, ValueError):
+            t = 0.0
+        if ans.get("error"):
+            return RawResult(failure=_kimina_error(str(ans["error"]), t))
+        resp = ans.get("response")
+        if not isinstance(resp, dict):
+            reason = "server_error: result has neither `response` nor `error`"
+            return RawResult(failure=_fail("server_error", reason, t=t))
+        msgs = list(resp.get("messages") or [])
+        if snippet.names:
+            signatures = _read_signatures(msgs, len(snippet.names), sent.first, sent.spacing)
+            return RawResult(messages=msgs, signatures=signatures, time=t)
+        if "message" in resp and "env" not in resp and "messages" not in resp:
+            message = str(resp["message"])
+            failure = _fail("error", f"lean: {message[:300]}", errors=[message], t=t)
+            return RawResult(failure=failure)
+        thr = sent.threshold
+        return RawResult(
+            messages=[m for m in msgs if _line(m) < thr],
+            sorries=[s for s in resp.get("sorries") or [] if _line(s) < thr],
+            check_messages=[m for m in msgs if _line(m) >= thr],
+            time=t,
+        )
+
+    def stats(self) -> dict:
+        """The counts of KIMINA_COUNTS so far."""
+        with self.counts_lock:
+            return dict(self.counts)
+
+
+def _give_up_posting(e: _ServerError, n_pending: int, attempt: int) -> bool:
+    """Whether a POST that failed with `e` is not sent again as it is: not retryable, to be split, or a
+    lone snippet that failed twice (not for want of a REPL)."""
+    if not e.retryable:
+        return True
+    if e.splittable and n_pending > 1:
+        return True
+    return e.splittable and not e.busy and attempt >= 1
+
+
+def _kimina_failed(pending: list, reason: str, answers: dict) -> dict:
+    """`answers` with every pending snippet failed as "server_error" for `reason`."""
+    for sid, _ in pending:
+        answers[sid] = {"_status": "server_error", "_reason": reason}
+    return answers
+
+
+def _kimina_error(err: str, t: float) -> LeanResult:
+    """The failure for a snippet the server answered with an error."""
+    status = _kimina_error_status(err)
+    if status == "timeout":
+        return _fail("timeout", f"timeout: {err[:300]}", t=t)
+    if _KIMINA_HEADER_TIMEOUT in err:
+        reason = (
+            f"server_error: the proof did not run: {err[:200]} (the server imports the header "
+            "under the proof's timeout: give it a timeout above the import time and REPLs "
+            "pre-warmed with LEAN_SERVER_INIT_REPLS)"
+        )
+        return _fail("server_error", reason)
+    return _fail("server_error", f"server_error: {err[:300]}", t=t)
+
+
+# --------------------------------------------------------------------------- the verifier
+
+
+def _make_backend(
+    backend: str,
+    repl_path=None,
+    mathlib_path=None,
+    repl_cmd=None,
+    workers=None,
+    kimina_url=None,
+    repl=None,
+    kimina=None,
+) -> LeanBackend:
+    """The backend named "repl", "kimina" or "auto" (the local REPL if it is installed, else Kimina if a
+    URL is set); `repl` and `kimina` are the keyword arguments of ReplBackend and KiminaBackend."""
+    if backend == "auto":
+        try:
+            _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
+            backend = "repl"
+        except LeanNotInstalled:
+            if not _kimina_url(kimina_url):
+                raise
+            backend = "kimina"
+    if backend == "repl":
+        config = _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
+        return ReplBackend(config, workers, **(repl or {}))
+    if backend == "kimina":
+        url = _kimina_url(kimina_url)
+        if not url:
+            raise LeanNotInstalled("backend='kimina' needs kimina_url= or KIMINA_URL")
+        return KiminaBackend(url, workers, **(kimina or {}))
+    raise ValueError(f"backend must be 'repl', 'kimina', 'auto' or a backend, not {backend!r}")
+
+
+def _original_type(raw: RawResult, name: str):
+    """From the check of the original `statement sorry`: (its pp.all type, None) or (None, why it does not
+    elaborate); the failure itself (a LeanResult) when the check got no answer to judge."""
+    if raw.failure is not None and raw.failure.status != "error":
+        return raw.failure
+    if raw.failure is not None:
+        return None, "; ".join(raw.failure.errors or [raw.failure.reason])[:500]
+    errors = [_fmt(m) for m in raw.messages if m.get("severity") == "error"]
+    if errors:
+        return None, "; ".join(errors)[:500]
+    ctype, _ = _parse_checks(raw.check_messages or [], name)
+    if ctype is None:
+        return None, "no output from #check"
+    return ctype, None
+
+
+def _against_statement(original, raw: RawResult, name: str) -> tuple:
+    """(status, reason) of a proof Lean found valid, held against the original statement's check (rule
+    elaborated_statement): the same pp.all type, or the proof fails."""
+    if isinstance(
+        original, LeanResult
+    ):  # the statement's check got no answer: the proof is not judged
+        status = original.status if original.status in ("timeout", "crash") else "server_error"
+        return (
+            status,
+            f"{status}: could not elaborate the original statement ({original.reason[:200]})",
+        )
+    orig_type, orig_error = original
+    if orig_type is None:
+        return "error", f"statement: the original statement does not elaborate: {orig_error}"
+    ctype, _ = _parse_checks(raw.check_messages or [], name)
+    if ctype != orig_type:
+        reason = (
+            "elaborated_statement: the proved theorem's type differs from the original statement"
+        )
+        return "cheat", reason
+    return "valid", ""
+
+
+class LeanVerifier:
+    """Checks Lean 4 proofs; see the module docstring. Use as a context manager. The text rules, the
+    original statement's check, `#print axioms` and the verdict are here; running Lean is the backend's
+    (`backend`: "repl", "kimina", "auto" or a LeanBackend object); tactic mode is a TacticEngine's."""
+
+    def __init__(
+        self,
+        backend: str | LeanBackend = "repl",
         repl_path: str | None = None,
         mathlib_path: str | None = None,
         workers: int | None = None,
@@ -2086,63 +3094,48 @@ class LeanVerifier:
         kimina_retry_delay: float = 1.0,
     ):
         self.timeout = float(timeout)
-        self.memory_limit_mb = memory_limit_mb
-        self.max_uses = max_uses
         self.lean_checks = lean_checks
         self.header_timeout = float(header_timeout) if header_timeout else max(300.0, self.timeout)
         self._orig_cache: dict = {}
-        self._orig_lock = threading.Lock()
-        self._header_failures: dict = {}
-        self._pool = None
         self._closed = False
-        if backend == "auto":
-            try:
-                _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
-                backend = "repl"
-            except LeanNotInstalled:
-                if not _kimina_url(kimina_url):
-                    raise
-                backend = "kimina"
-        self.backend = backend
-        if backend == "repl":
-            self.config = _resolve_repl_config(repl_path, mathlib_path, repl_cmd)
-            self.workers = int(workers) if workers else _default_workers()
-            self._pool = _ReplPool(
-                self.config,
-                self.workers,
-                memory_limit_mb,
-                max_uses,
-                self.header_timeout,
-                max_proof_states,
+        self.lean = backend
+        if isinstance(backend, str):
+            repl = dict(
+                memory_limit_mb=memory_limit_mb,
+                max_uses=max_uses,
+                header_timeout=self.header_timeout,
+                max_proof_states=max_proof_states,
             )
-            logger.info(
-                "lean_verify: a pool of %d REPL worker(s)%s (%d cores, %.0f GB, LOCAL_WORLD_SIZE=%d)",
-                self.workers,
-                "" if workers else " by default",
-                os.cpu_count() or 1,
-                _memory_gb(),
-                _local_world_size(),
+            kimina = dict(
+                batch_size=kimina_batch_size,
+                api_key=kimina_api_key,
+                http_timeout=http_timeout,
+                retries=kimina_retries,
+                retry_delay=kimina_retry_delay,
             )
-        elif backend == "kimina":
-            url = _kimina_url(kimina_url)
-            if not url:
-                raise LeanNotInstalled("backend='kimina' needs kimina_url= or KIMINA_URL")
-            self.kimina_url = url.rstrip("/")
-            self.workers = int(workers) if workers else 4
-            self.kimina_batch_size = max(1, int(kimina_batch_size))
-            self.kimina_api_key = kimina_api_key or _setting(
-                "LEAN_SERVER_API_KEY", "KIMINA_API_KEY", dotenv=_read_dotenv()
+            self.lean = _make_backend(
+                backend,
+                repl_path=repl_path,
+                mathlib_path=mathlib_path,
+                repl_cmd=repl_cmd,
+                workers=workers,
+                kimina_url=kimina_url,
+                repl=repl,
+                kimina=kimina,
             )
-            # None: a deadline per POST, from its size (_kimina_deadline)
-            self.http_timeout = float(http_timeout) if http_timeout else None
-            self.kimina_retries = max(0, int(kimina_retries))
-            self.kimina_retry_delay = float(kimina_retry_delay)
-            self._kimina_counts = dict.fromkeys(KIMINA_COUNTS, 0)
-            self._kimina_counts_lock = threading.Lock()
-        else:
-            raise ValueError(f"backend must be 'repl', 'kimina' or 'auto', not {backend!r}")
+        if lean_checks and not self.lean.lean_checks:
+            raise ValueError(f"backend {self.lean.name!r} cannot run the Lean-side checks")
+        self.backend = self.lean.name
+        self.workers = self.lean.workers
+        self.engine = None
+        if isinstance(self.lean, ReplBackend):
+            self.engine = TacticEngine(self.lean, self.timeout)
 
-    # ---------------------------------------------------------------- public API
+    @property
+    def kimina_url(self) -> str | None:
+        return getattr(self.lean, "url", None)
+
+    # ---------------------------------------------------------------- checking proofs
 
     def verify_attempts(self, problems: list, proofs: list, whole: bool = False) -> list:
         """Lean's verdict on each attempt, row i holding the attempts at problems[i] (Problem records): a LeanResult,
@@ -2161,88 +3154,103 @@ class LeanVerifier:
     def verify(
         self, jobs: list, progress: bool = False, used_constants: bool | str = False
     ) -> list:
-        """One LeanResult per job, in order. Never raises on model output.
+        """One LeanResult per job, in order. Never raises on model output. The text rules first; then one
+        batch for the backend: each original statement not yet cached (`statement sorry` and its check
+        block) and each proof (and its check block).
 
         ``used_constants=True`` (local REPL only; None on Kimina, which has no allTactics) sends each proof
         with ``"allTactics": true`` and fills ``LeanResult.used_constants``: the ``usedConstants`` of all its
         tactics (the constants in the terms they assigned), kept when the proof text names them (``rw
         [add_comm]`` -> ``add_comm``, also through ``open`` or dot notation: ``h.le`` -> ``LT.lt.le``), in
         order of appearance; instances and the like that Lean adds are dropped (``"all"`` keeps them)."""
-        if self._closed:
-            raise RuntimeError("LeanVerifier is closed")
+        self._check_open()
         jobs = list(jobs)
-        self._header_failures = {}
-        if self.backend == "kimina":
-            return self._verify_kimina(jobs, progress)
-        # group by header so a worker keeps its environment; results keep input order
-        order = sorted(range(len(jobs)), key=lambda i: str(getattr(jobs[i], "header", "")))
-        bar = _Progress(len(jobs), progress)
-
-        def one(i):
-            res = self._verify_one_repl(jobs[i], used_constants)
-            bar.step(res)
-            return res
-
-        results = self._in_parallel(
-            [(i, lambda i=i: one(i)) for i in order], len(jobs), self.workers
-        )
-        bar.close()
+        results: list = [None] * len(jobs)
+        prepared = {}
+        for i, job in enumerate(jobs):
+            try:
+                job = _as_job(job)
+                prepared[i] = (job, prepare(job))
+            except _Reject as r:
+                results[i] = _fail(r.status, f"{r.rule}: {r.detail}")
+            except Exception as e:
+                results[i] = _fail("crash", f"internal: {type(e).__name__}: {e}")
+        originals = self._originals_to_check(prepared.values())
+        proofs = []
+        for job, prep in prepared.values():
+            checked = prep.name if self.lean_checks else ""
+            all_tactics = bool(used_constants)
+            proofs.append(Snippet(job.header, prep.lean_proof, checked, all_tactics=all_tactics))
+        raws = self.lean.check(list(originals.values()) + proofs, self.timeout, progress)
+        checked_originals = {}
+        for (key, snippet), raw in zip(originals.items(), raws):
+            checked_originals[key] = _original_type(raw, snippet.checked)
+            if raw.failure is None:
+                self._orig_cache[key] = checked_originals[key]
+        proof_raws = raws[len(originals) :]
+        for (i, (job, prep)), raw in zip(prepared.items(), proof_raws):
+            key = (job.header, prep.lean_statement)
+            original = self._orig_cache.get(key) or checked_originals.get(key)
+            results[i] = self._verdict(raw, prep, original, used_constants)
         return [r if r is not None else _fail("crash", "internal: no result") for r in results]
+
+    def _originals_to_check(self, prepared) -> dict:
+        """{(header, statement): the Snippet of `statement sorry` and its check block}, for each original
+        statement not in the cache (none without the Lean-side checks)."""
+        originals: dict = {}
+        if not self.lean_checks:
+            return originals
+        for job, prep in prepared:
+            key = (job.header, prep.lean_statement)
+            if key in self._orig_cache or key in originals:
+                continue
+            originals[key] = Snippet(job.header, prep.lean_statement + " sorry", prep.name)
+        return originals
+
+    def _verdict(self, raw: RawResult, prep: _Prepared, original, used_constants) -> LeanResult:
+        """The verdict on one proof from what the backend saw (module docstring, "The verdict")."""
+        if raw.failure is not None:
+            return dataclasses.replace(raw.failure)
+        status, reason, errors = _judge(
+            raw.messages, raw.sorries, raw.check_messages, None, prep.name, self.lean_checks
+        )
+        if status == "valid" and self.lean_checks:
+            status, reason = _against_statement(original, raw, prep.name)
+        used = None
+        if used_constants and self.lean.all_tactics:
+            used = _used_constants(raw.tactics, prep.lean_proof, used_constants)
+        return LeanResult(status == "valid", status, errors, reason, raw.time, raw.messages, used)
 
     def statements(self, header: str, names: list) -> dict:
         """{name: its signature as `#check _root_.name` prints it (``Nat.add_comm (n m : ℕ) : n + m = m +
         n``), or None (unknown, not a name, or Lean failed)}, in one round trip for the whole list, in the
         environment of `header`. Use with ``verify(..., used_constants=True)`` to show a lemma a proof
         invokes (STP's conjecturer)."""
-        if self._closed:
-            raise RuntimeError("LeanVerifier is closed")
+        self._check_open()
         names = [str(n) for n in names]
         out = dict.fromkeys(names)
         good = list(dict.fromkeys(n for n in names if _is_name(n)))
         if not good:
             return out
         header = _unify_line_breaks(str(header or ""))
-        if self.backend == "kimina":
-            if _odd_line_break(header) is not None:  # the server would count its lines differently
-                return out
-            code, first, spacing, _ = self._kimina_code(header, "", checks=good)
-            resp = (self._kimina_run([("c0", code)]).get("c0") or {}).get("response")
-            msgs = (resp.get("messages") or []) if isinstance(resp, dict) else []
-        else:
-            first, spacing = 1, 1
-            text = "\n".join(f"#check {_root(n)}" for n in good)
-            msgs = []
-            for _attempt in range(2):
-                w = self._pool.acquire(header)
-                try:
-                    self._ensure(w)
-                    resp = w.request(self._pool, {"cmd": text, "env": w.env}, self.timeout)
-                    w.note_use(self._pool)
-                    msgs = resp.get("messages") or []
-                    break
-                except (
-                    _Timeout,
-                    _HeaderTimeout,
-                    _HeaderFailed,
-                    _Crash,
-                    _Garbled,
-                    _MemoryExceeded,
-                ) as e:
-                    w.stop()
-                    if not isinstance(e, (_Crash, _Garbled, _MemoryExceeded)):
-                        break
-                finally:
-                    self._pool.release(w)
-        for m in msgs:
-            k = math.ceil((_line(m) - first) / spacing)
-            if m.get("severity") == "info" and 0 <= k < len(good) and out[good[k]] is None:
-                out[good[k]] = " ".join(str(m.get("data", "")).split())
+        snippet = Snippet(header, names=tuple(good))
+        raw = self.lean.check([snippet], self.timeout)[0]
+        for name, signature in zip(good, raw.signatures):
+            out[name] = signature
         return out
+
+    def stats(self) -> dict:
+        """The backend's counts: for the local REPL, REPL processes started and recycled so far, workers
+        alive, pool size, proof states held; for Kimina, the counts of KIMINA_COUNTS so far."""
+        return self.lean.stats()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("LeanVerifier is closed")
 
     def close(self) -> None:
         self._closed = True
-        if self._pool is not None:
-            self._pool.close()
+        self.lean.close()
 
     def __enter__(self):
         return self
@@ -2256,476 +3264,40 @@ class LeanVerifier:
         except Exception:
             pass
 
-    def stats(self) -> dict:
-        """Local backend: REPL processes started and recycled so far, workers alive, pool size. Kimina: the
-        counts of KIMINA_COUNTS so far."""
-        if self.backend == "kimina":
-            with self._kimina_counts_lock:
-                return dict(self._kimina_counts)
-        if self._pool is None:
-            return {}
-        return {
-            "starts": self._pool.starts,
-            "recycles": self._pool.recycles,
-            "workers": len(self._pool.workers),
-            "size": self._pool.size,
-            "proof_states": sum(w.states for w in self._pool.workers),
-        }
+    # ---------------------------------------------------------------- tactic mode (TacticEngine)
 
-    @staticmethod
-    def _in_parallel(tasks: list, n: int, width: int) -> list:
-        """Run tasks [(index, fn)] on up to `width` threads; results[index] = fn()."""
-        results: list = [None] * n
-        lock = threading.Lock()
-        it = iter(tasks)
-
-        def run():
-            while True:
-                with lock:
-                    task = next(it, None)
-                if task is None:
-                    return
-                results[task[0]] = task[1]()
-
-        threads = max(1, min(width, len(tasks)))
-        if threads == 1:
-            run()
-        else:
-            with ThreadPoolExecutor(threads) as ex:
-                for f in [ex.submit(run) for _ in range(threads)]:
-                    f.result()
-        return results
-
-    # ---------------------------------------------------------------- local REPL backend
-
-    def _verify_one_repl(self, job, used_constants=False) -> LeanResult:
-        try:
-            job = _as_job(job)
-            try:
-                prep = prepare(job)
-            except _Reject as r:
-                return _fail(r.status, f"{r.rule}: {r.detail}")
-            failed = self._header_failures.get(job.header)
-            if failed is not None:
-                return dataclasses.replace(failed)
-            last = None
-            for _attempt in range(2):
-                w = self._pool.acquire(job.header)
-                try:
-                    res = self._check_on_worker(w, job, prep, used_constants)
-                    w.note_use(self._pool, states=w.last_states)
-                    return res
-                except _Timeout as e:
-                    w.stop()
-                    return _fail(
-                        "timeout",
-                        f"timeout: {e} after {self.timeout:g} s",
-                        t=time.monotonic() - w.last_start,
-                    )
-                except _HeaderFailed as e:
-                    w.stop()
-                    res = _fail(
-                        "error", f"header: the header does not elaborate: {e}", errors=[str(e)]
-                    )
-                    self._header_failures[job.header] = res
-                    return dataclasses.replace(res)
-                except _HeaderTimeout as e:
-                    w.stop()
-                    res = _fail("timeout", f"header: importing the header timed out ({e})")
-                    self._header_failures[job.header] = res
-                    return dataclasses.replace(res)
-                except (_Crash, _Garbled, _MemoryExceeded) as e:
-                    w.stop()
-                    last = e
-                finally:
-                    self._pool.release(w)
-            kind = "memory" if isinstance(last, _MemoryExceeded) else "crash"
-            return _fail("crash", f"{kind}: {last} (restarted and retried once)")
-        except Exception as e:  # never lose a proof
-            return _fail("crash", f"internal: {type(e).__name__}: {e}")
-
-    def _ensure(self, w: _Worker) -> None:
-        try:
-            w.ensure(self._pool)
-        except _Timeout as e:
-            raise _HeaderTimeout(str(e)) from e
-
-    def _check_on_worker(
-        self, w: _Worker, job: ProofJob, prep: _Prepared, used_constants=False
-    ) -> LeanResult:
-        self._ensure(w)
-        w.last_states = 0
-        orig_type = None
-        if self.lean_checks:
-            key = (job.header, prep.lean_statement)
-            with self._orig_lock:
-                cached = self._orig_cache.get(key)
-            if cached is None:
-                cached = self._original_on_worker(w, prep)
-                if cached[0] is not None:
-                    with self._orig_lock:
-                        self._orig_cache[key] = cached
-            orig_type, orig_err = cached
-            if orig_type is None:
-                return _fail(
-                    "error", f"statement: the original statement does not elaborate: {orig_err}"
-                )
-        request = {"cmd": prep.lean_proof, "env": w.env}
-        if used_constants:
-            request["allTactics"] = True
-        resp = w.request(self._pool, request, self.timeout)
-        spent = w.last_time
-        if "message" in resp and "env" not in resp:
-            return _fail(
-                "error",
-                f"lean: {str(resp['message'])[:300]}",
-                errors=[str(resp["message"])],
-                t=spent,
-            )
-        messages = list(resp.get("messages") or [])
-        sorries = list(resp.get("sorries") or [])
-        tactics = list(resp.get("tactics") or [])
-        w.last_states = len(sorries) + len(tactics)
-        check_msgs = None
-        if (
-            self.lean_checks
-            and not any(m.get("severity") == "error" for m in messages)
-            and not sorries
-        ):
-            check_msgs = self._run_checks(w, resp.get("env"), prep.name)
-            spent += w.last_time
-        status, reason, errors = _judge(
-            messages, sorries, check_msgs, orig_type, prep.name, self.lean_checks
-        )
-        used = _used_constants(tactics, prep.lean_proof, used_constants) if used_constants else None
-        return LeanResult(status == "valid", status, errors, reason, spent, messages, used)
-
-    def _run_checks(self, w: _Worker, env, name: str) -> list:
-        """Messages of `_check_block(name)` run in `env`."""
-        chk = w.request(
-            self._pool, {"cmd": _check_block(name), "env": env}, min(self.timeout, 60.0) + 5.0
-        )
-        if "message" in chk and "env" not in chk:
-            return [{"severity": "error", "data": str(chk["message"])}]
-        return list(chk.get("messages") or [])
-
-    def _original_on_worker(self, w: _Worker, prep: _Prepared) -> tuple:
-        """pp.all type of the original statement in the clean header environment."""
-        resp = w.request(
-            self._pool, {"cmd": prep.lean_statement + " sorry", "env": w.env}, self.timeout
-        )
-        errs = [_fmt(m) for m in resp.get("messages") or [] if m.get("severity") == "error"]
-        if "message" in resp and "env" not in resp:
-            errs.append(str(resp["message"]))
-        if errs:
-            return None, "; ".join(errs)[:500]
-        ctype, _ = _parse_checks(self._run_checks(w, resp.get("env"), prep.name), prep.name)
-        if ctype is None:
-            return None, "no output from #check"
-        return ctype, None
-
-    # ---------------------------------------------------------------- tactic mode
-
-    def _require_repl(self):
-        if self.backend != "repl":
+    def _tactics(self) -> TacticEngine:
+        if self.engine is None:
             raise NotImplementedError(
-                "tactic mode needs the local REPL backend (Kimina has no tactic endpoint)"
+                f"tactic mode needs the local REPL backend ({self.backend!r} has no tactic endpoint)"
             )
-        if self._closed:
-            raise RuntimeError("LeanVerifier is closed")
-
-    @staticmethod
-    def _tstate(header, statement, tactics, error, status="error", **kw) -> TacticState:
-        return TacticState(
-            state_id=None,
-            goals=[],
-            error=error,
-            header=header,
-            statement=statement,
-            tactics=list(tactics),
-            status=status,
-            **kw,
-        )
+        self._check_open()
+        return self.engine
 
     def start_proof(self, header: str, statement: str) -> TacticState:
         """Root proof state of `statement` (which ends in ':= by') under `header`: the REPL's proof state at
         `statement sorry`. The state lives in the REPL that made it (its affinity)."""
-        self._require_repl()
-        return self._start(str(header or ""), str(statement or ""), None)
-
-    def _start(self, header: str, statement: str, held: _Worker | None) -> TacticState:
-        """start_proof on the worker `held` (the caller holds it), or on one acquired here."""
-        try:
-            _, _, lean_statement = _prepare_statement(statement)
-        except _Reject as r:
-            return self._tstate(header, statement, [], f"{r.status}: {r.rule}: {r.detail}")
-        last = None
-        for _attempt in range(2):
-            w = held or self._pool.acquire(header)
-            try:
-                self._ensure(w)
-                resp = w.request(
-                    self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, self.timeout
-                )
-                root = self._root_state(resp, header, statement, w)
-                w.note_use(self._pool, states=len(resp.get("sorries") or []))
-                return root
-            except (_Timeout, _HeaderTimeout) as e:
-                w.stop()
-                return self._tstate(header, statement, [], f"timeout: {e}", "timeout")
-            except _HeaderFailed as e:
-                w.stop()
-                return self._tstate(header, statement, [], f"header: {e}")
-            except (_Crash, _Garbled, _MemoryExceeded) as e:
-                w.stop()
-                last = e
-            finally:
-                if held is None:
-                    self._pool.release(w)
-        return self._tstate(header, statement, [], f"crash: {last}", "crash")
+        return self._tactics().start_proof(header, statement)
 
     def start_proofs(self, items: list) -> list:
         """start_proof for each (header, statement), spread evenly over the pool's REPLs (round robin over
         as many REPLs of the header as it can have, started in parallel): the searches from these roots
         then run in parallel."""
-        self._require_repl()
-        items = [(str(h or ""), str(st or "")) for h, st in items]
-        results: list = [None] * len(items)
-        by_header: dict = {}
-        for i, (h, _) in enumerate(items):
-            by_header.setdefault(h, []).append(i)
-        for header, idx in by_header.items():
-            held = []
-            while len(held) < min(self._pool.size, len(idx)):
-                w = self._pool.acquire(header, wait=False)
-                if w is None:
-                    break
-                held.append(w)
-            try:
-                if held:
-                    shares = [(w, idx[j :: len(held)]) for j, w in enumerate(held)]
-                    tasks = [
-                        (k, lambda w=w, share=share: [self._start(*items[i], w) for i in share])
-                        for k, (w, share) in enumerate(shares)
-                    ]
-                    for (_worker, share), roots in zip(
-                        shares, self._in_parallel(tasks, len(tasks), len(tasks))
-                    ):
-                        for i, root in zip(share, roots):
-                            results[i] = root
-                else:  # every REPL is busy: one at a time, as they free up
-                    for i in idx:
-                        results[i] = self.start_proof(*items[i])
-            finally:
-                for w in held:
-                    self._pool.release(w)
-        return results
-
-    def _root_state(self, resp, header, statement, w) -> TacticState:
-        if "message" in resp and "env" not in resp:
-            return self._tstate(header, statement, [], f"lean: {resp['message']}")
-        msgs = list(resp.get("messages") or [])
-        errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
-        if errs:
-            return self._tstate(header, statement, [], "lean: " + "; ".join(errs), messages=msgs)
-        sorries = [s for s in resp.get("sorries") or [] if isinstance(s.get("proofState"), int)]
-        if not sorries:
-            return self._tstate(header, statement, [], "lean: no proof state for the statement")
-        s = sorries[0]
-        return TacticState(
-            state_id=s["proofState"],
-            goals=[str(s.get("goal", "")).strip()],
-            header=header,
-            statement=statement,
-            tactics=[],
-            time=w.last_time,
-            _worker=w,
-            _generation=w.generation,
-        )
-
-    def _hold(self, state: TacticState) -> _Worker | None:
-        """The live REPL that holds `state`, acquired; None when it was restarted or retired."""
-        w = state._worker
-        if not isinstance(w, _Worker):
-            return None
-        got = self._pool.acquire(state.header, worker=w)
-        if got is None:
-            return None
-        if w.generation != state._generation or not w.live():
-            self._pool.release(w)
-            return None
-        return w
-
-    def _replay(self, state: TacticState, timeout: float) -> tuple:
-        """Rebuild `state` on a live REPL of its header (its own was restarted): the statement, then the
-        tactic path, from the longest prefix already rebuilt there. Returns (state, held worker or None)."""
-        w = self._pool.acquire(state.header, prefer=lambda w: (state.statement, ()) in w.paths)
-        ok = False
-        try:
-            self._ensure(w)
-            path = list(state.tactics)
-            k = len(path)
-            while k >= 0 and (state.statement, tuple(path[:k])) not in w.paths:
-                k -= 1
-            if k < 0:
-                _, _, lean_statement = _prepare_statement(state.statement)
-                resp = w.request(
-                    self._pool, {"cmd": lean_statement + " sorry", "env": w.env}, timeout
-                )
-                w.note_use(self._pool, states=len(resp.get("sorries") or []))
-                root = self._root_state(resp, state.header, state.statement, w)
-                if root.error or not w.live():
-                    return self._tstate(
-                        state.header, state.statement, path, root.error or "replay failed", "crash"
-                    ), None
-                sid, k = root.state_id, 0
-                w.paths[(state.statement, ())] = sid
-            else:
-                sid = w.paths[(state.statement, tuple(path[:k]))]
-            for i in range(k, len(path)):
-                r = w.request(
-                    self._pool,
-                    {"tactic": one_tactic(_strip_or_raw(path[i])), "proofState": sid},
-                    timeout,
-                )
-                if not isinstance(r.get("proofState"), int) or any(
-                    m.get("severity") == "error" for m in r.get("messages") or []
-                ):
-                    return self._tstate(
-                        state.header,
-                        state.statement,
-                        path,
-                        f"replay failed at {path[i]!r}",
-                        "crash",
-                    ), None
-                sid = r["proofState"]
-                w.paths[(state.statement, tuple(path[: i + 1]))] = sid
-                w.note_use(self._pool, uses=0, states=1 + len(r.get("sorries") or []))
-                if not w.live():
-                    return self._tstate(
-                        state.header, state.statement, path, "replay failed: REPL recycled", "crash"
-                    ), None
-            ok = True
-            return dataclasses.replace(state, state_id=sid, _worker=w, _generation=w.generation), w
-        except (
-            _Timeout,
-            _HeaderTimeout,
-            _HeaderFailed,
-            _Crash,
-            _Garbled,
-            _MemoryExceeded,
-            _Reject,
-        ) as e:
-            w.stop()
-            return self._tstate(
-                state.header, state.statement, state.tactics, f"replay failed: {e}", "crash"
-            ), None
-        finally:
-            if not ok:
-                self._pool.release(w)
+        return self._tactics().start_proofs(items)
 
     def apply_tactic(
         self, state: TacticState, tactic: str, timeout: float | None = None
     ) -> TacticState:
-        """Run a tactic on `state`: the new state, or a failed one (`error` set, `state_id` None). The text
-        may be a block of several tactics (lines, `;`): the REPL takes exactly one tactic per request, so it
-        is sent as one parenthesised sequence (`one_tactic`), which runs like the same lines in a `by` block.
-        Runs on the REPL that holds `state`; if that REPL was restarted, the state is replayed first (its
-        statement and tactic path) on a REPL of its header. Never raises on model output."""
-        self._require_repl()
-        timeout = self.timeout if timeout is None else float(timeout)
-        tactic = "" if tactic is None else str(tactic)
-        header, statement = state.header, state.statement
-        path = list(state.tactics) + [tactic]
-        if state.error is not None or state.state_id is None:
-            return self._tstate(header, statement, path, "cannot apply a tactic to a failed state")
-        if state.solved or not state.goals:
-            return self._tstate(header, statement, path, "no goals left")
-        code, err = strip_comments(_unify_line_breaks(tactic))
-        if err:
-            return self._tstate(header, statement, path, f"error: lex: {err}")
-        odd = _odd_line_break(code)
-        if odd is not None:
-            return self._tstate(
-                header, statement, path, f"error: lex: a line break other than \\n ({odd})"
-            )
-        hit = _scan_tokens(code)
-        if hit:
-            return self._tstate(header, statement, path, f"{hit[0]}: {hit[1]}: {hit[2]}")
-        if not code.strip():
-            return self._tstate(header, statement, path, "error: empty tactic")
-        last = None
-        for _attempt in range(2):
-            try:
-                w = self._hold(state)
-                if w is None:
-                    state, w = self._replay(state, timeout)
-                    if w is None:
-                        return self._tstate(
-                            header, statement, path, state.error or "replay failed", "crash"
-                        )
-            except Exception as e:  # pragma: no cover - defensive
-                return self._tstate(header, statement, path, f"crash: internal: {e}", "crash")
-            try:
-                resp = w.request(
-                    self._pool, {"tactic": one_tactic(code), "proofState": state.state_id}, timeout
-                )
-                gen = w.generation
-                new = self._step_state(resp, state, path, w, gen)
-                w.note_use(
-                    self._pool,
-                    uses=0,
-                    states=1 + len(resp.get("sorries") or [])
-                    if isinstance(resp.get("proofState"), int)
-                    else 0,
-                )
-                return new
-            except _Timeout as e:
-                w.stop()
-                return self._tstate(
-                    header,
-                    statement,
-                    path,
-                    f"timeout: {e} after {timeout:g} s",
-                    "timeout",
-                    time=time.monotonic() - w.last_start,
-                )
-            except (_Crash, _Garbled, _MemoryExceeded) as e:
-                w.stop()
-                last = e
-            finally:
-                self._pool.release(w)
-        return self._tstate(header, statement, path, f"crash: {last}", "crash")
+        """Run a tactic on `state` (TacticEngine.apply_tactic): the new state, or a failed one (`error`
+        set, `state_id` None). Never raises on model output."""
+        return self._tactics().apply_tactic(state, tactic, timeout)
 
     def apply_tactics(self, steps: list, timeout: float | None = None) -> list:
         """apply_tactic for each (state, tactic), results in order. Steps on states held by the same REPL
         run one after another on it, steps on different REPLs in parallel (one thread per REPL): a search
         expanding many nodes of many theorems keeps the whole pool busy, and no state moves to another
         process. States whose REPL was restarted are replayed (once per path and REPL)."""
-        self._require_repl()
-        steps = list(steps)
-        groups: dict = {}
-        for i, (state, _tactic) in enumerate(steps):
-            w = getattr(state, "_worker", None)
-            key = id(w) if isinstance(w, _Worker) else ("header", getattr(state, "header", ""))
-            groups.setdefault(key, []).append(i)
-        results: list = [None] * len(steps)
-
-        def run(idx):
-            for i in idx:
-                state, tactic = steps[i]
-                if not isinstance(state, TacticState):
-                    results[i] = self._tstate("", "", [], "not a TacticState")
-                else:
-                    results[i] = self.apply_tactic(state, tactic, timeout)
-            return True
-
-        self._in_parallel(
-            [(k, lambda idx=idx: run(idx)) for k, idx in enumerate(groups.values())],
-            len(groups),
-            max(self._pool.size, 1),
-        )
-        return results
+        return self._tactics().apply_tactics(steps, timeout)
 
     def replay(self, roots: list, paths: list) -> list:
         """Each tactic path from its root state (roots[i] for paths[i]; a root may repeat), all paths in lockstep (one
@@ -2738,9 +3310,8 @@ class LeanVerifier:
                 for s, p in zip(states, paths)
                 if depth < len(p) and s[-1].status == "open"
             ]
-            for (s, _), child in zip(
-                todo, self.apply_tactics([(s[-1], tactic) for s, tactic in todo])
-            ):
+            children = self.apply_tactics([(s[-1], tactic) for s, tactic in todo])
+            for (s, _), child in zip(todo, children):
                 s.append(child)
         return [
             s if len(s) == len(p) + 1 and s[-1].status in ("open", "solved") else None
@@ -2755,71 +3326,10 @@ class LeanVerifier:
         """Free the REPL memory of a finished search: restart the REPLs holding `states` (all REPLs holding
         proof states if None). The REPL at v4.15.0 cannot delete a proof state (no such command; pickling
         only adds states), so restarting is the only way; the states become stale and are replayed if used
-        again. Returns the number of REPLs restarted."""
-        if self._pool is None:
+        again. Returns the number of REPLs restarted (0 without tactic mode)."""
+        if self.engine is None:
             return 0
-        if states is None:
-            targets = [w for w in list(self._pool.workers) if w.live() and w.states > 0]
-        else:
-            targets = list(
-                {
-                    id(s._worker): s._worker
-                    for s in states
-                    if isinstance(getattr(s, "_worker", None), _Worker)
-                    and s._worker.generation == s._generation
-                    and s._worker.live()
-                }.values()
-            )
-        n = 0
-        for w in targets:
-            if self._pool.acquire(w.header, worker=w) is None:
-                continue
-            try:
-                if w.live():
-                    w.stop()
-                    n += 1
-            finally:
-                self._pool.release(w)
-        return n
-
-    def _step_state(
-        self, resp: dict, parent: TacticState, path: list, w: _Worker, gen: int
-    ) -> TacticState:
-        t = w.last_time
-        if not isinstance(resp.get("proofState"), int):
-            return self._tstate(
-                parent.header, parent.statement, path, f"lean: {resp.get('message', resp)}", time=t
-            )
-        msgs = list(resp.get("messages") or [])
-        errs = [_fmt(m) for m in msgs if m.get("severity") == "error"]
-        goals = [str(g) for g in resp.get("goals") or []]
-        status = resp.get("proofStatus")  # REPLs newer than v4.15.0 only
-        kw = dict(messages=msgs, proof_status=status, time=t)
-        if errs:  # an elaboration error closes goals with sorry: goals [] proves nothing
-            return self._tstate(
-                parent.header, parent.statement, path, "lean: " + "; ".join(errs), **kw
-            )
-        if resp.get("sorries"):
-            return self._tstate(
-                parent.header, parent.statement, path, "sorry: the tactic introduced sorry", **kw
-            )
-        if not goals and status is not None and status != "Completed":
-            return self._tstate(
-                parent.header, parent.statement, path, f"lean: proof status {status!r}", **kw
-            )
-        return TacticState(
-            state_id=resp["proofState"],
-            goals=goals,
-            error=None,
-            solved=not goals,
-            tactics=path,
-            header=parent.header,
-            statement=parent.statement,
-            status="open" if goals else "solved",
-            _worker=w,
-            _generation=gen,
-            **kw,
-        )
+        return self.engine.free_states(states)
 
     def check_tactic_path(
         self,
@@ -2837,325 +3347,6 @@ class LeanVerifier:
             header = state_or_header
         proof = proof_from_tactics(str(statement or ""), list(tactics or []))
         return self.verify([ProofJob(str(header or ""), str(statement or ""), proof, name)])[0]
-
-    # ---------------------------------------------------------------- Kimina backend
-
-    def _kimina_code(
-        self,
-        header: str,
-        body: str,
-        name: str = "",
-        checks: list | None = None,
-        check_block: bool = True,
-    ) -> tuple:
-        """A snippet: the header's imports first (Kimina runs a snippet's leading import/blank lines as its
-        header command; with none it would run later snippets in the first one's environment, so a header
-        without imports gets `import Init`), the rest of the header, the body, then the check block of
-        `name` (or `#check` lines for `checks`) after a gap. Message lines come back in the snippet's
-        numbering (GitHub main adds the header's H lines back) or relative to the body, H lines less (PyPI's
-        2.1.3). With a gap and spacing larger than H, the check messages are told apart either way. Lines are
-        counted at "\\n" only, as the server counts them once no other line break is left (LINE_BREAKS).
-        Returns (code, first check line, spacing, H). With check_block=False the snippet ends with the body
-        and the first check line is infinite: every message is the body's, even one that Lean puts at the end
-        of its command (where a check block would follow)."""
-        head = header if header.endswith("\n") or not header else header + "\n"
-        lines = (strip_comments(head)[0] or "").split("\n")
-        kinds = [bool(_IMPORT.match(ln)) for ln in lines if ln.strip()]
-        if not any(kinds):
-            head = "import Init\n" + head
-        elif not all(
-            kinds[: kinds.count(True)]
-        ):  # an import after other lines: move the imports up
-            head = "\n".join(
-                [ln.strip() for ln in lines if _IMPORT.match(ln)]
-                + [ln for ln in lines if not _IMPORT.match(ln)]
-            )
-        pre = head + body.rstrip() + "\n"
-        pre_lines = pre.split("\n")
-        h = 0
-        while h < len(pre_lines) and (
-            not pre_lines[h].strip() or pre_lines[h].strip().startswith("import ")
-        ):
-            h += 1
-        spacing = h + 2
-        if not check_block:
-            return pre, math.inf, spacing, h
-        first = pre.count("\n") + spacing + 1
-        tail = (
-            _check_block(name)
-            if checks is None
-            else "".join(f"#check {_root(n)}" + "\n" * spacing for n in checks)
-        )
-        return pre + "\n" * spacing + tail, first, spacing, h
-
-    def _kimina_deadline(self, n_snippets: int) -> float:
-        """Seconds to wait for the answer to a POST of `n_snippets`: past the server's own limits, so that it
-        answers first. PyPI's 2.1.3 gives up on a POST after timeout x snippets + 10 s (HTTP 504): its REPLs
-        work through a batch in turn, so a batch may wait that long although each proof has `timeout`. GitHub
-        main waits up to 60 s for a free REPL (then HTTP 429), then runs the header and the body under
-        `timeout` each. `http_timeout`, when given, is used as it is."""
-        if self.http_timeout is not None:
-            return self.http_timeout
-        sent_timeout = math.ceil(self.timeout)
-        limit_2_1_3 = sent_timeout * n_snippets + 10.0
-        limit_main = 60.0 + 2 * sent_timeout
-        return max(limit_2_1_3, limit_main) + 30.0
-
-    def _kimina_post(self, snippets: list) -> dict:
-        """POST one batch; returns {id: result dict} or raises _Timeout (no answer within the deadline) or
-        _ServerError."""
-        payload = {
-            "snippets": [{"id": sid, "code": code} for sid, code in snippets],
-            "timeout": int(math.ceil(self.timeout)),
-            "debug": False,
-            "reuse": True,
-        }
-        data = json.dumps(payload, ensure_ascii=False).encode("utf-8", "replace")
-        headers = {"Content-Type": "application/json"}
-        if self.kimina_api_key:
-            headers["Authorization"] = f"Bearer {self.kimina_api_key}"
-        req = urllib.request.Request(
-            self.kimina_url + "/api/check", data=data, headers=headers, method="POST"
-        )
-        deadline = self._kimina_deadline(len(snippets))
-        self._count("posts")
-        try:
-            with urllib.request.urlopen(req, timeout=deadline) as r:
-                body = json.loads(r.read().decode("utf-8"))
-        except urllib.error.HTTPError as e:
-            raise _ServerError(f"HTTP {e.code} from the Kimina server", e.code) from e
-        except (TimeoutError, OSError) as e:
-            if isinstance(e, TimeoutError) or "timed out" in str(e):
-                raise _Timeout(f"no answer from the Kimina server within {deadline:g} s") from e
-            raise _ServerError(f"cannot reach the Kimina server: {e}", 0) from e
-        except ValueError as e:
-            raise _ServerError(f"malformed response from the Kimina server: {e}", 0) from e
-        results = body.get("results") if isinstance(body, dict) else None
-        if not isinstance(results, list):
-            raise _ServerError("malformed response from the Kimina server", 0)
-        return {str(x.get("id")): x for x in results if isinstance(x, dict)}
-
-    def _count(self, what: str, n: int = 1) -> None:
-        with self._kimina_counts_lock:
-            self._kimina_counts[what] += n
-
-    def _kimina_run(self, batch: list) -> dict:
-        """POST a batch [(id, code)] -> {id: answer}. Answers of snippets that did not run because the server
-        was busy (HTTP 429 for the POST on GitHub main; in 2.1.3 an error per snippet, _kimina_busy) are sent
-        again, alone, with exponential backoff, up to `kimina_retries` times; so are POSTs to an unreachable
-        server. A POST that fails as a whole with another status (a 5xx: on main a REPL that died; 504: past
-        2.1.3's limit) is split in halves, so a bad snippet costs only itself; a single snippet is tried once
-        more (after a 504, like a busy server). No answer within the deadline fails the batch: the proofs
-        may not have run, so it is "server_error", not "timeout", and not retried."""
-        answers = {}
-        pending = list(batch)
-        failure = None  # the last POST's _ServerError; None after an answer
-        busy_error = ""  # the last per-snippet busy error
-        for attempt in range(self.kimina_retries + 1):
-            if attempt:
-                self._count("retries")
-                delay = self.kimina_retry_delay * 2 ** (attempt - 1)
-                time.sleep(delay * random.uniform(1.0, 1.25))
-            try:
-                got = self._kimina_post(pending)
-            except _Timeout as e:
-                self._count("no_answer")
-                for sid, _ in pending:
-                    answers[sid] = {"_status": "server_error", "_reason": f"server_error: {e}"}
-                return answers
-            except _ServerError as e:
-                failure = e
-                if e.busy:
-                    self._count("busy", len(pending))
-                if not e.retryable:
-                    break
-                if e.splittable and len(pending) > 1:
-                    break
-                if e.splittable and not e.busy and attempt >= 1:
-                    break
-                continue
-            failure = None
-            still_busy = []
-            for sid, code in pending:
-                answer = got.get(sid)
-                if answer is None:  # left out of the answer: "returned no result"
-                    continue
-                if _kimina_busy(answer):
-                    still_busy.append((sid, code))
-                    busy_error = str(answer.get("error"))
-                    continue
-                answers[sid] = answer
-            if not still_busy:
-                return answers
-            self._count("busy", len(still_busy))
-            pending = still_busy
-        if failure is None:
-            tries = self.kimina_retries + 1
-            reason = f"server_error: the Kimina server stayed busy ({busy_error[:200]}) for {tries} tries"
-            for sid, _ in pending:
-                answers[sid] = {"_status": "server_error", "_reason": reason}
-            return answers
-        if len(pending) > 1 and failure.splittable:
-            self._count("splits")
-            half = len(pending) // 2
-            answers.update(self._kimina_run(pending[:half]))
-            answers.update(self._kimina_run(pending[half:]))
-            return answers
-        for sid, _ in pending:
-            answers[sid] = {"_status": "server_error", "_reason": f"server_error: {failure}"}
-        return answers
-
-    def _verify_kimina(self, jobs: list, progress: bool) -> list:
-        results: list = [None] * len(jobs)
-        preps = {}
-        snippets = []  # (sid, code, first line of the check block's messages)
-        orig_sids = {}  # (header, lean_statement) -> sid
-        orig_names = {}  # sid -> theorem name
-        for i, job in enumerate(jobs):
-            try:
-                job = _as_job(job)
-                jobs[i] = job
-                prep = prepare(job)
-            except _Reject as r:
-                results[i] = _fail(r.status, f"{r.rule}: {r.detail}")
-                continue
-            except Exception as e:
-                results[i] = _fail("crash", f"internal: {type(e).__name__}: {e}")
-                continue
-            preps[i] = prep
-            # Without the Lean-side checks the snippet is the proof alone, so that no message of it can be
-            # taken for one of the check block's and dropped.
-            code, first, _, h = self._kimina_code(
-                job.header, prep.lean_proof, prep.name, check_block=self.lean_checks
-            )
-            snippets.append((f"p{i}", code, first - h))
-            key = (job.header, prep.lean_statement)
-            if self.lean_checks and key not in self._orig_cache and key not in orig_sids:
-                sid = f"s{len(orig_sids)}"
-                orig_sids[key] = sid
-                orig_names[sid] = prep.name
-                code, first, _, h = self._kimina_code(
-                    job.header, prep.lean_statement + " sorry", prep.name
-                )
-                snippets.append((sid, code, first - h))
-        answers: dict = {}
-        thresholds = {sid: thr for sid, _, thr in snippets}
-        batches = [
-            snippets[k : k + self.kimina_batch_size]
-            for k in range(0, len(snippets), self.kimina_batch_size)
-        ]
-        bar = _Progress(len(batches), progress)
-
-        def run(batch):
-            try:
-                got = self._kimina_run([(sid, code) for sid, code, _ in batch])
-            except Exception as e:  # pragma: no cover
-                got = {
-                    sid: {"_status": "server_error", "_reason": f"server_error: {e}"}
-                    for sid, _, _ in batch
-                }
-            bar.step()
-            return got
-
-        if batches:
-            with ThreadPoolExecutor(max(1, min(self.workers, len(batches)))) as ex:
-                for got in ex.map(run, batches):
-                    answers.update(got)
-        bar.close()
-        for key, sid in orig_sids.items():
-            ans = answers.get(sid)
-            if (
-                ans is None
-                or "_status" in ans
-                or "error" in ans
-                or not isinstance(ans.get("response"), dict)
-            ):
-                continue  # not cached: the proofs below report why
-            msgs = ans["response"].get("messages") or []
-            thr = thresholds[sid]
-            stmt_errs = [_fmt(m) for m in msgs if m.get("severity") == "error" and _line(m) < thr]
-            ctype, _ = _parse_checks([m for m in msgs if _line(m) >= thr], orig_names[sid])
-            self._orig_cache[key] = (
-                (None, "; ".join(stmt_errs)[:500]) if stmt_errs else (ctype, None)
-            )
-        for i, prep in preps.items():
-            job = jobs[i]
-            sid = f"p{i}"
-            res, ctype = self._kimina_result(answers.get(sid), thresholds[sid], prep)
-            if res.status == "valid" and self.lean_checks:
-                key = (job.header, prep.lean_statement)
-                cached = self._orig_cache.get(key)
-                if cached is None:
-                    ans = answers.get(orig_sids.get(key, ""), {})
-                    status = "server_error"
-                    if _kimina_error_status(str(ans.get("error", ""))) == "timeout":
-                        status = "timeout"
-                    res = _fail(
-                        status,
-                        f"{status}: could not elaborate the original statement on the server",
-                        t=res.time,
-                    )
-                elif cached[0] is None:
-                    res = _fail(
-                        "error",
-                        f"statement: the original statement does not elaborate: {cached[1]}",
-                        t=res.time,
-                    )
-                elif ctype != cached[0]:
-                    res = _fail(
-                        "cheat",
-                        "elaborated_statement: the proved theorem's type differs from "
-                        "the original statement",
-                        messages=res.messages,
-                        t=res.time,
-                    )
-            results[i] = res
-        return [r if r is not None else _fail("crash", "internal: no result") for r in results]
-
-    def _kimina_result(self, ans: dict | None, thr: int, prep: _Prepared) -> tuple:
-        """(LeanResult, pp.all type from the check block or None) for one snippet answer; the time is the
-        server's for the snippet (its body command, without the header import)."""
-        if ans is None:
-            return _fail(
-                "server_error", "server_error: the Kimina server returned no result for this proof"
-            ), None
-        if "_status" in ans:
-            return _fail(ans["_status"], ans["_reason"]), None
-        try:
-            t = float(ans.get("time") or 0.0)
-        except (TypeError, ValueError):
-            t = 0.0
-        if ans.get("error"):
-            err = str(ans["error"])
-            status = _kimina_error_status(err)
-            if status == "timeout":
-                return _fail("timeout", f"timeout: {err[:300]}", t=t), None
-            if _KIMINA_HEADER_TIMEOUT in err:
-                reason = (
-                    f"server_error: the proof did not run: {err[:200]} (the server imports the header "
-                    "under the proof's timeout: give it a timeout above the import time and REPLs "
-                    "pre-warmed with LEAN_SERVER_INIT_REPLS)"
-                )
-                return _fail("server_error", reason), None
-            return _fail("server_error", f"server_error: {err[:300]}", t=t), None
-        resp = ans.get("response")
-        if not isinstance(resp, dict):
-            return _fail(
-                "server_error", "server_error: result has neither `response` nor `error`", t=t
-            ), None
-        if "message" in resp and "env" not in resp and "messages" not in resp:
-            return _fail(
-                "error", f"lean: {str(resp['message'])[:300]}", errors=[str(resp["message"])], t=t
-            ), None
-        msgs = list(resp.get("messages") or [])
-        proof_msgs = [m for m in msgs if _line(m) < thr]
-        check_msgs = [m for m in msgs if _line(m) >= thr]
-        sorries = [s for s in resp.get("sorries") or [] if _line(s) < thr]
-        status, reason, errors = _judge(
-            proof_msgs, sorries, check_msgs, None, prep.name, self.lean_checks
-        )
-        ctype, _ = _parse_checks(check_msgs, prep.name)
-        return LeanResult(status == "valid", status, errors, reason, t, proof_msgs), ctype
 
 
 # What stats() counts on the Kimina backend: POSTs sent, POSTs sent again (after a busy or unreachable server,

@@ -1245,6 +1245,99 @@ def test_tactic_mode_not_on_kimina(kimina):
         v.start_proof(H, SMOKE[0]["formal_statement"])
 
 
+# --------------------------------------------------------------------------- a backend of one's own
+
+
+class OneReplBackend(lv.LeanBackend):
+    """The smallest backend: one stand-in REPL per header, one snippet at a time, written against the
+    LeanBackend interface alone (no pool, no retry), to show that the interface is enough for the verdict."""
+
+    name = "one_repl"
+
+    def __init__(self, *flags):
+        self.argv = [sys.executable, str(FAKE), *flags]
+        self.repls = {}  # header -> (process, env of the header)
+
+    def request(self, proc, obj: dict) -> dict:
+        proc.stdin.write(json.dumps(obj) + "\n\n")
+        proc.stdin.flush()
+        lines = []
+        for line in proc.stdout:
+            if not line.strip() and lines:
+                break
+            lines.append(line)
+        return json.loads("".join(lines))
+
+    def repl(self, header: str) -> tuple:
+        if header not in self.repls:
+            proc = subprocess.Popen(
+                self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            env = self.request(proc, {"cmd": header})["env"]
+            self.repls[header] = (proc, env)
+        return self.repls[header]
+
+    def check(self, snippets, timeout, progress=False):
+        results = []
+        for s in snippets:
+            proc, env = self.repl(s.header)
+            if s.names:
+                text = "\n".join(f"#check _root_.{n}" for n in s.names)
+                msgs = self.request(proc, {"cmd": text, "env": env}).get("messages", [])
+                signatures = [None] * len(s.names)
+                for m in msgs:
+                    if m["severity"] == "info":
+                        signatures[m["pos"]["line"] - 1] = m["data"]
+                results.append(lv.RawResult(signatures=signatures))
+                continue
+            resp = self.request(proc, {"cmd": s.code, "env": env})
+            messages = resp.get("messages", [])
+            check_messages = None
+            if s.checked:
+                chk = {"cmd": lv._check_block(s.checked), "env": resp["env"]}
+                check_messages = self.request(proc, chk).get("messages", [])
+            raw = lv.RawResult(messages, resp.get("sorries", []), check_messages)
+            results.append(raw)
+        return results
+
+    def close(self):
+        for proc, _ in self.repls.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_a_backend_of_ones_own_gives_the_same_verdicts():
+    """LeanVerifier(backend=<an object>): a backend written in the test, over the stand-in, gets the smoke
+    theorems valid, each kind of wrong proof and Lean-side cheat its status, every text rule's example
+    rejected by that rule, and statements(); tactic mode is not offered."""
+    jobs, statuses = verdict_jobs()
+    # the last two (a hang, a crash) are left out: the minimal backend has no timeout and no restart
+    jobs, statuses = jobs[:-2], statuses[:-2]
+    with LeanVerifier(backend=OneReplBackend(), timeout=10) as v:
+        res = v.verify(jobs)
+        assert [r.status for r in res] == statuses, [r.reason for r in res]
+        assert res[: len(SMOKE)] == v.verify(jobs[: len(SMOKE)])  # the statements now cached
+        assert res[-3].reason.startswith("axioms") and res[-2].reason.startswith("elaborated")
+        got = v.statements(H, ["lt_trans", "nope_nope"])
+        assert got["lt_trans"].startswith("lt_trans ") and got["nope_nope"] is None
+        assert v.backend == "one_repl" and v.free_states() == 0
+        with pytest.raises(NotImplementedError):
+            v.start_proof(H, SMOKE[0]["formal_statement"])
+    with LeanVerifier(backend=OneReplBackend("--accept", "all")) as v:
+        res = v.verify([ProofJob(H, st, proof) for _, st, proof in lv.CHEAT_EXAMPLES])
+    for (rule, _, _), r in zip(lv.CHEAT_EXAMPLES, res):
+        assert not r.valid and r.reason.split(":")[0] == rule, r
+
+
+def test_a_backend_without_the_lean_side_checks_needs_them_off():
+    backend = OneReplBackend()
+    backend.lean_checks = False
+    with pytest.raises(ValueError):
+        LeanVerifier(backend=backend)
+    with LeanVerifier(backend=backend, lean_checks=False) as v:
+        assert v.verify([smoke_job(SMOKE[0])])[0].valid
+
+
 # --------------------------------------------------------------------------- Kimina client
 
 
@@ -1530,9 +1623,9 @@ def test_kimina_deadline_covers_the_servers_limits(kimina):
     client waits past both, so that a proof queued behind others is answered, not given up on."""
     with kimina_verifier(kimina, timeout=60) as v:
         for n in (1, 8, 32):
-            assert v._kimina_deadline(n) > max(60 * n + 10, 60 + 2 * 60)
+            assert v.lean.deadline(n, v.timeout) > max(60 * n + 10, 60 + 2 * 60)
     with kimina_verifier(kimina, timeout=60, http_timeout=5) as v:
-        assert v._kimina_deadline(8) == 5
+        assert v.lean.deadline(8, v.timeout) == 5
 
 
 def line_break_jobs() -> tuple:
