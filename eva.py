@@ -214,16 +214,17 @@ class Args:
     info_metric: Literal[
         "a_min", "a_avg", "a_dts", "var", "avg", "inv_avg", "inv_a_min", "uniform"
     ] = "a_min"
-    """informativeness of a prompt from its rewards (informativeness; Tables 2-3): a_min is eva's
-    default"""
+    """informativeness of a prompt from its rewards (informativeness, INFO_METRICS; Tables 2-3):
+    a_min is eva's default"""
     sampling: Literal["weighted", "greedy", "stratified"] = "weighted"
     """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted
-    within quantile bins (sample_informative)"""
+    within quantile bins (sample_informative, SAMPLINGS)"""
     evolve_fraction: float = 0.25
-    """share of the prompts sampled into the informative subset, in [0, 1]; int(share x prompts)
-    (sample_informative; official SAMPLE_FRAC)"""
+    """share of the prompts sampled into the informative subset, in [0, 1] (official SAMPLE_FRAC):
+    weighted, greedy: int(share x prompts); stratified: round(share x bin size) in each bin, which
+    can be 0 (a draw of none prints a line; sample_subset)"""
     stratified_bins: int = 10
-    """quantile bins of --sampling stratified"""
+    """quantile bins of --sampling stratified (stratified_draw)"""
     num_evolutions: int = 4
     """length of each seed's mutation chain (official NUM_EVOLUTIONS)"""
     evolve_temperature: float = 0.88
@@ -403,13 +404,12 @@ def check_choices(args: Args) -> None:
     for flag, share in shares.items():
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"--{flag} {share}: a share of a set, in [0, 1]")
-    informativeness([0.0, 1.0], args.info_metric)
+    informativeness([0.0, 1.0], args)
     sample_informative(
         values=[0.0, 1.0],
         weights=np.array([0.5, 0.5]),
-        fraction=0.5,
-        method=args.sampling,
         rng=np.random.default_rng(0),
+        args=args,
     )
     reward_rule(args.reward_kind)
     k = 1 if args.loss in ROLLOUT_LOSSES else 2  # sequences an item: a rollout's 1, a pair's 2
@@ -528,7 +528,9 @@ def load_judge(name: str, dtype: torch.dtype, args: Args) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
 
 
-def classifier_scores(model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
+def classifier_scores(
+    model, tokenizer, prompt: str, responses: list[str], args: Args
+) -> list[float]:
     """The classifier's reward of each response, one conversation per forward (deviation 4): its
     scalar score (ArmoRM's `score`, the gated sum of its objectives; else its first logit)."""
     scores = []
@@ -546,7 +548,7 @@ def classifier_scores(model, tokenizer, prompt: str, responses: list[str]) -> li
     return scores
 
 
-def judge_scores(model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
+def judge_scores(model, tokenizer, prompt: str, responses: list[str], args: Args) -> list[float]:
     """The judge's reward of each response: the expected rating sum_d d p(d) / sum_d p(d) under
     its next-token probabilities p(d) of the digits d = 1..9 after JUDGE_PROMPT, in [1, 9]."""
     digits = []  # the token ids of "1".."9"
@@ -568,7 +570,7 @@ class RewardKind(NamedTuple):
     """How a --reward-kind value builds r(x, y) and scores with it."""
 
     load: object  # (name, dtype, args) -> the model (load_reward_model)
-    score: object  # (model, tokenizer, prompt, responses) -> a reward each (score_responses)
+    score: object  # (model, tokenizer, prompt, responses, args) -> a reward each (score_responses)
 
 
 # --reward-kind's choices: a new one is its two functions above and an entry here
@@ -604,13 +606,14 @@ def load_reward_model(args: Args, dist: Dist) -> tuple:
 
 @torch.no_grad()
 def score_responses(
-    reward_model: tuple, prompt: str, responses: list[str], kind: str
+    reward_model: tuple, prompt: str, responses: list[str], args: Args
 ) -> list[float]:
     """r(x, y) of each response to the prompt, a float each, by --reward-kind's scorer
-    (reward_rule: classifier_scores, judge_scores); no responses, no rewards."""
-    score = reward_rule(kind).score
+    (reward_rule: classifier_scores, judge_scores), which reads its parameters from args; no
+    responses, no rewards."""
+    score = reward_rule(args.reward_kind).score
     model, tokenizer = reward_model
-    return score(model, tokenizer, prompt, responses)
+    return score(model, tokenizer, prompt, responses, args)
 
 
 def solver_reward(score: float, sample: Sample, args: Args) -> float:
@@ -621,47 +624,47 @@ def solver_reward(score: float, sample: Sample, args: Args) -> float:
     return score
 
 
-# --info-metric's rows (Tables 2-3), each a function of a prompt's N rewards r, sorted, N >= 1;
-# official src/reward_hf.py's columns reward_gap, reward_maxmean, reward_dts, reward_var,
-# reward_mean.
-def reward_gap(r: list[float]) -> float:
+# --info-metric's rows (Tables 2-3), each (r, args) -> info, a function of a prompt's N rewards r,
+# sorted, N >= 1, reading any parameter of its own from args; official src/reward_hf.py's columns
+# reward_gap, reward_maxmean, reward_dts, reward_var, reward_mean.
+def reward_gap(r: list[float], args: Args) -> float:
     """a_min: max r - min r, A*_min, the minimax-regret proxy (eva's default); one response: 0."""
     return r[-1] - r[0]
 
 
-def reward_maxmean(r: list[float]) -> float:
+def reward_maxmean(r: list[float], args: Args) -> float:
     """a_avg: max r - mean r, A*_avg; one response: 0."""
     return r[-1] - float(np.mean(r))
 
 
-def reward_dts(r: list[float]) -> float:
+def reward_dts(r: list[float], args: Args) -> float:
     """a_dts: max r - the second highest r, A*_dts, dueling (a tie at the top: 0; one response:
     0, it has no second)."""
     runner_up = r[-2] if len(r) > 1 else r[-1]
     return r[-1] - runner_up
 
 
-def reward_var(r: list[float]) -> float:
+def reward_var(r: list[float], args: Args) -> float:
     """var: the variance of r; one response: 0."""
     return float(np.var(r))
 
 
-def reward_mean(r: list[float]) -> float:
+def reward_mean(r: list[float], args: Args) -> float:
     """avg: the mean of r."""
     return float(np.mean(r))
 
 
-def negated_reward_mean(r: list[float]) -> float:
+def negated_reward_mean(r: list[float], args: Args) -> float:
     """inv_avg: -mean r, favouring the prompts avg ranks lowest (deviation 5)."""
-    return -reward_mean(r)
+    return -reward_mean(r, args)
 
 
-def negated_reward_gap(r: list[float]) -> float:
+def negated_reward_gap(r: list[float], args: Args) -> float:
     """inv_a_min: -(max r - min r), favouring the prompts a_min ranks lowest (deviation 5)."""
-    return -reward_gap(r)
+    return -reward_gap(r, args)
 
 
-def same_info(r: list[float]) -> float:
+def same_info(r: list[float], args: Args) -> float:
     """uniform: 1 for every prompt (no preference)."""
     return 1.0
 
@@ -679,19 +682,20 @@ INFO_METRICS = {
 }
 
 
-def informativeness(rewards: list[float], metric: str) -> float:
+def informativeness(rewards: list[float], args: Args) -> float:
     """info(x) from the rewards of x's N responses by --info-metric's row of INFO_METRICS, the
     one place that dispatches on it; a higher value draws x more often (sampling_weights). No
     responses: 0 for every row (a run's groups all have N = --n-samples responses, so all or
     none are empty). Used by sample_subset (step 3) and creator/info_mean."""
+    metric = args.info_metric
     if metric not in INFO_METRICS:
         raise ValueError(
-            f"--info-metric {metric}: add its entry to INFO_METRICS (its function of a prompt's "
-            "sorted rewards, e.g. reward_gap; higher: drawn more often)"
+            f"--info-metric {metric}: add its entry to INFO_METRICS (its function (a prompt's "
+            "sorted rewards, args) -> info, e.g. reward_gap; higher: drawn more often)"
         )
     if not rewards:
         return 0.0
-    return INFO_METRICS[metric](sorted(rewards))
+    return INFO_METRICS[metric](sorted(rewards), args)
 
 
 def sampling_weights(values: list[float]) -> np.ndarray:
@@ -725,39 +729,43 @@ def draw_without_replacement(weights: np.ndarray, k: int, rng: np.random.Generat
     return positive.tolist() + zeros[: k - len(positive)].tolist()
 
 
-# --sampling's draws, each (values, weights, fraction, rng, bins) -> the chosen indices, on P
-# prompts (P >= 1): values, weights [P] (informativeness, sampling_weights).
+# --sampling's draws, each (values, weights, rng, args) -> the chosen indices, on P prompts
+# (P >= 1): values, weights [P] (informativeness, sampling_weights); a draw reads its own
+# parameters (--evolve-fraction, --stratified-bins, a fork's new flag) from args.
 def weighted_draw(
-    values: list[float], w: np.ndarray, fraction: float, rng: np.random.Generator, bins: int
+    values: list[float], weights: np.ndarray, rng: np.random.Generator, args: Args
 ) -> list[int]:
-    """weighted (eva-sample): int(fraction * P) drawn without replacement with probabilities w
-    (draw_without_replacement)."""
-    return draw_without_replacement(w, int(len(w) * fraction), rng)
+    """weighted (eva-sample): int(f * P) drawn without replacement with probabilities weights
+    (draw_without_replacement), f = --evolve-fraction."""
+    k = int(len(weights) * args.evolve_fraction)
+    return draw_without_replacement(weights, k, rng)
 
 
 def greedy_draw(
-    values: list[float], w: np.ndarray, fraction: float, rng: np.random.Generator, bins: int
+    values: list[float], weights: np.ndarray, rng: np.random.Generator, args: Args
 ) -> list[int]:
-    """greedy (Table 4's eva-greedy): the int(fraction * P) highest weights, the lower index first
-    among equal ones."""
-    by_weight = sorted(range(len(w)), key=lambda i: -w[i])
-    return by_weight[: int(len(w) * fraction)]
+    """greedy (Table 4's eva-greedy): the int(f * P) highest weights, f = --evolve-fraction, the
+    lower index first among equal ones."""
+    by_weight = sorted(range(len(weights)), key=lambda i: -weights[i])
+    return by_weight[: int(len(weights) * args.evolve_fraction)]
 
 
 def stratified_draw(
-    values: list[float], w: np.ndarray, fraction: float, rng: np.random.Generator, bins: int
+    values: list[float], weights: np.ndarray, rng: np.random.Generator, args: Args
 ) -> list[int]:
-    """stratified: round(fraction * size) drawn by weight (draw_without_replacement) in each of
-    `bins` quantile bins of the values (pd.qcut's bins (e_i, e_i+1], the lowest closed, duplicate
-    edges dropped)."""
+    """stratified: round(f * size) drawn by weight (draw_without_replacement) in each of
+    --stratified-bins quantile bins of the values, f = --evolve-fraction (pd.qcut's bins
+    (e_i, e_i+1], the lowest closed, duplicate edges dropped). A bin's round can be 0, so small
+    bins draw none: 8 prompts in 10 bins at f = 0.25 draw no prompt (round(0.25) = 0)."""
+    bins = args.stratified_bins
     edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
     # bins (e_i, e_i+1], the lowest closed
     strata = np.searchsorted(edges[1:-1], values, side="left")
     chosen = []
     for stratum in np.unique(strata):
         members = np.flatnonzero(strata == stratum)
-        k = round(fraction * len(members))
-        for j in draw_without_replacement(w[members], k, rng):
+        k = round(args.evolve_fraction * len(members))
+        for j in draw_without_replacement(weights[members], k, rng):
             chosen.append(int(members[j]))
     return chosen
 
@@ -771,43 +779,44 @@ SAMPLINGS = {
 
 
 def sample_informative(
-    values: list[float],
-    weights: np.ndarray,
-    fraction: float,
-    method: str,
-    rng: np.random.Generator,
-    bins: int = 10,
+    values: list[float], weights: np.ndarray, rng: np.random.Generator, args: Args
 ) -> list[int]:
     """The sorted indices of the informative subset of the P prompts, drawn by --sampling's entry
-    of SAMPLINGS (method), the one place that dispatches on it; no prompts: none. values,
-    weights: [P]. sample_subset's result, the seeds step 4 evolves."""
-    if method not in SAMPLINGS:
+    of SAMPLINGS, the one place that dispatches on it (how many it takes: the entry's
+    docstring); no prompts: none. values, weights: [P]. sample_subset's result, the seeds step 4
+    evolves."""
+    if args.sampling not in SAMPLINGS:
         raise ValueError(
-            f"--sampling {method}: add its entry to SAMPLINGS (its draw of the subset's indices "
-            "from (values, weights, fraction, rng, bins), e.g. weighted_draw)"
+            f"--sampling {args.sampling}: add its entry to SAMPLINGS (its draw of the subset's "
+            "indices from (values, weights, rng, args), e.g. weighted_draw)"
         )
-    w = np.asarray(weights, dtype=float)
-    if len(w) == 0:
+    weights = np.asarray(weights, dtype=float)
+    if len(weights) == 0:
         return []
-    draw = SAMPLINGS[method]
-    return sorted(draw(values, w, fraction, rng, bins))
+    draw = SAMPLINGS[args.sampling]
+    return sorted(draw(values, weights, rng, args))
 
 
 def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
     """Step 3, the creator's 'sample subset'. Takes each prompt's info (informativeness, step 2);
-    returns the sorted indices of the informative subset, int(evolve_fraction x prompts) drawn by
-    sampling_weights with sample_informative (--sampling), seeded by the round (the same on every
-    rank and after a resume). Step 4 evolves these prompts (--no-evolve: trains on them)."""
+    returns the sorted indices of the informative subset, drawn by sampling_weights with
+    --sampling's draw (sample_informative: weighted and greedy take int(evolve_fraction x
+    prompts), stratified round(evolve_fraction x bin size) from each bin), seeded by the round
+    (the same on every rank and after a resume). Step 4 evolves these prompts (--no-evolve:
+    trains on them); creator/subset logs their number. A draw of none from a non-empty set
+    (small bins, a small fraction) prints a line on rank 0: that round evolves nothing."""
     weights = sampling_weights(info)
     seed = zlib.crc32(f"{args.seed}/{iteration}".encode())
-    return sample_informative(
-        values=info,
-        weights=weights,
-        fraction=args.evolve_fraction,
-        method=args.sampling,
-        rng=np.random.default_rng(seed),
-        bins=args.stratified_bins,
+    chosen = sample_informative(
+        values=info, weights=weights, rng=np.random.default_rng(seed), args=args
     )
+    if info and not chosen and os.environ.get("RANK", "0") == "0":
+        print(
+            f"eva.py: iteration {iteration}: --sampling {args.sampling} at --evolve-fraction "
+            f"{args.evolve_fraction} drew none of the {len(info)} prompts (creator/subset 0), "
+            "so no prompt evolves this round (its draw's docstring says how many it takes)"
+        )
+    return chosen
 
 
 def group_teaches(group: Group, args: Args) -> bool:
@@ -997,6 +1006,7 @@ class Pair(NamedTuple):
     chosen: Sample  # the highest-rewarded response
     rejected: Sample  # the lowest-rewarded one
     source: Group  # the group whose rewards ranked them
+    indices: tuple[int, int]  # chosen's and rejected's index in source (preference_pair)
     rewards: tuple[float, float]  # chosen's and rejected's solver_reward
     win_probs: tuple[float, float]  # their win_probability in the group (SPPO's)
 
@@ -1047,7 +1057,7 @@ def solve(
     groups = {}
     for i in sorted(shard):
         responses = [sample.text for sample in shard[i]]
-        scores = score_responses(reward_model, prompts[i], responses, args.reward_kind)
+        scores = score_responses(reward_model, prompts[i], responses, args)
         rewards = []
         for score, sample in zip(scores, shard[i]):
             rewards.append(solver_reward(score, sample, args))
@@ -1118,12 +1128,13 @@ def normalise(text: str) -> str:
 
 
 def read_evolution(
-    text: str, finish_reason: str, parent: str, seen: set[str]
+    text: str, finish_reason: str, parent: str, seen: set[str], args: Args
 ) -> tuple[str | None, str]:
     """(the evolved prompt or None, the reason): distilabel keeps the text after the last
     "Prompt#:"; we drop a failed or empty reply, one holding the templates' MARKERS, and one
-    repeating its parent or a known prompt (deviation 1); a truncated one stays, marked. evolve
-    keeps the prompt (if any) and records the reason."""
+    repeating its parent or a known prompt (deviation 1); a truncated one stays, marked. A
+    changed filter reads its flag from args. evolve keeps the prompt (if any) and records the
+    reason (record_evolutions)."""
     new = text.split("Prompt#:")[-1].strip().strip('"').strip()
     if finish_reason in ("abort", "error"):
         return None, "failed"
@@ -1185,7 +1196,7 @@ def evolve(
             dist=dist,
         )
         for i, (text, finish_reason) in enumerate(replies):
-            new, reason = read_evolution(text, finish_reason, chains[i], seen)
+            new, reason = read_evolution(text, finish_reason, chains[i], seen, args)
             record = {
                 "round": iteration,
                 "seed": i,
@@ -1206,8 +1217,11 @@ def evolve(
 
 
 def record_evolutions(records: list[dict], run_dir: pathlib.Path, dist: Dist) -> dict[str, float]:
-    """Append evolve's records to <run>/evolutions.jsonl (main rank); returns the
-    creator/<reason> counts (kept, or why dropped), logged with the round's metrics."""
+    """Append evolve's records to <run>/evolutions.jsonl (main rank); returns the number of
+    evolutions of each reason (read_evolution's) as creator/<reason>, logged with the round's
+    metrics: creator/kept (kept whole), creator/truncated (kept, its reply cut at
+    --evolve-max-new-tokens), or the reason it was dropped (creator/failed, empty, marker,
+    unchanged, duplicate); a reason no evolution had is not logged."""
     if dist.is_main:
         with open(run_dir / "evolutions.jsonl", "a") as f:
             for record in records:
@@ -1252,7 +1266,7 @@ def cut_to_length(samples: list[Sample], args: Args) -> list[Sample]:
 
 def group_pair(group: Group, args: Args) -> Pair:
     """The group's Pair: its preference_pair's responses, cut together (cut_to_length), with
-    their rewards and win probabilities in the group (win_probability)."""
+    their indices, rewards and win probabilities in the group (win_probability)."""
     chosen, rejected = preference_pair(group, args)
     samples = [group.samples[chosen], group.samples[rejected]]
     fitted = cut_to_length(samples, args)
@@ -1260,6 +1274,7 @@ def group_pair(group: Group, args: Args) -> Pair:
         chosen=fitted[0],
         rejected=fitted[1],
         source=group,
+        indices=(chosen, rejected),
         rewards=(group.rewards[chosen], group.rewards[rejected]),
         win_probs=(
             win_probability(group.rewards, chosen),
@@ -1396,8 +1411,9 @@ def update(
     state, then runs `epochs` passes over the shuffled items in batches of batch_size
     (micro_batch_loss), warm-up then --lr-schedule (lr_at); each rank on its share. Returns the
     losses/* metrics (means over the steps, the first and last loss and margin, the step count);
-    no items or no epochs: no step, {"losses/steps": 0}. The policy it leaves is theta_t, which
-    step 7 evaluates."""
+    no epochs (or no items): no step, {"losses/steps": 0}; main calls it only with items, so a
+    round without items logs no losses/*. The policy it leaves is theta_t, which step 7
+    evaluates."""
     per_epoch = math.ceil(len(items) / args.batch_size)
     total = args.epochs * per_epoch
     if total == 0:
@@ -1474,9 +1490,10 @@ def all_rewards(groups: list[Group]) -> list[float]:
 def chart_metrics(
     prompts: list[str], groups: list[Group], train_groups: list[Group], items: list, eva_round: bool
 ) -> dict[str, float]:
-    """The round's charts/*: its prompts X_{t-1}, their responses and rewards (groups), what it
-    trained on (train_groups, items) and the pairs' reward margins; a mean of nothing (no
-    groups, no pairs) is 0 (mean)."""
+    """The round's charts/*: its prompts X_{t-1}, their responses and training rewards (groups),
+    what it trained on (train_groups, items) and rm_margin, the pairs' mean reward-model margin
+    r(x, y_w) - r(x, y_l) (the source Group's scores of the chosen and rejected, not their
+    solver_reward); a mean of nothing (no groups, no pairs) is 0 (mean)."""
     lengths = []
     for group in groups:
         for sample in group.samples:
@@ -1484,7 +1501,9 @@ def chart_metrics(
     margins = []
     for item in items:
         if isinstance(item, Pair):
-            margins.append(item.rewards[0] - item.rewards[1])
+            chosen, rejected = item.indices
+            scores = item.source.scores
+            margins.append(scores[chosen] - scores[rejected])
     return {
         "charts/prompts": float(len(prompts)),
         "charts/eva_round": float(eva_round),
@@ -1654,7 +1673,7 @@ def main(args: Args) -> None:
         if eva_round:
             with logger.timer("creator"):
                 # 2. estimate each prompt's informativeness from its N rewards
-                info = [informativeness(group.rewards, args.info_metric) for group in groups]
+                info = [informativeness(group.rewards, args) for group in groups]
                 # 3. sample the informative subset by info
                 chosen = sample_subset(info, iteration, args)
                 subset = [groups[i] for i in chosen]

@@ -44,6 +44,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py
 
 
 # ---- informativeness and sampling (Tables 2-4) ----
+def subset(values, weights, rng, **flags):
+    """The informative subset sample_informative draws with these flags (--sampling, --evolve-fraction, ...)."""
+    return eva.sample_informative(values, weights, rng, args(**flags))
+
+
 def test_informativeness_metrics_by_hand():
     r = [1.0, 3.0, 2.0, 6.0, 4.0, 2.0]  # max 6, min 1, mean 3, second best 4, E[r^2] = 70/6
     expected = {
@@ -57,9 +62,9 @@ def test_informativeness_metrics_by_hand():
         "uniform": 1.0,
     }
     for metric, value in expected.items():
-        assert eva.informativeness(r, metric) == pytest.approx(value), metric
+        assert eva.informativeness(r, args(info_metric=metric)) == pytest.approx(value), metric
     # a tie at the top: no dueling advantage
-    assert eva.informativeness([2.0, 2.0, 1.0], "a_dts") == 0.0
+    assert eva.informativeness([2.0, 2.0, 1.0], args(info_metric="a_dts")) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -75,14 +80,16 @@ def test_informativeness_metrics_by_hand():
 )
 def test_informativeness_edges(rewards, expected):
     for metric, value in expected.items():
-        assert eva.informativeness(rewards, metric) == pytest.approx(value), metric
+        a = args(info_metric=metric)
+        assert eva.informativeness(rewards, a) == pytest.approx(value), metric
 
 
 def test_sampling_weights_by_hand():
     # min-max [0, 0.5, 1] / 1.5; the least informative prompt gets weight 0
     assert eva.sampling_weights([1.0, 3.0, 5.0]) == pytest.approx([0.0, 1 / 3, 2 / 3])
     # inv_*: the negated values [-1, -3, -5] give the official 1 - normalised, [1, 0.5, 0] / 1.5
-    inverted = [eva.informativeness([v], "inv_avg") for v in (1.0, 3.0, 5.0)]
+    inv_avg = args(info_metric="inv_avg")
+    inverted = [eva.informativeness([v], inv_avg) for v in (1.0, 3.0, 5.0)]
     assert eva.sampling_weights(inverted) == pytest.approx([2 / 3, 1 / 3, 0.0])
     # uniform: every value 1
     assert eva.sampling_weights([1.0] * 3) == pytest.approx([1 / 3] * 3)
@@ -94,15 +101,16 @@ def test_sampling_weights_by_hand():
 
 def test_greedy_takes_the_highest_weights():
     w = np.array([0.1, 0.4, 0.2, 0.3])
-    chosen = eva.sample_informative([0, 0, 0, 0], w, 0.5, "greedy", np.random.default_rng(0))
-    assert chosen == [1, 3]
-    assert eva.sample_informative([0, 0, 0, 0], w, 0.25, "greedy", np.random.default_rng(0)) == [1]
+    greedy = dict(sampling="greedy", evolve_fraction=0.5)
+    assert subset([0, 0, 0, 0], w, np.random.default_rng(0), **greedy) == [1, 3]
+    greedy["evolve_fraction"] = 0.25
+    assert subset([0, 0, 0, 0], w, np.random.default_rng(0), **greedy) == [1]
     # equal weights: the lower index first
     tied = np.array([0.2, 0.4, 0.4, 0.0])
-    assert eva.sample_informative([0] * 4, tied, 0.25, "greedy", np.random.default_rng(0)) == [1]
+    assert subset([0] * 4, tied, np.random.default_rng(0), **greedy) == [1]
     # no prompts: none, whatever the method
     for method in ("greedy", "weighted", "stratified"):
-        assert eva.sample_informative([], np.zeros(0), 0.5, method, np.random.default_rng(0)) == []
+        assert subset([], np.zeros(0), np.random.default_rng(0), sampling=method) == []
 
 
 def test_weighted_sampling_without_replacement_by_hand():
@@ -110,7 +118,7 @@ def test_weighted_sampling_without_replacement_by_hand():
     0.3 * 0.5/0.7) = 0.485714; P(0 is drawn) = 1 - (0.3 * 0.2/0.7 + 0.2 * 0.3/0.8) = 0.839286; never 3."""
     w, rng, counts = np.array([0.5, 0.3, 0.2, 0.0]), np.random.default_rng(0), np.zeros(4)
     for _ in range(4000):
-        chosen = eva.sample_informative([0] * 4, w, 0.5, "weighted", rng)
+        chosen = subset([0] * 4, w, rng, sampling="weighted", evolve_fraction=0.5)
         assert len(chosen) == 2 == len(set(chosen))
         counts[chosen] += 1
     assert counts[3] == 0
@@ -118,19 +126,20 @@ def test_weighted_sampling_without_replacement_by_hand():
         [0.839286, 2 - 0.839286 - 0.485714, 0.485714, 0.0], abs=0.03
     )
     # fewer positive weights than places: the rest is filled uniformly from the others
-    chosen = eva.sample_informative([0] * 4, np.array([1.0, 0.0, 0.0, 0.0]), 0.5, "weighted", rng)
+    chosen = subset(
+        [0] * 4, np.array([1.0, 0, 0, 0]), rng, sampling="weighted", evolve_fraction=0.5
+    )
     assert 0 in chosen and len(set(chosen)) == 2
     # int(0.9) = 0 places
-    assert eva.sample_informative([0] * 3, np.zeros(3), 0.3, "weighted", rng) == []
+    assert subset([0] * 3, np.zeros(3), rng, sampling="weighted", evolve_fraction=0.3) == []
 
 
 def test_stratified_sampling_matches_qcut_bins():
     pd = pytest.importorskip("pandas")
     # 10 quantile bins of two prompts each: round(0.5 * 2) = 1 per bin
     values = [float(v) for v in range(20)]
-    chosen = eva.sample_informative(
-        values, np.full(20, 0.05), 0.5, "stratified", np.random.default_rng(0)
-    )
+    stratified = dict(sampling="stratified", evolve_fraction=0.5, stratified_bins=10)
+    chosen = subset(values, np.full(20, 0.05), np.random.default_rng(0), **stratified)
     assert sorted(c // 2 for c in chosen) == list(range(10))
     codes = pd.qcut(pd.Series(values), q=10, duplicates="drop").cat.codes.tolist()
     assert codes == [i // 2 for i in range(20)]  # the bins this file computes are pandas' bins
@@ -140,8 +149,24 @@ def test_stratified_sampling_matches_qcut_bins():
     codes = pd.qcut(pd.Series(values), q=10, duplicates="drop").cat.codes.tolist()
     assert codes == [0] * 6 + [1, 2, 3, 4]
     w = np.array([0.0] * 6 + [0.1, 0.2, 0.3, 0.4])
-    chosen = eva.sample_informative(values, w, 0.5, "stratified", np.random.default_rng(1))
+    chosen = subset(values, w, np.random.default_rng(1), **stratified)
     assert len(chosen) == 3 and all(c < 6 for c in chosen)
+
+
+def test_a_draw_of_no_prompt_is_said(monkeypatch, capsys):
+    """stratified takes round(f x bin size) per bin: 8 prompts in 10 quantile bins (one or none each) at f = 0.25 draw
+    round(0.25) = 0 from every bin, no prompt; sample_subset says so (rank 0) instead of evolving nothing silently.
+    weighted takes int(0.25 x 8) = 2 of the same prompts and says nothing."""
+    monkeypatch.delenv("RANK", raising=False)
+    info = [0.0, 1.0, 2.0, 3.0, 5.0, 8.0, 13.0, 21.0]
+    stratified = args(sampling="stratified", evolve_fraction=0.25, stratified_bins=10)
+    assert eva.sample_subset(info, 0, stratified) == []
+    assert "drew none of the 8 prompts" in capsys.readouterr().out
+    assert len(eva.sample_subset(info, 0, args(evolve_fraction=0.25))) == 2
+    assert eva.sample_subset([], 0, stratified) == []  # no prompts: nothing to say
+    monkeypatch.setenv("RANK", "1")
+    assert eva.sample_subset(info, 0, stratified) == []
+    assert capsys.readouterr().out == ""
 
 
 def test_win_probability_rloo_and_win_rate_by_hand():
@@ -297,20 +322,20 @@ def test_lr_at_matches_transformers_schedules():
 
 # ---- the creator: the mutation chain and its filter ----
 def test_read_evolution():
-    seen = {"an old prompt"}
+    seen, a = {"an old prompt"}, args()
     assert eva.read_evolution(
-        "#Rewritten Prompt#: Explain tides step by step.", "stop", "Explain tides.", seen
+        "#Rewritten Prompt#: Explain tides step by step.", "stop", "Explain tides.", seen, a
     ) == ("Explain tides step by step.", "")
     # kept, marked
-    assert eva.read_evolution("A new one", "length", "p", seen) == ("A new one", "truncated")
-    assert eva.read_evolution("x", "error", "p", seen) == (None, "failed")
-    assert eva.read_evolution("x", "abort", "p", seen) == (None, "failed")
-    assert eva.read_evolution("#New Prompt#:   ", "stop", "p", seen) == (None, "empty")
-    assert eva.read_evolution("Rewrite the #Given Prompt# as X", "stop", "p", seen) == (
+    assert eva.read_evolution("A new one", "length", "p", seen, a) == ("A new one", "truncated")
+    assert eva.read_evolution("x", "error", "p", seen, a) == (None, "failed")
+    assert eva.read_evolution("x", "abort", "p", seen, a) == (None, "failed")
+    assert eva.read_evolution("#New Prompt#:   ", "stop", "p", seen, a) == (None, "empty")
+    assert eva.read_evolution("Rewrite the #Given Prompt# as X", "stop", "p", seen, a) == (
         None,
         "marker",
     )
-    assert eva.read_evolution("#New Prompt#: a #REWRITTEN PROMPT# leak", "stop", "p", seen) == (
+    assert eva.read_evolution("#New Prompt#: a #REWRITTEN PROMPT# leak", "stop", "p", seen, a) == (
         None,
         "marker",
     )
@@ -319,12 +344,12 @@ def test_read_evolution():
         "Write a new prompt for a story generator.",
         "Critique the given prompt: 'list three birds'.",
     ):
-        assert eva.read_evolution(text, "stop", "p", seen) == (text, "")
-    assert eva.read_evolution("Explain  TIDES.", "stop", "Explain tides.", seen) == (
+        assert eva.read_evolution(text, "stop", "p", seen, a) == (text, "")
+    assert eva.read_evolution("Explain  TIDES.", "stop", "Explain tides.", seen, a) == (
         None,
         "unchanged",
     )
-    assert eva.read_evolution("An old\nprompt", "stop", "p", seen) == (None, "duplicate")
+    assert eva.read_evolution("An old\nprompt", "stop", "p", seen, a) == (None, "duplicate")
 
 
 class ScriptedSampler:
@@ -418,7 +443,7 @@ def test_a_reward_term_trains_and_the_win_rate_keeps_the_score(monkeypatch):
     model's scores. The official reward is the score itself; a fork's term (here -0.5 a token) reaches the pairs."""
     assert eva.solver_reward(2.5, eva.Sample("r", [1], [5, 5], [], "stop"), args()) == 2.5
     monkeypatch.setattr(
-        eva, "score_responses", lambda model, prompt, responses, kind: [2.0] * len(responses)
+        eva, "score_responses", lambda model, prompt, responses, args: [2.0] * len(responses)
     )
 
     class Lengths(ScriptedSampler):  # the j-th response to a prompt has j + 1 tokens
@@ -440,7 +465,7 @@ def test_a_reward_term_trains_and_the_win_rate_keeps_the_score(monkeypatch):
 def test_solver_and_creator_ask_the_sampler_for_no_logprobs(monkeypatch):
     """Nothing reads the sampled responses' or evolutions' log-probs (the losses take their own): none are asked for."""
     monkeypatch.setattr(
-        eva, "score_responses", lambda model, prompt, responses, kind: [0.0] * len(responses)
+        eva, "score_responses", lambda model, prompt, responses, args: [0.0] * len(responses)
     )
     sampler = ScriptedSampler(lambda parent, call: (f"#Rewritten Prompt#: {parent} {call}", "stop"))
     groups = eva.solve(
@@ -739,10 +764,14 @@ def test_a_loss_added_with_its_function_and_line_trains(monkeypatch, capsys):
     assert losses.tolist() == pytest.approx([1 - 0.05 * 2, 1.0])
 
 
+# the losses of the file with an official row (a fork's loss in --loss's Literal may have none: it borrows DPO's)
+OFFICIAL_LOSSES = ["dpo", "ipo", "rpo", "sppo", "simpo", "orpo", "rloo"]
+
+
 def test_resolve_names_what_a_loss_without_a_row_takes_from_dpo(monkeypatch, capsys):
     """A loss with its own row in OFFICIAL (each of the file's) borrows nothing and resolve prints nothing; one without
     borrows DPO's value of each flag left unset, printed once, on torchrun's rank 0 only."""
-    for loss in literal_values("loss"):
+    for loss in OFFICIAL_LOSSES:
         assert eva.borrowed_from_dpo(official_args(eva)(loss=loss)) == {}
         eva.resolve(official_args(eva)(loss=loss))
     assert capsys.readouterr().out == ""
@@ -762,20 +791,23 @@ def test_resolve_names_what_a_loss_without_a_row_takes_from_dpo(monkeypatch, cap
 
 def test_a_row_added_to_a_table_is_dispatched(monkeypatch):
     """A fork's informativeness metric, subset draw or reward kind is its function and its entry: the dispatch reads
-    the entry (and check_choices passes it)."""
+    the entry (and check_choices passes it), and the entry reads its own parameters from args (here --evolve-fraction,
+    as a new flag would be), passed by nothing else."""
 
-    def top_reward(r):
+    def top_reward(r, args):
         return r[-1]
 
-    def last_one(values, w, fraction, rng, bins):
-        return [len(w) - 1]
+    def last_ones(values, weights, rng, args):  # the last ceil(f P) prompts
+        k = math.ceil(args.evolve_fraction * len(weights))
+        return list(range(len(weights) - k, len(weights)))
 
     monkeypatch.setitem(eva.INFO_METRICS, "top", top_reward)
-    monkeypatch.setitem(eva.SAMPLINGS, "last", last_one)
+    monkeypatch.setitem(eva.SAMPLINGS, "last", last_ones)
     kind = eva.RewardKind(eva.load_judge, eva.judge_scores)
     monkeypatch.setitem(eva.REWARD_KINDS, "judge2", kind)
-    assert eva.informativeness([3.0, 1.0, 2.0], "top") == 3.0
-    assert eva.sample_informative([0] * 3, np.ones(3) / 3, 0.5, "last", None) == [2]
+    assert eva.informativeness([3.0, 1.0, 2.0], args(info_metric="top")) == 3.0
+    assert subset([0] * 3, np.ones(3) / 3, None, sampling="last", evolve_fraction=0.5) == [1, 2]
+    assert subset([0] * 3, np.ones(3) / 3, None, sampling="last", evolve_fraction=0.2) == [2]
     assert eva.reward_rule("judge2") is kind
     eva.check_choices(args(info_metric="top", sampling="last", reward_kind="judge2"))
     with pytest.raises(ValueError, match="--optim sgd: new_optimizer"):
@@ -809,6 +841,24 @@ def test_training_items_pairs_ties_rloo_and_truncation():
     # one response, or none: nothing to learn
     lone = [eva.Group("z", s[:1], [5.0]), eva.Group("e", [], [])]
     assert eva.training_items(lone, args()) == [] == eva.training_items(lone, args(loss="rloo"))
+
+
+def test_rm_margin_is_the_reward_models_margin():
+    """charts/rm_margin is r(x, y_w) - r(x, y_l), the reward model's scores of the pair the training rewards chose
+    (a reward term changes which pair, not what the chart measures): rewards [1, 3, 0] pick (1, 2), whose scores
+    are 2 and 4, a margin of -2 (the training rewards' margin would be 3). Where the reward is the score (official),
+    both are 3. Rollouts are no pairs: a mean of nothing, 0."""
+    s = [sample([1], [i + 1]) for i in range(3)]
+    shaped = eva.Group("x", s, [1.0, 3.0, 0.0], [5.0, 2.0, 4.0])
+    official = eva.Group("y", s, [1.0, 3.0, 0.0], [1.0, 3.0, 0.0])
+    for group, margin in ((shaped, -2.0), (official, 3.0)):
+        items = eva.training_items([group], args())
+        assert items[0].indices == (1, 2)
+        charts = eva.chart_metrics(["x"], [group], [group], items, eva_round=True)
+        assert charts["charts/rm_margin"] == margin
+    rollouts = eva.training_items([shaped], args(loss="rloo"))
+    charts = eva.chart_metrics(["x"], [shaped], [shaped], rollouts, eva_round=True)
+    assert charts["charts/rm_margin"] == 0.0
 
 
 @pytest.mark.parametrize(
@@ -918,7 +968,7 @@ def test_armorm_score_head(tiny_model_dir, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(saved))
     rm = eva.load_reward_model(args(reward_model=str(tmp_path)), CPU)
     assert type(rm[0]).__name__ == "TinyArmoRM"
-    scores = eva.score_responses(rm, "What is 2 + 2?", ["4", "five"], "classifier")
+    scores = eva.score_responses(rm, "What is 2 + 2?", ["4", "five"], args())
     for response, score in zip(["4", "five"], scores):
         chat = [
             {"role": "user", "content": "What is 2 + 2?"},
@@ -954,7 +1004,9 @@ class TinyArmoRM(LlamaForSequenceClassification):  # ArmoRM's outputs: per-objec
 def test_judge_and_classifier_scores(tiny_model_dir, tmp_path):
     tok = eva.load_tokenizer(tiny_model_dir)
     judge = eva.load_reward_model(args(reward_model=tiny_model_dir, reward_kind="judge"), CPU)
-    scores = eva.score_responses(judge, "What is 2 + 2?", ["4", "five", "4"], "judge")
+    scores = eva.score_responses(
+        judge, "What is 2 + 2?", ["4", "five", "4"], args(reward_kind="judge")
+    )
     assert all(1.0 <= s <= 9.0 for s in scores) and scores[0] == scores[2] != scores[1]
     text = eva.chat_prompt(tok, eva.JUDGE_PROMPT.format(prompt="What is 2 + 2?", response="4"))
     with torch.no_grad():
@@ -971,7 +1023,7 @@ def test_judge_and_classifier_scores(tiny_model_dir, tmp_path):
     LlamaForSequenceClassification(config).save_pretrained(tmp_path / "rm")
     tok.save_pretrained(tmp_path / "rm")
     rm = eva.load_reward_model(args(reward_model=str(tmp_path / "rm")), CPU)
-    [score] = eva.score_responses(rm, "What is 2 + 2?", ["4"], "classifier")
+    [score] = eva.score_responses(rm, "What is 2 + 2?", ["4"], args())
     chat = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"}]
     ids = tok.apply_chat_template(chat, return_tensors="pt", return_dict=True)["input_ids"]
     with torch.no_grad():
@@ -1344,9 +1396,8 @@ def test_ablations_change_what_they_name(monkeypatch, tiny_model_dir, tmp_path, 
             True,
         ]
         rng = np.random.default_rng(zlib.crc32(b"42/0"))  # main()'s draw for round 0, seed 42
-        drawn = eva.sample_informative(
-            a_dts, eva.sampling_weights(a_dts), 0.25, "stratified", rng, 2
-        )
+        flags = dict(sampling="stratified", evolve_fraction=0.25, stratified_bins=2)
+        drawn = subset(a_dts, eva.sampling_weights(a_dts), rng, **flags)
         assert seeds == [groups[i].prompt for i in drawn]
         # SPPO at the first step (policy = reference; one batch of every pair): the mean of ((P_w - 1/2)^2 +
         # (P_l - 1/2)^2) / (2 beta^2), beta 0.01 (the tiny judge's rewards lie close: P ~ 1/2)
@@ -1564,11 +1615,7 @@ def test_the_loop_learns_what_the_reward_model_prefers(primed_model_dir, tmp_pat
     }
     judge = eva.load_reward_model(args(reward_model=rm[True]), CPU)
     base = np.mean(
-        [
-            r
-            for p, row in zip(prompts, replies)
-            for r in eva.score_responses(judge, p, row, "classifier")
-        ]
+        [r for p, row in zip(prompts, replies) for r in eva.score_responses(judge, p, row, args())]
     )
     print(
         f"\niteration 0's replies (e.g. {texts[:4]}): the share holding each word {shares}; marker {marker!r}, "
