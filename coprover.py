@@ -17,19 +17,19 @@ Relative Policy Optimization, DeepSeekMath) samples a group of whole proofs per 
 rates each by its reward against its group's (`grpo_advantages`), with no critic. Each iteration
 (the README's round):
   1. search: best-first search over Lean's tactic mode (`best_first_search`), each state ranked by
-     `priority` (the path's tactic log-prob and V; without a value model, ReProver's rule);
+     `priority` (--priority's rule of the path's tactic log-prob and V; without V, ReProver's);
   2. labels: `value_labels` on the states of each proof found (by the search, or a whole proof of
      step 4 Lean accepted, replayed by `whole_proof_labels`), 0 on expanded states off every proof
      path and on the roots of failed whole proofs;
-  3. value: regression (squared error) of V on the labels of ALL iterations (`update_value`):
+  3. value: regression of V (`value_loss_rule`) on the labels of ALL iterations (`update_value`):
      this iteration's search labels, and the labels made in step 4 of the earlier iterations
      (those of this iteration's step 4 reach V in the next step 3 that runs: with co-training,
      the next iteration's; otherwise they are only logged and checkpointed);
-  4. prover: GRPO on whole proofs (`grpo_round`, `update`): reward 1 iff Lean accepts
-     (`proof_reward`), no KL penalty, DAPO's clip-higher (`clip_higher_loss`: PPO's clip of the
-     ratio pi / pi_old, pi_old the policy that sampled, wider above 1 than below) on the
-     "frontier" statements: those the prover proves sometimes but not always (`frontier_filter`,
-     once before the first iteration);
+  4. prover: GRPO on whole proofs (`grpo_round`; `grpo_examples`, its batch filter `in_batch`;
+     `update`, which runs what `trains_on` keeps): reward `proof_reward`, no KL penalty, DAPO's
+     clip-higher (`clip_higher_loss`: PPO's clip of the ratio pi / pi_old, pi_old the policy
+     that sampled, wider above 1 than below) on the "frontier" statements: those the prover
+     proves sometimes but not always (`frontier_filter`, once before the first iteration);
   5. eval: pass@1/8/32 on miniF2F-test, and search efficiency with and without V (`evaluate`).
 pass@k: the chance that one of k samples is a proof (`pass_at_k`); a search is one sample, so
 search/pass@1 is the share of the searched theorems proved.
@@ -211,7 +211,10 @@ class Args:
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
     the machine)"""
     alpha: float = 0.3
-    """the weight of the normalised log-prob against V(s) in `priority` (official)"""
+    """the weight of the normalised log-prob against V(s) in `weighted_priority` (official)"""
+    priority: Literal["weighted"] = "weighted"
+    """how a node's path log-prob and V(s) rank it in the search (priority_rule, from
+    PRIORITIES: official weighted_priority)"""
     search_batch: int | None = None
     """theorems searched in lockstep on each rank (default: the rank's REPL pool size)"""
 
@@ -396,8 +399,8 @@ def accepted(result) -> bool:
 
 def proof_reward(attempt: Attempt, args: Args) -> float:
     """GRPO's reward of a rollout (official): 1 iff Lean accepted the whole proof
-    (attempt.correct), else 0. update's advantages and charts/reward_mean read it; a reward
-    term reads the Attempt (its Sample's tokens, its proof, Lean's seconds)."""
+    (attempt.correct), else 0. grpo_examples' advantages and charts/reward_mean read it; a
+    reward term reads the Attempt (its Sample's tokens, its proof, Lean's seconds)."""
     if attempt.correct:
         return 1.0
     return 0.0
@@ -485,17 +488,40 @@ def value_labels(expanded: list, proof_paths: list[list], gamma: float) -> dict:
     return labels
 
 
-def priority(node: Node, value: float | None, args: Args) -> float:
-    """A node's priority in the best-first search (official, normalised: deviation 2), from
-    the summed log-prob node.logprob of the node.tokens tactic tokens on its path and V(s):
+def weighted_priority(node: Node, value: float, args: Args) -> float:
+    """--priority weighted (official value_guided_search.py, normalised: deviation 2): from the
+    summed log-prob node.logprob of the node.tokens tactic tokens on its path and V(s),
         alpha * exp(logprob / tokens) + (1 - alpha) * V(s),
-    both terms in [0, 1] (the first is the geometric-mean probability of the path's tokens).
-    Without a value model (value None), ReProver's priority: the cumulative log-prob. A term
-    reads the Node (its path: node_path; its Edge) and a flag."""
-    if value is None:
-        return node.logprob
+    both terms in [0, 1] (the first is the geometric-mean probability of the path's tokens)."""
     mean_logprob = node.logprob / max(node.tokens, 1)
     return args.alpha * math.exp(mean_logprob) + (1 - args.alpha) * value
+
+
+# --priority's choices: a new one is its function above and an entry here
+PRIORITIES = {"weighted": weighted_priority}
+
+
+def priority_rule(args: Args):
+    """--priority's rule, `(node, V(s), args) -> priority`, from PRIORITIES: priority reads it,
+    check_choices calls it at start."""
+    if args.priority not in PRIORITIES:
+        raise ValueError(
+            f"--priority {args.priority}: add its entry to PRIORITIES (a function of a Node and "
+            "its V(s), as weighted_priority)"
+        )
+    return PRIORITIES[args.priority]
+
+
+def priority(node: Node, value: float | None, args: Args) -> float:
+    """A node's priority in the best-first search, the one place the search ranks a node
+    (queue_nodes, once V has scored it): with a value model, --priority's rule (priority_rule;
+    official weighted_priority); without one (value None: --no-value-model, the search before
+    V's first training, eval's log-prob search), ReProver's: the path's cumulative log-prob
+    node.logprob. A rule reads the Node (its path: node_path; its Edge) and a flag."""
+    if value is None:
+        return node.logprob
+    rule = priority_rule(args)
+    return rule(node, value, args)
 
 
 # ---- losses ----
@@ -618,8 +644,10 @@ class Label(NamedTuple):
 
 
 class SearchResult(NamedTuple):
-    """A theorem's search: the fields every search of the family has (coprover.py, rir.py), then
-    the method's own."""
+    """A theorem's search as it ended, made by search_result: the fields every search of the
+    family has (coprover.py, rir.py), then the method's own. Read after the searches: by
+    search_metrics (search/* in step 1, eval/search_* in step 5), record_searches (a line of
+    searches.jsonl each, every field), and, for its labels, by main's step 2."""
 
     id: str  # the theorem's Problem.id
     proof: list[str] | None  # the tactics of the proof found (within the budget or not), else None
@@ -633,7 +661,8 @@ class SearchResult(NamedTuple):
     role_seconds: dict  # the seconds charged to each role: prover, value, env (Lean's tactics)
     path: list  # the proof's steps, root first, as Triples ("no goals" after the last); []
     path_edges: list  # the Edge of each step of path (log-probs; rir: the planner's target)
-    labels: list  # the method's own: its Labels (value_labels), collected in step 2
+    labels: list  # coprover's own: the Labels search_result made of the tree (value_labels);
+    # step 2 adds step 1's to the run's labels (step 3 trains V on them); eval's are only recorded
 
 
 class Attempt(NamedTuple):
@@ -642,7 +671,7 @@ class Attempt(NamedTuple):
     sample: Sample
     proof: str | None  # the code Lean accepted, else None
     status: str  # Lean's status ("valid", "error", ...), or "no_code": no closed ```lean4 block
-    correct: bool  # Lean accepted the proof (GRPO's reward)
+    correct: bool  # Lean accepted the proof (`accepted`; proof_reward, pass@k read it)
     seconds: float = 0.0  # Lean's time on the proof
 
 
@@ -752,9 +781,9 @@ def tactic_prompts(trees: list[Tree]) -> list[str]:
 
 
 def proposed_edges(samples: list[Sample]) -> list[Edge]:
-    """A node's proposed edges from its K samples: each distinct tactic once, with its first sample's
-    log-prob and tokens, in sampling order; then a failed edge (tactic None) for each sample that
-    is not one finished line (truncated, aborted or empty)."""
+    """A node's proposed edges from its K samples: each distinct tactic once, with its first
+    sample's log-prob and tokens, in sampling order; then a failed edge (tactic None) for each
+    sample that is not one finished line (truncated, aborted or empty)."""
     distinct = {}  # tactic -> its Edge
     failed = []
     for s in samples:
@@ -1196,10 +1225,12 @@ def update_value(
     args: Args,
     dist: Dist,
 ) -> dict[str, float]:
-    """Step 3 (official): value_epochs shuffled epochs over the labels so far, each label > 0
-    (a state on a proof path) positive_oversample times; the mean of value_loss_rule's loss over a
-    batch;
-    the HF trainer's schedule over these steps."""
+    """Step 3 (official): regression of V on the labels so far. Each label > 0 (a state on a
+    proof path) is repeated positive_oversample times; then value_epochs epochs, each in a new
+    order drawn from `rng`, in batches of value_batch_size, the loss of a batch the mean of
+    value_loss_rule's loss over its labels, at lr_at's rate (--value-lr-schedule, warm-up
+    value_warmup_steps) over all these optimizer steps. Returns losses/value_* and value/steps,
+    value/examples; {} without labels. main then rebuilds the search's `score` from V."""
     data = []
     for item in labels:
         copies = 1
@@ -1255,39 +1286,61 @@ def update_value(
     }
 
 
-def trains_on(example: Example) -> bool:
-    """Whether a GRPO sample trains: a non-zero advantage (all-equal rewards give 0 and no
-    gradient) and tokens to train on."""
+def in_batch(example: Example, args: Args) -> bool:
+    """Step 4's batch filter: whether a rollout is in its update's batch at all (official: every
+    one). It sees the rollout once its group's advantages are computed over every rollout of the
+    group (as DAPO's overlong filter masks a cut-off sample's loss): example.weight is its
+    advantage, example.source its Attempt (the Sample's finish_reason, the proof, Lean's
+    status). A rollout left out counts nowhere in update (not in the loss's n_tokens, the
+    minibatches or losses/grpo_clipfrac) nor in `trained`; charts/ and lean/ still count it."""
+    return True
+
+
+def trains_on(example: Example, args: Args) -> bool:
+    """Whether update runs an in-batch GRPO sample through the policy (official): a non-zero
+    advantage (all-equal rewards give 0 and no gradient; no dynamic sampling) and tokens to
+    train on. A sample it skips adds no gradient, but its tokens still count in the loss's
+    n_tokens (official). The ones it keeps are `trained` and losses/grpo_clipfrac's tokens."""
     return abs(example.weight) > 1e-8 and bool(example.sample.token_ids)
 
 
-def update(
-    policy, optimizer, groups: list[list[Attempt]], lr: float | None, args: Args, dist: Dist
-) -> dict[str, float]:
-    """Step 4, GRPO on one rollout batch, a group of Attempts per prompt (official, no KL, no
-    entropy bonus): advantage_estimator's advantages (--advantage; grpo_advantages) of each
-    group's proof_rewards, clip_higher_loss with the sampler's log-probs as pi_old,
-    grpo_minibatches optimizer steps (lr None: the optimizer's). A sample that does not train
-    (trains_on: advantage 0) adds no gradient and is not run, but its tokens count in the loss's
-    n_tokens (official); losses/grpo_clipfrac is the share of the trained samples' tokens that
-    the clip held back."""
+def grpo_examples(groups: list[list[Attempt]], args: Args) -> list[Example]:
+    """Step 4's training set of one rollout batch, a group of Attempts per prompt: an Example a
+    rollout, in order, its weight the advantage_estimator's advantage (--advantage; official
+    grpo_advantages) of its group's proof_rewards, its source the Attempt; those in_batch keeps.
+    update trains on them."""
     estimate = advantage_estimator(args)
-    items = []
+    examples = []
     for row in groups:
         rewards = [proof_reward(attempt, args) for attempt in row]
         advantages = estimate(rewards)
         for attempt, advantage in zip(row, advantages):
-            items.append(Example(attempt.sample, weight=advantage, source=attempt))
-    if not items:  # every group filtered out: nothing to train
+            example = Example(attempt.sample, weight=advantage, source=attempt)
+            if in_batch(example, args):
+                examples.append(example)
+    return examples
+
+
+def update(
+    policy, optimizer, examples: list[Example], lr: float | None, args: Args, dist: Dist
+) -> dict[str, float]:
+    """Step 4, GRPO on one rollout batch's Examples (grpo_examples; official, no KL, no entropy
+    bonus): grpo_minibatches optimizer steps over them in order (lr None: the optimizer's), each
+    clip_higher_loss with the sampler's log-probs as pi_old over its minibatch's tokens
+    (n_tokens). Of a minibatch, the Examples trains_on keeps run; the others (advantage 0) add no
+    gradient, but their tokens count in n_tokens (official). Returns loss_metrics' losses/grpo_*
+    (clipfrac: the share of the trained samples' tokens the clip held back) and
+    losses/grpo_steps; {} when nothing trained."""
+    if not examples:  # every rollout left out: nothing to train
         return {}
-    size = math.ceil(len(items) / args.grpo_minibatches)
+    size = math.ceil(len(examples) / args.grpo_minibatches)
     stats = []
-    for first in range(0, len(items), size):
-        minibatch = items[first : first + size]
+    for first in range(0, len(examples), size):
+        minibatch = examples[first : first + size]
         n_tokens = sum(len(example.sample.token_ids) for example in minibatch)
         to_train = []
         for example in minibatch:
-            if trains_on(example):
+            if trains_on(example, args):
                 to_train.append(example)
         if not to_train:
             continue
@@ -1342,14 +1395,21 @@ def grpo_round(
     first_batch: int,
     args: Args,
     dist: Dist,
-) -> tuple[list[dict], list[Attempt], list[Label]]:
-    """Step 4: grpo_steps_per_round GRPO steps from rollout batch `first_batch` on; each samples
-    and verifies whole proofs (attempt_proofs), labels the states of the proofs for the value
-    model (whole_proof_labels) and updates the prover (update). Returns each step's stats, the
-    rollouts and the labels."""
+) -> tuple[list[dict], list[Attempt], list[Label], int]:
+    """Step 4: grpo_steps_per_round GRPO steps, rollout batches first_batch on (rollout_prompts).
+    First sync_weights: the sampler gets the policy's weights (a vLLM put to sleep by step 3's
+    value update wakes). Each step samples and verifies whole proofs (attempt_proofs), labels
+    the states of the accepted ones for the value model (whole_proof_labels), puts the sampler
+    to sleep, updates the prover on the batch (grpo_examples, update) at lr_at(batch_index) of
+    a schedule over all iterations x grpo_steps_per_round batches, and syncs the new weights
+    into the sampler, so the next batch samples from them. Returns each step's update stats,
+    the rollouts (every one: grpo_metrics, `outcomes`), the labels (V trains on them in the
+    next step 3 that runs) and the number of rollouts the updates trained on (trains_on:
+    `trained`)."""
     stats, attempts, labels = [], [], []
+    trained = 0
     total = args.iterations * args.grpo_steps_per_round
-    sampler.sync_weights(policy)  # the policy's weights, and wakes vLLM after the value update
+    sampler.sync_weights(policy)
     for batch_index in range(first_batch, first_batch + args.grpo_steps_per_round):
         batch = rollout_prompts(train_set, batch_index, size=args.prompts_per_step, seed=args.seed)
         rollouts = attempt_proofs(
@@ -1372,11 +1432,14 @@ def grpo_round(
             schedule=args.lr_schedule,
         )
         groups = [rollouts[p.id] for p in batch]  # a statement twice in the batch: its group twice
-        stats.append(update(policy, optimizer, groups, lr=lr, args=args, dist=dist))
+        examples = grpo_examples(groups, args)
+        stats.append(update(policy, optimizer, examples, lr=lr, args=args, dist=dist))
         sampler.sync_weights(policy)
+        to_train = [example for example in examples if trains_on(example, args)]
+        trained += len(to_train)
         for row in groups:
             attempts.extend(row)
-    return stats, attempts, labels
+    return stats, attempts, labels, trained
 
 
 # ---- evaluation ----
@@ -1514,8 +1577,11 @@ def evaluate(
 
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
-    """A run's last line when no GRPO rollout was rewarded (the CPU default on the embedded
-    model): why; None when one was (`trained` rewarded rollouts) or there was none."""
+    """A run's last line when GRPO's updates trained on no rollout (`trained`, the rollouts
+    trains_on kept: none had a non-zero advantage, or in_batch left those out), and why; None
+    when they trained on one, or there was no rollout. outcomes: this run's rollouts by Lean's
+    verdict. Lean accepted none (the CPU default on the embedded model): every official
+    proof_reward was 0, so no group's rewards differed; else the line names both causes."""
     if trained or not outcomes:
         return None
     why = {
@@ -1528,6 +1594,13 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
     verdicts = []
     for status, count in outcomes.most_common():
         verdicts.append(f"{count}/{total} {why.get(status, status)}")
+    if outcomes["valid"]:
+        return (
+            f"coprover.py: GRPO trained on no rollout ({', '.join(verdicts)}): Lean accepted "
+            f"{outcomes['valid']} proof(s), but in every group the proof_rewards were equal "
+            "(advantage 0: trains_on) or in_batch left the rollouts out, so the prover was never "
+            "updated"
+        )
     return (
         f"coprover.py: every GRPO reward was 0 ({', '.join(verdicts)}): {args.model} wrote no "
         "proof Lean accepts, so no group's rewards differed and the prover was never updated; "
@@ -1567,6 +1640,7 @@ def check_choices(args: Args) -> None:
     """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
     this file has no entry for: each lookup once (ValueError naming what to add)."""
     advantage_estimator(args)
+    priority_rule(args)
     value_label_rule(args)
     value_loss_rule(args)
     # lr_at raises on a schedule it does not know (start_run checks --lr-schedule)
@@ -1673,7 +1747,7 @@ def main(args: Args) -> None:
 
     outcomes = collections.Counter()  # this run's GRPO rollouts by Lean's verdict
     searched = collections.Counter()  # this run's step-1 searches (record_searches)
-    trained = 0  # and how many were rewarded
+    trained = 0  # this run's training signals: the rollouts GRPO's updates ran (grpo_round)
     for iteration in range(start, args.iterations):
         step = iteration + 1  # iterations done
         metrics = {"charts/train_statements": float(len(train_set))}
@@ -1695,8 +1769,8 @@ def main(args: Args) -> None:
         metrics["search/value_guided"] = float(guided)
         record_searches(run_dir, results, "search", step=step, searched=searched, dist=dist)
 
-        # 2. Labels: value_labels on the searches' states (the whole proofs' come with step 4;
-        # the state keeps them as (state text, value) pairs)
+        # 2. Labels: collect the Labels step 1's searches made (search_result: value_labels), into
+        # the run's labels as (state text, value) pairs (the whole proofs' come with step 4)
         new_labels = []
         for result in results:
             new_labels += result.labels
@@ -1723,7 +1797,7 @@ def main(args: Args) -> None:
 
         # 4. The prover: GRPO on whole proofs; Lean's verified proofs are replayed for labels
         with logger.timer("grpo"):
-            stats, attempts, labels = grpo_round(
+            stats, attempts, labels, round_trained = grpo_round(
                 sampler,
                 verifier,
                 prover,
@@ -1737,7 +1811,7 @@ def main(args: Args) -> None:
             state["labels"] += [tuple(label[:2]) for label in labels]
             new_labels += labels
             outcomes.update(a.status for a in attempts)
-            trained += sum(a.correct for a in attempts)
+            trained += round_trained
             metrics.update(grpo_metrics(stats, attempts, args))
         metrics.update(label_metrics(new_labels, state["labels"]))
 

@@ -120,6 +120,12 @@ def test_priority_by_hand():
     assert priority(-3.5, 7, None, 0.3) == -3.5  # no value model: ReProver's cumulative log-prob
     # normalised: a long confident path is not buried under a short unconfident one (the cumulative log-prob would)
     assert priority(-0.1 * 40, 40, 0.5, 0.3) > priority(-2.0, 2, 0.5, 0.3)
+    # --priority picks the rule of a scored node (official weighted_priority); value None never reaches it
+    assert cp.priority_rule(args()) is cp.weighted_priority
+    node = cp.Node(state=None, logprob=-3.0, tokens=3)
+    assert cp.weighted_priority(node, 0.5, args(alpha=0.5)) == pytest.approx(
+        0.5 * math.exp(-1.0) + 0.25
+    )
 
 
 def test_grpo_advantages_by_hand():
@@ -195,6 +201,7 @@ def test_timeouts_and_errors_are_never_rewarded(status):
         ("value_labels", "VALUE_LABELS"),
         ("advantage", "ADVANTAGES"),
         ("value_loss", "VALUE_LOSSES"),
+        ("priority", "PRIORITIES"),
     ],
 )
 def test_a_choice_without_its_entry_stops_at_start(flag, table):
@@ -252,12 +259,13 @@ def test_clipfrac_counts_the_trained_tokens(monkeypatch):
         [attempt("a", 2, True), attempt("b", 2, False)],
         [attempt("c", 4, True), attempt("d", 4, True)],
     ]
-    stats = cp.update(policy, optimizer, groups, lr=None, args=args(), dist=CPU)
+    examples = cp.grpo_examples(groups, args())
+    stats = cp.update(policy, optimizer, examples, lr=None, args=args(), dist=CPU)
     assert stats["losses/grpo_clipfrac"] == pytest.approx(1 / 4)
 
 
 def test_an_update_with_no_groups_changes_nothing():
-    """A round whose rollouts were all filtered out trains nothing and does not crash."""
+    """A batch whose rollouts in_batch all left out trains nothing and does not crash."""
     policy = torch.nn.Linear(2, 2)
     before = [p.detach().clone() for p in policy.parameters()]
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
@@ -266,6 +274,110 @@ def test_an_update_with_no_groups_changes_nothing():
     assert stats == {}
     for old, new in zip(before, policy.parameters()):
         assert torch.equal(old, new)
+
+
+def flat_logprobs(policy):
+    """A token_logprobs stand-in: every token's log-prob 0 (ratio 1 against old log-probs 0), so
+    clip_higher_loss is -(1 / n_tokens) sum_i A_i T_i."""
+
+    def fake_logprobs(model, samples, temperature=1.0):
+        width = max(len(s.token_ids) for s in samples)
+        mask = []
+        for s in samples:
+            mask.append([1.0] * len(s.token_ids) + [0.0] * (width - len(s.token_ids)))
+        mask = torch.tensor(mask)
+        logp = torch.zeros_like(mask) + 0.0 * policy.weight.sum()
+        return logp, mask, None
+
+    return fake_logprobs
+
+
+def rollout(text, tokens, correct, reason="stop"):
+    """An Attempt whose sample has `tokens` tokens, all of old log-prob 0."""
+    sample = cp.Sample(text, [1], [7] * tokens, [0.0] * tokens, reason)
+    status = "valid" if correct else "error"
+    return cp.Attempt(sample, None, status, correct)
+
+
+def overlong_filter(example, args):
+    """A fork's in_batch (DAPO's overlong filter): a rollout cut off at max_new_tokens does not
+    train."""
+    return example.sample.finish_reason != "length"
+
+
+def test_the_batch_filter_and_the_zero_advantage_skip_by_hand(monkeypatch):
+    """Dr. GRPO advantages: group (1, 0) of a (2 tokens) and b (3 tokens, cut off): A = +0.5,
+    -0.5; group (1, 1) of c, d (4 tokens each): A = 0, skipped by trains_on, but their tokens
+    count in n_tokens (official): loss = -(0.5 * 2 - 0.5 * 3) / (2 + 3 + 4 + 4) = 0.5 / 13. An
+    overlong filter in in_batch (a fork: the rule alone) leaves b out of the batch: a keeps
+    its advantage (the group counts every rollout), b counts nowhere:
+    loss = -(0.5 * 2) / (2 + 4 + 4) = -0.1, and 1 rollout trains instead of 2."""
+    policy = torch.nn.Linear(1, 1)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
+    monkeypatch.setattr(cp, "token_logprobs", flat_logprobs(policy))
+    groups = [
+        [rollout("a", 2, True), rollout("b", 3, False, reason="length")],
+        [rollout("c", 4, True), rollout("d", 4, True)],
+    ]
+    a = args(advantage="dr_grpo")
+    examples = cp.grpo_examples(groups, a)
+    assert [e.weight for e in examples] == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert [e.source for e in examples] == groups[0] + groups[1]
+    assert [cp.trains_on(e, a) for e in examples] == [True, True, False, False]
+    stats = cp.update(policy, optimizer, examples, lr=None, args=a, dist=CPU)
+    assert stats["losses/grpo_loss"] == pytest.approx(0.5 / 13)
+    monkeypatch.setattr(cp, "in_batch", overlong_filter)
+    examples = cp.grpo_examples(groups, a)
+    assert [e.sample.text for e in examples] == ["a", "c", "d"]
+    assert examples[0].weight == pytest.approx(0.5)
+    stats = cp.update(policy, optimizer, examples, lr=None, args=a, dist=CPU)
+    assert stats["losses/grpo_loss"] == pytest.approx(-0.1)
+
+
+class Asleep:
+    """A sampler stand-in for grpo_round: it records its sleeps and weight syncs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+    def sync_weights(self, policy):
+        self.calls.append("sync")
+
+
+def test_trained_counts_the_rollouts_the_update_ran(monkeypatch):
+    """grpo_round's count (main's `trained`) is the rollouts update ran (trains_on), not Lean's
+    accepted proofs: of p's group (1, 0, 0, 0) all 4 train, of q's (1, 1, 1, 1) none, though 5
+    proofs were accepted; a reward fork paying every proof 0 trains none. The sampler wakes
+    with the policy's weights first, sleeps for each update and gets its weights after it."""
+    problems = [cp.Problem("p", "", "theorem p : True"), cp.Problem("q", "", "theorem q : True")]
+    rows = {
+        "p": [rollout("p0", 2, True)] + [rollout("p", 2, False) for _ in range(3)],
+        "q": [rollout("q", 2, True) for _ in range(4)],
+    }
+    monkeypatch.setattr(cp, "attempt_proofs", lambda *a, **kw: rows)
+    monkeypatch.setattr(cp, "whole_proof_labels", lambda *a, **kw: [])
+    updated = []
+
+    def update(policy, optimizer, examples, lr, args, dist):
+        updated.append(examples)
+        return {}
+
+    monkeypatch.setattr(cp, "update", update)
+    a = args(iterations=1, grpo_steps_per_round=2, prompts_per_step=2, samples_per_prompt=4)
+    sampler = Asleep()
+    stats, attempts, labels, trained = cp.grpo_round(
+        sampler, None, None, None, train_set=problems, first_batch=0, args=a, dist=CPU
+    )
+    assert trained == 2 * 4 and len(attempts) == 2 * 8 and len(updated) == 2
+    assert sampler.calls == ["sync", "sleep", "sync", "sleep", "sync"]
+    monkeypatch.setattr(cp, "proof_reward", lambda attempt, args: 0.0)
+    _, _, _, trained = cp.grpo_round(
+        Asleep(), None, None, None, train_set=problems, first_batch=0, args=a, dist=CPU
+    )
+    assert trained == 0
 
 
 def test_a_hanging_proof_times_out_and_earns_nothing(tmp_path):
@@ -986,7 +1098,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
                 )
                 for i, s in enumerate(samples(policy))
             ]
-            stats = cp.update(policy, optimizer, [group], None, a, CPU)
+            stats = cp.update(policy, optimizer, cp.grpo_examples([group], a), None, a, CPU)
         moved[favoured] = (before, margin(policy))
         print(favoured, moved[favoured], stats)
     (b1, a1), (b2, a2) = moved[True], moved[False]
@@ -995,12 +1107,13 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir):
     )  # -6.9 -> 12.3 and -6.9 -> -22.8 here
     # a group whose samples all earn the same reward has no advantage: no optimizer step at all
     flat = [cp.Attempt(s, None, "error", False) for s in samples(policy)]
-    assert cp.update(policy, optimizer, [flat], None, a, CPU) == {}
+    assert cp.update(policy, optimizer, cp.grpo_examples([flat], a), None, a, CPU) == {}
 
 
 def test_nothing_learned():
-    """The line ending a run whose rollouts were never rewarded counts Lean's verdicts and names the test that shows
-    the loop learning; a run with a rewarded rollout, or with none at all, ends without it."""
+    """The line ending a run whose updates trained on no rollout (`trained` 0) counts Lean's verdicts; with no proof
+    accepted it says every reward was 0 and names the test that shows the loop learning; a run that trained on a
+    rollout, or had none at all, ends without it."""
     outcomes, a = (
         collections.Counter(["no_code"] * 7 + ["error"]),
         args(model="embedded:smollm2"),
@@ -1012,6 +1125,12 @@ def test_nothing_learned():
     )
     assert "\n" not in note and "(7/8 no closed ```lean4 block, 1/8 Lean error)" in note
     assert "embedded:smollm2" in note and "test_loop_learns_what_the_stand_in_rewards" in note
+    assert note.startswith("coprover.py: every GRPO reward was 0 ")
+    # Lean accepted proofs, but no update trained on one (a group all accepted; a reward fork)
+    accepted = collections.Counter(["valid"] * 4 + ["error"] * 4)
+    note = cp.nothing_learned(accepted, 0, a)
+    assert "every GRPO reward was 0" not in note and "Lean accepted 4 proof(s)" in note
+    assert "(4/8 valid, 4/8 Lean error)" in note and cp.nothing_learned(accepted, 3, a) is None
 
 
 # ---- end to end (slow): the tiny model behind a driver that answers some prompts from the tactic table ----
