@@ -7,7 +7,7 @@ this file copies none of it).
 Method. One base model (DeepSeek-Prover-V2-7B) plays three roles (§3):
 - the Solver writes whole Lean 4 proofs;
 - the Conjecturer (trained, with its own weights) writes a conjecture, a simpler related
-  statement, for each target the Solver never solved;
+  statement, for each seed (conjecture_seeds: each target the Solver never solved);
 - the Guide, a frozen copy fine-tuned to grade conjectures, scores a conjecture's relevance
   to its target, its redundant premises and its tangled conclusion: R_guide (Eq. 3,
   guide_rewards).
@@ -21,7 +21,7 @@ a (low, high) pair of solve rates that a rule keeps, each end's inclusion stated
 flag (in_band).
 
 Each iteration (Algorithm 1), under the same numbers in main:
-  1. Conjecture (conjecture): conjectures_per_target conjectures for each target never solved.
+  1. Conjecture (conjecture): conjectures_per_target conjectures for each seed (conjecture_seeds).
   2. Solve (attempt_proofs): k Solver attempts at every target and every conjecture,
      each checked by Lean.
   3. The Solver's training set (solver_examples), by --solver-objective (SOLVER_OBJECTIVES):
@@ -199,7 +199,7 @@ class Args:
     proofs_per_problem: int = 8
     """k: Solver attempts per target and per conjecture (§4.1)"""
     conjectures_per_target: int = 1
-    """conjectures sampled per never-solved target (Table 1)"""
+    """conjectures sampled per seed (conjecture_seeds; Table 1)"""
     # App. C: temperature 1 and top-p 1 for every role, Adam betas (0.9, 0.95), gradient
     # clipping 1.0, constant lr
     temperature: float = 1.0
@@ -269,7 +269,8 @@ class Args:
 
     # ablations
     no_guide: bool = False
-    """drop the Guide: R_guide = 1 in conjecturer_examples (Table 1, No Guide)"""
+    """drop the Guide: R_guide = 1 for every conjecture (conjecturer_reward; Table 1, No
+    Guide)"""
     no_conjecturer: bool = False
     """solver-only baseline: no conjectures (Table 1, REINFORCE½ / CISPO / EI)"""
     freeze_conjecturer: bool = False
@@ -304,18 +305,18 @@ CPU_DEFAULTS = dict(
 def resolve(args: Args) -> Args:
     """Stops the run at start on flags that cannot run together (expert iteration with a
     Conjecturer); fills the flags left unset (None) with the official scripts' values;
-    returns args. main calls it first, before anything loads, then check_choices."""
+    returns args: the learning rate and batch size from the objective's entry in
+    SOLVER_OBJECTIVES. main calls it first, before anything loads, then check_choices."""
     if args.solver_objective == "expert_iteration" and not args.no_conjecturer:
         baseline = "expert iteration is the solver-only baseline of App. G.4"
         sys.exit(f"sgs.py: {baseline}; add --no-conjecturer")
-    cispo = args.solver_objective == "cispo"
+    objective = solver_objective(args)
     if args.learning_rate is None:
-        args.learning_rate = 1e-6 if cispo else 3e-6
+        args.learning_rate = objective.learning_rate
     if args.conjecturer_learning_rate is None:
         args.conjecturer_learning_rate = args.learning_rate
     if args.batch_size is None:
-        large = args.solver_objective in ("cispo", "expert_iteration")
-        args.batch_size = 64 if large else 32
+        args.batch_size = objective.batch_size
     return args
 
 
@@ -719,11 +720,22 @@ def cispo_batch_loss(
 
 
 # ---- phases ----
+def is_disjunctive(conclusion: str) -> bool:
+    """Whether a statement's conclusion (theorem_conclusion) holds a disjunction (Fig. 2's
+    drift): an or, written either way."""
+    return "∨" in conclusion or "\\/" in conclusion
+
+
 def conjecture_seeds(
-    targets: list[Problem], proofs: dict[str, list[dict]], args: Args
+    targets: list[Problem],
+    proofs: dict[str, list[dict]],
+    rates: dict[str, float],
+    args: Args,
 ) -> list[Problem]:
     """Step 1's seeds (Alg. 1): the targets the Solver never solved, no stored proof
-    (store_target_proofs), in the targets' order. A wider or narrower seed rule is this function."""
+    (store_target_proofs), in the targets' order. rates: the last iteration's solve rates
+    {id: s} (state's, {} before the first; unread by the official rule). A wider or narrower
+    seed rule is this function."""
     seeds = []
     for t in targets:
         if not proofs[t.id]:
@@ -790,7 +802,7 @@ def conjecture(
     conclusions = [theorem_conclusion(c.statement) for c in conjectures]
     if not conclusions:
         conclusions = [""]
-    disjunctive = [("∨" in c or "\\/" in c) for c in conclusions]
+    disjunctive = [is_disjunctive(c) for c in conclusions]
     stats = {
         "conjecturer/outputs": outputs,
         "conjecturer/extraction_rate": extracted / max(outputs, 1),
@@ -1017,25 +1029,40 @@ def expert_iteration_examples(
     return proof_examples(found, args, rng)
 
 
-# --solver-objective: its training-set rule (step 3) and its batch loss (step 5, update).
-# A new objective adds its functions and its entry here (and its value to the flag's Literal).
+class Objective(NamedTuple):
+    """A --solver-objective: its training-set rule (step 3), its batch loss (step 5, update),
+    and the learning rate and batch size resolve gives it when --learning-rate and
+    --batch-size are left unset (App. C's, per objective)."""
+
+    examples: object  # (problems, attempts, rates, proofs=, iteration=, args=, rng=) -> [Example]
+    batch_loss: object  # (logp, mask, old_logp, micro, batch, args) -> loss
+    learning_rate: float
+    batch_size: int
+
+
+# --solver-objective's choices: a new one is its functions above and an entry here
 SOLVER_OBJECTIVES = {
-    "reinforce_half": (reinforce_half_examples, reinforce_batch_loss),
-    "cispo": (cispo_examples, cispo_batch_loss),
-    "expert_iteration": (expert_iteration_examples, reinforce_batch_loss),
+    "reinforce_half": Objective(
+        reinforce_half_examples, reinforce_batch_loss, learning_rate=3e-6, batch_size=32
+    ),
+    "cispo": Objective(cispo_examples, cispo_batch_loss, learning_rate=1e-6, batch_size=64),
+    "expert_iteration": Objective(
+        expert_iteration_examples, reinforce_batch_loss, learning_rate=3e-6, batch_size=64
+    ),
 }
 
 
-def solver_objective(args: Args) -> tuple:
-    """(training-set rule, batch loss) of --solver-objective, from SOLVER_OBJECTIVES: the one
-    dispatch of the Solver's objective. check_choices calls it at start, so an objective
-    without its entry stops the run there (ValueError, naming what to add); solver_examples and
-    main (the Solver's update) read it."""
+def solver_objective(args: Args) -> Objective:
+    """--solver-objective's Objective, from SOLVER_OBJECTIVES: the one dispatch of the
+    Solver's objective. resolve and check_choices call it at start, so an objective without
+    its entry stops the run there (ValueError, naming what to add); solver_examples and main
+    (the Solver's update) read it."""
     objective = args.solver_objective
     if objective not in SOLVER_OBJECTIVES:
         raise ValueError(
-            f"--solver-objective {objective}: add its entry to SOLVER_OBJECTIVES "
-            "(its solver_examples rule, e.g. reinforce_half_examples, and its batch loss)"
+            f"--solver-objective {objective}: add its entry to SOLVER_OBJECTIVES (an "
+            "Objective: its solver_examples rule, e.g. reinforce_half_examples, its batch "
+            "loss, its learning rate and batch size)"
         )
     return SOLVER_OBJECTIVES[objective]
 
@@ -1053,7 +1080,7 @@ def solver_examples(
     Takes step 2's problems, their attempts and solve rates {id: s}, the stored proofs
     {target id: [proof dict]} and the iteration; returns the Examples, each with its
     weight and source, that step 5's update trains the Solver on ([]: no update)."""
-    rule, _ = solver_objective(args)
+    rule = solver_objective(args).examples
     return rule(
         problems,
         attempts,
@@ -1437,13 +1464,14 @@ def main(args: Args) -> None:
     check_choices(args)  # a flag value without its table entry stops here
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     roles = roles_in_play(args)  # a role not in play is not loaded, run or logged
-    _, solver_loss = solver_objective(args)
+    solver_loss = solver_objective(args).batch_loss
     verifier = start_lean(args, dist)
     targets = load_problems(args.dataset, args.num_problems)  # D
     models, tokenizer, (solver, conjecturer, guide) = load_models(args, dist)
     # the run's state: the proofs stored for each target (solved: at least one), generations
     start = 0
-    state = {"proofs": {t.id: [] for t in targets}, "generations": 0}
+    # run state: the stored proofs, the generations so far, the last iteration's solve rates
+    state = {"proofs": {t.id: [] for t in targets}, "generations": 0, "rates": {}}
     if args.resume:
         found = load_checkpoint(run_dir, weights_only(models), dist)
         if found is not None:
@@ -1459,11 +1487,11 @@ def main(args: Args) -> None:
         metrics = {}
         rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
-        # 1. Conjecture: statements for each target that was never solved
+        # 1. Conjecture: statements for each seed (conjecture_seeds)
         conjectures = []
         if roles.use_conjecturer:
             with logger.timer("conjecture"):
-                seeds = conjecture_seeds(targets, proofs, args)
+                seeds = conjecture_seeds(targets, proofs, state["rates"], args)
                 sampler.sync_weights(conjecturer)
                 conjectures, stats = conjecture(
                     sampler,
@@ -1492,6 +1520,7 @@ def main(args: Args) -> None:
             state["generations"] += len(problems) * k
             store_target_proofs(proofs, attempts, iteration, cap=args.max_stored_proofs)
             rates = {pid: solve_rate(row) for pid, row in attempts.items()}  # s
+            state["rates"] = rates
         record_outcomes(outcomes, attempts)
 
         # 3. The Solver's training set: REINFORCE½, CISPO or EI (SOLVER_OBJECTIVES)
@@ -1559,7 +1588,9 @@ def main(args: Args) -> None:
         done = args.max_generations is not None and generations >= args.max_generations
         if step % args.save_every == 0 or step == args.iterations or done:
             to_save = weights_only(models)
-            save_checkpoint(run_dir, step, to_save, tokenizer=tokenizer, state=state, dist=dist)
+            save_checkpoint(
+                run_dir, iteration=step, models=to_save, tokenizer=tokenizer, state=state, dist=dist
+            )
         if done:
             break
     line = nothing_learned(outcomes, trained, args)

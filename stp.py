@@ -391,13 +391,38 @@ class Seed(NamedTuple):
 
 
 class Conjecture(NamedTuple):
-    """A conjectured statement: a Problem's fields, then the prompt it was conjectured from."""
+    """A conjectured statement: a Problem's fields, then the Seed it was conjectured from (its
+    statement, proof and lemma: what a filter or reward term comparing a conjecture with its
+    seed reads). state.pt keeps it as stored_conjecture's plain dict."""
 
     id: str
     header: str
     statement: str
-    easy_theorem: str  # the seed's statement and proof
-    lemma: str  # the seed's lemma, "" for none
+    seed: Seed
+
+
+def easy_theorem(seed: Seed) -> str:
+    """The conjecturer prompt's easy theorem: the seed's statement and proof."""
+    return seed.problem.statement + seed.proof
+
+
+def stored_conjecture(conjecture: Conjecture) -> dict:
+    """A Conjecture as state.pt keeps it, plain values only (state.pt loads without stp.py)."""
+    seed = conjecture.seed
+    return {
+        "id": conjecture.id,
+        "header": conjecture.header,
+        "statement": conjecture.statement,
+        "seed": {"problem": seed.problem._asdict(), "proof": seed.proof, "lemma": seed.lemma},
+    }
+
+
+def restored_conjecture(fields: dict) -> Conjecture:
+    """A stored_conjecture back as the Conjecture, its Seed rebuilt."""
+    seed_fields = fields["seed"]
+    problem = Problem(**seed_fields["problem"])
+    seed = Seed(problem, seed_fields["proof"], seed_fields["lemma"])
+    return Conjecture(fields["id"], fields["header"], fields["statement"], seed)
 
 
 class Attempt(NamedTuple):
@@ -474,6 +499,14 @@ def proof_weight(entry: dict, args: Args) -> float:
     "correct" and "n_correct"); a term reads it there."""
     penalty = args.length_penalty * len(entry["proof"]) + args.time_penalty * entry["seconds"]
     return math.exp(-penalty) / entry["n_correct"]
+
+
+def final_weight(entry: dict, args: Args) -> float:
+    """A proof's weight in Stage 3's data and each expert-iteration round's (final_examples;
+    official): exp(-length_penalty * characters), no time term, no division by the proofs of its
+    statement (unlike proof_weight). entry: the proof's record ("proof", "seconds",
+    "iteration"); a term reads it there."""
+    return math.exp(-args.length_penalty * len(entry["proof"]))
 
 
 def in_conjecture_band(rate: float, args: Args) -> bool:
@@ -623,7 +656,8 @@ def conjecture(
     min(3 #statements // #seeds, max_conjecture_multiplier)) samples per seed, parsed,
     shuffled, without duplicates of the dataset or of each other (statement_key, with the
     header), shuffled again and cut to #statements when there are more. A statement
-    conjectured before (the same statement_key) keeps its id (official: the same text). No
+    conjectured before (the same header and statement_key) keeps its id (official: the same
+    text). No
     seed: no conjecture."""
     if not seeds:
         return [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0}
@@ -631,12 +665,10 @@ def conjecture(
     multiplier = max(1, min(multiplier, args.max_conjecture_multiplier))
     prompts = []
     for seed in seeds:
-        easy_theorem = seed.problem.statement + seed.proof
-        prompts.append(
-            conjecturer_prompt(
-                tokenizer, seed.problem.header, seed.lemma, easy_theorem=easy_theorem, args=args
-            )
+        prompt = conjecturer_prompt(
+            tokenizer, seed.problem.header, seed.lemma, easy_theorem=easy_theorem(seed), args=args
         )
+        prompts.append(prompt)
 
     # sample
     rows = sample(
@@ -665,9 +697,9 @@ def conjecture(
 
     # keep the new ones
     seen = {(s.header, statement_key(s.statement)) for s in statements}
-    known_ids = {}  # statement_key of a statement conjectured before -> its id
+    known_ids = {}  # (header, statement_key) of a statement conjectured before -> its id
     for pid, known in problem_by_id.items():
-        known_ids[statement_key(known.statement)] = pid
+        known_ids[(known.header, statement_key(known.statement))] = pid
     new = []
     for seed, statement in found:
         duplicate_key = (seed.problem.header, statement_key(statement))
@@ -678,12 +710,11 @@ def conjecture(
         rng.shuffle(new)
     conjectures = []
     for i, (seed, statement) in enumerate(new[: len(statements)]):
-        pid = known_ids.get(statement_key(statement), f"r{iteration}_c{i}")
-        easy_theorem = seed.problem.statement + seed.proof
         header = seed.problem.header
-        conjectures.append(Conjecture(pid, header, statement, easy_theorem, seed.lemma))
+        pid = known_ids.get((header, statement_key(statement)), f"r{iteration}_c{i}")
+        conjectures.append(Conjecture(pid, header, statement, seed))
 
-    with_lemma = [bool(c.lemma) for c in conjectures]
+    with_lemma = [bool(c.seed.lemma) for c in conjectures]
     stats = {
         "conjecturer/outputs": n_outputs,
         "conjecturer/extraction_rate": len(found) / max(n_outputs, 1),
@@ -889,7 +920,7 @@ def conjectures_in_band(
             continue
         rate = solve_rate(attempts[c.id])
         if in_conjecture_band(rate, args):
-            band.append(Candidate(c, c.lemma, rate))
+            band.append(Candidate(c, c.seed.lemma, rate))
     return band
 
 
@@ -897,12 +928,12 @@ def invokes_lemma(conjecture: Conjecture, proofs: dict, iteration: int) -> bool:
     """Whether a proof of the conjecture found this iteration invokes its lemma (a static scan,
     deviation 4); False for the empty lemma and for a conjecture with no proof (s = 0, which a
     band with low < 0 admits)."""
-    if not conjecture.lemma:
+    if not conjecture.seed.lemma:
         return False
     for entry in proofs.get(conjecture.id, []):
         if entry["iteration"] != iteration:
             continue
-        if conjecture.lemma in invoked_lemmas(entry["proof"], conjecture.statement):
+        if conjecture.seed.lemma in invoked_lemmas(entry["proof"], conjecture.statement):
             return True
     return False
 
@@ -976,7 +1007,7 @@ def conjecturer_examples(
             continue
         c = candidate.conjecture
         prompt = conjecturer_prompt(
-            tokenizer, c.header, candidate.lemma, easy_theorem=c.easy_theorem, args=args
+            tokenizer, c.header, candidate.lemma, easy_theorem=easy_theorem(c.seed), args=args
         )
         target = "\n" + c.statement + "\n" + END_THM
         example = text_example(
@@ -1047,8 +1078,8 @@ def final_examples(
     (the official mathlib part), each with its weight (1 without one), its source the row; then
     each round's proofs of dataset statements and of conjectures whose solve rate in that round
     is <= final_solve_rate_max, shuffled, not already an SFT pair, distinct, at most
-    final_max_proofs a statement, weighted exp(-length_penalty * characters), the source the
-    proof's entry with its statement's "id"."""
+    final_max_proofs a statement, each weighted by final_weight, the source the proof's entry
+    with its statement's "id"."""
     sft = [r for r in sft if "lean_workbook" not in r["prompt"]]
     examples = []
     for r in sft:
@@ -1076,7 +1107,7 @@ def final_examples(
             continue
         seen.add(pair)
         count[pid] += 1
-        weight = math.exp(-args.length_penalty * len(entry["proof"]))
+        weight = final_weight(entry, args)
         target = entry["proof"] + "\n```"
         source = dict(entry, id=pid)
         example = text_example(
@@ -1400,7 +1431,7 @@ def main(args: Args) -> None:
     originals = {s.id for s in statements}
     problem_by_id = {s.id: s for s in statements}
     for pid, fields in state["conjectures"].items():
-        problem_by_id[pid] = Conjecture(**fields)
+        problem_by_id[pid] = restored_conjecture(fields)
 
     metrics = {}
     outcomes = collections.Counter()  # this run's verdicts
@@ -1429,7 +1460,7 @@ def main(args: Args) -> None:
                 )
                 for c in conjectures:
                     problem_by_id[c.id] = c
-                    state["conjectures"][c.id] = c._asdict()
+                    state["conjectures"][c.id] = stored_conjecture(c)
                 state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
@@ -1546,8 +1577,9 @@ def main(args: Args) -> None:
         if not last:  # the last iteration's line also holds Stage 3 and the final evaluation
             logger.log(metrics, step=step)
         if step % args.save_every == 0 or last:
+            to_save = weights_only(models)
             save_checkpoint(
-                run_dir, step, weights_only(models), tokenizer=tokenizer, state=state, dist=dist
+                run_dir, iteration=step, models=to_save, tokenizer=tokenizer, state=state, dist=dist
             )
 
     # Stage 3: re-train the base model on the SFT data and the proofs of every round
@@ -1576,8 +1608,9 @@ def main(args: Args) -> None:
             # a resumed run evaluates this model instead of training it again
             state["stage3"] = True
             step = args.iterations
+            to_save = weights_only(models)
             save_checkpoint(
-                run_dir, step, weights_only(models), tokenizer=tokenizer, state=state, dist=dist
+                run_dir, iteration=step, models=to_save, tokenizer=tokenizer, state=state, dist=dist
             )
 
     # Evaluation: pass@k on the benchmarks, after the last iteration (and Stage 3)

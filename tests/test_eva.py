@@ -684,10 +684,10 @@ def test_every_literal_value_passes_the_start_checks(flag):
 @pytest.mark.parametrize(
     "flag, value, where",
     [
-        ("loss", "hinge", "add its line to item_losses"),
-        ("info_metric", "entropy", "add its entry to INFO_METRICS"),
-        ("sampling", "top_half", "add its entry to SAMPLINGS"),
-        ("reward_kind", "pairwise", "add its entry to REWARD_KINDS"),
+        ("loss", "hinge_in_test", "add its line to item_losses"),
+        ("info_metric", "entropy_in_test", "add its entry to INFO_METRICS"),
+        ("sampling", "top_half_in_test", "add its entry to SAMPLINGS"),
+        ("reward_kind", "pairwise_in_test", "add its entry to REWARD_KINDS"),
     ],
 )
 def test_a_value_added_to_a_literal_alone_stops_at_start(tmp_path, flag, value, where):

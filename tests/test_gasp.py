@@ -235,10 +235,14 @@ def test_similarity_flag_is_dispatched_in_one_table():
     # every --similarity choice has its row; an unknown one stops with what to add
     choices = typing.get_args(typing.get_type_hints(Args)["similarity"])
     assert set(choices) <= set(gasp.SIMILARITIES)
-    with pytest.raises(ValueError, match="--similarity bm25: add its entry to SIMILARITIES"):
-        gasp.similarity_measure("bm25")
+    with pytest.raises(
+        ValueError, match="--similarity bm25_in_test: add its entry to SIMILARITIES"
+    ):
+        gasp.similarity_measure("bm25_in_test")
     with pytest.raises(ValueError, match="add its entry to SIMILARITIES"):
-        gasp.check_choices(Args(similarity="bm25"))  # a Literal value without a row stops at start
+        gasp.check_choices(
+            Args(similarity="bm25_in_test")
+        )  # a Literal value without a row stops at start
     assert gasp.similarity_measure("keyword").uses_embedder is False
     # the embedding measure says what it lacks instead of calling None
     with pytest.raises(ValueError, match="load_embedder"):
@@ -355,8 +359,8 @@ def test_advantage_flag_is_dispatched_in_one_table(monkeypatch):
         total = sum(rewards)
         return [r - (total - r) / (len(rewards) - 1) for r in rewards]
 
-    monkeypatch.setitem(gasp.ADVANTAGES, "rloo", rloo_advantages)
-    args = Args(advantage="rloo")
+    monkeypatch.setitem(gasp.ADVANTAGES, "rloo_in_test", rloo_advantages)
+    args = Args(advantage="rloo_in_test")
     gasp.check_choices(args)
     weighted = gasp.advantage_examples(examples, args)
     assert [e.weight for e in weighted] == pytest.approx([0.75, -0.75, 0.0])
@@ -365,8 +369,8 @@ def test_advantage_flag_is_dispatched_in_one_table(monkeypatch):
     default = gasp.advantage_examples(examples, Args())
     assert [e.weight for e in default] == pytest.approx([1.2247449, -1.2247449, 0.0], abs=1e-5)
     # a Literal value without an entry stops at start, naming what to add
-    monkeypatch.delitem(gasp.ADVANTAGES, "rloo")
-    with pytest.raises(ValueError, match="--advantage rloo: add its entry to ADVANTAGES"):
+    monkeypatch.delitem(gasp.ADVANTAGES, "rloo_in_test")
+    with pytest.raises(ValueError, match="--advantage rloo_in_test: add its entry to ADVANTAGES"):
         gasp.check_choices(args)
 
 

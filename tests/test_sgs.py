@@ -679,7 +679,7 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
 def test_conjecture_seeds_are_the_never_solved_targets():
     targets = [problem(p) for p in "abc"]
     proofs = {"a": [], "b": [{"proof": "p"}], "c": []}
-    assert [t.id for t in sgs.conjecture_seeds(targets, proofs, args())] == ["a", "c"]
+    assert [t.id for t in sgs.conjecture_seeds(targets, proofs, {}, args())] == ["a", "c"]
 
 
 def test_statement_key_ignores_spaces_and_newlines():
@@ -700,7 +700,7 @@ def test_an_unknown_solver_objective_stops_at_start():
 
 def test_an_unknown_conjecturer_normalization_stops_at_start():
     with pytest.raises(ValueError, match="add its entry to CONJECTURER_NORMALIZATIONS"):
-        sgs.check_choices(args(conjecturer_normalization="rank"))
+        sgs.check_choices(args(conjecturer_normalization="rank_in_test"))
     sgs.check_choices(args())  # every default has its entry
 
 
@@ -1027,7 +1027,7 @@ def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_mod
         for t in ["  norm_num", "  simp", "  decide", "  omega"]
     ]
     a = args(batch_size=4, micro_batch_size=2, proofs_per_problem=4, solver_objective=objective)
-    _, batch_loss = sgs.solver_objective(a)  # the objective's loss, as main's Solver update
+    batch_loss = sgs.solver_objective(a).batch_loss  # the objective's loss, as main's Solver update
     logps = {}
     for sign in (1, -1):
         torch.manual_seed(0)

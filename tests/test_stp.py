@@ -34,6 +34,12 @@ def args(**kw):
     return official_args(stp)(**kw)
 
 
+def made_conjecture(pid, header, statement, easy="easy", lemma=""):
+    """A Conjecture by hand: its Seed's statement is `easy` (its proof empty), its lemma `lemma`."""
+    seed = stp.Seed(stp.Problem("seed", "", easy), "", lemma)
+    return stp.Conjecture(pid, header, statement, seed)
+
+
 # ---- rewards and losses ----
 def test_proof_weight():
     # exp(-0.001 * 100 - 0.01 * 2) / 2 = exp(-0.12) / 2
@@ -41,6 +47,8 @@ def test_proof_weight():
     assert stp.proof_weight(entry, args()) == pytest.approx(math.exp(-0.12) / 2)
     alone = {"proof": "", "seconds": 0.0, "samples": 4, "correct": 1, "n_correct": 1}
     assert stp.proof_weight(alone, args()) == 1.0
+    # Stage 3's weight: the length term alone, exp(-0.001 * 100)
+    assert stp.final_weight(entry, args()) == pytest.approx(math.exp(-0.1))
 
 
 def test_elegance_filter():
@@ -114,7 +122,7 @@ def test_in_prover_band_edges():
 def test_check_choices_stops_a_half_added_value_at_start():
     stp.check_choices(args())  # every default has its entry
     with pytest.raises(ValueError, match="add its entry to MATCHING_FEATURES"):
-        stp.check_choices(args(matching_features="statement_length"))
+        stp.check_choices(args(matching_features="not_in_the_table"))
     with pytest.raises(ValueError, match="--elegance-quantile"):
         stp.check_choices(args(elegance_quantile=1.0))
 
@@ -147,7 +155,7 @@ def test_in_conjecture_band_edges():
 
 
 def test_elegance_ratio_hand_values():
-    c = stp.Conjecture("c", "", "s" * 20, "easy", "")
+    c = made_conjecture("c", "", "s" * 20, "easy", "")
     candidate = stp.Candidate(c, "", 0.125)
 
     def entry(length, iteration):
@@ -511,7 +519,8 @@ def test_conjecture_deduplicates_shuffles_and_caps():
     conj, stats = stp.conjecture(sampler, tok, seeds, [seed], {}, 2, random.Random(0), args(), CPU)
     assert [(c.id, c.statement) for c in conj] == [("r2_c0", c1)]
     assert (
-        conj[0].easy_theorem == seed.statement + "\n  positivity" and conj[0].header == seed.header
+        stp.easy_theorem(conj[0].seed) == seed.statement + "\n  positivity"
+        and conj[0].header == seed.header
     )
     assert stats["conjecturer/multiplier"] == 3 and stats[
         "conjecturer/extraction_rate"
@@ -553,7 +562,7 @@ def test_conjecture_deduplicates_shuffles_and_caps():
     assert sorted(flat(c.statement) for c in conj) == [c1, c2, c3]
     assert stats["conjecturer/outputs"] == 6 and stats["conjecturer/new_conjectures"] == 3
     # a statement conjectured before keeps its id, found by statement_key (spaces and newlines aside)
-    earlier = stp.Conjecture(
+    earlier = made_conjecture(
         "r0_c7", seed.header, "theorem  c1 (x : ℕ) :\n x ≤ x ^ 2 := by", "", ""
     )
     known = {"r0_c7": earlier}
@@ -565,7 +574,7 @@ def test_conjecture_deduplicates_shuffles_and_caps():
         tok,
         seeds,
         two,
-        {"old": stp.Problem("old", "", c1)},
+        {"old": stp.Problem("old", seed.header, c1)},
         3,
         random.Random(0),
         args(),
@@ -573,6 +582,19 @@ def test_conjecture_deduplicates_shuffles_and_caps():
     )
     ids = {c.statement: c.id for c in conj}
     assert ids[c1] == "old" and ids[c2] in ("r3_c0", "r3_c1")
+    # the same statement under another header is another statement: a new id
+    conj, _ = stp.conjecture(
+        fake_sampler(["c1 (x : ℕ) : x ≤ x ^ 2"]),
+        tok,
+        seeds,
+        two,
+        {"old": stp.Problem("old", "import Other", c1)},
+        3,
+        random.Random(0),
+        args(),
+        CPU,
+    )
+    assert [c.id for c in conj] == ["r3_c0"]
     conj, stats = stp.conjecture(sampler, tok, [], [seed], {}, 0, random.Random(0), args(), CPU)
     assert conj == [] and stats["conjecturer/seeds"] == 0 and stats["conjecturer/outputs"] == 0
 
@@ -796,7 +818,7 @@ def test_conjecturer_examples(tiny_model_dir):
     policy = stp.load_model(tiny_model_dir, CPU, train=True)
     seed = "theorem s (x : ℝ) : 0 ≤ x ^ 2 := by\n  nlinarith [sq_nonneg x]"
     conj = [
-        stp.Conjecture(
+        made_conjecture(
             f"r1_c{i}", "", f"theorem c{i} (x : ℝ) : 0 ≤ x ^ {10**i} := by", seed, "sq_nonneg"
         )
         for i in range(6)
@@ -887,7 +909,7 @@ def test_conjecturer_examples(tiny_model_dir):
 
 def test_conjectures_in_band_reads_only_this_iterations_attempts():
     seed = "theorem s : True := by\n  trivial"
-    conj = [stp.Conjecture(f"c{i}", "", f"theorem c{i} : True := by", seed, "") for i in range(4)]
+    conj = [made_conjecture(f"c{i}", "", f"theorem c{i} : True := by", seed, "") for i in range(4)]
     A = stp.Attempt
     ok, bad = A(None, "\n  trivial", "valid", True), A(None, None, "error", False)
     # c0: 1 of 8; c1: 0 of 8; c2: not attempted this iteration (conjectured again under an old id, proved before);
@@ -905,14 +927,14 @@ def test_conjectures_in_band_reads_only_this_iterations_attempts():
 
 
 def test_invokes_lemma_and_choose_lemmas():
-    c = stp.Conjecture("c", "", "theorem c (x : ℝ) : 0 ≤ x ^ 4 := by", "easy", "sq_nonneg")
+    c = made_conjecture("c", "", "theorem c (x : ℝ) : 0 ≤ x ^ 4 := by", "easy", "sq_nonneg")
     uses = {"proof": "\n  nlinarith [sq_nonneg (x ^ 2)]", "iteration": 2, "seconds": 0.0}
     assert stp.invokes_lemma(c, {"c": [uses]}, 2)
     # only a proof of this iteration counts; no proof (s = 0) and the empty lemma: False, no error
     assert not stp.invokes_lemma(c, {"c": [uses]}, 3)
     assert not stp.invokes_lemma(c, {"c": []}, 2)
     assert not stp.invokes_lemma(c, {}, 2)
-    assert not stp.invokes_lemma(c._replace(lemma=""), {"c": [uses]}, 2)
+    assert not stp.invokes_lemma(c._replace(seed=c.seed._replace(lemma="")), {"c": [uses]}, 2)
     # choose_lemmas: the invoking one keeps its lemma and comes first; the others show the empty lemma
     d = c._replace(id="d")
     band = [stp.Candidate(d, "sq_nonneg", 0.0), stp.Candidate(c, "sq_nonneg", 0.125)]
@@ -926,7 +948,9 @@ def test_invokes_lemma_and_choose_lemmas():
 
 def test_keep_elegant_groups_by_the_shown_lemma():
     def candidate(i, length, lemma):
-        return stp.Candidate(stp.Conjecture(f"c{i}", "", "s" * length, "easy", lemma), lemma, 0.125)
+        return stp.Candidate(
+            made_conjecture(f"c{i}", "", "s" * length, "easy", lemma), lemma, 0.125
+        )
 
     # group '': statements of 10..50 characters with a 10-character proof -> ratios 1, 0.5, 0.33, 0.25, 0.2;
     # int(5 * 0.2) = 1 -> cutoff 0.25: c4 (0.2) dropped; group 'l': one member (ratio 0.1), kept whole; c5 has no
