@@ -737,6 +737,14 @@ def band_rejection(p: float, band: tuple[float, float]) -> str:
     return ""
 
 
+def task_rejection(record: dict, args: Args) -> str:
+    """A valid proposal's rejection by a rule of its own, before novelty and before its pass
+    rate is paid for: "" (official: every valid proposal goes on), else the reason (a new
+    filter, e.g. on record["outputs"]; teacher_reward pays it reward_rejected and
+    teacher_metrics counts it as charts/rejected_<reason>)."""
+    return ""
+
+
 def banded_reward(
     p: float, mu: float, kappa: float, band: tuple[float, float], outside: float = -0.5
 ) -> float:
@@ -754,23 +762,27 @@ def banded_reward(
 
 
 def teacher_reward(record: dict, stage: str, args: Args) -> float:
-    """The teacher's reward of one proposal (Sec. 3.3.1), from its propose record, by its fate
-    (record["reason"]): reward_similar when the novelty filter rejected it (against the buffer
-    before p is estimated, or against this step's accepted tasks after); reward_format_error
-    when it is malformed (no "pass_rate" p: it did not parse, run or pass code_exec's checks);
-    else banded_reward of its pass rate p, with reward_rejected outside the stage's band.
-    Edges: p = 0 or 1 is reward_rejected unless the band holds it, then Eq. 6's 0 (for mu
-    strictly inside (0, 1)); AZR's reward (stage azr) is 0 at both. propose stores it as the
-    record's "reward" and as its Example's reward. A reward term reads the record: every one
-    has "stage", "attempt", "reason", "tokens"; a valid one (parsed and checked) its "program",
-    "inputs", "outputs", "message" and "max_similarity" to the buffer (-1 while it is empty); one
-    whose p was estimated its "pass_rate"."""
+    """The teacher's reward of one proposal (Sec. 3.3.1), from its propose record, by its fate:
+    reward_format_error when it is not "valid" (it did not parse, run or pass code_exec's
+    checks); reward_similar when the novelty filter rejected it (against the buffer before p is
+    estimated, or against this step's accepted tasks after); banded_reward of its pass rate p
+    when the band decided its fate (accepted, "too_easy", "too_hard"), reward_rejected outside
+    the stage's band; reward_rejected when another rule rejected it (task_rejection). Edges:
+    p = 0 or 1 is reward_rejected unless the band holds it, then Eq. 6's 0 (for mu strictly
+    inside (0, 1)); AZR's reward (stage azr) is 0 at both. propose stores it as the record's
+    "reward" and as its Example's reward. A reward term reads the record: every one has
+    "stage", "attempt", "reason", "valid", "tokens", and "program", "inputs" and "message" once
+    it parsed ("outputs" [] where code_exec's checks failed); a valid one its "outputs" and
+    "max_similarity" to the buffer (None while there is nothing to compare with); one whose p
+    was estimated its "pass_rate"."""
     reason = record["reason"]
-    p = record.get("pass_rate")
+    if not record["valid"]:
+        return args.reward_format_error
     if reason == "similar":
         return args.reward_similar
-    if p is None:
-        return args.reward_format_error
+    if reason not in ("", "too_easy", "too_hard"):
+        return args.reward_rejected
+    p = record["pass_rate"]
     mu, kappa, band = teacher_reward_spec(args, stage)
     return banded_reward(p, mu=mu, kappa=kappa, band=band, outside=args.reward_rejected)
 
@@ -783,7 +795,7 @@ STUDENT_KINDS = ("induction", "deduction", "abduction")
 
 
 # ---- novelty (Sec. 3.3.1): a measure's features of a text, and their similarity ----
-def embed_texts(texts: list[str], embedder) -> list[torch.Tensor]:
+def embed_texts(texts: list[str], embedder, args: Args | None = None) -> list[torch.Tensor]:
     """The embedding measure's features: each text's unit vector [d] (load_embedder), a copy (not
     a view of the batch), so that it crosses ranks alone."""
     if embedder is None:
@@ -800,7 +812,7 @@ def cosine_similarity(new: list[torch.Tensor], old: list[torch.Tensor]) -> torch
     return torch.stack(new) @ torch.stack(old).T
 
 
-def keyword_sets(texts: list[str], embedder=None) -> list[frozenset]:
+def keyword_sets(texts: list[str], embedder=None, args: Args | None = None) -> list[frozenset]:
     """The keyword measure's features: each text's set of lower-case words (runs of letters,
     digits and _). It needs no embedder."""
     return [frozenset(re.findall(r"\w+", text.lower())) for text in texts]
@@ -825,7 +837,7 @@ def jaccard_similarity(new: list[frozenset], old: list[frozenset]) -> torch.Tens
 class Measure(NamedTuple):
     """A novelty measure (--similarity): what it keeps of a text, and how two of those compare."""
 
-    features: object  # (texts, embedder) -> a feature a text
+    features: object  # (texts, embedder, args) -> a feature a text
     similarity: object  # (N features, M features), both non-empty -> [N, M] similarities
     uses_embedder: bool  # load_models loads --embedding-model for it (else the embedder is None)
     threshold: float  # too_similar's default on this measure's scale (--similarity-threshold)
@@ -852,35 +864,40 @@ def similarity_measure(name: str) -> Measure:
     return SIMILARITIES[name]
 
 
-def too_similar(similarity: float, args: Args) -> bool:
+def too_similar(similarity: float | None, args: Args) -> bool:
     """The novelty filter's rule (Sec. 3.3.1): a proposal whose max_similarity is above the
-    threshold is rejected as similar; equal passes. The threshold: --similarity-threshold, or
-    where unset the --similarity measure's own (its Measure's threshold)."""
+    threshold is rejected as similar; equal passes; None (nothing to compare with) passes. The
+    threshold: --similarity-threshold, or where unset the --similarity measure's own (its
+    Measure's threshold)."""
+    if similarity is None:
+        return False
     threshold = args.similarity_threshold
     if threshold is None:
         threshold = similarity_measure(args.similarity).threshold
     return similarity > threshold
 
 
-def similarity_features(pairs: list[tuple[str, str]], embedder, similarity: str) -> list[tuple]:
-    """(question text, code) pairs -> (text feature, code feature) pairs of the measure named
-    `similarity` (embedder None where it uses none). propose stores them on each valid proposal
-    as "features"; max_similarity and buffer_dissimilarity compare them."""
-    measure = similarity_measure(similarity)
-    texts = measure.features([text for text, _ in pairs], embedder)
-    codes = measure.features([code for _, code in pairs], embedder)
+def similarity_features(pairs: list[tuple[str, str]], embedder, args: Args) -> list[tuple]:
+    """(question text, code) pairs -> (text feature, code feature) pairs of --similarity's
+    measure (embedder None where it uses none; a measure reads its own hyper-parameters from
+    args). propose stores them on each valid proposal as "features"; max_similarity and
+    buffer_dissimilarity compare them."""
+    measure = similarity_measure(args.similarity)
+    texts = measure.features([text for text, _ in pairs], embedder, args)
+    codes = measure.features([code for _, code in pairs], embedder, args)
     return list(zip(texts, codes))
 
 
-def max_similarity(records: list[dict], tasks: list[dict], similarity: str) -> list[float]:
+def max_similarity(records: list[dict], tasks: list[dict], similarity: str) -> list[float | None]:
     """Per record, the largest similarity (the measure named `similarity`) of its question text
-    or code to an accepted task's (Sec. 3.3.1), each holding "features"; -1 where there is none
-    to compare with (no tasks); its own source left out [RECON]: a lift is a variant of its
-    lemma by design (~0.96 cosine). Read by propose's novelty filter (too_similar)."""
+    or code to an accepted task's (Sec. 3.3.1), each holding "features"; None where there is
+    none to compare with (no tasks, or its own source alone); its own source left out [RECON]: a
+    lift is a variant of its lemma by design (~0.96 cosine). Read by propose's novelty filter
+    (too_similar)."""
     if not records:
         return []
     if not tasks:
-        return [-1.0] * len(records)
+        return [None] * len(records)
     measure = similarity_measure(similarity)
     parts = []
     for position in (0, 1):  # the question text, the code
@@ -891,8 +908,13 @@ def max_similarity(records: list[dict], tasks: list[dict], similarity: str) -> l
     own = []
     for record in records:
         own.append([task.get("uid") == record["source"] for task in tasks])
-    both = torch.maximum(text, code).masked_fill(torch.tensor(own), -1.0)
-    return both.max(dim=1).values.tolist()
+    both = torch.maximum(text, code).masked_fill(torch.tensor(own), float("-inf"))
+    largest = []
+    for value in both.max(dim=1).values.tolist():
+        if value == float("-inf"):
+            value = None
+        largest.append(value)
+    return largest
 
 
 def buffer_dissimilarity(new: list, old: list, similarity: str) -> float | None:
@@ -1197,15 +1219,17 @@ def propose(
 ) -> tuple[list[dict], list[Example], list[dict]]:
     """A teacher step with rejection sampling (Sec. 3.3.1). Takes `sources`, a (goalpost, or a
     lift's lemma; axis) pair a slot, the buffer of accepted tasks and `tag` (the step's key).
-    Each slot gets up to max_attempts proposals until one is accepted: valid (code_exec's
-    checks), novel (its max_similarity, by --similarity's measure, to the buffer and to this
-    step's accepted tasks not too_similar) and solved at a pass rate p
-    (estimate_pass_rates) in the stage's band (both ends included). Every proposal is rewarded
-    by teacher_reward. Returns (accepted tasks, which also join `buffer`: the lift step's
-    sources and the solve phase's tasks; an Example a proposal, its source the record, for
-    update; the records: a proposal each with its "features", "reason" ("" when accepted, else
-    why not), "pass_rate" and "reward", for teacher_metrics and proposals.jsonl). `embedder`:
-    None unless --similarity embedding."""
+    With --rejection-sampling (and a stage other than azr), each slot gets up to max_attempts
+    proposals until one is accepted: valid (code_exec's checks), not rejected by task_rejection,
+    novel (its max_similarity, by --similarity's measure, to the buffer and to this step's
+    accepted tasks not too_similar) and solved at a pass rate p (estimate_pass_rates) in the
+    stage's band (band_rejection); otherwise one proposal a slot, accepted when valid (no
+    novelty filter). Every proposal is rewarded by teacher_reward, and a stage's proposals in a
+    step share one TRR++ group, ("induction", stage). Returns (accepted tasks, which also join
+    `buffer`: the lift step's sources and the solve phase's tasks; an Example a proposal, its
+    source the record, for update; the records: a proposal each with its "features", "reason"
+    ("" when accepted, else why not), "pass_rate" and "reward", for teacher_metrics and
+    proposals.jsonl). `embedder`: None unless --similarity embedding."""
     prompts = []
     slots = []
     for source, axis in sources:
@@ -1244,6 +1268,7 @@ def propose(
                 "attempt": attempt,
                 "stage": stage,
                 "reason": reason,  # "" while it may be accepted, else why not
+                "valid": not reason,  # parsed, ran and passed code_exec's checks
                 "tokens": replies.tokens,
             }
             record.update(slots[slot])
@@ -1252,7 +1277,9 @@ def propose(
             else:  # a failed reading keeps the start of the raw text
                 record["text"] = proposal.text[:2000]
             drafts.append((record, proposal))
-        valid = [record for record, _ in drafts if not record["reason"]]
+        valid = [record for record, _ in drafts if record["valid"]]
+        for record in valid:
+            record["reason"] = task_rejection(record, args)
 
         # novelty: Sec. 3.3.1's "question text", as the student sees it (the description and the
         # public examples [RECON]), and "generated code", as --similarity's features
@@ -1261,16 +1288,16 @@ def propose(
             for record in valid:
                 shown = render_examples(record["inputs"][: args.num_public], record["outputs"])
                 pairs.append((record["message"] + "\n" + shown, record["program"]))
-            featurize = functools.partial(
-                similarity_features, embedder=embedder, similarity=args.similarity
-            )
+            featurize = functools.partial(similarity_features, embedder=embedder, args=args)
             for record, features in zip(valid, map_sharded(featurize, pairs, dist)):
                 record["features"] = features  # (question text's, code's)
-        # novelty against the buffer, before paying for p (-1 while the buffer is empty)
+        # novelty against the buffer, before paying for p (None while nothing to compare)
         if valid:
             similarities = max_similarity(valid, buffer, args.similarity)
             for record, similarity in zip(valid, similarities):
                 record["max_similarity"] = similarity
+                if record["reason"]:
+                    continue
                 if novelty and too_similar(similarity, args):
                     record["reason"] = "similar"
 
@@ -1577,13 +1604,12 @@ def teacher_metrics(records: list[dict], earlier: list[dict], similarity: str) -
     for reason, count in reasons.items():
         if reason:
             metrics[f"charts/rejected_{reason}"] = float(count)
-    valid_reasons = ("", "too_easy", "too_hard", "similar")
     for stage in sorted({record["stage"] for record in records}):
         of_stage = [record for record in records if record["stage"] == stage]
         rates = [r["pass_rate"] for r in of_stage if "pass_rate" in r]
         kept = [r["pass_rate"] for r in of_stage if r["accepted"]]
         rewards = [r["reward"] for r in of_stage]
-        valid = [r["reason"] in valid_reasons for r in of_stage]
+        valid = [r["valid"] for r in of_stage]
         metrics[f"charts/{stage}_proposals"] = float(len(of_stage))
         metrics[f"charts/{stage}_accepted"] = float(len(kept))
         metrics[f"charts/{stage}_reward"] = float(np.mean(rewards))

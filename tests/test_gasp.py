@@ -148,8 +148,10 @@ def test_teacher_reward_by_fate_and_its_edges():
     # distinct penalties, so that each fate shows which one it got
     args = Args(reward_format_error=-1.0, reward_rejected=-0.3, reward_similar=-0.2)
 
-    def reward(reason, p, stage="lemma", given=args):
-        record = {"reason": reason}
+    def reward(reason, p, stage="lemma", given=args, valid=None):
+        if valid is None:
+            valid = reason in ("", "too_easy", "too_hard", "similar", "trivial")
+        record = {"reason": reason, "valid": valid}
         if p is not None:
             record["pass_rate"] = p
         return gasp.teacher_reward(record, stage=stage, args=given)
@@ -157,6 +159,9 @@ def test_teacher_reward_by_fate_and_its_edges():
     # p None: malformed (never ran) -> the format penalty; rejected as similar -> its own, before any p
     assert reward("no_code", None) == -1.0 and reward("truncated", None, "lift") == -1.0
     assert reward("similar", None) == -0.2 and reward("similar", 0.5) == -0.2
+    # a valid proposal another rule rejected (task_rejection), before or after its p: rejected,
+    # never Eq. 6 and never the format penalty
+    assert reward("trivial", None) == -0.3 and reward("trivial", 0.5) == -0.3
     # p = 0 and p = 1 lie outside the lemma band [0.3, 0.7] and the lift band [0.1, 0.5]
     assert [reward("", 0.0), reward("", 1.0)] == [-0.3, -0.3]
     assert [reward("", 0.0, "lift"), reward("", 1.0, "lift")] == [-0.3, -0.3]
@@ -226,7 +231,7 @@ def test_similarity_edges():
     record = {"features": (vector, vector), "source": "g"}
     for measure in gasp.SIMILARITIES:
         assert gasp.max_similarity([], [record], measure) == []
-        assert gasp.max_similarity([record, record], [], measure) == [-1.0, -1.0]
+        assert gasp.max_similarity([record, record], [], measure) == [None, None]
         assert gasp.buffer_dissimilarity([], [vector], measure) is None
         assert gasp.buffer_dissimilarity([vector], [], measure) is None
 
@@ -239,14 +244,15 @@ def test_similarity_flag_is_dispatched_in_one_table():
         ValueError, match="--similarity bm25_in_test: add its entry to SIMILARITIES"
     ):
         gasp.similarity_measure("bm25_in_test")
+    # a Literal value without a row stops at start
     with pytest.raises(ValueError, match="add its entry to SIMILARITIES"):
-        gasp.check_choices(
-            Args(similarity="bm25_in_test")
-        )  # a Literal value without a row stops at start
+        gasp.check_choices(Args(similarity="bm25_in_test"))
     assert gasp.similarity_measure("keyword").uses_embedder is False
     # the embedding measure says what it lacks instead of calling None
     with pytest.raises(ValueError, match="load_embedder"):
-        gasp.similarity_features([("text", "code")], embedder=None, similarity="embedding")
+        gasp.similarity_features(
+            [("text", "code")], embedder=None, args=Args(similarity="embedding")
+        )
 
 
 def test_teacher_metrics_measure_the_buffer_with_the_filter_measure():
@@ -255,6 +261,7 @@ def test_teacher_metrics_measure_the_buffer_with_the_filter_measure():
     valid = {
         "stage": "lemma",
         "reason": "too_easy",
+        "valid": True,
         "accepted": False,
         "reward": -0.5,
         "tokens": 3,
@@ -265,6 +272,7 @@ def test_teacher_metrics_measure_the_buffer_with_the_filter_measure():
     malformed = {
         "stage": "lemma",
         "reason": "no_code",
+        "valid": False,
         "accepted": False,
         "reward": -1.0,
         "tokens": 2,
@@ -292,7 +300,7 @@ def test_a_lift_is_not_compared_with_its_own_lemma():
     }  # cos(e0, .) = 0.75
     lift = {"source": "L1", "features": (e[0], e[0])}  # identical to its lemma
     assert gasp.max_similarity([lift], [lemma, other], "embedding") == pytest.approx([0.75])
-    assert gasp.max_similarity([lift], [lemma], "embedding") == [-1.0]  # nothing else
+    assert gasp.max_similarity([lift], [lemma], "embedding") == [None]  # nothing else
     assert gasp.max_similarity(
         [dict(lift, source="L2")], [lemma, other], "embedding"
     ) == pytest.approx([1.0])
