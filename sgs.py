@@ -2018,8 +2018,9 @@ def sample(sampler, prompts: list[str], n: int, key, dist=None, calls=1, **param
 def token_logprobs(policy, samples: list[Sample], temperature=1.0, top_p=1.0, with_entropy=False,
                    entropy_grad=False, chunk=512):  # fmt: skip
     """(logp, mask, entropy), [B, T]: each completion token's log-prob at the sampling temperature
-    and top-p (0 at padding), and entropy (None unless with_entropy). The head runs in the forward
-    on completion positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
+    and top-p (0 at padding), and entropy (None unless with_entropy; detached, so that a loss term
+    on it trains nothing, unless entropy_grad). The head runs in the forward on completion
+    positions, `chunk` at a time in fp32, again in backward: no [B, T, V] logits."""
     prompt_width = max(len(s.prompt_ids) for s in samples)  # P
     width = max(max(len(s.token_ids) for s in samples), 1)  # T
     rows = []
