@@ -26,7 +26,7 @@ rates each by its reward against its group's (`grpo_advantages`), with no critic
      (those of this iteration's step 4 reach V in the next step 3 that runs: with co-training,
      the next iteration's; otherwise they are only logged and checkpointed);
   4. prover: GRPO on whole proofs (`grpo_round`; `grpo_examples`, its batch filter `in_batch`;
-     `update`, which runs what `trains_on` keeps): reward `proof_reward`, no KL penalty, DAPO's
+     `update`, which runs what `adds_gradient` keeps): reward `proof_reward`, no KL penalty, DAPO's
      clip-higher (`clip_higher_loss`: PPO's clip of the ratio pi / pi_old, pi_old the policy
      that sampled, wider above 1 than below) on the "frontier" statements: those the prover
      proves sometimes but not always (`frontier_filter`, once before the first iteration);
@@ -1296,7 +1296,7 @@ def in_batch(example: Example, args: Args) -> bool:
     return True
 
 
-def trains_on(example: Example, args: Args) -> bool:
+def adds_gradient(example: Example, args: Args) -> bool:
     """Whether update runs an in-batch GRPO sample through the policy (official): a non-zero
     advantage (all-equal rewards give 0 and no gradient; no dynamic sampling) and tokens to
     train on. A sample it skips adds no gradient, but its tokens still count in the loss's
@@ -1327,20 +1327,20 @@ def update(
     """Step 4, GRPO on one rollout batch's Examples (grpo_examples; official, no KL, no entropy
     bonus): grpo_minibatches optimizer steps over them in order (lr None: the optimizer's), each
     clip_higher_loss with the sampler's log-probs as pi_old over its minibatch's tokens
-    (n_tokens). Of a minibatch, the Examples trains_on keeps run; the others (advantage 0) add no
+    (n_tokens). Of a minibatch, the Examples adds_gradient keeps run; the others (advantage 0) add no
     gradient, but their tokens count in n_tokens (official). Returns loss_metrics' losses/grpo_*
     (clipfrac: the share of the trained samples' tokens the clip held back) and
     losses/grpo_steps; {} when nothing trained."""
     if not examples:  # every rollout left out: nothing to train
         return {}
     size = math.ceil(len(examples) / args.grpo_minibatches)
-    stats = []
+    history = []
     for first in range(0, len(examples), size):
         minibatch = examples[first : first + size]
         n_tokens = sum(len(example.sample.token_ids) for example in minibatch)
         to_train = []
         for example in minibatch:
-            if trains_on(example, args):
+            if adds_gradient(example, args):
                 to_train.append(example)
         if not to_train:
             continue
@@ -1378,11 +1378,11 @@ def update(
             length=example_length,
             lr=lr,
         )
-        stats.append(step_stats)
-    if not stats:
+        history.append(step_stats)
+    if not history:
         return {}
-    metrics = loss_metrics(stats, prefix="grpo_")
-    metrics["losses/grpo_steps"] = float(len(stats))
+    metrics = loss_metrics(history, prefix="grpo_")
+    metrics["losses/grpo_steps"] = float(len(history))
     return metrics
 
 
@@ -1404,7 +1404,7 @@ def grpo_round(
     a schedule over all iterations x grpo_steps_per_round batches, and syncs the new weights
     into the sampler, so the next batch samples from them. Returns each step's update stats,
     the rollouts (every one: grpo_metrics, `outcomes`), the labels (V trains on them in the
-    next step 3 that runs) and the number of rollouts the updates trained on (trains_on:
+    next step 3 that runs) and the number of rollouts the updates trained on (adds_gradient:
     `trained`)."""
     stats, attempts, labels = [], [], []
     trained = 0
@@ -1435,7 +1435,7 @@ def grpo_round(
         examples = grpo_examples(groups, args)
         stats.append(update(policy, optimizer, examples, lr=lr, args=args, dist=dist))
         sampler.sync_weights(policy)
-        to_train = [example for example in examples if trains_on(example, args)]
+        to_train = [example for example in examples if adds_gradient(example, args)]
         trained += len(to_train)
         for row in groups:
             attempts.extend(row)
@@ -1578,7 +1578,7 @@ def evaluate(
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
     """A run's last line when GRPO's updates trained on no rollout (`trained`, the rollouts
-    trains_on kept: none had a non-zero advantage, or in_batch left those out), and why; None
+    adds_gradient kept: none had a non-zero advantage, or in_batch left those out), and why; None
     when they trained on one, or there was no rollout. outcomes: this run's rollouts by Lean's
     verdict. Lean accepted none (the CPU default on the embedded model): every official
     proof_reward was 0, so no group's rewards differed; else the line names both causes."""
@@ -1598,7 +1598,7 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
         return (
             f"coprover.py: GRPO trained on no rollout ({', '.join(verdicts)}): Lean accepted "
             f"{outcomes['valid']} proof(s), but in every group the proof_rewards were equal "
-            "(advantage 0: trains_on) or in_batch left the rollouts out, so the prover was never "
+            "(advantage 0: adds_gradient) or in_batch left the rollouts out, so the prover was never "
             "updated"
         )
     return (

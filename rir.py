@@ -1322,26 +1322,26 @@ def evaluate(
     return search_metrics(results, "eval/search", seconds=time.monotonic() - start)
 
 
-def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
+def nothing_learned(searched: collections.Counter, trained: int, args: Args) -> str | None:
     """The run's last line when self-play added no triple (`trained`, this run's new triples)
     although it searched: why. None when a triple was added or nothing was searched. When
     searches proved theorems, their steps did not train (trains_on rejected them, or D_t had
-    each step); else (the CPU default on the embedded model) what the tactics did. outcomes:
+    each step); else (the CPU default on the embedded model) what the tactics did. searched:
     this run's searches, as record_searches counts them; args: unused here (the signature every
     file's nothing_learned has)."""
-    if outcomes["searches"] == 0 or trained > 0:
+    if searched["searches"] == 0 or trained > 0:
         return None
-    searches = outcomes["searches"]
-    proved = outcomes["proved"]
+    searches = searched["searches"]
+    proved = searched["proved"]
     if proved > 0:
         return (
             f"The run's {searches} searches proved {proved} theorem(s), but self-play added no "
             "triple to D_t (self-play searches in every iteration but the last; trains_on may "
             "have rejected every proof, or D_t had each of their steps)."
         )
-    expansions = outcomes["expansions"]
-    edges = outcomes["edges"]
-    failed = outcomes["failed_edges"]
+    expansions = searched["expansions"]
+    edges = searched["edges"]
+    failed = searched["failed_edges"]
     return (
         f"No theorem proved in the run's {searches} searches ({expansions} expansions): of the "
         f"{edges} tactics tried, {failed} failed in Lean or were malformed, {edges - failed} left "
@@ -1423,7 +1423,7 @@ def main(args: Args) -> None:
         if found is not None:
             start, state = found
     sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
-    outcomes = collections.Counter()  # this run's searches (record_searches)
+    searched = collections.Counter()  # this run's searches (record_searches)
     trained = 0  # the triples self-play added in this run
 
     for iteration in range(start, args.iterations):
@@ -1467,7 +1467,7 @@ def main(args: Args) -> None:
             metrics.update(search_metrics(results, "selfplay", seconds=search_seconds))
             metrics["selfplay/new_triples"] = float(len(new))
             metrics["charts/proved_ever"] = float(len(state["proved"]))
-            record_searches(run_dir, results, "selfplay", step=step, searched=outcomes, dist=dist)
+            record_searches(run_dir, results, "selfplay", step=step, searched=searched, dist=dist)
 
         # 4. Evaluate: pass@1 under the budget (after the last iteration by default)
         last = step == args.iterations
@@ -1480,7 +1480,7 @@ def main(args: Args) -> None:
                     key=f"{args.seed}/{iteration}/eval",
                     run_dir=run_dir,
                     step=step,
-                    searched=outcomes,
+                    searched=searched,
                     args=args,
                     dist=dist,
                 )
@@ -1500,12 +1500,12 @@ def main(args: Args) -> None:
             key=f"{args.seed}/eval",
             run_dir=run_dir,
             step=args.iterations,
-            searched=outcomes,
+            searched=searched,
             args=args,
             dist=dist,
         )
         logger.log(stats, step=args.iterations)
-    line = nothing_learned(outcomes, trained, args)
+    line = nothing_learned(searched, trained, args)
     if dist.is_main and line:
         print(line)
     verifier.close()

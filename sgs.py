@@ -7,7 +7,7 @@ this file copies none of it).
 Method. One base model (DeepSeek-Prover-V2-7B) plays three roles (§3):
 - the Solver writes whole Lean 4 proofs;
 - the Conjecturer (trained, with its own weights) writes a conjecture, a simpler related
-  statement, for each seed (conjecture_seeds: each target the Solver never solved);
+  statement, for each seed (select_seeds: each target the Solver never solved);
 - the Guide, a frozen copy fine-tuned to grade conjectures, scores a conjecture's relevance
   to its target, its redundant premises and its tangled conclusion: R_guide (Eq. 3,
   guide_rewards).
@@ -21,7 +21,7 @@ a (low, high) pair of solve rates that a rule keeps, each end's inclusion stated
 flag (in_band).
 
 Each iteration (Algorithm 1), under the same numbers in main:
-  1. Conjecture (conjecture): conjectures_per_target conjectures for each seed (conjecture_seeds).
+  1. Conjecture (conjecture): conjectures_per_target conjectures for each seed (select_seeds).
   2. Solve (attempt_proofs): k Solver attempts at every target and every conjecture,
      each checked by Lean.
   3. The Solver's training set (solver_examples), by --solver-objective (SOLVER_OBJECTIVES):
@@ -199,7 +199,7 @@ class Args:
     proofs_per_problem: int = 8
     """k: Solver attempts per target and per conjecture (§4.1)"""
     conjectures_per_target: int = 1
-    """conjectures sampled per seed (conjecture_seeds; Table 1)"""
+    """conjectures sampled per seed (select_seeds; Table 1)"""
     # App. C: temperature 1 and top-p 1 for every role, Adam betas (0.9, 0.95), gradient
     # clipping 1.0, constant lr
     temperature: float = 1.0
@@ -726,7 +726,7 @@ def is_disjunctive(conclusion: str) -> bool:
     return "∨" in conclusion or "\\/" in conclusion
 
 
-def conjecture_seeds(
+def select_seeds(
     targets: list[Problem],
     proofs: dict[str, list[dict]],
     rates: dict[str, float],
@@ -878,7 +878,7 @@ def store_target_proofs(
     """Step 2's bookkeeping: stores in proofs {target id: [proof dict]} up to `cap` distinct
     verified proofs of each target, each dict the proof, its iteration, its tokens and
     Lean's seconds on it (official; the seconds are ours; a target with one is solved); none of
-    a conjecture (it has no entry in proofs). Read by step 1 (conjecture_seeds: targets with
+    a conjecture (it has no entry in proofs). Read by step 1 (select_seeds: targets with
     none), EI's examples, solve_metrics and the checkpoint."""
     for pid, row in attempts.items():
         if pid not in proofs:
@@ -1283,13 +1283,13 @@ def update(
     optimizer.state.clear()
     stats = []
     batches = optimizer_batches(examples, args)
-    for i, batch in enumerate(batches):
+    for optimizer_step, batch in enumerate(batches):
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
             return batch_loss(policy, micro, batch, args), {}
 
-        step_lr = lr_at(
-            step=i,
+        lr_now = lr_at(
+            step=optimizer_step,
             total=len(batches),
             peak=lr,
             warmup=args.warmup_steps,
@@ -1304,7 +1304,7 @@ def update(
             max_grad_norm=args.max_grad_norm,
             dist=dist,
             length=example_length,
-            lr=step_lr,
+            lr=lr_now,
         )
         stats.append(step_stats)
     return {
@@ -1487,11 +1487,11 @@ def main(args: Args) -> None:
         metrics = {}
         rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 
-        # 1. Conjecture: statements for each seed (conjecture_seeds)
+        # 1. Conjecture: statements for each seed (select_seeds)
         conjectures = []
         if roles.use_conjecturer:
             with logger.timer("conjecture"):
-                seeds = conjecture_seeds(targets, proofs, state["rates"], args)
+                seeds = select_seeds(targets, proofs, state["rates"], args)
                 sampler.sync_weights(conjecturer)
                 conjectures, stats = conjecture(
                     sampler,

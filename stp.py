@@ -1360,7 +1360,13 @@ def check_choices(args: Args) -> None:
     """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
     this file has no entry for: each lookup runs once (matching_features: MATCHING_FEATURES)
     and raises a ValueError naming what to add; and on --elegance-quantile outside [0, 1)
-    (elegance_filter indexes by it). main calls it first. (--lr-schedule stops in start_run.)"""
+    (elegance_filter indexes by it); and on flags that cannot run together (the two
+    baselines, as sgs.py's resolve stops its own). main calls it first. (--lr-schedule stops in
+    start_run.)"""
+    if args.expert_iteration and args.pure_sampling:
+        sys.exit(
+            "stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one"
+        )
     matching_features(args)
     if not 0.0 <= args.elegance_quantile < 1.0:
         raise ValueError(
@@ -1405,11 +1411,7 @@ def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
 
 
 def main(args: Args) -> None:
-    if args.expert_iteration and args.pure_sampling:
-        sys.exit(
-            "stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one"
-        )
-    check_choices(args)  # a flag value without its table entry stops here
+    check_choices(args)  # flags that cannot run together, or a value without its entry, stop here
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     baseline = args.expert_iteration or args.pure_sampling
     verifier = start_lean(args, dist)

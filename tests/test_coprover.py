@@ -307,7 +307,7 @@ def overlong_filter(example, args):
 
 def test_the_batch_filter_and_the_zero_advantage_skip_by_hand(monkeypatch):
     """Dr. GRPO advantages: group (1, 0) of a (2 tokens) and b (3 tokens, cut off): A = +0.5,
-    -0.5; group (1, 1) of c, d (4 tokens each): A = 0, skipped by trains_on, but their tokens
+    -0.5; group (1, 1) of c, d (4 tokens each): A = 0, skipped by adds_gradient, but their tokens
     count in n_tokens (official): loss = -(0.5 * 2 - 0.5 * 3) / (2 + 3 + 4 + 4) = 0.5 / 13. An
     overlong filter in in_batch (a fork: the rule alone) leaves b out of the batch: a keeps
     its advantage (the group counts every rollout), b counts nowhere:
@@ -323,7 +323,7 @@ def test_the_batch_filter_and_the_zero_advantage_skip_by_hand(monkeypatch):
     examples = cp.grpo_examples(groups, a)
     assert [e.weight for e in examples] == pytest.approx([0.5, -0.5, 0.0, 0.0])
     assert [e.source for e in examples] == groups[0] + groups[1]
-    assert [cp.trains_on(e, a) for e in examples] == [True, True, False, False]
+    assert [cp.adds_gradient(e, a) for e in examples] == [True, True, False, False]
     stats = cp.update(policy, optimizer, examples, lr=None, args=a, dist=CPU)
     assert stats["losses/grpo_loss"] == pytest.approx(0.5 / 13)
     monkeypatch.setattr(cp, "in_batch", overlong_filter)
@@ -348,7 +348,7 @@ class Asleep:
 
 
 def test_trained_counts_the_rollouts_the_update_ran(monkeypatch):
-    """grpo_round's count (main's `trained`) is the rollouts update ran (trains_on), not Lean's
+    """grpo_round's count (main's `trained`) is the rollouts update ran (adds_gradient), not Lean's
     accepted proofs: of p's group (1, 0, 0, 0) all 4 train, of q's (1, 1, 1, 1) none, though 5
     proofs were accepted; a reward fork paying every proof 0 trains none. The sampler wakes
     with the policy's weights first, sleeps for each update and gets its weights after it."""

@@ -679,7 +679,7 @@ def test_conjecture_dedups_and_logs_the_disjunctive_share():
 def test_conjecture_seeds_are_the_never_solved_targets():
     targets = [problem(p) for p in "abc"]
     proofs = {"a": [], "b": [{"proof": "p"}], "c": []}
-    assert [t.id for t in sgs.conjecture_seeds(targets, proofs, {}, args())] == ["a", "c"]
+    assert [t.id for t in sgs.select_seeds(targets, proofs, {}, args())] == ["a", "c"]
 
 
 def test_statement_key_ignores_spaces_and_newlines():
