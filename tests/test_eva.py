@@ -1357,6 +1357,7 @@ def test_ablations_change_what_they_name(monkeypatch, tiny_model_dir, tmp_path, 
     monkeypatch.setattr(eva, "update", spy_update)
     for name in ("dpo_loss", "sppo_loss", "orpo_loss", "rloo_loss"):
         monkeypatch.setattr(eva, name, counted(name))
+    monkeypatch.setitem(eva.ROLLOUT_LOSSES, "rloo", eva.rloo_loss)  # the table holds the function
     run_dir = run_in_process(
         monkeypatch,
         tmp_path,
