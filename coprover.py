@@ -2474,7 +2474,8 @@ def load_checkpoint(run_dir, models: dict, dist: Dist):
 
 class Logger:
     """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
-    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>;
+    logger.times holds them until log() writes and resets them (a phase's wall time so far)."""
 
     def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
         self.run_dir = pathlib.Path(run_dir)

@@ -412,6 +412,7 @@ def co_training_loss(
     roles: torch.Tensor,
     denominators: list[float],
     weights: torch.Tensor | None = None,
+    args: Args | None = None,
 ) -> torch.Tensor:
     """L_co, the co-training loss of planner and actor over a batch of N triples (s, y*, s*):
 
@@ -424,7 +425,9 @@ def co_training_loss(
     (its y* sequences); loss_reduction_rule chooses them. A term with denominator 0 (the flat
     baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
     logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
-    roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]."""
+    roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]. args: co_train's,
+    where a new loss term reads its coefficient (unread by L_co; an entropy term also needs
+    co_train's token_logprobs call to return it, with entropy_grad)."""
     per_sequence = (logp * mask).sum(1)  # [B]
     if weights is not None:
         per_sequence = per_sequence * weights
@@ -1154,7 +1157,11 @@ def co_train(
     co_training_loss over its batch (each rank its share). The learning rate follows lr_at, as
     get_cosine_schedule_with_warmup, over the `steps` (official: over 500k, stopped at ~40k):
     every co-training warms up, then decays (a later iteration's warm-up is warmup_steps *
-    steps / train_steps, ours). Returns losses/* stats."""
+    steps / train_steps, ours). Returns the losses/ metrics, each optimizer step's averaged over
+    the steps: loss (the weighted L_co), goal_nll and tactic_nll (the planner's and the actor's
+    unweighted NLL a token), grad_norm and every other stat loss_fn returns (train_step sums a
+    stat over micro-batches and ranks: return a micro-batch's part of the batch's value); and
+    loss_first, loss_last, steps, learning_rate_last."""
     reduction = loss_reduction_rule(args)
     size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
@@ -1184,7 +1191,7 @@ def co_train(
             roles = torch.tensor([example.role for example in examples], device=logp.device)
             weights = logp.new_tensor([example.weight for example in examples])  # [B]
             nll = -(logp.detach() * mask).sum(1)  # [B]
-            loss = co_training_loss(logp, mask, roles, denominators, weights=weights)
+            loss = co_training_loss(logp, mask, roles, denominators, weights=weights, args=args)
             nll_sums = {
                 "goal": nll[roles == 0].sum().item(),
                 "tactic": nll[roles == 1].sum().item(),
@@ -1424,7 +1431,7 @@ def main(args: Args) -> None:
             start, state = found
     sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     searched = collections.Counter()  # this run's searches (record_searches)
-    trained = 0  # the triples self-play added in this run
+    trained = 0  # this run's training signals: the triples self-play added to D_t
 
     for iteration in range(start, args.iterations):
         step = iteration + 1
@@ -2118,7 +2125,8 @@ def load_checkpoint(run_dir, models: dict, dist: Dist):
 
 class Logger:
     """CleanRL-style metrics on rank 0: to metrics.jsonl, the console and (--track) wandb.
-    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>."""
+    `with logger.timer(phase)` adds the phase's seconds to the next log, as time/<phase>;
+    logger.times holds them until log() writes and resets them (a phase's wall time so far)."""
 
     def __init__(self, run_dir, config, dist: Dist, track=False, project="selfplay", entity=None):
         self.run_dir = pathlib.Path(run_dir)
