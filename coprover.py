@@ -235,8 +235,8 @@ class Args:
     value_max_length: int = 512
     """a state's prompt keeps its last this many tokens (official)"""
     freeze_value_backbone: bool = False
-    """train only the head (the official default; the official SFT scripts train the whole
-    LM)"""
+    """train only the head (off by default: the whole LM trains, as the official SFT scripts
+    train it)"""
     value_learning_rate: float = 2e-5
     """peak learning rate of the value model"""
     # over each iteration's value training
@@ -406,11 +406,14 @@ def proof_reward(attempt: Attempt, args: Args) -> float:
     return 0.0
 
 
-def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
+def grpo_advantages(
+    rewards: list[float], args: Args | None = None, eps: float = 1e-6
+) -> list[float]:
     """GRPO's advantage of each of a prompt's samples (slime, grpo_std_normalization):
         A_i = (r_i - mean(r)) / (std(r) + eps),
     the std with Bessel's correction (torch's default; 0 for a single sample). All-equal rewards
-    give 0: no gradient (no dynamic sampling)."""
+    give 0: no gradient (no dynamic sampling). args: unread (an estimator's hyper-parameters
+    come from there)."""
     r = np.asarray(rewards, dtype=np.float64)
     std = 0.0
     if len(r) > 1:
@@ -419,7 +422,7 @@ def grpo_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     return advantages.tolist()
 
 
-def dr_grpo_advantages(rewards: list[float]) -> list[float]:
+def dr_grpo_advantages(rewards: list[float], args: Args | None = None) -> list[float]:
     """Dr. GRPO's advantage (Liu et al. 2025, "Understanding R1-Zero-Like Training"), the group
     mean subtracted and no division by the std:
         A_i = r_i - mean(r).
@@ -434,12 +437,12 @@ ADVANTAGES = {"grpo": grpo_advantages, "dr_grpo": dr_grpo_advantages}
 
 
 def advantage_estimator(args: Args):
-    """--advantage's estimator, `(rewards of a group) -> advantages`, from ADVANTAGES: update
-    reads it, check_choices calls it at start."""
+    """--advantage's estimator, `(rewards of a group, args) -> advantages`, from ADVANTAGES:
+    grpo_examples reads it, check_choices calls it at start."""
     if args.advantage not in ADVANTAGES:
         raise ValueError(
             f"--advantage {args.advantage}: add its entry to ADVANTAGES (a function from a "
-            "group's rewards to their advantages, as grpo_advantages)"
+            "group's rewards and args to their advantages, as grpo_advantages)"
         )
     return ADVANTAGES[args.advantage]
 
@@ -551,9 +554,13 @@ def clip_higher_loss(
     return loss, held_back
 
 
-def squared_error_loss(values: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+def squared_error_loss(
+    values: torch.Tensor, labels: torch.Tensor, args: Args | None = None
+) -> torch.Tensor:
     """The value model's regression loss (official): the squared errors of V(s) against the
-    labels, summed (update_value divides by the batch's labels). values, labels: [B]."""
+    labels, summed, not averaged (update_value divides by the batch's labels). values (V(s),
+    after the head's sigmoid), labels: [B]. args: unread (a loss's hyper-parameters come from
+    there)."""
     return ((values - labels) ** 2).sum()
 
 
@@ -562,8 +569,9 @@ VALUE_LOSSES = {"squared_error": squared_error_loss}
 
 
 def value_loss_rule(args: Args):
-    """--value-loss' loss, `(values [B], labels [B]) -> summed loss`, from VALUE_LOSSES:
-    update_value reads it, check_choices calls it at start."""
+    """--value-loss' loss, `(values [B], labels [B], args) -> the loss summed over the batch`
+    (not its mean: update_value divides by the batch's labels), from VALUE_LOSSES: update_value
+    reads it, check_choices calls it at start."""
     if args.value_loss not in VALUE_LOSSES:
         raise ValueError(
             f"--value-loss {args.value_loss}: add its entry to VALUE_LOSSES (a function of V's "
@@ -973,6 +981,16 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
     )
 
 
+def search_theorems(
+    train_set: list[Problem], state: dict, rng: random.Random, args: Args
+) -> list[Problem]:
+    """Step 1's theorems: search_theorems_per_round of the training statements (all of them
+    when fewer), drawn with the iteration's rng. state: the run's (its "proved": the proofs
+    earlier searches found), where a changed rule reads what it needs."""
+    size = min(args.search_theorems_per_round, len(train_set))
+    return rng.sample(train_set, size)
+
+
 def search(
     sampler, verifier, problems: list[Problem], score, key: str, args: Args, dist: Dist
 ) -> list[SearchResult]:
@@ -1255,7 +1273,7 @@ def update_value(
             texts = [label.state for label in micro]
             values = value_forward(value_model, tokenizer, texts, args=args)
             targets = values.new_tensor([label.value for label in micro])
-            return loss(values, targets) / len(batch), {}
+            return loss(values, targets, args) / len(batch), {}
 
         lr = lr_at(
             optimizer_step,
@@ -1300,7 +1318,8 @@ def adds_gradient(example: Example, args: Args) -> bool:
     """Whether update runs an in-batch GRPO sample through the policy (official): a non-zero
     advantage (all-equal rewards give 0 and no gradient; no dynamic sampling) and tokens to
     train on. A sample it skips adds no gradient, but its tokens still count in the loss's
-    n_tokens (official). The ones it keeps are `trained` and losses/grpo_clipfrac's tokens."""
+    n_tokens (official). The ones it keeps are `trained` and losses/grpo_clipfrac's tokens. A
+    loss term that trains every sample (an entropy bonus) makes this True for all of them."""
     return abs(example.weight) > 1e-8 and bool(example.sample.token_ids)
 
 
@@ -1313,7 +1332,7 @@ def grpo_examples(groups: list[list[Attempt]], args: Args) -> list[Example]:
     examples = []
     for row in groups:
         rewards = [proof_reward(attempt, args) for attempt in row]
-        advantages = estimate(rewards)
+        advantages = estimate(rewards, args)
         for attempt, advantage in zip(row, advantages):
             example = Example(attempt.sample, weight=advantage, source=attempt)
             if in_batch(example, args):
@@ -1399,7 +1418,8 @@ def grpo_round(
     """Step 4: grpo_steps_per_round GRPO steps, rollout batches first_batch on (rollout_prompts).
     First sync_weights: the sampler gets the policy's weights (a vLLM put to sleep by step 3's
     value update wakes). Each step samples and verifies whole proofs (attempt_proofs), labels
-    the states of the accepted ones for the value model (whole_proof_labels), puts the sampler
+    the states of the accepted ones for the value model, and a failed theorem's root 0
+    (whole_proof_labels), puts the sampler
     to sleep, updates the prover on the batch (grpo_examples, update) at lr_at(batch_index) of
     a schedule over all iterations x grpo_steps_per_round batches, and syncs the new weights
     into the sampler, so the next batch samples from them. Returns each step's update stats,
@@ -1580,8 +1600,8 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
     """A run's last line when GRPO's updates trained on no rollout (`trained`, the rollouts
     adds_gradient kept: none had a non-zero advantage, or in_batch left those out), and why; None
     when they trained on one, or there was no rollout. outcomes: this run's rollouts by Lean's
-    verdict. Lean accepted none (the CPU default on the embedded model): every official
-    proof_reward was 0, so no group's rewards differed; else the line names both causes."""
+    verdict. Lean accepted none (the CPU default on the embedded model): no group's
+    proof_rewards differed (all 0, officially); else the line names both causes."""
     if trained or not outcomes:
         return None
     why = {
@@ -1602,8 +1622,9 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
             "updated"
         )
     return (
-        f"coprover.py: every GRPO reward was 0 ({', '.join(verdicts)}): {args.model} wrote no "
-        "proof Lean accepts, so no group's rewards differed and the prover was never updated; "
+        f"coprover.py: Lean accepted no GRPO rollout ({', '.join(verdicts)}): {args.model} wrote "
+        "no proof Lean accepts, so no group's proof_rewards differed and the prover was never "
+        "updated; "
         "tests/test_coprover.py::test_loop_learns_what_the_stand_in_rewards shows this loop "
         "learning, on a model primed to write proofs"
     )
@@ -1717,9 +1738,9 @@ def main(args: Args) -> None:
     models, tokenizers = load_models(args, dist)
     prover, prover_optimizer = models["prover"]
     # the run's state: the labelled states of all iterations, the GRPO rollout batches done, the
-    # frontier, the value trainings done
+    # frontier, the value trainings done, the proofs step 1's searches found {id: tactics}
     start = 0
-    state = {"labels": [], "grpo_step": 0, "frontier": None, "value_rounds": 0}
+    state = {"labels": [], "grpo_step": 0, "frontier": None, "value_rounds": 0, "proved": {}}
     if args.resume:
         found = load_checkpoint(run_dir, models, dist)
         if found is not None:
@@ -1746,7 +1767,7 @@ def main(args: Args) -> None:
         )
 
     outcomes = collections.Counter()  # this run's GRPO rollouts by Lean's verdict
-    searched = collections.Counter()  # this run's step-1 searches (record_searches)
+    searched = collections.Counter()  # this run's searches, step 1's and eval's (record_searches)
     trained = 0  # this run's training signals: the rollouts GRPO's updates ran (grpo_round)
     for iteration in range(start, args.iterations):
         step = iteration + 1  # iterations done
@@ -1757,8 +1778,7 @@ def main(args: Args) -> None:
         with logger.timer("search"):
             guided = args.value_model and state["value_rounds"] > 0
             guide = score if guided else None
-            size = min(args.search_theorems_per_round, len(train_set))
-            theorems = rng.sample(train_set, size)
+            theorems = search_theorems(train_set, state, rng, args)
             key = f"{args.seed}/{iteration}/search"
             results = search(
                 sampler, verifier, theorems, score=guide, key=key, args=args, dist=dist
@@ -1768,6 +1788,9 @@ def main(args: Args) -> None:
         metrics.update(stats)
         metrics["search/value_guided"] = float(guided)
         record_searches(run_dir, results, "search", step=step, searched=searched, dist=dist)
+        for result in results:
+            if result.proved:
+                state["proved"][result.id] = result.proof
 
         # 2. Labels: collect the Labels step 1's searches made (search_result: value_labels), into
         # the run's labels as (state text, value) pairs (the whole proofs' come with step 4)

@@ -237,7 +237,7 @@ def test_clipfrac_counts_the_trained_tokens(monkeypatch):
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.0)
     new_logp = {"a": [math.log(2.0), 0.0], "b": [0.0, 0.0], "c": [0.0] * 4, "d": [0.0] * 4}
 
-    def fake_logprobs(model, samples, temperature=1.0):
+    def fake_logprobs(model, samples, temperature=1.0, **kw):
         width = max(len(s.token_ids) for s in samples)
         rows = []
         for s in samples:
@@ -280,7 +280,7 @@ def flat_logprobs(policy):
     """A token_logprobs stand-in: every token's log-prob 0 (ratio 1 against old log-probs 0), so
     clip_higher_loss is -(1 / n_tokens) sum_i A_i T_i."""
 
-    def fake_logprobs(model, samples, temperature=1.0):
+    def fake_logprobs(model, samples, temperature=1.0, **kw):
         width = max(len(s.token_ids) for s in samples)
         mask = []
         for s in samples:
@@ -1125,11 +1125,11 @@ def test_nothing_learned():
     )
     assert "\n" not in note and "(7/8 no closed ```lean4 block, 1/8 Lean error)" in note
     assert "embedded:smollm2" in note and "test_loop_learns_what_the_stand_in_rewards" in note
-    assert note.startswith("coprover.py: every GRPO reward was 0 ")
+    assert note.startswith("coprover.py: Lean accepted no GRPO rollout ")
     # Lean accepted proofs, but no update trained on one (a group all accepted; a reward fork)
     accepted = collections.Counter(["valid"] * 4 + ["error"] * 4)
     note = cp.nothing_learned(accepted, 0, a)
-    assert "every GRPO reward was 0" not in note and "Lean accepted 4 proof(s)" in note
+    assert "Lean accepted no GRPO rollout" not in note and "Lean accepted 4 proof(s)" in note
     assert "(4/8 valid, 4/8 Lean error)" in note and cp.nothing_learned(accepted, 3, a) is None
 
 
@@ -1484,7 +1484,7 @@ def test_cpu_default_runs_on_the_embedded_model(tmp_path):
     [row] = metrics_of(tmp_path / "embedded").values()
     assert row["search/theorems"] == 2 and "losses/value_loss" in row and "eval/pass@2" in row
     # a run whose rollouts were never rewarded says so once, at the end, with Lean's verdicts
-    note = [line for line in done.stdout.splitlines() if "every GRPO reward was 0" in line]
+    note = [line for line in done.stdout.splitlines() if "Lean accepted no GRPO rollout" in line]
     assert len(note) == (row["charts/reward_mean"] == 0) and (not note or "/4 " in note[0]), (
         done.stdout[-2000:]
     )
