@@ -790,6 +790,16 @@ def teacher_reward(record: dict, stage: str, args: Args) -> float:
 # AZR Eq. 6: the student's reward, by grade_student's verdict: correct / wrong but well formed /
 # malformed
 SOLVER_REWARDS = {"pass": 1.0, "wrong": -0.5, "format": -1.0}
+
+
+def student_reward(answer: dict, args: Args) -> float:
+    """The student's reward of one answer (AZR Eq. 6): SOLVER_REWARDS of grade_student's
+    verdict. answer: solve's record, {"task": the accepted task (its "pass_rate", "program",
+    "stage", ...), "student_task": what the student saw (its "kind"), "verdict"}; a reward
+    term reads it there."""
+    return SOLVER_REWARDS[answer["verdict"]]
+
+
 # the task types, drawn uniformly for each accepted task (Sec. 3.3.2)
 STUDENT_KINDS = ("induction", "deduction", "abduction")
 
@@ -1223,12 +1233,15 @@ def propose(
     proposals until one is accepted: valid (code_exec's checks), not rejected by task_rejection,
     novel (its max_similarity, by --similarity's measure, to the buffer and to this step's
     accepted tasks not too_similar) and solved at a pass rate p (estimate_pass_rates) in the
-    stage's band (band_rejection); otherwise one proposal a slot, accepted when valid (no
-    novelty filter). Every proposal is rewarded by teacher_reward, and a stage's proposals in a
-    step share one TRR++ group, ("induction", stage). Returns (accepted tasks, which also join
-    `buffer`: the lift step's sources and the solve phase's tasks; an Example a proposal, its
-    source the record, for update; the records: a proposal each with its "features", "reason"
-    ("" when accepted, else why not), "pass_rate" and "reward", for teacher_metrics and
+    stage's band (band_rejection); otherwise one proposal a slot, with no novelty filter (valid,
+    task_rejection's and the band's verdicts still decide; azr's band holds every p). Every
+    proposal is rewarded by teacher_reward, and a stage's proposals in a step share one TRR++
+    group, ("induction", stage). Returns (accepted tasks (accepted_task: with the slot's
+    "axis", its "pass_rate", "features"), which also join `buffer`: the lift step's sources and
+    the solve phase's tasks; an Example a proposal, its source the record, for update; the
+    records: a proposal each with its "valid", "reason" ("" when accepted, else why not),
+    "reward", "program" once it parsed (main counts those for min_programs), "features" and
+    "max_similarity" when valid, "pass_rate" once estimated, for teacher_metrics and
     proposals.jsonl). `embedder`: None unless --similarity embedding."""
     prompts = []
     slots = []
@@ -1242,7 +1255,7 @@ def propose(
         else:
             slots.append({"axis": axis, "source": source.id, "goalpost": source.id})
     _, _, band = teacher_reward_spec(args, stage)
-    # rejection sampling: retries and the novelty filter (AZR keeps every valid task, in one try)
+    # rejection sampling: retries and the novelty filter (AZR: one try, no novelty filter)
     novelty = args.rejection_sampling and stage != "azr"
     attempts = args.max_attempts if novelty else 1
     open_slots = list(range(len(slots)))
@@ -1362,7 +1375,7 @@ def solve(
 ) -> tuple[list[Example], dict]:
     """The student phase (Sec. 3.3.2). Takes the iteration's accepted tasks (propose's). Each
     becomes a uniformly drawn task type (student_task), answered solver_samples times; the
-    answers run (grade_student) and are rewarded by SOLVER_REWARDS (AZR Eq. 6). Returns (an
+    answers run (grade_student) and are rewarded by student_reward. Returns (an
     Example an answer, its group (task type, "solve") and its source {"task": the accepted task,
     "student_task": what the student saw, "verdict": grade_student's}, for update; the
     solver's charts/ and tokens/ metrics)."""
@@ -1385,9 +1398,8 @@ def solve(
     for task, shown, replies in zip(tasks, student_tasks, rows):
         for reply, verdict in zip(replies.samples, replies.verdicts):
             answer = {"task": task, "student_task": shown, "verdict": verdict}
-            example = rewarded_example(
-                reply, SOLVER_REWARDS[verdict], source=answer, group=(shown["kind"], "solve")
-            )
+            reward = student_reward(answer, args)
+            example = rewarded_example(reply, reward, source=answer, group=(shown["kind"], "solve"))
             examples.append(example)
     tokens = sum(replies.tokens for replies in rows)
     metrics = {"charts/solver_tasks": float(len(examples)), "tokens/student": float(tokens)}
@@ -1789,9 +1801,12 @@ def draw_sources(stage: str, goalposts: list, buffer: list, axes: list, rng, arg
 def check_choices(args: Args) -> None:
     """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that this
     file has no entry for: --similarity (SIMILARITIES), --advantage (ADVANTAGES), --goalposts,
-    --benchmark and --greedy-benchmarks (PROBLEM_SETS); and on a teacher's band whose low end is
-    above its high end (no pass rate would pass)."""
-    similarity_measure(args.similarity)
+    --benchmark and --greedy-benchmarks (PROBLEM_SETS), each looked up once, and a measure that
+    needs no embedder run once on a made-up text (its own flags checked there); and on a
+    teacher's band whose low end is above its high end (no pass rate would pass)."""
+    measure = similarity_measure(args.similarity)
+    if not measure.uses_embedder:
+        measure.features(["a made-up text"], None, args)
     advantage_estimator(args)
     problem_set(goalpost_source(args))
     problem_set(benchmark_source(args))

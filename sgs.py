@@ -757,7 +757,8 @@ def conjecture(
     the Conjecturer's weights, parsed (deviation 4: no header lines, a conjecture inherits
     its target's), and kept once by statement_key, none equal to a target. Returns the
     Conjectures, each with its Sample (step 2 attempts them; step 4 selects, rewards and
-    trains on them), and the conjecturer/ metrics."""
+    trains on them), and the conjecturer/ metrics (outputs: every completion sampled, parsed or
+    not; main adds it to the generations)."""
     prompts = []
     for seed in seeds:
         if args.no_problem_conditioning:
@@ -811,6 +812,25 @@ def conjecture(
         "conjecturer/conclusion_chars": np.mean([len(c) for c in conclusions]),
     }
     return conjectures, stats
+
+
+def select_problems(
+    targets: list[Problem],
+    conjectures: list[Conjecture],
+    proofs: dict[str, list[dict]],
+    args: Args,
+) -> list:
+    """Step 2's problems (Alg. 1): every target, then this iteration's conjectures; under
+    expert iteration (App. G.4) only the targets with fewer than max_stored_proofs stored
+    proofs (store_target_proofs). A wider or narrower choice of what the Solver attempts is
+    this function."""
+    problems = list(targets)
+    if args.solver_objective == "expert_iteration":
+        problems = []
+        for t in targets:
+            if len(proofs[t.id]) < args.max_stored_proofs:
+                problems.append(t)
+    return problems + conjectures
 
 
 def attempt_proofs(
@@ -1035,7 +1055,7 @@ class Objective(NamedTuple):
     --batch-size are left unset (App. C's, per objective)."""
 
     examples: object  # (problems, attempts, rates, proofs=, iteration=, args=, rng=) -> [Example]
-    batch_loss: object  # (logp, mask, old_logp, micro, batch, args) -> loss
+    batch_loss: object  # (policy, micro, batch, args) -> the micro-batch's part of the loss
     learning_rate: float
     batch_size: int
 
@@ -1171,7 +1191,9 @@ def conjecturer_reward(conjecture: Conjecture, rate: float, guide: float, args: 
     """A selected conjecture's reward (Alg. 1, §3.2): R = R_guide (1 - s), s its solve rate,
     R_guide the Guide's score (review; 1 without the Guide). A reward term reads the
     Conjecture (its statement, its seed's statement conjecture.seed.statement, its Sample's
-    tokens)."""
+    tokens). conjecturer_examples then min-max normalises the selected conjectures' R
+    (--conjecturer-normalization): a term that shifts or scales every R alike cancels there,
+    and a lone selected conjecture weighs 1 whatever its R."""
     return guide * (1.0 - rate)
 
 
@@ -1468,9 +1490,9 @@ def main(args: Args) -> None:
     verifier = start_lean(args, dist)
     targets = load_problems(args.dataset, args.num_problems)  # D
     models, tokenizer, (solver, conjecturer, guide) = load_models(args, dist)
-    # the run's state: the proofs stored for each target (solved: at least one), generations
+    # the run's state: the proofs stored for each target (solved: at least one), the
+    # generations so far, the last iteration's solve rates
     start = 0
-    # run state: the stored proofs, the generations so far, the last iteration's solve rates
     state = {"proofs": {t.id: [] for t in targets}, "generations": 0, "rates": {}}
     if args.resume:
         found = load_checkpoint(run_dir, weights_only(models), dist)
@@ -1505,13 +1527,9 @@ def main(args: Args) -> None:
                 state["generations"] += stats["conjecturer/outputs"]
                 metrics.update(stats)
 
-        # 2. Solve: k attempts at every target and conjecture (EI: targets with fewer than
-        # max_stored_proofs proofs)
+        # 2. Solve: k attempts at each problem (select_problems)
         with logger.timer("solve"):
-            problems = list(targets)
-            if args.solver_objective == "expert_iteration":
-                problems = [t for t in targets if len(proofs[t.id]) < args.max_stored_proofs]
-            problems = problems + conjectures
+            problems = select_problems(targets, conjectures, proofs, args)
             sampler.sync_weights(solver)
             key = f"{args.seed}/{iteration}/solve"
             attempts = attempt_proofs(

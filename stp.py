@@ -222,7 +222,7 @@ class Args:
     empty_lemma_prob: float = 0.5
     """probability that a seed proof is also paired with the empty lemma (no shared lemma)"""
     lemma_use_cap: float = 0.1
-    """one lemma is shared by at most this fraction of #statements seeds"""
+    """one lemma is shared by at most ceil(this fraction x #statements) seeds (select_seeds)"""
     max_conjecture_multiplier: int = 8
     """the most conjectures sampled per seed (conjecture)"""
     proved_keep_prob: float = 0.05
@@ -504,8 +504,9 @@ def proof_weight(entry: dict, args: Args) -> float:
 def final_weight(entry: dict, args: Args) -> float:
     """A proof's weight in Stage 3's data and each expert-iteration round's (final_examples;
     official): exp(-length_penalty * characters), no time term, no division by the proofs of its
-    statement (unlike proof_weight). entry: the proof's record ("proof", "seconds",
-    "iteration"); a term reads it there."""
+    statement (unlike proof_weight, which Stage 3 does not read: a term for both goes in both).
+    entry: the proof's record ("proof", "seconds", "iteration", "id", and its statement's
+    "samples" and "correct" in that iteration); a term reads it there."""
     return math.exp(-args.length_penalty * len(entry["proof"]))
 
 
@@ -613,7 +614,9 @@ def select_seeds(
     The rule: the proofs of dataset statements whose best_rate is above seed_threshold
     (strictly; none before any proof), shuffled, each paired with the lemmas it invokes and,
     with probability empty_lemma_prob, the empty lemma; each (statement, lemma) once, each
-    lemma in at most lemma_use_cap * #statements seeds, #statements seeds at most."""
+    lemma (the empty one too) in at most ceil(lemma_use_cap * #statements) seeds (a seed is
+    taken while its lemma has fewer than the product: 1 at the CPU sizes, 8 x 0.1), #statements
+    seeds at most."""
     candidates = []  # (problem, proof)
     for problem in statements:
         if best_rate(history, problem.id) > args.seed_threshold:
@@ -652,7 +655,8 @@ def conjecture(
 ) -> tuple[list[Conjecture], dict]:
     """Step 2, conjecturing (official). Takes select_seeds' Seeds, the dataset and every
     problem so far by id; returns the new Conjectures (select_problems makes them step 3's
-    problems, conjecturer_examples reads them) and the conjecturer/ stats. The rule: max(1,
+    problems, conjecturer_examples reads them) and the conjecturer/ stats (outputs: every
+    sample drawn, parsed or not; main adds it to the generations). The rule: max(1,
     min(3 #statements // #seeds, max_conjecture_multiplier)) samples per seed, parsed,
     shuffled, without duplicates of the dataset or of each other (statement_key, with the
     header), shuffled again and cut to #statements when there are more. A statement
@@ -826,7 +830,8 @@ def record_proofs(proofs: dict, attempts: dict[str, list[Attempt]], iteration: i
     """Step 3's record of proofs: appends to proofs[id] each distinct correct proof of this
     iteration, as {"proof", "iteration", "seconds" (its Lean time)} (official: a round's
     verified samples; a proof found again in a later round is a new entry); an attempted
-    problem with no correct proof gets an empty list. Steps 1, 4, 5 and Stage 3 read it."""
+    problem with no correct proof gets an empty list. Steps 1, 3 (select_problems), 4, 5, Stage 3 and
+    solve_metrics read it."""
     for pid, row in attempts.items():
         found = {}  # proof -> Lean seconds
         for a in row:
@@ -938,6 +943,13 @@ def invokes_lemma(conjecture: Conjecture, proofs: dict, iteration: int) -> bool:
     return False
 
 
+def keeps_conjecture(candidate: Candidate, proofs: dict, iteration: int, args: Args) -> bool:
+    """Step 4's own filter of an in-band conjecture, before choose_lemmas: official: every one
+    is kept. A filter that reads the conjecture (its statement, its Seed), its rate or its
+    proofs this iteration (proofs[id], entries of `iteration`) is this function."""
+    return True
+
+
 def choose_lemmas(
     band: list[Candidate], proofs: dict, iteration: int, rng: random.Random, args: Args
 ) -> list[Candidate]:
@@ -984,14 +996,19 @@ def conjecturer_examples(
 ) -> tuple[list[Example], dict]:
     """Step 4, the conjecturer's data. Takes this iteration's conjectures and attempts, the
     proofs recorded so far (record_proofs) and the unproved dataset statements; returns the
-    Examples and the conjecturer/ stats. The rule: conjectures_in_band, choose_lemmas, then
-    keep_elegant (with --elegance-filter), then matching_weights of the survivors toward the
+    Examples and the conjecturer/ stats. The rule: conjectures_in_band, keeps_conjecture,
+    choose_lemmas, then keep_elegant (with --elegance-filter), then matching_weights of the
+    survivors toward the
     unproved statements, compared by --matching-features (matching_features), weight 0
     dropped. An Example: the conjecturer's prompt with the chosen lemma, the target the
     statement and </hard theorem>, the weight the matching weight, the source its Candidate.
     Step 6 (update) trains on them with prover_examples'."""
     band = conjectures_in_band(conjectures, attempts, args)
-    kept = choose_lemmas(band, proofs, iteration, rng, args)
+    kept = []
+    for candidate in band:
+        if keeps_conjecture(candidate, proofs, iteration, args):
+            kept.append(candidate)
+    kept = choose_lemmas(kept, proofs, iteration, rng, args)
     invoking = [c for c in kept if c.lemma]
     if args.elegance_filter:
         kept = keep_elegant(kept, proofs, iteration, args)
@@ -1107,9 +1124,10 @@ def final_examples(
             continue
         seen.add(pair)
         count[pid] += 1
-        weight = final_weight(entry, args)
+        samples, correct = history[pid][entry["iteration"]]
+        source = dict(entry, id=pid, samples=samples, correct=correct)
+        weight = final_weight(source, args)
         target = entry["proof"] + "\n```"
-        source = dict(entry, id=pid)
         example = text_example(
             tokenizer, prompts[pid], target, weight=weight, args=args, source=source
         )
@@ -1134,7 +1152,8 @@ def update(
     min_steps) optimizer steps on passes over the shuffled examples, a batch being
     min(batch_size, #examples) sequences (deviation 8), from a fresh Adam state; a linear
     warm-up of min(steps - 1, warmup_steps) steps, then lr_schedule. The loss:
-    weighted_nll_loss with denominator sum_i w_i |y_i| over the batch (STP's weighted SFT)."""
+    weighted_nll_loss with denominator sum_i w_i |y_i| over the batch (STP's weighted SFT); a
+    batch whose weights are all 0 is skipped and not counted in losses/steps."""
     optimizer.state.clear()
     size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step
     steps = max(len(examples) // size, min_steps)

@@ -1194,6 +1194,7 @@ def test_solver_phase_groups_and_rewards(plain_prompts, tmp_path):
         "inputs": ["[1, 2]"] * 5,
         "outputs": ["[1, 2]"] * 5,
         "message": "m",
+        "pass_rate": 0.5,  # an accepted task's, as accepted_task keeps it
     }
     args, logger = Args(solver_samples=2, exec_timeout=5.0), gasp.Logger(tmp_path, {}, CPU)
     rollouts, metrics = gasp.solve(
@@ -1388,6 +1389,7 @@ def test_update_learns_what_the_reward_favours(tiny_model_dir, tmp_path, one_thr
             "inputs": ["1"] * 5,
             "outputs": [output] * 5,
             "message": "m",
+            "pass_rate": 0.5,  # an accepted task's, as accepted_task keeps it
         }
         for iteration in range(20):
             rollouts, _ = gasp.solve(

@@ -809,7 +809,9 @@ def test_final_retrain_data(tiny_model_dir, tmp_path):
     assert [e.sample.text for e in ex] == [" x", " y", "\n  simp", "\n  ring\n```"]
     # the sources: the SFT rows, then the proof entry with its statement's id
     assert [e.source for e in ex[:2]] == sft[:2]
-    assert ex[3].source == {"proof": "\n  ring", "iteration": 0, "seconds": 0.0, "id": "a"}
+    source = ex[3].source  # the proof's record, its statement's id and counts of its iteration
+    assert (source["proof"], source["iteration"], source["id"]) == ("\n  ring", 0, "a")
+    assert (source["samples"], source["correct"]) == (4, 2)
     assert [e.weight for e in ex] == pytest.approx([0.5, 1.0, 1.0, math.exp(-0.007)])
 
 
