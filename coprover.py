@@ -1346,9 +1346,9 @@ def update(
     """Step 4, GRPO on one rollout batch's Examples (grpo_examples; official, no KL, no entropy
     bonus): grpo_minibatches optimizer steps over them in order (lr None: the optimizer's), each
     clip_higher_loss with the sampler's log-probs as pi_old over its minibatch's tokens
-    (n_tokens). Of a minibatch, the Examples adds_gradient keeps run; the others (advantage 0) add no
-    gradient, but their tokens count in n_tokens (official). Returns loss_metrics' losses/grpo_*
-    (clipfrac: the share of the trained samples' tokens the clip held back) and
+    (n_tokens). Of a minibatch, the Examples adds_gradient keeps run; the others (advantage 0)
+    add no gradient, but their tokens count in n_tokens (official). Returns loss_metrics'
+    losses/grpo_* (clipfrac: the share of the trained samples' tokens the clip held back) and
     losses/grpo_steps; {} when nothing trained."""
     if not examples:  # every rollout left out: nothing to train
         return {}
@@ -1618,8 +1618,8 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
         return (
             f"coprover.py: GRPO trained on no rollout ({', '.join(verdicts)}): Lean accepted "
             f"{outcomes['valid']} proof(s), but in every group the proof_rewards were equal "
-            "(advantage 0: adds_gradient) or in_batch left the rollouts out, so the prover was never "
-            "updated"
+            "(advantage 0: adds_gradient) or in_batch left the rollouts out, so the prover was "
+            "never updated"
         )
     return (
         f"coprover.py: Lean accepted no GRPO rollout ({', '.join(verdicts)}): {args.model} wrote "

@@ -425,9 +425,9 @@ def co_training_loss(
     (its y* sequences); loss_reduction_rule chooses them. A term with denominator 0 (the flat
     baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
     logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
-    roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]. args: co_train's,
-    where a new loss term reads its coefficient (unread by L_co; an entropy term also needs
-    co_train's token_logprobs call to return it, with entropy_grad)."""
+    roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]. args:
+    co_train's, where a new loss term reads its coefficient (unread by L_co; an entropy term
+    also needs co_train's token_logprobs call to return it, with entropy_grad)."""
     per_sequence = (logp * mask).sum(1)  # [B]
     if weights is not None:
         per_sequence = per_sequence * weights

@@ -830,8 +830,8 @@ def record_proofs(proofs: dict, attempts: dict[str, list[Attempt]], iteration: i
     """Step 3's record of proofs: appends to proofs[id] each distinct correct proof of this
     iteration, as {"proof", "iteration", "seconds" (its Lean time)} (official: a round's
     verified samples; a proof found again in a later round is a new entry); an attempted
-    problem with no correct proof gets an empty list. Steps 1, 3 (select_problems), 4, 5, Stage 3 and
-    solve_metrics read it."""
+    problem with no correct proof gets an empty list. Steps 1, 3 (select_problems), 4, 5,
+    Stage 3 and solve_metrics read it."""
     for pid, row in attempts.items():
         found = {}  # proof -> Lean seconds
         for a in row:
