@@ -1340,14 +1340,42 @@ def grpo_examples(groups: list[list[Attempt]], args: Args) -> list[Example]:
     return examples
 
 
+def grpo_batch_loss(
+    policy, micro: list[Example], n_tokens: int, args: Args
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO's loss on a micro-batch of a minibatch (official): the clip_higher_loss of its
+    Examples, advantages their Example.weight, pi_old the sampler's log-probs, over the
+    minibatch's n_tokens. Returns (the loss, the count of tokens the clip held back). update
+    calls it. A loss term goes here, its coefficient read from args (token_logprobs'
+    entropy is detached unless entropy_grad=True); a term that trains every sample also
+    changes adds_gradient."""
+    samples = [example.sample for example in micro]
+    logp, mask, _ = token_logprobs(policy, samples, args.temperature)  # [B, T]
+    old_rows = []  # pi_old: the sampler's log-probs, padded as logp
+    for s in samples:
+        padding = (0, logp.shape[1] - len(s.logprobs))
+        old_rows.append(torch.nn.functional.pad(logp.new_tensor(s.logprobs), padding))
+    old_logp = torch.stack(old_rows)  # [B, T]
+    advantages = logp.new_tensor([example.weight for example in micro])  # [B]
+    return clip_higher_loss(
+        logp,
+        old_logp,
+        mask,
+        advantages=advantages,
+        n_tokens=n_tokens,
+        eps_low=args.eps_clip,
+        eps_high=args.eps_clip_high,
+    )
+
+
 def update(
     policy, optimizer, examples: list[Example], lr: float | None, args: Args, dist: Dist
 ) -> dict[str, float]:
     """Step 4, GRPO on one rollout batch's Examples (grpo_examples; official, no KL, no entropy
     bonus): grpo_minibatches optimizer steps over them in order (lr None: the optimizer's), each
-    clip_higher_loss with the sampler's log-probs as pi_old over its minibatch's tokens
-    (n_tokens). Of a minibatch, the Examples adds_gradient keeps run; the others (advantage 0)
-    add no gradient, but their tokens count in n_tokens (official). Returns loss_metrics'
+    grpo_batch_loss over its minibatch's tokens (n_tokens). Of a minibatch, the Examples
+    adds_gradient keeps run; the others (advantage 0) add no gradient, but their tokens count
+    in n_tokens (official). Returns loss_metrics'
     losses/grpo_* (clipfrac: the share of the trained samples' tokens the clip held back) and
     losses/grpo_steps; {} when nothing trained."""
     if not examples:  # every rollout left out: nothing to train
@@ -1367,23 +1395,7 @@ def update(
         trained_tokens = sum(len(example.sample.token_ids) for example in to_train)
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            samples = [example.sample for example in micro]
-            logp, mask, _ = token_logprobs(policy, samples, args.temperature)  # [B, T]
-            old_rows = []  # pi_old: the sampler's log-probs, padded as logp
-            for s in samples:
-                padding = (0, logp.shape[1] - len(s.logprobs))
-                old_rows.append(torch.nn.functional.pad(logp.new_tensor(s.logprobs), padding))
-            old_logp = torch.stack(old_rows)  # [B, T]
-            advantages = logp.new_tensor([example.weight for example in micro])  # [B]
-            loss, held_back = clip_higher_loss(
-                logp,
-                old_logp,
-                mask,
-                advantages=advantages,
-                n_tokens=n_tokens,
-                eps_low=args.eps_clip,
-                eps_high=args.eps_clip_high,
-            )
+            loss, held_back = grpo_batch_loss(policy, micro, n_tokens=n_tokens, args=args)
             return loss, {"clipfrac": held_back.item() / trained_tokens}
 
         step_stats = train_step(

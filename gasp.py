@@ -898,6 +898,21 @@ def similarity_features(pairs: list[tuple[str, str]], embedder, args: Args) -> l
     return list(zip(texts, codes))
 
 
+def add_features(records: list[dict], embedder, args: Args, dist: Dist) -> None:
+    """Store on each record (a valid proposal, or a buffer's task) as "features" the --similarity
+    features (similarity_features) of Sec. 3.3.1's two texts: the "question text", as the
+    student sees it (the description and the public examples [RECON]), and the "generated
+    code". propose calls it; main calls it on a resumed buffer, so that its features are this
+    run's measure's, with this run's settings."""
+    pairs = []
+    for record in records:
+        shown = render_examples(record["inputs"][: args.num_public], record["outputs"])
+        pairs.append((record["message"] + "\n" + shown, record["program"]))
+    featurize = functools.partial(similarity_features, embedder=embedder, args=args)
+    for record, features in zip(records, map_sharded(featurize, pairs, dist)):
+        record["features"] = features  # (question text's, code's)
+
+
 def max_similarity(records: list[dict], tasks: list[dict], similarity: str) -> list[float | None]:
     """Per record, the largest similarity (the measure named `similarity`) of its question text
     or code to an accepted task's (Sec. 3.3.1), each holding "features"; None where there is
@@ -1294,16 +1309,9 @@ def propose(
         for record in valid:
             record["reason"] = task_rejection(record, args)
 
-        # novelty: Sec. 3.3.1's "question text", as the student sees it (the description and the
-        # public examples [RECON]), and "generated code", as --similarity's features
+        # novelty: each valid proposal's --similarity features (add_features)
         with logger.timer("similarity"):
-            pairs = []
-            for record in valid:
-                shown = render_examples(record["inputs"][: args.num_public], record["outputs"])
-                pairs.append((record["message"] + "\n" + shown, record["program"]))
-            featurize = functools.partial(similarity_features, embedder=embedder, args=args)
-            for record, features in zip(valid, map_sharded(featurize, pairs, dist)):
-                record["features"] = features  # (question text's, code's)
+            add_features(valid, embedder, args=args, dist=dist)
         # novelty against the buffer, before paying for p (None while nothing to compare)
         if valid:
             similarities = max_similarity(valid, buffer, args.similarity)
@@ -1850,15 +1858,6 @@ def start_sampler(policy, tokenizer, args: Args, dist) -> Sampler:
     )
 
 
-def check_resumed_measure(state: dict, args: Args) -> None:
-    """A resumed run's buffer holds the features of the --similarity it was made by (the state's
-    "similarity"; checkpoints before the flag: embedding): another measure could not compare
-    with them, so the run stops."""
-    made_by = state.get("similarity", "embedding")
-    if made_by != args.similarity:
-        raise ValueError(f"--similarity {args.similarity}: this run's buffer has {made_by}'s")
-
-
 def main(args: Args) -> None:
     check_choices(args)
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
@@ -1867,14 +1866,14 @@ def main(args: Args) -> None:
     models, tokenizer, embedder = load_models(args, dist)
     policy, optimizer = models["policy"]
     # the run's state: the accepted tasks (the buffer), the goalposts ever solved, the goalposts'
-    # ids (None: every candidate), the --similarity the buffer's features were made by
+    # ids (None: every candidate)
     start = 0
-    state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": args.similarity}
+    state = {"buffer": [], "solved": set(), "goalposts": None}
     if args.resume:
         found = load_checkpoint(run_dir, models, dist)
         if found is not None:
             start, state = found
-    check_resumed_measure(state, args)
+            add_features(state["buffer"], embedder, args=args, dist=dist)  # this run's measure
     sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
     buffer, solved = state["buffer"], state["solved"]
 

@@ -18,7 +18,7 @@ its k attempts that Lean accepted (solve_rate). M: a role's longest completion, 
 (overlong_penalty, §4.1, after DAPO, arXiv 2503.14476). p70: the 70th percentile of the
 conjectures' solve rates inside (0, 1) (--conjecture-band, select_conjectures). A band:
 a (low, high) pair of solve rates that a rule keeps, each end's inclusion stated in its
-flag (in_band).
+flag and its predicate (in_reinforce_half_band, in_cispo_band, in_conjecture_band).
 
 Each iteration (Algorithm 1), under the same numbers in main:
   1. Conjecture (conjecture): conjectures_per_target conjectures for each seed (select_seeds).
@@ -214,13 +214,13 @@ class Args:
     """longest Guide completion"""
     reinforce_half_band: tuple[float, float] = (0.0, 0.5)
     """REINFORCE½ trains on problems with low < s <= high: low excluded, high included
-    (reinforce_half_examples, in_band)"""
+    (reinforce_half_examples, in_reinforce_half_band)"""
     cispo_band: tuple[float, float] = (0.0, 1.0)
     """CISPO trains on the groups of problems with low < s < high: both ends excluded
-    (cispo_examples, in_band)"""
+    (cispo_examples, in_cispo_band)"""
     conjecture_band: tuple[float, float] = (0.0, 1.0)
     """a conjecture can be rewarded at low < s < high, both ends excluded; p70 is a percentile
-    of these rates (select_conjectures, in_band)"""
+    of these rates (select_conjectures, in_conjecture_band)"""
     conjecture_percentile: float = 0.7
     """the percentile of p70, the Conjecturer's selection; 0: the lowest rate, 1: the highest
     (select_conjectures)"""
@@ -544,21 +544,36 @@ def parse_guide_scores(completion: str) -> dict[str, float] | None:
 # ---- rewards ----
 def solve_rate(attempts: list[Attempt]) -> float:
     """A problem's solve rate s: the share of its attempts that Lean accepted (0 for no
-    attempts: unsolved). main's rates {id: s} feed every band (in_band) of steps 3 and 4."""
+    attempts: unsolved). main's rates {id: s} feed every band of steps 3 and 4."""
     if not attempts:
         return 0.0
     return sum(a.correct for a in attempts) / len(attempts)
 
 
-def in_band(s: float, band: tuple[float, float], include_high: bool) -> bool:
-    """Whether solve rate s lies in band = (low, high): low < s always (the low end is
-    excluded: with low = 0 an unsolved problem, s = 0, is out; a low below 0 lets it in),
-    and s <= high with include_high, else s < high (with high = 1, s = 1 is in only with
-    include_high). A band with high < low holds nothing. The one rule of every band flag:
-    --reinforce-half-band, --cispo-band, --conjecture-band."""
-    low, high = band
-    if include_high:
-        return low < s <= high
+def in_reinforce_half_band(s: float, args: Args) -> bool:
+    """REINFORCE½'s band (§3.2): whether a problem solved at rate s trains the Solver:
+    low < s <= high, (low, high) = --reinforce-half-band, low excluded, high included
+    (official 0 < s <= 1/2: solved at least once, at most half the time). Edges: s = 0
+    (unsolved) is in only when low < 0; s exactly high is in; low >= high admits nothing."""
+    low, high = args.reinforce_half_band
+    return low < s <= high
+
+
+def in_cispo_band(s: float, args: Args) -> bool:
+    """CISPO's band (App. G.3): whether a problem solved at rate s has its group trained:
+    low < s < high, (low, high) = --cispo-band, both ends excluded (official 0 < s < 1: a group
+    with both rewards). Edges: s = 0 is in only when low < 0; s exactly high (1 with the
+    default) is out; low >= high admits nothing."""
+    low, high = args.cispo_band
+    return low < s < high
+
+
+def in_conjecture_band(s: float, args: Args) -> bool:
+    """Step 4's band (§3.2): whether a conjecture solved at rate s can be selected:
+    low < s < high, (low, high) = --conjecture-band, both ends excluded (official 0 < s < 1:
+    neither unsolved nor always solved). Edges: s = 0 is in only when low < 0; s exactly high
+    is out; low >= high admits nothing."""
+    low, high = args.conjecture_band
     return low < s < high
 
 
@@ -961,13 +976,13 @@ def reinforce_half_examples(
     rng: random.Random,
 ) -> list[Example]:
     """REINFORCE½ (§3.2): the correct attempts at the problems whose solve rate s is in
-    --reinforce-half-band (default 0 < s <= 1/2: in_band, high included), as
+    --reinforce-half-band (default 0 < s <= 1/2: in_reinforce_half_band, high included), as
     proof_examples, each Example's source its Attempt; incorrect attempts teach nothing
     (official). No problem in the band (or none attempted): []. proofs and iteration are
     not read (every objective takes the same arguments: SOLVER_OBJECTIVES)."""
     found = []
     for p in problems:
-        if not in_band(rates[p.id], args.reinforce_half_band, include_high=True):
+        if not in_reinforce_half_band(rates[p.id], args):
             continue
         for a in attempts[p.id]:
             if a.correct:
@@ -985,7 +1000,7 @@ def cispo_examples(
     rng: random.Random,
 ) -> list[Example]:
     """CISPO (App. G.3): all k attempts at the problems whose solve rate s is in
-    --cispo-band (default 0 < s < 1: in_band, both ends excluded), weighted by the
+    --cispo-band (default 0 < s < 1: in_cispo_band, both ends excluded), weighted by the
     cispo_advantages of their solver_reward, in whole groups (one a problem, Example.group
     its index) in a shuffled order; each Example's source its Attempt, group_tokens its
     group's completion tokens. A group whose rewards are all 0 (no solver_reward paid) is
@@ -998,8 +1013,7 @@ def cispo_examples(
         rewards = []
         for a in row:
             rewards.append(solver_reward(a, args))
-        in_cispo_band = in_band(rates[p.id], args.cispo_band, include_high=False)
-        if not (in_cispo_band and any(rewards)):
+        if not (in_cispo_band(rates[p.id], args) and any(rewards)):
             continue
         tokens = float(sum(len(a.sample.token_ids) for a in row))
         groups.append((row, cispo_advantages(rewards), tokens))
@@ -1162,15 +1176,15 @@ def select_conjectures(
     conjectures: list[Conjecture], rates: dict[str, float], args: Args
 ) -> tuple[list[Conjecture], dict[str, float]]:
     """Step 4, the selection (§3.2): takes this iteration's conjectures and their solve
-    rates; keeps those in --conjecture-band (default 0 < s < 1: in_band, both ends
-    excluded) with s <= p70 (ties at p70 kept), p70 = sorted(in band)[int(q n)], n the
+    rates; keeps those in --conjecture-band (default 0 < s < 1: in_conjecture_band,
+    both ends excluded) with s <= p70 (ties at p70 kept), p70 = sorted(in band)[int(q n)], n the
     rates in the band, q = --conjecture-percentile (official; q <= 0: the lowest, q >= 1:
     the highest). No rate in the band: none selected, p70 logged as the band's low end.
     Returns the selected (review and conjecturer_examples read them) and the metrics."""
     band = args.conjecture_band
     inside = []
     for c in conjectures:
-        if in_band(rates[c.id], band, include_high=False):
+        if in_conjecture_band(rates[c.id], args):
             inside.append(rates[c.id])
     inside.sort()
     p70 = band[0]
@@ -1180,8 +1194,7 @@ def select_conjectures(
         p70 = inside[index]
     selected = []
     for c in conjectures:
-        in_conjecture_band = in_band(rates[c.id], band, include_high=False)
-        if in_conjecture_band and rates[c.id] <= p70:
+        if in_conjecture_band(rates[c.id], args) and rates[c.id] <= p70:
             selected.append(c)
     stats = {"conjecturer/p70": p70, "conjecturer/selected": len(selected)}
     return selected, stats

@@ -89,6 +89,7 @@ import contextlib
 import dataclasses
 import gc
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -524,7 +525,7 @@ def in_prover_band(samples: int, correct: int, args: Args) -> bool:
     correct ones over the replay window: its solve rate s = correct / samples has
     low < s <= high, (low, high) = prover_band, low excluded, high included (official
     (0, 1/2]: the hard statements, proved at least once). Edges: no sample is out; s exactly
-    high is in, exactly low out; s = 0 (no proof) is in only when low < 0, as in sgs's in_band
+    high is in, exactly low out; s = 0 (no proof) is in only when low < 0, as in sgs's bands
     (it has no proof to train on); low >= high admits nothing."""
     if samples == 0:
         return False
@@ -901,14 +902,21 @@ Python hash() (salted per process), no rank-local randomness."""
 
 def matching_features(args: Args):
     """The feature function of --matching-features, from MATCHING_FEATURES. check_choices calls
-    it at start; conjecturer_examples reads it."""
+    it at start, where an entry that cannot take (policy, tokenizer, texts, args, dist) stops
+    the run (it needs the model, so it is not run there); conjecturer_examples reads it."""
     name = args.matching_features
+    shape = "(policy, tokenizer, texts, args, dist) -> normalised rows [len(texts), d], as embed"
     if name not in MATCHING_FEATURES:
         raise ValueError(
-            f"--matching-features {name}: add its entry to MATCHING_FEATURES (a function "
-            "(policy, tokenizer, texts, args, dist) -> normalised rows [len(texts), d], as embed)"
+            f"--matching-features {name}: add its entry to MATCHING_FEATURES ({shape})"
         )
-    return MATCHING_FEATURES[name]
+    features = MATCHING_FEATURES[name]
+    try:
+        inspect.signature(features).bind(None, None, [], args, None)
+    except TypeError as error:
+        message = f"--matching-features {name}: its function must be {shape}: {error}"
+        raise ValueError(message) from error
+    return features
 
 
 def conjectures_in_band(

@@ -235,6 +235,8 @@ FAMILY = {
         ),  # both ranks' proposals gathered
         records="proposals.jsonl",
         record_floats=("max_similarity",),
+        # a resumed buffer's features are embedded again, in other batches: 1e-7 apart
+        resume_tolerance={"rel": 1e-6},
     ),
     "eva": Family(
         steps=(0, 1, 2),

@@ -1126,13 +1126,22 @@ def test_keyword_run_never_loads_the_embedder(monkeypatch, tiny_model_dir, tmp_p
     assert all("features" not in r for r in records)  # proposals.jsonl leaves them out
 
 
-def test_a_resumed_run_keeps_its_measure():
-    # the buffer's features were made by the checkpoint's --similarity; another one could not compare with them
-    state = {"buffer": [], "solved": set(), "goalposts": None, "similarity": "embedding"}
-    with pytest.raises(ValueError, match="buffer has embedding's"):
-        gasp.check_resumed_measure(state, Args(similarity="keyword"))
-    gasp.check_resumed_measure(state, Args(similarity="embedding"))
-    gasp.check_resumed_measure({"buffer": []}, Args(similarity="embedding"))  # before the flag
+def test_add_features_makes_a_resumed_buffers_features_this_runs():
+    # a buffer resumed from a run with another measure (or other settings of it) gets this run's features
+    task = {
+        "message": "Add one.",
+        "inputs": ["1", "2"],
+        "outputs": ["2", "3"],
+        "program": "def f(x): return x + 1",
+    }
+    task["features"] = ("made by", "another measure")
+    args = Args(similarity="keyword", num_public=1)
+    gasp.add_features([task], embedder=None, args=args, dist=CPU)
+    shown = gasp.render_examples(["1"], ["2", "3"])
+    text = gasp.keyword_sets(["Add one.\n" + shown])[0]
+    code = gasp.keyword_sets(["def f(x): return x + 1"])[0]
+    assert task["features"] == (text, code)
+    assert "add" in text and "return" in code
 
 
 def test_teacher_is_told_which_inputs_the_student_sees(plain_prompts):

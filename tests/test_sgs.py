@@ -299,12 +299,19 @@ def test_cispo_advantages_edges():
         (1.0, (0.0, 1.0), False, False),  # s = 1 is out of a band open at 1
         (1.0, (0.0, 1.0), True, True),
         (0.0, (-1.0, 0.5), True, True),  # a low end below 0 lets s = 0 in
+        (0.0, (-1.0, 0.5), False, True),
         (0.25, (0.25, 0.25), True, False),  # high = low: nothing (the low end is excluded)
         (0.3, (0.5, 0.2), True, False),  # high < low: nothing
+        (0.3, (0.5, 0.2), False, False),
     ],
 )
-def test_in_band_edges(s, band, include_high, inside):
-    assert sgs.in_band(s, band, include_high) == inside
+def test_band_edges(s, band, include_high, inside):
+    # REINFORCE½'s band includes its high end; CISPO's and the conjecture band exclude both ends
+    if include_high:
+        assert sgs.in_reinforce_half_band(s, args(reinforce_half_band=band)) == inside
+    else:
+        assert sgs.in_cispo_band(s, args(cispo_band=band)) == inside
+        assert sgs.in_conjecture_band(s, args(conjecture_band=band)) == inside
 
 
 def test_cispo_advantages():

@@ -107,7 +107,7 @@ def test_in_prover_band_edges():
     assert not stp.in_prover_band(samples=4, correct=3, args=official)
     assert not stp.in_prover_band(samples=4, correct=0, args=official)  # never proved
     assert not stp.in_prover_band(samples=0, correct=0, args=official)  # not attempted
-    # low excluded, high included, as sgs's in_band: s = 0 is in only with low < 0; low >= high admits nothing
+    # low excluded, high included, as sgs's REINFORCE½ band: s = 0 is in only with low < 0; low >= high admits nothing
     assert stp.in_prover_band(samples=4, correct=0, args=args(prover_band=(-0.1, 0.5)))
     assert not stp.in_prover_band(
         samples=4, correct=1, args=args(prover_band=(0.25, 0.5))
@@ -119,10 +119,15 @@ def test_in_prover_band_edges():
     assert not stp.in_prover_band(samples=4, correct=2, args=args(prover_band=(0.5, 0.5)))
 
 
-def test_check_choices_stops_a_half_added_value_at_start():
+def test_check_choices_stops_a_half_added_value_at_start(monkeypatch):
     stp.check_choices(args())  # every default has its entry
     with pytest.raises(ValueError, match="add its entry to MATCHING_FEATURES"):
         stp.check_choices(args(matching_features="not_in_the_table"))
+    # an entry whose function cannot take (policy, tokenizer, texts, args, dist) stops too
+    features = {**stp.MATCHING_FEATURES, "texts_only_in_test": lambda texts, args: None}
+    monkeypatch.setattr(stp, "MATCHING_FEATURES", features)
+    with pytest.raises(ValueError, match="its function must be"):
+        stp.check_choices(args(matching_features="texts_only_in_test"))
     with pytest.raises(ValueError, match="--elegance-quantile"):
         stp.check_choices(args(elegance_quantile=1.0))
 
