@@ -1670,8 +1670,11 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
-    this file has no entry for: each lookup once (ValueError naming what to add)."""
+    """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
+    Literal a fork extended) without its table entry (each lookup runs once and raises a
+    ValueError naming what to add), a value outside its range, flags that cannot run together.
+    A new flag's range check goes here. main calls it before start_run.
+    Here: ADVANTAGES, PRIORITIES, VALUE_LOSSES, VALUE_LABELS."""
     advantage_estimator(args)
     priority_rule(args)
     value_label_rule(args)
@@ -1742,7 +1745,7 @@ def label_metrics(new_labels: list[Label], labels: list) -> dict[str, float]:
 
 
 def main(args: Args) -> None:
-    check_choices(args)
+    check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     verifier = start_lean(args, dist)
     problems = load_problems(args.dataset, args.num_problems)

@@ -220,9 +220,9 @@ class Args:
     """subset: weighted without replacement (eva-sample), the top ones (eva-greedy), or weighted
     within quantile bins (sample_informative, SAMPLINGS)"""
     evolve_fraction: float = 0.25
-    """share of the prompts sampled into the informative subset, in [0, 1] (official SAMPLE_FRAC):
-    weighted, greedy: int(share x prompts); stratified: round(share x bin size) in each bin, which
-    can be 0 (a draw of none prints a line; sample_subset)"""
+    """share of the prompts sampled into the informative subset, in [0, 1] (official SAMPLE_FRAC);
+    how a --sampling draw counts it: its function's docstring (SAMPLINGS); a draw of none
+    prints a line (sample_subset)"""
     stratified_bins: int = 10
     """quantile bins of --sampling stratified (stratified_draw)"""
     num_evolutions: int = 4
@@ -390,12 +390,13 @@ def resolve(args: Args) -> Args:
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
-    this file has no entry for, and on a share outside [0, 1] (--evolve-fraction,
-    --old-pair-ratio, --new-pair-ratio): each function that dispatches on a flag
-    (informativeness, sample_informative, reward_rule, item_losses, new_optimizer) runs once on
-    a made-up example and raises a ValueError saying what to add. (--lr-schedule stops in
-    start_run.)"""
+    """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
+    Literal a fork extended) without its table entry (each lookup runs once and raises a
+    ValueError naming what to add), a value outside its range, flags that cannot run together.
+    A new flag's range check goes here. main calls it before start_run.
+    Here: each function that dispatches on a flag (informativeness, sample_informative,
+    reward_rule, item_losses, new_optimizer) runs once on a made-up example; the shares of a
+    round. (--lr-schedule stops in start_run.)"""
     shares = {
         "evolve-fraction": args.evolve_fraction,
         "old-pair-ratio": args.old_pair_ratio,
@@ -686,7 +687,8 @@ def informativeness(rewards: list[float], args: Args) -> float:
     """info(x) from the rewards of x's N responses by --info-metric's row of INFO_METRICS, the
     one place that dispatches on it; a higher value draws x more often (sampling_weights). No
     responses: 0 for every row (a run's groups all have N = --n-samples responses, so all or
-    none are empty). Used by sample_subset (step 3) and creator/info_mean."""
+    none are empty). main computes it a prompt (step 2); sample_subset (step 3) draws by it,
+    and creator/info_mean logs its mean."""
     metric = args.info_metric
     if metric not in INFO_METRICS:
         raise ValueError(
@@ -800,8 +802,8 @@ def sample_informative(
 def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
     """Step 3, the creator's 'sample subset'. Takes each prompt's info (informativeness, step 2);
     returns the sorted indices of the informative subset, drawn by sampling_weights with
-    --sampling's draw (sample_informative: weighted and greedy take int(evolve_fraction x
-    prompts), stratified round(evolve_fraction x bin size) from each bin), seeded by the round
+    --sampling's draw (sample_informative, SAMPLINGS; each draw says how many it takes),
+    seeded by the round
     (the same on every rank and after a resume). Step 4 evolves these prompts (--no-evolve:
     trains on them); creator/subset logs their number. A draw of none from a non-empty set
     (small bins, a small fraction) prints a line on rank 0: that round evolves nothing."""
@@ -1583,6 +1585,19 @@ def win_rate_note(win_rate: float | None, heldout_size: int) -> str | None:
     )
 
 
+def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
+    """The run's last line, printed after the loop, when no round had an item to train on:
+    why, from outcomes (the training groups of the run, "groups"); None when one trained (or
+    no round ran)."""
+    if trained or not outcomes["groups"]:
+        return None
+    return (
+        f"eva.py: no update in this run: none of {outcomes['groups']} training groups taught "
+        "(group_teaches; official: a group whose rewards all agree teaches nothing, so the "
+        f"reward model gave each prompt's {args.n_samples} responses the same reward)"
+    )
+
+
 # ---- main ----
 def weights_only(models: dict) -> dict:
     """The models without their optimizers: every update starts from a fresh optimizer state, so
@@ -1630,7 +1645,7 @@ def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
 def main(args: Args) -> None:
     # the loss's official values, before the CPU scaling (which a flag you pass overrides)
     resolve(args)
-    check_choices(args)  # a Literal value the code lacks, or a share outside [0, 1], stops here
+    check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     splits, heldout = load_prompts(args)
     models, tokenizer, reward_model = load_models(args, dist)
@@ -1653,6 +1668,8 @@ def main(args: Args) -> None:
         logger.log({"eval/reward": float(np.mean(rewards))}, step=0)
 
     last_win_rate = None
+    outcomes = collections.Counter()  # this run's training groups ("groups")
+    trained = 0  # this run's training items
     for iteration in range(start, args.iterations):
         step = iteration + 1  # iterations done
         metrics = {}
@@ -1707,9 +1724,11 @@ def main(args: Args) -> None:
                 metrics["charts/evolved_reward_mean"] = evolved_mean
                 state["prompts"] = evolved  # X_t: the next round's prompts (Algorithm 1)
 
-        # 6. preference optimisation from theta_{t-1}, with theta_{t-1} as the reference
+        # 6. the --loss update from theta_{t-1} (a loss with a reference: theta_{t-1})
         with logger.timer("update"):
             items = training_items(train_groups, args)
+            outcomes["groups"] += len(train_groups)
+            trained += len(items)
             sampler.sleep()
             if items:
                 stats = update(
@@ -1744,6 +1763,9 @@ def main(args: Args) -> None:
     note = win_rate_note(last_win_rate, len(heldout))
     if dist.is_main and note:
         print(note)
+    line = nothing_learned(outcomes, trained, args)
+    if dist.is_main and line:
+        print(line)
 
 
 # ---- infrastructure (identical in every algorithm file) ----

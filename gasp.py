@@ -1807,11 +1807,12 @@ def draw_sources(stage: str, goalposts: list, buffer: list, axes: list, rng, arg
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that this
-    file has no entry for: --similarity (SIMILARITIES), --advantage (ADVANTAGES), --goalposts,
-    --benchmark and --greedy-benchmarks (PROBLEM_SETS), each looked up once, and a measure that
-    needs no embedder run once on a made-up text (its own flags checked there); and on a
-    teacher's band whose low end is above its high end (no pass rate would pass)."""
+    """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
+    Literal a fork extended) without its table entry (each lookup runs once and raises a
+    ValueError naming what to add), a value outside its range, flags that cannot run together.
+    A new flag's range check goes here. main calls it before start_run.
+    Here: SIMILARITIES, ADVANTAGES, PROBLEM_SETS (a measure that needs no embedder runs once on
+    a made-up text), a teacher's band whose low end is above its high end."""
     measure = similarity_measure(args.similarity)
     if not measure.uses_embedder:
         measure.features(["a made-up text"], None, args)
@@ -1859,7 +1860,7 @@ def start_sampler(policy, tokenizer, args: Args, dist) -> Sampler:
 
 
 def main(args: Args) -> None:
-    check_choices(args)
+    check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     training_split, benchmark, greedy, report = load_sets(args)
     candidates = training_split[: args.num_problems]  # the goalposts' candidates

@@ -426,8 +426,7 @@ def co_training_loss(
     baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
     logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
     roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]. args:
-    co_train's, where a new loss term reads its coefficient (unread by L_co; an entropy term
-    also needs co_train's token_logprobs call to return it, with entropy_grad)."""
+    where a term reads its coefficient (unread by L_co). co_training_batch_loss calls it."""
     per_sequence = (logp * mask).sum(1)  # [B]
     if weights is not None:
         per_sequence = per_sequence * weights
@@ -437,6 +436,28 @@ def co_training_loss(
             role_sum = per_sequence[roles == role].sum()
             total = total + role_sum / denominator
     return -total
+
+
+def co_training_batch_loss(
+    policy, examples: list[Example], denominators: list[float], args: Args
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """A micro-batch's part of its batch's L_co (co_training_loss), on its training items'
+    Examples (each its role, weight and sample), with the batch's denominators; and the stats
+    co_train logs: "goal" and "tactic", the roles' summed unweighted NLL (co_train makes them
+    per-token means). co_train calls it. A loss term goes here, its coefficient read from
+    args, and any stat it returns is logged as losses/<name> (a micro-batch's part of the
+    batch's value: train_step sums them); token_logprobs' entropy is detached unless
+    entropy_grad=True."""
+    logp, mask, _ = token_logprobs(policy, [example.sample for example in examples])  # [B, T]
+    roles = torch.tensor([example.role for example in examples], device=logp.device)  # [B]
+    weights = logp.new_tensor([example.weight for example in examples])  # [B]
+    loss = co_training_loss(logp, mask, roles, denominators, weights=weights, args=args)
+    nll = -(logp.detach() * mask).sum(1)  # [B]
+    stats = {
+        "goal": nll[roles == 0].sum().item(),
+        "tactic": nll[roles == 1].sum().item(),
+    }
+    return loss, stats
 
 
 def token_mean_denominators(role_tokens: list[int], triples: int) -> list:
@@ -1159,9 +1180,9 @@ def co_train(
     every co-training warms up, then decays (a later iteration's warm-up is warmup_steps *
     steps / train_steps, ours). Returns the losses/ metrics, each optimizer step's averaged over
     the steps: loss (the weighted L_co), goal_nll and tactic_nll (the planner's and the actor's
-    unweighted NLL a token), grad_norm and every other stat loss_fn returns (train_step sums a
-    stat over micro-batches and ranks: return a micro-batch's part of the batch's value); and
-    loss_first, loss_last, steps, learning_rate_last."""
+    unweighted NLL a token; with --joint-format goal_nll is the joint sequence's, with
+    --no-planner the flat one is tactic_nll's), grad_norm and every other stat
+    co_training_batch_loss returns; and loss_first, loss_last, steps, learning_rate_last."""
     reduction = loss_reduction_rule(args)
     size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
@@ -1183,20 +1204,10 @@ def co_train(
         denominators = reduction(role_tokens, len(batch))
 
         def loss_fn(micro: list) -> tuple[torch.Tensor, dict]:
-            """The micro-batch's part of the batch's L_co, and the roles' summed NLL to log."""
             examples = []
             for item in micro:
                 examples.extend(item)
-            logp, mask, _ = token_logprobs(policy, [example.sample for example in examples])
-            roles = torch.tensor([example.role for example in examples], device=logp.device)
-            weights = logp.new_tensor([example.weight for example in examples])  # [B]
-            nll = -(logp.detach() * mask).sum(1)  # [B]
-            loss = co_training_loss(logp, mask, roles, denominators, weights=weights, args=args)
-            nll_sums = {
-                "goal": nll[roles == 0].sum().item(),
-                "tactic": nll[roles == 1].sum().item(),
-            }
-            return loss, nll_sums
+            return co_training_batch_loss(policy, examples, denominators, args=args)
 
         lr = lr_at(
             optimizer_step, steps, args.learning_rate, warmup=warmup, schedule=args.lr_schedule
@@ -1212,7 +1223,7 @@ def co_train(
             length=item_length,
             lr=lr,
         )
-        # every stat loss_fn returns is logged; the roles' NLL sums become per-token means
+        # every stat co_training_batch_loss returns is logged; the NLL sums become per-token means
         goal_nll = step_stats.pop("goal") / max(role_tokens[0], 1)
         tactic_nll = step_stats.pop("tactic") / max(role_tokens[1], 1)
         history.append({**step_stats, "goal_nll": goal_nll, "tactic_nll": tactic_nll})
@@ -1359,8 +1370,11 @@ def nothing_learned(searched: collections.Counter, trained: int, args: Args) -> 
 
 # ---- main ----
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
-    this file has no entry for: each lookup once (ValueError naming what to add)."""
+    """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
+    Literal a fork extended) without its table entry (each lookup runs once and raises a
+    ValueError naming what to add), a value outside its range, flags that cannot run together.
+    A new flag's range check goes here. main calls it before start_run.
+    Here: NODE_CHOICES, LOSS_REDUCTIONS."""
     node_choice(args)
     loss_reduction_rule(args)
 
@@ -1412,7 +1426,7 @@ def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
 
 
 def main(args: Args) -> None:
-    check_choices(args)
+    check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     verifier = start_lean(args, dist)
     problems = load_problems(args.selfplay_dataset, args.num_problems, split=args.selfplay_split)

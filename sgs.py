@@ -1441,10 +1441,11 @@ def start_lean(args: Args, dist: Dist) -> LeanVerifier:
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
-    this file has no entry for: each lookup runs once (solver_objective: SOLVER_OBJECTIVES,
-    conjecturer_normalization: CONJECTURER_NORMALIZATIONS) and raises a ValueError naming
-    what to add. main calls it right after resolve. (--lr-schedule stops in start_run.)"""
+    """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
+    Literal a fork extended) without its table entry (each lookup runs once and raises a
+    ValueError naming what to add), a value outside its range, flags that cannot run together.
+    A new flag's range check goes here. main calls it before start_run.
+    Here: SOLVER_OBJECTIVES, CONJECTURER_NORMALIZATIONS. (--lr-schedule stops in start_run.)"""
     solver_objective(args)
     conjecturer_normalization(args)
 
@@ -1496,7 +1497,7 @@ def start_sampler(solver, tokenizer, args: Args, dist: Dist) -> Sampler:
 
 def main(args: Args) -> None:
     args = resolve(args)  # stops on flags that cannot run; fills the official defaults
-    check_choices(args)  # a flag value without its table entry stops here
+    check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     roles = roles_in_play(args)  # a role not in play is not loaded, run or logged
     solver_loss = solver_objective(args).batch_loss

@@ -1143,6 +1143,20 @@ def final_examples(
     return examples
 
 
+def sft_batch_loss(
+    policy, micro: list[Example], weighted_tokens: float, args: Args
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """STP's weighted SFT on a micro-batch of an optimizer batch: the weighted_nll_loss of its
+    Examples, weights their Example.weight, over the batch's weighted tokens sum_i w_i |y_i|;
+    and the stats update averages over its steps (none). update calls it. A loss term goes
+    here, its coefficient read from args (token_logprobs' entropy is detached unless
+    entropy_grad=True); a stat it returns is a micro-batch's part of the batch's value."""
+    logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])  # [B, T] each
+    weights = logp.new_tensor([e.weight for e in micro])  # [B]
+    loss = weighted_nll_loss(logp, mask, weights, denominator=weighted_tokens)
+    return loss, {}
+
+
 def update(
     policy,
     optimizer,
@@ -1160,8 +1174,8 @@ def update(
     min_steps) optimizer steps on passes over the shuffled examples, a batch being
     min(batch_size, #examples) sequences (deviation 8), from a fresh Adam state; a linear
     warm-up of min(steps - 1, warmup_steps) steps, then lr_schedule. The loss:
-    weighted_nll_loss with denominator sum_i w_i |y_i| over the batch (STP's weighted SFT); a
-    batch whose weights are all 0 is skipped and not counted in losses/steps."""
+    sft_batch_loss, over sum_i w_i |y_i| of the batch (STP's weighted SFT); a batch whose
+    weights are all 0 is skipped and not counted in losses/steps."""
     optimizer.state.clear()
     size = min(args.batch_size, len(examples))  # a small set is not repeated inside a step
     steps = max(len(examples) // size, min_steps)
@@ -1180,10 +1194,7 @@ def update(
             continue
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])  # [B, T] each
-            weights = logp.new_tensor([e.weight for e in micro])  # [B]
-            loss = weighted_nll_loss(logp, mask, weights, denominator=weighted_tokens)
-            return loss, {}
+            return sft_batch_loss(policy, micro, weighted_tokens=weighted_tokens, args=args)
 
         lr_now = lr_at(
             step=optimizer_step + 1,
@@ -1206,11 +1217,10 @@ def update(
         stats.append(step_stats)
     if not stats:  # every batch weighed 0
         return {"steps": 0}
-    return {
-        "loss": float(np.mean([s["loss"] for s in stats])),
-        "steps": len(stats),
-        "grad_norm": float(np.mean([s["grad_norm"] for s in stats])),
-    }
+    metrics = {"steps": len(stats)}
+    for name in stats[0]:  # loss, grad_norm and every stat sft_batch_loss returns
+        metrics[name] = float(np.mean([s[name] for s in stats]))
+    return metrics
 
 
 def retrain_from_base(
@@ -1384,12 +1394,13 @@ def load_benchmarks(args: Args) -> dict[str, list[Problem]]:
 
 
 def check_choices(args: Args) -> None:
-    """Stop at start, not deep in the loop, on a flag value (a Literal a fork extended) that
-    this file has no entry for: each lookup runs once (matching_features: MATCHING_FEATURES)
-    and raises a ValueError naming what to add; and on --elegance-quantile outside [0, 1)
-    (elegance_filter indexes by it); and on flags that cannot run together (the two
-    baselines, as sgs.py's resolve stops its own). main calls it first. (--lr-schedule stops in
-    start_run.)"""
+    """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
+    Literal a fork extended) without its table entry (each lookup runs once and raises a
+    ValueError naming what to add), a value outside its range, flags that cannot run together.
+    A new flag's range check goes here. main calls it before start_run.
+    Here: MATCHING_FEATURES (an entry that cannot take the features' arguments stops too),
+    the elegance quantile (elegance_filter indexes by it), the two baselines together.
+    (--lr-schedule stops in start_run.)"""
     if args.expert_iteration and args.pure_sampling:
         sys.exit(
             "stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one"
@@ -1438,7 +1449,7 @@ def start_sampler(policy, tokenizer, args: Args, dist: Dist) -> Sampler:
 
 
 def main(args: Args) -> None:
-    check_choices(args)  # flags that cannot run together, or a value without its entry, stop here
+    check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     baseline = args.expert_iteration or args.pure_sampling
     verifier = start_lean(args, dist)

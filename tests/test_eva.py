@@ -11,7 +11,6 @@ import math
 import os
 import pathlib
 import random
-import re
 import subprocess
 import sys
 import threading
@@ -109,7 +108,7 @@ def test_greedy_takes_the_highest_weights():
     tied = np.array([0.2, 0.4, 0.4, 0.0])
     assert subset([0] * 4, tied, np.random.default_rng(0), **greedy) == [1]
     # no prompts: none, whatever the method
-    for method in ("greedy", "weighted", "stratified"):
+    for method in eva.SAMPLINGS:
         assert subset([], np.zeros(0), np.random.default_rng(0), sampling=method) == []
 
 
@@ -731,10 +730,9 @@ def test_a_loss_added_with_its_function_and_line_trains(monkeypatch, capsys):
     resolves (OFFICIAL has no row for it: DPO's values, no KeyError, and resolve says which), passes the start checks
     and computes its loss."""
     source = (REPO / "eva.py").read_text()
-    # --loss's Literal, whatever values a fork has added to it: "hinge" goes last
-    [loss_line] = re.findall(r"\n    loss: Literal\[[^\]]*\]", source)
+    # --loss's Literal, whatever values a fork has added to it (on one line or several): "hinge" goes first
     edits = [
-        (loss_line, loss_line[:-1] + ', "hinge"]'),
+        ("\n    loss: Literal[", '\n    loss: Literal["hinge", '),
         ("\n\ndef item_losses(", HINGE_LOSS + "\n\ndef item_losses("),
         (
             '    if loss == "dpo":\n',
@@ -1667,3 +1665,11 @@ def test_the_loop_learns_what_the_reward_model_prefers(primed_model_dir, tmp_pat
     # the marker's share rises where it is paid
     assert np.mean(normal[-2:]) >= normal[0] + LOOP_MARGIN, normal
     assert np.mean(inverted[-2:]) <= inverted[0], inverted  # and does not where its absence is
+
+
+def test_nothing_learned_says_why_when_no_group_taught():
+    a = args()
+    assert eva.nothing_learned(collections.Counter(groups=4), trained=2, args=a) is None
+    assert eva.nothing_learned(collections.Counter(), trained=0, args=a) is None  # no round ran
+    line = eva.nothing_learned(collections.Counter(groups=4), trained=0, args=a)
+    assert "none of 4 training groups taught" in line and "group_teaches" in line

@@ -790,6 +790,15 @@ def result(name, proved, t, exp, edges=10, failed=5, proof=None):
     )
 
 
+def proved_along(found, path):
+    """found with its proof's steps: each Triple of path and its Edge (as a search's would be:
+    the tactic, a log-prob, the planner's target s*)."""
+    edges = [
+        rir.Edge(step.tactic, -1.0, 1, target=step.target, target_logprob=-1.0) for step in path
+    ]
+    return found._replace(path=path, path_edges=edges)
+
+
 def test_search_metrics():
     """By hand; proofs per second divide by the phase's wall time (10 s here), not the searches'
     summed 612 s, as coprover's: ranks search at once. A proof past the budget is not proved."""
@@ -894,7 +903,7 @@ def test_co_training_learns_the_proofs_search_found(tiny_model_dir):
         policy = rir.load_model(tiny_model_dir, CPU, gradient_checkpointing=False)
         optimizer = torch.optim.AdamW(policy.parameters(), a.learning_rate, weight_decay=0.0)
         before = logp_omega(policy)
-        found_steps = [result(found, True, 1.0, 3)._replace(path=triples[found])]
+        found_steps = [proved_along(result(found, True, 1.0, 3), triples[found])]
         data = rir.self_play_triples(found_steps, set(), a)  # (triple, weight, source)
         items = rir.training_items(
             [d for d in data if d[0].state == left.state], tok, a
@@ -1323,7 +1332,7 @@ def test_the_weight_scales_each_sequence_of_l_co():
     assert weighted.item() == pytest.approx(3.0 + 0.125)
     found = result("a", True, 1.0, 1)
     step = rir.Triple("⊢ A", "win", rir.NO_GOALS)
-    found = found._replace(path=[step])
+    found = proved_along(found, [step])
     known = set()
     data = rir.self_play_triples([found, result("b", False, 1.0, 1)], known, args())
     assert data == [(step, (1.0, 1.0), found)] and known == {step}
@@ -1339,7 +1348,7 @@ def test_self_play_rules_one_function_each():
     assert rir.trains_on(found, args()) and not rir.trains_on(overrun, args())
     first = rir.Triple("⊢ A", "intro", "⊢ B")
     second = rir.Triple("⊢ B", "win", rir.NO_GOALS)
-    found = found._replace(path=[first, second])
+    found = proved_along(found, [first, second])
     known = {first}
     assert rir.unseen_steps(found, known) == [(1, second)] and known == {first, second}
     assert rir.unseen_steps(found, known) == []
