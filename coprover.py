@@ -214,7 +214,7 @@ class Args:
     """the weight of the normalised log-prob against V(s) in `weighted_priority` (official)"""
     priority: Literal["weighted"] = "weighted"
     """how a node's path log-prob and V(s) rank it in the search (priority_rule, from
-    PRIORITIES: official weighted_priority)"""
+    PRIORITIES: weighted_priority, the official mix normalised: deviation 2)"""
     search_batch: int | None = None
     """theorems searched in lockstep on each rank (default: the rank's REPL pool size)"""
 
@@ -642,9 +642,9 @@ class Tree:
 
 
 class Label(NamedTuple):
-    """A value model training item, made by step 1's searches (search_result; collected in step
-    2, trained on in step 3 of the same iteration) and by step 4's whole proofs
-    (whole_proof_labels; trained on in the next step 3 that runs)."""
+    """A value model training item (state, value, source), made by step 1's searches
+    (search_result; collected in step 2, trained on in step 3 of the same iteration) and by
+    step 4's whole proofs (whole_proof_labels; trained on in the next step 3 that runs)."""
 
     state: str  # the proof state's text
     value: float  # its target: a value_label on a proof path, 0 off every proof path
@@ -985,8 +985,9 @@ def search_theorems(
     train_set: list[Problem], state: dict, rng: random.Random, args: Args
 ) -> list[Problem]:
     """Step 1's theorems: search_theorems_per_round of the training statements (all of them
-    when fewer), drawn with the iteration's rng. state: the run's (its "proved": the proofs
-    earlier searches found), where a changed rule reads what it needs."""
+    when fewer), drawn with the iteration's rng. state: the run's (its "proved": {id: proof}
+    of the theorems step 1's searches proved within the budget, not step 4's whole proofs nor
+    the evaluation's), where a changed rule reads what it needs."""
     size = min(args.search_theorems_per_round, len(train_set))
     return rng.sample(train_set, size)
 
@@ -1342,12 +1343,14 @@ def grpo_examples(groups: list[list[Attempt]], args: Args) -> list[Example]:
 
 def grpo_batch_loss(
     policy, micro: list[Example], n_tokens: int, args: Args
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, dict[str, float]]:
     """GRPO's loss on a micro-batch of a minibatch (official): the clip_higher_loss of its
     Examples, advantages their Example.weight, pi_old the sampler's log-probs, over the
-    minibatch's n_tokens. Returns (the loss, the count of tokens the clip held back). update
-    calls it. A loss term goes here, its coefficient read from args (token_logprobs'
-    entropy is detached unless entropy_grad=True); a term that trains every sample also
+    minibatch's n_tokens. Returns (the loss, its stats: "held_back", the tokens the clip held
+    back, which update makes losses/grpo_clipfrac). update calls it. A loss term goes here,
+    its coefficient read from args, and a stat it returns is logged as losses/grpo_<name> (a
+    micro-batch's part of the minibatch's value: train_step sums them); token_logprobs'
+    entropy is detached unless entropy_grad=True. A term that trains every sample also
     changes adds_gradient."""
     samples = [example.sample for example in micro]
     logp, mask, _ = token_logprobs(policy, samples, args.temperature)  # [B, T]
@@ -1357,7 +1360,7 @@ def grpo_batch_loss(
         old_rows.append(torch.nn.functional.pad(logp.new_tensor(s.logprobs), padding))
     old_logp = torch.stack(old_rows)  # [B, T]
     advantages = logp.new_tensor([example.weight for example in micro])  # [B]
-    return clip_higher_loss(
+    loss, held_back = clip_higher_loss(
         logp,
         old_logp,
         mask,
@@ -1366,6 +1369,7 @@ def grpo_batch_loss(
         eps_low=args.eps_clip,
         eps_high=args.eps_clip_high,
     )
+    return loss, {"held_back": held_back.item()}
 
 
 def update(
@@ -1395,8 +1399,7 @@ def update(
         trained_tokens = sum(len(example.sample.token_ids) for example in to_train)
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            loss, held_back = grpo_batch_loss(policy, micro, n_tokens=n_tokens, args=args)
-            return loss, {"clipfrac": held_back.item() / trained_tokens}
+            return grpo_batch_loss(policy, micro, n_tokens=n_tokens, args=args)
 
         step_stats = train_step(
             policy,
@@ -1409,6 +1412,8 @@ def update(
             length=example_length,
             lr=lr,
         )
+        # the clip's share of the tokens the loss trains on
+        step_stats["clipfrac"] = step_stats.pop("held_back") / trained_tokens
         history.append(step_stats)
     if not history:
         return {}
@@ -1430,11 +1435,11 @@ def grpo_round(
     """Step 4: grpo_steps_per_round GRPO steps, rollout batches first_batch on (rollout_prompts).
     First sync_weights: the sampler gets the policy's weights (a vLLM put to sleep by step 3's
     value update wakes). Each step samples and verifies whole proofs (attempt_proofs), labels
-    the states of the accepted ones for the value model, and a failed theorem's root 0
-    (whole_proof_labels), puts the sampler
-    to sleep, updates the prover on the batch (grpo_examples, update) at lr_at(batch_index) of
-    a schedule over all iterations x grpo_steps_per_round batches, and syncs the new weights
-    into the sampler, so the next batch samples from them. Returns each step's update stats,
+    the states of the accepted ones for the value model, and each failed attempt's root 0
+    (whole_proof_labels), puts the sampler to sleep, updates the prover on the batch
+    (grpo_examples, update) at lr_at(batch_index) of a schedule over all iterations x
+    grpo_steps_per_round batches, and syncs the new weights into the sampler, so the next
+    batch samples from them. Returns each step's update stats,
     the rollouts (every one: grpo_metrics, `outcomes`), the labels (V trains on them in the
     next step 3 that runs) and the number of rollouts the updates trained on (adds_gradient:
     `trained`)."""
@@ -1833,7 +1838,8 @@ def main(args: Args) -> None:
                 score = value_scorer(value_model, tokenizers["value"], args=args, dist=dist)
                 state["value_rounds"] += 1
 
-        # 4. The prover: GRPO on whole proofs; Lean's verified proofs are replayed for labels
+        # 4. The prover: GRPO on whole proofs; labels: Lean's verified proofs replayed, and
+        # each failed attempt's root 0
         with logger.timer("grpo"):
             stats, attempts, labels, round_trained = grpo_round(
                 sampler,

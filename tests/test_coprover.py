@@ -10,6 +10,7 @@ import json
 import math
 import os
 import pathlib
+import random
 import subprocess
 import sys
 import time
@@ -247,7 +248,7 @@ def test_clipfrac_counts_the_trained_tokens(monkeypatch):
         mask = torch.tensor(
             [[1.0] * len(s.token_ids) + [0.0] * (width - len(s.token_ids)) for s in samples]
         )
-        return logp, mask, None
+        return logp, mask, torch.zeros_like(logp)  # entropy: a term may ask for it
 
     monkeypatch.setattr(cp, "token_logprobs", fake_logprobs)
 
@@ -287,7 +288,7 @@ def flat_logprobs(policy):
             mask.append([1.0] * len(s.token_ids) + [0.0] * (width - len(s.token_ids)))
         mask = torch.tensor(mask)
         logp = torch.zeros_like(mask) + 0.0 * policy.weight.sum()
-        return logp, mask, None
+        return logp, mask, torch.zeros_like(logp)  # entropy: a term may ask for it
 
     return fake_logprobs
 
@@ -1750,3 +1751,17 @@ def test_loop_learns_what_the_stand_in_rewards(primed_model_dir, tmp_path):
         r["losses/grpo_steps"] == 1 for r in runs["rule"]
     )  # every rollout batch updated the prover
     print(f"loop learning test: {time.time() - started:.0f} s")
+
+
+def test_search_theorems_draws_a_rounds_share():
+    """Step 1's theorems: search_theorems_per_round of the training statements, drawn with the
+    iteration's rng (the same draw on every rank), all of them when fewer."""
+    problems = [cp.Problem(str(i), "", "") for i in range(5)]
+    a = args(search_theorems_per_round=3)
+    drawn = cp.search_theorems(problems, {"proved": {}}, random.Random("0/0"), a)
+    again = cp.search_theorems(problems, {"proved": {}}, random.Random("0/0"), a)
+    assert len(drawn) == 3 and len({p.id for p in drawn}) == 3 and drawn == again
+    every = cp.search_theorems(
+        problems, {"proved": {}}, random.Random("0/0"), args(search_theorems_per_round=9)
+    )
+    assert sorted(p.id for p in every) == ["0", "1", "2", "3", "4"]
