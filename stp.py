@@ -20,8 +20,9 @@ rounds); each iteration:
      vLLM a rank generates its share in --generation-folds calls (the official folds: there,
      each fold is verified while the next one generates);
   4. the conjecturer's data (conjecturer_examples): the conjectures attempted this iteration
-     whose solve rate is in the band (in_conjecture_band; official: barely provable), minus the
-     least elegant ones (keep_elegant, --elegance-filter), weighted toward the unproved
+     whose solve rate is in the band (in_conjecture_band; official: barely provable) that
+     keeps_conjecture keeps (official: all), minus the least elegant ones (keep_elegant,
+     --elegance-filter), weighted toward the unproved
      statements (matching_weights);
   5. the prover's data (prover_examples): the correct proofs in the replay window (the official
      replay buffer: the last --replay-rounds iterations, 3) of the problems, statements and
@@ -247,7 +248,7 @@ class Args:
     """distribution matching (matching_weights): a conjecture's weight stops growing at this
     value"""
     embedding_max_tokens: int = 512
-    """statements are embedded from their first this many tokens"""
+    """--matching-features policy_mean_hidden embeds a statement's first this many tokens"""
     learning_rate: float = 5e-5
     """learning rate of each iteration's weighted SFT (official)"""
     batch_size: int = 2048
@@ -571,7 +572,7 @@ def matching_weights(
     P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
 ) -> list[float]:
     """Distribution matching (official): the weight of each of the N conjectures, P [N, d] their
-    normalised embeddings, toward the M unproved statements, Q [M, d]. Each unproved statement, in
+    normalised features (--matching-features), toward the M unproved statements, Q [M, d]. Each unproved statement, in
     random order, adds N/M to its most similar conjecture whose weight is still below `cap`; the
     weights sum to N while some conjecture is below the cap."""
     n = len(P)
@@ -1004,18 +1005,21 @@ def conjecturer_examples(
 ) -> tuple[list[Example], dict]:
     """Step 4, the conjecturer's data. Takes this iteration's conjectures and attempts, the
     proofs recorded so far (record_proofs) and the unproved dataset statements; returns the
-    Examples and the conjecturer/ stats. The rule: conjectures_in_band, keeps_conjecture,
-    choose_lemmas, then keep_elegant (with --elegance-filter), then matching_weights of the
-    survivors toward the
-    unproved statements, compared by --matching-features (matching_features), weight 0
-    dropped. An Example: the conjecturer's prompt with the chosen lemma, the target the
-    statement and </hard theorem>, the weight the matching weight, the source its Candidate.
-    Step 6 (update) trains on them with prover_examples'."""
+    Examples and the conjecturer/ stats, counted after each part of the rule: in_band
+    (conjectures_in_band), kept (keeps_conjecture), invoking_lemma (choose_lemmas' lemmas a
+    proof invokes), elegant (after keep_elegant with --elegance-filter; every chosen one
+    without it), matched (weight above 0). The rule then: matching_weights of the survivors
+    toward the unproved statements, compared by --matching-features (matching_features; the
+    official features run the policy forward, so the sampler sleeps first), weight 0 dropped.
+    An Example: the conjecturer's prompt with the chosen lemma, the target the statement and
+    </hard theorem>, the weight the matching weight, the source its Candidate. Step 6
+    (update) trains on them with prover_examples'."""
     band = conjectures_in_band(conjectures, attempts, args)
     kept = []
     for candidate in band:
         if keeps_conjecture(candidate, proofs, iteration, args):
             kept.append(candidate)
+    kept_count = len(kept)
     kept = choose_lemmas(kept, proofs, iteration, rng, args)
     invoking = [c for c in kept if c.lemma]
     if args.elegance_filter:
@@ -1041,6 +1045,7 @@ def conjecturer_examples(
         examples.append(example)
     stats = {
         "conjecturer/in_band": len(band),
+        "conjecturer/kept": kept_count,
         "conjecturer/invoking_lemma": len(invoking),
         "conjecturer/elegant": len(kept),
         "conjecturer/matched": len(examples),
@@ -1056,7 +1061,8 @@ def prover_examples(
     trains on with conjecturer_examples'. The rule: the correct proofs in the replay window
     (iterations iteration - replay_rounds + 1 .. iteration) of each statement whose samples and
     correct ones over the window are in_prover_band;
-    one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight.
+    one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight
+    (weight 0 dropped, as conjecturer_examples').
     The target: the proof, the closing fence, EOS; the source: the proof's entry with its
     statement's "id" and window counts ("samples", "correct", and "n_correct": its entries in
     the window, a proof found in two iterations counting twice)."""
@@ -1079,6 +1085,8 @@ def prover_examples(
         for entry in newest.values():
             source = dict(entry, id=pid, samples=samples, correct=correct, n_correct=len(recent))
             weight = proof_weight(source, args)
+            if weight <= 0:  # no signal (a weight term can reach 0): not an example
+                continue
             target = entry["proof"] + "\n```"
             example = text_example(
                 tokenizer, prompt, target, weight=weight, args=args, source=source
@@ -1475,7 +1483,7 @@ def main(args: Args) -> None:
 
     metrics = {}
     outcomes = collections.Counter()  # this run's verdicts
-    trained = 0  # this run's prover training examples
+    trained = 0  # this run's prover training examples (Stage 3's and expert iteration's too)
     for iteration in range(start, args.iterations):
         step = iteration + 1
         metrics = {}
@@ -1569,7 +1577,7 @@ def main(args: Args) -> None:
                 metrics["data/prover_examples"] = len(prover_set)
                 metrics["data/conjecturer_examples"] = len(conjecturer_set)
 
-            # 6. Update: one weighted-SFT epoch on both sets
+            # 6. Update: weighted SFT on both sets (update)
             with logger.timer("update"):
                 examples = prover_set + conjecturer_set
                 stats = {}

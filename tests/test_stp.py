@@ -856,6 +856,7 @@ def test_conjecturer_examples(tiny_model_dir):
         policy, tok, conj, attempts, proofs, unproved, 1, random.Random(0), args(), CPU
     )
     assert stats["conjecturer/in_band"] == 3 and stats["conjecturer/invoking_lemma"] == 1
+    assert stats["conjecturer/kept"] == 3  # keeps_conjecture, official: every one
     # groups: {r1_c0} with lemma sq_nonneg (kept whole), {r1_c1, r1_c2} with '': official cutoff sorted[int(2 * 0.2)]
     # = sorted[0], the smaller ratio, so both stay
     assert stats["conjecturer/elegant"] == 3
