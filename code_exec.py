@@ -562,7 +562,8 @@ def outputs_equal(a: Any, b: Any) -> bool:
     """True when two output reprs denote the same value (AZR compares outputs by value, eval(a) == eval(b)).
 
     Both are parsed as Python literals (ast.literal_eval, plus inf/nan/set()/frozenset()), never evaluated as
-    code; text that is not a literal is compared as stripped text. Never raises."""
+    code; text that is not a literal is compared as stripped text. Unlike ==: NaN equals NaN, a bool never equals
+    a number ("True" vs "1"), a list never a tuple. Never raises."""
     try:
         if not isinstance(a, str) or not isinstance(b, str):
             return False

@@ -79,8 +79,8 @@ read; [RECON] marks values from third-party notes or our own choice (in Args and
   2. [RECON] one-step ablations (App. C.3): medium takes the lemma band, hard the lift band; the
      prompt sets no level.
   3. [RECON] novelty embeds the description with the public examples (all-MiniLM-L6-v2); a lift
-     skips its own lemma. The other rows of SIMILARITIES (--similarity keyword: word-set
-     Jaccard) are this file's alternatives.
+     skips its own lemma. The other rows of SIMILARITIES (--similarity) are this file's
+     alternatives.
   4. Goalposts: only Sec. 3.2's stage 1 runs (the model at iteration 0); stages 2-3 need AZR and
      extra RL runs.
   5. --no-guidance proposes induction tasks only (AZR proposes all three types).
@@ -829,8 +829,10 @@ def keyword_sets(texts: list[str], embedder=None, args: Args | None = None) -> l
 
 
 def jaccard_similarity(new: list[frozenset], old: list[frozenset]) -> torch.Tensor:
-    """A set measure's similarity (keyword's word sets): N and M sets -> [N, M] Jaccard overlaps
-    |a & b| / |a | b|, in [0, 1]; two empty sets are 1 (alike), an empty and a non-empty one 0."""
+    """A set measure's similarity (keyword's word sets, or any measure whose features are sets):
+    N and M sets -> [N, M] Jaccard overlaps |a & b| / |a | b|, in [0, 1]; two empty sets are 1
+    (alike: a features function should give a short text a non-empty set), an empty and a
+    non-empty one 0."""
     rows = []
     for a in new:
         row = []
@@ -850,7 +852,9 @@ class Measure(NamedTuple):
     features: object  # (texts, embedder, args) -> a feature a text
     similarity: object  # (N features, M features), both non-empty -> [N, M] similarities
     uses_embedder: bool  # load_models loads --embedding-model for it (else the embedder is None)
-    threshold: float  # too_similar's default on this measure's scale (--similarity-threshold)
+    # too_similar's default on this measure's scale; --similarity-threshold overrides it (for a
+    # measure whose scale moves with a flag of its own, as an n-gram size, give it there)
+    threshold: float
 
 
 # --similarity's measures: a new one is its two functions above and a row here
@@ -1536,11 +1540,13 @@ def advantage_examples(examples: list[Example], args: Args) -> list[Example]:
 def update(policy, optimizer, examples: list[Example], lr: float | None, args: Args, dist) -> dict:
     """One optimizer step on the shared weights (AZR App. A). Takes a phase's Examples (all of an
     iteration's with --no-phase-updates); advantage_examples sets their weights to the
-    --advantage estimator's advantages (TRR++), and PPO's clipped loss (ppo_clip_loss)
-    multiplies them, as a token mean over the whole update, no KL. A step without a gradient
-    (has_gradient: e.g. every proposal malformed and no entropy bonus) is skipped: no passes, no
-    step, AdamW's moments stay. lr None: the optimizer's own. Returns the losses/ metrics: each
-    of ppo_clip_loss's stats, grad_norm, sequences, advantage_abs (mean_losses averages them)."""
+    --advantage estimator's advantages (official TRR++: per group of the Examples passed, a
+    phase's under --phase-updates), and PPO's clipped loss (ppo_clip_loss) multiplies them, as
+    a token mean over the whole update, no KL. A step without a gradient (has_gradient: e.g.
+    every proposal malformed and no entropy bonus) is skipped: no passes, no step, AdamW's
+    moments stay, and only losses/sequences is returned. lr None: the optimizer's own. Returns
+    the losses/ metrics: each of ppo_clip_loss's stats, grad_norm, sequences, advantage_abs
+    (mean_losses averages them and counts the skipped steps)."""
     examples = advantage_examples(examples, args)
     if not examples or not has_gradient(examples, args):
         return {"losses/sequences": float(len(examples))}
@@ -1664,9 +1670,11 @@ def save_proposals(run_dir: pathlib.Path, iteration: int, records: list[dict]) -
 
 
 def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> str | None:
-    """The run's last line when it made proposals but accepted none, so that no task reached the
-    student and nothing was trained on a task's answer (`trained`, with real-data RL's; the CPU
-    default on the embedded model): the proposals' outcomes. None otherwise."""
+    """The run's last line when nothing was trained on (`trained`: the student's examples and
+    real-data RL's, 0) after proposals were made: no proposal was accepted, so no task reached
+    the student (the CPU default on the embedded model); the line gives the proposals'
+    outcomes. None otherwise (a run with --real-data-rl trains on real problems even when no
+    proposal is accepted)."""
     if trained or not outcomes:
         return None
     counts = ", ".join(f"{reason} {n}" for reason, n in outcomes.most_common())

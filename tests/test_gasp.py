@@ -152,6 +152,8 @@ def test_teacher_reward_by_fate_and_its_edges():
         if valid is None:
             valid = reason in ("", "too_easy", "too_hard", "similar", "trivial")
         record = {"reason": reason, "valid": valid}
+        if valid:  # every valid record has its novelty (None: nothing to compare with)
+            record["max_similarity"] = None
         if p is not None:
             record["pass_rate"] = p
         return gasp.teacher_reward(record, stage=stage, args=given)
