@@ -269,8 +269,8 @@ class Args:
 
     # ablations
     no_guide: bool = False
-    """drop the Guide: R_guide = 1 for every conjecture (conjecturer_reward; Table 1, No
-    Guide)"""
+    """drop the Guide: R_guide = 1 for every conjecture (main's step 4, before
+    conjecturer_reward; Table 1, No Guide)"""
     no_conjecturer: bool = False
     """solver-only baseline: no conjectures (Table 1, REINFORCE½ / CISPO / EI)"""
     freeze_conjecturer: bool = False
@@ -673,6 +673,29 @@ def cispo_loss(
     return -per_group_token.sum() / n_groups
 
 
+def solver_batch_loss(
+    policy, micro: list[Example], batch: list[Example], args: Args
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The Solver's loss on a micro-batch of an optimizer batch: its objective's batch_loss
+    (--solver-objective: SOLVER_OBJECTIVES), and its stats (none), which update logs as
+    losses/solver_<name> (a micro-batch's part of the batch's value: train_step sums them).
+    A Solver loss term under every objective goes here, its coefficient read from args
+    (token_logprobs' entropy is detached unless entropy_grad=True); one objective's term goes
+    in that objective's batch_loss. update calls it for the Solver."""
+    loss = solver_objective(args).batch_loss(policy, micro, batch, args)
+    return loss, {}
+
+
+def conjecturer_batch_loss(
+    policy, micro: list[Example], batch: list[Example], args: Args
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The Conjecturer's loss on a micro-batch (official: REINFORCE, reinforce_batch_loss),
+    and its stats (none), logged as losses/conjecturer_<name>. A Conjecturer loss term goes
+    here. update calls it for the Conjecturer."""
+    loss = reinforce_batch_loss(policy, micro, batch, args)
+    return loss, {}
+
+
 def groups_per_batch(args: Args) -> int:
     """G, the whole groups of k attempts in an optimizer batch: batch_size / k, at least 1
     (official: CISPO's batches hold whole groups)."""
@@ -685,7 +708,7 @@ def reinforce_batch_loss(
     """REINFORCE (§3.2) on a micro-batch of an optimizer batch: the weighted_nll_loss of
     its examples, weights their Example.weight, over the whole batch's denominator: its
     completion tokens (official) or, with --sequence-mean-loss, its sequences (Eq. 4).
-    update calls it for the Conjecturer, and for the Solver under REINFORCE½ and EI."""
+    conjecturer_batch_loss calls it, and solver_batch_loss under REINFORCE½ and EI."""
     if args.sequence_mean_loss:  # Eq. 4: the batch's sequences
         denominator = len(batch)
     else:  # official: the batch's completion tokens
@@ -709,7 +732,7 @@ def cispo_batch_loss(
     """CISPO (App. G.3) on a micro-batch of an optimizer batch: the cispo_loss of its
     examples, advantages their Example.weight, pi_old the sampler's log-probs, G =
     groups_per_batch (official: also in a last, smaller batch; `batch` is not read).
-    update calls it for the Solver under --solver-objective cispo."""
+    solver_batch_loss calls it under --solver-objective cispo."""
     samples = [e.sample for e in micro]
     # the importance ratio compares with the sampler's log-probs: renormalise over its
     # top-p nucleus too; logp, mask: [B, T]
@@ -767,7 +790,7 @@ def conjecture(
     args: Args,
     dist: Dist,
 ) -> tuple[list[Conjecture], dict[str, float]]:
-    """Step 1 (only with a Conjecturer: roles_in_play): takes the never-solved targets (the
+    """Step 1 (only with a Conjecturer: roles_in_play): takes select_seeds' targets (the
     seeds) and all targets; samples conjectures_per_target statements for each seed with
     the Conjecturer's weights, parsed (deviation 4: no header lines, a conjecture inherits
     its target's), and kept once by statement_key, none equal to a target. Returns the
@@ -913,8 +936,8 @@ def store_target_proofs(
     """Step 2's bookkeeping: stores in proofs {target id: [proof dict]} up to `cap` distinct
     verified proofs of each target, each dict the proof, its iteration, its tokens and
     Lean's seconds on it (official; the seconds are ours; a target with one is solved); none of
-    a conjecture (it has no entry in proofs). Read by step 1 (select_seeds: targets with
-    none), EI's examples, solve_metrics and the checkpoint."""
+    a conjecture (it has no entry in proofs). Read by step 1 (select_seeds), EI's examples,
+    solve_metrics and the checkpoint."""
     for pid, row in attempts.items():
         if pid not in proofs:
             continue
@@ -1236,7 +1259,9 @@ CONJECTURER_NORMALIZATIONS = {"min_max": min_max_normalize, "none": raw_rewards}
 def conjecturer_normalization(args: Args):
     """The function of --conjecturer-normalization, from CONJECTURER_NORMALIZATIONS: the
     selected conjectures' rewards [R_i] -> their weights [w_i]. check_choices calls it at
-    start; conjecturer_examples reads it."""
+    start; conjecturer_examples reads it, then replaces an overlong conjecture's weight by
+    its overlong penalty, in [-1, 0] (official: below every min-max weight, which are in
+    [0, 1]; a normalisation onto another scale decides how an overlong one compares)."""
     name = args.conjecturer_normalization
     if name not in CONJECTURER_NORMALIZATIONS:
         raise ValueError(
@@ -1312,16 +1337,17 @@ def update(
     """Step 5: one epoch of a role's policy over its examples (solver_examples' or
     conjecturer_examples'), from a fresh Adam state and a fresh learning-rate schedule
     (official: a new trainer each iteration), in optimizer_batches; batch_loss(policy, micro,
-    batch, args) is the loss of a micro-batch over its whole batch (reinforce_batch_loss, or
-    the Solver objective's: solver_objective). Returns the losses/ metrics: mean loss, steps,
-    mean grad_norm (the caller skips a role with no examples)."""
+    batch, args) -> (loss, stats) is the role's loss of a micro-batch over its whole batch
+    (solver_batch_loss, conjecturer_batch_loss). Returns the losses/ metrics: steps, and the
+    mean over the steps of loss, grad_norm and every stat batch_loss returns (the caller
+    skips a role with no examples)."""
     optimizer.state.clear()
     stats = []
     batches = optimizer_batches(examples, args)
     for optimizer_step, batch in enumerate(batches):
 
         def loss_fn(micro: list[Example]) -> tuple[torch.Tensor, dict]:
-            return batch_loss(policy, micro, batch, args), {}
+            return batch_loss(policy, micro, batch, args)
 
         lr_now = lr_at(
             step=optimizer_step,
@@ -1342,11 +1368,10 @@ def update(
             lr=lr_now,
         )
         stats.append(step_stats)
-    return {
-        "loss": float(np.mean([s["loss"] for s in stats])),
-        "steps": len(stats),
-        "grad_norm": float(np.mean([s["grad_norm"] for s in stats])),
-    }
+    metrics = {"steps": len(stats)}
+    for name in stats[0]:  # loss, grad_norm and every stat batch_loss returns
+        metrics[name] = float(np.mean([s[name] for s in stats]))
+    return metrics
 
 
 # ---- evaluation ----
@@ -1405,7 +1430,7 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
     if accepted:
         why = (
             f"{accepted} of {n} attempts accepted, none a {args.solver_objective} example "
-            "(solve rates out of its range, or `try`)"
+            "(its rule, solver_objective's, kept none: e.g. solve rates out of its band, or `try`)"
         )
     shares = ", ".join(f"{k} {v / n:.0%}" for k, v in outcomes.most_common())
     return (
@@ -1500,7 +1525,6 @@ def main(args: Args) -> None:
     check_choices(args)  # flag values that cannot run stop here, at start
     dist, run_dir, logger = start_run(args, CPU_DEFAULTS)
     roles = roles_in_play(args)  # a role not in play is not loaded, run or logged
-    solver_loss = solver_objective(args).batch_loss
     verifier = start_lean(args, dist)
     targets = load_problems(args.dataset, args.num_problems)  # D
     models, tokenizer, (solver, conjecturer, guide) = load_models(args, dist)
@@ -1584,14 +1608,14 @@ def main(args: Args) -> None:
         # 5. Update the Solver and the Conjecturer
         with logger.timer("update"):
             sampler.sleep()
-            # (role, its examples, its lr, its batch loss); the Conjecturer's is REINFORCE
+            # (role, its examples, its lr, its batch loss)
             training_sets = [
-                ("solver", solver_set, args.learning_rate, solver_loss),
+                ("solver", solver_set, args.learning_rate, solver_batch_loss),
                 (
                     "conjecturer",
                     conjecturer_set,
                     args.conjecturer_learning_rate,
-                    reinforce_batch_loss,
+                    conjecturer_batch_loss,
                 ),
             ]
             for role, examples, lr, batch_loss in training_sets:

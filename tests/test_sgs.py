@@ -386,7 +386,7 @@ def test_update_divides_by_the_whole_batch_across_micro_batches(tiny_model_dir, 
     examples = [sgs.Example(samples[0], 1.0), sgs.Example(samples[1], 0.5)]
     catcher = GradCatcher(policy.parameters())
     a = args(batch_size=2, micro_batch_size=1, max_grad_norm=1e9, sequence_mean_loss=sequence_mean)
-    sgs.update(policy, catcher, examples, 1e-3, sgs.reinforce_batch_loss, a, CPU)
+    sgs.update(policy, catcher, examples, 1e-3, sgs.conjecturer_batch_loss, a, CPU)
     logp, mask, _ = sgs.token_logprobs(policy, samples)
     sums = logp.sum(1)
     expected = (
@@ -1034,7 +1034,7 @@ def test_update_raises_a_rewarded_completion_and_lowers_a_penalised_one(tiny_mod
         for t in ["  norm_num", "  simp", "  decide", "  omega"]
     ]
     a = args(batch_size=4, micro_batch_size=2, proofs_per_problem=4, solver_objective=objective)
-    batch_loss = sgs.solver_objective(a).batch_loss  # the objective's loss, as main's Solver update
+    batch_loss = sgs.solver_batch_loss  # the objective's loss, as main's Solver update
     logps = {}
     for sign in (1, -1):
         torch.manual_seed(0)
