@@ -33,11 +33,14 @@ rates each by its reward against its group's (`grpo_advantages`), with no critic
   5. eval: pass@1/8/32 on miniF2F-test, and search efficiency with and without V (`evaluate`).
 pass@k: the chance that one of k samples is a proof (`pass_at_k`); a search is one sample, so
 search/pass@1 is the share of the searched theorems proved.
-Records: lean_verify's Problem(id, header, statement) is a theorem; the block's Sample(text,
-prompt_ids, token_ids, logprobs, finish_reason) is one sampled completion and Dist(rank,
-world_size, local_world_size, device, is_main, objects) is this process among torchrun's.
 Metrics (metrics.jsonl, step = iterations done): search/*, value/*, losses/*, charts/*, lean/*,
 eval/*, time/*.
+Records: lean_verify's Problem(id, header, statement), a theorem; TacticState, a proof state
+(goals, status, the tactics from the root; key: its goals); Triple(state, tactic, target), a
+proof step (the state before the tactic, the tactic, the state after it). The infrastructure
+block at the end defines Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one
+completion as the sampler drew it, and Dist(rank, world_size, local_world_size, device,
+is_main, objects), where this process stands among torchrun's.
 
 Run. Without CUDA, Args' defaults are CPU_DEFAULTS (a loop sized for a laptop; the run prints
 them), so `python <this file>` and `main(Args())` run it alike and a value given keeps it;
@@ -59,10 +62,11 @@ Deliberate deviations:
      proof is checked whole.
   2. Priority exp(mean token log-prob of the path), in (0, 1] like V, not
      value_guided_search.py's cumulative log-prob.
-  3. The search runs (no official script calls it); K distinct sampled tactics, not beam; log-prob
-     only before any V. Lockstep over --search-batch theorems per rank (one sampling call for
-     every live theorem's node), each charged the calls it waits for, its tactics and kernel
-     checks and V's calls (--search-batch 1: its wall clock), as rir.py's search.
+  3. Searches run in lockstep, --search-batch theorems per rank (default one per REPL): one
+     sampling call for every live theorem's node (vLLM's throughput needs batched calls); each
+     theorem is charged the model calls it waits for, its own tactics and kernel checks
+     (--search-batch 1: its wall clock). The search runs (no official script calls it); K
+     distinct sampled tactics, not beam; log-prob only before any V.
   4. Labels per state, from search and GRPO's rollouts (official: own samples' roots, 0.95^lines
      or 0; --value-labels).
   5. The reward is lean_verify's verdict, not kimina's (warnings allowed): lean_reward.py fails
@@ -210,13 +214,14 @@ class Args:
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
     the machine)"""
+    search_batch: int | None = None
+    """theorems searched in lockstep on each rank (`search`; default: the rank's REPL pool size;
+    1: one theorem at a time, charged its wall clock)"""
     alpha: float = 0.3
     """the weight of the normalised log-prob against V(s) in `weighted_priority` (official)"""
     priority: Literal["weighted"] = "weighted"
     """how a node's path log-prob and V(s) rank it in the search (priority_rule, from
     PRIORITIES: weighted_priority, the official mix normalised: deviation 2)"""
-    search_batch: int | None = None
-    """theorems searched in lockstep on each rank (default: the rank's REPL pool size)"""
 
     # value model (official)
     gamma: float = 0.95
@@ -517,7 +522,7 @@ def priority_rule(args: Args):
 
 def priority(node: Node, value: float | None, args: Args) -> float:
     """A node's priority in the best-first search, the one place the search ranks a node
-    (queue_nodes, once V has scored it): with a value model, --priority's rule (priority_rule;
+    (end_expansion, once V has scored it): with a value model, --priority's rule (priority_rule;
     official weighted_priority); without one (value None: --no-value-model, the search before
     V's first training, eval's log-prob search), ReProver's: the path's cumulative log-prob
     node.logprob. A rule reads the Node (its path: node_path; its Edge) and a flag."""
@@ -601,7 +606,7 @@ class Edge(NamedTuple):
 
     tactic: str | None  # None: a sample that is no tactic (a failed edge, never run)
     logprob: float  # log p(y | ...): the tactic's summed token log-probs
-    tokens: int  # the tactic's tokens
+    tokens: int  # the tactic's tokens (0: no tactic)
     target: str | None = None  # rir's target state s* (None here)
     target_logprob: float = 0.0  # rir's log p(s* | s) (0 here)
 
@@ -757,7 +762,7 @@ def best_first_search(
     that can_expand picks its node (pick_node), the prover samples K tactics for all of them in
     one call (propose_tactics), Lean applies them (try_tactics), V scores the new states
     (`score(state texts) -> values`; None: no value model) and they join the queue by `priority`
-    (queue_nodes). Each theorem is charged what it waits for (within_budget). Returns a
+    (end_expansion). Each theorem is charged what it waits for (within_budget). Returns a
     SearchResult a theorem, in order (search_result); step 2 reads their labels."""
     trees = start_trees(verifier, problems)
     while True:
@@ -768,7 +773,7 @@ def best_first_search(
             start_expansion(tree, args)
         propose_tactics(sampler, live, key=key, args=args, clock=clock)
         new = try_tactics(verifier, live, args, clock=clock)
-        queue_nodes(score, new, args, clock=clock)
+        end_expansion(live, new, score, args, clock=clock)
     return [search_result(tree, args) for tree in trees]
 
 
@@ -790,16 +795,20 @@ def tactic_prompts(trees: list[Tree]) -> list[str]:
 
 def proposed_edges(samples: list[Sample]) -> list[Edge]:
     """A node's proposed edges from its K samples: each distinct tactic once, with its first
-    sample's log-prob and tokens, in sampling order; then a failed edge (tactic None) for each
-    sample that is not one finished line (truncated, aborted or empty)."""
+    sample's log-prob and tokens, in sampling order; then a failed edge (tactic None, log-prob 0,
+    0 tokens) for each malformed sample (not one finished line: truncated, aborted or empty), in
+    sampling order."""
+    failed_edge = Edge(None, 0.0, 0)
     distinct = {}  # tactic -> its Edge
     failed = []
-    for s in samples:
-        tactic = s.text.strip()
-        if s.finish_reason != "stop" or not tactic:
-            failed.append(Edge(None, 0.0, len(s.token_ids)))
-        elif tactic not in distinct:
-            distinct[tactic] = Edge(tactic, float(sum(s.logprobs)), len(s.token_ids))
+    for completion in samples:
+        tactic = completion.text.strip()
+        if completion.finish_reason != "stop" or not tactic:
+            failed.append(failed_edge)
+            continue
+        if tactic not in distinct:
+            logp = float(sum(completion.logprobs))
+            distinct[tactic] = Edge(tactic, logp, len(completion.token_ids))
     return list(distinct.values()) + failed
 
 
@@ -814,9 +823,10 @@ def propose_tactics(sampler, trees: list[Tree], key: str, args: Args, clock=time
         tactic_prompts(trees),
         n=args.num_sampled_tactics,
         key=keys,
-        stop=["\n"],
-        temperature=args.search_temperature,
         max_new_tokens=args.tactic_max_new_tokens,
+        stop=["\n"],
+        desc="prove",
+        temperature=args.search_temperature,
     )
     elapsed = clock() - start  # every theorem of the call waited for it
     for tree, row in zip(trees, rows):
@@ -896,18 +906,17 @@ def take_edge(verifier, tree: Tree, edge: Edge, args: Args, clock=time.monotonic
     return node
 
 
-def queue_nodes(score, new: list, args: Args, clock=time.monotonic) -> None:
-    """The new nodes join their trees' queues by `priority`, after V scores them (one call,
-    `score` None: no value model), its seconds charged to each tree it scored (role "value")."""
+def end_expansion(trees: list[Tree], new: list, score, args: Args, clock=time.monotonic) -> None:
+    """After the expansions of `trees` (try_tactics' `new`, their new (Tree, Node)s): V scores
+    the new nodes (one call for all trees; `score` None: no value model), its seconds charged
+    to each tree with a new node (role "value"); they join their trees' queues by `priority`."""
     start = clock()
     values = [None] * len(new)
     if score and new:
         values = score([node.state.pretty for _, node in new])
     elapsed = clock() - start
-    scored = []
-    for tree, _ in new:
-        if score and tree not in scored:
-            scored.append(tree)
+    for tree in trees:
+        if score and tree.expanding.children:  # V scored its new nodes
             tree.seconds += elapsed
             tree.role_seconds["value"] += elapsed
     for (tree, node), value in zip(new, values):
@@ -1648,32 +1657,6 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
 
 
 # ---- main ----
-class Tokenizers(dict):  # save_checkpoint writes a tokenizer into each model's directory: its own
-    def save_pretrained(self, path) -> None:
-        self[pathlib.Path(path).name].save_pretrained(path)
-
-
-def start_lean(args: Args, dist: Dist) -> LeanVerifier:
-    """This rank's Lean REPLs (--lean-workers on each node, divided among its ranks). Without a
-    Lean REPL the run stops here, before any model is loaded (the search needs its tactic mode)."""
-    workers = None
-    if args.lean_workers:
-        workers = max(1, args.lean_workers // dist.local_world_size)
-    try:
-        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout, workers=workers)
-    except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's tactics
-        name = os.path.basename(__file__)
-        sys.exit(
-            f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a "
-            "CPU smoke run without Lean, the stand-in REPL: "
-            f"LEAN_REPL_CMD='python tests/fake_lean_repl.py' python {name}"
-        )
-    if dist.is_main:
-        ranks = dist.local_world_size
-        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {ranks} rank(s)")
-    return verifier
-
-
 def check_choices(args: Args) -> None:
     """Stop the run at start, not deep in the loop, on flag values that cannot run: a value (a
     Literal a fork extended) without its table entry (each lookup runs once and raises a
@@ -1686,6 +1669,32 @@ def check_choices(args: Args) -> None:
     value_loss_rule(args)
     # lr_at raises on a schedule it does not know (start_run checks --lr-schedule)
     lr_at(step=0, total=1, peak=1.0, schedule=args.value_lr_schedule)
+
+
+def start_lean(args: Args, dist: Dist) -> LeanVerifier:
+    """This rank's Lean REPLs (--lean-workers on each node, divided among its ranks). Without a
+    Lean REPL the run stops here, before any model is loaded (the search needs its tactic mode)."""
+    workers = None
+    if args.lean_workers:
+        workers = max(1, args.lean_workers // dist.local_world_size)
+    try:
+        verifier = LeanVerifier(backend="repl", timeout=args.lean_timeout, workers=workers)
+    except LeanNotInstalled as e:  # the Lean stand-in follows data/lean_tactics.jsonl's table
+        name = os.path.basename(__file__)
+        sys.exit(
+            f"{name} searches proofs in Lean 4's tactic mode and found no Lean REPL: {e} For a "
+            "CPU smoke run without Lean, the stand-in REPL: "
+            f"LEAN_REPL_CMD='python tests/fake_lean_repl.py' python {name}"
+        )
+    if dist.is_main:
+        ranks = dist.local_world_size
+        print(f"lean_verify: {verifier.workers} REPL(s) on each of the node's {ranks} rank(s)")
+    return verifier
+
+
+class Tokenizers(dict):  # save_checkpoint writes a tokenizer into each model's directory: its own
+    def save_pretrained(self, path) -> None:
+        self[pathlib.Path(path).name].save_pretrained(path)
 
 
 def load_models(args: Args, dist: Dist) -> tuple[dict, Tokenizers]:
@@ -1787,7 +1796,7 @@ def main(args: Args) -> None:
         )
 
     outcomes = collections.Counter()  # this run's GRPO rollouts by Lean's verdict
-    searched = collections.Counter()  # this run's searches, step 1's and eval's (record_searches)
+    searched = collections.Counter()  # this run's searches, of every phase (record_searches)
     trained = 0  # this run's training signals: the rollouts GRPO's updates ran (grpo_round)
     for iteration in range(start, args.iterations):
         step = iteration + 1  # iterations done
@@ -1883,7 +1892,7 @@ def main(args: Args) -> None:
                 run_dir, iteration=step, models=models, tokenizer=tokenizers, state=state, dist=dist
             )
 
-    # --iterations 0, or a finished run: step 5 alone, on the models as given
+    # --iterations 0, or a finished run: step 5 alone (evaluate), on the weights as given
     if start >= args.iterations:
         if score and not state["value_rounds"] and not models["value"][0].value_head.trained:
             score = None  # a seed-0 head guides nothing

@@ -38,11 +38,13 @@ Metrics (metrics.jsonl, step = iterations done): eval/search/pass@1 (Tables 1-2)
 split of the proved searches' time, eval/search/{planner,actor,env}_time_proved (each role's
 sampling, Lean's tactic runs); Figure 3's eval/search/search_time_proved and
 <run>/search_time_cdf.csv; selfplay/*, losses/*, time/*; every search to <run>/searches.jsonl.
-Records: lean_verify's Problem(id, header, statement), a theorem; Triple(state, tactic, target),
-a triple (s, y*, s*); TacticState, a proof state (goals, status, the tactics from the root; key:
-its goals). The infrastructure block at the end defines Sample(text, prompt_ids, token_ids,
-logprobs, finish_reason), one completion as the sampler drew it, and Dist(rank, world_size,
-local_world_size, device, is_main, objects), where this process stands among torchrun's.
+Records: lean_verify's Problem(id, header, statement), a theorem; TacticState, a proof state
+(goals, status, the tactics from the root; key: its goals); Triple(state, tactic, target), a
+proof step (the state before the tactic, the tactic, the state after it). The infrastructure
+block at the end defines Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one
+completion as the sampler drew it, and Dist(rank, world_size, local_world_size, device,
+is_main, objects), where this process stands among torchrun's.
+Here a Triple is the method's triple (s, y*, s*).
 
 Run. Without CUDA, Args' defaults are CPU_DEFAULTS (a loop sized for a laptop; the run prints
 them), so `python <this file>` and `main(Args())` run it alike and a value given keeps it;
@@ -81,8 +83,9 @@ Deliberate deviations:
      in the priority).
  11. Searches run in lockstep, --search-batch theorems per rank (default one per REPL): one
      sampling call for every live theorem's node (vLLM's throughput needs batched calls); each
-     theorem is charged the calls it waits for and its own tactics (--search-batch 1: its wall
-     clock). nodes counts distinct open states (official: error and finished nodes too).
+     theorem is charged the model calls it waits for, its own tactics and kernel checks
+     (--search-batch 1: its wall clock). nodes counts distinct open states (official: error and
+     finished nodes too).
  12. A found proof's steps are the search's own states (no replay); the REPLs restart after each
      lockstep batch (free_states), as coprover.py's.
 """
@@ -209,9 +212,6 @@ class Args:
     search: Literal["bfs", "mcts"] = "bfs"
     """best-first search (official) or MCTS (the talk's Table 2; ours): pick_node's rule, from
     NODE_CHOICES"""
-    search_batch: int | None = None
-    """theorems searched in lockstep on each rank (default: the rank's REPL pool size; 1: one
-    theorem at a time, charged its wall clock)"""
     num_sampled_goals: int = 5
     """target states the planner proposes per expansion (official num_sampled_goals)"""
     num_sampled_tactics: int = 64
@@ -236,6 +236,9 @@ class Args:
     lean_workers: int | None = None
     """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
     the machine)"""
+    search_batch: int | None = None
+    """theorems searched in lockstep on each rank (`search`; default: the rank's REPL pool size;
+    1: one theorem at a time, charged its wall clock)"""
     c_puct: float = 1.0
     """MCTS: exploration constant of PUCT (puct_score)"""
     leaf_value: float = 0.5
@@ -509,7 +512,7 @@ class Edge(NamedTuple):
 
     tactic: str | None  # None: a sample that is no tactic (a failed edge, never run)
     logprob: float  # log p(y | ...): the tactic's summed token log-probs
-    tokens: int  # the tactic's tokens
+    tokens: int  # the tactic's tokens (0: no tactic)
     target: str | None = None  # s*, the planner's target state (None: flat, no planner)
     target_logprob: float = 0.0  # log p(s* | s) (0: flat)
 
@@ -551,8 +554,11 @@ class Tree:
 
 
 class SearchResult(NamedTuple):
-    """A theorem's search: the fields every search of the family has (coprover.py, rir.py), then
-    the method's own."""
+    """A theorem's search as it ended, made by search_result: the fields every search of the
+    family has (coprover.py, rir.py), then the method's own. Read after the searches: by
+    search_metrics (selfplay/* in step 2, eval/search/* in step 4), record_searches (a line of
+    searches.jsonl each, every field), evaluate's search_time_cdf, and, for its path, by step
+    3's self_play_triples (kept in the run state with each triple it gave, stored_triple)."""
 
     id: str  # the theorem's Problem.id
     proof: list[str] | None  # the tactics of the proof found (within the budget or not), else None
@@ -727,26 +733,28 @@ def best_first_search(
         for tree, (_, failed_plans) in zip(live, plans):
             tree.pending = failed_plans
         try_tactics(verifier, live, args, clock=clock)
-        for tree in live:
-            end_expansion(tree, args)
+        end_expansion(live, args)
     return [search_result(tree, args) for tree in trees]
 
 
 def proposed_edges(samples: list[Sample], plan: Edge | None = None) -> list[Edge]:
     """A node's proposed edges from its samples: the distinct non-empty completions without
     premise marks (official remove_marks), highest summed log-prob first (as the official beam
-    search scores them; a completion drawn twice keeps its best), then a failed edge for each
-    malformed sample (empty, or a failed vLLM request). The planner's samples (plan None) are
-    targets: Edge(None, 0.0, 0, s*, log p(s* | s)), a malformed one Edge(None, 0.0, 0). The
-    actor's samples under `plan` (the planner's target Edge, or flat's) are tactics:
-    Edge(y, log p(y | s, s*), tokens, s*, log p(s* | s)), a malformed one Edge(None, 0.0, 0,
-    s*, log p(s* | s))."""
+    search scores them; a completion drawn twice keeps its best), then a failed edge (tactic None,
+    log-prob 0, 0 tokens) for each malformed sample (empty, or a failed vLLM request), in
+    sampling order. The planner's samples (plan None) are targets: Edge(None, 0.0, 0, s*,
+    log p(s* | s)), a malformed one Edge(None, 0.0, 0). The actor's samples under `plan` (the
+    planner's target Edge, or flat's) are tactics: Edge(y, log p(y | s, s*), tokens, s*,
+    log p(s* | s)), a malformed one Edge(None, 0.0, 0, s*, log p(s* | s))."""
+    failed_edge = Edge(None, 0.0, 0)
+    if plan is not None:
+        failed_edge = Edge(None, 0.0, 0, plan.target, plan.target_logprob)
     best = {}  # text: (its best summed log-prob, tokens)
-    malformed = 0
+    failed = []
     for completion in samples:
         text = completion.text.replace("<a>", "").replace("</a>", "").strip()
         if completion.finish_reason not in ("stop", "length") or not text:
-            malformed += 1
+            failed.append(failed_edge)
             continue
         logp = float(sum(completion.logprobs))
         if text not in best or logp > best[text][0]:
@@ -758,12 +766,6 @@ def proposed_edges(samples: list[Sample], plan: Edge | None = None) -> list[Edge
             edges.append(Edge(None, 0.0, 0, text, logp))
         else:
             edges.append(Edge(text, logp, tokens, plan.target, plan.target_logprob))
-    failed = []
-    for _ in range(malformed):
-        if plan is None:
-            failed.append(Edge(None, 0.0, 0))
-        else:
-            failed.append(Edge(None, 0.0, 0, plan.target, plan.target_logprob))
     return edges + failed
 
 
@@ -840,7 +842,7 @@ def propose_tactics(
         temperature=args.search_temperature,
         top_p=args.top_p,
     )
-    elapsed = clock() - start
+    elapsed = clock() - start  # every theorem of the call waited for it
     for tree, plan, row in zip(trees, targets, rows):
         tree.seconds += elapsed
         tree.role_seconds["actor"] += elapsed
@@ -914,25 +916,27 @@ def take_edge(verifier, tree: Tree, edge: Edge, args: Args, clock=time.monotonic
     return node
 
 
-def end_expansion(tree: Tree, args: Args) -> None:
-    """After an expansion (not proved): its children's MCTS priors (edge_priors of the edges that
-    reached each, log p(s* | s) + log p(y | s, s*)), the node expanded, dead without a child;
-    then the --search choice's update (BFS: queue the children; MCTS: backup)."""
-    leaf = tree.expanding
-    if tree.proof is not None:
-        return
-    log_masses = []
-    for child in leaf.children:
-        masses = []
-        for edge, node in tree.reached:
-            if node is child:
-                masses.append(edge.target_logprob + edge.logprob)
-        log_masses.append(float(np.logaddexp.reduce(masses)))
-    for child, prior in zip(leaf.children, edge_priors(log_masses)):
-        child.prior = prior
-    leaf.expanded = True
-    leaf.dead = not leaf.children
-    node_choice(args).update(tree, leaf, args)
+def end_expansion(trees: list[Tree], args: Args) -> None:
+    """After the expansions of `trees`, each tree not proved: its new children's MCTS priors
+    (edge_priors of the edges that reached each, log p(s* | s) + log p(y | s, s*)), the node
+    expanded, dead without a child; then the --search choice's update (BFS: queue the children;
+    MCTS: backup)."""
+    for tree in trees:
+        if tree.proof is not None:
+            continue
+        leaf = tree.expanding
+        log_masses = []
+        for child in leaf.children:
+            masses = []
+            for edge, node in tree.reached:
+                if node is child:
+                    masses.append(edge.target_logprob + edge.logprob)
+            log_masses.append(float(np.logaddexp.reduce(masses)))
+        for child, prior in zip(leaf.children, edge_priors(log_masses)):
+            child.prior = prior
+        leaf.expanded = True
+        leaf.dead = not leaf.children
+        node_choice(args).update(tree, leaf, args)
 
 
 def select(root: Node, c_puct: float) -> list[Node]:
@@ -1020,12 +1024,7 @@ def search_result(tree: Tree, args: Args) -> SearchResult:
 
 
 def search(
-    sampler,
-    verifier,
-    problems: list[Problem],
-    key: str,
-    args: Args,
-    dist: Dist,
+    sampler, verifier, problems: list[Problem], key: str, args: Args, dist: Dist
 ) -> list[SearchResult]:
     """Steps 2 and 4's search: each rank its share of `problems`, search_batch theorems at a
     time in lockstep (best_first_search; default one per REPL of the rank's pool); after each
@@ -1380,8 +1379,8 @@ def check_choices(args: Args) -> None:
 
 
 def start_lean(args: Args, dist: Dist) -> LeanVerifier:
-    """The Lean REPL pool of this rank; the run stops at once, before any model is loaded, when
-    there is no Lean REPL (the search needs its tactic mode)."""
+    """This rank's Lean REPLs (--lean-workers on each node, divided among its ranks). Without a
+    Lean REPL the run stops here, before any model is loaded (the search needs its tactic mode)."""
     workers = None
     if args.lean_workers:
         workers = max(1, args.lean_workers // dist.local_world_size)
@@ -1444,11 +1443,11 @@ def main(args: Args) -> None:
         if found is not None:
             start, state = found
     sampler = start_sampler(policy, tokenizer, args=args, dist=dist)
-    searched = collections.Counter()  # this run's searches (record_searches)
+    searched = collections.Counter()  # this run's searches, of every phase (record_searches)
     trained = 0  # this run's training signals: the triples self-play added to D_t
 
     for iteration in range(start, args.iterations):
-        step = iteration + 1
+        step = iteration + 1  # iterations done
         # D_t: (triple, (planner's, actor's) weights, source); D_0's human triples weigh 1
         data = [(triple, (1.0, 1.0), triple) for triple in triples]
         for entry in state["selfplay_triples"]:
@@ -1512,8 +1511,8 @@ def main(args: Args) -> None:
                 run_dir, iteration=step, models=models, tokenizer=tokenizer, state=state, dist=dist
             )
 
+    # --iterations 0, or a finished run: step 4 alone (evaluate), on the weights as given
     if start >= args.iterations:
-        # 4. Evaluate the model as given: nothing to train (--iterations 0, or a finished run)
         stats = evaluate(
             sampler,
             verifier,

@@ -424,7 +424,7 @@ def test_an_expansion_merges_counts_and_sets_priorities_and_priors():
         rir.Edge(p.tactic, p.logp_tactic, 0, p.target, p.logp_goal) for p in PROPOSALS["⊢ A"]
     ]
     rir.try_tactics(lean, [tree], a)
-    rir.end_expansion(tree, a)
+    rir.end_expansion([tree], a)
     root = tree.root
     assert tree.proof is None and root.expanded and not root.dead
     assert [c.state.goals for c in root.children] == [["⊢ B"], ["⊢ C"]]
