@@ -429,7 +429,7 @@ def co_training_loss(
     baseline's planner) drops out. The losses of a batch's micro-batches add up to its loss.
     logp, mask: [B, T], the output tokens' log-probs of B sequences and where tokens are;
     roles: [B], each sequence's term (0: planner or joint, 1: actor); weights: [B]. args:
-    where a term reads its coefficient (unread by L_co). co_training_batch_loss calls it."""
+    unread by L_co. co_training_batch_loss calls it; a loss term goes there, beside it."""
     per_sequence = (logp * mask).sum(1)  # [B]
     if weights is not None:
         per_sequence = per_sequence * weights
@@ -1178,10 +1178,11 @@ def co_train(
     get_cosine_schedule_with_warmup, over the `steps` (official: over 500k, stopped at ~40k):
     every co-training warms up, then decays (a later iteration's warm-up is warmup_steps *
     steps / train_steps, ours). Returns the losses/ metrics, each optimizer step's averaged over
-    the steps: loss (the weighted L_co), goal_nll and tactic_nll (the planner's and the actor's
-    unweighted NLL a token; with --joint-format goal_nll is the joint sequence's, with
-    --no-planner the flat one is tactic_nll's), grad_norm and every other stat
-    co_training_batch_loss returns; and loss_first, loss_last, steps, learning_rate_last."""
+    the steps: loss (co_training_batch_loss's; official: the weighted L_co), goal_nll and
+    tactic_nll (the planner's and the actor's unweighted NLL a token; with --joint-format
+    goal_nll is the joint sequence's, with --no-planner the flat one is tactic_nll's),
+    grad_norm and every other stat co_training_batch_loss returns; and loss_first, loss_last,
+    steps, learning_rate_last."""
     reduction = loss_reduction_rule(args)
     size = min(args.batch_size, len(items))
     warmup = min(args.warmup_steps, args.warmup_steps * steps // max(args.train_steps, 1))
