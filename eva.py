@@ -705,7 +705,8 @@ def sampling_weights(values: list[float]) -> np.ndarray:
     by their sum, so the least informative prompt gets weight 0 (an inv_* metric's negated value
     gives the official 1 - normalised). Edges: all values equal (one prompt included): uniform
     (the official normalisation divides by 0); no prompts: an empty array. values: [P] (P
-    prompts); returns [P], summing to 1; sample_informative draws by it."""
+    prompts); returns [P], summing to 1; sample_subset hands them to --sampling's draw with
+    the values (the official draws use them; a draw may use the values alone)."""
     v = np.asarray(values, dtype=float)
     if len(v) == 0:
         return v
@@ -801,10 +802,10 @@ def sample_informative(
 
 def sample_subset(info: list[float], iteration: int, args: Args) -> list[int]:
     """Step 3, the creator's 'sample subset'. Takes each prompt's info (informativeness, step 2);
-    returns the sorted indices of the informative subset, drawn by sampling_weights with
-    --sampling's draw (sample_informative, SAMPLINGS; each draw says how many it takes),
-    seeded by the round
-    (the same on every rank and after a resume). Step 4 evolves these prompts (--no-evolve:
+    returns the sorted indices of the informative subset, drawn by --sampling's draw
+    (sample_informative, SAMPLINGS; each draw says how many it takes), which is handed the
+    values and their sampling_weights, seeded by the round (the same on every rank and after
+    a resume). Step 4 evolves these prompts (--no-evolve:
     trains on them); creator/subset logs their number. A draw of none from a non-empty set
     (small bins, a small fraction) prints a line on rank 0: that round evolves nothing."""
     weights = sampling_weights(info)
@@ -1594,7 +1595,8 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
     return (
         f"eva.py: no update in this run: none of {outcomes['groups']} training groups taught "
         "(group_teaches; official: a group whose rewards all agree teaches nothing, so the "
-        f"reward model gave each prompt's {args.n_samples} responses the same reward)"
+        f"training reward, solver_reward, was the same for each prompt's {args.n_samples} "
+        "responses)"
     )
 
 
