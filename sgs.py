@@ -39,19 +39,8 @@ Each iteration (Algorithm 1), under the same numbers in main:
 The metric (Fig. 1, solve_metrics): the cumulative share of targets ever solved, against
 the number of generations (the Conjecturer's statements and the Solver's proofs sampled so
 far; the Guide's reviews are not counted).
-Records: Problem(id, header, statement), a Lean 4 task of lean_verify; this file's Roles
-(roles_in_play), Conjecture, Attempt and Example (under "data"); the block's Sample(text,
-prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler drew it, and
-Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
-torchrun's. Where the paper is silent or differs, this file follows the official code, but
-for the deviations below.
-
-Run (needs Lean: `bash setup.sh --lean`): without CUDA, Args' defaults are CPU_DEFAULTS (a
-loop sized for a laptop; the run prints them), so `python sgs.py` and `main(Args())` run it
-alike and a value given keeps it; CPU_DEFAULTS use SmolLM2-135M and data/lean_smoke.jsonl.
-Under `torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
-Roles not in play (roles_in_play: --no-conjecturer, --freeze-conjecturer, --no-guide) are
-not loaded, prompted or trained, and their metrics are absent from metrics.jsonl (not 0).
+Where the paper is silent or differs, this file follows the official code, but for the deviations
+below.
 
 Sources (official code at 64d2de4), where each rule of this file was read: the prompts
 (CONJECTURER_PROMPT*, GUIDE_PROMPT) from sgs/utils/prompts.py (get_deepseek_prover_v2_*,
@@ -63,9 +52,21 @@ prepare_conjecturer_train_data); the losses (reinforce_batch_loss, cispo_batch_l
 custom_trainers.py (WeightedTrainer.compute_loss, GroupedImportanceSampledWeightedTrainer);
 the roles and defaults from scripts/*.py.
 
+Records: lean_verify's Problem(id, header, statement), a statement to prove; the infrastructure
+block's Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler
+drew it, and Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
+torchrun's; this file's Conjecture, Attempt and Example, under "data", and Roles (roles_in_play).
+
+Run (needs Lean: `bash setup.sh --lean`). Without CUDA, Args' defaults are CPU_DEFAULTS (a loop
+sized for a laptop, on SmolLM2-135M and data/lean_smoke.jsonl; the run prints them), so
+`python sgs.py` and `main(Args())` run it alike and a value given keeps it. Under
+`torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
+Roles not in play (roles_in_play: --no-conjecturer, --freeze-conjecturer, --no-guide) are
+not loaded, prompted or trained, and their metrics are absent from metrics.jsonl (not 0).
+
 Deliberate deviations from the official code:
-  1. Generation and verification are not pipelined; sampling is seeded by position; a
-     (problem, proof) is checked once.
+  1. Generation and verification are not pipelined; sampling is seeded by position; a (problem,
+     proof) is checked once.
   2. The try penalty (§4.1) looks for the `try` tactic outside comments (uses_try); the
      official code for the substring "try".
   3. Lean timeout 200 s (paper); the official default is 500 s.
@@ -174,8 +175,8 @@ class Args:
     gradient_checkpointing: bool = True
     """activation checkpointing in training"""
     lean_workers: int | None = None
-    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's
-    share of the machine)"""
+    """Lean REPL processes on each node, divided among its ranks (default: lean_verify's share of
+    the machine)"""
     lean_timeout: float = 200.0
     """Lean's wall-clock limit per proof, in seconds"""
     conjecturer_model: str | None = None
@@ -465,6 +466,12 @@ YOUR OUTPUT: <... your reasoning ...>
 ===========================================
 """
 GUIDE_SCORES = ("relevance", "redundancy", "conclusion_complexity")  # the score tags' names
+
+
+def solver_prompt(tokenizer, problem: Problem, args: Args) -> str:
+    """The Solver's prompt for a problem: SOLVER_PROMPT as a chat turn (chat_prompt)."""
+    text = SOLVER_PROMPT.format(header=problem.header, statement=problem.statement)
+    return chat_prompt(tokenizer, text)
 
 
 # ---- data ----
@@ -795,8 +802,8 @@ def conjecture(
     the Conjecturer's weights, parsed (deviation 4: no header lines, a conjecture inherits
     its target's), and kept once by statement_key, none equal to a target. Returns the
     Conjectures, each with its Sample (step 2 attempts them; step 4 selects, rewards and
-    trains on them), and the conjecturer/ metrics (outputs: every completion sampled, parsed or
-    not; main adds it to the generations)."""
+    trains on them), and the conjecturer/ stats (outputs: every sample drawn, parsed or not;
+    main adds it to the generations)."""
     prompts = []
     for seed in seeds:
         if args.no_problem_conditioning:
@@ -804,6 +811,8 @@ def conjecture(
         else:
             text = CONJECTURER_PROMPT.format(statement=seed.statement)
         prompts.append(chat_prompt(tokenizer, text))
+
+    # sample
     rows = sample(
         sampler,
         prompts,
@@ -813,30 +822,34 @@ def conjecture(
         temperature=args.temperature,
         top_p=args.top_p,
         max_new_tokens=args.conjecturer_max_new_tokens,
+        desc="conjecture",
     )
-    seen = {statement_key(t.statement) for t in targets}
-    conjectures = []
+    # parse: a new statement ending in ':= by', or None
+    found = []  # (the seed, the new statement, its Sample)
     outputs = 0
-    extracted = 0
     for seed, row in zip(seeds, rows):
-        for s in row:  # Sample(text, prompt_ids, token_ids, logprobs, finish_reason)
+        for s in row:
             outputs += 1
             statement = extract_conjecture(s.text)
-            if statement is None:
-                continue
-            extracted += 1
-            key = statement_key(statement)
-            if key in seen:
-                continue
-            seen.add(key)
-            new = Conjecture(
+            if statement is not None:
+                found.append((seed, statement, s))
+
+    # keep the new ones
+    seen = {statement_key(t.statement) for t in targets}
+    conjectures = []
+    for seed, statement, s in found:
+        duplicate_key = statement_key(statement)
+        if duplicate_key not in seen:
+            seen.add(duplicate_key)
+            made = Conjecture(
                 id=f"it{iteration}_c{len(conjectures)}",
                 header=seed.header,
                 statement=statement,
                 seed=seed,
                 sample=compact(s),
             )
-            conjectures.append(new)
+            conjectures.append(made)
+
     # Fig. 2's drift: conclusions grow into disjunctions
     conclusions = [theorem_conclusion(c.statement) for c in conjectures]
     if not conclusions:
@@ -844,7 +857,7 @@ def conjecture(
     disjunctive = [is_disjunctive(c) for c in conclusions]
     stats = {
         "conjecturer/outputs": outputs,
-        "conjecturer/extraction_rate": extracted / max(outputs, 1),
+        "conjecturer/extraction_rate": len(found) / max(outputs, 1),
         "conjecturer/new_conjectures": len(conjectures),
         "conjecturer/disjunctive_share": np.mean(disjunctive),
         "conjecturer/conclusion_chars": np.mean([len(c) for c in conclusions]),
@@ -874,17 +887,15 @@ def select_problems(
 def attempt_proofs(
     sampler, verifier, tokenizer, problems: list[Problem], n: int, key: str, args: Args, dist: Dist
 ) -> dict[str, list[Attempt]]:
-    """Step 2: takes the problems (targets and conjectures) and n; samples n whole proofs of
-    each with the Solver's weights. Each rank checks its own samples with Lean, each
-    distinct (problem, proof) once, against the original statement; only the verdicts
-    cross ranks. Returns {problem id: [Attempt]}, each Attempt with its Sample and verdict:
+    """Step 2, solving, with the Solver's weights. Takes the problems (targets and conjectures)
+    and n; returns {problem id: [Attempt]}, n a problem, the same on every rank:
     store_target_proofs, solve_rate (the bands of steps 3, 4), solver_examples and solve_metrics
-    read them."""
-    prompts = []
-    for p in problems:
-        text = SOLVER_PROMPT.format(header=p.header, statement=p.statement)
-        prompts.append(chat_prompt(tokenizer, text))
-    # sample: this rank's share of the prompts, {prompt index: its n Samples}
+    read it. Each proof is checked by Lean against the original statement on the rank that
+    sampled it (only the verdicts cross ranks). Each distinct (problem, proof) is checked once;
+    a sample without a proof is a "no_code" failure."""
+    prompts = [solver_prompt(tokenizer, p, args) for p in problems]
+
+    # sample: this rank's share, {problem index: its row of Samples}
     shard = sample_shard(
         sampler,
         prompts,
@@ -896,10 +907,11 @@ def attempt_proofs(
         max_new_tokens=args.max_new_tokens,
     )
     indices = sorted(shard)
-    # verify: the proof in each sample's one ```lean4 block, None where there is none or
-    # the sample failed (vLLM's abort or error)
     mine = [problems[i] for i in indices]
-    proofs = []
+
+    # verify: the proof in the sample's one ```lean4 block (a failed sample, abort or error,
+    # has none), then Lean
+    proofs = []  # a row per problem of mine
     for i in indices:
         row = []
         for s in shard[i]:
@@ -908,18 +920,21 @@ def attempt_proofs(
                 proof = extract_proof(s.text, whole_block=True)
             row.append(proof)
         proofs.append(row)
-    verdicts = verifier.verify_attempts(mine, proofs)  # a LeanResult for each proof, or None
-    # an Attempt for each sample, {prompt index: its n Attempts}; then every rank's gathered
+    # a row per problem: a LeanResult (valid, status, time, ...), or None where there is no proof
+    verdicts = verifier.verify_attempts(mine, proofs)
+
+    # score: an Attempt per sample, with its Sample (compact), with its proof only when correct
     checked = {}
-    for i, row_proofs, row_verdicts in zip(indices, proofs, verdicts):
+    for i, proof_row, verdict_row in zip(indices, proofs, verdicts):
         row = []
-        for s, proof, verdict in zip(shard[i], row_proofs, row_verdicts):
+        for s, proof, verdict in zip(shard[i], proof_row, verdict_row):
             if verdict is None:
-                row.append(Attempt(compact(s), None, status="no_code", correct=False))
+                row.append(Attempt(sample=compact(s), proof=None, status="no_code", correct=False))
                 continue
+            kept = proof if verdict.valid else None
             attempt = Attempt(
                 sample=compact(s),
-                proof=proof if verdict.valid else None,
+                proof=kept,
                 status=verdict.status,
                 correct=verdict.valid,
                 seconds=verdict.time,
@@ -1381,19 +1396,18 @@ def solve_metrics(
     attempts: dict[str, list[Attempt]],
     generations: int,
     k: int,
+    conjectures: list[Conjecture],
 ) -> dict[str, float]:
     """The metrics main logs each iteration, from the stored proofs and step 2's attempts:
     the paper's metric, the cumulative solve rate (Fig. 1: the share of targets ever
     proved) against generations; this iteration's pass@k over the targets attempted
     (Fig. 3; absent when none was, as EI may leave), the Solver's entropy (Fig. 7,
-    deviation 5; absent without a sampled token), Lean's verdicts as shares, the
-    conjectures' mean solve rate (absent without conjectures)."""
+    deviation 5; absent without a sampled token), Lean's verdicts as shares, the mean solve
+    rate of this iteration's conjectures (those attempted; absent with none)."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
-    conjecture_rates = []
+    conjecture_rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]
     every = []
-    for pid, row in attempts.items():
-        if pid not in proofs:
-            conjecture_rates.append(solve_rate(row))
+    for row in attempts.values():
         every.extend(row)
     logprobs = [a.sample.logprobs for a in every]
     if not logprobs:
@@ -1443,14 +1457,14 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
 
 # ---- main ----
 def weights_only(models: dict) -> dict:
-    """{name: (model, None)}: every update starts from a fresh Adam state, so checkpoints
-    keep no moments."""
+    """{name: (model, None)}, the models without their optimizers: every update starts from a
+    fresh Adam state, so checkpoints keep no moments."""
     return {name: (model, None) for name, (model, _) in models.items()}
 
 
 def start_lean(args: Args, dist: Dist) -> LeanVerifier:
-    """This rank's Lean REPLs (--lean-workers counts a node's), which attempt_proofs checks
-    with; without Lean, the run stops here, before any model is loaded."""
+    """This rank's Lean REPLs, its share of the node's --lean-workers, which attempt_proofs
+    checks with; without Lean the run stops here, before any model is loaded."""
     workers = None  # lean_verify's share of the machine
     if args.lean_workers:
         workers = max(1, args.lean_workers // dist.local_world_size)
@@ -1639,7 +1653,15 @@ def main(args: Args) -> None:
         if roles.train_conjecturer:  # absent, not 0, for a Conjecturer that does not train
             metrics["data/conjecturer_examples"] = len(conjecturer_set)
         generations = state["generations"]
-        metrics.update(solve_metrics(targets, proofs, attempts, generations=generations, k=k))
+        stats = solve_metrics(
+            targets,
+            proofs,
+            attempts,
+            generations=generations,
+            k=k,
+            conjectures=conjectures,
+        )
+        metrics.update(stats)
         logger.log(metrics, step=step)
         done = args.max_generations is not None and generations >= args.max_generations
         if step % args.save_every == 0 or step == args.iterations or done:

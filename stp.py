@@ -53,13 +53,12 @@ rows, the mathlib.json of prepare_datasets.py.
 Records: lean_verify's Problem(id, header, statement), a statement to prove; the infrastructure
 block's Sample(text, prompt_ids, token_ids, logprobs, finish_reason), one completion as the sampler
 drew it, and Dist(rank, world_size, local_world_size, device, is_main, objects), this process among
-torchrun's; this file's Seed, Conjecture, Attempt, Candidate and Example, defined before the
-method.
+torchrun's; this file's Seed, Conjecture, Attempt, Candidate and Example, under "data".
 
 Run (needs Lean: `bash setup.sh --lean`). Without CUDA, Args' defaults are CPU_DEFAULTS (a loop
-sized for a laptop; the run prints them), so `python stp.py` and `main(Args())` run it alike and a
-value given keeps it; SmolLM2-135M, data/lean_smoke.jsonl. Under `torchrun --nproc_per_node 8` on
-8xH200, the paper's sizes. Experiment map: README.md.
+sized for a laptop, on SmolLM2-135M and data/lean_smoke.jsonl; the run prints them), so
+`python stp.py` and `main(Args())` run it alike and a value given keeps it. Under
+`torchrun --nproc_per_node 8` on 8xH200, the paper's sizes. Experiment map: README.md.
 
 Deliberate deviations from the official code:
   1. Generation and verification are not pipelined; sampling is seeded by position; a (problem,
@@ -365,6 +364,8 @@ def truncate_left(tokenizer, text: str, max_tokens: int) -> str:
 
 
 def prover_prompt(tokenizer, problem: Problem, args: Args) -> str:
+    """The prover's prompt for a problem: PROVER_PROMPT cut on the left to max_prompt_tokens
+    (truncate_left)."""
     text = PROVER_PROMPT.format(header=problem.header, statement=problem.statement)
     return truncate_left(tokenizer, text, args.max_prompt_tokens)
 
@@ -451,6 +452,7 @@ class Example(NamedTuple):
     sample: Sample  # the prompt and target tokens
     weight: float  # the number the loss multiplies: a reward, an advantage, a label
     source: object = None  # the record it was made from (a Candidate, an Attempt, a record, ...)
+    # method-specific fields may follow, each with a default
 
 
 def example_length(example: Example) -> int:
@@ -512,26 +514,24 @@ def final_weight(entry: dict, args: Args) -> float:
     return math.exp(-args.length_penalty * len(entry["proof"]))
 
 
-def in_conjecture_band(rate: float, args: Args) -> bool:
+def in_conjecture_band(s: float, args: Args) -> bool:
     """Step 4's band: whether a conjecture solved at rate s this iteration trains the
     conjecturer: low < s < high, (low, high) = conjecture_band, both ends excluded (official
     0 < s < 1/4: proved at least once, and barely). Edges: s exactly low or exactly high is
     out; s = 0 (no proof) is in only when low < 0; low >= high admits nothing."""
     low, high = args.conjecture_band
-    return low < rate < high
+    return low < s < high
 
 
-def in_prover_band(samples: int, correct: int, args: Args) -> bool:
-    """Step 5's band: whether a statement's proofs train the prover, from its samples and
-    correct ones over the replay window: its solve rate s = correct / samples has
-    low < s <= high, (low, high) = prover_band, low excluded, high included (official
-    (0, 1/2]: the hard statements, proved at least once). Edges: no sample is out; s exactly
-    high is in, exactly low out; s = 0 (no proof) is in only when low < 0, as in sgs's bands
-    (it has no proof to train on); low >= high admits nothing."""
-    if samples == 0:
-        return False
+def in_prover_band(s: float, args: Args) -> bool:
+    """Step 5's band: whether a statement solved at rate s over the replay window (its correct
+    proofs over its samples there) trains the prover: low < s <= high, (low, high) =
+    prover_band, low excluded, high included (official (0, 1/2]: the hard statements, proved
+    at least once). Edges: s exactly high is in, exactly low out; s = 0 (no proof) is in only
+    when low < 0, as in sgs's bands (it has no proof to train on); low >= high admits
+    nothing."""
     low, high = args.prover_band
-    return low < correct / samples <= high
+    return low < s <= high
 
 
 def elegance_ratio(candidate: Candidate, proofs: dict, iteration: int, args: Args) -> float:
@@ -654,7 +654,7 @@ def conjecture(
     rng: random.Random,
     args: Args,
     dist: Dist,
-) -> tuple[list[Conjecture], dict]:
+) -> tuple[list[Conjecture], dict[str, float]]:
     """Step 2, conjecturing (official). Takes select_seeds' Seeds, the dataset and every
     problem so far by id; returns the new Conjectures (select_problems makes them step 3's
     problems, conjecturer_examples reads them) and the conjecturer/ stats (outputs: every
@@ -663,8 +663,7 @@ def conjecture(
     shuffled, without duplicates of the dataset or of each other (statement_key, with the
     header), shuffled again and cut to #statements when there are more. A statement
     conjectured before (the same header and statement_key) keeps its id (official: the same
-    text). No
-    seed: no conjecture."""
+    text). No seed: no conjecture."""
     if not seeds:
         return [], {"conjecturer/seeds": 0, "conjecturer/outputs": 0}
     multiplier = 3 * len(statements) // len(seeds)
@@ -692,10 +691,10 @@ def conjecture(
     )
     # parse: a new statement ending in ':= by', or None
     found = []  # (the Seed, the new statement)
-    n_outputs = 0
+    outputs = 0
     for seed, row in zip(seeds, rows):
         for s in row:
-            n_outputs += 1
+            outputs += 1
             statement = extract_conjecture(s.text, END_THM, s.finish_reason, BANNED)
             if statement is not None:
                 found.append((seed, statement))
@@ -718,12 +717,13 @@ def conjecture(
     for i, (seed, statement) in enumerate(new[: len(statements)]):
         header = seed.problem.header
         pid = known_ids.get((header, statement_key(statement)), f"r{iteration}_c{i}")
-        conjectures.append(Conjecture(pid, header, statement, seed))
+        made = Conjecture(id=pid, header=header, statement=statement, seed=seed)
+        conjectures.append(made)
 
     with_lemma = [bool(c.seed.lemma) for c in conjectures]
     stats = {
-        "conjecturer/outputs": n_outputs,
-        "conjecturer/extraction_rate": len(found) / max(n_outputs, 1),
+        "conjecturer/outputs": outputs,
+        "conjecturer/extraction_rate": len(found) / max(outputs, 1),
         "conjecturer/new_conjectures": len(conjectures),
         "conjecturer/seeds": len(seeds),
         "conjecturer/multiplier": multiplier,
@@ -771,7 +771,7 @@ def attempt_proofs(
     conjecturer_examples and solve_metrics read it. Each proof is checked by Lean against the
     original statement on the rank that sampled it (only the verdicts cross ranks); with vLLM
     a rank samples its share in generation_folds calls (the official folds). Each distinct
-    (problem, proof) is checked once; an empty proof is a "no_code" failure."""
+    (problem, proof) is checked once; a sample without a proof is a "no_code" failure."""
     prompts = [prover_prompt(tokenizer, p, args) for p in problems]
 
     # sample: this rank's share, {problem index: its row of Samples}
@@ -810,10 +810,17 @@ def attempt_proofs(
         row = []
         for proof, verdict in zip(proof_row, verdict_row):
             if verdict is None:
-                row.append(Attempt(None, None, "no_code", False))
+                row.append(Attempt(sample=None, proof=None, status="no_code", correct=False))
                 continue
             kept = proof if verdict.valid else None
-            row.append(Attempt(None, kept, verdict.status, verdict.valid, verdict.time))
+            attempt = Attempt(
+                sample=None,
+                proof=kept,
+                status=verdict.status,
+                correct=verdict.valid,
+                seconds=verdict.time,
+            )
+            row.append(attempt)
         checked[i] = row
     rows = gather_shard(checked, dist)
     return {p.id: row for p, row in zip(problems, rows)}
@@ -1060,7 +1067,8 @@ def prover_examples(
     (record_solve_counts) and the proofs (record_proofs); returns Examples that step 6 (update)
     trains on with conjecturer_examples'. The rule: the correct proofs in the replay window
     (iterations iteration - replay_rounds + 1 .. iteration) of each statement whose samples and
-    correct ones over the window are in_prover_band;
+    correct ones over the window give a solve rate in_prover_band (a statement with no sample
+    in the window has no rate: it is skipped, not rated s = 0);
     one Example a distinct proof (its newest entry's Lean seconds), weighted by proof_weight
     (weight 0 dropped, as conjecturer_examples').
     The target: the proof, the closing fence, EOS; the source: the proof's entry with its
@@ -1075,7 +1083,10 @@ def prover_examples(
             if first < round_ <= iteration:
                 samples += round_samples
                 correct += round_correct
-        if not in_prover_band(samples, correct, args):
+        if samples == 0:  # no sample in the window: no rate, not s = 0
+            continue
+        s = correct / samples
+        if not in_prover_band(s, args):
             continue
         recent = [p for p in proofs.get(pid, []) if first < p["iteration"] <= iteration]
         newest = {}  # each distinct proof's newest entry
@@ -1278,7 +1289,7 @@ def solve_metrics(
     statuses = []
     for row in attempts.values():
         statuses.extend(a.status for a in row)
-    rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]
+    conjecture_rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]
     problem_rates = [solve_rate(attempts[p.id]) for p in problems]
     metrics = {
         "charts/cumulative_solve_rate": proved / len(statements),
@@ -1289,8 +1300,8 @@ def solve_metrics(
     }
     for status in sorted(set(statuses)):
         metrics[f"lean/{status}_share"] = statuses.count(status) / len(statuses)
-    if rates:
-        metrics["conjecturer/solve_rate_mean"] = float(np.mean(rates))
+    if conjecture_rates:
+        metrics["conjecturer/solve_rate_mean"] = float(np.mean(conjecture_rates))
     return metrics
 
 
@@ -1369,14 +1380,14 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
 
 # ---- main ----
 def weights_only(models: dict) -> dict:
-    """The models without their optimizers: every update starts from a fresh Adam state, so
-    checkpoints keep no moments."""
+    """{name: (model, None)}, the models without their optimizers: every update starts from a
+    fresh Adam state, so checkpoints keep no moments."""
     return {name: (model, None) for name, (model, _) in models.items()}
 
 
 def start_lean(args: Args, dist: Dist) -> LeanVerifier:
-    """Lean, with this rank's share of the node's --lean-workers; without Lean the run stops here,
-    before any model is loaded."""
+    """This rank's Lean REPLs, its share of the node's --lean-workers, which attempt_proofs
+    checks with; without Lean the run stops here, before any model is loaded."""
     workers = None  # lean_verify's share of the machine
     if args.lean_workers:
         workers = max(1, args.lean_workers // dist.local_world_size)
@@ -1485,7 +1496,7 @@ def main(args: Args) -> None:
     outcomes = collections.Counter()  # this run's verdicts
     trained = 0  # this run's prover training examples (Stage 3's and expert iteration's too)
     for iteration in range(start, args.iterations):
-        step = iteration + 1
+        step = iteration + 1  # iterations done: the metrics' step, the checkpoint's number
         metrics = {}
         rng = random.Random(f"{args.seed}/{iteration}")  # the same on every rank: the same batches
 

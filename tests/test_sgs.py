@@ -985,7 +985,8 @@ def test_solve_metrics():
         "b": fake_attempts([False, False]),
         "it0_c0": fake_attempts([True, True]),
     }
-    m = sgs.solve_metrics(targets, proofs, attempts, generations=0, k=2)
+    conjectures = [sgs.Conjecture("it0_c0", "", "", targets[0], None)]
+    m = sgs.solve_metrics(targets, proofs, attempts, generations=0, k=2, conjectures=conjectures)
     assert (
         m["charts/cumulative_solve_rate"] == pytest.approx(1 / 3)
         and m["charts/targets_attempted"] == 2
@@ -997,9 +998,10 @@ def test_solve_metrics():
         and m["conjecturer/solve_rate_mean"] == 1.0
     )
     # no target attempted (EI once every target has its proofs): no pass@k, not a 0
-    m = sgs.solve_metrics(targets, proofs, {"it0_c0": attempts["it0_c0"]}, generations=0, k=2)
+    only = {"it0_c0": attempts["it0_c0"]}
+    m = sgs.solve_metrics(targets, proofs, only, generations=0, k=2, conjectures=conjectures)
     assert "charts/pass@2" not in m and m["charts/targets_attempted"] == 0
-    m = sgs.solve_metrics(targets, proofs, {}, generations=0, k=2)
+    m = sgs.solve_metrics(targets, proofs, {}, generations=0, k=2, conjectures=conjectures)
     assert "solver/entropy" not in m and "conjecturer/solve_rate_mean" not in m
 
 

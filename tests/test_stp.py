@@ -102,21 +102,15 @@ def test_truncate_left_keeps_a_text_of_max_tokens_whole():
 
 def test_in_prover_band_edges():
     official = official_args(stp)()
-    assert stp.in_prover_band(samples=4, correct=2, args=official)  # 1/2: the edge is in
-    assert stp.in_prover_band(samples=4, correct=1, args=official)
-    assert not stp.in_prover_band(samples=4, correct=3, args=official)
-    assert not stp.in_prover_band(samples=4, correct=0, args=official)  # never proved
-    assert not stp.in_prover_band(samples=0, correct=0, args=official)  # not attempted
+    assert stp.in_prover_band(2 / 4, official)  # 1/2: the edge is in
+    assert stp.in_prover_band(1 / 4, official)
+    assert not stp.in_prover_band(3 / 4, official)
+    assert not stp.in_prover_band(0 / 4, official)  # never proved
     # low excluded, high included, as sgs's REINFORCE½ band: s = 0 is in only with low < 0; low >= high admits nothing
-    assert stp.in_prover_band(samples=4, correct=0, args=args(prover_band=(-0.1, 0.5)))
-    assert not stp.in_prover_band(
-        samples=4, correct=1, args=args(prover_band=(0.25, 0.5))
-    )  # s = low
-    assert stp.in_prover_band(
-        samples=4, correct=4, args=args(prover_band=(0.5, 1.0))
-    )  # s = high = 1
-    assert not stp.in_prover_band(samples=0, correct=0, args=args(prover_band=(-0.1, 0.5)))
-    assert not stp.in_prover_band(samples=4, correct=2, args=args(prover_band=(0.5, 0.5)))
+    assert stp.in_prover_band(0 / 4, args(prover_band=(-0.1, 0.5)))
+    assert not stp.in_prover_band(1 / 4, args(prover_band=(0.25, 0.5)))  # s = low
+    assert stp.in_prover_band(4 / 4, args(prover_band=(0.5, 1.0)))  # s = high = 1
+    assert not stp.in_prover_band(2 / 4, args(prover_band=(0.5, 0.5)))
 
 
 def test_check_choices_stops_a_half_added_value_at_start(monkeypatch):
@@ -694,6 +688,9 @@ def test_prover_and_final_examples(tiny_model_dir):
     ) == sorted(round(x, 6) for x in [math.exp(-0.001 * 26 - 0.02), math.exp(-0.001 * 13)])
     # round 4: nothing of rounds 2..4 is left in the buffer
     assert stp.prover_examples(tok, problem_by_id, history, proofs, 4, args()) == []
+    # no sample in the window is no rate, skipped even by a band admitting s = 0
+    wide = args(prover_band=(-0.1, 0.5))
+    assert stp.prover_examples(tok, problem_by_id, history, proofs, 4, wide) == []
     # Stage 3: dataset statements always; the conjecture c only if its round rate <= 0.25 (1/8: yes)
     final = stp.final_examples(
         tok, problem_by_id, history, proofs, {"a", "b"}, [], random.Random(0), args()
