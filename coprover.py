@@ -218,7 +218,8 @@ class Args:
     """theorems searched in lockstep on each rank (`search`; default: the rank's REPL pool size;
     1: one theorem at a time, charged its wall clock)"""
     alpha: float = 0.3
-    """the weight of the normalised log-prob against V(s) in `weighted_priority` (official)"""
+    """the weight of the path's log-prob against V(s), in [0, 1], in --priority's rule
+    (weighted_priority: official)"""
     priority: Literal["weighted"] = "weighted"
     """how a node's path log-prob and V(s) rank it in the search (priority_rule, from
     PRIORITIES: weighted_priority, the official mix normalised: deviation 2)"""
@@ -1384,11 +1385,11 @@ def grpo_batch_loss(
 def update(
     policy, optimizer, examples: list[Example], lr: float | None, args: Args, dist: Dist
 ) -> dict[str, float]:
-    """Step 4, GRPO on one rollout batch's Examples (grpo_examples; official, no KL, no entropy
-    bonus): grpo_minibatches optimizer steps over them in order (lr None: the optimizer's), each
-    grpo_batch_loss over its minibatch's tokens (n_tokens). Of a minibatch, the Examples
-    adds_gradient keeps run; the others (advantage 0) add no gradient, but their tokens count
-    in n_tokens (official). Returns loss_metrics'
+    """Step 4, GRPO on one rollout batch's Examples (grpo_examples; official: no KL, no entropy
+    bonus; a loss term goes in grpo_batch_loss): grpo_minibatches optimizer steps over them in
+    order (lr None: the optimizer's), each grpo_batch_loss over its minibatch's tokens
+    (n_tokens). Of a minibatch, the Examples adds_gradient keeps run; the others (advantage 0)
+    add no gradient, but their tokens count in n_tokens (official). Returns loss_metrics'
     losses/grpo_* (clipfrac: the share of the trained samples' tokens the clip held back) and
     losses/grpo_steps; {} when nothing trained."""
     if not examples:  # every rollout left out: nothing to train
@@ -1662,7 +1663,9 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: ADVANTAGES, PRIORITIES, VALUE_LOSSES, VALUE_LABELS."""
+    Here: ADVANTAGES, PRIORITIES, VALUE_LOSSES, VALUE_LABELS, --alpha in [0, 1]."""
+    if not 0.0 <= args.alpha <= 1.0:
+        raise ValueError(f"--alpha {args.alpha}: a weight of the log-prob against V(s), in [0, 1]")
     advantage_estimator(args)
     priority_rule(args)
     value_label_rule(args)

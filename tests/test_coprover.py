@@ -214,6 +214,12 @@ def test_a_choice_without_its_entry_stops_at_start(flag, table):
     cp.check_choices(args())
 
 
+def test_check_choices_stops_alpha_outside_its_range():
+    with pytest.raises(ValueError, match="--alpha 1.5"):
+        cp.check_choices(args(alpha=1.5))
+    cp.check_choices(args(alpha=1.0))
+
+
 def test_dr_grpo_advantages_by_hand():
     """Dr. GRPO: r_i - mean(r), no std division; --advantage picks it."""
     assert cp.dr_grpo_advantages([1, 0, 0, 0]) == pytest.approx([0.75, -0.25, -0.25, -0.25])
