@@ -1360,7 +1360,7 @@ def grpo_batch_loss(
     back, which update makes losses/grpo_clipfrac). update calls it. A loss term goes here,
     its coefficient read from args, and a stat it returns is logged as losses/grpo_<name> (a
     micro-batch's part of the minibatch's value: train_step sums them); token_logprobs'
-    entropy is detached unless entropy_grad=True. A term that trains every sample also
+    entropy (with_entropy=True) is detached unless entropy_grad=True. A term that trains every sample also
     changes adds_gradient."""
     samples = [example.sample for example in micro]
     logp, mask, _ = token_logprobs(policy, samples, args.temperature)  # [B, T]
@@ -1663,7 +1663,7 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: ADVANTAGES, PRIORITIES, VALUE_LOSSES, VALUE_LABELS, --alpha in [0, 1]."""
+    Its tables: ADVANTAGES, PRIORITIES, VALUE_LOSSES, VALUE_LABELS."""
     if not 0.0 <= args.alpha <= 1.0:
         raise ValueError(f"--alpha {args.alpha}: a weight of the log-prob against V(s), in [0, 1]")
     advantage_estimator(args)

@@ -394,9 +394,9 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: each function that dispatches on a flag (informativeness, sample_informative,
-    reward_rule, item_losses, new_optimizer) runs once on a made-up example; the shares of a
-    round. (--lr-schedule stops in start_run.)"""
+    Its dispatches: each function that dispatches on a flag (informativeness,
+    sample_informative, reward_rule, item_losses, new_optimizer) runs once on a made-up
+    example. (--lr-schedule stops in start_run.)"""
     shares = {
         "evolve-fraction": args.evolve_fraction,
         "old-pair-ratio": args.old_pair_ratio,

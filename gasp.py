@@ -1819,8 +1819,8 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: SIMILARITIES, ADVANTAGES, PROBLEM_SETS (a measure that needs no embedder runs once on
-    a made-up text), a teacher's band whose low end is above its high end."""
+    Its tables: SIMILARITIES, ADVANTAGES, PROBLEM_SETS (a measure that needs no embedder runs
+    once on a made-up text)."""
     measure = similarity_measure(args.similarity)
     if not measure.uses_embedder:
         measure.features(["a made-up text"], None, args)

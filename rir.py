@@ -449,8 +449,8 @@ def co_training_batch_loss(
     co_train logs: "goal" and "tactic", the roles' summed unweighted NLL (co_train makes them
     per-token means). co_train calls it. A loss term goes here, its coefficient read from
     args, and any stat it returns is logged as losses/<name> (a micro-batch's part of the
-    batch's value: train_step sums them); token_logprobs' entropy is detached unless
-    entropy_grad=True."""
+    batch's value: train_step sums them); token_logprobs gives the entropy with
+    with_entropy=True, detached unless entropy_grad=True."""
     logp, mask, _ = token_logprobs(policy, [example.sample for example in examples])  # [B, T]
     roles = torch.tensor([example.role for example in examples], device=logp.device)  # [B]
     weights = logp.new_tensor([example.weight for example in examples])  # [B]
@@ -1374,7 +1374,7 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: NODE_CHOICES, LOSS_REDUCTIONS."""
+    Its tables: NODE_CHOICES, LOSS_REDUCTIONS."""
     node_choice(args)
     loss_reduction_rule(args)
 

@@ -687,8 +687,9 @@ def solver_batch_loss(
     (--solver-objective: SOLVER_OBJECTIVES), and its stats (none), which update logs as
     losses/solver_<name> (a micro-batch's part of the batch's value: train_step sums them).
     A Solver loss term under every objective goes here, its coefficient read from args
-    (token_logprobs' entropy is detached unless entropy_grad=True); one objective's term goes
-    in that objective's batch_loss. update calls it for the Solver."""
+    (token_logprobs gives the entropy with with_entropy=True, detached unless
+    entropy_grad=True); one objective's term goes in that objective's batch_loss. update
+    calls it for the Solver."""
     loss = solver_objective(args).batch_loss(policy, micro, batch, args)
     return loss, {}
 
@@ -1484,7 +1485,8 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: SOLVER_OBJECTIVES, CONJECTURER_NORMALIZATIONS. (--lr-schedule stops in start_run.)"""
+    Its tables: SOLVER_OBJECTIVES, CONJECTURER_NORMALIZATIONS. (--lr-schedule stops in
+    start_run.)"""
     solver_objective(args)
     conjecturer_normalization(args)
 

@@ -236,8 +236,8 @@ class Args:
     time_penalty: float = 0.01
     """per second of Lean verification, in proof_weight"""
     elegance_filter: bool = True
-    """step 4 drops the least elegant conjectures (keep_elegant); off: every conjecture in the
-    band goes on to matching_weights"""
+    """step 4 drops the least elegant conjectures (keep_elegant); off: every one choose_lemmas
+    keeps goes on to matching_weights"""
     elegance_quantile: float = 0.2
     """elegance_filter's quantile: the share of each lemma group below its cutoff"""
     matching_features: Literal["policy_mean_hidden"] = "policy_mean_hidden"
@@ -1168,8 +1168,9 @@ def sft_batch_loss(
     """STP's weighted SFT on a micro-batch of an optimizer batch: the weighted_nll_loss of its
     Examples, weights their Example.weight, over the batch's weighted tokens sum_i w_i |y_i|;
     and the stats update averages over its steps (none). update calls it. A loss term goes
-    here, its coefficient read from args (token_logprobs' entropy is detached unless
-    entropy_grad=True); a stat it returns is a micro-batch's part of the batch's value."""
+    here, its coefficient read from args (token_logprobs gives the entropy with
+    with_entropy=True, detached unless entropy_grad=True); a stat it returns is a
+    micro-batch's part of the batch's value."""
     logp, mask, _ = token_logprobs(policy, [e.sample for e in micro])  # [B, T] each
     weights = logp.new_tensor([e.weight for e in micro])  # [B]
     loss = weighted_nll_loss(logp, mask, weights, denominator=weighted_tokens)
@@ -1417,9 +1418,8 @@ def check_choices(args: Args) -> None:
     Literal a fork extended) without its table entry (each lookup runs once and raises a
     ValueError naming what to add), a value outside its range, flags that cannot run together.
     A new flag's range check goes here. main calls it before start_run.
-    Here: MATCHING_FEATURES (an entry that cannot take the features' arguments stops too),
-    the elegance quantile (elegance_filter indexes by it), the two baselines together.
-    (--lr-schedule stops in start_run.)"""
+    Its tables: MATCHING_FEATURES (an entry that cannot take the features' arguments stops
+    too). (--lr-schedule stops in start_run.)"""
     if args.expert_iteration and args.pure_sampling:
         sys.exit(
             "stp.py: --expert-iteration and --pure-sampling are two different baselines; pick one"
