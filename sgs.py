@@ -24,7 +24,8 @@ Each iteration (Algorithm 1), under the same numbers in main:
   1. Conjecture (conjecture): conjectures_per_target conjectures for each seed (select_seeds).
   2. Solve (attempt_proofs): k Solver attempts at every target and every conjecture,
      each checked by Lean.
-  3. The Solver's training set (solver_examples), by --solver-objective (SOLVER_OBJECTIVES):
+  3. The Solver's training set (solver_examples), by --solver-objective (SOLVER_OBJECTIVES;
+     the paper's three):
      REINFORCE½ (§3.2), REINFORCE on the correct proofs of problems with 0 < s <= 1/2
      (--reinforce-half-band, reinforce_half_examples); CISPO (App. G.3, after MiniMax-M1),
      a policy gradient with clipped, stopped importance weights on group-normalised
@@ -235,10 +236,11 @@ class Args:
     """Solver update: REINFORCE½ (§3.2), CISPO (App. G.3, Eq. 5) or expert iteration
     (App. G.4) (solver_examples)"""
     learning_rate: float | None = None
-    """Solver learning rate; default as the official scripts: 3e-6, 1e-6 with CISPO"""
+    """Solver learning rate; default: the --solver-objective's entry in SOLVER_OBJECTIVES
+    (the official scripts': 3e-6, 1e-6 with CISPO)"""
     batch_size: int | None = None
-    """sequences per optimizer step, both roles; default as the official scripts: 32, 64
-    with CISPO or EI"""
+    """sequences per optimizer step, both roles; default: the --solver-objective's entry in
+    SOLVER_OBJECTIVES (the official scripts': 32, 64 with CISPO or EI)"""
     micro_batch_size: int = 1
     """sequences per forward/backward pass on each rank"""
     warmup_steps: int = 0
@@ -686,10 +688,11 @@ def solver_batch_loss(
     """The Solver's loss on a micro-batch of an optimizer batch: its objective's batch_loss
     (--solver-objective: SOLVER_OBJECTIVES), and its stats (none), which update logs as
     losses/solver_<name> (a micro-batch's part of the batch's value: train_step sums them).
-    A Solver loss term under every objective goes here, its coefficient read from args
-    (token_logprobs gives the entropy with with_entropy=True, detached unless
-    entropy_grad=True); one objective's term goes in that objective's batch_loss. update
-    calls it for the Solver."""
+    A Solver loss term under every objective that needs no forward goes here, its coefficient
+    read from args. The forward runs in the objective's batch_loss, so a term on the
+    log-probs or the entropy (token_logprobs gives it with with_entropy=True, detached unless
+    entropy_grad=True) goes there (reinforce_batch_loss also serves the Conjecturer: guard
+    it by role there, or pay a second forward here). update calls it for the Solver."""
     loss = solver_objective(args).batch_loss(policy, micro, batch, args)
     return loss, {}
 
@@ -716,7 +719,8 @@ def reinforce_batch_loss(
     """REINFORCE (§3.2) on a micro-batch of an optimizer batch: the weighted_nll_loss of
     its examples, weights their Example.weight, over the whole batch's denominator: its
     completion tokens (official) or, with --sequence-mean-loss, its sequences (Eq. 4).
-    conjecturer_batch_loss calls it, and solver_batch_loss under REINFORCE½ and EI."""
+    conjecturer_batch_loss calls it, and solver_batch_loss under the objectives whose entry
+    names it (REINFORCE½, EI)."""
     if args.sequence_mean_loss:  # Eq. 4: the batch's sequences
         denominator = len(batch)
     else:  # official: the batch's completion tokens
@@ -1595,7 +1599,7 @@ def main(args: Args) -> None:
             state["rates"] = rates
         record_outcomes(outcomes, attempts)
 
-        # 3. The Solver's training set: REINFORCE½, CISPO or EI (SOLVER_OBJECTIVES)
+        # 3. The Solver's training set: --solver-objective's rule (SOLVER_OBJECTIVES)
         solver_set = solver_examples(
             problems, attempts, rates, proofs=proofs, iteration=iteration, args=args, rng=rng
         )
