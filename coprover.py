@@ -1359,9 +1359,9 @@ def grpo_batch_loss(
     minibatch's n_tokens. Returns (the loss, its stats: "held_back", the tokens the clip held
     back, which update makes losses/grpo_clipfrac). update calls it. A loss term goes here,
     its coefficient read from args, and a stat it returns is logged as losses/grpo_<name> (a
-    micro-batch's part of the minibatch's value: train_step sums them); token_logprobs'
-    entropy (with_entropy=True) is detached unless entropy_grad=True. A term that trains every sample also
-    changes adds_gradient."""
+    micro-batch's part of the minibatch's value: train_step sums them); token_logprobs gives
+    the entropy with with_entropy=True, detached unless entropy_grad=True. A term that trains
+    every sample also changes adds_gradient."""
     samples = [example.sample for example in micro]
     logp, mask, _ = token_logprobs(policy, samples, args.temperature)  # [B, T]
     old_rows = []  # pi_old: the sampler's log-probs, padded as logp

@@ -572,9 +572,9 @@ def matching_weights(
     P: torch.Tensor, Q: torch.Tensor, cap: float = 4.0, rng: random.Random | None = None
 ) -> list[float]:
     """Distribution matching (official): the weight of each of the N conjectures, P [N, d] their
-    normalised features (--matching-features), toward the M unproved statements, Q [M, d]. Each unproved statement, in
-    random order, adds N/M to its most similar conjecture whose weight is still below `cap`; the
-    weights sum to N while some conjecture is below the cap."""
+    normalised features (--matching-features), toward the M unproved statements, Q [M, d].
+    Each unproved statement, in random order, adds N/M to its most similar conjecture whose
+    weight is still below `cap`; the weights sum to N while some conjecture is below the cap."""
     n = len(P)
     m = len(Q)
     if n == 0 or m == 0:
