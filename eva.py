@@ -1594,9 +1594,8 @@ def nothing_learned(outcomes: collections.Counter, trained: int, args: Args) -> 
         return None
     return (
         f"eva.py: no update in this run: none of {outcomes['groups']} training groups taught "
-        "(group_teaches; official: a group whose rewards all agree teaches nothing, so the "
-        f"training reward, solver_reward, was the same for each prompt's {args.n_samples} "
-        "responses)"
+        "(group_teaches left every one out; official: a group teaches when the training "
+        f"rewards, solver_reward, of its {args.n_samples} responses are not all equal)"
     )
 
 

@@ -1171,7 +1171,7 @@ def co_train(
     args: Args,
     dist: Dist,
     rng: random.Random,
-) -> dict:
+) -> dict[str, float]:
     """Step 1, offline goal-driven co-training (official fit, one model here):
     `steps` AdamW steps on batch_size triples drawn epoch by epoch, each minimising
     co_training_loss over its batch (each rank its share). The learning rate follows lr_at, as
@@ -1227,12 +1227,12 @@ def co_train(
         goal_nll = step_stats.pop("goal") / max(role_tokens[0], 1)
         tactic_nll = step_stats.pop("tactic") / max(role_tokens[1], 1)
         history.append({**step_stats, "goal_nll": goal_nll, "tactic_nll": tactic_nll})
-    stats = loss_metrics(history)
-    stats["losses/loss_first"] = history[0]["loss"]
-    stats["losses/loss_last"] = history[-1]["loss"]
-    stats["losses/steps"] = float(steps)
-    stats["losses/learning_rate_last"] = lr
-    return stats
+    metrics = loss_metrics(history)
+    metrics["losses/loss_first"] = history[0]["loss"]
+    metrics["losses/loss_last"] = history[-1]["loss"]
+    metrics["losses/steps"] = float(steps)
+    metrics["losses/learning_rate_last"] = lr
+    return metrics
 
 
 # ---- evaluation ----
@@ -1361,7 +1361,8 @@ def nothing_learned(searched: collections.Counter, trained: int, args: Args) -> 
     edges = searched["edges"]
     failed = searched["failed_edges"]
     return (
-        f"No theorem proved in the run's {searches} searches ({expansions} expansions): of the "
+        f"No theorem proved within the budget in the run's {searches} searches ({expansions} "
+        "expansions; trains_on officially trains on those only): of the "
         f"{edges} tactics tried, {failed} failed in Lean or were malformed, {edges - failed} left "
         "goals open. The loop ran; tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts "
         "shows it learn."

@@ -1410,7 +1410,6 @@ def solve_metrics(
     deviation 5; absent without a sampled token), Lean's verdicts as shares, the mean solve
     rate of this iteration's conjectures (those attempted; absent with none)."""
     tried = [attempts[t.id] for t in targets if t.id in attempts]
-    conjecture_rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]
     every = []
     for row in attempts.values():
         every.extend(row)
@@ -1419,9 +1418,10 @@ def solve_metrics(
         logprobs = [np.zeros(0)]
     logps = np.concatenate(logprobs)
     statuses = [a.status for a in every]
-    solved = sum(bool(proofs[t.id]) for t in targets)
+    conjecture_rates = [solve_rate(attempts[c.id]) for c in conjectures if c.id in attempts]
+    proved = sum(bool(proofs[t.id]) for t in targets)
     metrics = {
-        "charts/cumulative_solve_rate": solved / len(targets),
+        "charts/cumulative_solve_rate": proved / len(targets),
         "charts/generations": generations,
         "charts/targets_attempted": len(tried),
     }

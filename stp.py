@@ -1275,7 +1275,7 @@ def retrain_from_base(
 # ---- evaluation ----
 def solve_metrics(
     statements: list[Problem],
-    proofs: dict,
+    proofs: dict[str, list[dict]],
     attempts: dict[str, list[Attempt]],
     generations: int,
     problems: list[Problem],
@@ -1561,7 +1561,8 @@ def main(args: Args) -> None:
                 models, policy, stats = retrain_from_base(
                     sampler, base, examples, lr=lr, rng=rng, args=args, dist=dist
                 )
-                metrics.update({f"losses/{k}": v for k, v in stats.items()})
+                for name, value in stats.items():
+                    metrics[f"losses/{name}"] = value
         elif not args.pure_sampling:
             with logger.timer("data"):
                 sampler.sleep()
@@ -1606,7 +1607,8 @@ def main(args: Args) -> None:
                         args=args,
                         dist=dist,
                     )
-                metrics.update({f"losses/{k}": v for k, v in stats.items()})
+                for name, value in stats.items():
+                    metrics[f"losses/{name}"] = value
                 sampler.sync_weights(policy)
 
         generations = state["generations"]
@@ -1663,7 +1665,8 @@ def main(args: Args) -> None:
             models, policy, stats = retrain_from_base(
                 sampler, base, examples, lr=lr, rng=rng, args=args, dist=dist
             )
-            metrics.update({f"losses/final_{k}": v for k, v in stats.items()})
+            for name, value in stats.items():
+                metrics[f"losses/final_{name}"] = value
             # a resumed run evaluates this model instead of training it again
             state["stage3"] = True
             step = args.iterations

@@ -832,7 +832,8 @@ def test_nothing_learned_says_what_the_tactics_did(tmp_path):
     rows = (tmp_path / "searches.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in rows] == ["a", "b"]
     assert rir.nothing_learned(outcomes, 0, args()) == (
-        "No theorem proved in the run's 2 searches (3 expansions): of the 12 tactics tried, 11 "
+        "No theorem proved within the budget in the run's 2 searches (3 expansions; trains_on "
+        "officially trains on those only): of the 12 tactics tried, 11 "
         "failed in Lean or were malformed, 1 left goals open. The loop ran; "
         "tests/test_rir.py::test_the_loop_learns_what_the_rule_accepts shows it learn."
     )
@@ -1118,7 +1119,7 @@ def test_random_output_with_known_tactics_only(tiny_model_dir, tmp_path):
     [row] = metrics_of(run_dir)
     assert row["eval/search/pass@1"] == 0.0 and row["eval/search/failed_edge_share"] == 1.0
     assert (
-        done.stdout.count("No theorem proved in the run's") == 1
+        done.stdout.count("No theorem proved within the budget in the run's") == 1
     )  # the run says so, once, at the end
 
 
