@@ -920,7 +920,8 @@ def matching_features(args: Args):
         )
     features = MATCHING_FEATURES[name]
     try:
-        inspect.signature(features).bind(None, None, [], args, None)
+        # as conjecturer_examples calls it
+        inspect.signature(features).bind(None, None, [], args=args, dist=None)
     except TypeError as error:
         message = f"--matching-features {name}: its function must be {shape}: {error}"
         raise ValueError(message) from error
@@ -1189,8 +1190,9 @@ def update(
 ) -> dict[str, float]:
     """Step 6, weighted SFT (the official code trains a run per iteration). Takes the policy,
     its optimizer and a non-empty list of Examples (prover_examples + conjecturer_examples, or
-    final_examples); trains the policy in place and returns its losses/ stats (loss, steps,
-    grad_norm); the sampler then syncs the new weights. The rule: max(#examples // batch,
+    final_examples); trains the policy in place and returns its losses/ stats (steps, and the
+    means of loss, grad_norm and every stat sft_batch_loss returns); the sampler then syncs
+    the new weights. The rule: max(#examples // batch,
     min_steps) optimizer steps on passes over the shuffled examples, a batch being
     min(batch_size, #examples) sequences (deviation 8), from a fresh Adam state; a linear
     warm-up of min(steps - 1, warmup_steps) steps, then lr_schedule. The loss:

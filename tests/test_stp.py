@@ -117,11 +117,23 @@ def test_check_choices_stops_a_half_added_value_at_start(monkeypatch):
     stp.check_choices(args())  # every default has its entry
     with pytest.raises(ValueError, match="add its entry to MATCHING_FEATURES"):
         stp.check_choices(args(matching_features="not_in_the_table"))
+
     # an entry whose function cannot take (policy, tokenizer, texts, args, dist) stops too
-    features = {**stp.MATCHING_FEATURES, "texts_only_in_test": lambda texts, args: None}
+    def positional_only_in_test(_policy, _tokenizer, texts, _args, _dist):
+        return (
+            None  # conjecturer_examples passes args= and dist= by name: this one cannot take them
+        )
+
+    features = {
+        **stp.MATCHING_FEATURES,
+        "texts_only_in_test": lambda texts, args: None,
+        "positional_only_in_test": positional_only_in_test,
+    }
     monkeypatch.setattr(stp, "MATCHING_FEATURES", features)
     with pytest.raises(ValueError, match="its function must be"):
         stp.check_choices(args(matching_features="texts_only_in_test"))
+    with pytest.raises(ValueError, match="its function must be"):
+        stp.check_choices(args(matching_features="positional_only_in_test"))
     with pytest.raises(ValueError, match="--elegance-quantile"):
         stp.check_choices(args(elegance_quantile=1.0))
 
