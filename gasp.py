@@ -740,8 +740,9 @@ def band_rejection(p: float, band: tuple[float, float]) -> str:
 def task_rejection(record: dict, args: Args) -> str:
     """A valid proposal's rejection by a rule of its own, before novelty and before its pass
     rate is paid for: "" (official: every valid proposal goes on), else the reason (a new
-    filter, e.g. on record["outputs"]; teacher_reward pays it reward_rejected and
-    teacher_metrics counts it as charts/rejected_<reason>)."""
+    filter, e.g. on record["outputs"], which are reprs: two are one value when
+    code_exec.outputs_equal says so, as the grader compares them; teacher_reward pays it
+    reward_rejected and teacher_metrics counts it as charts/rejected_<reason>)."""
     return ""
 
 
@@ -774,7 +775,8 @@ def teacher_reward(record: dict, stage: str, args: Args) -> float:
     "stage", "attempt", "reason", "valid", "tokens", and "program", "inputs" and "message" once
     it parsed ("outputs" [] where code_exec's checks failed); a valid one its "outputs" and
     "max_similarity" to the buffer (None while there is nothing to compare with); one whose p
-    was estimated its "pass_rate"."""
+    was estimated its "pass_rate"; "reason" "" marks an accepted one (in its band: propose
+    sets band_rejection's reason)."""
     reason = record["reason"]
     if not record["valid"]:
         return args.reward_format_error
@@ -852,8 +854,9 @@ class Measure(NamedTuple):
     features: object  # (texts, embedder, args) -> a feature a text
     similarity: object  # (N features, M features), both non-empty -> [N, M] similarities
     uses_embedder: bool  # load_models loads --embedding-model for it (else the embedder is None)
-    # too_similar's default on this measure's scale; --similarity-threshold overrides it (for a
-    # measure whose scale moves with a flag of its own, as an n-gram size, give it there)
+    # too_similar's default on this measure's scale; --similarity-threshold overrides it (a
+    # measure whose scale moves with a flag of its own, as an n-gram size: the user gives
+    # --similarity-threshold with that flag, which this row's float cannot follow)
     threshold: float
 
 

@@ -164,11 +164,12 @@ def test_teacher_reward_by_fate_and_its_edges():
     # a valid proposal another rule rejected (task_rejection), before or after its p: rejected,
     # never Eq. 6 and never the format penalty
     assert reward("trivial", None) == -0.3 and reward("trivial", 0.5) == -0.3
-    # p = 0 and p = 1 lie outside the lemma band [0.3, 0.7] and the lift band [0.1, 0.5]
-    assert [reward("", 0.0), reward("", 1.0)] == [-0.3, -0.3]
-    assert [reward("", 0.0, "lift"), reward("", 1.0, "lift")] == [-0.3, -0.3]
+    # p = 0 and p = 1 lie outside the lemma band [0.3, 0.7] and the lift band [0.1, 0.5]: propose's
+    # records say too_hard / too_easy (band_rejection)
+    assert [reward("too_hard", 0.0), reward("too_easy", 1.0)] == [-0.3, -0.3]
+    assert [reward("too_hard", 0.0, "lift"), reward("too_easy", 1.0, "lift")] == [-0.3, -0.3]
     # band ends are inside: p = 0.3 -> (4 * 0.3 * 0.7)^5 = 0.84^5; p = 0.5 in the lift band -> 5 * (5/9)^9
-    assert reward("", 0.3) == pytest.approx(0.84**5) and reward("", 0.2999) == -0.3
+    assert reward("", 0.3) == pytest.approx(0.84**5) and reward("too_hard", 0.2999) == -0.3
     assert reward("", 0.5, "lift") == pytest.approx(5 * (5 / 9) ** 9)
     # a band that holds 0 and 1 (--one-step-band): Eq. 6 is 0 there (mu = 0.1 for hard, 0.5 for medium)
     wide = Args(one_step_band=(0.0, 1.0), reward_rejected=-0.3)
