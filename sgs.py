@@ -685,25 +685,33 @@ def cispo_loss(
 def solver_batch_loss(
     policy, micro: list[Example], batch: list[Example], args: Args
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The Solver's loss on a micro-batch of an optimizer batch: its objective's batch_loss
-    (--solver-objective: SOLVER_OBJECTIVES), and its stats (none), which update logs as
-    losses/solver_<name> (a micro-batch's part of the batch's value: train_step sums them).
-    A Solver loss term under every objective that needs no forward goes here, its coefficient
-    read from args. The forward runs in the objective's batch_loss, so a term on the
-    log-probs or the entropy (token_logprobs gives it with with_entropy=True, detached unless
-    entropy_grad=True) goes there (reinforce_batch_loss also serves the Conjecturer: guard
-    it by role there, or pay a second forward here). update calls it for the Solver."""
-    loss = solver_objective(args).batch_loss(policy, micro, batch, args)
+    """The Solver's loss on a micro-batch of an optimizer batch: the forward (token_logprobs,
+    renormalised over the sampler's top-p nucleus where the objective's entry says
+    `nucleus`), then its objective's batch_loss (--solver-objective: SOLVER_OBJECTIVES); and
+    its stats (none), which update logs as losses/solver_<name> (a micro-batch's part of the
+    batch's value: train_step sums them). A Solver loss term under every objective goes
+    here, its coefficient read from args (token_logprobs gives the entropy with
+    with_entropy=True, detached unless entropy_grad=True). update calls it for the Solver."""
+    objective = solver_objective(args)
+    top_p = 1.0
+    if objective.nucleus:
+        top_p = args.top_p
+    samples = [e.sample for e in micro]
+    logp, mask, _ = token_logprobs(policy, samples, temperature=args.temperature, top_p=top_p)
+    loss = objective.batch_loss(logp, mask, micro, batch, args)  # logp, mask: [B, T]
     return loss, {}
 
 
 def conjecturer_batch_loss(
     policy, micro: list[Example], batch: list[Example], args: Args
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The Conjecturer's loss on a micro-batch (official: REINFORCE, reinforce_batch_loss),
-    and its stats (none), logged as losses/conjecturer_<name>. A Conjecturer loss term goes
-    here. update calls it for the Conjecturer."""
-    loss = reinforce_batch_loss(policy, micro, batch, args)
+    """The Conjecturer's loss on a micro-batch: the forward (token_logprobs), then REINFORCE
+    (official: reinforce_batch_loss); and its stats (none), logged as
+    losses/conjecturer_<name>. A Conjecturer loss term goes here. update calls it for the
+    Conjecturer."""
+    samples = [e.sample for e in micro]
+    logp, mask, _ = token_logprobs(policy, samples, temperature=args.temperature, top_p=1.0)
+    loss = reinforce_batch_loss(logp, mask, micro, batch, args)  # logp, mask: [B, T]
     return loss, {}
 
 
@@ -714,20 +722,21 @@ def groups_per_batch(args: Args) -> int:
 
 
 def reinforce_batch_loss(
-    policy, micro: list[Example], batch: list[Example], args: Args
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    micro: list[Example],
+    batch: list[Example],
+    args: Args,
 ) -> torch.Tensor:
-    """REINFORCE (§3.2) on a micro-batch of an optimizer batch: the weighted_nll_loss of
-    its examples, weights their Example.weight, over the whole batch's denominator: its
-    completion tokens (official) or, with --sequence-mean-loss, its sequences (Eq. 4).
-    conjecturer_batch_loss calls it, and solver_batch_loss under the objectives whose entry
-    names it (REINFORCE½, EI)."""
+    """REINFORCE (§3.2) on a micro-batch of an optimizer batch, from its forward (logp, mask:
+    [B, T]): the weighted_nll_loss of its examples, weights their Example.weight, over the
+    whole batch's denominator: its completion tokens (official) or, with
+    --sequence-mean-loss, its sequences (Eq. 4). conjecturer_batch_loss calls it, and
+    solver_batch_loss under an objective whose entry names it."""
     if args.sequence_mean_loss:  # Eq. 4: the batch's sequences
         denominator = len(batch)
     else:  # official: the batch's completion tokens
         denominator = sum(len(e.sample.token_ids) for e in batch)
-    samples = [e.sample for e in micro]
-    # logp, mask: [B, T]
-    logp, mask, _ = token_logprobs(policy, samples, temperature=args.temperature, top_p=1.0)
     weights = logp.new_tensor([e.weight for e in micro])  # [B]
     return weighted_nll_loss(
         logp,
@@ -739,16 +748,19 @@ def reinforce_batch_loss(
 
 
 def cispo_batch_loss(
-    policy, micro: list[Example], batch: list[Example], args: Args
+    logp: torch.Tensor,
+    mask: torch.Tensor,
+    micro: list[Example],
+    batch: list[Example],
+    args: Args,
 ) -> torch.Tensor:
-    """CISPO (App. G.3) on a micro-batch of an optimizer batch: the cispo_loss of its
-    examples, advantages their Example.weight, pi_old the sampler's log-probs, G =
-    groups_per_batch (official: also in a last, smaller batch; `batch` is not read).
-    solver_batch_loss calls it under --solver-objective cispo."""
+    """CISPO (App. G.3) on a micro-batch of an optimizer batch, from its forward (logp, mask:
+    [B, T], renormalised over the sampler's top-p nucleus: the importance ratio compares with
+    the sampler's log-probs; its entry's `nucleus`): the cispo_loss of its examples,
+    advantages their Example.weight, pi_old the sampler's log-probs, G = groups_per_batch
+    (official: also in a last, smaller batch; `batch` is not read). solver_batch_loss calls
+    it under --solver-objective cispo."""
     samples = [e.sample for e in micro]
-    # the importance ratio compares with the sampler's log-probs: renormalise over its
-    # top-p nucleus too; logp, mask: [B, T]
-    logp, mask, _ = token_logprobs(policy, samples, temperature=args.temperature, top_p=args.top_p)
     rows = []
     for s in samples:  # pi_old, the sampler's log-probs, padded as logp
         old = logp.new_tensor(s.logprobs)
@@ -874,12 +886,14 @@ def select_problems(
     targets: list[Problem],
     conjectures: list[Conjecture],
     proofs: dict[str, list[dict]],
+    rates: dict[str, float],
     args: Args,
-) -> list:
+) -> list[Problem]:
     """Step 2's problems (Alg. 1): every target, then this iteration's conjectures; under
     expert iteration (App. G.4) only the targets with fewer than max_stored_proofs stored
-    proofs (store_target_proofs). A wider or narrower choice of what the Solver attempts is
-    this function."""
+    proofs (store_target_proofs). rates: the last iteration's solve rates {id: s} (state's,
+    {} before the first; each iteration's replace the last's; unread by the official rule). A
+    wider or narrower choice of what the Solver attempts is this function."""
     problems = list(targets)
     if args.solver_objective == "expert_iteration":
         problems = []
@@ -1107,14 +1121,18 @@ def expert_iteration_examples(
 
 
 class Objective(NamedTuple):
-    """A --solver-objective: its training-set rule (step 3), its batch loss (step 5, update),
-    and the learning rate and batch size resolve gives it when --learning-rate and
-    --batch-size are left unset (App. C's, per objective)."""
+    """A --solver-objective: its training-set rule (step 3), its batch loss (step 5, update,
+    through solver_batch_loss), the learning rate and batch size resolve gives it when
+    --learning-rate and --batch-size are left unset (App. C's, per objective), and whether its
+    forward renormalises over the sampler's top-p nucleus."""
 
     examples: object  # (problems, attempts, rates, proofs=, iteration=, args=, rng=) -> [Example]
-    batch_loss: object  # (policy, micro, batch, args) -> the micro-batch's part of the loss
+    # (logp, mask, micro, batch, args) -> the micro-batch's part of the loss, from
+    # solver_batch_loss's forward (logp, mask: [B, T])
+    batch_loss: object
     learning_rate: float
     batch_size: int
+    nucleus: bool = False  # the forward renormalises over the sampler's top-p (a ratio to it)
 
 
 # --solver-objective's choices: a new one is its functions above and an entry here
@@ -1122,7 +1140,9 @@ SOLVER_OBJECTIVES = {
     "reinforce_half": Objective(
         reinforce_half_examples, reinforce_batch_loss, learning_rate=3e-6, batch_size=32
     ),
-    "cispo": Objective(cispo_examples, cispo_batch_loss, learning_rate=1e-6, batch_size=64),
+    "cispo": Objective(
+        cispo_examples, cispo_batch_loss, learning_rate=1e-6, batch_size=64, nucleus=True
+    ),
     "expert_iteration": Objective(
         expert_iteration_examples, reinforce_batch_loss, learning_rate=3e-6, batch_size=64
     ),
@@ -1247,9 +1267,9 @@ def conjecturer_reward(conjecture: Conjecture, rate: float, guide: float, args: 
     """A selected conjecture's reward (Alg. 1, §3.2): R = R_guide (1 - s), s its solve rate,
     R_guide the Guide's score (review; 1 without the Guide). A reward term reads the
     Conjecture (its statement, its seed's statement conjecture.seed.statement, its Sample's
-    tokens). conjecturer_examples then min-max normalises the selected conjectures' R
-    (--conjecturer-normalization): a term that shifts or scales every R alike cancels there,
-    and a lone selected conjecture weighs 1 whatever its R."""
+    tokens). conjecturer_examples then normalises the selected conjectures' R
+    (--conjecturer-normalization; official min-max: a term that shifts or scales every R
+    alike cancels there, and a lone selected conjecture weighs 1 whatever its R)."""
     return guide * (1.0 - rate)
 
 
@@ -1587,7 +1607,7 @@ def main(args: Args) -> None:
 
         # 2. Solve: k attempts at each problem (select_problems)
         with logger.timer("solve"):
-            problems = select_problems(targets, conjectures, proofs, args)
+            problems = select_problems(targets, conjectures, proofs, state["rates"], args)
             sampler.sync_weights(solver)
             key = f"{args.seed}/{iteration}/solve"
             attempts = attempt_proofs(
