@@ -973,7 +973,9 @@ def choose_lemmas(
     """Step 4's second part: the lemma each prompt shows. Takes conjectures_in_band's list;
     returns first those whose lemma a proof of this iteration invokes (invokes_lemma), keeping
     it, then at most max(20 #invoking, 4096) of the others, drawn at random, with the empty
-    lemma (""). keep_elegant, else matching, reads the list."""
+    lemma (""). A conjecture with no proof (s = 0, in a band with low < 0) is always one of
+    the others, so at scale such conjectures share that random cap with the proved ones.
+    keep_elegant, else matching, reads the list."""
     invoking = []
     others = []
     for candidate in band:
